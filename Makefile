@@ -1,0 +1,34 @@
+# Everything runs inside a local virtual environment that the targets create on first use.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch first and pinned: an unpinned torch (or a package that depends on it) pulls the newest CUDA build.
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install demo test lint format clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	$(PY) -m kto_pipeline demo --workdir .demo
+
+lint: install
+	$(VENV)/bin/ruff check kto_pipeline tests scripts
+	$(VENV)/bin/ruff format --check kto_pipeline tests scripts
+
+format: install
+	$(VENV)/bin/ruff check --fix kto_pipeline tests scripts
+	$(VENV)/bin/ruff format kto_pipeline tests scripts
+
+test: lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .demo .pytest_cache .ruff_cache
