@@ -1,0 +1,4 @@
+from kto_pipeline.cli import main
+
+if __name__ == "__main__":
+    main()

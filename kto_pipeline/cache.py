@@ -1,0 +1,211 @@
+"""The reference cache: the contract between the two stages (docs/cache-format.md).
+
+    CACHE_DIR/manifest.json
+    CACHE_DIR/shards/shard-00000.arrow ...   Arrow IPC *stream* files, one row per example
+
+Writing is crash-safe: a shard is written under a temporary name, flushed, fsynced and renamed,
+and the manifest (also replaced atomically) lists only finished shards, so a killed precompute
+leaves a cache that says exactly what it holds. Reading is memory-mapped: training touches only
+the rows of the current batch, so a cache larger than RAM trains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from kto_pipeline.errors import KTOPipelineError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_DIR = "shards"
+
+SCHEMA = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("label", pa.bool_()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("completion_ids", pa.list_(pa.int32())),
+        ("kl_example_id", pa.int64()),
+        ("kl_completion_ids", pa.list_(pa.int32())),
+        ("ref_logp", pa.float32()),
+        ("ref_kl_logp", pa.float32()),
+        ("ref_token_logps", pa.list_(pa.float32())),
+        ("ref_kl_token_logps", pa.list_(pa.float32())),
+    ]
+)
+
+
+# ------------------------------------------------------------------------------------------ hashing
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Hash of what decides token ids: the vocabulary, the special tokens and the chat template."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "added_tokens": sorted((str(t), i) for i, t in tokenizer.added_tokens_decoder.items()),
+        "chat_template": tokenizer.chat_template,
+    }
+    return "sha256:" + hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def model_weights_hash(model) -> str:
+    """Hash of the weights as loaded (names, dtypes, shapes and bytes), streamed tensor by tensor."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def shard_name(index: int) -> str:
+    return f"{SHARD_DIR}/shard-{index:05d}.arrow"
+
+
+def write_shard(cache_dir: Path, index: int, rows: dict[str, list]) -> dict[str, Any]:
+    """Write one shard atomically; returns its manifest entry (file, rows, bytes, sha256)."""
+    table = pa.Table.from_pydict(rows, schema=SCHEMA)
+    final = cache_dir / shard_name(index)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, SCHEMA) as writer:
+        writer.write_table(table)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    return {"file": shard_name(index), "rows": table.num_rows, "bytes": final.stat().st_size, "sha256": sha256_file(final)}
+
+
+def write_manifest(cache_dir: Path, manifest: dict[str, Any]) -> None:
+    atomic_write_text(cache_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
+    cache_dir = Path(cache_dir)
+    path = cache_dir / MANIFEST
+    if not cache_dir.exists():
+        raise KTOPipelineError(f"cache {cache_dir}: no such directory. Run `kto-pipeline precompute` first.")
+    if not path.exists():
+        raise KTOPipelineError(
+            f"cache {cache_dir}: no {MANIFEST}; this is not a kto-pipeline cache. "
+            "Point --cache at a directory written by `kto-pipeline precompute`."
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise KTOPipelineError(f"cache {cache_dir}: {MANIFEST} is not valid JSON ({exc}).") from exc
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise KTOPipelineError(
+            f"cache {cache_dir}: format version {version!r}, this kto-pipeline reads version {FORMAT_VERSION}. "
+            "Re-run `kto-pipeline precompute` with this version, or use the version that wrote it."
+        )
+    return manifest
+
+
+def check_cache(cache_dir: str | Path, manifest: dict[str, Any], full: bool = False) -> list[str]:
+    """Problems with a cache, cheapest checks first: completeness, files, sizes, schema, row counts;
+    with `full`, also every shard's sha256. An empty list means the cache is sound."""
+    cache_dir = Path(cache_dir)
+    problems = []
+    if not manifest.get("complete"):
+        problems.append(
+            "the cache is incomplete (precompute did not finish); re-run the same `kto-pipeline precompute` "
+            "command to finish it"
+        )
+    for shard in manifest.get("shards", []):
+        path = cache_dir / shard["file"]
+        if not path.exists():
+            problems.append(f"{shard['file']}: missing")
+            continue
+        if path.stat().st_size != shard["bytes"]:
+            problems.append(f"{shard['file']}: {path.stat().st_size} bytes, the manifest says {shard['bytes']}")
+            continue
+        try:
+            with pa.memory_map(str(path)) as source:
+                reader = pa.ipc.open_stream(source)
+                if not reader.schema.equals(SCHEMA):
+                    problems.append(f"{shard['file']}: schema differs from the cache format")
+                    continue
+                rows = sum(batch.num_rows for batch in reader)
+        except pa.ArrowInvalid as exc:
+            problems.append(f"{shard['file']}: unreadable ({exc})")
+            continue
+        if rows != shard["rows"]:
+            problems.append(f"{shard['file']}: {rows} rows, the manifest says {shard['rows']}")
+        if full and sha256_file(path) != shard["sha256"]:
+            problems.append(f"{shard['file']}: sha256 differs from the manifest (the file was altered or corrupted)")
+    return problems
+
+
+@dataclass
+class CacheTable:
+    """All shards of a cache as one memory-mapped Arrow table (no row is copied until it is read)."""
+
+    table: pa.Table
+    manifest: dict[str, Any]
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+
+def open_cache(cache_dir: str | Path, verify: bool = False) -> CacheTable:
+    """Validate a cache (see `check_cache`) and map its shards; raises KTOPipelineError naming each problem."""
+    cache_dir = Path(cache_dir)
+    manifest = read_manifest(cache_dir)
+    problems = check_cache(cache_dir, manifest, full=verify)
+    if problems:
+        listed = "\n  - ".join(problems)
+        raise KTOPipelineError(
+            f"cache {cache_dir} cannot be used:\n  - {listed}\n"
+            "Re-run `kto-pipeline precompute` (with --overwrite to start over)."
+        )
+    tables = []
+    for shard in manifest["shards"]:
+        source = pa.memory_map(str(cache_dir / shard["file"]))
+        tables.append(pa.ipc.open_stream(source).read_all())
+    table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+    return CacheTable(table=table, manifest=manifest)

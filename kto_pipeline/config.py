@@ -1,0 +1,188 @@
+"""One config dataclass per stage. Each field's `help` is the CLI's `--help` text, so the Python API
+and the command line are documented in one place. `__post_init__` rejects bad values naming the
+flag; the config is printed at the start of a run and saved next to its outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.loss import LOSS_TYPES
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
+SAMPLING = ("random", "sequential")
+
+
+def _help(text: str, **kw: Any) -> dict[str, Any]:
+    return {"metadata": {"help": text}, **kw}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise KTOPipelineError(f"{_flag(name)}: {message}")
+
+
+class _ConfigMixin:
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def describe(self) -> str:
+        width = max(len(f.name) for f in dataclasses.fields(self))
+        return "\n".join(f"  {f.name:<{width}}  {getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+def field_help(cls: type, name: str) -> str:
+    """The help text of a config field (used by the CLI)."""
+    return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
+
+
+@dataclass
+class PrecomputeConfig(_ConfigMixin):
+    """Stage 1: score every completion and its KL completion with the frozen reference model."""
+
+    model: str = field(**_help("Reference model: a Hugging Face hub id or a local directory."))
+    dataset: str = field(
+        **_help(
+            "Binary-feedback data: a hub id, a .json/.jsonl/.parquet/.csv/.arrow file, "
+            "or a directory written by datasets.save_to_disk."
+        )
+    )
+    output: str = field(**_help("Cache directory to write (manifest.json + shards/)."))
+    split: str = field(default="train", **_help("Dataset split to read."))
+    dataset_config: str | None = field(default=None, **_help("Dataset configuration name (hub datasets)."))
+    max_length: int = field(
+        default=1024,
+        **_help(
+            "Maximum prompt+completion tokens; longer sequences are truncated on the right, rows whose "
+            "prompt alone reaches it are dropped. Training may later use any length up to this one."
+        ),
+    )
+    seed: int = field(default=0, **_help("Seed of the fixed KL partner assignment."))
+    dtype: str = field(
+        default="auto", **_help("Dtype of the reference pass: auto = bfloat16 on a GPU that supports it, else float32.")
+    )
+    batch_size: int = field(default=16, **_help("Most sequences per reference forward pass."))
+    max_tokens_per_batch: int = field(
+        default=16384,
+        **_help("Token budget of one forward pass (rows are length-sorted, so batches carry little padding)."),
+    )
+    shard_size: int = field(default=2048, **_help("Rows per Arrow shard."))
+    revision: str | None = field(default=None, **_help("Model revision (branch, tag or commit) on the hub."))
+    trust_remote_code: bool = field(default=False, **_help("Allow models and tokenizers that run their own code."))
+    overwrite: bool = field(default=False, **_help("Replace an existing cache made with other inputs or settings."))
+
+    def __post_init__(self) -> None:
+        _check(self.max_length >= 2, "max_length", f"must be at least 2, got {self.max_length}")
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
+        _check(
+            self.max_tokens_per_batch >= self.max_length,
+            "max_tokens_per_batch",
+            f"must be at least --max-length ({self.max_length}) so any sequence fits, got {self.max_tokens_per_batch}",
+        )
+        _check(self.shard_size >= 1, "shard_size", f"must be at least 1, got {self.shard_size}")
+
+
+@dataclass
+class TrainConfig(_ConfigMixin):
+    """Stage 2: train the policy against a reference cache. Names follow trl.KTOConfig."""
+
+    cache: str = field(**_help("Cache directory written by `kto-pipeline precompute`."))
+    output_dir: str = field(**_help("Where metrics, checkpoints and the final model go."))
+    model: str | None = field(
+        default=None, **_help("Initial policy (hub id or directory). Default: the cache's reference model.")
+    )
+    beta: float = field(
+        default=0.1,
+        **_help("KTO beta: higher stays closer to the reference, lower cares less about it."),
+    )
+    loss_type: str = field(default="kto", **_help("kto (with the KL reference point) or apo_zero_unpaired."))
+    desirable_weight: float = field(default=1.0, **_help("Weight of desirable examples' losses."))
+    undesirable_weight: float = field(default=1.0, **_help("Weight of undesirable examples' losses."))
+    learning_rate: float = field(default=1e-6, **_help("Peak AdamW learning rate (KTO: 5e-7 to 5e-6 at beta 0.1)."))
+    per_device_train_batch_size: int = field(
+        default=8, **_help("Rows per forward pass and process; KTO needs >= 4 for a useful KL estimate.")
+    )
+    gradient_accumulation_steps: int = field(default=1, **_help("Forward passes per optimizer step."))
+    num_train_epochs: float = field(default=1.0, **_help("Passes over the data (fractions allowed)."))
+    max_steps: int = field(default=-1, **_help("If > 0, the number of optimizer steps; overrides epochs."))
+    warmup_ratio: float = field(default=0.0, **_help("Fraction of the steps spent warming up the learning rate."))
+    lr_scheduler_type: str = field(default="linear", **_help(f"One of {', '.join(SCHEDULERS)}."))
+    weight_decay: float = field(default=0.0, **_help("AdamW weight decay (not applied to biases and norms)."))
+    max_grad_norm: float = field(default=1.0, **_help("Gradient clipping norm; 0 disables clipping."))
+    max_length: int | None = field(
+        default=None,
+        **_help("Truncate sequences to this length (<= the cached max length). Default: the cached one."),
+    )
+    logging_steps: int = field(default=10, **_help("Log metrics every this many optimizer steps."))
+    save_steps: int = field(default=0, **_help("Save a checkpoint every this many steps; 0 = only the final model."))
+    seed: int = field(default=42, **_help("Seed of the data order and of any randomness in the model."))
+    bf16: bool | None = field(
+        default=None, **_help("bf16 mixed precision. Default: on where the GPU supports it, off on CPU.")
+    )
+    train_sampling_strategy: str = field(
+        default="random",
+        **_help(
+            "random (seeded shuffle each epoch) or sequential (dataset order, as trl's default). KL partners "
+            "are fixed in the cache, so shuffling is safe here."
+        ),
+    )
+    overwrite_output_dir: bool = field(default=False, **_help("Allow writing into a non-empty --output-dir."))
+
+    def __post_init__(self) -> None:
+        _check(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
+        _check(self.loss_type in LOSS_TYPES, "loss_type", f"must be one of {', '.join(LOSS_TYPES)}")
+        _check(self.desirable_weight > 0, "desirable_weight", f"must be > 0, got {self.desirable_weight}")
+        _check(self.undesirable_weight > 0, "undesirable_weight", f"must be > 0, got {self.undesirable_weight}")
+        _check(self.learning_rate >= 0, "learning_rate", f"must be >= 0, got {self.learning_rate}")
+        _check(
+            self.per_device_train_batch_size >= 1,
+            "per_device_train_batch_size",
+            f"must be at least 1, got {self.per_device_train_batch_size}",
+        )
+        if self.loss_type == "kto":
+            _check(
+                self.per_device_train_batch_size > 1,
+                "per_device_train_batch_size",
+                "must be > 1 with --loss-type kto: with one row the KL estimate is that row's own reward "
+                "(use >= 4, or --loss-type apo_zero_unpaired)",
+            )
+        _check(
+            self.gradient_accumulation_steps >= 1,
+            "gradient_accumulation_steps",
+            f"must be at least 1, got {self.gradient_accumulation_steps}",
+        )
+        _check(self.num_train_epochs > 0, "num_train_epochs", f"must be > 0, got {self.num_train_epochs}")
+        _check(self.max_steps == -1 or self.max_steps > 0, "max_steps", "must be -1 (use epochs) or > 0")
+        _check(0 <= self.warmup_ratio < 1, "warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")
+        _check(self.lr_scheduler_type in SCHEDULERS, "lr_scheduler_type", f"must be one of {', '.join(SCHEDULERS)}")
+        _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+        _check(self.max_length is None or self.max_length >= 2, "max_length", "must be at least 2")
+        _check(self.logging_steps >= 1, "logging_steps", f"must be at least 1, got {self.logging_steps}")
+        _check(self.save_steps >= 0, "save_steps", f"must be >= 0, got {self.save_steps}")
+        _check(
+            self.train_sampling_strategy in SAMPLING,
+            "train_sampling_strategy",
+            f"must be one of {', '.join(SAMPLING)}",
+        )

@@ -1,0 +1,352 @@
+"""Stage 1: run the frozen reference model once over a dataset and write the cache.
+
+Read `precompute()` top to bottom: load -> normalize -> tokenize -> pair -> score shard by shard ->
+write. Rows are scored a shard at a time so that a crash loses at most one shard of work, and
+within a shard the sequences (completions and KL completions alike) are sorted by length and
+packed into token-budgeted batches, so almost no compute is spent on padding.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kto_pipeline import __version__
+from kto_pipeline.cache import (
+    FORMAT_VERSION,
+    MANIFEST,
+    SHARD_DIR,
+    model_weights_hash,
+    read_manifest,
+    tokenizer_hash,
+    write_manifest,
+    write_shard,
+)
+from kto_pipeline.config import PrecomputeConfig
+from kto_pipeline.data import assign_kl_partners, content_hash, load_source, normalize, tokenize
+from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.logprobs import score_sequences
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------ model loading
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _check_model_path(name: str, flag: str = "--model") -> None:
+    path = Path(name).expanduser()
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1
+    if looks_local and not path.exists():
+        raise KTOPipelineError(f"{flag} {name}: no such directory. Pass a local model directory or a hub id.")
+    if path.exists() and not (path / "config.json").exists():
+        raise KTOPipelineError(f"{flag} {name}: the directory has no config.json, so it is not a saved model.")
+
+
+def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False, flag: str = "--model"):
+    from transformers import AutoTokenizer
+
+    _check_model_path(name, flag)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise KTOPipelineError(f"{flag} {name}: could not load its tokenizer ({type(exc).__name__}: {exc})") from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # as trl does; padding is masked out anyway
+    return tokenizer
+
+
+def load_model(
+    name: str,
+    dtype: torch.dtype,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    flag: str = "--model",
+):
+    from transformers import AutoModelForCausalLM
+
+    _check_model_path(name, flag)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code
+        )
+    except Exception as exc:
+        raise KTOPipelineError(f"{flag} {name}: could not load the model ({type(exc).__name__}: {exc})") from exc
+
+
+# ---------------------------------------------------------------------------------------- batching
+
+
+@dataclass
+class Sequence:
+    row: int  # position in the shard
+    kind: str  # "main" or "kl"
+    prompt_len: int
+    ids: list[int]  # prompt + (KL) completion, already truncated
+
+
+def pack_batches(seqs: list[Sequence], batch_size: int, max_tokens: int) -> list[list[Sequence]]:
+    """Longest first, then fill each batch while rows <= batch_size and padded tokens <= max_tokens."""
+    batches: list[list[Sequence]] = []
+    current: list[Sequence] = []
+    for seq in sorted(seqs, key=lambda s: len(s.ids), reverse=True):
+        width = len(current[0].ids) if current else len(seq.ids)
+        if current and (len(current) >= batch_size or width * (len(current) + 1) > max_tokens):
+            batches.append(current)
+            current = []
+        current.append(seq)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(seqs: list[Sequence], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, completion_mask), each (B, T)."""
+    width = max(len(s.ids) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    comp = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s.ids)] = torch.tensor(s.ids)
+        attn[i, : len(s.ids)] = 1
+        comp[i, s.prompt_len : len(s.ids)] = 1
+    return ids.to(device), attn.to(device), comp.to(device)
+
+
+@torch.inference_mode()
+def score_shard(model, seqs: list[Sequence], pad_id: int, batch_size: int, max_tokens: int, device) -> dict:
+    """Per-token reference log-probs of every sequence, keyed by (row, kind)."""
+    out: dict[tuple[int, str], np.ndarray] = {}
+    for batch in pack_batches(seqs, batch_size, max_tokens):
+        ids, attn, comp = collate(batch, pad_id, device)
+        token_logps = score_sequences(model, ids, attn, comp).token_logps.float().cpu().numpy()
+        for i, s in enumerate(batch):
+            # token t+1 is scored at position t, so completion token j sits at prompt_len - 1 + j
+            out[(s.row, s.kind)] = token_logps[i, s.prompt_len - 1 : len(s.ids) - 1].copy()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ stage 1
+
+
+def _check_output(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise KTOPipelineError(f"--output {out} is a file. Choose a directory path for the cache.")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).exists():
+        raise KTOPipelineError(
+            f"--output {out} already holds files that are not a kto-pipeline cache. "
+            "Choose an empty or new directory."
+        )
+
+
+def _fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    return [f"{k}: cache has {old.get(k)!r}, this run has {v!r}" for k, v in new.items() if old.get(k) != v]
+
+
+def precompute(config: PrecomputeConfig) -> Path:
+    """Score every row and its KL partner with the reference model and write the cache at `config.output`."""
+    from accelerate import PartialState
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    out = Path(config.output)
+    _check_output(out)
+    device = PartialState().device
+
+    print(f"kto-pipeline precompute {__version__}\n{config.describe()}", flush=True)
+    tokenizer = load_tokenizer(config.model, config.revision, config.trust_remote_code)
+    dtype = resolve_dtype(config.dtype, device)
+    model = load_model(config.model, dtype, config.revision, config.trust_remote_code)
+    model.eval().to(device)
+
+    source = load_source(config.dataset, config.split, config.dataset_config)
+    rows = normalize(source)
+    tok = tokenize(tokenizer, rows, config.max_length)
+    n = len(tok.example_ids)
+    if n == 0:
+        reasons = ", ".join(f"{c} {r}" for r, c in tok.dropped.items())
+        raise KTOPipelineError(f"every row was dropped ({reasons}). Raise --max-length or check the data.")
+    partner_pos = assign_kl_partners(n, config.seed)  # positions into the kept rows
+
+    fingerprint = {
+        "model": config.model,
+        "model_revision": config.revision,
+        "model_hash": model_weights_hash(model),
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "dataset": config.dataset,
+        "dataset_config": config.dataset_config,
+        "split": config.split,
+        "dataset_hash": content_hash(config.dataset, source),
+        "max_length": config.max_length,
+        "dtype": str(dtype).removeprefix("torch."),
+        "kl_seed": config.seed,
+        "shard_size": config.shard_size,
+    }
+    done_shards: list[dict[str, Any]] = []
+    if (out / MANIFEST).exists():
+        old = read_manifest(out)
+        diff = _fingerprint_diff(old.get("fingerprint", {}), fingerprint)
+        if not diff and old.get("complete"):
+            print(f"{out} already holds a complete cache of this model, tokenizer, data and settings: nothing to do.")
+            return out
+        if diff and not config.overwrite:
+            raise KTOPipelineError(
+                f"--output {out} holds a cache made with other inputs or settings:\n  - "
+                + "\n  - ".join(diff)
+                + "\nPass --overwrite to replace it, or choose another --output."
+            )
+        if diff:
+            shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
+            (out / MANIFEST).unlink()
+        else:
+            done_shards = old["shards"]
+            print(f"resuming: {len(done_shards)} finished shards found in {out}")
+    out.mkdir(parents=True, exist_ok=True)
+
+    labels = np.array(tok.labels)
+    manifest: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "tool": {"name": "kto-pipeline", "version": __version__},
+        "complete": False,
+        "reference_model": {
+            "name_or_path": config.model,
+            "revision": config.revision,
+            "weights_hash": fingerprint["model_hash"],
+            "architecture": type(model).__name__,
+        },
+        "tokenizer": {
+            "name_or_path": config.model,
+            "hash": fingerprint["tokenizer_hash"],
+            "eos_token": tokenizer.eos_token,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        "dataset": {
+            "name_or_path": config.dataset,
+            "config": config.dataset_config,
+            "split": config.split,
+            "content_hash": fingerprint["dataset_hash"],
+            "source_rows": len(source),
+            "normalized_rows": len(rows),
+        },
+        "settings": {"max_length": config.max_length, "dtype": fingerprint["dtype"], "kl_seed": config.seed},
+        "counts": {
+            "rows": n,
+            "desirable": int(labels.sum()),
+            "undesirable": int(n - labels.sum()),
+            "dropped": dict(tok.dropped),
+        },
+        "fingerprint": fingerprint,
+        "shards": done_shards,
+    }
+    write_manifest(out, manifest)
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    num_shards = (n + config.shard_size - 1) // config.shard_size
+    tokens_scored = 0
+    rows_scored = 0
+    t0 = time.perf_counter()
+    bar = tqdm(total=n, initial=sum(s["rows"] for s in done_shards), unit="row", desc="reference pass")
+    try:
+        for shard_index in range(len(done_shards), num_shards):
+            positions = range(shard_index * config.shard_size, min(n, (shard_index + 1) * config.shard_size))
+            shard = _score_rows(model, tok, partner_pos, positions, config, pad_id, device)
+            manifest["shards"].append(write_shard(out, shard_index, shard))
+            write_manifest(out, manifest)
+            rows_scored += len(positions)
+            tokens_scored += sum(len(p) + len(c) for p, c in zip(shard["prompt_ids"], shard["completion_ids"]))
+            tokens_scored += sum(len(p) + len(c) for p, c in zip(shard["prompt_ids"], shard["kl_completion_ids"]))
+            elapsed = max(time.perf_counter() - t0, 1e-9)
+            bar.update(len(positions))
+            bar.set_postfix_str(f"{rows_scored / elapsed:.1f} rows/s, {tokens_scored / elapsed:.0f} tokens/s")
+    except KeyboardInterrupt:
+        bar.close()
+        raise KTOPipelineError(
+            f"interrupted: {len(manifest['shards'])}/{num_shards} shards are safely written in {out}. "
+            "Run the same command again to resume from there."
+        ) from None
+    bar.close()
+
+    manifest["complete"] = True
+    manifest["timing"] = {"wall_seconds": round(time.perf_counter() - started, 3)}
+    write_manifest(out, manifest)
+    _print_summary(manifest, out, tokens_scored, time.perf_counter() - started)
+    return out
+
+
+def _score_rows(model, tok, partner_pos, positions, config: PrecomputeConfig, pad_id: int, device) -> dict:
+    """Build, score and assemble the Arrow columns of the kept rows at `positions`."""
+    seqs = []
+    for row, pos in enumerate(positions):
+        prompt = tok.prompt_ids[pos]
+        room = config.max_length - len(prompt)
+        seqs.append(Sequence(row, "main", len(prompt), prompt + tok.completion_ids[pos][:room]))
+        seqs.append(Sequence(row, "kl", len(prompt), prompt + tok.completion_ids[partner_pos[pos]][:room]))
+    scores = score_shard(model, seqs, pad_id, config.batch_size, config.max_tokens_per_batch, device)
+    cols: dict[str, list] = {name: [] for name in _COLUMNS}
+    for row, pos in enumerate(positions):
+        main, kl = scores[(row, "main")], scores[(row, "kl")]
+        example_id = tok.example_ids[pos]
+        for what, values in (("completion", main), ("KL completion", kl)):
+            if not np.isfinite(values).all():
+                raise KTOPipelineError(
+                    f"example {example_id}: the reference model gave a non-finite log-prob for its {what} "
+                    f"(values {values[~np.isfinite(values)][:3]}). The model or its dtype is broken "
+                    "(try --dtype float32); nothing of this row was written."
+                )
+        prompt_len = len(tok.prompt_ids[pos])
+        cols["example_id"].append(example_id)
+        cols["label"].append(tok.labels[pos])
+        cols["prompt_ids"].append(tok.prompt_ids[pos])
+        cols["completion_ids"].append(seqs[2 * row].ids[prompt_len:])
+        cols["kl_example_id"].append(tok.example_ids[partner_pos[pos]])
+        cols["kl_completion_ids"].append(seqs[2 * row + 1].ids[prompt_len:])
+        cols["ref_logp"].append(float(main.sum(dtype=np.float32)))
+        cols["ref_kl_logp"].append(float(kl.sum(dtype=np.float32)))
+        cols["ref_token_logps"].append(main)
+        cols["ref_kl_token_logps"].append(kl)
+    return cols
+
+
+_COLUMNS = (
+    "example_id",
+    "label",
+    "prompt_ids",
+    "completion_ids",
+    "kl_example_id",
+    "kl_completion_ids",
+    "ref_logp",
+    "ref_kl_logp",
+    "ref_token_logps",
+    "ref_kl_token_logps",
+)
+
+
+def _print_summary(manifest: dict[str, Any], out: Path, tokens: int, seconds: float) -> None:
+    counts = manifest["counts"]
+    dropped = counts["dropped"]
+    dropped_text = ", ".join(f"{c} ({r})" for r, c in dropped.items()) if dropped else "none"
+    print(
+        "\nprecompute finished\n"
+        f"  rows         {counts['rows']} ({counts['desirable']} desirable, {counts['undesirable']} undesirable)\n"
+        f"  dropped      {sum(dropped.values())}: {dropped_text}\n"
+        f"  tokens       {tokens} scored (completions + KL completions, with their prompts)\n"
+        f"  wall time    {seconds:.1f} s\n"
+        f"  shards       {len(manifest['shards'])}\n"
+        f"  cache        {out.resolve()}",
+        flush=True,
+    )
+
