@@ -113,7 +113,12 @@ def write_shard(cache_dir: Path, index: int, rows: dict[str, list]) -> dict[str,
         os.fsync(f.fileno())
     os.replace(tmp, final)
     _fsync_dir(final.parent)
-    return {"file": shard_name(index), "rows": table.num_rows, "bytes": final.stat().st_size, "sha256": sha256_file(final)}
+    return {
+        "file": shard_name(index),
+        "rows": table.num_rows,
+        "bytes": final.stat().st_size,
+        "sha256": sha256_file(final),
+    }
 
 
 def write_manifest(cache_dir: Path, manifest: dict[str, Any]) -> None:
@@ -162,7 +167,9 @@ def check_cache(cache_dir: str | Path, manifest: dict[str, Any], full: bool = Fa
             problems.append(f"{shard['file']}: missing")
             continue
         if path.stat().st_size != shard["bytes"]:
-            problems.append(f"{shard['file']}: {path.stat().st_size} bytes, the manifest says {shard['bytes']}")
+            problems.append(
+                f"{shard['file']}: {path.stat().st_size} bytes, the manifest says {shard['bytes']}"
+            )
             continue
         try:
             with pa.memory_map(str(path)) as source:
@@ -177,7 +184,9 @@ def check_cache(cache_dir: str | Path, manifest: dict[str, Any], full: bool = Fa
         if rows != shard["rows"]:
             problems.append(f"{shard['file']}: {rows} rows, the manifest says {shard['rows']}")
         if full and sha256_file(path) != shard["sha256"]:
-            problems.append(f"{shard['file']}: sha256 differs from the manifest (the file was altered or corrupted)")
+            problems.append(
+                f"{shard['file']}: sha256 differs from the manifest (the file was altered or corrupted)"
+            )
     return problems
 
 

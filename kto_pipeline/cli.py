@@ -1,0 +1,126 @@
+"""The `kto-pipeline` command line: a thin typer layer over the config dataclasses.
+
+Each command builds its config and calls the Python API; no logic lives here. A KTOPipelineError
+is printed as one readable message (no traceback) and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from kto_pipeline.config import PrecomputeConfig, TrainConfig, field_help
+from kto_pipeline.errors import KTOPipelineError
+
+app = typer.Typer(
+    help="KTO alignment in two stages: `precompute` the reference log-probs once, then `train` against them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _p(name: str) -> str:
+    return field_help(PrecomputeConfig, name)
+
+
+def _t(name: str) -> str:
+    return field_help(TrainConfig, name)
+
+
+@app.command()
+def precompute(
+    model: Annotated[str, typer.Option(help=_p("model"))],
+    dataset: Annotated[str, typer.Option(help=_p("dataset"))],
+    output: Annotated[str, typer.Option(help=_p("output"))],
+    split: Annotated[str, typer.Option(help=_p("split"))] = "train",
+    dataset_config: Annotated[str | None, typer.Option(help=_p("dataset_config"))] = None,
+    max_length: Annotated[int, typer.Option(help=_p("max_length"))] = 1024,
+    seed: Annotated[int, typer.Option(help=_p("seed"))] = 0,
+    dtype: Annotated[str, typer.Option(help=_p("dtype"))] = "auto",
+    batch_size: Annotated[int, typer.Option(help=_p("batch_size"))] = 16,
+    max_tokens_per_batch: Annotated[int, typer.Option(help=_p("max_tokens_per_batch"))] = 16384,
+    shard_size: Annotated[int, typer.Option(help=_p("shard_size"))] = 2048,
+    revision: Annotated[str | None, typer.Option(help=_p("revision"))] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help=_p("trust_remote_code"))] = False,
+    overwrite: Annotated[bool, typer.Option(help=_p("overwrite"))] = False,
+) -> None:
+    """Stage 1: run the reference model once and write the reference log-prob cache."""
+    from kto_pipeline.precompute import precompute as run
+
+    run(PrecomputeConfig(**locals()))
+
+
+@app.command()
+def train(
+    cache: Annotated[str, typer.Option(help=_t("cache"))],
+    output_dir: Annotated[str, typer.Option(help=_t("output_dir"))],
+    model: Annotated[str | None, typer.Option(help=_t("model"))] = None,
+    beta: Annotated[float, typer.Option(help=_t("beta"))] = 0.1,
+    loss_type: Annotated[str, typer.Option(help=_t("loss_type"))] = "kto",
+    desirable_weight: Annotated[float, typer.Option(help=_t("desirable_weight"))] = 1.0,
+    undesirable_weight: Annotated[float, typer.Option(help=_t("undesirable_weight"))] = 1.0,
+    learning_rate: Annotated[float, typer.Option(help=_t("learning_rate"))] = 1e-6,
+    per_device_train_batch_size: Annotated[int, typer.Option(help=_t("per_device_train_batch_size"))] = 8,
+    gradient_accumulation_steps: Annotated[int, typer.Option(help=_t("gradient_accumulation_steps"))] = 1,
+    num_train_epochs: Annotated[float, typer.Option(help=_t("num_train_epochs"))] = 1.0,
+    max_steps: Annotated[int, typer.Option(help=_t("max_steps"))] = -1,
+    warmup_ratio: Annotated[float, typer.Option(help=_t("warmup_ratio"))] = 0.0,
+    lr_scheduler_type: Annotated[str, typer.Option(help=_t("lr_scheduler_type"))] = "linear",
+    weight_decay: Annotated[float, typer.Option(help=_t("weight_decay"))] = 0.0,
+    max_grad_norm: Annotated[float, typer.Option(help=_t("max_grad_norm"))] = 1.0,
+    max_length: Annotated[int | None, typer.Option(help=_t("max_length"))] = None,
+    logging_steps: Annotated[int, typer.Option(help=_t("logging_steps"))] = 10,
+    save_steps: Annotated[int, typer.Option(help=_t("save_steps"))] = 0,
+    seed: Annotated[int, typer.Option(help=_t("seed"))] = 42,
+    bf16: Annotated[bool | None, typer.Option("--bf16/--no-bf16", help=_t("bf16"))] = None,
+    train_sampling_strategy: Annotated[str, typer.Option(help=_t("train_sampling_strategy"))] = "random",
+    overwrite_output_dir: Annotated[bool, typer.Option(help=_t("overwrite_output_dir"))] = False,
+) -> None:
+    """Stage 2: train the policy against a cache (no reference model in memory)."""
+    from kto_pipeline.train import train as run
+
+    run(TrainConfig(**locals()))
+
+
+@app.command()
+def inspect(
+    cache_dir: Annotated[str, typer.Argument(help="Cache directory written by `kto-pipeline precompute`.")],
+    verify: Annotated[
+        bool, typer.Option(help="Also check every shard's sha256 (reads the whole cache).")
+    ] = False,
+) -> None:
+    """Show what a cache holds: model, tokenizer, dataset, counts, settings and shards."""
+    from kto_pipeline.inspect_cache import inspect_cache
+
+    problems = inspect_cache(cache_dir, verify=verify)
+    if problems:
+        for p in problems:
+            typer.echo(f"problem: {p}", err=True)
+        raise typer.Exit(1)
+    typer.echo("OK" + (" (all checksums verified)" if verify else ""))
+
+
+@app.command()
+def demo(
+    workdir: Annotated[str, typer.Option(help="Where the demo's model, caches and run go.")] = ".demo",
+    epochs: Annotated[float, typer.Option(help="Training epochs over the demo data.")] = 3.0,
+) -> None:
+    """Precompute and train on the bundled demo data with a tiny model built locally (no download)."""
+    from kto_pipeline.demo import run_demo
+
+    run_demo(workdir, epochs=epochs)
+
+
+def main() -> None:
+    try:
+        app()
+    except KTOPipelineError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

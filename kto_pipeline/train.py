@@ -1,0 +1,448 @@
+"""Stage 2: train the policy alone against a reference cache.
+
+`train()` reads top to bottom: open and check the cache -> load the policy (never a reference
+model) -> data loader over the memory-mapped cache -> optimizer and schedule -> the loop ->
+the final model. accelerate is used as a library (`prepare`, `accumulate`, `backward`, `gather`),
+so the loop is the whole algorithm: nothing happens in callbacks.
+
+Per forward pass, as in trl.KTOTrainer:
+  1. score the KL sequences (prompt_i + completion of partner) with the policy, without grad;
+     z0 = clamp(mean over the global batch of (policy_kl_logp - ref_kl_logp), min=0)
+  2. score the completions with grad and take `kto_loss` against the cached reference log-probs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from kto_pipeline import __version__
+from kto_pipeline.cache import CacheTable, open_cache, tokenizer_hash
+from kto_pipeline.config import TrainConfig
+from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.logprobs import score_sequences
+from kto_pipeline.loss import kto_loss
+from kto_pipeline.precompute import load_model, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+RUN_CONFIG_FILE = "run_config.json"
+
+
+# ------------------------------------------------------------------------------------------- data
+
+
+class CacheRows(Dataset):
+    """Rows of a memory-mapped cache, truncated to a train-time `max_length`.
+
+    Truncating at L < the cached max length gives exactly what precomputing at L would have: the
+    first L - len(prompt) completion tokens, and as reference log-prob the sum of their cached
+    per-token values (a causal model's log-prob of a token does not depend on what follows it).
+    Rows whose prompt reaches L are dropped, as precompute would drop them.
+    """
+
+    def __init__(self, cache: CacheTable, max_length: int):
+        self.table = cache.table
+        self.max_length = max_length
+        self.truncate = max_length < cache.manifest["settings"]["max_length"]
+        prompt_lens = pc.list_value_length(self.table.column("prompt_ids")).to_numpy()
+        self.indices = np.flatnonzero(prompt_lens < max_length)
+        self.labels = self.table.column("label").to_numpy(zero_copy_only=False)[self.indices]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = self.table.slice(int(self.indices[i]), 1).to_pylist()[0]
+        if self.truncate:
+            room = self.max_length - len(row["prompt_ids"])
+            for ids, logps, total in (
+                ("completion_ids", "ref_token_logps", "ref_logp"),
+                ("kl_completion_ids", "ref_kl_token_logps", "ref_kl_logp"),
+            ):
+                if len(row[ids]) > room:
+                    row[ids] = row[ids][:room]
+                    row[logps] = row[logps][:room]
+                    row[total] = float(np.sum(np.asarray(row[logps], dtype=np.float32), dtype=np.float32))
+        return row
+
+
+class EpochSampler(Sampler[int]):
+    """Seeded shuffle that changes each epoch (or dataset order): reproducible from (seed, epoch)."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool):
+        self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        if not self.shuffle:
+            return iter(range(self.n))
+        return iter(np.random.default_rng([self.seed, self.epoch]).permutation(self.n).tolist())
+
+
+def _pad(seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    comp = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        comp[i, p : len(s)] = 1
+    return {"input_ids": ids, "attention_mask": attn, "completion_mask": comp}
+
+
+@dataclass
+class Collator:
+    pad_id: int
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        prompt_lens = [len(r["prompt_ids"]) for r in rows]
+        main = _pad([r["prompt_ids"] + r["completion_ids"] for r in rows], prompt_lens, self.pad_id)
+        kl = _pad([r["prompt_ids"] + r["kl_completion_ids"] for r in rows], prompt_lens, self.pad_id)
+        return {
+            **main,
+            **{f"kl_{k}": v for k, v in kl.items()},
+            "label": torch.tensor([r["label"] for r in rows], dtype=torch.bool),
+            "ref_logp": torch.tensor([r["ref_logp"] for r in rows], dtype=torch.float32),
+            "ref_kl_logp": torch.tensor([r["ref_kl_logp"] for r in rows], dtype=torch.float32),
+            "example_id": torch.tensor([r["example_id"] for r in rows], dtype=torch.long),
+        }
+
+
+class PolicyScorer(torch.nn.Module):
+    """Wraps the causal LM so that scoring goes through `forward` (and thus through DDP/FSDP wrappers)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, completion_mask):
+        return score_sequences(self.model, input_ids, attention_mask, completion_mask)
+
+
+# -------------------------------------------------------------------------------------- checks
+
+
+def imbalance_warning(
+    num_desirable: int, num_undesirable: int, desirable_weight: float, undesirable_weight: float
+):
+    """trl's advice (KTO paper eq. 8): desirable_weight * n_D / (undesirable_weight * n_U) in [1, 4/3]."""
+    n_d, n_u = max(num_desirable, 1), max(num_undesirable, 1)
+    if n_d == n_u:
+        return None
+    d_lo = round(n_u * undesirable_weight / n_d, 2)
+    d_hi = round(n_u * undesirable_weight / n_d * 1.33, 2)
+    u_lo = round(n_d * desirable_weight / n_u / 1.33, 2)
+    u_hi = round(n_d * desirable_weight / n_u, 2)
+    if d_lo <= desirable_weight <= d_hi or u_lo <= undesirable_weight <= u_hi:
+        return None
+    return (
+        f"the data has {num_desirable} desirable and {num_undesirable} undesirable rows, and the weights are "
+        f"outside the recommended 1:1 to 4:3 range. Use EITHER --desirable-weight in [{d_lo}, {d_hi}] OR "
+        f"--undesirable-weight in [{u_lo}, {u_hi}] (not both)."
+    )
+
+
+def _check_output_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise KTOPipelineError(f"--output-dir {out} is a file. Choose a directory.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise KTOPipelineError(
+            f"--output-dir {out} is not empty. Choose a new directory, or pass --overwrite-output-dir "
+            "to write into it."
+        )
+
+
+# -------------------------------------------------------------------------------------- metrics
+
+
+class MetricLog:
+    """Per-forward-pass metric values, averaged over the forward passes of each logging interval (as trl)."""
+
+    def __init__(self):
+        self.values: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, name: str, value: float) -> None:
+        self.values[name].append(value)
+
+    def flush(self) -> dict[str, float]:
+        out = {k: sum(v) / len(v) for k, v in self.values.items() if v}
+        self.values.clear()
+        return out
+
+
+def batch_metrics(accelerator, loss, z0, labels, logps, rewards, scores) -> dict[str, float]:
+    """TRL's metrics for one forward pass, summed across processes before dividing."""
+    labels = labels.bool()
+    tok_mask = scores.mask
+    mean_logits = scores.mean_logits.detach()
+
+    def total(x: torch.Tensor) -> float:
+        return accelerator.gather(x.detach().float().reshape(1)).sum().item()
+
+    n_chosen, n_rejected = total(labels.sum()), total((~labels).sum())
+    out = {"loss": accelerator.gather(loss.detach().reshape(1)).mean().item(), "kl": z0.item()}
+    for name, sel, n in (("chosen", labels, n_chosen), ("rejected", ~labels, n_rejected)):
+        if n > 0:
+            out[f"rewards/{name}"] = total(rewards[sel].sum()) / n
+            out[f"logps/{name}"] = total(logps.detach()[sel].sum()) / n
+            n_tok = total(tok_mask[sel].sum())
+            if n_tok > 0:
+                out[f"logits/{name}"] = total(mean_logits[sel][tok_mask[sel]].sum()) / n_tok
+    if n_chosen > 0 and n_rejected > 0:
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    n_tok = total(tok_mask.sum())
+    out["entropy"] = total(scores.entropy[tok_mask].sum()) / max(n_tok, 1)
+    return out
+
+
+# -------------------------------------------------------------------------------------- stage 2
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    global_step: int
+    metrics: list[dict[str, float]]
+
+
+def _save(accelerator, scorer, tokenizer, path: Path, config: TrainConfig, state: dict) -> None:
+    """Save model + tokenizer (+ run config and state) atomically: write to a temp dir, then rename."""
+    if not accelerator.is_main_process:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = accelerator.unwrap_model(scorer).model
+    model.config.kto_pipeline_run = config.to_dict()  # the run's settings travel with the weights
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+    if path.exists() and path.is_dir() and path.name.startswith("checkpoint-"):
+        shutil.rmtree(path)
+    if path.name.startswith("checkpoint-"):
+        tmp.rename(path)
+    else:  # the output dir itself: move files in (it also holds metrics and the run config)
+        for item in tmp.iterdir():
+            target = path / item.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            item.replace(target)
+        tmp.rmdir()
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Train a policy on a reference cache; writes metrics, checkpoints and the final model to `output_dir`."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from transformers import get_scheduler
+
+    out = Path(config.output_dir)
+    _check_output_dir(out, config.overwrite_output_dir)
+
+    # --- the cache: cheap checks always (complete, files, sizes, row counts, schema)
+    cache = open_cache(config.cache)
+    manifest = cache.manifest
+    cached_max = manifest["settings"]["max_length"]
+    max_length = config.max_length or cached_max
+    if max_length > cached_max:
+        raise KTOPipelineError(
+            f"--max-length {max_length} is above the cache's max length {cached_max}: the reference log-probs "
+            f"of longer sequences were never computed. Use --max-length <= {cached_max}, or precompute a new "
+            f"cache with --max-length {max_length}."
+        )
+    model_name = config.model or manifest["reference_model"]["name_or_path"]
+
+    bf16 = (
+        config.bf16
+        if config.bf16 is not None
+        else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    )
+    accelerator = Accelerator(
+        mixed_precision="bf16" if bf16 else "no",
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+    )
+    set_seed(config.seed)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        config.save(out / RUN_CONFIG_FILE)
+        (out / METRICS_FILE).write_text("")
+        print(f"kto-pipeline train {__version__}\n{config.describe()}", flush=True)
+
+    # --- the policy (and only the policy), with the cache's tokenizer
+    tokenizer = load_tokenizer(model_name)
+    if tokenizer_hash(tokenizer) != manifest["tokenizer"]["hash"]:
+        raise KTOPipelineError(
+            f"the tokenizer of --model {model_name} differs from the one the cache was made with "
+            f"({manifest['tokenizer']['name_or_path']}): vocabulary, special tokens or chat template. Token ids "
+            "would not mean the same thing. Train a model that shares the cache's tokenizer, or precompute a "
+            "new cache with this model."
+        )
+    model = load_model(model_name, torch.float32)
+    model.config.use_cache = False
+    _disable_dropout(model)
+
+    # --- data
+    rows = CacheRows(cache, max_length)
+    if len(rows) < config.per_device_train_batch_size * accelerator.num_processes:
+        raise KTOPipelineError(
+            f"the cache has {len(rows)} rows at max length {max_length}, fewer than one batch "
+            f"({config.per_device_train_batch_size} x {accelerator.num_processes} processes). Lower "
+            "--per-device-train-batch-size or use more data."
+        )
+    n_desirable = int(rows.labels.sum())
+    warning = imbalance_warning(
+        n_desirable, len(rows) - n_desirable, config.desirable_weight, config.undesirable_weight
+    )
+    if warning and accelerator.is_main_process:
+        logger.warning(warning)
+        print(f"warning: {warning}", flush=True)
+    sampler = EpochSampler(len(rows), config.seed, shuffle=config.train_sampling_strategy == "random")
+    loader = DataLoader(
+        rows,
+        batch_size=config.per_device_train_batch_size,
+        sampler=sampler,
+        collate_fn=Collator(tokenizer.pad_token_id),
+    )
+
+    # --- optimizer and schedule (AdamW; no decay on biases and norm weights, as transformers.Trainer)
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.learning_rate,
+    )
+    scorer = PolicyScorer(model)
+    scorer, optimizer, loader = accelerator.prepare(scorer, optimizer, loader)
+    steps_per_epoch = max(math.ceil(len(loader) / config.gradient_accumulation_steps), 1)
+    if config.max_steps > 0:
+        total_steps = config.max_steps
+    else:
+        total_steps = max(math.ceil(config.num_train_epochs * steps_per_epoch), 1)
+    scheduler = get_scheduler(
+        config.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=math.ceil(config.warmup_ratio * total_steps),
+        num_training_steps=total_steps,
+    )
+    # The scheduler is stepped once per optimizer step by hand, so it is not given to accelerate.
+
+    # --- the loop
+    needs_kl = config.loss_type == "kto"
+    log = MetricLog()
+    history: list[dict[str, float]] = []
+    global_step, grad_norm = 0, float("nan")
+    bar = tqdm(total=total_steps, desc="train", unit="step", disable=not accelerator.is_local_main_process)
+    started = time.perf_counter()
+    scorer.train()
+    epoch = 0
+    while global_step < total_steps:
+        sampler.set_epoch(epoch)
+        for micro_step, batch in enumerate(loader):
+            with accelerator.accumulate(scorer):
+                if needs_kl:
+                    with torch.no_grad():
+                        kl_scores = scorer(
+                            batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"]
+                        )
+                    kl_local = (kl_scores.logps - batch["ref_kl_logp"]).mean().detach()
+                    z0 = accelerator.gather(kl_local.reshape(1)).mean().clamp(min=0)
+                else:
+                    z0 = torch.zeros((), device=accelerator.device)
+                scores = scorer(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+                loss, _, rewards = kto_loss(
+                    scores.logps,
+                    batch["ref_logp"],
+                    batch["label"],
+                    z0,
+                    beta=config.beta,
+                    loss_type=config.loss_type,
+                    desirable_weight=config.desirable_weight,
+                    undesirable_weight=config.undesirable_weight,
+                )
+                if not torch.isfinite(loss):
+                    ids = batch["example_id"].tolist()
+                    raise KTOPipelineError(
+                        f"non-finite loss ({loss.item()}) at step {global_step + 1}, batch example ids {ids}. "
+                        "Lower --learning-rate or check these rows; the last checkpoint is intact."
+                    )
+                for name, value in batch_metrics(
+                    accelerator, loss, z0, batch["label"], scores.logps, rewards, scores
+                ).items():
+                    log.add(name, value)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and config.max_grad_norm > 0:
+                    grad_norm = float(accelerator.clip_grad_norm_(scorer.parameters(), config.max_grad_norm))
+                optimizer.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            global_step += 1
+            bar.update(1)
+            fractional_epoch = epoch + (micro_step + 1) / len(loader)
+            if global_step % config.logging_steps == 0 or global_step == total_steps:
+                record = log.flush()
+                record.update(
+                    {
+                        "learning_rate": scheduler.get_last_lr()[0],
+                        "grad_norm": grad_norm,
+                        "epoch": round(fractional_epoch, 4),
+                        "step": global_step,
+                    }
+                )
+                history.append(record)
+                if accelerator.is_main_process:
+                    with open(out / METRICS_FILE, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                bar.set_postfix_str(
+                    f"loss {record['loss']:.4f} margin {record.get('rewards/margins', float('nan')):.4f}"
+                )
+            if config.save_steps and global_step % config.save_steps == 0 and global_step < total_steps:
+                accelerator.wait_for_everyone()
+                state = {"global_step": global_step, "epoch": fractional_epoch, "log_history": history}
+                _save(accelerator, scorer, tokenizer, out / f"checkpoint-{global_step}", config, state)
+            if global_step >= total_steps:
+                break
+        epoch += 1
+    bar.close()
+
+    accelerator.wait_for_everyone()
+    state = {
+        "global_step": global_step,
+        "epoch": epoch,
+        "log_history": history,
+        "train_seconds": round(time.perf_counter() - started, 3),
+    }
+    _save(accelerator, scorer, tokenizer, out, config, state)
+    if accelerator.is_main_process:
+        print(
+            f"train finished: {global_step} steps in {state['train_seconds']:.1f} s; model in {out.resolve()}"
+        )
+    return TrainResult(output_dir=out, global_step=global_step, metrics=history)
+
+
+def _disable_dropout(model) -> None:
+    """KTO compares log-probs with the reference's, which were computed without dropout (as trl does)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
