@@ -167,9 +167,7 @@ def check_cache(cache_dir: str | Path, manifest: dict[str, Any], full: bool = Fa
             problems.append(f"{shard['file']}: missing")
             continue
         if path.stat().st_size != shard["bytes"]:
-            problems.append(
-                f"{shard['file']}: {path.stat().st_size} bytes, the manifest says {shard['bytes']}"
-            )
+            problems.append(f"{shard['file']}: {path.stat().st_size} bytes, the manifest says {shard['bytes']}")
             continue
         try:
             with pa.memory_map(str(path)) as source:
@@ -184,9 +182,7 @@ def check_cache(cache_dir: str | Path, manifest: dict[str, Any], full: bool = Fa
         if rows != shard["rows"]:
             problems.append(f"{shard['file']}: {rows} rows, the manifest says {shard['rows']}")
         if full and sha256_file(path) != shard["sha256"]:
-            problems.append(
-                f"{shard['file']}: sha256 differs from the manifest (the file was altered or corrupted)"
-            )
+            problems.append(f"{shard['file']}: sha256 differs from the manifest (the file was altered or corrupted)")
     return problems
 
 

@@ -88,9 +88,7 @@ def train(
 @app.command()
 def inspect(
     cache_dir: Annotated[str, typer.Argument(help="Cache directory written by `kto-pipeline precompute`.")],
-    verify: Annotated[
-        bool, typer.Option(help="Also check every shard's sha256 (reads the whole cache).")
-    ] = False,
+    verify: Annotated[bool, typer.Option(help="Also check every shard's sha256 (reads the whole cache).")] = False,
 ) -> None:
     """Show what a cache holds: model, tokenizer, dataset, counts, settings and shards."""
     from kto_pipeline.inspect_cache import inspect_cache

@@ -85,18 +85,12 @@ class PrecomputeConfig(_ConfigMixin):
     batch_size: int = field(default=16, **_help("Most sequences per reference forward pass."))
     max_tokens_per_batch: int = field(
         default=16384,
-        **_help(
-            "Token budget of one forward pass (rows are length-sorted, so batches carry little padding)."
-        ),
+        **_help("Token budget of one forward pass (rows are length-sorted, so batches carry little padding)."),
     )
     shard_size: int = field(default=2048, **_help("Rows per Arrow shard."))
     revision: str | None = field(default=None, **_help("Model revision (branch, tag or commit) on the hub."))
-    trust_remote_code: bool = field(
-        default=False, **_help("Allow models and tokenizers that run their own code.")
-    )
-    overwrite: bool = field(
-        default=False, **_help("Replace an existing cache made with other inputs or settings.")
-    )
+    trust_remote_code: bool = field(default=False, **_help("Allow models and tokenizers that run their own code."))
+    overwrite: bool = field(default=False, **_help("Replace an existing cache made with other inputs or settings."))
 
     def __post_init__(self) -> None:
         _check(self.max_length >= 2, "max_length", f"must be at least 2, got {self.max_length}")
@@ -126,18 +120,14 @@ class TrainConfig(_ConfigMixin):
     loss_type: str = field(default="kto", **_help("kto (with the KL reference point) or apo_zero_unpaired."))
     desirable_weight: float = field(default=1.0, **_help("Weight of desirable examples' losses."))
     undesirable_weight: float = field(default=1.0, **_help("Weight of undesirable examples' losses."))
-    learning_rate: float = field(
-        default=1e-6, **_help("Peak AdamW learning rate (KTO: 5e-7 to 5e-6 at beta 0.1).")
-    )
+    learning_rate: float = field(default=1e-6, **_help("Peak AdamW learning rate (KTO: 5e-7 to 5e-6 at beta 0.1)."))
     per_device_train_batch_size: int = field(
         default=8, **_help("Rows per forward pass and process; KTO needs >= 4 for a useful KL estimate.")
     )
     gradient_accumulation_steps: int = field(default=1, **_help("Forward passes per optimizer step."))
     num_train_epochs: float = field(default=1.0, **_help("Passes over the data (fractions allowed)."))
     max_steps: int = field(default=-1, **_help("If > 0, the number of optimizer steps; overrides epochs."))
-    warmup_ratio: float = field(
-        default=0.0, **_help("Fraction of the steps spent warming up the learning rate.")
-    )
+    warmup_ratio: float = field(default=0.0, **_help("Fraction of the steps spent warming up the learning rate."))
     lr_scheduler_type: str = field(default="linear", **_help(f"One of {', '.join(SCHEDULERS)}."))
     weight_decay: float = field(default=0.0, **_help("AdamW weight decay (not applied to biases and norms)."))
     max_grad_norm: float = field(default=1.0, **_help("Gradient clipping norm; 0 disables clipping."))
@@ -146,9 +136,7 @@ class TrainConfig(_ConfigMixin):
         **_help("Truncate sequences to this length (<= the cached max length). Default: the cached one."),
     )
     logging_steps: int = field(default=10, **_help("Log metrics every this many optimizer steps."))
-    save_steps: int = field(
-        default=0, **_help("Save a checkpoint every this many steps; 0 = only the final model.")
-    )
+    save_steps: int = field(default=0, **_help("Save a checkpoint every this many steps; 0 = only the final model."))
     seed: int = field(default=42, **_help("Seed of the data order and of any randomness in the model."))
     bf16: bool | None = field(
         default=None, **_help("bf16 mixed precision. Default: on where the GPU supports it, off on CPU.")
@@ -166,9 +154,7 @@ class TrainConfig(_ConfigMixin):
         _check(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
         _check(self.loss_type in LOSS_TYPES, "loss_type", f"must be one of {', '.join(LOSS_TYPES)}")
         _check(self.desirable_weight > 0, "desirable_weight", f"must be > 0, got {self.desirable_weight}")
-        _check(
-            self.undesirable_weight > 0, "undesirable_weight", f"must be > 0, got {self.undesirable_weight}"
-        )
+        _check(self.undesirable_weight > 0, "undesirable_weight", f"must be > 0, got {self.undesirable_weight}")
         _check(self.learning_rate >= 0, "learning_rate", f"must be >= 0, got {self.learning_rate}")
         _check(
             self.per_device_train_batch_size >= 1,

@@ -137,9 +137,7 @@ def normalize(dataset) -> list[dict[str, Any]]:
     """
     columns = set(dataset.column_names)
     if len(dataset) == 0:
-        raise KTOPipelineError(
-            "the dataset is empty: there are no rows to train on. Check --dataset and --split."
-        )
+        raise KTOPipelineError("the dataset is empty: there are no rows to train on. Check --dataset and --split.")
     extras = [c for c in ("tools", "chat_template_kwargs") if c in columns]
     rows: list[dict[str, Any]] = []
     if {"completion", "label"} <= columns:
@@ -202,9 +200,7 @@ def _chat_ids(tokenizer, messages, row, **kwargs) -> list[int]:
     tools = row.get("tools")
     tools = json.loads(tools) if isinstance(tools, str) else tools
     ctk = row.get("chat_template_kwargs") or {}
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, tools=tools, **ctk, **kwargs
-    )
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, tools=tools, **ctk, **kwargs)
     return list(out["input_ids"])
 
 

@@ -14,9 +14,7 @@ from kto_pipeline.train import CacheRows, Collator
 
 
 @torch.inference_mode()
-def reward_accuracy(
-    model, cache_dir: str | Path, beta: float, pad_id: int, batch_size: int = 16
-) -> dict[str, float]:
+def reward_accuracy(model, cache_dir: str | Path, beta: float, pad_id: int, batch_size: int = 16) -> dict[str, float]:
     """Implicit-reward statistics of `model` over every row of a cache (no gradient)."""
     cache = open_cache(cache_dir)
     rows = CacheRows(cache, cache.manifest["settings"]["max_length"])

@@ -166,9 +166,7 @@ def backbone_of(model):
     """The transformer body (everything before the LM head) of a causal LM."""
     body = getattr(model, "base_model", None)
     if body is None or body is model:
-        raise ValueError(
-            f"{type(model).__name__} exposes no backbone (`base_model`); cannot score it in chunks."
-        )
+        raise ValueError(f"{type(model).__name__} exposes no backbone (`base_model`); cannot score it in chunks.")
     return body
 
 

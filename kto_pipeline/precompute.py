@@ -54,25 +54,17 @@ def _check_model_path(name: str, flag: str = "--model") -> None:
     if looks_local and not path.exists():
         raise KTOPipelineError(f"{flag} {name}: no such directory. Pass a local model directory or a hub id.")
     if path.exists() and not (path / "config.json").exists():
-        raise KTOPipelineError(
-            f"{flag} {name}: the directory has no config.json, so it is not a saved model."
-        )
+        raise KTOPipelineError(f"{flag} {name}: the directory has no config.json, so it is not a saved model.")
 
 
-def load_tokenizer(
-    name: str, revision: str | None = None, trust_remote_code: bool = False, flag: str = "--model"
-):
+def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False, flag: str = "--model"):
     from transformers import AutoTokenizer
 
     _check_model_path(name, flag)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            name, revision=revision, trust_remote_code=trust_remote_code
-        )
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise KTOPipelineError(
-            f"{flag} {name}: could not load its tokenizer ({type(exc).__name__}: {exc})"
-        ) from exc
+        raise KTOPipelineError(f"{flag} {name}: could not load its tokenizer ({type(exc).__name__}: {exc})") from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # as trl does; padding is masked out anyway
     return tokenizer
@@ -93,9 +85,7 @@ def load_model(
             name, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code
         )
     except Exception as exc:
-        raise KTOPipelineError(
-            f"{flag} {name}: could not load the model ({type(exc).__name__}: {exc})"
-        ) from exc
+        raise KTOPipelineError(f"{flag} {name}: could not load the model ({type(exc).__name__}: {exc})") from exc
 
 
 # ---------------------------------------------------------------------------------------- batching
@@ -158,8 +148,7 @@ def _check_output(out: Path) -> None:
         raise KTOPipelineError(f"--output {out} is a file. Choose a directory path for the cache.")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).exists():
         raise KTOPipelineError(
-            f"--output {out} already holds files that are not a kto-pipeline cache. "
-            "Choose an empty or new directory."
+            f"--output {out} already holds files that are not a kto-pipeline cache. Choose an empty or new directory."
         )
 
 
@@ -211,9 +200,7 @@ def precompute(config: PrecomputeConfig) -> Path:
         old = read_manifest(out)
         diff = _fingerprint_diff(old.get("fingerprint", {}), fingerprint)
         if not diff and old.get("complete"):
-            print(
-                f"{out} already holds a complete cache of this model, tokenizer, data and settings: nothing to do."
-            )
+            print(f"{out} already holds a complete cache of this model, tokenizer, data and settings: nothing to do.")
             return out
         if diff and not config.overwrite:
             raise KTOPipelineError(
@@ -280,10 +267,10 @@ def precompute(config: PrecomputeConfig) -> Path:
             write_manifest(out, manifest)
             rows_scored += len(positions)
             tokens_scored += sum(
-                len(p) + len(c) for p, c in zip(shard["prompt_ids"], shard["completion_ids"])
+                len(p) + len(c) for p, c in zip(shard["prompt_ids"], shard["completion_ids"], strict=True)
             )
             tokens_scored += sum(
-                len(p) + len(c) for p, c in zip(shard["prompt_ids"], shard["kl_completion_ids"])
+                len(p) + len(c) for p, c in zip(shard["prompt_ids"], shard["kl_completion_ids"], strict=True)
             )
             elapsed = max(time.perf_counter() - t0, 1e-9)
             bar.update(len(positions))

@@ -103,7 +103,7 @@ def _pad(seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> dict[str
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(seqs), width), dtype=torch.long)
     comp = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+    for i, (s, p) in enumerate(zip(seqs, prompt_lens, strict=True)):
         ids[i, : len(s)] = torch.tensor(s)
         attn[i, : len(s)] = 1
         comp[i, p : len(s)] = 1
@@ -142,9 +142,7 @@ class PolicyScorer(torch.nn.Module):
 # -------------------------------------------------------------------------------------- checks
 
 
-def imbalance_warning(
-    num_desirable: int, num_undesirable: int, desirable_weight: float, undesirable_weight: float
-):
+def imbalance_warning(num_desirable: int, num_undesirable: int, desirable_weight: float, undesirable_weight: float):
     """trl's advice (KTO paper eq. 8): desirable_weight * n_D / (undesirable_weight * n_U) in [1, 4/3]."""
     n_d, n_u = max(num_desirable, 1), max(num_undesirable, 1)
     if n_d == n_u:
@@ -167,8 +165,7 @@ def _check_output_dir(out: Path, overwrite: bool) -> None:
         raise KTOPipelineError(f"--output-dir {out} is a file. Choose a directory.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise KTOPipelineError(
-            f"--output-dir {out} is not empty. Choose a new directory, or pass --overwrite-output-dir "
-            "to write into it."
+            f"--output-dir {out} is not empty. Choose a new directory, or pass --overwrite-output-dir to write into it."
         )
 
 
@@ -272,11 +269,7 @@ def train(config: TrainConfig) -> TrainResult:
         )
     model_name = config.model or manifest["reference_model"]["name_or_path"]
 
-    bf16 = (
-        config.bf16
-        if config.bf16 is not None
-        else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    )
+    bf16 = config.bf16 if config.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     accelerator = Accelerator(
         mixed_precision="bf16" if bf16 else "no",
         gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -435,9 +428,7 @@ def train(config: TrainConfig) -> TrainResult:
     }
     _save(accelerator, scorer, tokenizer, out, config, state)
     if accelerator.is_main_process:
-        print(
-            f"train finished: {global_step} steps in {state['train_seconds']:.1f} s; model in {out.resolve()}"
-        )
+        print(f"train finished: {global_step} steps in {state['train_seconds']:.1f} s; model in {out.resolve()}")
     return TrainResult(output_dir=out, global_step=global_step, metrics=history)
 
 
