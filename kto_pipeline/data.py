@@ -64,7 +64,8 @@ def load_source(name: str, split: str = "train", config: str | None = None):
                 if isinstance(loaded, datasets.DatasetDict):
                     if split not in loaded:
                         raise KTOPipelineError(
-                            f"--dataset {name} has splits {sorted(loaded)}, not {split!r}: pass --split with one of them."
+                            f"--dataset {name} has splits {sorted(loaded)}, not {split!r}: "
+                            "pass --split with one of them."
                         )
                     return loaded[split]
                 return loaded

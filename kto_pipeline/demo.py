@@ -103,7 +103,8 @@ def run_demo(workdir: str | Path = ".demo", epochs: float = 3.0) -> dict[str, fl
     }
     print(
         "\ndemo summary\n"
-        f"  reward margin (chosen - rejected)   start {summary['margin_start']:+.4f}  ->  end {summary['margin_end']:+.4f}"
+        f"  reward margin (chosen - rejected)   start {summary['margin_start']:+.4f}"
+        f"  ->  end {summary['margin_end']:+.4f}"
         f"   (first and last logging step)\n"
         f"  held-out reward accuracy            {summary['heldout_accuracy_after']:.1%} of {after['rows']} rows"
         f"   (sign of beta * (policy - reference logp) vs label)\n"
