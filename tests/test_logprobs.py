@@ -1,0 +1,87 @@
+"""The chunked log-prob function against a plain full-logits log_softmax + gather: values and gradients."""
+
+import pytest
+import torch
+
+from kto_pipeline.logprobs import chunked_token_logps, score_sequences
+
+
+def reference_logps(hidden, weight, targets, bias=None, scale=1.0, softcap=None):
+    logits = (hidden @ weight.T + (0 if bias is None else bias)).float() * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("n,h,v,chunk", [(1, 8, 11, 4), (37, 16, 50, 8), (64, 32, 97, 1024), (10, 8, 13, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("scale,softcap", [(1.0, None), (0.5, None), (1.0, 3.0)])
+def test_values_and_gradients_match_full_logits(n, h, v, chunk, with_bias, scale, softcap):
+    g = torch.Generator().manual_seed(n * 1000 + v)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True) if with_bias else None
+    targets = torch.randint(v, (n,), generator=g)
+    upstream = torch.randn(n, generator=g, dtype=torch.float64)
+
+    got, mean_logits, entropy = chunked_token_logps(hidden, weight, targets, bias, chunk, scale, softcap)
+    want = reference_logps(hidden, weight, targets, bias, scale, softcap)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+    params = [hidden, weight] + ([bias] if with_bias else [])
+    got_grads = torch.autograd.grad((got.double() * upstream).sum(), params)
+    want_grads = torch.autograd.grad((want * upstream).sum(), params)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+    logits = (hidden @ weight.T + (0 if bias is None else bias)) * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    torch.testing.assert_close(mean_logits, logits.mean(-1).float().detach(), atol=1e-5, rtol=1e-5)
+    p = torch.softmax(logits, -1)
+    torch.testing.assert_close(entropy, -(p * torch.log(p)).sum(-1).float().detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_close_to_float32():
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(20, 32, generator=g), torch.randn(64, 32, generator=g) * 0.1
+    targets = torch.randint(64, (20,), generator=g)
+    full = chunked_token_logps(hidden, weight, targets)[0]
+    half = chunked_token_logps(hidden.bfloat16(), weight.bfloat16(), targets)[0]
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half, full, atol=0.05, rtol=0.02)
+
+
+def test_score_sequences_matches_model_logits(tiny_model_dir):
+    """score_sequences on a real model == log_softmax of the model's own logits, padding ignored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, 100, (3, 12), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 9:] = 0  # right padding
+    comp = torch.zeros_like(ids)
+    comp[0, 5:] = 1
+    comp[1, 3:9] = 1
+    comp[2, 1:] = 1
+    scores = score_sequences(model, ids, attn, comp, chunk_size=4)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    full = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    mask = comp[:, 1:].bool()
+    torch.testing.assert_close(scores.token_logps, full * mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scores.logps, (full * mask).sum(-1), atol=1e-4, rtol=1e-5)
+    assert scores.token_logps[~mask].abs().max() == 0
+
+
+def test_score_sequences_gradient_reaches_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = torch.randint(4, 100, (2, 8))
+    comp = torch.zeros_like(ids)
+    comp[:, 4:] = 1
+    score_sequences(model, ids, torch.ones_like(ids), comp).logps.sum().backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+    assert model.model.embed_tokens.weight.grad.abs().sum() > 0

@@ -1,0 +1,211 @@
+"""Stage 1: the cache's contents against an independent full-logits computation, the manifest,
+data sources, and re-running into an existing cache."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from conftest import conversational_rows, unpaired_rows, write_jsonl
+from datasets import Dataset
+
+from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute
+from kto_pipeline.cache import SCHEMA, open_cache
+
+
+def read_rows(cache_dir):
+    return open_cache(cache_dir).table.to_pylist()
+
+
+def full_logits_token_logps(model, prompt_ids, completion_ids):
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    logps = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return logps[len(prompt_ids) - 1 :].numpy()
+
+
+def test_cache_values_match_full_logits(small_cache, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rows = read_rows(small_cache)
+    by_id = {r["example_id"]: r for r in rows}
+    assert sorted(by_id) == list(range(24))
+    for r in rows:
+        assert r["kl_example_id"] != r["example_id"] and r["kl_example_id"] in by_id
+        assert len(r["ref_token_logps"]) == len(r["completion_ids"])
+        assert len(r["ref_kl_token_logps"]) == len(r["kl_completion_ids"])
+        # the KL completion is the partner's completion, truncated so prompt + it fits max_length (64)
+        partner = by_id[r["kl_example_id"]]
+        room = 64 - len(r["prompt_ids"])
+        assert r["kl_completion_ids"] == partner["completion_ids"][:room] or len(partner["completion_ids"]) == (
+            64 - len(partner["prompt_ids"])
+        )
+        assert len(r["prompt_ids"]) + len(r["kl_completion_ids"]) <= 64
+        want = full_logits_token_logps(model, r["prompt_ids"], r["completion_ids"])
+        np.testing.assert_allclose(r["ref_token_logps"], want, atol=1e-4)
+        assert r["ref_logp"] == pytest.approx(float(want.sum()), abs=1e-4)
+        want_kl = full_logits_token_logps(model, r["prompt_ids"], r["kl_completion_ids"])
+        np.testing.assert_allclose(r["ref_kl_token_logps"], want_kl, atol=1e-4)
+        assert r["ref_kl_logp"] == pytest.approx(float(want_kl.sum()), abs=1e-4)
+    assert sorted(r["kl_example_id"] for r in rows) == list(range(24))  # every completion reused once
+
+
+def test_truncation_at_max_length(tmp_path, tiny_model_dir):
+    rows = unpaired_rows(6)
+    rows[0]["completion"] = " " + "very long answer " * 10
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    out = precompute(
+        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c"), max_length=60)
+    )
+    for r in read_rows(out):
+        assert len(r["prompt_ids"]) + len(r["completion_ids"]) <= 60
+    long_row = next(r for r in read_rows(out) if r["example_id"] == 0)
+    assert len(long_row["prompt_ids"]) + len(long_row["completion_ids"]) == 60
+
+
+def test_schema_manifest_and_readers(small_cache):
+    manifest = json.loads((small_cache / "manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["format_version"] == 1
+    assert manifest["counts"] == {"rows": 24, "desirable": 16, "undesirable": 8, "dropped": {}}
+    assert manifest["settings"] == {"max_length": 64, "dtype": "float32", "kl_seed": 0}
+    for key in ("weights_hash", "name_or_path", "revision"):
+        assert key in manifest["reference_model"]
+    assert manifest["tokenizer"]["hash"].startswith("sha256:")
+    assert manifest["dataset"]["content_hash"].startswith("sha256:") and manifest["dataset"]["source_rows"] == 24
+    shard = small_cache / manifest["shards"][0]["file"]
+    with pa.memory_map(str(shard)) as source:
+        table = pa.ipc.open_stream(source).read_all()
+    assert table.schema.equals(SCHEMA)
+    assert sum(s["rows"] for s in manifest["shards"]) == 24
+    ds = Dataset.from_file(str(shard))  # the contract: datasets reads shards directly too
+    assert ds.num_rows == table.num_rows and ds.column_names == SCHEMA.names
+
+
+def test_many_shards_small_batches_same_values(tmp_path, tiny_model_dir, small_cache):
+    """Shard size, batch size and token budget change the batching, never the values."""
+    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows())
+    out = precompute(
+        PrecomputeConfig(
+            model=str(tiny_model_dir),
+            dataset=str(data),
+            output=str(tmp_path / "c"),
+            max_length=64,
+            shard_size=5,
+            batch_size=3,
+            max_tokens_per_batch=128,
+        )
+    )
+    assert len(json.loads((out / "manifest.json").read_text())["shards"]) == 5
+    a, b = read_rows(out), read_rows(small_cache)
+    for x, y in zip(a, b, strict=True):
+        assert x["example_id"] == y["example_id"] and x["kl_example_id"] == y["kl_example_id"]
+        np.testing.assert_allclose(x["ref_token_logps"], y["ref_token_logps"], atol=1e-5)
+        np.testing.assert_allclose(x["ref_kl_token_logps"], y["ref_kl_token_logps"], atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv", "arrow", "save_to_disk", "dataset_dict"])
+def test_data_sources(tmp_path, tiny_model_dir, fmt):
+    rows = unpaired_rows(6)
+    ds = Dataset.from_list(rows)
+    path = tmp_path / f"data.{fmt}"
+    if fmt == "jsonl":
+        write_jsonl(path, rows)
+    elif fmt == "json":
+        path.write_text(json.dumps(rows))
+    elif fmt == "parquet":
+        ds.to_parquet(str(path))
+    elif fmt == "csv":
+        ds.to_csv(str(path), index=False)
+    elif fmt == "arrow":
+        ds.save_to_disk(str(tmp_path / "tmpds"))
+        path = next((tmp_path / "tmpds").glob("*.arrow"))
+    elif fmt == "save_to_disk":
+        ds.save_to_disk(str(path))
+    else:
+        from datasets import DatasetDict
+
+        DatasetDict({"train": ds.select(range(2)), "test": ds}).save_to_disk(str(path))
+    out = precompute(
+        PrecomputeConfig(
+            model=str(tiny_model_dir),
+            dataset=str(path),
+            output=str(tmp_path / "c"),
+            max_length=64,
+            split="test" if fmt == "dataset_dict" else "train",
+        )
+    )
+    got = read_rows(out)
+    assert len(got) == 6 and [r["label"] for r in got] == [r["label"] for r in rows]
+
+
+def test_conversational_and_paired(tmp_path, tiny_model_dir):
+    conv = write_jsonl(tmp_path / "conv.jsonl", conversational_rows())
+    out = precompute(PrecomputeConfig(model=str(tiny_model_dir), dataset=str(conv), output=str(tmp_path / "c1")))
+    assert len(read_rows(out)) == 12
+    paired = write_jsonl(
+        tmp_path / "paired.jsonl", [{"prompt": f"Q{i}?", "chosen": " good", "rejected": " bad"} for i in range(5)]
+    )
+    out = precompute(PrecomputeConfig(model=str(tiny_model_dir), dataset=str(paired), output=str(tmp_path / "c2")))
+    rows = read_rows(out)
+    assert [r["label"] for r in rows] == [True, False] * 5
+
+
+def test_rerun_same_inputs_does_nothing(small_cache, tiny_model_dir, capsys):
+    manifest = json.loads((small_cache / "manifest.json").read_text())
+    before = {s["file"]: (small_cache / s["file"]).stat().st_mtime_ns for s in manifest["shards"]}
+    data = manifest["dataset"]["name_or_path"]
+    precompute(PrecomputeConfig(model=str(tiny_model_dir), dataset=data, output=str(small_cache), max_length=64))
+    assert "nothing to do" in capsys.readouterr().out
+    after = {s["file"]: (small_cache / s["file"]).stat().st_mtime_ns for s in manifest["shards"]}
+    assert before == after
+
+
+def test_rerun_other_settings_refused_then_overwritten(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows(6))
+    cfg = dict(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c"), max_length=64)
+    precompute(PrecomputeConfig(**cfg))
+    with pytest.raises(KTOPipelineError, match="max_length: cache has 64, this run has 48"):
+        precompute(PrecomputeConfig(**{**cfg, "max_length": 48}))
+    precompute(PrecomputeConfig(**{**cfg, "max_length": 48, "overwrite": True}))
+    assert open_cache(tmp_path / "c").manifest["settings"]["max_length"] == 48
+
+
+def test_output_that_holds_something_else(tmp_path, tiny_model_dir, unpaired_file):
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(KTOPipelineError, match="not a kto-pipeline cache"):
+        precompute(
+            PrecomputeConfig(model=str(tiny_model_dir), dataset=str(unpaired_file), output=str(tmp_path / "busy"))
+        )
+    with pytest.raises(KTOPipelineError, match="is a file"):
+        precompute(
+            PrecomputeConfig(
+                model=str(tiny_model_dir), dataset=str(unpaired_file), output=str(tmp_path / "busy" / "notes.txt")
+            )
+        )
+
+
+def test_missing_model_and_dataset(tmp_path, tiny_model_dir, unpaired_file):
+    with pytest.raises(KTOPipelineError, match="--model ./nope: no such directory"):
+        precompute(PrecomputeConfig(model="./nope", dataset=str(unpaired_file), output=str(tmp_path / "c")))
+    with pytest.raises(KTOPipelineError, match="--dataset ./nope.jsonl: no such file"):
+        precompute(PrecomputeConfig(model=str(tiny_model_dir), dataset="./nope.jsonl", output=str(tmp_path / "c")))
+
+
+def test_non_finite_reference_logps_stop_with_the_row(tmp_path, tiny_model_dir, unpaired_file):
+    from transformers import AutoModelForCausalLM
+
+    broken = tmp_path / "broken"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.lm_head.weight[5] = float("nan")
+    model.save_pretrained(broken)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(broken)
+    with pytest.raises(KTOPipelineError, match="example 0: the reference model gave a non-finite log-prob"):
+        precompute(PrecomputeConfig(model=str(broken), dataset=str(unpaired_file), output=str(tmp_path / "c")))
+    assert not list((tmp_path / "c").glob("shards/*.arrow"))
