@@ -1,0 +1,200 @@
+"""Stage 2: the step-1 invariant, outputs, cache reuse, train-time truncation and refusals."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import unpaired_rows, write_jsonl
+
+from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
+from kto_pipeline.cache import open_cache, sha256_file
+from kto_pipeline.train import Collator, imbalance_warning
+
+
+def cfg(cache, out, **kw):
+    base = dict(
+        cache=str(cache),
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        logging_steps=1,
+        learning_rate=1e-3,
+        seed=0,
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_policy_equals_reference_at_step_one(small_cache, tiny_model_dir):
+    """With the policy = the reference, training-time log-probs equal the cached ones (rewards 0),
+    although training batches are padded differently from the length-sorted reference batches."""
+    from transformers import AutoModelForCausalLM
+
+    from kto_pipeline.logprobs import score_sequences
+    from kto_pipeline.train import CacheRows
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    rows = CacheRows(open_cache(small_cache), 64)
+    batch = Collator(pad_id=0)([rows[i] for i in range(len(rows))])
+    with torch.no_grad():
+        main = score_sequences(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        kl = score_sequences(model, batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"])
+    assert (main.logps - batch["ref_logp"]).abs().max() < 1e-4
+    assert (kl.logps - batch["ref_kl_logp"]).abs().max() < 1e-4
+
+
+def test_first_logged_step_has_zero_rewards(small_cache, tmp_path):
+    train(cfg(small_cache, tmp_path / "run", max_steps=1))
+    (m,) = read_metrics(tmp_path / "run")
+    assert abs(m["rewards/chosen"]) < 1e-4 and abs(m["rewards/rejected"]) < 1e-4 and m["kl"] < 1e-4
+    assert m["loss"] == pytest.approx(0.5, abs=1e-4)  # 1 - sigmoid(0)
+
+
+def test_outputs_metrics_checkpoints_and_final_model(small_cache, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    result = train(cfg(small_cache, out, max_steps=4, logging_steps=2, save_steps=2))
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [2, 4] and result.global_step == 4
+    for name in (
+        "loss",
+        "kl",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "logits/chosen",
+        "logits/rejected",
+        "learning_rate",
+        "grad_norm",
+        "epoch",
+    ):
+        assert all(name in m and np.isfinite(m[name]) for m in metrics), name
+    assert metrics[-1]["epoch"] == pytest.approx(4 * 4 / 24, abs=1e-3)
+    assert json.loads((out / "run_config.json").read_text())["beta"] == 0.1
+    assert (out / "checkpoint-2" / "model.safetensors").exists()
+    assert (out / "checkpoint-2" / "trainer_state.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.kto_pipeline_run["max_steps"] == 4
+    AutoTokenizer.from_pretrained(out)
+    # the model actually moved away from the reference
+    assert abs(metrics[-1]["rewards/margins"]) > 0
+
+
+def test_logged_loss_is_mean_over_forward_passes(small_cache, tmp_path):
+    """logging_steps=2 logs the mean of the 2 steps' losses that logging_steps=1 reports one by one."""
+    train(cfg(small_cache, tmp_path / "a", max_steps=4, logging_steps=1))
+    train(cfg(small_cache, tmp_path / "b", max_steps=4, logging_steps=2))
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert b[0]["loss"] == pytest.approx((a[0]["loss"] + a[1]["loss"]) / 2, rel=1e-5)
+    assert b[1]["loss"] == pytest.approx((a[2]["loss"] + a[3]["loss"]) / 2, rel=1e-5)
+
+
+def test_gradient_accumulation_counts_optimizer_steps(small_cache, tmp_path):
+    train(
+        cfg(
+            small_cache,
+            tmp_path / "ga",
+            max_steps=-1,
+            num_train_epochs=1,
+            gradient_accumulation_steps=2,
+            logging_steps=1,
+        )
+    )
+    metrics = read_metrics(tmp_path / "ga")
+    assert [m["step"] for m in metrics] == [1, 2, 3]  # 24 rows / 4 per pass / 2 passes per step
+    assert metrics[-1]["epoch"] == pytest.approx(1.0)
+
+
+def test_one_cache_many_runs(small_cache, tmp_path):
+    manifest = open_cache(small_cache).manifest
+    hashes = {s["file"]: sha256_file(small_cache / s["file"]) for s in manifest["shards"]}
+    mtime = (small_cache / "manifest.json").stat().st_mtime_ns
+    r1 = train(cfg(small_cache, tmp_path / "r1", beta=0.05, learning_rate=1e-3, per_device_train_batch_size=4))
+    r2 = train(cfg(small_cache, tmp_path / "r2", beta=0.3, learning_rate=5e-4, per_device_train_batch_size=6))
+    assert r1.global_step == r2.global_step == 3
+    assert read_metrics(tmp_path / "r1")[-1]["loss"] != read_metrics(tmp_path / "r2")[-1]["loss"]
+    assert {f: sha256_file(small_cache / f) for f in hashes} == hashes
+    assert (small_cache / "manifest.json").stat().st_mtime_ns == mtime
+
+
+def test_apo_zero_unpaired_skips_kl(small_cache, tmp_path):
+    train(cfg(small_cache, tmp_path / "apo", loss_type="apo_zero_unpaired"))
+    assert all(m["kl"] == 0 for m in read_metrics(tmp_path / "apo"))
+
+
+def test_train_time_max_length_equals_precompute_at_that_length(tmp_path, tiny_model_dir):
+    from kto_pipeline.train import CacheRows
+
+    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows())
+    # a length that truncates completions but drops no row, so both caches pair rows identically
+    short_len = max(len(r["prompt"]) for r in unpaired_rows()) + 3  # the tokenizer is character-level
+    long = precompute(
+        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "l"), max_length=64)
+    )
+    short = precompute(
+        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "s"), max_length=short_len)
+    )
+    truncated, direct = CacheRows(open_cache(long), short_len), CacheRows(open_cache(short), short_len)
+    assert len(truncated) == len(direct) == 24
+    n_cut = 0
+    for i in range(24):
+        a, b = truncated[i], direct[i]
+        n_cut += len(a["completion_ids"]) < len(CacheRows(open_cache(long), 64)[i]["completion_ids"])
+        assert a["completion_ids"] == b["completion_ids"] and a["kl_completion_ids"] == b["kl_completion_ids"]
+        np.testing.assert_allclose(a["ref_token_logps"], b["ref_token_logps"], atol=1e-5)
+        assert a["ref_logp"] == pytest.approx(b["ref_logp"], abs=1e-4)
+        assert a["ref_kl_logp"] == pytest.approx(b["ref_kl_logp"], abs=1e-4)
+    assert n_cut > 0  # the test exercises truncation
+
+
+def test_max_length_above_cached_is_refused(small_cache, tmp_path):
+    with pytest.raises(KTOPipelineError, match="--max-length 128 is above the cache's max length 64"):
+        train(cfg(small_cache, tmp_path / "x", max_length=128))
+
+
+def test_non_empty_output_dir_is_refused(small_cache, tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "precious.txt").write_text("keep me")
+    with pytest.raises(KTOPipelineError, match="--overwrite-output-dir"):
+        train(cfg(small_cache, tmp_path / "x"))
+    assert (tmp_path / "x" / "precious.txt").read_text() == "keep me"
+
+
+def test_tokenizer_mismatch_is_refused(small_cache, tmp_path, other_tokenizer_model_dir):
+    with pytest.raises(KTOPipelineError, match="tokenizer of --model .* differs"):
+        train(cfg(small_cache, tmp_path / "x", model=str(other_tokenizer_model_dir)))
+
+
+def test_incomplete_cache_is_refused(small_cache, tmp_path):
+    import shutil
+
+    broken = tmp_path / "cache"
+    shutil.copytree(small_cache, broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    manifest["complete"] = False
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(KTOPipelineError, match="incomplete"):
+        train(cfg(broken, tmp_path / "x"))
+
+
+def test_imbalance_warning_matches_trl_rule():
+    assert imbalance_warning(100, 100, 1.0, 1.0) is None
+    assert imbalance_warning(100, 120, 1.3, 1.0) is None  # 1.3 * 100 / 120 is in [1, 4/3]
+    assert "[1.2, 1.6]" in imbalance_warning(100, 120, 1.1, 1.0)
+    msg = imbalance_warning(100, 300, 1.0, 1.0)
+    assert "--desirable-weight in [3.0, 3.99]" in msg and "--undesirable-weight in [0.25, 0.33]" in msg
+    assert imbalance_warning(100, 300, 3.5, 1.0) is None
+
+
+def test_config_validation_names_the_flag(small_cache, tmp_path):
+    with pytest.raises(KTOPipelineError, match="--per-device-train-batch-size: must be > 1 with --loss-type kto"):
+        cfg(small_cache, tmp_path, per_device_train_batch_size=1)
+    with pytest.raises(KTOPipelineError, match="--loss-type"):
+        cfg(small_cache, tmp_path, loss_type="dpo")
