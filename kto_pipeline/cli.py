@@ -48,9 +48,10 @@ def precompute(
     overwrite: Annotated[bool, typer.Option(help=_p("overwrite"))] = False,
 ) -> None:
     """Stage 1: run the reference model once and write the reference log-prob cache."""
+    config = PrecomputeConfig(**locals())
     from kto_pipeline.precompute import precompute as run
 
-    run(PrecomputeConfig(**locals()))
+    run(config)
 
 
 @app.command()
@@ -80,9 +81,10 @@ def train(
     overwrite_output_dir: Annotated[bool, typer.Option(help=_t("overwrite_output_dir"))] = False,
 ) -> None:
     """Stage 2: train the policy against a cache (no reference model in memory)."""
+    config = TrainConfig(**locals())
     from kto_pipeline.train import train as run
 
-    run(TrainConfig(**locals()))
+    run(config)
 
 
 @app.command()

@@ -42,6 +42,25 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).suffix in FILE_BUILDERS or name.count("/") > 1
 
 
+def _is_empty_file(path: Path) -> bool:
+    """True for a data file without a single row (datasets' own error for these is cryptic)."""
+    if path.stat().st_size == 0:
+        return True
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    if suffix in (".json", ".jsonl"):
+        with open(path, "rb") as f:
+            head = f.read(64).strip()
+        return head in (b"", b"[]")
+    if suffix == ".csv":
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip()) <= 1
+    return False
+
+
 def load_source(name: str, split: str = "train", config: str | None = None):
     """Load a dataset from a local file, a `save_to_disk` directory or the hub, as a `datasets.Dataset`."""
     import datasets
@@ -54,6 +73,10 @@ def load_source(name: str, split: str = "train", config: str | None = None):
                 raise KTOPipelineError(
                     f"--dataset {name}: unsupported file type {path.suffix!r}; use "
                     f"{', '.join(sorted(FILE_BUILDERS))}, a save_to_disk directory or a hub id."
+                )
+            if _is_empty_file(path):
+                raise KTOPipelineError(
+                    f"--dataset {name}: the file holds no rows, so there is nothing to train on. Check the file."
                 )
             if builder == "arrow":
                 return datasets.Dataset.from_file(str(path))

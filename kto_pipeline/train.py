@@ -389,6 +389,7 @@ def train(config: TrainConfig) -> TrainResult:
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
                 continue
+            learning_rate = scheduler.get_last_lr()[0]  # the rate this step used (what trl logs)
             scheduler.step()
             global_step += 1
             bar.update(1)
@@ -397,7 +398,7 @@ def train(config: TrainConfig) -> TrainResult:
                 record = log.flush()
                 record.update(
                     {
-                        "learning_rate": scheduler.get_last_lr()[0],
+                        "learning_rate": learning_rate,
                         "grad_norm": grad_norm,
                         "epoch": round(fractional_epoch, 4),
                         "step": global_step,

@@ -310,12 +310,6 @@ def test_training_matches_trl(training_logs):
     assert max(h["grad_norm"] for h in theirs) > TRAIN_SETTINGS["max_grad_norm"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kto_pipeline.train logs scheduler.get_last_lr() after scheduler.step(), i.e. the next step's learning "
-    "rate; transformers.Trainer (hence trl) logs the rate the optimizer step just used. The rates applied match "
-    "(the losses above do); only the logged value is one step ahead.",
-)
 def test_logged_learning_rate_matches_trl(training_logs):
     ours, theirs = training_logs
     assert [r["learning_rate"] for r in ours] == pytest.approx([h["learning_rate"] for h in theirs], rel=1e-6)

@@ -1,0 +1,224 @@
+"""The command line: real entry points, and every bad input ends in one readable line, exit 1."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import unpaired_rows, write_jsonl
+
+from kto_pipeline.cli import main
+
+
+def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["kto-pipeline", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_clean_error(code, err, *fragments):
+    assert code == 1
+    assert "Traceback" not in err
+    assert err.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+@pytest.mark.parametrize(
+    "rows,fragments",
+    [
+        ([{"prompt": "a", "response": "b", "label": True}] * 3, ["no 'completion' column"]),
+        ([{"prompt": "a", "completion": "b", "label": "maybe"}] * 3, ["row 0: label 'maybe' is not a boolean"]),
+        ([], ["holds no rows"]),
+    ],
+)
+def test_bad_data(tmp_path, monkeypatch, capsys, tiny_model_dir, rows, fragments):
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        "precompute",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(data),
+        "--output",
+        str(tmp_path / "c"),
+    )
+    assert_clean_error(code, err, *fragments)
+
+
+def test_empty_dataset(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    from datasets import Dataset
+
+    Dataset.from_dict({"prompt": [], "completion": [], "label": []}).to_parquet(str(tmp_path / "e.parquet"))
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        "precompute",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(tmp_path / "e.parquet"),
+        "--output",
+        str(tmp_path / "c"),
+    )
+    assert_clean_error(code, err, "holds no rows")
+
+
+def test_missing_model(tmp_path, monkeypatch, capsys, unpaired_file):
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        "precompute",
+        "--model",
+        str(tmp_path / "no-model"),
+        "--dataset",
+        str(unpaired_file),
+        "--output",
+        str(tmp_path / "c"),
+    )
+    assert_clean_error(code, err, "no such directory")
+
+
+def test_output_holds_something_else(tmp_path, monkeypatch, capsys, tiny_model_dir, unpaired_file):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "thesis.tex").write_text("x")
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        "precompute",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(unpaired_file),
+        "--output",
+        str(tmp_path / "c"),
+    )
+    assert_clean_error(code, err, "not a kto-pipeline cache")
+    code, _, err = run_cli(
+        monkeypatch, capsys, "train", "--cache", str(tmp_path / "c"), "--output-dir", str(tmp_path / "run")
+    )
+    assert_clean_error(code, err, "no manifest.json")
+
+
+def test_max_length_above_cached_and_bad_flag(tmp_path, monkeypatch, capsys, small_cache):
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        "train",
+        "--cache",
+        str(small_cache),
+        "--output-dir",
+        str(tmp_path / "r"),
+        "--max-length",
+        "999",
+    )
+    assert_clean_error(code, err, "--max-length 999 is above the cache's max length 64")
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        "train",
+        "--cache",
+        str(small_cache),
+        "--output-dir",
+        str(tmp_path / "r"),
+        "--loss-type",
+        "ipo",
+    )
+    assert_clean_error(code, err, "--loss-type: must be one of kto, apo_zero_unpaired")
+
+
+def test_inspect(monkeypatch, capsys, small_cache):
+    code, out, _ = run_cli(monkeypatch, capsys, "inspect", str(small_cache))
+    assert code == 0
+    for fragment in ("reference model", "tokenizer", "dataset", "settings", "counts", "shards", "desirable", "OK"):
+        assert fragment in out
+
+
+@pytest.mark.slow
+def test_end_to_end_with_real_processes(tmp_path, tiny_model_dir):
+    """`kto-pipeline` (console script) and `python -m kto_pipeline` are the same CLI, end to end."""
+    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows())
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    script = shutil.which("kto-pipeline", path=str(Path(sys.executable).parent))
+    assert script, "the console script is installed next to the interpreter"
+    pre = subprocess.run(
+        [
+            script,
+            "precompute",
+            "--model",
+            str(tiny_model_dir),
+            "--dataset",
+            str(data),
+            "--output",
+            str(tmp_path / "cache"),
+            "--max-length",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert pre.returncode == 0, pre.stderr
+    assert "24 (16 desirable, 8 undesirable)" in pre.stdout
+    for name, beta in (("a", "0.1"), ("b", "0.5")):
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kto_pipeline",
+                "train",
+                "--cache",
+                str(tmp_path / "cache"),
+                "--output-dir",
+                str(tmp_path / name),
+                "--beta",
+                beta,
+                "--max-steps",
+                "2",
+                "--per-device-train-batch-size",
+                "4",
+                "--logging-steps",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert run.returncode == 0, run.stderr
+        assert len((tmp_path / name / "metrics.jsonl").read_text().splitlines()) == 2
+        assert json.loads((tmp_path / name / "run_config.json").read_text())["beta"] == float(beta)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kto_pipeline",
+            "train",
+            "--cache",
+            str(tmp_path / "nope"),
+            "--output-dir",
+            str(tmp_path / "c"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr and "no such directory" in bad.stderr
+
+
+@pytest.mark.slow
+def test_demo_learns(tmp_path):
+    from kto_pipeline.demo import run_demo
+
+    summary = run_demo(tmp_path / "demo")
+    assert summary["margin_end"] > summary["margin_start"] + 1.0
+    assert summary["heldout_accuracy_after"] > 0.7
