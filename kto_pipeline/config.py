@@ -149,6 +149,7 @@ class TrainConfig(_ConfigMixin):
         ),
     )
     overwrite_output_dir: bool = field(default=False, **_help("Allow writing into a non-empty --output-dir."))
+    trust_remote_code: bool = field(default=False, **_help("Allow models and tokenizers that run their own code."))
 
     def __post_init__(self) -> None:
         _check(self.beta > 0, "beta", f"must be > 0, got {self.beta}")

@@ -163,6 +163,10 @@ def precompute(config: PrecomputeConfig) -> Path:
 
     started = time.perf_counter()
     out = Path(config.output)
+    # A local model is recorded by absolute path, so `train` finds it from any working directory.
+    model_id = (
+        str(Path(config.model).expanduser().resolve()) if Path(config.model).expanduser().exists() else config.model
+    )
     _check_output(out)
     device = PartialState().device
 
@@ -182,7 +186,7 @@ def precompute(config: PrecomputeConfig) -> Path:
     partner_pos = assign_kl_partners(n, config.seed)  # positions into the kept rows
 
     fingerprint = {
-        "model": config.model,
+        "model": model_id,
         "model_revision": config.revision,
         "model_hash": model_weights_hash(model),
         "tokenizer_hash": tokenizer_hash(tokenizer),
@@ -222,13 +226,13 @@ def precompute(config: PrecomputeConfig) -> Path:
         "tool": {"name": "kto-pipeline", "version": __version__},
         "complete": False,
         "reference_model": {
-            "name_or_path": config.model,
+            "name_or_path": model_id,
             "revision": config.revision,
             "weights_hash": fingerprint["model_hash"],
             "architecture": type(model).__name__,
         },
         "tokenizer": {
-            "name_or_path": config.model,
+            "name_or_path": model_id,
             "hash": fingerprint["tokenizer_hash"],
             "eos_token": tokenizer.eos_token,
             "pad_token_id": tokenizer.pad_token_id,

@@ -268,6 +268,7 @@ def train(config: TrainConfig) -> TrainResult:
             f"cache with --max-length {max_length}."
         )
     model_name = config.model or manifest["reference_model"]["name_or_path"]
+    revision = None if config.model else manifest["reference_model"].get("revision")
 
     bf16 = config.bf16 if config.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     accelerator = Accelerator(
@@ -276,13 +277,10 @@ def train(config: TrainConfig) -> TrainResult:
     )
     set_seed(config.seed)
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        config.save(out / RUN_CONFIG_FILE)
-        (out / METRICS_FILE).write_text("")
         print(f"kto-pipeline train {__version__}\n{config.describe()}", flush=True)
 
     # --- the policy (and only the policy), with the cache's tokenizer
-    tokenizer = load_tokenizer(model_name)
+    tokenizer = load_tokenizer(model_name, revision, config.trust_remote_code)
     if tokenizer_hash(tokenizer) != manifest["tokenizer"]["hash"]:
         raise KTOPipelineError(
             f"the tokenizer of --model {model_name} differs from the one the cache was made with "
@@ -290,7 +288,7 @@ def train(config: TrainConfig) -> TrainResult:
             "would not mean the same thing. Train a model that shares the cache's tokenizer, or precompute a "
             "new cache with this model."
         )
-    model = load_model(model_name, torch.float32)
+    model = load_model(model_name, torch.float32, revision, config.trust_remote_code)
     model.config.use_cache = False
     _disable_dropout(model)
 
@@ -309,6 +307,11 @@ def train(config: TrainConfig) -> TrainResult:
     if warning and accelerator.is_main_process:
         logger.warning(warning)
         print(f"warning: {warning}", flush=True)
+    # Outputs are created only once every check has passed, so a refused run leaves nothing behind.
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        config.save(out / RUN_CONFIG_FILE)
+        (out / METRICS_FILE).write_text("")
     sampler = EpochSampler(len(rows), config.seed, shuffle=config.train_sampling_strategy == "random")
     loader = DataLoader(
         rows,
@@ -343,7 +346,7 @@ def train(config: TrainConfig) -> TrainResult:
     needs_kl = config.loss_type == "kto"
     log = MetricLog()
     history: list[dict[str, float]] = []
-    global_step, grad_norm = 0, float("nan")
+    global_step, grad_norm, fractional_epoch = 0, None, 0.0
     bar = tqdm(total=total_steps, desc="train", unit="step", disable=not accelerator.is_local_main_process)
     started = time.perf_counter()
     scorer.train()
@@ -399,7 +402,7 @@ def train(config: TrainConfig) -> TrainResult:
                 record.update(
                     {
                         "learning_rate": learning_rate,
-                        "grad_norm": grad_norm,
+                        **({"grad_norm": grad_norm} if grad_norm is not None else {}),
                         "epoch": round(fractional_epoch, 4),
                         "step": global_step,
                     }
@@ -423,7 +426,7 @@ def train(config: TrainConfig) -> TrainResult:
     accelerator.wait_for_everyone()
     state = {
         "global_step": global_step,
-        "epoch": epoch,
+        "epoch": fractional_epoch,
         "log_history": history,
         "train_seconds": round(time.perf_counter() - started, 3),
     }
