@@ -153,7 +153,7 @@ def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
 
 def check_cache(cache_dir: str | Path, manifest: dict[str, Any], full: bool = False) -> list[str]:
     """Problems with a cache, cheapest checks first: completeness, files, sizes, schema, row counts;
-    with `full`, also every shard's sha256. An empty list means the cache is sound."""
+    with `full`, also every shard's sha256 and the KL partner ids. An empty list means the cache is sound."""
     cache_dir = Path(cache_dir)
     problems = []
     if not manifest.get("complete"):
@@ -183,6 +183,31 @@ def check_cache(cache_dir: str | Path, manifest: dict[str, Any], full: bool = Fa
             problems.append(f"{shard['file']}: {rows} rows, the manifest says {shard['rows']}")
         if full and sha256_file(path) != shard["sha256"]:
             problems.append(f"{shard['file']}: sha256 differs from the manifest (the file was altered or corrupted)")
+    if full and not problems:
+        problems += _check_kl_partners(cache_dir, manifest)
+    return problems
+
+
+def _check_kl_partners(cache_dir: Path, manifest: dict[str, Any]) -> list[str]:
+    """Every kl_example_id must name a row of the cache, and never the row itself."""
+    import numpy as np
+
+    ids, partners = [], []
+    for shard in manifest["shards"]:
+        with pa.memory_map(str(cache_dir / shard["file"])) as source:
+            table = pa.ipc.open_stream(source).read_all()
+            ids.append(table.column("example_id").to_numpy())
+            partners.append(table.column("kl_example_id").to_numpy())
+    if not ids:
+        return []
+    ids, partners = np.concatenate(ids), np.concatenate(partners)
+    problems = []
+    unknown = partners[~np.isin(partners, ids)]
+    if len(unknown):
+        problems.append(f"{len(unknown)} kl_example_id values name no row of the cache (e.g. {unknown[:3].tolist()})")
+    own = ids[partners == ids]
+    if len(own):
+        problems.append(f"{len(own)} rows are their own KL partner (e.g. example_id {own[:3].tolist()})")
     return problems
 
 

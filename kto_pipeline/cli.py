@@ -80,6 +80,7 @@ def train(
     train_sampling_strategy: Annotated[str, typer.Option(help=_t("train_sampling_strategy"))] = "random",
     overwrite_output_dir: Annotated[bool, typer.Option(help=_t("overwrite_output_dir"))] = False,
     trust_remote_code: Annotated[bool, typer.Option(help=_t("trust_remote_code"))] = False,
+    verify: Annotated[bool, typer.Option(help=_t("verify"))] = False,
 ) -> None:
     """Stage 2: train the policy against a cache (no reference model in memory)."""
     config = TrainConfig(**locals())

@@ -150,6 +150,10 @@ class TrainConfig(_ConfigMixin):
     )
     overwrite_output_dir: bool = field(default=False, **_help("Allow writing into a non-empty --output-dir."))
     trust_remote_code: bool = field(default=False, **_help("Allow models and tokenizers that run their own code."))
+    verify: bool = field(
+        default=False,
+        **_help("Check every shard's sha256 before training (reads the whole cache once). Cheap checks always run."),
+    )
 
     def __post_init__(self) -> None:
         _check(self.beta > 0, "beta", f"must be > 0, got {self.beta}")

@@ -25,6 +25,7 @@ from kto_pipeline.cache import (
     SHARD_DIR,
     model_weights_hash,
     read_manifest,
+    sha256_file,
     tokenizer_hash,
     write_manifest,
     write_shard,
@@ -156,6 +157,18 @@ def _fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [f"{k}: cache has {old.get(k)!r}, this run has {v!r}" for k, v in new.items() if old.get(k) != v]
 
 
+def _finished_shards(out: Path, shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading shards of an interrupted run that are intact (present, same sha256): resume after them."""
+    good = []
+    for shard in shards:
+        path = out / shard["file"]
+        if not path.exists() or sha256_file(path) != shard["sha256"]:
+            print(f"{shard['file']} is missing or altered: it and the shards after it are computed again")
+            break
+        good.append(shard)
+    return good
+
+
 def precompute(config: PrecomputeConfig) -> Path:
     """Score every row and its KL partner with the reference model and write the cache at `config.output`."""
     from accelerate import PartialState
@@ -216,8 +229,13 @@ def precompute(config: PrecomputeConfig) -> Path:
             shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
             (out / MANIFEST).unlink()
         else:
-            done_shards = old["shards"]
+            done_shards = _finished_shards(out, old["shards"])
             print(f"resuming: {len(done_shards)} finished shards found in {out}")
+    # Half-written shards of a killed run, and shards past the intact ones, are not part of the cache.
+    keep = {s["file"] for s in done_shards}
+    for leftover in out.glob(f"{SHARD_DIR}/*"):
+        if f"{SHARD_DIR}/{leftover.name}" not in keep:
+            leftover.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
     labels = np.array(tok.labels)

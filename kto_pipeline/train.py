@@ -257,7 +257,7 @@ def train(config: TrainConfig) -> TrainResult:
     _check_output_dir(out, config.overwrite_output_dir)
 
     # --- the cache: cheap checks always (complete, files, sizes, row counts, schema)
-    cache = open_cache(config.cache)
+    cache = open_cache(config.cache, verify=config.verify)
     manifest = cache.manifest
     cached_max = manifest["settings"]["max_length"]
     max_length = config.max_length or cached_max
@@ -271,6 +271,12 @@ def train(config: TrainConfig) -> TrainResult:
     revision = None if config.model else manifest["reference_model"].get("revision")
 
     bf16 = config.bf16 if config.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    # accelerate keeps one global state per process; reset it (not the process group) so that several runs
+    # in one process (a sweep through the Python API) may each choose their own precision.
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
     accelerator = Accelerator(
         mixed_precision="bf16" if bf16 else "no",
         gradient_accumulation_steps=config.gradient_accumulation_steps,
