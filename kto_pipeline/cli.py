@@ -80,6 +80,11 @@ def train(
     train_sampling_strategy: Annotated[str, typer.Option(help=_t("train_sampling_strategy"))] = "random",
     overwrite_output_dir: Annotated[bool, typer.Option(help=_t("overwrite_output_dir"))] = False,
     trust_remote_code: Annotated[bool, typer.Option(help=_t("trust_remote_code"))] = False,
+    fp16: Annotated[bool, typer.Option(help=_t("fp16"))] = False,
+    gradient_checkpointing: Annotated[bool, typer.Option(help=_t("gradient_checkpointing"))] = False,
+    save_total_limit: Annotated[int | None, typer.Option(help=_t("save_total_limit"))] = None,
+    resume: Annotated[bool, typer.Option(help=_t("resume"))] = False,
+    resume_from: Annotated[str | None, typer.Option(help=_t("resume_from"))] = None,
     verify: Annotated[bool, typer.Option(help=_t("verify"))] = False,
 ) -> None:
     """Stage 2: train the policy against a cache (no reference model in memory)."""

@@ -150,6 +150,13 @@ class TrainConfig(_ConfigMixin):
     )
     overwrite_output_dir: bool = field(default=False, **_help("Allow writing into a non-empty --output-dir."))
     trust_remote_code: bool = field(default=False, **_help("Allow models and tokenizers that run their own code."))
+    fp16: bool = field(default=False, **_help("fp16 mixed precision (CUDA GPUs only)."))
+    gradient_checkpointing: bool = field(
+        default=False, **_help("Recompute activations in the backward pass: less memory, about 30% more compute.")
+    )
+    save_total_limit: int | None = field(default=None, **_help("Keep only the newest N checkpoints."))
+    resume: bool = field(default=False, **_help("Resume from the newest checkpoint in --output-dir."))
+    resume_from: str | None = field(default=None, **_help("Resume from this checkpoint directory."))
     verify: bool = field(
         default=False,
         **_help("Check every shard's sha256 before training (reads the whole cache once). Cheap checks always run."),
@@ -191,6 +198,8 @@ class TrainConfig(_ConfigMixin):
         _check(self.max_length is None or self.max_length >= 2, "max_length", "must be at least 2")
         _check(self.logging_steps >= 1, "logging_steps", f"must be at least 1, got {self.logging_steps}")
         _check(self.save_steps >= 0, "save_steps", f"must be >= 0, got {self.save_steps}")
+        _check(not (self.fp16 and self.bf16), "fp16", "choose one of --fp16 and --bf16")
+        _check(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be >= 1")
         _check(
             self.train_sampling_strategy in SAMPLING,
             "train_sampling_strategy",

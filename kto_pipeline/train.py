@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -30,6 +29,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from kto_pipeline import __version__
 from kto_pipeline.cache import CacheTable, open_cache, tokenizer_hash
+from kto_pipeline.checkpoint import (
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    save_model,
+    skip_model_weights_in_accelerate_state,
+)
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.logprobs import score_sequences
@@ -95,7 +101,8 @@ class EpochSampler(Sampler[int]):
     def __iter__(self):
         if not self.shuffle:
             return iter(range(self.n))
-        return iter(np.random.default_rng([self.seed, self.epoch]).permutation(self.n).tolist())
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)  # 8 bytes a row, not a list
+        return (int(i) for i in order)
 
 
 def _pad(seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> dict[str, torch.Tensor]:
@@ -222,41 +229,29 @@ class TrainResult:
     metrics: list[dict[str, float]]
 
 
-def _save(accelerator, scorer, tokenizer, path: Path, config: TrainConfig, state: dict) -> None:
-    """Save model + tokenizer (+ run config and state) atomically: write to a temp dir, then rename."""
-    if not accelerator.is_main_process:
-        return
-    tmp = path.with_name(f".{path.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model = accelerator.unwrap_model(scorer).model
-    model.config.kto_pipeline_run = config.to_dict()  # the run's settings travel with the weights
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
-    if path.exists() and path.is_dir() and path.name.startswith("checkpoint-"):
-        shutil.rmtree(path)
-    if path.name.startswith("checkpoint-"):
-        tmp.rename(path)
-    else:  # the output dir itself: move files in (it also holds metrics and the run config)
-        for item in tmp.iterdir():
-            target = path / item.name
-            if target.is_dir():
-                shutil.rmtree(target)
-            item.replace(target)
-        tmp.rmdir()
+def _resolve_precision(config: TrainConfig) -> str:
+    if config.fp16:
+        if not torch.cuda.is_available():
+            raise KTOPipelineError("--fp16 needs a CUDA GPU; on CPU use --bf16 or full precision (--no-bf16).")
+        return "fp16"
+    bf16 = config.bf16 if config.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    return "bf16" if bf16 else "no"
 
 
 def train(config: TrainConfig) -> TrainResult:
     """Train a policy on a reference cache; writes metrics, checkpoints and the final model to `output_dir`."""
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import gather_object, set_seed
     from tqdm.auto import tqdm
     from transformers import get_scheduler
 
     out = Path(config.output_dir)
-    _check_output_dir(out, config.overwrite_output_dir)
+    resume_dir = resolve_resume(out, config.resume, config.resume_from)
+    if resume_dir is None:
+        _check_output_dir(out, config.overwrite_output_dir)
 
-    # --- the cache: cheap checks always (complete, files, sizes, row counts, schema)
+    # --- the cache: cheap checks always (complete, files, sizes, row counts, schema); sha256 with --verify
     cache = open_cache(config.cache, verify=config.verify)
     manifest = cache.manifest
     cached_max = manifest["settings"]["max_length"]
@@ -270,17 +265,15 @@ def train(config: TrainConfig) -> TrainResult:
     model_name = config.model or manifest["reference_model"]["name_or_path"]
     revision = None if config.model else manifest["reference_model"].get("revision")
 
-    bf16 = config.bf16 if config.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     # accelerate keeps one global state per process; reset it (not the process group) so that several runs
     # in one process (a sweep through the Python API) may each choose their own precision.
-    from accelerate.state import AcceleratorState, GradientState
-
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
     accelerator = Accelerator(
-        mixed_precision="bf16" if bf16 else "no",
+        mixed_precision=_resolve_precision(config),
         gradient_accumulation_steps=config.gradient_accumulation_steps,
     )
+    skip_model_weights_in_accelerate_state(accelerator)
     set_seed(config.seed)
     if accelerator.is_main_process:
         print(f"kto-pipeline train {__version__}\n{config.describe()}", flush=True)
@@ -297,8 +290,11 @@ def train(config: TrainConfig) -> TrainResult:
     model = load_model(model_name, torch.float32, revision, config.trust_remote_code)
     model.config.use_cache = False
     _disable_dropout(model)
+    if config.gradient_checkpointing:
+        # recompute each layer's activations in the backward instead of keeping them
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    # --- data
+    # --- data: each process reads a disjoint part of every global batch from the memory-mapped cache
     rows = CacheRows(cache, max_length)
     if len(rows) < config.per_device_train_batch_size * accelerator.num_processes:
         raise KTOPipelineError(
@@ -313,11 +309,6 @@ def train(config: TrainConfig) -> TrainResult:
     if warning and accelerator.is_main_process:
         logger.warning(warning)
         print(f"warning: {warning}", flush=True)
-    # Outputs are created only once every check has passed, so a refused run leaves nothing behind.
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        config.save(out / RUN_CONFIG_FILE)
-        (out / METRICS_FILE).write_text("")
     sampler = EpochSampler(len(rows), config.seed, shuffle=config.train_sampling_strategy == "random")
     loader = DataLoader(
         rows,
@@ -346,20 +337,37 @@ def train(config: TrainConfig) -> TrainResult:
         num_warmup_steps=math.ceil(config.warmup_ratio * total_steps),
         num_training_steps=total_steps,
     )
-    # The scheduler is stepped once per optimizer step by hand, so it is not given to accelerate.
+    # Stepped by hand once per optimizer step (not handed to accelerate), but saved with its state.
+    accelerator.register_for_checkpointing(scheduler)
+
+    # --- where to start: from scratch, or from a checkpoint (weights, optimizer, scheduler, RNG, data position)
+    log = MetricLog()
+    history: list[dict[str, float]] = []
+    global_step, epoch, skip_batches, fractional_epoch = 0, 0, 0, 0.0
+    if resume_dir is not None:
+        state = load_checkpoint(accelerator, scorer, resume_dir)
+        global_step, epoch, skip_batches = state["global_step"], state["epoch_index"], state["batches_in_epoch"]
+        fractional_epoch, history = state["epoch"], state["log_history"]
+        log.values.update(state.get("pending_metrics", {}))
+        if accelerator.is_main_process:
+            print(f"resuming from {resume_dir} at step {global_step}", flush=True)
+    if accelerator.is_main_process:  # outputs are created only once every check has passed
+        out.mkdir(parents=True, exist_ok=True)
+        config.save(out / RUN_CONFIG_FILE)
+        (out / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in history))
 
     # --- the loop
     needs_kl = config.loss_type == "kto"
-    log = MetricLog()
-    history: list[dict[str, float]] = []
-    global_step, grad_norm, fractional_epoch = 0, None, 0.0
-    bar = tqdm(total=total_steps, desc="train", unit="step", disable=not accelerator.is_local_main_process)
+    grad_norm = None
+    bar = tqdm(
+        total=total_steps, initial=global_step, desc="train", unit="step", disable=not accelerator.is_local_main_process
+    )
     started = time.perf_counter()
     scorer.train()
-    epoch = 0
     while global_step < total_steps:
         sampler.set_epoch(epoch)
-        for micro_step, batch in enumerate(loader):
+        batches = accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
+        for micro_step, batch in enumerate(batches, start=skip_batches):
             with accelerator.accumulate(scorer):
                 if needs_kl:
                     with torch.no_grad():
@@ -367,7 +375,7 @@ def train(config: TrainConfig) -> TrainResult:
                             batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"]
                         )
                     kl_local = (kl_scores.logps - batch["ref_kl_logp"]).mean().detach()
-                    z0 = accelerator.gather(kl_local.reshape(1)).mean().clamp(min=0)
+                    z0 = accelerator.gather(kl_local.reshape(1)).mean().clamp(min=0)  # over the global batch
                 else:
                     z0 = torch.zeros((), device=accelerator.device)
                 scores = scorer(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
@@ -381,11 +389,12 @@ def train(config: TrainConfig) -> TrainResult:
                     desirable_weight=config.desirable_weight,
                     undesirable_weight=config.undesirable_weight,
                 )
-                if not torch.isfinite(loss):
-                    ids = batch["example_id"].tolist()
+                # every process must take the same branch, or the others would wait forever in a collective
+                if not torch.isfinite(accelerator.gather(loss.detach().reshape(1))).all():
+                    ids = sorted(gather_object(batch["example_id"].tolist()))
                     raise KTOPipelineError(
-                        f"non-finite loss ({loss.item()}) at step {global_step + 1}, batch example ids {ids}. "
-                        "Lower --learning-rate or check these rows; the last checkpoint is intact."
+                        f"non-finite loss at step {global_step + 1}, batch example ids {ids}. Lower "
+                        "--learning-rate or check these rows; the last checkpoint is intact."
                     )
                 for name, value in batch_metrics(
                     accelerator, loss, z0, batch["label"], scores.logps, rewards, scores
@@ -421,24 +430,36 @@ def train(config: TrainConfig) -> TrainResult:
                     f"loss {record['loss']:.4f} margin {record.get('rewards/margins', float('nan')):.4f}"
                 )
             if config.save_steps and global_step % config.save_steps == 0 and global_step < total_steps:
-                accelerator.wait_for_everyone()
-                state = {"global_step": global_step, "epoch": fractional_epoch, "log_history": history}
-                _save(accelerator, scorer, tokenizer, out / f"checkpoint-{global_step}", config, state)
+                epoch_done = micro_step + 1 == len(loader)
+                state = {
+                    "global_step": global_step,
+                    "epoch": fractional_epoch,
+                    "epoch_index": epoch + 1 if epoch_done else epoch,
+                    "batches_in_epoch": 0 if epoch_done else micro_step + 1,
+                    "log_history": history,
+                    "pending_metrics": dict(log.values),
+                }
+                save_checkpoint(
+                    accelerator, scorer, tokenizer, out, global_step, state, config.to_dict(), config.save_total_limit
+                )
             if global_step >= total_steps:
                 break
+        skip_batches = 0
         epoch += 1
     bar.close()
 
     accelerator.wait_for_everyone()
+    save_model(accelerator, scorer, tokenizer, out, config.to_dict())
     state = {
         "global_step": global_step,
         "epoch": fractional_epoch,
         "log_history": history,
         "train_seconds": round(time.perf_counter() - started, 3),
     }
-    _save(accelerator, scorer, tokenizer, out, config, state)
     if accelerator.is_main_process:
+        (out / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
         print(f"train finished: {global_step} steps in {state['train_seconds']:.1f} s; model in {out.resolve()}")
+    accelerator.wait_for_everyone()
     return TrainResult(output_dir=out, global_step=global_step, metrics=history)
 
 

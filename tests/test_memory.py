@@ -1,20 +1,31 @@
 """Peak memory of `train` does not grow with the cache's row count.
 
-The cache is memory-mapped and only the rows of each batch are read, so a run over 50,000 rows needs
-no more memory than one over 2,000 rows: same model, same steps, same row lengths. The two caches are
-synthesized from a real (small) precompute cache by replicating its rows, shard by shard.
+The cache is memory-mapped and only the rows of each batch are read, so training on 50,000 rows needs
+no more memory than on 2,000 rows: same model, same 5 steps of 4 rows, same row lengths (512 tokens).
+Both caches are synthesized, shard by shard, from a real precompute cache by replicating its rows.
 
-Measured on 2 CPU cores (peak RSS of the `train` process, MiB): 2,000 rows (15 MB cache) and
-50,000 rows (383 MB cache) both peak near 700 MiB; the difference is a few MiB. See the printed
-numbers (pytest -s) for the current machine.
+What is compared is the peak *anonymous* RSS of the `train` process (heap: Python objects, tensors,
+Arrow buffers it allocates), polled from outside every ~2 ms. Total peak RSS (ru_maxrss) also counts
+the clean, file-backed pages of the memory-mapped shards that the process touched; the kernel maps
+those in whole page-cache folios (on Linux 6.18/ext4 one read byte maps 512 KiB), so reading the 20
+rows of 5 steps maps ~85 MiB of a 363 MiB cache but all 14.5 MiB of a small one. That part grows with
+the rows read (up to the file size), is reclaimable page cache, and is reported but not bounded here.
+
+Measured on 2 CPU cores (MiB, peak anonymous / peak total RSS):
+    2,000 rows, 14.5 MiB cache:  343 / 501
+   50,000 rows, 362.8 MiB cache: 348 / 591   -> anonymous growth ~5 MiB (limit 36 MiB)
+A train that copied the cache into memory (e.g. `table.take(all rows)` in CacheRows) measured
+382 / 526 vs 954 / 1405, so this test catches it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -47,13 +58,7 @@ try:
     code = 0
 except SystemExit as exc:
     code = exc.code if isinstance(exc.code, int) else 1
-status = {}
-with open("/proc/self/status") as f:
-    for line in f:
-        key, _, value = line.partition(":")
-        if key in ("RssAnon", "RssFile", "RssShmem"):
-            status[key] = int(value.split()[0]) / 1024
-print(json.dumps({"code": code, "baseline_mib": baseline, "peak_mib": peak_mib(), **status}))
+print(json.dumps({"code": code, "baseline_mib": baseline, "peak_mib": peak_mib()}))
 """
 
 
@@ -109,24 +114,56 @@ def synthesize_cache(real: Path, out: Path, n_rows: int) -> int:
     return sum(s["bytes"] for s in shards)
 
 
-def measure_train(cache: Path, output_dir: Path) -> dict:
-    """Peak RSS of a `train` run of 5 steps at batch size 4 and the cache's own max length."""
+def _rss_kib(pid: int) -> dict[str, int]:
+    """The child's current RSS split (KiB): anonymous, file-backed; empty once it has exited."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    return {k: int(fields[k].split()[0]) for k in ("VmRSS", "RssAnon", "RssFile") if k in fields}
+
+
+def measure_train(cache: Path, output_dir: Path) -> dict[str, float]:
+    """Run `train` (5 steps, batch size 4, the cache's own max length) in a child process and return
+    its peak RSS (the kernel's ru_maxrss) and, polled from outside every ~2 ms, its peak anonymous
+    and peak file-backed RSS, in MiB."""
     args = ["train", "--cache", str(cache), "--output-dir", str(output_dir), "--max-steps", "5"]
     args += ["--per-device-train-batch-size", "4", "--logging-steps", "5"]
-    proc = subprocess.run(
-        [sys.executable, "-c", _MEASURE, *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "TQDM_DISABLE": "1"},
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["code"] == 0, proc.stderr[-3000:]
-    assert "train finished: 5 steps" in proc.stdout, proc.stdout[-3000:]
+    log = output_dir.with_name(output_dir.name + ".log")
+    peak = {"RssAnon": 0, "RssFile": 0}
+    with open(log, "w+") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _MEASURE, *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "TQDM_DISABLE": "1"},
+        )
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            for key, value in _rss_kib(proc.pid).items():
+                if key in peak:
+                    peak[key] = max(peak[key], value)
+            time.sleep(0.002)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    text = log.read_text()
+    assert peak["RssAnon"] > 0, "could not read the child's /proc/PID/status"
+    assert proc.returncode == 0, text[-3000:]
+    result = json.loads(text.strip().splitlines()[-1])
+    assert result["code"] == 0, text[-3000:]
+    assert "train finished: 5 steps" in text, text[-3000:]
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics] == [5] and np.isfinite(metrics[0]["loss"])
-    return result
+    return {
+        "peak_rss_mib": round(result["peak_mib"], 1),
+        "peak_anon_mib": round(peak["RssAnon"] / 1024, 1),
+        "peak_file_mib": round(peak["RssFile"] / 1024, 1),
+        "after_imports_mib": round(result["baseline_mib"], 1),
+    }
 
 
 @pytest.mark.slow
@@ -140,6 +177,14 @@ def test_train_peak_memory_does_not_grow_with_cache_rows(tmp_path, tiny_model_di
         )
     )
     small, big = tmp_path / "small", tmp_path / "big"
+    try:
+        _compare(real, small, big, tmp_path)
+    finally:  # the big cache is several hundred MB: never leave it behind
+        shutil.rmtree(small, ignore_errors=True)
+        shutil.rmtree(big, ignore_errors=True)
+
+
+def _compare(real: Path, small: Path, big: Path, tmp_path: Path) -> None:
     small_bytes = synthesize_cache(real, small, SMALL_ROWS)
     big_bytes = synthesize_cache(real, big, BIG_ROWS)
     # The synthesized caches pass every check, checksums and KL partner ids included.
@@ -151,11 +196,14 @@ def test_train_peak_memory_does_not_grow_with_cache_rows(tmp_path, tiny_model_di
 
     small_run = measure_train(small, tmp_path / "run-small")
     big_run = measure_train(big, tmp_path / "run-big")
-    growth = big_run["peak_mib"] - small_run["peak_mib"]
+    anon_growth = big_run["peak_anon_mib"] - small_run["peak_anon_mib"]
+    limit = 0.1 * big_bytes / MIB
     report = (
-        f"cache {SMALL_ROWS} rows = {small_bytes / MIB:.1f} MiB: {small_run}\n"
-        f"cache {BIG_ROWS} rows = {big_bytes / MIB:.1f} MiB: {big_run}\n"
-        f"peak RSS growth {growth:.1f} MiB, limit {0.1 * big_bytes / MIB:.1f} MiB (10% of the big cache)"
+        f"{SMALL_ROWS} rows, cache {small_bytes / MIB:.1f} MiB: {small_run}\n"
+        f"{BIG_ROWS} rows, cache {big_bytes / MIB:.1f} MiB: {big_run}\n"
+        f"peak anonymous RSS growth {anon_growth:.1f} MiB (limit {limit:.1f} MiB = 10% of the big cache); "
+        f"peak total RSS growth {big_run['peak_rss_mib'] - small_run['peak_rss_mib']:.1f} MiB, "
+        f"peak file-backed RSS growth {big_run['peak_file_mib'] - small_run['peak_file_mib']:.1f} MiB"
     )
     print("\n" + report)
-    assert growth < 0.1 * big_bytes / MIB, report
+    assert anon_growth < limit, report
