@@ -95,22 +95,23 @@ def resolve_resume(out: Path, resume: bool, resume_from: str | None) -> Path | N
 
 def load_checkpoint(accelerator, module, path: Path) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler and RNG states from `path`; returns its trainer state."""
-    from transformers.modeling_utils import load_sharded_checkpoint
+    from safetensors.torch import load_file
 
     model = accelerator.unwrap_model(module).model
-    if (path / "model.safetensors.index.json").exists():
-        load_sharded_checkpoint(model, str(path), strict=True)
-    else:
-        from safetensors.torch import load_file
-
-        weights = load_file(str(path / "model.safetensors"))
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        tied = set(getattr(model, "all_tied_weights_keys", None) or {}) | set(
-            getattr(model, "_tied_weights_keys", None) or []
+    index = path / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
+    weights = {}
+    for name in files:  # save_pretrained shards big models into several files
+        weights.update(load_file(str(path / name)))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {}) | set(
+        getattr(model, "_tied_weights_keys", None) or []
+    )
+    if unexpected or any(k not in tied for k in missing):
+        raise KTOPipelineError(
+            f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})."
         )
-        if unexpected or any(k not in tied for k in missing):
-            raise KTOPipelineError(
-                f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})."
-            )
     accelerator.load_state(str(path / ACCELERATE_STATE))
     return json.loads((path / STATE_FILE).read_text())

@@ -172,6 +172,7 @@ def _finished_shards(out: Path, shards: list[dict[str, Any]]) -> list[dict[str, 
 def precompute(config: PrecomputeConfig) -> Path:
     """Score every row and its KL partner with the reference model and write the cache at `config.output`."""
     from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
@@ -181,9 +182,12 @@ def precompute(config: PrecomputeConfig) -> Path:
         str(Path(config.model).expanduser().resolve()) if Path(config.model).expanduser().exists() else config.model
     )
     _check_output(out)
-    device = PartialState().device
+    # One process, or one per device under `accelerate launch` / torchrun (ACCELERATE_USE_CPU=1: CPU + gloo).
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    device = state.device
 
-    print(f"kto-pipeline precompute {__version__}\n{config.describe()}", flush=True)
+    if state.is_main_process:
+        print(f"kto-pipeline precompute {__version__}\n{config.describe()}", flush=True)
     tokenizer = load_tokenizer(config.model, config.revision, config.trust_remote_code)
     dtype = resolve_dtype(config.dtype, device)
     model = load_model(config.model, dtype, config.revision, config.trust_remote_code)
@@ -201,42 +205,31 @@ def precompute(config: PrecomputeConfig) -> Path:
     fingerprint = {
         "model": model_id,
         "model_revision": config.revision,
-        "model_hash": model_weights_hash(model),
+        "model_hash": model_weights_hash(model) if state.is_main_process else None,
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "dataset": config.dataset,
         "dataset_config": config.dataset_config,
         "split": config.split,
-        "dataset_hash": content_hash(config.dataset, source),
+        "dataset_hash": content_hash(config.dataset, source) if state.is_main_process else None,
         "max_length": config.max_length,
         "dtype": str(dtype).removeprefix("torch."),
         "kl_seed": config.seed,
         "shard_size": config.shard_size,
     }
-    done_shards: list[dict[str, Any]] = []
-    if (out / MANIFEST).exists():
-        old = read_manifest(out)
-        diff = _fingerprint_diff(old.get("fingerprint", {}), fingerprint)
-        if not diff and old.get("complete"):
-            print(f"{out} already holds a complete cache of this model, tokenizer, data and settings: nothing to do.")
-            return out
-        if diff and not config.overwrite:
-            raise KTOPipelineError(
-                f"--output {out} holds a cache made with other inputs or settings:\n  - "
-                + "\n  - ".join(diff)
-                + "\nPass --overwrite to replace it, or choose another --output."
-            )
-        if diff:
-            shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
-            (out / MANIFEST).unlink()
-        else:
-            done_shards = _finished_shards(out, old["shards"])
-            print(f"resuming: {len(done_shards)} finished shards found in {out}")
-    # Half-written shards of a killed run, and shards past the intact ones, are not part of the cache.
-    keep = {s["file"] for s in done_shards}
-    for leftover in out.glob(f"{SHARD_DIR}/*"):
-        if f"{SHARD_DIR}/{leftover.name}" not in keep:
-            leftover.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    # The main process decides what to do with what is already in --output; the others follow.
+    plan: list[dict[str, Any]] = [{}]
+    if state.is_main_process:
+        try:
+            plan = [_plan_output(out, fingerprint, config.overwrite)]
+        except KTOPipelineError as exc:
+            plan = [{"error": str(exc)}]
+    if state.num_processes > 1:
+        broadcast_object_list(plan)
+    if "error" in plan[0]:
+        raise KTOPipelineError(plan[0]["error"])
+    if plan[0]["nothing_to_do"]:
+        return out
+    done_shards = plan[0]["done_shards"]
 
     labels = np.array(tok.labels)
     manifest: dict[str, Any] = {
@@ -273,29 +266,43 @@ def precompute(config: PrecomputeConfig) -> Path:
         "fingerprint": fingerprint,
         "shards": done_shards,
     }
-    write_manifest(out, manifest)
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        write_manifest(out, manifest)
+    state.wait_for_everyone()
 
+    # Shards are handed out in rounds: in round r, process k scores shard r * N + k. After each round the
+    # main process records the finished shards, so the manifest always lists a complete prefix of them
+    # and the shard layout (which rows go where) does not depend on the number of processes.
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     num_shards = (n + config.shard_size - 1) // config.shard_size
-    tokens_scored = 0
-    rows_scored = 0
+    tokens_scored = rows_scored = 0
     t0 = time.perf_counter()
-    bar = tqdm(total=n, initial=sum(s["rows"] for s in done_shards), unit="row", desc="reference pass")
+    bar = tqdm(
+        total=n,
+        initial=sum(s["rows"] for s in done_shards),
+        unit="row",
+        desc="reference pass",
+        disable=not state.is_main_process,
+    )
     try:
-        for shard_index in range(len(done_shards), num_shards):
-            positions = range(shard_index * config.shard_size, min(n, (shard_index + 1) * config.shard_size))
-            shard = _score_rows(model, tok, partner_pos, positions, config, pad_id, device)
-            manifest["shards"].append(write_shard(out, shard_index, shard))
-            write_manifest(out, manifest)
-            rows_scored += len(positions)
-            tokens_scored += sum(
-                len(p) + len(c) for p, c in zip(shard["prompt_ids"], shard["completion_ids"], strict=True)
-            )
-            tokens_scored += sum(
-                len(p) + len(c) for p, c in zip(shard["prompt_ids"], shard["kl_completion_ids"], strict=True)
-            )
+        for first in range(len(done_shards), num_shards, state.num_processes):
+            shard_index = first + state.process_index
+            entry, stats = None, (0, 0)
+            if shard_index < num_shards:
+                positions = range(shard_index * config.shard_size, min(n, (shard_index + 1) * config.shard_size))
+                shard = _score_rows(model, tok, partner_pos, positions, config, pad_id, device)
+                entry = write_shard(out, shard_index, shard)
+                stats = (len(positions), _count_tokens(shard))
+            entries = gather_object([(entry, stats)]) if state.num_processes > 1 else [(entry, stats)]
+            finished = sorted((e for e, _ in entries if e is not None), key=lambda e: e["file"])
+            rows_scored += sum(r for _, (r, _) in entries)
+            tokens_scored += sum(t for _, (_, t) in entries)
+            if state.is_main_process:
+                manifest["shards"].extend(finished)
+                write_manifest(out, manifest)
             elapsed = max(time.perf_counter() - t0, 1e-9)
-            bar.update(len(positions))
+            bar.update(sum(r for _, (r, _) in entries))
             bar.set_postfix_str(f"{rows_scored / elapsed:.1f} rows/s, {tokens_scored / elapsed:.0f} tokens/s")
     except KeyboardInterrupt:
         bar.close()
@@ -305,11 +312,51 @@ def precompute(config: PrecomputeConfig) -> Path:
         ) from None
     bar.close()
 
-    manifest["complete"] = True
-    manifest["timing"] = {"wall_seconds": round(time.perf_counter() - started, 3)}
-    write_manifest(out, manifest)
-    _print_summary(manifest, out, tokens_scored, time.perf_counter() - started)
+    if state.is_main_process:
+        manifest["complete"] = True
+        manifest["timing"] = {
+            "wall_seconds": round(time.perf_counter() - started, 3),
+            "processes": state.num_processes,
+        }
+        write_manifest(out, manifest)
+        _print_summary(manifest, out, tokens_scored, time.perf_counter() - started)
+    state.wait_for_everyone()
     return out
+
+
+def _count_tokens(shard: dict) -> int:
+    """Tokens scored for a shard: prompt + completion, and prompt + KL completion, of every row."""
+    prompt = sum(len(p) for p in shard["prompt_ids"])
+    return 2 * prompt + sum(len(c) for c in shard["completion_ids"]) + sum(len(c) for c in shard["kl_completion_ids"])
+
+
+def _plan_output(out: Path, fingerprint: dict[str, Any], overwrite: bool) -> dict[str, Any]:
+    """Compare what --output holds with this run: nothing to do, resume after intact shards, or start over."""
+    done_shards: list[dict[str, Any]] = []
+    if (out / MANIFEST).exists():
+        old = read_manifest(out)
+        diff = _fingerprint_diff(old.get("fingerprint", {}), fingerprint)
+        if not diff and old.get("complete"):
+            print(f"{out} already holds a complete cache of this model, tokenizer, data and settings: nothing to do.")
+            return {"nothing_to_do": True}
+        if diff and not overwrite:
+            raise KTOPipelineError(
+                f"--output {out} holds a cache made with other inputs or settings:\n  - "
+                + "\n  - ".join(diff)
+                + "\nPass --overwrite to replace it, or choose another --output."
+            )
+        if diff:
+            shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
+            (out / MANIFEST).unlink()
+        else:
+            done_shards = _finished_shards(out, old["shards"])
+            print(f"resuming: {len(done_shards)} finished shards found in {out}")
+    # Half-written shards of a killed run, and shards past the intact ones, are not part of the cache.
+    keep = {s["file"] for s in done_shards}
+    for leftover in out.glob(f"{SHARD_DIR}/*"):
+        if f"{SHARD_DIR}/{leftover.name}" not in keep:
+            leftover.unlink()
+    return {"nothing_to_do": False, "done_shards": done_shards}
 
 
 def _score_rows(model, tok, partner_pos, positions, config: PrecomputeConfig, pad_id: int, device) -> dict:

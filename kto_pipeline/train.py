@@ -87,12 +87,16 @@ class CacheRows(Dataset):
 
 
 class EpochSampler(Sampler[int]):
-    """Seeded shuffle that changes each epoch (or dataset order): reproducible from (seed, epoch)."""
+    """Seeded shuffle that changes each epoch (or dataset order): reproducible from (seed, epoch).
+
+    The epoch is set with `use_epoch`, not `set_epoch`: accelerate calls `set_epoch` with its own count of
+    iterations of a loader, which restarts at 0 for the fresh loader of a resumed run.
+    """
 
     def __init__(self, n: int, seed: int, shuffle: bool):
         self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def use_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
@@ -365,7 +369,7 @@ def train(config: TrainConfig) -> TrainResult:
     started = time.perf_counter()
     scorer.train()
     while global_step < total_steps:
-        sampler.set_epoch(epoch)
+        sampler.use_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
         for micro_step, batch in enumerate(batches, start=skip_batches):
             with accelerator.accumulate(scorer):
