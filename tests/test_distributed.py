@@ -1,0 +1,203 @@
+"""Both stages under several processes (CPU, gloo, 2 processes via torchrun) give the results of
+one process; resume reproduces an uninterrupted run exactly; checkpointing options."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import unpaired_rows, write_jsonl
+
+from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
+from kto_pipeline.cache import open_cache
+
+ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+
+
+def launch(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N -m kto_pipeline ...` (accelerate picks up the process group)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "kto_pipeline",
+        *args,
+    ]
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("dist") / "d.jsonl", unpaired_rows(40))
+
+
+@pytest.fixture(scope="module")
+def cache_1proc(tmp_path_factory, tiny_model_dir, data):
+    out = tmp_path_factory.mktemp("dist") / "cache1"
+    return precompute(
+        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(out), max_length=64, shard_size=6)
+    )
+
+
+@pytest.mark.slow
+def test_precompute_two_processes_equals_one(tmp_path, tiny_model_dir, data, cache_1proc):
+    out = tmp_path / "cache2"
+    result = launch(
+        2,
+        "precompute",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(data),
+        "--output",
+        str(out),
+        "--max-length",
+        "64",
+        "--shard-size",
+        "6",
+    )
+    assert result.stdout.count("precompute finished") == 1  # one summary, from the main process
+    two, one = open_cache(out, verify=True), open_cache(cache_1proc, verify=True)
+    assert two.manifest["timing"]["processes"] == 2
+    assert [s["rows"] for s in two.manifest["shards"]] == [s["rows"] for s in one.manifest["shards"]]
+    for a, b in zip(two.table.to_pylist(), one.table.to_pylist(), strict=True):
+        for key in ("example_id", "label", "prompt_ids", "completion_ids", "kl_example_id", "kl_completion_ids"):
+            assert a[key] == b[key], key
+        np.testing.assert_allclose(a["ref_token_logps"], b["ref_token_logps"], atol=1e-5)
+        np.testing.assert_allclose(a["ref_kl_token_logps"], b["ref_kl_token_logps"], atol=1e-5)
+        assert a["ref_logp"] == pytest.approx(b["ref_logp"], abs=1e-4)
+
+
+TRAIN_ARGS = ["--max-steps", "4", "--logging-steps", "1", "--learning-rate", "1e-3", "--save-steps", "2", "--seed", "3"]
+
+
+@pytest.mark.slow
+def test_train_two_by_four_equals_one_by_eight_and_resumes(tmp_path, cache_1proc):
+    launch(
+        2,
+        "train",
+        "--cache",
+        str(cache_1proc),
+        "--output-dir",
+        str(tmp_path / "two"),
+        "--per-device-train-batch-size",
+        "4",
+        *TRAIN_ARGS,
+    )
+    train(
+        TrainConfig(
+            cache=str(cache_1proc),
+            output_dir=str(tmp_path / "one"),
+            per_device_train_batch_size=8,
+            max_steps=4,
+            logging_steps=1,
+            learning_rate=1e-3,
+            save_steps=2,
+            seed=3,
+        )
+    )
+    two, one = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    assert len(two) == len(one) == 4
+    for a, b in zip(two, one, strict=True):
+        for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    assert abs(one[-1]["loss"] - one[0]["loss"]) > 1e-3  # the runs actually trained
+    # only the main process wrote: one metrics file, one checkpoint, one final model
+    assert (tmp_path / "two" / "checkpoint-2" / "model.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoint-2" / "accelerate_state").iterdir()) == [
+        "custom_checkpoint_0.pkl",
+        "optimizer.bin",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    ]
+
+    # resume the 2-process run from step 2 in a copy: steps 3-4 reproduce the uninterrupted run
+    resumed = tmp_path / "two-resumed"
+    shutil.copytree(tmp_path / "two", resumed)
+    (resumed / "model.safetensors").unlink()
+    launch(
+        2,
+        "train",
+        "--cache",
+        str(cache_1proc),
+        "--output-dir",
+        str(resumed),
+        "--per-device-train-batch-size",
+        "4",
+        *TRAIN_ARGS,
+        "--resume-from",
+        str(resumed / "checkpoint-2"),
+    )
+    assert metrics(resumed) == two
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_reproduces_metrics_and_weights(tmp_path, cache_1proc):
+    from safetensors.torch import load_file
+
+    args = dict(
+        cache=str(cache_1proc),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_train_epochs=12,
+        logging_steps=1,
+        learning_rate=1e-3,
+        save_steps=3,
+        save_total_limit=2,
+        seed=5,
+    )
+    train(TrainConfig(output_dir=str(tmp_path / "full"), **args))
+    cmd = [sys.executable, "-m", "kto_pipeline", "train", "--output-dir", str(tmp_path / "killed")]
+    for key, value in args.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "killed" / "checkpoint-6").exists():
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "killed" / "model.safetensors").exists(), "killed before the end"
+    checkpoints = sorted(p.name for p in (tmp_path / "killed").glob("checkpoint-*"))
+    assert 1 <= len(checkpoints) <= 2  # --save-total-limit 2
+
+    train(TrainConfig(output_dir=str(tmp_path / "killed"), resume=True, **args))
+    assert metrics(tmp_path / "killed") == metrics(tmp_path / "full")  # every step, bit for bit
+    a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "killed" / "model.safetensors")
+    assert all((a[k] == b[k]).all() for k in a)
+    assert sorted(p.name for p in (tmp_path / "full").glob("checkpoint-*")) == ["checkpoint-54", "checkpoint-57"]
+
+
+def test_resume_without_checkpoint_is_explained(tmp_path, small_cache):
+    with pytest.raises(KTOPipelineError, match="holds no checkpoint to resume from"):
+        train(TrainConfig(cache=str(small_cache), output_dir=str(tmp_path / "x"), resume=True))
+    with pytest.raises(KTOPipelineError, match="not a kto-pipeline checkpoint"):
+        train(TrainConfig(cache=str(small_cache), output_dir=str(tmp_path / "x"), resume_from=str(tmp_path)))
+
+
+def test_gradient_checkpointing_gives_the_same_steps(tmp_path, small_cache):
+    base = dict(
+        cache=str(small_cache), per_device_train_batch_size=4, max_steps=3, logging_steps=1, learning_rate=1e-3, seed=0
+    )
+    train(TrainConfig(output_dir=str(tmp_path / "plain"), **base))
+    train(TrainConfig(output_dir=str(tmp_path / "ckpt"), gradient_checkpointing=True, **base))
+    for a, b in zip(metrics(tmp_path / "plain"), metrics(tmp_path / "ckpt"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"])
+
+
+def test_fp16_needs_a_gpu(tmp_path, small_cache):
+    with pytest.raises(KTOPipelineError, match="--fp16 needs a CUDA GPU"):
+        train(TrainConfig(cache=str(small_cache), output_dir=str(tmp_path / "x"), fp16=True))
