@@ -145,6 +145,8 @@ class PolicyScorer(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
         self.model = model
+        # FSDP's transformer-based auto wrap looks for the layer classes here
+        self._no_split_modules = getattr(model, "_no_split_modules", None)
 
     def forward(self, input_ids, attention_mask, completion_mask):
         return score_sequences(self.model, input_ids, attention_mask, completion_mask)

@@ -201,3 +201,20 @@ def test_gradient_checkpointing_gives_the_same_steps(tmp_path, small_cache):
 def test_fp16_needs_a_gpu(tmp_path, small_cache):
     with pytest.raises(KTOPipelineError, match="--fp16 needs a CUDA GPU"):
         train(TrainConfig(cache=str(small_cache), output_dir=str(tmp_path / "x"), fp16=True))
+
+
+@pytest.mark.parametrize(
+    "name,kind",
+    [("ddp", "MULTI_GPU"), ("fsdp", "FSDP"), ("deepspeed_zero2", "DEEPSPEED"), ("deepspeed_zero3", "DEEPSPEED")],
+)
+def test_shipped_accelerate_configs_parse(name, kind):
+    """The recipes in configs/accelerate are valid accelerate config files (run on GPUs, not here)."""
+    from pathlib import Path
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = Path(__file__).resolve().parent.parent / "configs" / "accelerate" / f"{name}.yaml"
+    config = load_config_from_file(str(path))
+    assert config.distributed_type.name == kind and config.mixed_precision == "bf16"
+    if name.startswith("deepspeed"):
+        assert config.deepspeed_config["zero_stage"] == int(name[-1])
