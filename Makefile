@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first and pinned: an unpinned torch (or a package that depends on it) pulls the newest CUDA build.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test lint format clean
+.PHONY: install demo test lint format clean bench profile
 
 install: $(VENV)/.installed
 
@@ -20,15 +20,21 @@ demo: install
 	$(PY) -m kto_pipeline demo --workdir .demo
 
 lint: install
-	$(VENV)/bin/ruff check kto_pipeline tests scripts
-	$(VENV)/bin/ruff format --check kto_pipeline tests scripts
+	$(VENV)/bin/ruff check kto_pipeline tests scripts benchmarks
+	$(VENV)/bin/ruff format --check kto_pipeline tests scripts benchmarks
 
 format: install
-	$(VENV)/bin/ruff check --fix kto_pipeline tests scripts
-	$(VENV)/bin/ruff format kto_pipeline tests scripts
+	$(VENV)/bin/ruff check --fix kto_pipeline tests scripts benchmarks
+	$(VENV)/bin/ruff format kto_pipeline tests scripts benchmarks
 
 test: lint
 	$(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache .ruff_cache
+
+bench: install
+	$(PY) benchmarks/bench.py --size full
+
+profile: install
+	$(PY) benchmarks/profile_step.py --size full

@@ -44,21 +44,23 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     """log_softmax(hidden @ weight.T + bias)[target], chunked over rows, with a recomputing backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, logit_scale, softcap):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, logit_scale, softcap, with_stats):
         n = hidden.shape[0]
         logps = hidden.new_empty(n, dtype=torch.float32)
-        mean_logits = hidden.new_empty(n, dtype=torch.float32)
-        entropy = hidden.new_empty(n, dtype=torch.float32)
+        mean_logits = hidden.new_zeros(n, dtype=torch.float32)
+        entropy = hidden.new_zeros(n, dtype=torch.float32)
         lses = hidden.new_empty(n, dtype=torch.float32)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             logits, _ = _chunk_logits(hidden[start:end], weight, bias, logit_scale, softcap)
             lse = torch.logsumexp(logits, dim=-1)  # (n,)
             logps[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - lse
-            mean_logits[start:end] = logits.mean(-1)
-            probs = torch.softmax(logits, dim=-1)
-            entropy[start:end] = lse - (probs * logits).sum(-1)
             lses[start:end] = lse
+            if with_stats:  # metrics only; skipped by the reference pass and the KL forward
+                mean_logits[start:end] = logits.mean(-1)
+                # entropy = -sum(p * log p), log p = logits - lse computed in the logits' own buffer
+                log_p = logits.sub_(lse[:, None])
+                entropy[start:end] = -log_p.exp().mul_(log_p).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lses)
         ctx.chunk_size, ctx.logit_scale, ctx.softcap = chunk_size, logit_scale, softcap
         ctx.mark_non_differentiable(mean_logits, entropy)
@@ -76,8 +78,8 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             h = hidden[start:end]
             g = grad_logps[start:end].float()  # (n,)
             logits, tanh = _chunk_logits(h, weight, bias, ctx.logit_scale, ctx.softcap)
-            # d logp[t] / d logits = onehot(t) - softmax(logits)
-            dlogits = torch.exp(logits - lses[start:end, None]) * (-g[:, None])
+            # d logp[t] / d logits = onehot(t) - softmax(logits), built in place in the logits' buffer
+            dlogits = logits.sub_(lses[start:end, None]).exp_().mul_(-g[:, None])
             dlogits.scatter_add_(-1, targets[start:end, None], g[:, None])
             if tanh is not None:
                 dlogits = dlogits * (1 - tanh * tanh)
@@ -94,7 +96,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def chunked_token_logps(
@@ -105,6 +107,7 @@ def chunked_token_logps(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    with_stats: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-prob of each target token under an LM head, computed `chunk_size` rows at a time.
 
@@ -119,7 +122,8 @@ def chunked_token_logps(
     Returns:
         logps (N,) float32, differentiable w.r.t. hidden, weight and bias;
         mean_logits (N,) float32, the mean logit over the vocabulary (TRL's `logits/*` metrics);
-        entropy (N,) float32 of the next-token distribution. The last two carry no gradient.
+        entropy (N,) float32 of the next-token distribution. The last two carry no gradient, and are
+        zeros with `with_stats=False` (which saves two passes over each chunk's logits).
     """
     # Under autocast the custom Function would see mixed dtypes; cast explicitly to what autocast would use.
     device_type = hidden.device.type
@@ -136,6 +140,7 @@ def chunked_token_logps(
             chunk_size,
             float(logit_scale),
             softcap,
+            with_stats,
         )
 
 
@@ -176,8 +181,11 @@ def score_sequences(
     attention_mask: torch.Tensor,  # (B, T)
     completion_mask: torch.Tensor,  # (B, T), 1 on completion tokens
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_stats: bool = True,
 ) -> SequenceScores:
-    """Run the backbone once and score the completion tokens through the LM head in chunks."""
+    """Run the backbone once and score the completion tokens through the LM head in chunks.
+
+    `with_stats=False` skips the metric-only mean logits and entropy (left as zeros)."""
     outputs = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = outputs.last_hidden_state[:, :-1]  # (B, T-1, H): position t predicts token t+1
     targets = input_ids[:, 1:]
@@ -185,7 +193,7 @@ def score_sequences(
     head = model.get_output_embeddings()
     logit_scale, softcap = lm_head_settings(model)
     logps, mean_logits, entropy = chunked_token_logps(
-        hidden[mask], head.weight, targets[mask], head.bias, chunk_size, logit_scale, softcap
+        hidden[mask], head.weight, targets[mask], head.bias, chunk_size, logit_scale, softcap, with_stats
     )
     # masked_scatter keeps the result connected to the graph even if no position is scored.
     token_logps = logps.new_zeros(mask.shape).masked_scatter(mask, logps)

@@ -134,7 +134,7 @@ def score_shard(model, seqs: list[Sequence], pad_id: int, batch_size: int, max_t
     out: dict[tuple[int, str], np.ndarray] = {}
     for batch in pack_batches(seqs, batch_size, max_tokens):
         ids, attn, comp = collate(batch, pad_id, device)
-        token_logps = score_sequences(model, ids, attn, comp).token_logps.float().cpu().numpy()
+        token_logps = score_sequences(model, ids, attn, comp, with_stats=False).token_logps.float().cpu().numpy()
         for i, s in enumerate(batch):
             # token t+1 is scored at position t, so completion token j sits at prompt_len - 1 + j
             out[(s.row, s.kind)] = token_logps[i, s.prompt_len - 1 : len(s.ids) - 1].copy()
@@ -315,6 +315,9 @@ def precompute(config: PrecomputeConfig) -> Path:
     if state.is_main_process:
         manifest["complete"] = True
         manifest["timing"] = {
+            "reference_pass_seconds": round(time.perf_counter() - t0, 3),
+            "rows_scored": rows_scored,
+            "tokens_scored": tokens_scored,
             "wall_seconds": round(time.perf_counter() - started, 3),
             "processes": state.num_processes,
         }

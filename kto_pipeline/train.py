@@ -148,8 +148,8 @@ class PolicyScorer(torch.nn.Module):
         # FSDP's transformer-based auto wrap looks for the layer classes here
         self._no_split_modules = getattr(model, "_no_split_modules", None)
 
-    def forward(self, input_ids, attention_mask, completion_mask):
-        return score_sequences(self.model, input_ids, attention_mask, completion_mask)
+    def forward(self, input_ids, attention_mask, completion_mask, with_stats: bool = True):
+        return score_sequences(self.model, input_ids, attention_mask, completion_mask, with_stats=with_stats)
 
 
 # -------------------------------------------------------------------------------------- checks
@@ -233,6 +233,7 @@ class TrainResult:
     output_dir: Path
     global_step: int
     metrics: list[dict[str, float]]
+    step_seconds: list[float]  # wall time of each optimizer step of this run (benchmarks, profiling)
 
 
 def _resolve_precision(config: TrainConfig) -> str:
@@ -368,7 +369,8 @@ def train(config: TrainConfig) -> TrainResult:
     bar = tqdm(
         total=total_steps, initial=global_step, desc="train", unit="step", disable=not accelerator.is_local_main_process
     )
-    started = time.perf_counter()
+    started = step_started = time.perf_counter()
+    step_seconds: list[float] = []
     scorer.train()
     while global_step < total_steps:
         sampler.use_epoch(epoch)
@@ -378,7 +380,7 @@ def train(config: TrainConfig) -> TrainResult:
                 if needs_kl:
                     with torch.no_grad():
                         kl_scores = scorer(
-                            batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"]
+                            batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"], False
                         )
                     kl_local = (kl_scores.logps - batch["ref_kl_logp"]).mean().detach()
                     z0 = accelerator.gather(kl_local.reshape(1)).mean().clamp(min=0)  # over the global batch
@@ -416,6 +418,9 @@ def train(config: TrainConfig) -> TrainResult:
             learning_rate = scheduler.get_last_lr()[0]  # the rate this step used (what trl logs)
             scheduler.step()
             global_step += 1
+            now = time.perf_counter()
+            step_seconds.append(now - step_started)
+            step_started = now
             bar.update(1)
             fractional_epoch = epoch + (micro_step + 1) / len(loader)
             if global_step % config.logging_steps == 0 or global_step == total_steps:
@@ -466,7 +471,7 @@ def train(config: TrainConfig) -> TrainResult:
         (out / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
         print(f"train finished: {global_step} steps in {state['train_seconds']:.1f} s; model in {out.resolve()}")
     accelerator.wait_for_everyone()
-    return TrainResult(output_dir=out, global_step=global_step, metrics=history)
+    return TrainResult(output_dir=out, global_step=global_step, metrics=history, step_seconds=step_seconds)
 
 
 def _disable_dropout(model) -> None:
