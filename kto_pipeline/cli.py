@@ -7,6 +7,7 @@ is printed as one readable message (no traceback) and exits with status 1.
 from __future__ import annotations
 
 import sys
+from inspect import Parameter, Signature
 from typing import Annotated
 
 import typer
@@ -85,6 +86,10 @@ def train(
     save_total_limit: Annotated[int | None, typer.Option(help=_t("save_total_limit"))] = None,
     resume: Annotated[bool, typer.Option(help=_t("resume"))] = False,
     resume_from: Annotated[str | None, typer.Option(help=_t("resume_from"))] = None,
+    eval_cache: Annotated[str | None, typer.Option(help=_t("eval_cache"))] = None,
+    eval_steps: Annotated[int | None, typer.Option(help=_t("eval_steps"))] = None,
+    per_device_eval_batch_size: Annotated[int, typer.Option(help=_t("per_device_eval_batch_size"))] = 8,
+    report_to: Annotated[str, typer.Option(help=_t("report_to"))] = "none",
     verify: Annotated[bool, typer.Option(help=_t("verify"))] = False,
 ) -> None:
     """Stage 2: train the policy against a cache (no reference model in memory)."""
@@ -108,6 +113,68 @@ def inspect(
             typer.echo(f"problem: {p}", err=True)
         raise typer.Exit(1)
     typer.echo("OK" + (" (all checksums verified)" if verify else ""))
+
+
+def _register_sweep() -> None:
+    """`sweep` takes every train flag, each as a comma-separated list of values (built from TrainConfig)."""
+    from kto_pipeline.sweep import sweepable_fields
+
+    params = [
+        Parameter("cache", Parameter.KEYWORD_ONLY, annotation=Annotated[str, typer.Option(help=_t("cache"))]),
+        Parameter(
+            "output_dir",
+            Parameter.KEYWORD_ONLY,
+            annotation=Annotated[
+                str, typer.Option(help="Sweep directory: one subdirectory per run, plus summary.csv and summary.md.")
+            ],
+        ),
+        Parameter(
+            "keep",
+            Parameter.KEYWORD_ONLY,
+            default="all",
+            annotation=Annotated[
+                str, typer.Option(help="all: keep every run's model; best: keep only the best run's model.")
+            ],
+        ),
+    ]
+    for f in sweepable_fields():
+        params.append(
+            Parameter(
+                f.name,
+                Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=Annotated[
+                    str | None,
+                    typer.Option(
+                        f"--{f.name.replace('_', '-')}",
+                        help=f"{field_help(TrainConfig, f.name)} Comma-separated values.",
+                    ),
+                ],
+            )
+        )
+
+    def sweep_command(**kwargs) -> None:
+        """Train a grid of runs on one cache (comma-separated values for any train flag), then summarize."""
+        from kto_pipeline.sweep import sweep
+
+        cache, output_dir, keep = kwargs.pop("cache"), kwargs.pop("output_dir"), kwargs.pop("keep")
+        sweep(cache, output_dir, kwargs, keep=keep)
+
+    sweep_command.__signature__ = Signature(params)
+    app.command("sweep")(sweep_command)
+
+
+_register_sweep()
+
+
+@app.command()
+def report(
+    path: Annotated[str, typer.Argument(help="A train --output-dir, or a sweep directory.")],
+) -> None:
+    """Plot loss, rewards, margins, KL and eval reward accuracy; write PNGs and a self-contained report.html."""
+    from kto_pipeline.report import write_report
+
+    typer.echo(f"report: {write_report(path)}")
 
 
 @app.command()

@@ -24,6 +24,7 @@ SCHEDULERS = (
     "inverse_sqrt",
 )
 SAMPLING = ("random", "sequential")
+REPORT_TO = ("none", "tensorboard", "wandb")
 
 
 def _help(text: str, **kw: Any) -> dict[str, Any]:
@@ -157,6 +158,16 @@ class TrainConfig(_ConfigMixin):
     save_total_limit: int | None = field(default=None, **_help("Keep only the newest N checkpoints."))
     resume: bool = field(default=False, **_help("Resume from the newest checkpoint in --output-dir."))
     resume_from: str | None = field(default=None, **_help("Resume from this checkpoint directory."))
+    eval_cache: str | None = field(
+        default=None, **_help("A cache of held-out rows (precompute --split test ...) to evaluate on.")
+    )
+    eval_steps: int | None = field(
+        default=None, **_help("Evaluate every this many steps (and always at the end when --eval-cache is set).")
+    )
+    per_device_eval_batch_size: int = field(default=8, **_help("Rows per evaluation forward pass and process."))
+    report_to: str = field(
+        default="none", **_help("Also log metrics to: none, tensorboard, wandb (comma-separated for several).")
+    )
     verify: bool = field(
         default=False,
         **_help("Check every shard's sha256 before training (reads the whole cache once). Cheap checks always run."),
@@ -199,6 +210,20 @@ class TrainConfig(_ConfigMixin):
         _check(self.logging_steps >= 1, "logging_steps", f"must be at least 1, got {self.logging_steps}")
         _check(self.save_steps >= 0, "save_steps", f"must be >= 0, got {self.save_steps}")
         _check(not (self.fp16 and self.bf16), "fp16", "choose one of --fp16 and --bf16")
+        _check(self.eval_steps is None or self.eval_steps >= 1, "eval_steps", "must be >= 1")
+        _check(self.per_device_eval_batch_size >= 1, "per_device_eval_batch_size", "must be >= 1")
+        trackers = [t.strip() for t in self.report_to.split(",") if t.strip()]
+        unknown = [t for t in trackers if t not in REPORT_TO]
+        _check(not unknown, "report_to", f"unknown {unknown}; choose from {', '.join(REPORT_TO)}")
+        for tracker in set(trackers) - {"none"}:
+            import importlib.util
+
+            module = {"tensorboard": "tensorboard", "wandb": "wandb"}[tracker]
+            _check(
+                importlib.util.find_spec(module) is not None,
+                "report_to",
+                f"{tracker} is not installed: `pip install {module}`, or use --report-to none",
+            )
         _check(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "must be >= 1")
         _check(
             self.train_sampling_strategy in SAMPLING,

@@ -236,6 +236,69 @@ class TrainResult:
     step_seconds: list[float]  # wall time of each optimizer step of this run (benchmarks, profiling)
 
 
+@torch.no_grad()
+def evaluate(accelerator, scorer, loader, config: TrainConfig) -> dict[str, float]:
+    """Metrics over the whole eval set, TRL's names with an `eval_` prefix, plus `eval_reward_accuracy`:
+    the fraction of rows whose implicit reward has the sign of its label (desirable > 0 > undesirable).
+
+    Per-row values are gathered across processes (dropping the rows accelerate repeats to even out the
+    last batch), so the result does not depend on the number of processes or the eval batch size;
+    only z0 is per batch, as in training.
+    """
+    was_training = scorer.training
+    scorer.eval()
+    parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+    kls = []
+    for batch in loader:
+        z0 = torch.zeros((), device=accelerator.device)
+        if config.loss_type == "kto":
+            kl = scorer(batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"], False)
+            z0 = accelerator.gather((kl.logps - batch["ref_kl_logp"]).mean().reshape(1)).mean().clamp(min=0)
+        scores = scorer(batch["input_ids"], batch["attention_mask"], batch["completion_mask"], False)
+        _, losses, rewards = kto_loss(
+            scores.logps,
+            batch["ref_logp"],
+            batch["label"],
+            z0,
+            config.beta,
+            config.loss_type,
+            config.desirable_weight,
+            config.undesirable_weight,
+        )
+        kls.append(z0.item())
+        for name, value in (("loss", losses), ("reward", rewards), ("logp", scores.logps), ("label", batch["label"])):
+            parts[name].append(accelerator.gather_for_metrics(value.detach().float()))
+    scorer.train(was_training)
+    loss, reward, logp = (torch.cat(parts[k]) for k in ("loss", "reward", "logp"))
+    label = torch.cat(parts["label"]).bool()
+    out = {"eval_loss": loss.mean().item(), "eval_kl": sum(kls) / max(len(kls), 1)}
+    for name, sel in (("chosen", label), ("rejected", ~label)):
+        if sel.any():
+            out[f"eval_rewards/{name}"] = reward[sel].mean().item()
+            out[f"eval_logps/{name}"] = logp[sel].mean().item()
+    if label.any() and (~label).any():
+        out["eval_rewards/margins"] = out["eval_rewards/chosen"] - out["eval_rewards/rejected"]
+    out["eval_reward_accuracy"] = torch.where(label, reward > 0, reward < 0).float().mean().item()
+    out["eval_rows"] = int(label.numel())
+    return out
+
+
+def _open_eval_cache(config: TrainConfig, manifest: dict, max_length: int) -> CacheRows | None:
+    if config.eval_cache is None:
+        return None
+    eval_cache = open_cache(config.eval_cache, verify=config.verify)
+    if eval_cache.manifest["tokenizer"]["hash"] != manifest["tokenizer"]["hash"]:
+        raise KTOPipelineError(
+            f"--eval-cache {config.eval_cache} was made with another tokenizer than --cache {config.cache}. "
+            "Precompute the eval split with the same reference model."
+        )
+    return CacheRows(eval_cache, min(max_length, eval_cache.manifest["settings"]["max_length"]))
+
+
+def _trackers(config: TrainConfig) -> list[str]:
+    return [t.strip() for t in config.report_to.split(",") if t.strip() not in ("", "none")]
+
+
 def _resolve_precision(config: TrainConfig) -> str:
     if config.fp16:
         if not torch.cuda.is_available():
@@ -279,6 +342,8 @@ def train(config: TrainConfig) -> TrainResult:
     accelerator = Accelerator(
         mixed_precision=_resolve_precision(config),
         gradient_accumulation_steps=config.gradient_accumulation_steps,
+        log_with=_trackers(config) or None,
+        project_dir=str(out / "tensorboard"),
     )
     skip_model_weights_in_accelerate_state(accelerator)
     set_seed(config.seed)
@@ -324,6 +389,13 @@ def train(config: TrainConfig) -> TrainResult:
         collate_fn=Collator(tokenizer.pad_token_id),
     )
 
+    eval_rows = _open_eval_cache(config, manifest, max_length)
+    eval_loader = None
+    if eval_rows is not None:
+        eval_loader = DataLoader(
+            eval_rows, batch_size=config.per_device_eval_batch_size, collate_fn=Collator(tokenizer.pad_token_id)
+        )
+
     # --- optimizer and schedule (AdamW; no decay on biases and norm weights, as transformers.Trainer)
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
@@ -333,6 +405,8 @@ def train(config: TrainConfig) -> TrainResult:
     )
     scorer = PolicyScorer(model)
     scorer, optimizer, loader = accelerator.prepare(scorer, optimizer, loader)
+    if eval_loader is not None:
+        eval_loader = accelerator.prepare_data_loader(eval_loader)
     steps_per_epoch = max(math.ceil(len(loader) / config.gradient_accumulation_steps), 1)
     if config.max_steps > 0:
         total_steps = config.max_steps
@@ -362,6 +436,18 @@ def train(config: TrainConfig) -> TrainResult:
         out.mkdir(parents=True, exist_ok=True)
         config.save(out / RUN_CONFIG_FILE)
         (out / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in history))
+    if _trackers(config):
+        hparams = {k: (v if isinstance(v, int | float | str | bool) else str(v)) for k, v in config.to_dict().items()}
+        accelerator.init_trackers("kto-pipeline", config=hparams)
+
+    def emit(record: dict[str, float]) -> None:
+        """One metrics record: to metrics.jsonl (main process) and to the trackers."""
+        history.append(record)
+        if accelerator.is_main_process:
+            with open(out / METRICS_FILE, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if _trackers(config):
+            accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     # --- the loop
     needs_kl = config.loss_type == "kto"
@@ -433,12 +519,18 @@ def train(config: TrainConfig) -> TrainResult:
                         "step": global_step,
                     }
                 )
-                history.append(record)
-                if accelerator.is_main_process:
-                    with open(out / METRICS_FILE, "a") as f:
-                        f.write(json.dumps(record) + "\n")
+                emit(record)
                 bar.set_postfix_str(
                     f"loss {record['loss']:.4f} margin {record.get('rewards/margins', float('nan')):.4f}"
+                )
+            last_step = global_step >= total_steps
+            if eval_loader is not None and (last_step or (config.eval_steps and global_step % config.eval_steps == 0)):
+                emit(
+                    {
+                        **evaluate(accelerator, scorer, eval_loader, config),
+                        "epoch": round(fractional_epoch, 4),
+                        "step": global_step,
+                    }
                 )
             if config.save_steps and global_step % config.save_steps == 0 and global_step < total_steps:
                 epoch_done = micro_step + 1 == len(loader)
@@ -460,6 +552,8 @@ def train(config: TrainConfig) -> TrainResult:
     bar.close()
 
     accelerator.wait_for_everyone()
+    if _trackers(config):
+        accelerator.end_training()
     save_model(accelerator, scorer, tokenizer, out, config.to_dict())
     state = {
         "global_step": global_step,

@@ -1,0 +1,165 @@
+"""`kto-pipeline report RUN_OR_SWEEP_DIR`: plots and a self-contained HTML page from metrics.jsonl.
+
+One run (a directory with metrics.jsonl) or a sweep (a directory whose subdirectories are runs)
+gives the same figures; a sweep's runs are overlaid with a legend. The HTML embeds the PNGs and
+the summary table, so the single file can be mailed or attached to an issue.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from kto_pipeline.errors import KTOPipelineError
+
+TRAIN_SERIES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "kl")
+EVAL_SERIES = ("eval_reward_accuracy",)
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train records, eval records) of one run's metrics.jsonl."""
+    train, evals = [], []
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            (evals if any(k.startswith("eval_") for k in record) else train).append(record)
+    return train, evals
+
+
+def find_runs(path: Path) -> dict[str, Path]:
+    """{label: run dir}: the directory itself if it is a run, else its subdirectories that are runs."""
+    if (path / "metrics.jsonl").exists():
+        return {path.name: path}
+    runs = {p.name: p for p in sorted(path.iterdir()) if p.is_dir() and (p / "metrics.jsonl").exists()}
+    if not runs:
+        raise KTOPipelineError(
+            f"{path}: no metrics.jsonl here or in its subdirectories. Point report at a train --output-dir "
+            "or a sweep directory."
+        )
+    return runs
+
+
+def _plot(
+    runs: dict[str, tuple[list, list]], series: str, evaluation: bool, out: Path, index: dict[str, dict[str, int]]
+) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    plotted = 0
+    for label, (train, evals) in runs.items():
+        records = evals if evaluation else train
+        points = [(r["step"], r[series]) for r in records if series in r and "step" in r]
+        if points:
+            steps, values = zip(*points, strict=True)
+            ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=label)
+            index.setdefault(series, {})[label] = len(points)
+            plotted += 1
+    if not plotted:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("step")
+    ax.set_ylabel(series)
+    ax.set_title(series)
+    ax.grid(True, alpha=0.3)
+    if len(runs) > 1:
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path = out / (series.replace("/", "_") + ".png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def summary_rows(runs: dict[str, Path]) -> list[dict[str, Any]]:
+    """One row per run: its varied settings and its final metrics, best first."""
+    rows = []
+    for label, run_dir in runs.items():
+        train, evals = read_metrics(run_dir)
+        config_path = run_dir / "run_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        last = train[-1] if train else {}
+        last_eval = evals[-1] if evals else {}
+        rows.append(
+            {
+                "run": label,
+                "beta": config.get("beta"),
+                "learning_rate": config.get("learning_rate"),
+                "loss_type": config.get("loss_type"),
+                "steps": last.get("step"),
+                "final_loss": last.get("loss"),
+                "final_margin": last.get("rewards/margins"),
+                "final_kl": last.get("kl"),
+                "eval_reward_accuracy": last_eval.get("eval_reward_accuracy"),
+            }
+        )
+    return rank(rows)
+
+
+def rank(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Best first: by eval reward accuracy where there is one, then by final reward margin."""
+
+    def key(row):
+        acc = row.get("eval_reward_accuracy")
+        margin = row.get("final_margin")
+        return (acc is not None, acc or 0.0, margin if margin is not None else float("-inf"))
+
+    return sorted(rows, key=key, reverse=True)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "| " + " | ".join("---" for _ in cols) + " |"]
+    lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(path: str | Path) -> Path:
+    """Write PNG plots and report.html into `path`; returns the HTML file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise KTOPipelineError(f"{path}: no such directory.")
+    runs = find_runs(path)
+    metrics = {label: read_metrics(run_dir) for label, run_dir in runs.items()}
+    out = path / "report"
+    out.mkdir(exist_ok=True)
+    index: dict[str, dict[str, int]] = {}  # series -> {run: points plotted}, written next to the PNGs
+    images = [p for s in TRAIN_SERIES if (p := _plot(metrics, s, False, out, index))]
+    images += [p for s in EVAL_SERIES if (p := _plot(metrics, s, True, out, index))]
+    (out / "plots.json").write_text(json.dumps(index, indent=2) + "\n")
+    rows = summary_rows(runs)
+    table = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row.values()) + "</tr>" for row in rows
+    )
+    header = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0]) if rows else ""
+    figures = "".join(
+        f'<figure><img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
+        f"<figcaption>{html.escape(p.stem)}</figcaption></figure>"
+        for p in images
+    )
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>kto-pipeline report: {html.escape(path.name)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;
+padding:4px 8px;text-align:right}}figure{{display:inline-block;margin:0.5em}}img{{max-width:640px}}</style></head>
+<body><h1>kto-pipeline report: {html.escape(str(path))}</h1>
+<h2>Runs (best first)</h2><table><tr>{header}</tr>{table}</table>
+<h2>Curves</h2>{figures}
+</body></html>
+"""
+    report = path / "report.html"
+    report.write_text(page)
+    return report

@@ -1,0 +1,159 @@
+"""`kto-pipeline sweep`: a grid of training runs on one cache (never a second reference pass).
+
+Any train flag takes comma-separated values; the grid is their product. Each run trains into
+SWEEP/<name>/ where the name lists only what varies (`beta0.05-lr5e-07`). Finished runs are
+skipped when the sweep is run again, so an interrupted sweep resumes. Under `accelerate launch`
+every run is one distributed run across all processes (the grid is walked once, together), and
+only the main process writes the summary.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from kto_pipeline.config import TrainConfig
+from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.report import markdown_table
+
+# fields a sweep sets itself, per run
+FIXED_FIELDS = ("cache", "output_dir", "overwrite_output_dir", "resume", "resume_from")
+SHORT_NAMES = {
+    "beta": "beta",
+    "learning_rate": "lr",
+    "per_device_train_batch_size": "bs",
+    "gradient_accumulation_steps": "ga",
+    "desirable_weight": "dw",
+    "undesirable_weight": "uw",
+    "num_train_epochs": "ep",
+    "max_steps": "steps",
+    "warmup_ratio": "warmup",
+    "weight_decay": "wd",
+    "max_length": "len",
+    "seed": "seed",
+    "loss_type": "",
+    "lr_scheduler_type": "",
+}
+DONE_FILE = "trainer_state.json"  # written by train only when a run has finished
+
+
+def sweepable_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(TrainConfig) if f.name not in FIXED_FIELDS]
+
+
+def parse_value(field: dataclasses.Field, text: str) -> Any:
+    """Convert one command-line value to the field's type (annotations are strings here)."""
+    kind = str(field.type)
+    text = text.strip()
+    if text.lower() in ("none", "null", "") and "None" in kind:
+        return None
+    try:
+        if kind.startswith("bool"):
+            if text.lower() in ("true", "1", "yes"):
+                return True
+            if text.lower() in ("false", "0", "no"):
+                return False
+            raise ValueError(text)
+        if kind.startswith("int"):
+            return int(text)
+        if kind.startswith("float"):
+            return float(text)
+    except ValueError:
+        raise KTOPipelineError(f"--{field.name.replace('_', '-')}: cannot read {text!r} as {kind}") from None
+    return text
+
+
+def expand_grid(values: dict[str, str | None]) -> tuple[list[dict[str, Any]], list[str]]:
+    """{field: "v1,v2" or None} -> (one settings dict per run, names of the fields that vary)."""
+    fields = {f.name: f for f in sweepable_fields()}
+    options: dict[str, list[Any]] = {}
+    for name, text in values.items():
+        if text is None:
+            continue
+        if name not in fields:
+            raise KTOPipelineError(f"--{name.replace('_', '-')} cannot be swept")
+        parsed = [parse_value(fields[name], part) for part in str(text).split(",")]
+        options[name] = list(dict.fromkeys(parsed))  # drop repeats, keep order
+    varied = [name for name, vals in options.items() if len(vals) > 1]
+    grid = [dict(zip(options, combo, strict=True)) for combo in itertools.product(*options.values())]
+    return grid, varied
+
+
+def run_name(settings: dict[str, Any], varied: list[str]) -> str:
+    if not varied:
+        return "run"
+    parts = []
+    for name in varied:
+        value = settings[name]
+        text = f"{value:g}" if isinstance(value, float) else str(value)
+        parts.append(f"{SHORT_NAMES.get(name, name)}{text}")
+    return "-".join(parts).replace("/", "_")
+
+
+def sweep(cache: str, output_dir: str, values: dict[str, str | None], keep: str = "all") -> list[dict[str, Any]]:
+    """Train every combination of `values` on `cache` into `output_dir`; returns the summary rows, best first."""
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    from kto_pipeline.report import summary_rows
+    from kto_pipeline.train import train
+
+    if keep not in ("all", "best"):
+        raise KTOPipelineError(f"--keep must be all or best, got {keep!r}")
+    grid, varied = expand_grid(values)
+    out = Path(output_dir)
+    names = [run_name(settings, varied) for settings in grid]
+    configs = [
+        TrainConfig(cache=cache, output_dir=str(out / name), overwrite_output_dir=True, **settings)
+        for name, settings in zip(names, grid, strict=True)
+    ]  # built first, so a bad value fails before any run starts
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"sweep: {len(configs)} runs on {cache}: {', '.join(names)}", flush=True)
+    for name, config in zip(names, configs, strict=True):
+        if (out / name / DONE_FILE).exists():
+            if state.is_main_process:
+                print(f"sweep: {name} already finished, skipped", flush=True)
+            continue
+        train(config)
+        state.wait_for_everyone()
+    rows = summary_rows({name: out / name for name in names})
+    if state.is_main_process:
+        for row in rows:  # the varied settings as columns of their own
+            settings = _settings_of(out / row["run"])
+            row.update({k: settings.get(k) for k in varied})
+        _write_summary(out, rows)
+        if keep == "best" and rows:
+            for row in rows[1:]:
+                for weights in (out / row["run"]).glob("model*.safetensors*"):
+                    weights.unlink()
+                for ckpt in (out / row["run"]).glob("checkpoint-*"):
+                    shutil.rmtree(ckpt)
+        print(f"sweep: summary in {out / 'summary.md'}; best run: {rows[0]['run'] if rows else '-'}", flush=True)
+    state.wait_for_everyone()
+    return rows
+
+
+def _settings_of(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "run_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _write_summary(out: Path, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    with open(out / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "summary.md").write_text(
+        f"# Sweep summary ({len(rows)} runs, best first)\n\n"
+        + markdown_table([{c: r.get(c) for c in columns} for r in rows])
+    )

@@ -1,0 +1,216 @@
+"""Held-out evaluation, sweeps on one cache, reports (PNG + HTML) and TensorBoard logging."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kto_pipeline import KTOPipelineError, TrainConfig, train
+from kto_pipeline.report import write_report
+from kto_pipeline.sweep import expand_grid, run_name, sweep
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grid_and_names():
+    grid, varied = expand_grid({"beta": "0.05,0.1,0.3", "learning_rate": "5e-7,1e-6", "seed": "1", "bf16": None})
+    assert len(grid) == 6 and varied == ["beta", "learning_rate"]
+    assert grid[0] == {"beta": 0.05, "learning_rate": 5e-7, "seed": 1}
+    assert run_name(grid[0], varied) == "beta0.05-lr5e-07"
+    assert run_name({"loss_type": "apo_zero_unpaired"}, ["loss_type"]) == "apo_zero_unpaired"
+    with pytest.raises(KTOPipelineError, match="--beta: cannot read 'high'"):
+        expand_grid({"beta": "0.1,high"})
+    with pytest.raises(KTOPipelineError, match="cannot be swept"):
+        expand_grid({"cache": "a,b"})
+
+
+def test_evaluation_logs_eval_metrics_and_final_eval(small_cache, tmp_path):
+    out = tmp_path / "run"
+    train(
+        TrainConfig(
+            cache=str(small_cache),
+            output_dir=str(out),
+            per_device_train_batch_size=4,
+            max_steps=5,
+            logging_steps=1,
+            eval_cache=str(small_cache),
+            eval_steps=2,
+            learning_rate=2e-3,
+            seed=0,
+        )
+    )
+    records = metrics(out)
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4, 5]  # every --eval-steps, and a final one
+    for r in evals:
+        assert 0.0 <= r["eval_reward_accuracy"] <= 1.0
+        for key in (
+            "eval_kl",
+            "eval_rewards/chosen",
+            "eval_rewards/rejected",
+            "eval_rewards/margins",
+            "eval_logps/chosen",
+            "eval_rows",
+        ):
+            assert key in r
+        assert r["eval_rows"] == 24  # the whole eval set
+    train_records = [r for r in records if "loss" in r]
+    assert len(train_records) == 5
+
+
+def test_evaluation_at_step_zero_policy_is_reference(small_cache, tmp_path):
+    """With lr 0 the policy stays the reference: every eval reward is 0, so no row has the right sign."""
+    out = tmp_path / "run"
+    train(
+        TrainConfig(
+            cache=str(small_cache),
+            output_dir=str(out),
+            per_device_train_batch_size=4,
+            max_steps=1,
+            eval_cache=str(small_cache),
+            eval_steps=1,
+            learning_rate=0.0,
+        )
+    )
+    (final,) = [r for r in metrics(out) if "eval_loss" in r]
+    assert abs(final["eval_rewards/chosen"]) < 1e-4 and abs(final["eval_rewards/rejected"]) < 1e-4
+    assert final["eval_loss"] == pytest.approx(0.5, abs=1e-4)
+
+
+def test_eval_cache_with_another_tokenizer_is_refused(small_cache, tmp_path):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(small_cache, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["tokenizer"]["hash"] = "sha256:0"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(KTOPipelineError, match="--eval-cache .* another tokenizer"):
+        train(TrainConfig(cache=str(small_cache), output_dir=str(tmp_path / "r"), eval_cache=str(other)))
+
+
+def test_sweep_runs_grid_skips_finished_and_reports(small_cache, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    values = {
+        "beta": "0.05,0.3",
+        "learning_rate": "2e-3",
+        "max_steps": "3",
+        "per_device_train_batch_size": "4",
+        "logging_steps": "1",
+        "eval_steps": "3",
+    }
+    rows = sweep(str(small_cache), str(out), values | {"eval_cache": str(small_cache)}, keep="best")
+    assert sorted(r["run"] for r in rows) == ["beta0.05", "beta0.3"]
+    accs = [r["eval_reward_accuracy"] for r in rows]
+    assert accs == sorted(accs, reverse=True)  # best first
+    with open(out / "summary.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["run"] for r in table] == [r["run"] for r in rows]
+    for col in ("beta", "learning_rate", "final_loss", "final_margin", "final_kl", "eval_reward_accuracy"):
+        assert col in table[0]
+    assert "best first" in (out / "summary.md").read_text()
+    best, other = rows[0]["run"], rows[1]["run"]
+    assert (out / best / "model.safetensors").exists() and not (out / other / "model.safetensors").exists()
+    assert (out / other / "metrics.jsonl").exists() and (out / other / "run_config.json").exists()
+
+    mtime = (out / best / "metrics.jsonl").stat().st_mtime_ns
+    capsys.readouterr()
+    sweep(str(small_cache), str(out), values | {"eval_cache": str(small_cache)})
+    assert capsys.readouterr().out.count("already finished, skipped") == 2
+    assert (out / best / "metrics.jsonl").stat().st_mtime_ns == mtime
+
+    html = write_report(out)
+    plots = json.loads((out / "report" / "plots.json").read_text())
+    for series in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "eval_reward_accuracy"):
+        png = out / "report" / (series.replace("/", "_") + ".png")
+        assert png.exists() and png.stat().st_size > 1000, series
+        assert set(plots[series]) == {"beta0.05", "beta0.3"}  # both runs overlaid
+    assert plots["loss"]["beta0.05"] == 3 and plots["eval_reward_accuracy"]["beta0.3"] == 1
+    text = html.read_text()
+    assert text.count("data:image/png;base64,") == 6 and "beta0.05" in text and "<table>" in text
+
+
+def test_report_on_a_single_run(small_cache, tmp_path):
+    out = tmp_path / "run"
+    train(
+        TrainConfig(
+            cache=str(small_cache), output_dir=str(out), per_device_train_batch_size=4, max_steps=2, logging_steps=1
+        )
+    )
+    write_report(out)
+    plots = json.loads((out / "report" / "plots.json").read_text())
+    assert plots["loss"] == {"run": 2} and "eval_reward_accuracy" not in plots
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(KTOPipelineError, match="no metrics.jsonl"):
+        write_report(tmp_path / "empty")
+
+
+def test_tensorboard_gets_the_same_metrics(small_cache, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    train(
+        TrainConfig(
+            cache=str(small_cache),
+            output_dir=str(out),
+            per_device_train_batch_size=4,
+            max_steps=3,
+            logging_steps=1,
+            report_to="tensorboard",
+            eval_cache=str(small_cache),
+            eval_steps=3,
+        )
+    )
+    event_files = list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    assert event_files
+    acc = EventAccumulator(str(event_files[0].parent))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("loss", "kl", "rewards/margins", "learning_rate", "eval_reward_accuracy"):
+        assert tag in tags, tags
+    losses = [e.value for e in acc.Scalars("loss")]
+    assert losses == pytest.approx([r["loss"] for r in metrics(out) if "loss" in r], rel=1e-6)
+
+
+def test_report_to_unknown_or_missing_tracker(small_cache, tmp_path):
+    with pytest.raises(KTOPipelineError, match="--report-to"):
+        TrainConfig(cache=str(small_cache), output_dir=str(tmp_path), report_to="mlflowz")
+
+
+@pytest.mark.slow
+def test_sweep_under_two_processes_runs_the_grid_once(tmp_path, small_cache):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    out = tmp_path / "sweep"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "kto_pipeline",
+        "sweep",
+        "--cache",
+        str(small_cache),
+        "--output-dir",
+        str(out),
+        "--beta",
+        "0.1,0.2",
+        "--max-steps",
+        "2",
+        "--per-device-train-batch-size",
+        "2",
+        "--logging-steps",
+        "1",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("sweep: 2 runs") == 1
+    for name in ("beta0.1", "beta0.2"):
+        assert [r["step"] for r in metrics(out / name)] == [1, 2]  # one run, not one per process
+    assert len(list(csv.DictReader(open(out / "summary.csv")))) == 2
