@@ -181,6 +181,11 @@ def precompute(config: PrecomputeConfig) -> Path:
     model_id = (
         str(Path(config.model).expanduser().resolve()) if Path(config.model).expanduser().exists() else config.model
     )
+    dataset_id = (
+        str(Path(config.dataset).expanduser().resolve())
+        if Path(config.dataset).expanduser().exists()
+        else config.dataset
+    )
     _check_output(out)
     # One process, or one per device under `accelerate launch` / torchrun (ACCELERATE_USE_CPU=1: CPU + gloo).
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
@@ -207,7 +212,7 @@ def precompute(config: PrecomputeConfig) -> Path:
         "model_revision": config.revision,
         "model_hash": model_weights_hash(model) if state.is_main_process else None,
         "tokenizer_hash": tokenizer_hash(tokenizer),
-        "dataset": config.dataset,
+        "dataset": dataset_id,
         "dataset_config": config.dataset_config,
         "split": config.split,
         "dataset_hash": content_hash(config.dataset, source) if state.is_main_process else None,
@@ -249,7 +254,7 @@ def precompute(config: PrecomputeConfig) -> Path:
             "pad_token_id": tokenizer.pad_token_id,
         },
         "dataset": {
-            "name_or_path": config.dataset,
+            "name_or_path": dataset_id,
             "config": config.dataset_config,
             "split": config.split,
             "content_hash": fingerprint["dataset_hash"],
