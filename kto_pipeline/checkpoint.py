@@ -98,6 +98,12 @@ def load_checkpoint(accelerator, module, path: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     model = accelerator.unwrap_model(module).model
+    if (path / "adapter_model.safetensors").exists():  # a LoRA run: the checkpoint holds the adapters only
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(path / "adapter_model.safetensors")))
+        accelerator.load_state(str(path / ACCELERATE_STATE))
+        return json.loads((path / STATE_FILE).read_text())
     index = path / "model.safetensors.index.json"
     files = (
         sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]

@@ -158,6 +158,17 @@ class TrainConfig(_ConfigMixin):
     save_total_limit: int | None = field(default=None, **_help("Keep only the newest N checkpoints."))
     resume: bool = field(default=False, **_help("Resume from the newest checkpoint in --output-dir."))
     resume_from: str | None = field(default=None, **_help("Resume from this checkpoint directory."))
+    lora_r: int | None = field(default=None, **_help("Train LoRA adapters of this rank instead of all weights."))
+    lora_alpha: int = field(default=32, **_help("LoRA scaling alpha (the update is scaled by alpha / r)."))
+    lora_dropout: float = field(default=0.05, **_help("Dropout on the LoRA adapters' input."))
+    lora_target_modules: str = field(
+        default="all-linear", **_help("all-linear, or comma-separated module names (q_proj,v_proj,...).")
+    )
+    merge: bool = field(default=False, **_help("With LoRA, also write the merged full model to OUT/merged."))
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        **_help("MoE load-balancing loss weight. Default: the model config's; 0 disables it."),
+    )
     eval_cache: str | None = field(
         default=None, **_help("A cache of held-out rows (precompute --split test ...) to evaluate on.")
     )
@@ -210,6 +221,14 @@ class TrainConfig(_ConfigMixin):
         _check(self.logging_steps >= 1, "logging_steps", f"must be at least 1, got {self.logging_steps}")
         _check(self.save_steps >= 0, "save_steps", f"must be >= 0, got {self.save_steps}")
         _check(not (self.fp16 and self.bf16), "fp16", "choose one of --fp16 and --bf16")
+        _check(self.lora_r is None or self.lora_r >= 1, "lora_r", "must be >= 1")
+        _check(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
+        _check(not self.merge or self.lora_r is not None, "merge", "only applies with --lora-r")
+        _check(
+            "lm_head" not in self.lora_target_modules.split(","),
+            "lora_target_modules",
+            "lm_head cannot carry an adapter: log-probs are computed from its weight directly (as in trl)",
+        )
         _check(self.eval_steps is None or self.eval_steps >= 1, "eval_steps", "must be >= 1")
         _check(self.per_device_eval_batch_size >= 1, "per_device_eval_batch_size", "must be >= 1")
         trackers = [t.strip() for t in self.report_to.split(",") if t.strip()]

@@ -153,6 +153,7 @@ class SequenceScores:
     mean_logits: torch.Tensor  # (B, T-1) no grad
     entropy: torch.Tensor  # (B, T-1) no grad
     mask: torch.Tensor  # (B, T-1) bool, True at scored positions
+    aux_loss: torch.Tensor | None = None  # MoE load-balancing loss, when router logits were requested
 
 
 def lm_head_settings(model) -> tuple[float, float | None]:
@@ -182,11 +183,17 @@ def score_sequences(
     completion_mask: torch.Tensor,  # (B, T), 1 on completion tokens
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_stats: bool = True,
+    output_router_logits: bool = False,
 ) -> SequenceScores:
     """Run the backbone once and score the completion tokens through the LM head in chunks.
 
-    `with_stats=False` skips the metric-only mean logits and entropy (left as zeros)."""
-    outputs = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    `with_stats=False` skips the metric-only mean logits and entropy (left as zeros).
+    `output_router_logits=True` (mixture-of-experts models) also returns the load-balancing loss.
+    A PEFT model is scored through its base model, whose layers carry the adapters."""
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        model = model.get_base_model()
+    extra = {"output_router_logits": True} if output_router_logits else {}
+    outputs = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     hidden = outputs.last_hidden_state[:, :-1]  # (B, T-1, H): position t predicts token t+1
     targets = input_ids[:, 1:]
     mask = completion_mask[:, 1:].bool()
@@ -197,10 +204,20 @@ def score_sequences(
     )
     # masked_scatter keeps the result connected to the graph even if no position is scored.
     token_logps = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
+    aux_loss = None
+    if output_router_logits:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        config = model.config.get_text_config()
+        num_experts = getattr(config, "num_local_experts", None) or config.num_experts
+        aux_loss = load_balancing_loss_func(
+            outputs.router_logits, num_experts, config.num_experts_per_tok, attention_mask
+        )
     return SequenceScores(
         token_logps=token_logps,
         logps=token_logps.sum(-1),
         mean_logits=mean_logits.new_zeros(mask.shape).masked_scatter(mask, mean_logits),
         entropy=entropy.new_zeros(mask.shape).masked_scatter(mask, entropy),
         mask=mask,
+        aux_loss=aux_loss,
     )

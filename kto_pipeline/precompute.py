@@ -8,6 +8,7 @@ packed into token-budgeted batches, so almost no compute is spent on padding.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -54,14 +55,25 @@ def _check_model_path(name: str, flag: str = "--model") -> None:
     looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1
     if looks_local and not path.exists():
         raise KTOPipelineError(f"{flag} {name}: no such directory. Pass a local model directory or a hub id.")
-    if path.exists() and not (path / "config.json").exists():
-        raise KTOPipelineError(f"{flag} {name}: the directory has no config.json, so it is not a saved model.")
+    if path.exists() and not ((path / "config.json").exists() or (path / "adapter_config.json").exists()):
+        raise KTOPipelineError(
+            f"{flag} {name}: the directory has no config.json (nor adapter_config.json), so it is not a saved model."
+        )
+
+
+def _adapter_dir(name: str) -> Path | None:
+    """The directory if `name` is a saved PEFT adapter (adapter_config.json), else None."""
+    path = Path(name).expanduser()
+    return path if (path / "adapter_config.json").exists() else None
 
 
 def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False, flag: str = "--model"):
     from transformers import AutoTokenizer
 
     _check_model_path(name, flag)
+    adapter = _adapter_dir(name)
+    if adapter is not None and not (adapter / "tokenizer_config.json").exists():
+        name = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
     except Exception as exc:
@@ -82,6 +94,16 @@ def load_model(
 
     _check_model_path(name, flag)
     try:
+        if _adapter_dir(name) is not None:
+            # A saved LoRA model (e.g. from a first KTO round): its base with the adapter merged in is the model.
+            from peft import AutoPeftModelForCausalLM
+
+            peft_model = AutoPeftModelForCausalLM.from_pretrained(
+                name, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code
+            )
+            merged = peft_model.merge_and_unload()
+            merged.requires_grad_(True)  # peft froze the base; a merged model trains like any other
+            return merged
         return AutoModelForCausalLM.from_pretrained(
             name, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code
         )

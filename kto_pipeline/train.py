@@ -148,8 +148,15 @@ class PolicyScorer(torch.nn.Module):
         # FSDP's transformer-based auto wrap looks for the layer classes here
         self._no_split_modules = getattr(model, "_no_split_modules", None)
 
-    def forward(self, input_ids, attention_mask, completion_mask, with_stats: bool = True):
-        return score_sequences(self.model, input_ids, attention_mask, completion_mask, with_stats=with_stats)
+    def forward(self, input_ids, attention_mask, completion_mask, with_stats=True, output_router_logits=False):
+        return score_sequences(
+            self.model,
+            input_ids,
+            attention_mask,
+            completion_mask,
+            with_stats=with_stats,
+            output_router_logits=output_router_logits,
+        )
 
 
 # -------------------------------------------------------------------------------------- checks
@@ -361,10 +368,13 @@ def train(config: TrainConfig) -> TrainResult:
         )
     model = load_model(model_name, torch.float32, revision, config.trust_remote_code)
     model.config.use_cache = False
-    _disable_dropout(model)
+    _disable_dropout(model)  # the base model's; LoRA's own dropout (--lora-dropout) is added after
+    aux_coef = _router_aux_coef(model, config)
     if config.gradient_checkpointing:
         # recompute each layer's activations in the backward instead of keeping them
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.lora_r is not None:
+        model = _add_lora(model, config)
 
     # --- data: each process reads a disjoint part of every global batch from the memory-mapped cache
     rows = CacheRows(cache, max_length)
@@ -472,7 +482,9 @@ def train(config: TrainConfig) -> TrainResult:
                     z0 = accelerator.gather(kl_local.reshape(1)).mean().clamp(min=0)  # over the global batch
                 else:
                     z0 = torch.zeros((), device=accelerator.device)
-                scores = scorer(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+                scores = scorer(
+                    batch["input_ids"], batch["attention_mask"], batch["completion_mask"], True, aux_coef != 0
+                )
                 loss, _, rewards = kto_loss(
                     scores.logps,
                     batch["ref_logp"],
@@ -483,6 +495,9 @@ def train(config: TrainConfig) -> TrainResult:
                     desirable_weight=config.desirable_weight,
                     undesirable_weight=config.undesirable_weight,
                 )
+                if scores.aux_loss is not None:  # MoE: keep the experts' load balanced, as the model's own loss does
+                    loss = loss + aux_coef * scores.aux_loss
+                    log.add("aux_loss", accelerator.gather(scores.aux_loss.detach().reshape(1)).mean().item())
                 # every process must take the same branch, or the others would wait forever in a collective
                 if not torch.isfinite(accelerator.gather(loss.detach().reshape(1))).all():
                     ids = sorted(gather_object(batch["example_id"].tolist()))
@@ -555,6 +570,10 @@ def train(config: TrainConfig) -> TrainResult:
     if _trackers(config):
         accelerator.end_training()
     save_model(accelerator, scorer, tokenizer, out, config.to_dict())
+    if config.merge and accelerator.is_main_process:
+        merged = accelerator.unwrap_model(scorer).model.merge_and_unload()
+        merged.save_pretrained(out / "merged")
+        tokenizer.save_pretrained(out / "merged")
     state = {
         "global_step": global_step,
         "epoch": fractional_epoch,
@@ -566,6 +585,39 @@ def train(config: TrainConfig) -> TrainResult:
         print(f"train finished: {global_step} steps in {state['train_seconds']:.1f} s; model in {out.resolve()}")
     accelerator.wait_for_everyone()
     return TrainResult(output_dir=out, global_step=global_step, metrics=history, step_seconds=step_seconds)
+
+
+def _router_aux_coef(model, config: TrainConfig) -> float:
+    """The MoE load-balancing weight (as trl): the flag's, else the model config's; 0 when not a MoE model."""
+    text_config = model.config.get_text_config()
+    is_moe = hasattr(text_config, "output_router_logits")
+    if config.router_aux_loss_coef and not is_moe:
+        raise KTOPipelineError(
+            f"--router-aux-loss-coef {config.router_aux_loss_coef}: {type(model).__name__} is not a "
+            "mixture-of-experts model that returns router logits, so there is no load-balancing loss to weight."
+        )
+    if not is_moe:
+        return 0.0
+    coef = config.router_aux_loss_coef
+    return float(getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+
+
+def _add_lora(model, config: TrainConfig):
+    """Wrap the policy with fresh PEFT LoRA adapters (B = 0, so the policy starts equal to the reference)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = config.lora_target_modules
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lora)
+    if config.gradient_checkpointing:
+        model.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a grad path
+    return model
 
 
 def _disable_dropout(model) -> None:
