@@ -140,7 +140,12 @@ def peak_rss_mib() -> float:
 # ---------------------------------------------------------------------------------------- workers
 
 
-def _trl_trainer(work: Path, size: dict, out: Path, precompute: bool, beta: float = 0.1, steps: int = 1):
+LORA = dict(r=16, alpha=32, dropout=0.05)
+
+
+def _trl_trainer(
+    work: Path, size: dict, out: Path, precompute: bool, beta: float = 0.1, steps: int = 1, lora: bool = False
+):
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -169,7 +174,18 @@ def _trl_trainer(work: Path, size: dict, out: Path, precompute: bool, beta: floa
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    return KTOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok)
+    peft_config = None
+    if lora:  # trl then computes the reference online by disabling the adapters
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=LORA["r"],
+            lora_alpha=LORA["alpha"],
+            lora_dropout=LORA["dropout"],
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
+    return KTOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok, peft_config=peft_config)
 
 
 def worker(name: str, work: Path, size: dict, out: Path) -> dict:
@@ -261,7 +277,27 @@ def worker(name: str, work: Path, size: dict, out: Path) -> dict:
             )
         )
         result.update(step_seconds=res.step_seconds)
-    elif name in ("trl_train_online", "trl_train_precomputed"):
+    elif name == "ours_train_lora":
+        from kto_pipeline import TrainConfig, train
+
+        res = train(
+            TrainConfig(
+                cache=str(work / "runs" / "ours_precompute"),
+                output_dir=str(out),
+                overwrite_output_dir=True,
+                per_device_train_batch_size=size["batch"],
+                max_steps=size["steps"],
+                learning_rate=LEARNING_RATE,
+                logging_steps=1,
+                train_sampling_strategy="sequential",
+                bf16=False,
+                lora_r=LORA["r"],
+                lora_alpha=LORA["alpha"],
+                lora_dropout=LORA["dropout"],
+            )
+        )
+        result.update(step_seconds=res.step_seconds)
+    elif name in ("trl_train_online", "trl_train_precomputed", "trl_train_lora"):
         from transformers import TrainerCallback
 
         class StepTimer(TrainerCallback):
@@ -274,7 +310,9 @@ def worker(name: str, work: Path, size: dict, out: Path) -> dict:
             def on_step_end(self, args, state, control, **kwargs):
                 self.times.append(time.perf_counter() - self.start)
 
-        trainer = _trl_trainer(work, size, out, precompute=name.endswith("precomputed"), steps=size["steps"])
+        trainer = _trl_trainer(
+            work, size, out, precompute=name.endswith("precomputed"), steps=size["steps"], lora=name.endswith("lora")
+        )
         timer = StepTimer()
         trainer.add_callback(timer)
         trainer.train()
@@ -392,6 +430,7 @@ def main() -> None:
     parser.add_argument("--work", default=str(HERE / ".work"))
     parser.add_argument("--out")
     parser.add_argument("--results", default=None, help="Markdown file to write (default: RESULTS.md for full)")
+    parser.add_argument("--only", choices=["lora"], help="Run only these rows and update their section of --results")
     args = parser.parse_args()
     size = SIZES[args.size]
     work = Path(args.work)
@@ -403,6 +442,19 @@ def main() -> None:
     started = time.perf_counter()
     print(f"building the model and data in {work} ...", flush=True)
     build_assets(work, size)
+    results = Path(args.results) if args.results else (HERE / "RESULTS.md" if args.size == "full" else None)
+    if args.only == "lora":
+        if not (work / "runs" / "ours_precompute" / "manifest.json").exists():
+            run_worker("ours_precompute", work, args.size)
+        r = {name: run_worker(name, work, args.size) for name in ("ours_train_lora", "trl_train_lora")}
+        section = render_lora(r, size, args.size)
+        print("\n" + section)
+        if results:
+            text = results.read_text() if results.exists() else ""
+            text = text.split(LORA_HEADING)[0].rstrip() + "\n\n" + section
+            results.write_text(text)
+            print(f"written to {results}")
+        return
     r = {}
     for name in ("ours_precompute", "trl_precompute"):
         r[name] = run_worker(name, work, args.size)
@@ -426,10 +478,43 @@ def main() -> None:
         r[name] = run_worker(name, work, args.size)
     report = render(r, size, args.size, max_diff, len(common), time.perf_counter() - started)
     print("\n" + report)
-    results = Path(args.results) if args.results else (HERE / "RESULTS.md" if args.size == "full" else None)
     if results:
         results.write_text(report)
         print(f"written to {results}")
+
+
+LORA_HEADING = "## LoRA"
+
+
+def render_lora(r: dict, size: dict, size_name: str) -> str:
+    ours, trl_ = r["ours_train_lora"], r["trl_train_lora"]
+    o_step, t_step = median_step(ours["step_seconds"]), median_step(trl_["step_seconds"])
+    o_growth = ours["peak_rss_mib"] - ours["baseline_rss_mib"]
+    t_growth = trl_["peak_rss_mib"] - trl_["baseline_rss_mib"]
+    return "\n".join(
+        [
+            LORA_HEADING,
+            "",
+            f"- command: `python benchmarks/bench.py --size {size_name} --only lora`; date "
+            f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {machine()}",
+            f"- LoRA r={LORA['r']}, alpha={LORA['alpha']}, dropout={LORA['dropout']}, all-linear, same model, data and "
+            f"settings as above (float32, batch {size['batch']}, sequential, {size['steps']} steps). kto-pipeline: "
+            "`train --lora-r 16` on the cache; trl: KTOTrainer with the same `peft_config`, reference computed online "
+            "with the adapters disabled.",
+            "",
+            "| measurement | kto-pipeline | trl | ratio (trl / ours) |",
+            "| --- | --- | --- | --- |",
+            f"| LoRA train step (s) | {o_step:.3f} | {t_step:.3f} | {t_step / o_step:.2f}x |",
+            f"| LoRA train peak RSS (MiB) | {ours['peak_rss_mib']:.0f} | {trl_['peak_rss_mib']:.0f} | "
+            f"{trl_['peak_rss_mib'] / ours['peak_rss_mib']:.2f}x |",
+            f"| LoRA RSS growth above post-import baseline (MiB) | {o_growth:.0f} | {t_growth:.0f} | "
+            f"{t_growth / o_growth:.2f}x |",
+            "",
+            f"- raw step times: ours {[round(x, 3) for x in ours['step_seconds']]}, trl "
+            f"{[round(x, 3) for x in trl_['step_seconds']]}",
+            "",
+        ]
+    )
 
 
 def machine() -> str:
