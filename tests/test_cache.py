@@ -208,7 +208,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir):
 
 @pytest.mark.slow
 def test_ctrl_c_ends_cleanly_and_says_rerun_resumes(tmp_path, tiny_model_dir):
-    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows(400))
+    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows(3000))
     proc = subprocess.Popen(
         _precompute_cmd(tiny_model_dir, data, tmp_path / "c"),
         stdout=subprocess.PIPE,
