@@ -207,10 +207,17 @@ def test_sweep_under_two_processes_runs_the_grid_once(tmp_path, small_cache):
         "2",
         "--logging-steps",
         "1",
+        "--eval-cache",
+        str(small_cache),
+        "--per-device-eval-batch-size",
+        "5",
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("sweep: 2 runs") == 1
     for name in ("beta0.1", "beta0.2"):
-        assert [r["step"] for r in metrics(out / name)] == [1, 2]  # one run, not one per process
+        records = metrics(out / name)
+        assert [r["step"] for r in records if "loss" in r] == [1, 2]  # one run, not one per process
+        (final_eval,) = [r for r in records if "eval_loss" in r]
+        assert final_eval["eval_rows"] == 24  # 24 rows over 2 processes in batches of 5: none counted twice
     assert len(list(csv.DictReader(open(out / "summary.csv")))) == 2
