@@ -20,6 +20,11 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def read_metrics(out: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def unpaired_rows(n: int = 24) -> list[dict]:
     """Standard unpaired rows of varied lengths, labels alternating in a 2:1 pattern."""
     rows = []

@@ -1,7 +1,6 @@
 """Both stages under several processes (CPU, gloo, 2 processes via torchrun) give the results of
 one process; resume reproduces an uninterrupted run exactly; checkpointing options."""
 
-import json
 import os
 import shutil
 import signal
@@ -11,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import unpaired_rows, write_jsonl
+from conftest import read_metrics, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
@@ -34,10 +33,6 @@ def launch(nproc: int, *args: str) -> subprocess.CompletedProcess:
     result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
-
-
-def metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +105,7 @@ def test_train_two_by_four_equals_one_by_eight_and_resumes(tmp_path, cache_1proc
             seed=3,
         )
     )
-    two, one = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
     assert len(two) == len(one) == 4
     for a, b in zip(two, one, strict=True):
         for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "grad_norm"):
@@ -142,7 +137,7 @@ def test_train_two_by_four_equals_one_by_eight_and_resumes(tmp_path, cache_1proc
         "--resume-from",
         str(resumed / "checkpoint-2"),
     )
-    assert metrics(resumed) == two
+    assert read_metrics(resumed) == two
 
 
 @pytest.mark.slow
@@ -175,7 +170,7 @@ def test_sigkill_then_resume_reproduces_metrics_and_weights(tmp_path, cache_1pro
     assert 1 <= len(checkpoints) <= 2  # --save-total-limit 2
 
     train(TrainConfig(output_dir=str(tmp_path / "killed"), resume=True, **args))
-    assert metrics(tmp_path / "killed") == metrics(tmp_path / "full")  # every step, bit for bit
+    assert read_metrics(tmp_path / "killed") == read_metrics(tmp_path / "full")  # every step, bit for bit
     a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "killed" / "model.safetensors")
     assert all((a[k] == b[k]).all() for k in a)
     assert sorted(p.name for p in (tmp_path / "full").glob("checkpoint-*")) == ["checkpoint-54", "checkpoint-57"]
@@ -194,7 +189,7 @@ def test_gradient_checkpointing_gives_the_same_steps(tmp_path, small_cache):
     )
     train(TrainConfig(output_dir=str(tmp_path / "plain"), **base))
     train(TrainConfig(output_dir=str(tmp_path / "ckpt"), gradient_checkpointing=True, **base))
-    for a, b in zip(metrics(tmp_path / "plain"), metrics(tmp_path / "ckpt"), strict=True):
+    for a, b in zip(read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "ckpt"), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"])
 
 

@@ -8,14 +8,10 @@ import sys
 
 import pytest
 import torch
-from conftest import unpaired_rows, write_jsonl
+from conftest import read_metrics, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.tiny import build_char_tokenizer
-
-
-def metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def lora_cfg(cache, out, **kw):
@@ -40,9 +36,9 @@ def test_lora_starts_at_the_reference_and_trains_only_adapters(small_cache, tmp_
 
     out = tmp_path / "lora"
     train(lora_cfg(small_cache, out, max_steps=4, save_steps=2, merge=True))
-    first = metrics(out)[0]
+    first = read_metrics(out)[0]
     assert abs(first["rewards/chosen"]) < 1e-4 and abs(first["rewards/rejected"]) < 1e-4  # B = 0 at step 1
-    assert abs(metrics(out)[-1]["rewards/margins"]) > 1e-3  # and then it learns
+    assert abs(read_metrics(out)[-1]["rewards/margins"]) > 1e-3  # and then it learns
 
     # only adapter parameters have optimizer state
     opt = torch.load(out / "checkpoint-2" / "accelerate_state" / "optimizer.bin", weights_only=False)
@@ -77,7 +73,7 @@ def test_lora_resume_reproduces_the_run(small_cache, tmp_path):
     shutil.copytree(full, resumed)
     (resumed / "adapter_model.safetensors").unlink()
     train(lora_cfg(small_cache, resumed, max_steps=5, save_steps=2, resume_from=str(resumed / "checkpoint-4")))
-    assert metrics(resumed) == metrics(full)
+    assert read_metrics(resumed) == read_metrics(full)
 
 
 def test_adapter_directory_as_model_for_a_second_round(small_cache, tmp_path):
@@ -92,7 +88,7 @@ def test_adapter_directory_as_model_for_a_second_round(small_cache, tmp_path):
     train(
         TrainConfig(cache=str(cache2), output_dir=str(out), per_device_train_batch_size=4, max_steps=1, logging_steps=1)
     )
-    (m,) = metrics(out)  # policy (round-1 model) == reference (round-1 model)
+    (m,) = read_metrics(out)  # policy (round-1 model) == reference (round-1 model)
     assert abs(m["rewards/chosen"]) < 1e-4 and abs(m["rewards/rejected"]) < 1e-4
     old = json.loads((small_cache / "manifest.json").read_text())["reference_model"]["weights_hash"]
     new = json.loads((cache2 / "manifest.json").read_text())["reference_model"]["weights_hash"]
@@ -131,7 +127,7 @@ def test_lora_under_two_processes(small_cache, tmp_path):
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
     assert (out / "adapter_model.safetensors").exists() and (
         out / "checkpoint-2" / "adapter_model.safetensors"
     ).exists()
@@ -173,7 +169,7 @@ def test_moe_adds_the_load_balancing_loss(moe_cache, tmp_path):
     train(TrainConfig(output_dir=str(tmp_path / "default"), **base))
     train(TrainConfig(output_dir=str(tmp_path / "off"), router_aux_loss_coef=0.0, **base))
     train(TrainConfig(output_dir=str(tmp_path / "strong"), router_aux_loss_coef=1.0, **base))
-    default, off, strong = (metrics(tmp_path / n)[0] for n in ("default", "off", "strong"))
+    default, off, strong = (read_metrics(tmp_path / n)[0] for n in ("default", "off", "strong"))
     assert "aux_loss" not in off and default["aux_loss"] > 0
     # at step 1 the KTO part is identical (policy == reference), so the loss differs by coef * aux_loss
     assert default["loss"] - off["loss"] == pytest.approx(0.02 * default["aux_loss"], rel=1e-4)

@@ -7,14 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import read_metrics
 
 from kto_pipeline import KTOPipelineError, TrainConfig, train
 from kto_pipeline.report import write_report
 from kto_pipeline.sweep import expand_grid, run_name, sweep
-
-
-def metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_grid_and_names():
@@ -44,7 +41,7 @@ def test_evaluation_logs_eval_metrics_and_final_eval(small_cache, tmp_path):
             seed=0,
         )
     )
-    records = metrics(out)
+    records = read_metrics(out)
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2, 4, 5]  # every --eval-steps, and a final one
     for r in evals:
@@ -77,7 +74,7 @@ def test_evaluation_at_step_zero_policy_is_reference(small_cache, tmp_path):
             learning_rate=0.0,
         )
     )
-    (final,) = [r for r in metrics(out) if "eval_loss" in r]
+    (final,) = [r for r in read_metrics(out) if "eval_loss" in r]
     assert abs(final["eval_rewards/chosen"]) < 1e-4 and abs(final["eval_rewards/rejected"]) < 1e-4
     assert final["eval_loss"] == pytest.approx(0.5, abs=1e-4)
 
@@ -174,7 +171,7 @@ def test_tensorboard_gets_the_same_metrics(small_cache, tmp_path):
     for tag in ("loss", "kl", "rewards/margins", "learning_rate", "eval_reward_accuracy"):
         assert tag in tags, tags
     losses = [e.value for e in acc.Scalars("loss")]
-    assert losses == pytest.approx([r["loss"] for r in metrics(out) if "loss" in r], rel=1e-6)
+    assert losses == pytest.approx([r["loss"] for r in read_metrics(out) if "loss" in r], rel=1e-6)
 
 
 def test_report_to_unknown_or_missing_tracker(small_cache, tmp_path):
@@ -216,7 +213,7 @@ def test_sweep_under_two_processes_runs_the_grid_once(tmp_path, small_cache):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("sweep: 2 runs") == 1
     for name in ("beta0.1", "beta0.2"):
-        records = metrics(out / name)
+        records = read_metrics(out / name)
         assert [r["step"] for r in records if "loss" in r] == [1, 2]  # one run, not one per process
         (final_eval,) = [r for r in records if "eval_loss" in r]
         assert final_eval["eval_rows"] == 24  # 24 rows over 2 processes in batches of 5: none counted twice

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import unpaired_rows, write_jsonl
+from conftest import read_metrics, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache, sha256_file
@@ -23,10 +23,6 @@ def cfg(cache, out, **kw):
         seed=0,
     )
     return TrainConfig(**{**base, **kw})
-
-
-def read_metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_policy_equals_reference_at_step_one(small_cache, tiny_model_dir):
