@@ -35,6 +35,7 @@ clean:
 
 bench: install
 	$(PY) benchmarks/bench.py --size full
+	$(PY) benchmarks/bench.py --size full --only lora
 
 profile: install
 	$(PY) benchmarks/profile_step.py --size full
