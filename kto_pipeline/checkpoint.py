@@ -61,7 +61,7 @@ def save_checkpoint(
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         if total_limit:
-            for old in list_checkpoints(out)[:-total_limit]:
+            for old in [c for c in list_checkpoints(out) if int(c.name.split("-")[1]) <= step][:-total_limit]:
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final

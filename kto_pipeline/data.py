@@ -195,13 +195,23 @@ def normalize(dataset) -> list[dict[str, Any]]:
             hint = " It has 'label' but no 'completion' column (rename your response column to 'completion')."
         raise KTOPipelineError(f"the dataset has columns {sorted(columns)}; {EXPECTED_COLUMNS}.{hint}")
     for i, r in enumerate(rows):
+        kinds = []
         for key in ("prompt", "completion"):
             value = r[key]
-            if not (isinstance(value, str) or is_conversational(value) or value == []):
+            if isinstance(value, str):
+                kinds.append("string")
+            elif is_conversational(value) or (value == [] and key == "prompt"):
+                kinds.append("messages")
+            else:
                 raise KTOPipelineError(
-                    f"row {i}: '{key}' must be a string or a list of {{role, content}} messages, got "
+                    f"row {i}: '{key}' must be a string or a non-empty list of {{role, content}} messages, got "
                     f"{type(value).__name__}."
                 )
+        if kinds[0] != kinds[1]:
+            raise KTOPipelineError(
+                f"row {i}: the prompt is a {kinds[0]} but the completion is a {kinds[1]}; use strings for both "
+                "(standard) or message lists for both (conversational)."
+            )
     return rows
 
 

@@ -364,7 +364,12 @@ def _plan_output(out: Path, fingerprint: dict[str, Any], overwrite: bool) -> dic
     """Compare what --output holds with this run: nothing to do, resume after intact shards, or start over."""
     done_shards: list[dict[str, Any]] = []
     if (out / MANIFEST).exists():
-        old = read_manifest(out)
+        try:
+            old = read_manifest(out)
+        except KTOPipelineError:
+            if not overwrite:
+                raise
+            old = {}  # unreadable or of another format version: --overwrite replaces it
         diff = _fingerprint_diff(old.get("fingerprint", {}), fingerprint)
         if not diff and old.get("complete"):
             print(f"{out} already holds a complete cache of this model, tokenizer, data and settings: nothing to do.")

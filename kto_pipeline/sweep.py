@@ -40,6 +40,9 @@ SHORT_NAMES = {
     "lr_scheduler_type": "",
 }
 DONE_FILE = "trainer_state.json"  # written by train only when a run has finished
+LIST_FIELDS = ("lora_target_modules", "report_to")  # values that are comma-separated lists themselves
+# settings that do not change a run's results: a finished run with other values here still counts
+NO_EFFECT_FIELDS = ("report_to", "verify", "overwrite_output_dir", "resume", "resume_from")
 
 
 def sweepable_fields() -> list[dataclasses.Field]:
@@ -77,7 +80,9 @@ def expand_grid(values: dict[str, str | None]) -> tuple[list[dict[str, Any]], li
             continue
         if name not in fields:
             raise KTOPipelineError(f"--{name.replace('_', '-')} cannot be swept")
-        parsed = [parse_value(fields[name], part) for part in str(text).split(",")]
+        # list-valued flags take their commas literally: one value, not several runs
+        parts = [str(text)] if name in LIST_FIELDS else str(text).split(",")
+        parsed = [parse_value(fields[name], part) for part in parts]
         options[name] = list(dict.fromkeys(parsed))  # drop repeats, keep order
     varied = [name for name, vals in options.items() if len(vals) > 1]
     grid = [dict(zip(options, combo, strict=True)) for combo in itertools.product(*options.values())]
@@ -117,7 +122,7 @@ def sweep(cache: str, output_dir: str, values: dict[str, str | None], keep: str 
         out.mkdir(parents=True, exist_ok=True)
         print(f"sweep: {len(configs)} runs on {cache}: {', '.join(names)}", flush=True)
     for name, config in zip(names, configs, strict=True):
-        if (out / name / DONE_FILE).exists():
+        if _finished_with(out / name, config):
             if state.is_main_process:
                 print(f"sweep: {name} already finished, skipped", flush=True)
             continue
@@ -131,13 +136,22 @@ def sweep(cache: str, output_dir: str, values: dict[str, str | None], keep: str 
         _write_summary(out, rows)
         if keep == "best" and rows:
             for row in rows[1:]:
-                for weights in (out / row["run"]).glob("model*.safetensors*"):
+                run_dir = out / row["run"]
+                for weights in [*run_dir.glob("model*.safetensors*"), *run_dir.glob("adapter_model*.safetensors*")]:
                     weights.unlink()
-                for ckpt in (out / row["run"]).glob("checkpoint-*"):
-                    shutil.rmtree(ckpt)
+                for directory in [*run_dir.glob("checkpoint-*"), run_dir / "merged"]:
+                    shutil.rmtree(directory, ignore_errors=True)
         print(f"sweep: summary in {out / 'summary.md'}; best run: {rows[0]['run'] if rows else '-'}", flush=True)
     state.wait_for_everyone()
     return rows
+
+
+def _finished_with(run_dir: Path, config: TrainConfig) -> bool:
+    """A run counts as done only if it finished with the same settings (else it is trained again)."""
+    if not (run_dir / DONE_FILE).exists():
+        return False
+    saved, wanted = _settings_of(run_dir), config.to_dict()
+    return all(saved.get(k) == v for k, v in wanted.items() if k not in NO_EFFECT_FIELDS)
 
 
 def _settings_of(run_dir: Path) -> dict[str, Any]:

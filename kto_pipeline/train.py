@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -299,7 +300,13 @@ def _open_eval_cache(config: TrainConfig, manifest: dict, max_length: int) -> Ca
             f"--eval-cache {config.eval_cache} was made with another tokenizer than --cache {config.cache}. "
             "Precompute the eval split with the same reference model."
         )
-    return CacheRows(eval_cache, min(max_length, eval_cache.manifest["settings"]["max_length"]))
+    rows = CacheRows(eval_cache, min(max_length, eval_cache.manifest["settings"]["max_length"]))
+    if len(rows) == 0:
+        raise KTOPipelineError(
+            f"--eval-cache {config.eval_cache}: no row fits --max-length {max_length} (every prompt is at least "
+            "that long). Raise --max-length, or precompute the eval set with shorter prompts."
+        )
+    return rows
 
 
 def _trackers(config: TrainConfig) -> list[str]:
@@ -325,8 +332,8 @@ def train(config: TrainConfig) -> TrainResult:
 
     out = Path(config.output_dir)
     resume_dir = resolve_resume(out, config.resume, config.resume_from)
-    if resume_dir is None:
-        _check_output_dir(out, config.overwrite_output_dir)
+    if resume_dir is None or resume_dir.parent.resolve() != out.resolve():
+        _check_output_dir(out, config.overwrite_output_dir)  # a checkpoint of this same dir may continue it
 
     # --- the cache: cheap checks always (complete, files, sizes, row counts, schema); sha256 with --verify
     cache = open_cache(config.cache, verify=config.verify)
@@ -437,6 +444,7 @@ def train(config: TrainConfig) -> TrainResult:
     global_step, epoch, skip_batches, fractional_epoch = 0, 0, 0, 0.0
     if resume_dir is not None:
         state = load_checkpoint(accelerator, scorer, resume_dir)
+        _check_resume_compatible(state.get("run_config", {}), config, resume_dir)
         global_step, epoch, skip_batches = state["global_step"], state["epoch_index"], state["batches_in_epoch"]
         fractional_epoch, history = state["epoch"], state["log_history"]
         log.values.update(state.get("pending_metrics", {}))
@@ -444,6 +452,9 @@ def train(config: TrainConfig) -> TrainResult:
             print(f"resuming from {resume_dir} at step {global_step}", flush=True)
     if accelerator.is_main_process:  # outputs are created only once every check has passed
         out.mkdir(parents=True, exist_ok=True)
+        if resume_dir is None:  # a fresh run in a reused dir: stale checkpoints must not mix with its own
+            for stale in [*out.glob("checkpoint-*"), *out.glob(".checkpoint-*.tmp"), out / "trainer_state.json"]:
+                shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
         config.save(out / RUN_CONFIG_FILE)
         (out / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in history))
     if _trackers(config):
@@ -556,6 +567,7 @@ def train(config: TrainConfig) -> TrainResult:
                     "batches_in_epoch": 0 if epoch_done else micro_step + 1,
                     "log_history": history,
                     "pending_metrics": dict(log.values),
+                    "run_config": config.to_dict(),
                 }
                 save_checkpoint(
                     accelerator, scorer, tokenizer, out, global_step, state, config.to_dict(), config.save_total_limit
@@ -585,6 +597,34 @@ def train(config: TrainConfig) -> TrainResult:
         print(f"train finished: {global_step} steps in {state['train_seconds']:.1f} s; model in {out.resolve()}")
     accelerator.wait_for_everyone()
     return TrainResult(output_dir=out, global_step=global_step, metrics=history, step_seconds=step_seconds)
+
+
+# settings that fix what a checkpoint's step and data position mean; resuming with others would be wrong
+RESUME_INVARIANTS = (
+    "cache",
+    "model",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_length",
+    "seed",
+    "train_sampling_strategy",
+    "lora_r",
+    "lora_target_modules",
+)
+
+
+def _check_resume_compatible(saved: dict, config: TrainConfig, path: Path) -> None:
+    diff = [
+        f"--{k.replace('_', '-')}: checkpoint {saved[k]!r}, now {getattr(config, k)!r}"
+        for k in RESUME_INVARIANTS
+        if k in saved and saved[k] != getattr(config, k)
+    ]
+    if diff:
+        raise KTOPipelineError(
+            f"cannot resume from {path}: it was trained with other settings:\n  - "
+            + "\n  - ".join(diff)
+            + "\nResume with the original settings, or start a new run."
+        )
 
 
 def _router_aux_coef(model, config: TrainConfig) -> float:

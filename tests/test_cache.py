@@ -269,3 +269,14 @@ def test_non_finite_loss_stops_with_step_and_ids_keeping_checkpoint(small_cache,
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert not (out / "model.safetensors").exists()  # no final model from a failed run
     assert not np.isnan(open_cache(small_cache).table.column("ref_logp").to_numpy()).any()  # original untouched
+
+
+def test_overwrite_replaces_an_unreadable_manifest(tmp_path, tiny_model_dir, unpaired_file):
+    out = tmp_path / "c"
+    out.mkdir()
+    (out / "manifest.json").write_text("{not json")
+    cfg = dict(model=str(tiny_model_dir), dataset=str(unpaired_file), output=str(out), max_length=64)
+    with pytest.raises(KTOPipelineError, match="not valid JSON"):
+        precompute(PrecomputeConfig(**cfg))
+    precompute(PrecomputeConfig(**cfg, overwrite=True))
+    assert open_cache(out).manifest["complete"]

@@ -112,3 +112,11 @@ def test_kl_partners_are_a_seeded_cycle_never_self():
     assert (assign_kl_partners(50, 1) != assign_kl_partners(50, 2)).any()
     with pytest.raises(KTOPipelineError, match="at least 2 rows"):
         assign_kl_partners(1, 0)
+
+
+def test_mixed_standard_and_conversational_rows_are_explained():
+    conv = [{"role": "user", "content": "hi"}]
+    with pytest.raises(KTOPipelineError, match="row 0: the prompt is a messages but the completion is a string"):
+        normalize(Dataset.from_list([{"prompt": conv, "completion": " hello", "label": True}]))
+    with pytest.raises(KTOPipelineError, match="row 0: 'completion' must be a string or a non-empty list"):
+        normalize(Dataset.from_list([{"prompt": "hi", "completion": [], "label": True}]))

@@ -1,6 +1,7 @@
 """Both stages under several processes (CPU, gloo, 2 processes via torchrun) give the results of
 one process; resume reproduces an uninterrupted run exactly; checkpointing options."""
 
+import json
 import os
 import shutil
 import signal
@@ -213,3 +214,26 @@ def test_shipped_accelerate_configs_parse(name, kind):
     assert config.distributed_type.name == kind and config.mixed_precision == "bf16"
     if name.startswith("deepspeed"):
         assert config.deepspeed_config["zero_stage"] == int(name[-1])
+
+
+def test_fresh_run_in_reused_dir_drops_stale_checkpoints(tmp_path, small_cache):
+    base = dict(
+        cache=str(small_cache),
+        output_dir=str(tmp_path / "r"),
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=1e-3,
+    )
+    train(TrainConfig(max_steps=5, save_steps=2, **base))
+    assert sorted(p.name for p in (tmp_path / "r").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    train(TrainConfig(max_steps=3, save_steps=1, save_total_limit=2, overwrite_output_dir=True, beta=0.5, **base))
+    assert sorted(p.name for p in (tmp_path / "r").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    state = json.loads((tmp_path / "r" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["run_config"]["beta"] == 0.5  # its own checkpoint, not the old run's
+
+
+def test_resume_with_other_batch_settings_is_refused(tmp_path, small_cache):
+    base = dict(cache=str(small_cache), output_dir=str(tmp_path / "r"), logging_steps=1, max_steps=4)
+    train(TrainConfig(per_device_train_batch_size=4, save_steps=2, **base))
+    with pytest.raises(KTOPipelineError, match="--per-device-train-batch-size: checkpoint 4, now 6"):
+        train(TrainConfig(per_device_train_batch_size=6, resume=True, **base))

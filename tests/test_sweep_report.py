@@ -218,3 +218,37 @@ def test_sweep_under_two_processes_runs_the_grid_once(tmp_path, small_cache):
         (final_eval,) = [r for r in records if "eval_loss" in r]
         assert final_eval["eval_rows"] == 24  # 24 rows over 2 processes in batches of 5: none counted twice
     assert len(list(csv.DictReader(open(out / "summary.csv")))) == 2
+
+
+def test_list_valued_flags_are_not_split():
+    grid, varied = expand_grid({"lora_target_modules": "q_proj,v_proj", "report_to": "none", "beta": "0.1,0.2"})
+    assert varied == ["beta"] and all(g["lora_target_modules"] == "q_proj,v_proj" for g in grid)
+
+
+def test_sweep_rerun_with_other_settings_trains_again(small_cache, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    values = {"beta": "0.1,0.2", "max_steps": "1", "per_device_train_batch_size": "4"}
+    sweep(str(small_cache), str(out), values)
+    capsys.readouterr()
+    sweep(str(small_cache), str(out), {**values, "max_steps": "2"})
+    assert "already finished" not in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(out / "beta0.1")] == [2]
+
+
+def test_eval_set_with_no_row_at_this_length_is_refused_before_training(small_cache, tmp_path, tiny_model_dir):
+    from conftest import write_jsonl
+
+    from kto_pipeline import PrecomputeConfig, precompute
+
+    rows = [{"prompt": "long prompt " * 8, "completion": " ok", "label": i % 2 == 0} for i in range(4)]
+    eval_cache = precompute(
+        PrecomputeConfig(
+            model=str(tiny_model_dir),
+            dataset=str(write_jsonl(tmp_path / "e.jsonl", rows)),
+            output=str(tmp_path / "ec"),
+            max_length=128,
+        )
+    )
+    with pytest.raises(KTOPipelineError, match="--eval-cache .* no row fits --max-length 64"):
+        train(TrainConfig(cache=str(small_cache), output_dir=str(tmp_path / "r"), eval_cache=str(eval_cache)))
+    assert not (tmp_path / "r").exists()
