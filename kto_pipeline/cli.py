@@ -194,12 +194,23 @@ def demo(
     run_demo(workdir, epochs=epochs)
 
 
+def _close_process_group() -> None:
+    """Under torchrun / accelerate launch, end the process group before exit: a gloo group left open can
+    abort the process at interpreter shutdown ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main() -> None:
     try:
         app()
     except KTOPipelineError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(1)
+    finally:
+        _close_process_group()
 
 
 if __name__ == "__main__":
