@@ -57,7 +57,8 @@ def save_checkpoint(
     accelerator.save_state(str(tmp / ACCELERATE_STATE))
     save_model(accelerator, module, tokenizer, tmp, run_config)
     if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        # the run config goes with the state: resume refuses a checkpoint trained with other batch settings
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "run_config": run_config}, indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         if total_limit:
@@ -93,17 +94,9 @@ def resolve_resume(out: Path, resume: bool, resume_from: str | None) -> Path | N
     return None
 
 
-def load_checkpoint(accelerator, module, path: Path) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler and RNG states from `path`; returns its trainer state."""
+def _load_full_weights(model, path: Path) -> None:
     from safetensors.torch import load_file
 
-    model = accelerator.unwrap_model(module).model
-    if (path / "adapter_model.safetensors").exists():  # a LoRA run: the checkpoint holds the adapters only
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, load_file(str(path / "adapter_model.safetensors")))
-        accelerator.load_state(str(path / ACCELERATE_STATE))
-        return json.loads((path / STATE_FILE).read_text())
     index = path / "model.safetensors.index.json"
     files = (
         sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
@@ -119,5 +112,18 @@ def load_checkpoint(accelerator, module, path: Path) -> dict[str, Any]:
         raise KTOPipelineError(
             f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})."
         )
+
+
+def load_checkpoint(accelerator, module, path: Path) -> dict[str, Any]:
+    """Restore weights, optimizer, scheduler and RNG states from `path`; returns its trainer state."""
+    from safetensors.torch import load_file
+
+    model = accelerator.unwrap_model(module).model
+    if (path / "adapter_model.safetensors").exists():  # a LoRA run: the checkpoint holds the adapters only
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(path / "adapter_model.safetensors")))
+    else:
+        _load_full_weights(model, path)
     accelerator.load_state(str(path / ACCELERATE_STATE))
     return json.loads((path / STATE_FILE).read_text())

@@ -12,8 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from kto_pipeline.config import PrecomputeConfig, TrainConfig
-from kto_pipeline.evaluate import reward_accuracy
-from kto_pipeline.precompute import load_model, load_tokenizer, precompute
+from kto_pipeline.precompute import precompute
 from kto_pipeline.tiny import build_char_tokenizer, build_tiny_model
 from kto_pipeline.train import train
 
@@ -64,8 +63,6 @@ def build_reference(path: Path, steps: int = 300, seed: int = 0) -> Path:
 
 
 def run_demo(workdir: str | Path = ".demo", epochs: float = 3.0) -> dict[str, float]:
-    import torch
-
     workdir = Path(workdir)
     model_dir = build_reference(workdir / "tiny-llama-sft")
     for split in ("train", "test"):
@@ -77,7 +74,6 @@ def run_demo(workdir: str | Path = ".demo", epochs: float = 3.0) -> dict[str, fl
                 max_length=256,
             )
         )
-    tokenizer = load_tokenizer(str(model_dir))
     result = train(
         TrainConfig(
             cache=str(workdir / "cache-train"),
@@ -88,25 +84,25 @@ def run_demo(workdir: str | Path = ".demo", epochs: float = 3.0) -> dict[str, fl
             num_train_epochs=epochs,
             warmup_ratio=0.1,
             logging_steps=5,
+            eval_cache=str(workdir / "cache-test"),  # evaluated once, at the end
             overwrite_output_dir=True,
         )
     )
-    after = reward_accuracy(
-        load_model(str(workdir / "run"), torch.float32), workdir / "cache-test", BETA, tokenizer.pad_token_id
-    )
-    first, last = result.metrics[0], result.metrics[-1]
+    logged = [m for m in result.metrics if "loss" in m]
+    (final_eval,) = [m for m in result.metrics if "eval_loss" in m]
     summary = {
-        "margin_start": first.get("rewards/margins", float("nan")),
-        "margin_end": last.get("rewards/margins", float("nan")),
-        "heldout_accuracy_after": after["reward_accuracy"],
-        "heldout_rows": after["rows"],
+        "margin_start": logged[0].get("rewards/margins", float("nan")),
+        "margin_end": logged[-1].get("rewards/margins", float("nan")),
+        "heldout_accuracy_after": final_eval["eval_reward_accuracy"],
+        "heldout_rows": final_eval["eval_rows"],
     }
     print(
         "\ndemo summary\n"
         f"  reward margin (chosen - rejected)   start {summary['margin_start']:+.4f}"
         f"  ->  end {summary['margin_end']:+.4f}"
         f"   (first and last logging step)\n"
-        f"  held-out reward accuracy            {summary['heldout_accuracy_after']:.1%} of {after['rows']} rows"
+        f"  held-out reward accuracy            {summary['heldout_accuracy_after']:.1%}"
+        f" of {summary['heldout_rows']} rows"
         f"   (sign of beta * (policy - reference logp) vs label)\n"
         f"  model, metrics                      {(workdir / 'run').resolve()}"
     )

@@ -156,6 +156,22 @@ class SequenceScores:
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss, when router logits were requested
 
 
+def pad_sequences(
+    seqs: list[list[int]], prompt_lens: list[int], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, completion_mask), each (B, T): what `score_sequences` takes.
+    Both stages batch with it, so the reference and the policy see identical inputs."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    comp = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, p) in enumerate(zip(seqs, prompt_lens, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        comp[i, p : len(s)] = 1
+    return ids, attn, comp
+
+
 def lm_head_settings(model) -> tuple[float, float | None]:
     """(logit_scale, softcap) a model applies to its logits, read from its config."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

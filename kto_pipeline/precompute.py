@@ -23,6 +23,7 @@ from kto_pipeline import __version__
 from kto_pipeline.cache import (
     FORMAT_VERSION,
     MANIFEST,
+    SCHEMA,
     SHARD_DIR,
     model_weights_hash,
     read_manifest,
@@ -34,7 +35,7 @@ from kto_pipeline.cache import (
 from kto_pipeline.config import PrecomputeConfig
 from kto_pipeline.data import assign_kl_partners, content_hash, load_source, normalize, tokenize
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.logprobs import score_sequences
+from kto_pipeline.logprobs import pad_sequences, score_sequences
 
 logger = logging.getLogger(__name__)
 
@@ -137,25 +138,14 @@ def pack_batches(seqs: list[Sequence], batch_size: int, max_tokens: int) -> list
     return batches
 
 
-def collate(seqs: list[Sequence], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, attention_mask, completion_mask), each (B, T)."""
-    width = max(len(s.ids) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    comp = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s.ids)] = torch.tensor(s.ids)
-        attn[i, : len(s.ids)] = 1
-        comp[i, s.prompt_len : len(s.ids)] = 1
-    return ids.to(device), attn.to(device), comp.to(device)
-
-
 @torch.inference_mode()
 def score_shard(model, seqs: list[Sequence], pad_id: int, batch_size: int, max_tokens: int, device) -> dict:
     """Per-token reference log-probs of every sequence, keyed by (row, kind)."""
     out: dict[tuple[int, str], np.ndarray] = {}
     for batch in pack_batches(seqs, batch_size, max_tokens):
-        ids, attn, comp = collate(batch, pad_id, device)
+        ids, attn, comp = (
+            t.to(device) for t in pad_sequences([s.ids for s in batch], [s.prompt_len for s in batch], pad_id)
+        )
         token_logps = score_sequences(model, ids, attn, comp, with_stats=False).token_logps.float().cpu().numpy()
         for i, s in enumerate(batch):
             # token t+1 is scored at position t, so completion token j sits at prompt_len - 1 + j
@@ -199,15 +189,8 @@ def precompute(config: PrecomputeConfig) -> Path:
 
     started = time.perf_counter()
     out = Path(config.output)
-    # A local model is recorded by absolute path, so `train` finds it from any working directory.
-    model_id = (
-        str(Path(config.model).expanduser().resolve()) if Path(config.model).expanduser().exists() else config.model
-    )
-    dataset_id = (
-        str(Path(config.dataset).expanduser().resolve())
-        if Path(config.dataset).expanduser().exists()
-        else config.dataset
-    )
+    # Local paths are recorded absolute, so `train` finds the model from any working directory.
+    model_id, dataset_id = _absolute_if_local(config.model), _absolute_if_local(config.dataset)
     _check_output(out)
     # One process, or one per device under `accelerate launch` / torchrun (ACCELERATE_USE_CPU=1: CPU + gloo).
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
@@ -354,6 +337,11 @@ def precompute(config: PrecomputeConfig) -> Path:
     return out
 
 
+def _absolute_if_local(name: str) -> str:
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
+
+
 def _count_tokens(shard: dict) -> int:
     """Tokens scored for a shard: prompt + completion, and prompt + KL completion, of every row."""
     prompt = sum(len(p) for p in shard["prompt_ids"])
@@ -403,7 +391,7 @@ def _score_rows(model, tok, partner_pos, positions, config: PrecomputeConfig, pa
         seqs.append(Sequence(row, "main", len(prompt), prompt + tok.completion_ids[pos][:room]))
         seqs.append(Sequence(row, "kl", len(prompt), prompt + tok.completion_ids[partner_pos[pos]][:room]))
     scores = score_shard(model, seqs, pad_id, config.batch_size, config.max_tokens_per_batch, device)
-    cols: dict[str, list] = {name: [] for name in _COLUMNS}
+    cols: dict[str, list] = {name: [] for name in SCHEMA.names}
     for row, pos in enumerate(positions):
         main, kl = scores[(row, "main")], scores[(row, "kl")]
         example_id = tok.example_ids[pos]
@@ -426,20 +414,6 @@ def _score_rows(model, tok, partner_pos, positions, config: PrecomputeConfig, pa
         cols["ref_token_logps"].append(main)
         cols["ref_kl_token_logps"].append(kl)
     return cols
-
-
-_COLUMNS = (
-    "example_id",
-    "label",
-    "prompt_ids",
-    "completion_ids",
-    "kl_example_id",
-    "kl_completion_ids",
-    "ref_logp",
-    "ref_kl_logp",
-    "ref_token_logps",
-    "ref_kl_token_logps",
-)
 
 
 def _print_summary(manifest: dict[str, Any], out: Path, tokens: int, seconds: float) -> None:

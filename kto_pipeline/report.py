@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +78,18 @@ def _plot(
     return path
 
 
-def summary_rows(runs: dict[str, Path]) -> list[dict[str, Any]]:
-    """One row per run: its varied settings and its final metrics, best first."""
+def run_config(run_dir: Path) -> dict[str, Any]:
+    """The settings a run was trained with (its run_config.json), or {} if it has none."""
+    path = run_dir / "run_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def summary_rows(runs: dict[str, Path], settings: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """One row per run: its main settings (plus `settings`) and its final metrics, best first."""
     rows = []
     for label, run_dir in runs.items():
         train, evals = read_metrics(run_dir)
-        config_path = run_dir / "run_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        config = run_config(run_dir)
         last = train[-1] if train else {}
         last_eval = evals[-1] if evals else {}
         rows.append(
@@ -99,6 +105,7 @@ def summary_rows(runs: dict[str, Path]) -> list[dict[str, Any]]:
                 "eval_reward_accuracy": last_eval.get("eval_reward_accuracy"),
             }
         )
+        rows[-1].update({k: config.get(k) for k in settings})
     return rank(rows)
 
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 import csv
 import dataclasses
 import itertools
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.report import markdown_table
+from kto_pipeline.report import markdown_table, run_config
 
 # fields a sweep sets itself, per run
 FIXED_FIELDS = ("cache", "output_dir", "overwrite_output_dir", "resume", "resume_from")
@@ -128,11 +127,8 @@ def sweep(cache: str, output_dir: str, values: dict[str, str | None], keep: str 
             continue
         train(config)
         state.wait_for_everyone()
-    rows = summary_rows({name: out / name for name in names})
+    rows = summary_rows({name: out / name for name in names}, settings=varied)  # varied settings: own columns
     if state.is_main_process:
-        for row in rows:  # the varied settings as columns of their own
-            settings = _settings_of(out / row["run"])
-            row.update({k: settings.get(k) for k in varied})
         _write_summary(out, rows)
         if keep == "best" and rows:
             for row in rows[1:]:
@@ -150,13 +146,8 @@ def _finished_with(run_dir: Path, config: TrainConfig) -> bool:
     """A run counts as done only if it finished with the same settings (else it is trained again)."""
     if not (run_dir / DONE_FILE).exists():
         return False
-    saved, wanted = _settings_of(run_dir), config.to_dict()
+    saved, wanted = run_config(run_dir), config.to_dict()
     return all(saved.get(k) == v for k, v in wanted.items() if k not in NO_EFFECT_FIELDS)
-
-
-def _settings_of(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "run_config.json"
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _write_summary(out: Path, rows: list[dict[str, Any]]) -> None:

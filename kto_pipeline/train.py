@@ -39,7 +39,7 @@ from kto_pipeline.checkpoint import (
 )
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.logprobs import score_sequences
+from kto_pipeline.logprobs import pad_sequences, score_sequences
 from kto_pipeline.loss import kto_loss
 from kto_pipeline.precompute import load_model, load_tokenizer
 
@@ -110,29 +110,20 @@ class EpochSampler(Sampler[int]):
         return (int(i) for i in order)
 
 
-def _pad(seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    comp = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (s, p) in enumerate(zip(seqs, prompt_lens, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-        comp[i, p : len(s)] = 1
-    return {"input_ids": ids, "attention_mask": attn, "completion_mask": comp}
-
-
 @dataclass
 class Collator:
     pad_id: int
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         prompt_lens = [len(r["prompt_ids"]) for r in rows]
-        main = _pad([r["prompt_ids"] + r["completion_ids"] for r in rows], prompt_lens, self.pad_id)
-        kl = _pad([r["prompt_ids"] + r["kl_completion_ids"] for r in rows], prompt_lens, self.pad_id)
+        batch = {}
+        for prefix, key in (("", "completion_ids"), ("kl_", "kl_completion_ids")):
+            padded = pad_sequences([r["prompt_ids"] + r[key] for r in rows], prompt_lens, self.pad_id)
+            batch.update(
+                zip((f"{prefix}input_ids", f"{prefix}attention_mask", f"{prefix}completion_mask"), padded, strict=True)
+            )
         return {
-            **main,
-            **{f"kl_{k}": v for k, v in kl.items()},
+            **batch,
             "label": torch.tensor([r["label"] for r in rows], dtype=torch.bool),
             "ref_logp": torch.tensor([r["ref_logp"] for r in rows], dtype=torch.float32),
             "ref_kl_logp": torch.tensor([r["ref_kl_logp"] for r in rows], dtype=torch.float32),
@@ -244,6 +235,32 @@ class TrainResult:
     step_seconds: list[float]  # wall time of each optimizer step of this run (benchmarks, profiling)
 
 
+def kto_forward(accelerator, scorer, batch, config: TrainConfig, with_stats: bool, output_router_logits: bool = False):
+    """One KTO forward pass, shared by training and evaluation: z0 from the KL sequences (policy, no grad,
+    averaged over the global batch before the clamp), then the completions scored and `kto_loss`.
+
+    Returns (z0, scores, loss, losses, rewards)."""
+    z0 = torch.zeros((), device=accelerator.device)
+    if config.loss_type == "kto":
+        with torch.no_grad():
+            kl = scorer(batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"], False)
+        z0 = accelerator.gather((kl.logps - batch["ref_kl_logp"]).mean().detach().reshape(1)).mean().clamp(min=0)
+    scores = scorer(
+        batch["input_ids"], batch["attention_mask"], batch["completion_mask"], with_stats, output_router_logits
+    )
+    loss, losses, rewards = kto_loss(
+        scores.logps,
+        batch["ref_logp"],
+        batch["label"],
+        z0,
+        beta=config.beta,
+        loss_type=config.loss_type,
+        desirable_weight=config.desirable_weight,
+        undesirable_weight=config.undesirable_weight,
+    )
+    return z0, scores, loss, losses, rewards
+
+
 @torch.no_grad()
 def evaluate(accelerator, scorer, loader, config: TrainConfig) -> dict[str, float]:
     """Metrics over the whole eval set, TRL's names with an `eval_` prefix, plus `eval_reward_accuracy`:
@@ -258,21 +275,7 @@ def evaluate(accelerator, scorer, loader, config: TrainConfig) -> dict[str, floa
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     kls = []
     for batch in loader:
-        z0 = torch.zeros((), device=accelerator.device)
-        if config.loss_type == "kto":
-            kl = scorer(batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"], False)
-            z0 = accelerator.gather((kl.logps - batch["ref_kl_logp"]).mean().reshape(1)).mean().clamp(min=0)
-        scores = scorer(batch["input_ids"], batch["attention_mask"], batch["completion_mask"], False)
-        _, losses, rewards = kto_loss(
-            scores.logps,
-            batch["ref_logp"],
-            batch["label"],
-            z0,
-            config.beta,
-            config.loss_type,
-            config.desirable_weight,
-            config.undesirable_weight,
-        )
+        z0, scores, _, losses, rewards = kto_forward(accelerator, scorer, batch, config, with_stats=False)
         kls.append(z0.item())
         for name, value in (("loss", losses), ("reward", rewards), ("logp", scores.logps), ("label", batch["label"])):
             parts[name].append(accelerator.gather_for_metrics(value.detach().float()))
@@ -351,12 +354,13 @@ def train(config: TrainConfig) -> TrainResult:
 
     # accelerate keeps one global state per process; reset it (not the process group) so that several runs
     # in one process (a sweep through the Python API) may each choose their own precision.
+    trackers = _trackers(config)
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
     accelerator = Accelerator(
         mixed_precision=_resolve_precision(config),
         gradient_accumulation_steps=config.gradient_accumulation_steps,
-        log_with=_trackers(config) or None,
+        log_with=trackers or None,
         project_dir=str(out / "tensorboard"),
     )
     skip_model_weights_in_accelerate_state(accelerator)
@@ -453,11 +457,12 @@ def train(config: TrainConfig) -> TrainResult:
     if accelerator.is_main_process:  # outputs are created only once every check has passed
         out.mkdir(parents=True, exist_ok=True)
         if resume_dir is None:  # a fresh run in a reused dir: stale checkpoints must not mix with its own
-            for stale in [*out.glob("checkpoint-*"), *out.glob(".checkpoint-*.tmp"), out / "trainer_state.json"]:
-                shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
+            for stale in [*out.glob("checkpoint-*"), *out.glob(".checkpoint-*.tmp")]:
+                shutil.rmtree(stale)
+            (out / "trainer_state.json").unlink(missing_ok=True)
         config.save(out / RUN_CONFIG_FILE)
         (out / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in history))
-    if _trackers(config):
+    if trackers:
         hparams = {k: (v if isinstance(v, int | float | str | bool) else str(v)) for k, v in config.to_dict().items()}
         accelerator.init_trackers("kto-pipeline", config=hparams)
 
@@ -467,11 +472,10 @@ def train(config: TrainConfig) -> TrainResult:
         if accelerator.is_main_process:
             with open(out / METRICS_FILE, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        if _trackers(config):
+        if trackers:
             accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     # --- the loop
-    needs_kl = config.loss_type == "kto"
     grad_norm = None
     bar = tqdm(
         total=total_steps, initial=global_step, desc="train", unit="step", disable=not accelerator.is_local_main_process
@@ -484,27 +488,8 @@ def train(config: TrainConfig) -> TrainResult:
         batches = accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
         for micro_step, batch in enumerate(batches, start=skip_batches):
             with accelerator.accumulate(scorer):
-                if needs_kl:
-                    with torch.no_grad():
-                        kl_scores = scorer(
-                            batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"], False
-                        )
-                    kl_local = (kl_scores.logps - batch["ref_kl_logp"]).mean().detach()
-                    z0 = accelerator.gather(kl_local.reshape(1)).mean().clamp(min=0)  # over the global batch
-                else:
-                    z0 = torch.zeros((), device=accelerator.device)
-                scores = scorer(
-                    batch["input_ids"], batch["attention_mask"], batch["completion_mask"], True, aux_coef != 0
-                )
-                loss, _, rewards = kto_loss(
-                    scores.logps,
-                    batch["ref_logp"],
-                    batch["label"],
-                    z0,
-                    beta=config.beta,
-                    loss_type=config.loss_type,
-                    desirable_weight=config.desirable_weight,
-                    undesirable_weight=config.undesirable_weight,
+                z0, scores, loss, _, rewards = kto_forward(
+                    accelerator, scorer, batch, config, with_stats=True, output_router_logits=aux_coef != 0
                 )
                 if scores.aux_loss is not None:  # MoE: keep the experts' load balanced, as the model's own loss does
                     loss = loss + aux_coef * scores.aux_loss
@@ -558,7 +543,7 @@ def train(config: TrainConfig) -> TrainResult:
                         "step": global_step,
                     }
                 )
-            if config.save_steps and global_step % config.save_steps == 0 and global_step < total_steps:
+            if config.save_steps and global_step % config.save_steps == 0 and not last_step:
                 epoch_done = micro_step + 1 == len(loader)
                 state = {
                     "global_step": global_step,
@@ -567,19 +552,18 @@ def train(config: TrainConfig) -> TrainResult:
                     "batches_in_epoch": 0 if epoch_done else micro_step + 1,
                     "log_history": history,
                     "pending_metrics": dict(log.values),
-                    "run_config": config.to_dict(),
                 }
                 save_checkpoint(
                     accelerator, scorer, tokenizer, out, global_step, state, config.to_dict(), config.save_total_limit
                 )
-            if global_step >= total_steps:
+            if last_step:
                 break
         skip_batches = 0
         epoch += 1
     bar.close()
 
     accelerator.wait_for_everyone()
-    if _trackers(config):
+    if trackers:
         accelerator.end_training()
     save_model(accelerator, scorer, tokenizer, out, config.to_dict())
     if config.merge and accelerator.is_main_process:
