@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kto_pipeline.packing import Layout, attention_mask_for, sliding_window, tree_mask
+
 DEFAULT_CHUNK_SIZE = 1024
 
 
@@ -145,15 +147,21 @@ def chunked_token_logps(
 
 
 @dataclass
-class SequenceScores:
-    """Scores of a padded batch of sequences; positions outside the completion are 0."""
+class Scores:
+    """Scores of a batch of sequences, token by token: one entry per scored (completion) token, ordered by
+    sequence, then position."""
 
-    token_logps: torch.Tensor  # (B, T-1) log-prob of token t+1 at position t, 0 outside the completion
-    logps: torch.Tensor  # (B,) sum over completion tokens: the sequence log-prob KTO uses
-    mean_logits: torch.Tensor  # (B, T-1) no grad
-    entropy: torch.Tensor  # (B, T-1) no grad
-    mask: torch.Tensor  # (B, T-1) bool, True at scored positions
+    logps: torch.Tensor  # (S,) sum over each sequence's completion tokens: the sequence log-prob KTO uses
+    token_logps: torch.Tensor  # (N,) log-prob of each completion token
+    sequence: torch.Tensor  # (N,) which sequence each token belongs to
+    mean_logits: torch.Tensor  # (N,) no grad; zeros with with_stats=False
+    entropy: torch.Tensor  # (N,) no grad; zeros with with_stats=False
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss, when router logits were requested
+
+    def per_sequence(self) -> list[torch.Tensor]:
+        """token_logps split by sequence (sequences with no scored token get an empty tensor)."""
+        counts = torch.bincount(self.sequence, minlength=self.logps.shape[0]).tolist()
+        return list(torch.split(self.token_logps, counts))
 
 
 def pad_sequences(
@@ -192,6 +200,27 @@ def backbone_of(model):
     return body
 
 
+def _scorable(model):
+    """The causal LM whose backbone and head we call: a PEFT model is scored through its base model, whose
+    layers carry the adapters."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _head_logps(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int, with_stats: bool):
+    """(logps, mean_logits, entropy) of `targets` (N,) predicted from `hidden` (N, H) through the LM head."""
+    head = model.get_output_embeddings()
+    logit_scale, softcap = lm_head_settings(model)
+    return chunked_token_logps(hidden, head.weight, targets, head.bias, chunk_size, logit_scale, softcap, with_stats)
+
+
+def _load_balancing_loss(model, router_logits, attention_mask):
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = model.config.get_text_config()
+    num_experts = getattr(config, "num_local_experts", None) or config.num_experts
+    return load_balancing_loss_func(router_logits, num_experts, config.num_experts_per_tok, attention_mask)
+
+
 def score_sequences(
     model,
     input_ids: torch.Tensor,  # (B, T)
@@ -200,40 +229,118 @@ def score_sequences(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_stats: bool = True,
     output_router_logits: bool = False,
-) -> SequenceScores:
-    """Run the backbone once and score the completion tokens through the LM head in chunks.
+) -> Scores:
+    """Score the completion tokens of a padded batch, one sequence per row: the unshared path, for models
+    that cannot run packed layouts (see `packing.packing_unsupported`) and as the tests' reference.
 
     `with_stats=False` skips the metric-only mean logits and entropy (left as zeros).
-    `output_router_logits=True` (mixture-of-experts models) also returns the load-balancing loss.
-    A PEFT model is scored through its base model, whose layers carry the adapters."""
-    if hasattr(model, "get_base_model"):  # peft.PeftModel
-        model = model.get_base_model()
+    `output_router_logits=True` (mixture-of-experts models) also returns the load-balancing loss."""
+    model = _scorable(model)
     extra = {"output_router_logits": True} if output_router_logits else {}
     outputs = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     hidden = outputs.last_hidden_state[:, :-1]  # (B, T-1, H): position t predicts token t+1
-    targets = input_ids[:, 1:]
     mask = completion_mask[:, 1:].bool()
-    head = model.get_output_embeddings()
-    logit_scale, softcap = lm_head_settings(model)
-    logps, mean_logits, entropy = chunked_token_logps(
-        hidden[mask], head.weight, targets[mask], head.bias, chunk_size, logit_scale, softcap, with_stats
-    )
-    # masked_scatter keeps the result connected to the graph even if no position is scored.
-    token_logps = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
-    aux_loss = None
-    if output_router_logits:
-        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    logps, mean_logits, entropy = _head_logps(model, hidden[mask], input_ids[:, 1:][mask], chunk_size, with_stats)
+    sequence = mask.nonzero()[:, 0]  # row-major: by sequence, then position
+    aux_loss = _load_balancing_loss(model, outputs.router_logits, attention_mask) if output_router_logits else None
+    return _scores(logps, sequence, input_ids.shape[0], mean_logits, entropy, aux_loss)
 
-        config = model.config.get_text_config()
-        num_experts = getattr(config, "num_local_experts", None) or config.num_experts
-        aux_loss = load_balancing_loss_func(
-            outputs.router_logits, num_experts, config.num_experts_per_tok, attention_mask
-        )
-    return SequenceScores(
-        token_logps=token_logps,
-        logps=token_logps.sum(-1),
-        mean_logits=mean_logits.new_zeros(mask.shape).masked_scatter(mask, mean_logits),
-        entropy=entropy.new_zeros(mask.shape).masked_scatter(mask, entropy),
-        mask=mask,
-        aux_loss=aux_loss,
+
+def _scores(logps, sequence, num_sequences, mean_logits, entropy, aux_loss=None) -> Scores:
+    # index_add keeps the sum connected to the graph even if no token is scored
+    totals = logps.new_zeros(num_sequences).index_add(0, sequence, logps)
+    return Scores(totals, logps, sequence, mean_logits, entropy, aux_loss)
+
+
+def _forward_columns(model, layout: Layout, columns, context=None, cache=None, **extra):
+    """The backbone's final hidden states (R, Q, H) of the layout's `columns`, which attend (tree mask) to
+    themselves and to the `context` columns already held in `cache`."""
+    keys = columns if context is None else torch.cat([context, columns])
+    visible = tree_mask(layout, columns, keys, sliding_window(model))
+    dtype = model.get_input_embeddings().weight.dtype
+    outputs = backbone_of(model)(
+        input_ids=layout.input_ids[:, columns],
+        position_ids=layout.position_ids[:, columns],
+        attention_mask=attention_mask_for(model, visible, dtype),
+        past_key_values=cache,
+        use_cache=cache is not None,
+        **extra,
     )
+    return outputs
+
+
+def score_layout(
+    model, layout: Layout, chunk_size: int = DEFAULT_CHUNK_SIZE, with_stats: bool = True, columns=None
+) -> Scores:
+    """Score every continuation of a packed layout in one forward over its tokens (each prompt runs once).
+
+    `columns` (default all) limits the forward to some columns of a one-row layout, e.g. the prompts and
+    the KL completions; only sequences whose tokens all lie in it are scored."""
+    model = _scorable(model)
+    rows, width = layout.input_ids.shape
+    device = layout.input_ids.device
+    if columns is None:
+        outputs = _forward_columns(model, layout, torch.arange(width, device=device))
+        hidden = outputs.last_hidden_state.reshape(rows * width, -1)
+        sel = torch.arange(len(layout.target), device=device)
+        where = torch.arange(rows * width, device=device)
+    else:
+        assert rows == 1, "a column subset needs a one-row layout"
+        hidden = _forward_columns(model, layout, columns).last_hidden_state[0]
+        where = torch.full((width,), -1, dtype=torch.long, device=device)
+        where[columns] = torch.arange(len(columns), device=device)
+        sel = (where[layout.target] >= 0).nonzero()[:, 0]
+    targets = layout.input_ids.reshape(-1)[layout.target[sel]]
+    logps, mean_logits, entropy = _head_logps(
+        model, hidden[where[layout.predictor[sel]]], targets, chunk_size, with_stats
+    )
+    return _scores(logps, layout.sequence[sel], layout.num_trees * layout.branches, mean_logits, entropy)
+
+
+def score_with_prompt_cache(
+    model, layout: Layout, chunk_size: int = DEFAULT_CHUNK_SIZE, with_stats: bool = True, output_router_logits=False
+) -> tuple[Scores, Scores]:
+    """Training's two forwards over a one-row layout of `(prompt, [completion, KL completion])` trees.
+
+    1. prompts and completions, with gradients; their keys/values are kept in a cache;
+    2. the KL completions alone, without gradients, attending to the cached (detached) prompt keys/values.
+
+    The KL forward thus runs K tokens, not P + K. Returns (completion scores, KL completion scores); the
+    KL scores carry no gradient and are the odd-numbered sequences' (tree t: sequence 2t + 1)."""
+    from transformers import DynamicCache
+
+    model = _scorable(model)
+    assert layout.input_ids.shape[0] == 1 and layout.branches == 2
+    branch, device = layout.branch[0], layout.branch.device
+    main_cols = ((branch >= 0) & (branch <= 1)).nonzero()[:, 0]
+    kl_cols = (branch == 2).nonzero()[:, 0]
+    where = torch.full((layout.width,), -1, dtype=torch.long, device=device)
+    where[main_cols] = torch.arange(len(main_cols), device=device)
+    where[kl_cols] = len(main_cols) + torch.arange(len(kl_cols), device=device)
+    is_kl = layout.sequence % 2 == 1
+    cache = DynamicCache()
+    extra = {"output_router_logits": True} if output_router_logits else {}
+    outputs = _forward_columns(model, layout, main_cols, cache=cache, **extra)
+    main_hidden = outputs.last_hidden_state[0]
+    if cache.get_seq_length() != len(main_cols):
+        raise RuntimeError("the model kept no keys/values (gradient checkpointing?): use score_layout for the KL")
+    sel = (~is_kl).nonzero()[:, 0]
+    targets = layout.input_ids[0, layout.target[sel]]
+    logps, mean_logits, entropy = _head_logps(
+        model, main_hidden[where[layout.predictor[sel]]], targets, chunk_size, with_stats
+    )
+    aux_loss = _load_balancing_loss(model, outputs.router_logits, None) if output_router_logits else None
+    main = _scores(logps, layout.sequence[sel] // 2, layout.num_trees, mean_logits, entropy, aux_loss)
+
+    with torch.no_grad():
+        for layer in cache.layers:  # the KL forward reads the prompts' keys/values, never backpropagates into them
+            layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
+        kl_hidden = _forward_columns(model, layout, kl_cols, context=main_cols, cache=cache).last_hidden_state[0]
+        hidden = torch.cat([main_hidden.detach(), kl_hidden])
+        sel = is_kl.nonzero()[:, 0]
+        targets = layout.input_ids[0, layout.target[sel]]
+        logps, mean_logits, entropy = _head_logps(
+            model, hidden[where[layout.predictor[sel]]], targets, chunk_size, with_stats=False
+        )
+    kl = _scores(logps, layout.sequence[sel] // 2, layout.num_trees, mean_logits, entropy)
+    return main, kl

@@ -1,0 +1,169 @@
+"""Packed layouts (prompt shared by both continuations, no padding) give the unshared, padded values.
+
+Checked for Llama, Qwen2 and Mistral-style models (GQA, tied embeddings, biases, a sliding window),
+against the padded path (`score_sequences`, right and left padding) and against the models' own
+full logits; and for training's two forwards (prompt keys/values reused by the KL completion),
+values and gradients.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kto_pipeline.logprobs import score_layout, score_sequences, score_with_prompt_cache
+from kto_pipeline.packing import layout_trees, packing_unsupported
+
+ATOL = 1e-5
+
+
+def make_model(kind: str, **overrides):
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+    )
+    common.update(overrides)
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
+    elif kind == "llama-tied":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
+    elif kind == "qwen2":  # q/k/v biases, tied embeddings (as Qwen2-0.5B)
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
+    elif kind == "mistral":  # a sliding window shorter than the sequences
+        model = MistralForCausalLM(MistralConfig(sliding_window=6, **common))
+    else:
+        raise ValueError(kind)
+    return model.float().eval()
+
+
+def random_trees(n: int, seed: int = 0, vocab: int = 97):
+    g = torch.Generator().manual_seed(seed)
+
+    def seq(lo, hi):
+        return torch.randint(3, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+
+    return [(seq(1, 12), [seq(1, 9), seq(1, 9)]) for _ in range(n)]
+
+
+def padded_logps(model, trees, left: bool = False) -> list[torch.Tensor]:
+    """Per-token log-probs of every (prompt + continuation) as its own padded sequence."""
+    seqs = [(p, c) for p, conts in trees for c in conts]
+    width = max(len(p) + len(c) for p, c in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    comp = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(seqs):
+        n = len(p) + len(c)
+        cols = slice(width - n, width) if left else slice(0, n)
+        ids[i, cols] = torch.tensor(p + c)
+        attn[i, cols] = 1
+        comp[i, cols.start + len(p) : cols.stop] = 1
+    with torch.no_grad():
+        return score_sequences(model, ids, attn, comp, chunk_size=7).per_sequence()
+
+
+def full_logits_logps(model, trees) -> list[torch.Tensor]:
+    """An independent computation: the model's own forward and full logits, one unpadded sequence at a time."""
+    out = []
+    with torch.no_grad():
+        for p, conts in trees:
+            for c in conts:
+                ids = torch.tensor([p + c])
+                logits = model(ids).logits[0, len(p) - 1 : -1].float()
+                out.append(F.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None])[:, 0])
+    return out
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-tied", "qwen2", "mistral"])
+def test_shared_prefix_layout_equals_padded_and_full_logits(kind):
+    model = make_model(kind)
+    assert packing_unsupported(model) is None
+    trees = random_trees(7)
+    want = full_logits_logps(model, trees)
+    assert_same(padded_logps(model, trees), want)
+    assert_same(padded_logps(model, trees, left=True), want)
+    # several rows, right-padded to the longest, trees split unevenly across them
+    layout = layout_trees(trees, rows=[[0, 1, 2], [3], [4, 5, 6]], pad_id=5)
+    with torch.no_grad():
+        scores = score_layout(model, layout, chunk_size=5)
+    assert layout.tokens() == sum(len(p) + sum(map(len, c)) for p, c in trees)  # each prompt once
+    assert_same(scores.per_sequence(), want)
+    torch.testing.assert_close(scores.logps, torch.stack([w.sum() for w in want]), atol=1e-4, rtol=0)
+
+
+def test_eager_attention_takes_the_additive_mask():
+    model = make_model("llama", attn_implementation="eager")
+    trees = random_trees(4, seed=1)
+    with torch.no_grad():
+        scores = score_layout(model, layout_trees(trees, rows=[[0, 1], [2, 3]]))
+    assert_same(scores.per_sequence(), full_logits_logps(model, trees))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_kl_forward_on_cached_prompt_equals_separate_forwards(kind):
+    """Training's two forwards: completion log-probs and their gradients, and KL log-probs, equal the padded
+    path's; the KL forward runs only the KL completions' tokens."""
+    model = make_model(kind)
+    trees = random_trees(6, seed=2)
+    layout = layout_trees(trees)
+    main, kl = score_with_prompt_cache(model, layout, chunk_size=6)
+    want = padded_logps(model, trees)
+    assert_same(main.per_sequence(), want[0::2])
+    assert_same(kl.per_sequence(), want[1::2])
+    assert not kl.logps.requires_grad
+    weights = torch.linspace(-1, 1, len(trees))
+    (main.logps * weights).sum().backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    seqs = [(p, conts[0]) for p, conts in trees]
+    width = max(len(p) + len(c) for p, c in seqs)
+    ids, attn, comp = (torch.zeros(len(seqs), width, dtype=torch.long) for _ in range(3))
+    for i, (p, c) in enumerate(seqs):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        attn[i, : len(p) + len(c)] = 1
+        comp[i, len(p) : len(p) + len(c)] = 1
+    (score_sequences(model, ids, attn, comp).logps * weights).sum().backward()
+    for a, (name, p) in zip(packed_grads, model.named_parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_layout_columns_score_only_the_kl_branch():
+    """The fallback for models that keep no keys/values (gradient checkpointing): prompts + KL completions."""
+    model = make_model("llama")
+    trees = random_trees(5, seed=3)
+    layout = layout_trees(trees)
+    columns = ((layout.branch[0] == 0) | (layout.branch[0] == 2)).nonzero()[:, 0]
+    with torch.no_grad():
+        scores = score_layout(model, layout, columns=columns)
+    assert_same(scores.per_sequence()[1::2], padded_logps(model, trees)[1::2])
+    assert all(len(s) == 0 for s in scores.per_sequence()[0::2])
+
+
+def test_unsupported_models_are_named():
+    model = make_model("llama", attn_implementation="eager")
+    model.config._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in packing_unsupported(model)
+    model = make_model("mistral", layer_types=["full_attention", "sliding_attention"])
+    assert "several attention types" in packing_unsupported(model)
