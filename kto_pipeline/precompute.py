@@ -1,9 +1,11 @@
 """Stage 1: run the frozen reference model once over a dataset and write the cache.
 
 Read `precompute()` top to bottom: load -> normalize -> tokenize -> pair -> score shard by shard ->
-write. Rows are scored a shard at a time so that a crash loses at most one shard of work, and
-within a shard the sequences (completions and KL completions alike) are sorted by length and
-packed into token-budgeted batches, so almost no compute is spent on padding.
+write. Rows are scored a shard at a time so that a crash loses at most one shard of work. Within a
+shard each row is one tree, its prompt followed by its completion and its KL completion, which both
+attend to the prompt (`packing.py`): the prompt runs once. Trees are packed side by side into rows
+of token-budgeted forward passes, so almost no compute goes to padding. Models whose attention takes
+no packed layout run every sequence on its own, length-sorted and padded; the manifest records which.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from kto_pipeline.cache import (
 from kto_pipeline.config import PrecomputeConfig
 from kto_pipeline.data import assign_kl_partners, content_hash, load_source, normalize, tokenize
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.logprobs import pad_sequences, score_sequences
+from kto_pipeline.logprobs import pad_sequences, score_layout, score_sequences
 from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
+from kto_pipeline.packing import layout_trees, packing_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +48,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Sequence:
-    row: int  # position in the shard
-    kind: str  # "main" or "kl"
+    row: int  # tree (row) in the shard
+    kind: int  # 0: completion, 1: KL completion
     prompt_len: int
     ids: list[int]  # prompt + (KL) completion, already truncated
 
@@ -66,26 +69,84 @@ def pack_batches(seqs: list[Sequence], batch_size: int, max_tokens: int) -> list
     return batches
 
 
+def pack_trees(sizes: list[int], batch_size: int, max_tokens: int) -> list[list[list[int]]]:
+    """Group trees (prompt + completion + KL completion, `sizes[i]` tokens) into forward passes of rows.
+
+    First-fit decreasing into rows as wide as the largest tree, so a row holds several small trees and
+    little padding; then rows into passes while rows x width <= max_tokens and trees <= batch_size / 2
+    (batch_size counts sequences, two per tree; a tree always fits alone). Returns passes -> rows -> trees."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    capacity = sizes[order[0]]
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        slot = next((r for r, room in enumerate(free) if room >= sizes[i] and 2 * len(rows[r]) + 2 <= batch_size), None)
+        if slot is None:
+            rows.append([i])
+            free.append(capacity - sizes[i])
+        else:
+            rows[slot].append(i)
+            free[slot] -= sizes[i]
+    passes: list[list[list[int]]] = []
+    current: list[list[int]] = []
+    width = trees = 0
+    for row in rows:
+        row_width = sum(sizes[i] for i in row)
+        new_width = max(width, row_width)
+        if current and (new_width * (len(current) + 1) > max_tokens or 2 * (trees + len(row)) > max(batch_size, 2)):
+            passes.append(current)
+            current, width, trees = [], 0, 0
+            new_width = row_width
+        current.append(row)
+        width, trees = new_width, trees + len(row)
+    if current:
+        passes.append(current)
+    return passes
+
+
+Tree = tuple[list[int], list[list[int]]]  # (prompt, [completion, KL completion]), already truncated
+
+
 @torch.inference_mode()
 def score_shard(
-    model, seqs: list[Sequence], pad_id: int, batch_size: int, max_tokens: int, device, on_batch=None
-) -> dict:
-    """Per-token reference log-probs of every sequence, keyed by (row, kind).
+    model, trees: list[Tree], pad_id: int, batch_size: int, max_tokens: int, device, on_batch=None, shared=True
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per-token reference log-probs of each tree's completion and KL completion.
+
+    `shared=True`: each prompt runs once, its completion and KL completion both attending to it
+    (`packing.layout_trees`), several trees side by side in each tensor row. `shared=False`: every sequence
+    on its own, padded (the path for models that cannot take a packed layout).
 
     `on_batch(sequences, tokens, executed)`, if given, is called after each forward pass with the number of
-    sequences, their tokens, and the tokens the pass ran (padding included): progress and efficiency counters."""
-    out: dict[tuple[int, str], np.ndarray] = {}
+    sequences, the tokens they need, and the tokens the pass ran (padding included): progress and counters."""
+    out: list[list[np.ndarray]] = [[np.empty(0, np.float32)] * 2 for _ in trees]
+    if shared:
+        sizes = [len(p) + sum(map(len, conts)) for p, conts in trees]
+        for rows in pack_trees(sizes, batch_size, max_tokens):
+            members = [t for row in rows for t in row]
+            local = {t: i for i, t in enumerate(members)}
+            layout = layout_trees([trees[t] for t in members], [[local[t] for t in row] for row in rows], pad_id)
+            per_sequence = score_layout(model, layout.to(device), with_stats=False).per_sequence()
+            for i, t in enumerate(members):
+                out[t] = [v.float().cpu().numpy() for v in per_sequence[2 * i : 2 * i + 2]]
+            if on_batch is not None:
+                on_batch(2 * len(members), sum(sizes[t] for t in members), layout.input_ids.numel())
+        return [tuple(o) for o in out]
+    seqs = [
+        Sequence(t, kind, len(prompt), prompt + continuation)
+        for t, (prompt, continuations) in enumerate(trees)
+        for kind, continuation in enumerate(continuations)
+    ]
     for batch in pack_batches(seqs, batch_size, max_tokens):
         ids, attn, comp = (
             t.to(device) for t in pad_sequences([s.ids for s in batch], [s.prompt_len for s in batch], pad_id)
         )
-        token_logps = score_sequences(model, ids, attn, comp, with_stats=False).token_logps.float().cpu().numpy()
-        for i, s in enumerate(batch):
-            # token t+1 is scored at position t, so completion token j sits at prompt_len - 1 + j
-            out[(s.row, s.kind)] = token_logps[i, s.prompt_len - 1 : len(s.ids) - 1].copy()
+        per_sequence = score_sequences(model, ids, attn, comp, with_stats=False).per_sequence()
+        for s, values in zip(batch, per_sequence, strict=True):
+            out[s.row][s.kind] = values.float().cpu().numpy()
         if on_batch is not None:
             on_batch(len(batch), sum(len(s.ids) for s in batch), ids.numel())
-    return out
+    return [tuple(o) for o in out]
 
 
 # ------------------------------------------------------------------------------------------ stage 1
@@ -137,6 +198,10 @@ def precompute(config: PrecomputeConfig) -> Path:
     dtype = resolve_dtype(config.dtype, device)
     model = load_model(config.model, dtype, config.revision, config.trust_remote_code)
     model.eval().to(device)
+    # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
+    unshared_because = packing_unsupported(model)
+    if unshared_because and state.is_main_process:
+        print(f"note: {type(model).__name__}: {unshared_because}; each sequence runs on its own, padded", flush=True)
 
     source = load_source(config.dataset, config.split, config.dataset_config)
     rows = normalize(source)
@@ -209,6 +274,10 @@ def precompute(config: PrecomputeConfig) -> Path:
             "dropped": dict(tok.dropped),
         },
         "fingerprint": fingerprint,
+        "reference_pass": {
+            "prefix_shared": unshared_because is None,
+            **({"unshared_because": unshared_because} if unshared_because else {}),
+        },
         "shards": done_shards,
     }
     if state.is_main_process:
@@ -255,10 +324,12 @@ def precompute(config: PrecomputeConfig) -> Path:
             stats = dict.fromkeys(("rows", "scored", "executed", "needed"), 0)
             if shard_index < num_shards:
                 positions = range(shard_index * config.shard_size, min(n, (shard_index + 1) * config.shard_size))
-                shard = _score_rows(model, tok, partner_pos, positions, config, pad_id, device, on_batch)
+                shard = _score_rows(
+                    model, tok, partner_pos, positions, config, pad_id, device, on_batch, unshared_because is None
+                )
                 entry = write_shard(out, shard_index, shard)
                 needed = _needed_tokens(shard)
-                scored = needed + sum(len(p) for p in shard["prompt_ids"])  # today each prompt runs twice
+                scored = needed + sum(len(p) for p in shard["prompt_ids"])  # as separate sequences: prompts twice
                 stats = {"rows": len(positions), "scored": scored, "executed": executed_here, "needed": needed}
             entries = gather_object([(entry, stats)]) if state.num_processes > 1 else [(entry, stats)]
             finished = sorted((e for e, _ in entries if e is not None), key=lambda e: e["file"])
@@ -345,19 +416,18 @@ def _plan_output(out: Path, fingerprint: dict[str, Any], overwrite: bool) -> dic
 
 
 def _score_rows(
-    model, tok, partner_pos, positions, config: PrecomputeConfig, pad_id: int, device, on_batch=None
+    model, tok, partner_pos, positions, config: PrecomputeConfig, pad_id: int, device, on_batch=None, shared=True
 ) -> dict:
     """Build, score and assemble the Arrow columns of the kept rows at `positions`."""
-    seqs = []
-    for row, pos in enumerate(positions):
+    trees: list[Tree] = []
+    for pos in positions:
         prompt = tok.prompt_ids[pos]
         room = config.max_length - len(prompt)
-        seqs.append(Sequence(row, "main", len(prompt), prompt + tok.completion_ids[pos][:room]))
-        seqs.append(Sequence(row, "kl", len(prompt), prompt + tok.completion_ids[partner_pos[pos]][:room]))
-    scores = score_shard(model, seqs, pad_id, config.batch_size, config.max_tokens_per_batch, device, on_batch)
+        trees.append((prompt, [tok.completion_ids[pos][:room], tok.completion_ids[partner_pos[pos]][:room]]))
+    scores = score_shard(model, trees, pad_id, config.batch_size, config.max_tokens_per_batch, device, on_batch, shared)
     cols: dict[str, list] = {name: [] for name in SCHEMA.names}
     for row, pos in enumerate(positions):
-        main, kl = scores[(row, "main")], scores[(row, "kl")]
+        main, kl = scores[row]
         example_id = tok.example_ids[pos]
         for what, values in (("completion", main), ("KL completion", kl)):
             if not np.isfinite(values).all():
@@ -366,13 +436,12 @@ def _score_rows(
                     f"(values {values[~np.isfinite(values)][:3]}). The model or its dtype is broken "
                     "(try --dtype float32); nothing of this row was written."
                 )
-        prompt_len = len(tok.prompt_ids[pos])
         cols["example_id"].append(example_id)
         cols["label"].append(tok.labels[pos])
         cols["prompt_ids"].append(tok.prompt_ids[pos])
-        cols["completion_ids"].append(seqs[2 * row].ids[prompt_len:])
+        cols["completion_ids"].append(trees[row][1][0])
         cols["kl_example_id"].append(tok.example_ids[partner_pos[pos]])
-        cols["kl_completion_ids"].append(seqs[2 * row + 1].ids[prompt_len:])
+        cols["kl_completion_ids"].append(trees[row][1][1])
         cols["ref_logp"].append(float(main.sum(dtype=np.float32)))
         cols["ref_kl_logp"].append(float(kl.sum(dtype=np.float32)))
         cols["ref_token_logps"].append(main)

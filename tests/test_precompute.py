@@ -211,25 +211,72 @@ def test_non_finite_reference_logps_stop_with_the_row(tmp_path, tiny_model_dir, 
     assert not list((tmp_path / "c").glob("shards/*.arrow"))
 
 
-def test_progress_is_reported_per_forward_pass(tiny_model_dir):
-    """The reference pass reports after every batch (the progress bar moves within a shard, not per shard)."""
+@pytest.mark.parametrize("shared", [True, False])
+def test_progress_is_reported_per_forward_pass(tiny_model_dir, shared):
+    """The reference pass reports after every forward pass (the progress bar moves within a shard), with the
+    tokens the sequences need and the tokens the pass ran, padding included."""
     from transformers import AutoModelForCausalLM
 
-    from kto_pipeline.precompute import Sequence, pack_batches, score_shard
+    from kto_pipeline.precompute import Sequence, pack_batches, pack_trees, score_shard
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    seqs = [
-        Sequence(row=i // 2, kind=("main", "kl")[i % 2], prompt_len=3, ids=list(range(5, 10 + i))) for i in range(10)
-    ]
+    trees = [([5, 6, 7], [list(range(8, 10 + i)), list(range(8, 11 + i))]) for i in range(5)]
     calls = []
-    score_shard(
-        model, seqs, 0, batch_size=3, max_tokens=1000, device="cpu", on_batch=lambda s, t, e: calls.append((s, t, e))
+    out = score_shard(
+        model, trees, 0, batch_size=3, max_tokens=40, device="cpu", on_batch=lambda *c: calls.append(c), shared=shared
     )
-    batches = pack_batches(seqs, 3, 1000)
-    assert len(calls) == len(batches) == 4
-    assert [c[0] for c in calls] == [len(b) for b in batches]
-    assert sum(c[1] for c in calls) == sum(len(s.ids) for s in seqs)
-    assert [c[2] for c in calls] == [len(b) * max(len(s.ids) for s in b) for b in batches]  # padded to the longest
+    assert [len(o) for pair in out for o in pair] == [len(c) for _, conts in trees for c in conts]
+    if shared:  # trees (prompt once) side by side in rows as wide as the largest tree
+        sizes = [3 + len(c) + len(k) for _, (c, k) in trees]
+        passes = pack_trees(sizes, 3, 40)
+        assert [c[0] for c in calls] == [2 * sum(map(len, rows)) for rows in passes]
+        assert sum(c[1] for c in calls) == sum(sizes)
+        assert [c[2] for c in calls] == [len(rows) * max(sum(sizes[t] for t in r) for r in rows) for rows in passes]
+    else:  # every sequence on its own, padded to the longest of its batch
+        seqs = [Sequence(t, k, 3, p + c) for t, (p, cs) in enumerate(trees) for k, c in enumerate(cs)]
+        batches = pack_batches(seqs, 3, 40)
+        assert [c[0] for c in calls] == [len(b) for b in batches]
+        assert sum(c[1] for c in calls) == sum(len(s.ids) for s in seqs)
+        assert [c[2] for c in calls] == [len(b) * max(len(s.ids) for s in b) for b in batches]
+    assert len(calls) > 1
+
+
+def test_pack_trees_fills_rows_and_respects_budgets():
+    from kto_pipeline.precompute import pack_trees
+
+    sizes = [10, 9, 6, 5, 4, 3, 1]
+    passes = pack_trees(sizes, batch_size=100, max_tokens=1000)
+    rows = [row for p in passes for row in p]
+    assert sorted(t for row in rows for t in row) == list(range(len(sizes)))
+    assert all(sum(sizes[t] for t in row) <= 10 for row in rows)  # no row wider than the largest tree
+    assert len(rows) == 4  # 10 | 9 1 | 6 4 | 5 3
+    for p in pack_trees(sizes, batch_size=4, max_tokens=20):  # <= 2 trees, <= 20 tokens (or one row) a pass
+        assert sum(map(len, p)) <= 2 or len(p) == 1
+        assert len(p) * max(sum(sizes[t] for t in r) for r in p) <= 20 or len(p) == 1
+
+
+def test_unshared_fallback_gives_the_same_cache(tmp_path, tiny_model_dir, unpaired_file):
+    """A model whose attention takes no packed layout runs every sequence on its own; the values are the same
+    and the manifest says which path ran."""
+    import importlib
+
+    precompute_module = importlib.import_module("kto_pipeline.precompute")  # the package exports a function by its name
+
+    shared = open_cache(precompute(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "a"))))
+    assert shared.manifest["reference_pass"] == {"prefix_shared": True}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(precompute_module, "packing_unsupported", lambda m: "attention implementation 'x'")
+        unshared = open_cache(
+            precompute(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "b")))
+        )
+    assert unshared.manifest["reference_pass"] == {
+        "prefix_shared": False,
+        "unshared_because": "attention implementation 'x'",
+    }
+    for x, y in zip(shared.table.to_pylist(), unshared.table.to_pylist(), strict=True):
+        np.testing.assert_allclose(x["ref_token_logps"], y["ref_token_logps"], atol=1e-5)
+        np.testing.assert_allclose(x["ref_kl_token_logps"], y["ref_kl_token_logps"], atol=1e-5)
+    assert shared.manifest["timing"]["tokens_executed"] < unshared.manifest["timing"]["tokens_executed"]
 
 
 @pytest.mark.parametrize("batch_size", [1, 6])
@@ -248,10 +295,10 @@ def test_manifest_counts_executed_and_needed_tokens(tmp_path, tiny_model_dir, ba
     rows = opened.table.to_pylist()
     timing = opened.manifest["timing"]
     needed = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) + len(r["kl_completion_ids"]) for r in rows)
-    scored = needed + sum(len(r["prompt_ids"]) for r in rows)  # today's pass runs each prompt twice
+    scored = needed + sum(len(r["prompt_ids"]) for r in rows)  # as separate sequences, prompts run twice
     assert timing["tokens_needed"] == needed and timing["tokens_scored"] == scored
     if batch_size == 1:
-        assert timing["tokens_executed"] == scored  # one sequence per pass: no padding
+        assert timing["tokens_executed"] == needed  # one tree (prompt once) per pass: no padding
     else:
-        assert timing["tokens_executed"] > scored  # rows of different lengths share padded batches
+        assert needed < timing["tokens_executed"] < scored  # trees share padded rows, prompts still run once
     assert timing["token_efficiency"] == round(needed / timing["tokens_executed"], 4)
