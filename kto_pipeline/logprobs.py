@@ -269,78 +269,95 @@ def _forward_columns(model, layout: Layout, columns, context=None, cache=None, *
     return outputs
 
 
-def score_layout(
-    model, layout: Layout, chunk_size: int = DEFAULT_CHUNK_SIZE, with_stats: bool = True, columns=None
-) -> Scores:
-    """Score every continuation of a packed layout in one forward over its tokens (each prompt runs once).
-
-    `columns` (default all) limits the forward to some columns of a one-row layout, e.g. the prompts and
-    the KL completions; only sequences whose tokens all lie in it are scored."""
-    model = _scorable(model)
-    rows, width = layout.input_ids.shape
-    device = layout.input_ids.device
-    if columns is None:
-        outputs = _forward_columns(model, layout, torch.arange(width, device=device))
-        hidden = outputs.last_hidden_state.reshape(rows * width, -1)
-        sel = torch.arange(len(layout.target), device=device)
-        where = torch.arange(rows * width, device=device)
-    else:
-        assert rows == 1, "a column subset needs a one-row layout"
-        hidden = _forward_columns(model, layout, columns).last_hidden_state[0]
-        where = torch.full((width,), -1, dtype=torch.long, device=device)
-        where[columns] = torch.arange(len(columns), device=device)
-        sel = (where[layout.target] >= 0).nonzero()[:, 0]
-    targets = layout.input_ids.reshape(-1)[layout.target[sel]]
+def _score_branch(model, layout: Layout, hidden, where, branch: int, chunk_size: int, with_stats: bool, **extra):
+    """Scores of continuation `branch` (1-based) of every tree of a one-row layout, from the hidden states
+    `hidden[where[column]]`; sequences are numbered by tree."""
+    sel = ((layout.sequence % layout.branches) == branch - 1).nonzero()[:, 0]
+    targets = layout.input_ids[0, layout.target[sel]]
     logps, mean_logits, entropy = _head_logps(
         model, hidden[where[layout.predictor[sel]]], targets, chunk_size, with_stats
     )
-    return _scores(logps, layout.sequence[sel], layout.num_trees * layout.branches, mean_logits, entropy)
+    return _scores(logps, layout.sequence[sel] // layout.branches, layout.num_trees, mean_logits, entropy, **extra)
 
 
-def score_with_prompt_cache(
-    model, layout: Layout, chunk_size: int = DEFAULT_CHUNK_SIZE, with_stats: bool = True, output_router_logits=False
-) -> tuple[Scores, Scores]:
-    """Training's two forwards over a one-row layout of `(prompt, [completion, KL completion])` trees.
+def _columns(layout: Layout, *branches: int) -> torch.Tensor:
+    return torch.isin(layout.branch[0], torch.tensor(branches, device=layout.branch.device)).nonzero()[:, 0]
 
-    1. prompts and completions, with gradients; their keys/values are kept in a cache;
-    2. the KL completions alone, without gradients, attending to the cached (detached) prompt keys/values.
 
-    The KL forward thus runs K tokens, not P + K. Returns (completion scores, KL completion scores); the
-    KL scores carry no gradient and are the odd-numbered sequences' (tree t: sequence 2t + 1)."""
+def _positions(layout: Layout, *column_groups: torch.Tensor) -> torch.Tensor:
+    """column -> its row in the concatenated hidden states of forwards over `column_groups`, in order."""
+    device = layout.input_ids.device
+    where = torch.full((layout.width,), -1, dtype=torch.long, device=device)
+    offset = 0
+    for columns in column_groups:
+        where[columns] = offset + torch.arange(len(columns), device=device)
+        offset += len(columns)
+    return where
+
+
+def score_layout(model, layout: Layout, chunk_size: int = DEFAULT_CHUNK_SIZE, with_stats: bool = True) -> Scores:
+    """Score every continuation of a packed layout in one forward over its tokens: each prompt runs once.
+    The reference pass scores `(prompt, [completion, KL completion])` trees with it, without gradients.
+    Sequences are numbered tree * branches + continuation."""
+    model = _scorable(model)
+    rows, width = layout.input_ids.shape
+    hidden = _forward_columns(model, layout, torch.arange(width, device=layout.input_ids.device)).last_hidden_state
+    targets = layout.input_ids.reshape(-1)[layout.target]
+    logps, mean_logits, entropy = _head_logps(
+        model, hidden.reshape(rows * width, -1)[layout.predictor], targets, chunk_size, with_stats
+    )
+    return _scores(logps, layout.sequence, layout.num_trees * layout.branches, mean_logits, entropy)
+
+
+@dataclass
+class PolicyScores:
+    completions: Scores  # with gradients
+    kl: Scores | None  # without gradients; None when not asked for
+    tokens_executed: int  # tokens the forwards ran
+    kl_on_cached_prompt: bool  # whether the KL forward ran on the prompts' cached keys/values
+
+
+def score_policy(
+    model,
+    layout: Layout,
+    with_kl: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_stats: bool = True,
+    output_router_logits: bool = False,
+) -> PolicyScores:
+    """Training's forwards over a one-row layout of `(prompt, [completion, KL completion])` trees.
+
+    1. the prompts and completions, with gradients; their keys/values are kept in a cache;
+    2. (`with_kl`) the KL completions alone, without gradients, attending to the cached prompt keys/values
+       (detached): K tokens instead of P + K. A model that keeps no keys/values while training (gradient
+       checkpointing recomputes the layers) runs the prompts again with the KL completions instead."""
     from transformers import DynamicCache
 
     model = _scorable(model)
-    assert layout.input_ids.shape[0] == 1 and layout.branches == 2
-    branch, device = layout.branch[0], layout.branch.device
-    main_cols = ((branch >= 0) & (branch <= 1)).nonzero()[:, 0]
-    kl_cols = (branch == 2).nonzero()[:, 0]
-    where = torch.full((layout.width,), -1, dtype=torch.long, device=device)
-    where[main_cols] = torch.arange(len(main_cols), device=device)
-    where[kl_cols] = len(main_cols) + torch.arange(len(kl_cols), device=device)
-    is_kl = layout.sequence % 2 == 1
-    cache = DynamicCache()
+    assert layout.input_ids.shape[0] == 1 and layout.branches == 2, "one row of (prompt, [completion, KL]) trees"
+    main_cols, kl_cols = _columns(layout, 0, 1), _columns(layout, 2)
+    cache = DynamicCache() if with_kl and not getattr(model, "is_gradient_checkpointing", False) else None
     extra = {"output_router_logits": True} if output_router_logits else {}
     outputs = _forward_columns(model, layout, main_cols, cache=cache, **extra)
-    main_hidden = outputs.last_hidden_state[0]
-    if cache.get_seq_length() != len(main_cols):
-        raise RuntimeError("the model kept no keys/values (gradient checkpointing?): use score_layout for the KL")
-    sel = (~is_kl).nonzero()[:, 0]
-    targets = layout.input_ids[0, layout.target[sel]]
-    logps, mean_logits, entropy = _head_logps(
-        model, main_hidden[where[layout.predictor[sel]]], targets, chunk_size, with_stats
-    )
     aux_loss = _load_balancing_loss(model, outputs.router_logits, None) if output_router_logits else None
-    main = _scores(logps, layout.sequence[sel] // 2, layout.num_trees, mean_logits, entropy, aux_loss)
-
+    main_hidden = outputs.last_hidden_state[0]
+    where = _positions(layout, main_cols, kl_cols)
+    completions = _score_branch(model, layout, main_hidden, where, 1, chunk_size, with_stats, aux_loss=aux_loss)
+    executed = len(main_cols)
+    if not with_kl:
+        return PolicyScores(completions, None, executed, False)
+    on_cache = cache is not None and cache.get_seq_length() == len(main_cols)
     with torch.no_grad():
-        for layer in cache.layers:  # the KL forward reads the prompts' keys/values, never backpropagates into them
-            layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
-        kl_hidden = _forward_columns(model, layout, kl_cols, context=main_cols, cache=cache).last_hidden_state[0]
-        hidden = torch.cat([main_hidden.detach(), kl_hidden])
-        sel = is_kl.nonzero()[:, 0]
-        targets = layout.input_ids[0, layout.target[sel]]
-        logps, mean_logits, entropy = _head_logps(
-            model, hidden[where[layout.predictor[sel]]], targets, chunk_size, with_stats=False
-        )
-    kl = _scores(logps, layout.sequence[sel] // 2, layout.num_trees, mean_logits, entropy)
-    return main, kl
+        if on_cache:
+            for layer in cache.layers:  # the KL forward reads the prompts' keys/values, never backpropagates into them
+                layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
+            kl_hidden = _forward_columns(model, layout, kl_cols, context=main_cols, cache=cache).last_hidden_state[0]
+            hidden = torch.cat([main_hidden.detach(), kl_hidden])
+            executed += len(kl_cols)
+        else:
+            columns = _columns(layout, 0, 2)
+            hidden = _forward_columns(model, layout, columns).last_hidden_state[0]
+            where = _positions(layout, columns)
+            executed += len(columns)
+        kl = _score_branch(model, layout, hidden, where, 2, chunk_size, with_stats=False)
+    return PolicyScores(completions, kl, executed, on_cache)

@@ -151,6 +151,4 @@ def attention_mask_for(model, visible: torch.Tensor, dtype: torch.dtype) -> torc
     """The bool mask as the attention implementation takes it: bool for sdpa, additive float for eager."""
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
         return visible
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
-        ~visible, torch.finfo(dtype).min
-    )
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)

@@ -5,10 +5,13 @@ model) -> data loader over the memory-mapped cache -> optimizer and schedule -> 
 the final model. accelerate is used as a library (`prepare`, `accumulate`, `backward`, `gather`),
 so the loop is the whole algorithm: nothing happens in callbacks.
 
-Per forward pass, as in trl.KTOTrainer:
-  1. score the KL sequences (prompt_i + completion of partner) with the policy, without grad;
-     z0 = clamp(mean over the global batch of (policy_kl_logp - ref_kl_logp), min=0)
-  2. score the completions with grad and take `kto_loss` against the cached reference log-probs.
+Per forward pass, with trl.KTOTrainer's numbers:
+  1. score the completions with grad: the micro-batch's prompts and completions packed side by side in
+     one row, no padding (`packing.py`), their keys/values kept;
+  2. score the KL completions (prompt_i + completion of partner) without grad, on prompt_i's cached
+     keys/values: z0 = clamp(mean over the global batch of (policy_kl_logp - ref_kl_logp), min=0);
+  3. `kto_loss` against the cached reference log-probs.
+Models whose attention takes no packed layout run padded batches instead, grouped by length.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ from kto_pipeline.checkpoint import (
 )
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.logprobs import pad_sequences, score_sequences
+from kto_pipeline.logprobs import PolicyScores, pad_sequences, score_policy, score_sequences
 from kto_pipeline.loss import kto_loss
 from kto_pipeline.model_card import write_model_card
 from kto_pipeline.models import load_model, load_tokenizer
+from kto_pipeline.packing import Layout, layout_trees, packing_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,12 @@ class CacheRows(Dataset):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def lengths(self) -> np.ndarray:
+        """Tokens of each row's prompt + completion (truncated at max_length): for grouping by length."""
+        take = self.table.select(["prompt_ids", "completion_ids"]).take(self.indices)
+        total = sum(pc.list_value_length(take.column(c)).to_numpy().astype(np.int64) for c in take.column_names)
+        return np.minimum(total, self.max_length)
 
     def prompt_groups(self) -> dict[int, int]:
         """example_id -> a number shared by every row with the same prompt (for pairwise metrics)."""
@@ -104,10 +114,14 @@ class EpochSampler(Sampler[int]):
 
     The epoch is set with `use_epoch`, not `set_epoch`: accelerate calls `set_epoch` with its own count of
     iterations of a loader, which restarts at 0 for the fresh loader of a resumed run.
+
+    With `lengths` (the padded path), each run of `group` shuffled rows is sorted longest first, so that a
+    batch holds rows of similar lengths and little padding (transformers' `group_by_length`).
     """
 
-    def __init__(self, n: int, seed: int, shuffle: bool):
+    def __init__(self, n: int, seed: int, shuffle: bool, lengths: np.ndarray | None = None, group: int = 0):
         self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
+        self.lengths, self.group = lengths, group
 
     def use_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -119,28 +133,52 @@ class EpochSampler(Sampler[int]):
         if not self.shuffle:
             return iter(range(self.n))
         order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)  # 8 bytes a row, not a list
+        if self.lengths is not None and self.group > 1:
+            for start in range(0, self.n, self.group):
+                chunk = order[start : start + self.group]
+                order[start : start + self.group] = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
         return (int(i) for i in order)
+
+
+LAYOUT_KEY = "layout_"  # batch keys of a packed layout's tensors
 
 
 @dataclass
 class Collator:
+    """Rows -> one micro-batch. `packed`: the rows' `(prompt, [completion, KL completion])` trees side by side
+    in one row, no padding (`packing.layout_trees`); else padded sequences, completions and KL completions apart."""
+
     pad_id: int
+    packed: bool = True
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        prompt_lens = [len(r["prompt_ids"]) for r in rows]
-        batch = {}
-        for prefix, key in (("", "completion_ids"), ("kl_", "kl_completion_ids")):
-            padded = pad_sequences([r["prompt_ids"] + r[key] for r in rows], prompt_lens, self.pad_id)
-            batch.update(
-                zip((f"{prefix}input_ids", f"{prefix}attention_mask", f"{prefix}completion_mask"), padded, strict=True)
-            )
+        batch: dict[str, torch.Tensor] = {}
+        if self.packed:
+            layout = layout_trees([(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows])
+            batch.update({LAYOUT_KEY + k: v for k, v in vars(layout).items() if isinstance(v, torch.Tensor)})
+        else:
+            prompt_lens = [len(r["prompt_ids"]) for r in rows]
+            for prefix, key in (("", "completion_ids"), ("kl_", "kl_completion_ids")):
+                padded = pad_sequences([r["prompt_ids"] + r[key] for r in rows], prompt_lens, self.pad_id)
+                names = (f"{prefix}input_ids", f"{prefix}attention_mask", f"{prefix}completion_mask")
+                batch.update(zip(names, padded, strict=True))
+        needed = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) + len(r["kl_completion_ids"]) for r in rows)
         return {
             **batch,
             "label": torch.tensor([r["label"] for r in rows], dtype=torch.bool),
             "ref_logp": torch.tensor([r["ref_logp"] for r in rows], dtype=torch.float32),
             "ref_kl_logp": torch.tensor([r["ref_kl_logp"] for r in rows], dtype=torch.float32),
             "example_id": torch.tensor([r["example_id"] for r in rows], dtype=torch.long),
+            "tokens_needed": torch.tensor(needed),  # each prompt once, no padding
         }
+
+
+def batch_layout(batch: dict[str, torch.Tensor]) -> Layout | None:
+    """The packed layout a `Collator(packed=True)` batch carries (None for a padded batch)."""
+    if LAYOUT_KEY + "input_ids" not in batch:
+        return None
+    fields = {k.removeprefix(LAYOUT_KEY): v for k, v in batch.items() if k.startswith(LAYOUT_KEY)}
+    return Layout(**fields, num_trees=len(batch["label"]), branches=2)
 
 
 class PolicyScorer(torch.nn.Module):
@@ -152,15 +190,33 @@ class PolicyScorer(torch.nn.Module):
         # FSDP's transformer-based auto wrap looks for the layer classes here
         self._no_split_modules = getattr(model, "_no_split_modules", None)
 
-    def forward(self, input_ids, attention_mask, completion_mask, with_stats=True, output_router_logits=False):
-        return score_sequences(
+    def forward(self, batch, with_kl: bool = True, with_stats: bool = True, output_router_logits: bool = False):
+        """Completion scores (with grad) and, with `with_kl`, KL completion scores (no grad): `PolicyScores`."""
+        layout = batch_layout(batch)
+        if layout is not None:
+            return score_policy(
+                self.model, layout, with_kl, with_stats=with_stats, output_router_logits=output_router_logits
+            )
+        completions = score_sequences(
             self.model,
-            input_ids,
-            attention_mask,
-            completion_mask,
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["completion_mask"],
             with_stats=with_stats,
             output_router_logits=output_router_logits,
         )
+        kl, executed = None, batch["input_ids"].numel()
+        if with_kl:
+            with torch.no_grad():
+                kl = score_sequences(
+                    self.model,
+                    batch["kl_input_ids"],
+                    batch["kl_attention_mask"],
+                    batch["kl_completion_mask"],
+                    with_stats=False,
+                )
+            executed += batch["kl_input_ids"].numel()
+        return PolicyScores(completions, kl, executed, kl_on_cached_prompt=False)
 
 
 # -------------------------------------------------------------------------------------- checks
@@ -214,7 +270,7 @@ class MetricLog:
 def batch_metrics(accelerator, loss, z0, labels, logps, rewards, scores) -> dict[str, float]:
     """TRL's metrics for one forward pass, summed across processes before dividing."""
     labels = labels.bool()
-    tok_mask = scores.mask
+    token_labels = labels[scores.sequence]  # each scored token's row label
     mean_logits = scores.mean_logits.detach()
 
     def total(x: torch.Tensor) -> float:
@@ -226,13 +282,14 @@ def batch_metrics(accelerator, loss, z0, labels, logps, rewards, scores) -> dict
         if n > 0:
             out[f"rewards/{name}"] = total(rewards[sel].sum()) / n
             out[f"logps/{name}"] = total(logps.detach()[sel].sum()) / n
-            n_tok = total(tok_mask[sel].sum())
+            tokens = token_labels if name == "chosen" else ~token_labels
+            n_tok = total(tokens.sum())
             if n_tok > 0:
-                out[f"logits/{name}"] = total(mean_logits[sel][tok_mask[sel]].sum()) / n_tok
+                out[f"logits/{name}"] = total(mean_logits[tokens].sum()) / n_tok
     if n_chosen > 0 and n_rejected > 0:
         out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-    n_tok = total(tok_mask.sum())
-    out["entropy"] = total(scores.entropy[tok_mask].sum()) / max(n_tok, 1)
+    n_tok = total(torch.tensor(scores.entropy.numel(), device=labels.device))
+    out["entropy"] = total(scores.entropy.sum()) / max(n_tok, 1)
     return out
 
 
@@ -248,20 +305,17 @@ class TrainResult:
 
 
 def kto_forward(accelerator, scorer, batch, config: TrainConfig, with_stats: bool, output_router_logits: bool = False):
-    """One KTO forward pass, shared by training and evaluation: z0 from the KL sequences (policy, no grad,
-    averaged over the global batch before the clamp), then the completions scored and `kto_loss`.
+    """One KTO forward pass, shared by training and evaluation: the completions scored (policy, with grad),
+    z0 from the KL completions (policy, no grad, averaged over the global batch before the clamp), `kto_loss`.
 
-    Returns (z0, scores, loss, losses, rewards)."""
+    Returns (z0, scored: PolicyScores, loss, losses, rewards)."""
+    with_kl = config.loss_type == "kto"
+    scored = scorer(batch, with_kl, with_stats, output_router_logits)
     z0 = torch.zeros((), device=accelerator.device)
-    if config.loss_type == "kto":
-        with torch.no_grad():
-            kl = scorer(batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"], False)
-        z0 = accelerator.gather((kl.logps - batch["ref_kl_logp"]).mean().detach().reshape(1)).mean().clamp(min=0)
-    scores = scorer(
-        batch["input_ids"], batch["attention_mask"], batch["completion_mask"], with_stats, output_router_logits
-    )
+    if with_kl:
+        z0 = accelerator.gather((scored.kl.logps - batch["ref_kl_logp"]).mean().detach().reshape(1)).mean().clamp(min=0)
     loss, losses, rewards = kto_loss(
-        scores.logps,
+        scored.completions.logps,
         batch["ref_logp"],
         batch["label"],
         z0,
@@ -270,7 +324,7 @@ def kto_forward(accelerator, scorer, batch, config: TrainConfig, with_stats: boo
         desirable_weight=config.desirable_weight,
         undesirable_weight=config.undesirable_weight,
     )
-    return z0, scores, loss, losses, rewards
+    return z0, scored, loss, losses, rewards
 
 
 def pair_accuracy(reward: torch.Tensor, label: torch.Tensor, group: torch.Tensor) -> tuple[float, int]:
@@ -304,9 +358,10 @@ def evaluate(accelerator, scorer, loader, config: TrainConfig, groups: dict[int,
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     kls = []
     for batch in loader:
-        z0, scores, _, losses, rewards = kto_forward(accelerator, scorer, batch, config, with_stats=False)
+        z0, scored, _, losses, rewards = kto_forward(accelerator, scorer, batch, config, with_stats=False)
         kls.append(z0.item())
-        for name, value in (("loss", losses), ("reward", rewards), ("logp", scores.logps), ("label", batch["label"])):
+        logps = scored.completions.logps
+        for name, value in (("loss", losses), ("reward", rewards), ("logp", logps), ("label", batch["label"])):
             parts[name].append(accelerator.gather_for_metrics(value.detach().float()))
         parts["example_id"].append(accelerator.gather_for_metrics(batch["example_id"]))
     scorer.train(was_training)
@@ -436,21 +491,25 @@ def train(config: TrainConfig) -> TrainResult:
     if warning and accelerator.is_main_process:
         logger.warning(warning)
         print(f"warning: {warning}", flush=True)
-    sampler = EpochSampler(len(rows), config.seed, shuffle=config.train_sampling_strategy == "random")
-    loader = DataLoader(
-        rows,
-        batch_size=config.per_device_train_batch_size,
-        sampler=sampler,
-        collate_fn=Collator(tokenizer.pad_token_id),
-    )
+    # Micro-batches are packed (no padding) where the model's attention takes a packed layout; otherwise padded,
+    # and the shuffled rows grouped by length (runs of 50 global batches sorted longest first) to pad less.
+    unpacked_because = packing_unsupported(model)
+    shuffle = config.train_sampling_strategy == "random"
+    global_batch = config.per_device_train_batch_size * accelerator.num_processes
+    if unpacked_because is None:
+        sampler = EpochSampler(len(rows), config.seed, shuffle)
+    else:
+        sampler = EpochSampler(len(rows), config.seed, shuffle, lengths=rows.lengths(), group=50 * global_batch)
+        if accelerator.is_main_process:
+            print(f"note: {unpacked_because}: batches are padded, rows grouped by length", flush=True)
+    collator = Collator(tokenizer.pad_token_id, packed=unpacked_because is None)
+    loader = DataLoader(rows, batch_size=config.per_device_train_batch_size, sampler=sampler, collate_fn=collator)
 
     eval_rows = _open_eval_cache(config, manifest, max_length)
     eval_loader = None
     eval_groups = eval_rows.prompt_groups() if eval_rows is not None else {}
     if eval_rows is not None:
-        eval_loader = DataLoader(
-            eval_rows, batch_size=config.per_device_eval_batch_size, collate_fn=Collator(tokenizer.pad_token_id)
-        )
+        eval_loader = DataLoader(eval_rows, batch_size=config.per_device_eval_batch_size, collate_fn=collator)
 
     # --- optimizer and schedule (AdamW; no decay on biases and norm weights, as transformers.Trainer)
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
@@ -517,15 +576,23 @@ def train(config: TrainConfig) -> TrainResult:
     )
     started = step_started = time.perf_counter()
     step_seconds: list[float] = []
+    # work counters of this run, this process: tokens the forwards ran vs the tokens the rows need (P + C + K)
+    tokens_executed = tokens_needed = rows_seen = 0
+    kl_on_cached_prompt = False
     scorer.train()
     while global_step < total_steps:
         sampler.use_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
         for micro_step, batch in enumerate(batches, start=skip_batches):
             with accelerator.accumulate(scorer):
-                z0, scores, loss, _, rewards = kto_forward(
+                z0, scored, loss, _, rewards = kto_forward(
                     accelerator, scorer, batch, config, with_stats=True, output_router_logits=aux_coef != 0
                 )
+                scores = scored.completions
+                tokens_executed += scored.tokens_executed
+                tokens_needed += int(batch["tokens_needed"])
+                rows_seen += len(batch["label"])
+                kl_on_cached_prompt = scored.kl_on_cached_prompt
                 if scores.aux_loss is not None:  # MoE: keep the experts' load balanced, as the model's own loss does
                     loss = loss + aux_coef * scores.aux_loss
                     log.add("aux_loss", accelerator.gather(scores.aux_loss.detach().reshape(1)).mean().item())
@@ -554,6 +621,11 @@ def train(config: TrainConfig) -> TrainResult:
             step_seconds.append(now - step_started)
             step_started = now
             bar.update(1)
+            elapsed = max(now - started, 1e-9)
+            bar.set_postfix_str(
+                f"{rows_seen * accelerator.num_processes / elapsed:.1f} rows/s, "
+                f"{tokens_needed * accelerator.num_processes / elapsed:.0f} tokens/s"
+            )
             fractional_epoch = epoch + (micro_step + 1) / len(loader)
             if global_step % config.logging_steps == 0 or global_step == total_steps:
                 record = log.flush()
@@ -566,9 +638,6 @@ def train(config: TrainConfig) -> TrainResult:
                     }
                 )
                 emit(record)
-                bar.set_postfix_str(
-                    f"loss {record['loss']:.4f} margin {record.get('rewards/margins', float('nan')):.4f}"
-                )
             last_step = global_step >= total_steps
             if eval_loader is not None and (last_step or (config.eval_steps and global_step % config.eval_steps == 0)):
                 emit(
@@ -605,11 +674,24 @@ def train(config: TrainConfig) -> TrainResult:
         merged = accelerator.unwrap_model(scorer).model.merge_and_unload()
         merged.save_pretrained(out / "merged")
         tokenizer.save_pretrained(out / "merged")
+    executed, needed = (sum(gather_object([x])) for x in (tokens_executed, tokens_needed))
     state = {
         "global_step": global_step,
         "epoch": fractional_epoch,
         "log_history": history,
         "train_seconds": round(time.perf_counter() - started, 3),
+        # this run's work (since a resume, if resumed): forward tokens run vs each prompt once, no padding
+        "tokens_executed": executed,
+        "tokens_needed": needed,
+        "token_efficiency": round(needed / max(executed, 1), 4),
+        "packing": "packed" if unpacked_because is None else f"padded ({unpacked_because})",
+        "kl_forward": (
+            "on the prompts' cached keys/values"
+            if kl_on_cached_prompt
+            else "with the prompts run again"
+            if config.loss_type == "kto"
+            else "none (loss without KL)"
+        ),
     }
     if accelerator.is_main_process:
         (out / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
@@ -623,7 +705,10 @@ def train(config: TrainConfig) -> TrainResult:
             write_model_card(out / "merged", config.to_dict(), manifest, history, adapter=False, **card)
         print(
             f"train finished: {global_step} steps in {state['train_seconds']:.1f} s; model and its card "
-            f"(README.md) in {out.resolve()}"
+            f"(README.md) in {out.resolve()}\n"
+            f"  efficiency   {state['token_efficiency']:.1%}: {needed} tokens needed (each prompt once, no padding) "
+            f"/ {executed} run in forwards; batches {state['packing']}, KL forward {state['kl_forward']}",
+            flush=True,
         )
     accelerator.wait_for_everyone()
     return TrainResult(output_dir=out, global_step=global_step, metrics=history, step_seconds=step_seconds)

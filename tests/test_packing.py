@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kto_pipeline.logprobs import score_layout, score_sequences, score_with_prompt_cache
+from kto_pipeline.logprobs import score_layout, score_policy, score_sequences
 from kto_pipeline.packing import layout_trees, packing_unsupported
 
 ATOL = 1e-5
@@ -127,7 +127,9 @@ def test_kl_forward_on_cached_prompt_equals_separate_forwards(kind):
     model = make_model(kind)
     trees = random_trees(6, seed=2)
     layout = layout_trees(trees)
-    main, kl = score_with_prompt_cache(model, layout, chunk_size=6)
+    scores = score_policy(model, layout, chunk_size=6)
+    main, kl = scores.completions, scores.kl
+    assert scores.kl_on_cached_prompt and scores.tokens_executed == layout.tokens()
     want = padded_logps(model, trees)
     assert_same(main.per_sequence(), want[0::2])
     assert_same(kl.per_sequence(), want[1::2])
@@ -149,16 +151,23 @@ def test_kl_forward_on_cached_prompt_equals_separate_forwards(kind):
         torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_layout_columns_score_only_the_kl_branch():
-    """The fallback for models that keep no keys/values (gradient checkpointing): prompts + KL completions."""
+def test_gradient_checkpointing_runs_the_prompt_again_for_the_kl():
+    """A model that keeps no keys/values while training (gradient checkpointing) scores the KL completions in a
+    forward over the prompts and KL completions: same values, P + K more tokens."""
     model = make_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
     trees = random_trees(5, seed=3)
     layout = layout_trees(trees)
-    columns = ((layout.branch[0] == 0) | (layout.branch[0] == 2)).nonzero()[:, 0]
-    with torch.no_grad():
-        scores = score_layout(model, layout, columns=columns)
-    assert_same(scores.per_sequence()[1::2], padded_logps(model, trees)[1::2])
-    assert all(len(s) == 0 for s in scores.per_sequence()[0::2])
+    scores = score_policy(model, layout)
+    assert not scores.kl_on_cached_prompt
+    assert scores.tokens_executed == layout.tokens() + sum(len(p) for p, _ in trees)
+    model.eval()
+    want = padded_logps(model, trees)
+    assert_same(scores.completions.per_sequence(), want[0::2])
+    assert_same(scores.kl.per_sequence(), want[1::2])
+    no_kl = score_policy(model, layout, with_kl=False)
+    assert no_kl.kl is None and no_kl.tokens_executed == sum(len(p) + len(c[0]) for p, c in trees)
 
 
 def test_unsupported_models_are_named():

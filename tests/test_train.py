@@ -14,22 +14,25 @@ from kto_pipeline.train import Collator, imbalance_warning
 cfg = train_config
 
 
-def test_policy_equals_reference_at_step_one(small_cache, tiny_model_dir):
-    """With the policy = the reference, training-time log-probs equal the cached ones (rewards 0),
-    although training batches are padded differently from the length-sorted reference batches."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_policy_equals_reference_at_step_one(small_cache, tiny_model_dir, packed):
+    """With the policy = the reference, training-time log-probs equal the cached ones (rewards 0), both packed
+    (one row, KL completions on the prompts' cached keys/values) and padded, although training batches are laid out
+    differently from the reference pass's."""
     from transformers import AutoModelForCausalLM
 
-    from kto_pipeline.logprobs import score_sequences
-    from kto_pipeline.train import CacheRows
+    from kto_pipeline.train import CacheRows, PolicyScorer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     rows = CacheRows(open_cache(small_cache), 64)
-    batch = Collator(pad_id=0)([rows[i] for i in range(len(rows))])
+    batch = Collator(pad_id=0, packed=packed)([rows[i] for i in range(len(rows))])
     with torch.no_grad():
-        main = score_sequences(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
-        kl = score_sequences(model, batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"])
-    assert (main.logps - batch["ref_logp"]).abs().max() < 1e-4
-    assert (kl.logps - batch["ref_kl_logp"]).abs().max() < 1e-4
+        scored = PolicyScorer(model)(batch)
+    assert scored.kl_on_cached_prompt == packed
+    assert (scored.completions.logps - batch["ref_logp"]).abs().max() < 1e-4
+    assert (scored.kl.logps - batch["ref_kl_logp"]).abs().max() < 1e-4
+    needed = int(batch["tokens_needed"])
+    assert (scored.tokens_executed == needed) if packed else (scored.tokens_executed > needed)
 
 
 def test_first_logged_step_has_zero_rewards(small_cache, tmp_path):
