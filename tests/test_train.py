@@ -228,3 +228,47 @@ def test_eval_pair_accuracy_on_paired_data_only(tmp_path, tiny_model_dir, small_
     result = train(cfg(small_cache, tmp_path / "run2", eval_cache=str(small_cache), max_steps=1))
     (final,) = [m for m in result.metrics if "eval_loss" in m]
     assert "eval_pair_accuracy" not in final and final["eval_rows"] == 24
+
+
+def test_packed_training_equals_padded_training(small_cache, tmp_path, monkeypatch):
+    """Packed micro-batches (KL on cached prompt keys/values) and padded ones give the same losses, metrics and
+    weights; the packed run executes exactly the tokens it needs, the padded one more."""
+    import importlib
+
+    from transformers import AutoModelForCausalLM
+
+    train_module = importlib.import_module("kto_pipeline.train")
+    packed = train(cfg(small_cache, tmp_path / "packed", train_sampling_strategy="sequential"))
+    with monkeypatch.context() as mp:
+        mp.setattr(train_module, "packing_unsupported", lambda model: "attention implementation 'x'")
+        padded = train(cfg(small_cache, tmp_path / "padded", train_sampling_strategy="sequential"))
+    for a, b in zip(packed.metrics, padded.metrics, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+    wa = AutoModelForCausalLM.from_pretrained(tmp_path / "packed").state_dict()
+    wb = AutoModelForCausalLM.from_pretrained(tmp_path / "padded").state_dict()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=1e-4, msg=name)
+    state_a = json.loads((tmp_path / "packed" / "trainer_state.json").read_text())
+    state_b = json.loads((tmp_path / "padded" / "trainer_state.json").read_text())
+    assert state_a["packing"] == "packed" and state_a["kl_forward"] == "on the prompts' cached keys/values"
+    assert state_a["token_efficiency"] == 1.0 and state_a["tokens_executed"] == state_a["tokens_needed"] > 0
+    assert state_b["packing"].startswith("padded") and state_b["token_efficiency"] < 1.0
+    assert state_b["tokens_needed"] == state_a["tokens_needed"]
+
+
+def test_length_grouped_sampler_is_a_seeded_permutation_with_sorted_groups():
+    from kto_pipeline.train import EpochSampler
+
+    lengths = np.random.default_rng(0).integers(1, 100, size=103)
+    sampler = EpochSampler(103, seed=3, shuffle=True, lengths=lengths, group=20)
+    order = list(sampler)
+    assert sorted(order) == list(range(103)) and order == list(sampler)  # a permutation, reproducible
+    for start in range(0, 103, 20):
+        group = lengths[order[start : start + 20]]
+        assert (np.diff(group) <= 0).all()  # longest first within each group
+    sampler.use_epoch(1)
+    assert list(sampler) != order
+    plain = EpochSampler(103, seed=3, shuffle=True)
+    assert sorted(list(plain)) == list(range(103)) and list(plain) != order

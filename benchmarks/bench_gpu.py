@@ -1,0 +1,729 @@
+"""kto-pipeline vs trl.KTOTrainer (1.16) on a GPU: Qwen2-0.5B-sized model, bf16, speed, memory and MFU.
+
+    python benchmarks/bench_gpu.py --device cuda --preset qwen2-0.5b   # `make bench-gpu`, writes RESULTS-gpu.md
+    python benchmarks/bench_gpu.py --device cpu --preset tiny          # a minute-long check of every code path
+
+Nothing is downloaded, so it runs on a machine without network: the model has Qwen2-0.5B's config with
+random weights (transformers' Qwen2ForCausalLM), the tokenizer is character-level, padded to the model's
+vocabulary size, with kto_pipeline.tiny's chat template, and the row lengths come from the HH-RLHF sample
+bundled with the package. The Python packages have to be carried over. On a machine with network, the same
+platform and Python version as the GPU machine:
+
+    pip download -d wheels pip setuptools wheel torch==2.13.0 ".[dev,gguf]" liger-kernel   # Linux torch on PyPI: CUDA
+
+then on the GPU machine (`make` re-runs `install` when pyproject.toml or the Makefile are newer than
+.venv/.installed; the PIP_* variables point that at the carried wheels):
+
+    PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/wheels make bench-gpu
+    # or, with a ready .venv: .venv/bin/python benchmarks/bench_gpu.py --device cuda --preset qwen2-0.5b
+
+liger-kernel is optional: without it the "trl + liger" column says it was skipped and why.
+
+Every case runs in a fresh subprocess (`bench_gpu.py worker NAME`), so each peak memory is its own:
+kto-pipeline's `precompute` and `train`; trl online (a reference model held beside the policy); trl with
+`precompute_ref_log_probs=True`; trl with `precompute_ref_log_probs=True` and `use_liger_kernel=True`
+(presumably its fastest setting; "trl's best" in the goals is whichever trl case measured fastest). All train
+on the same rows in the same (sequential) order, with the same batch, max_length, optimizer and precision
+(bf16 autocast over float32 weights on CUDA, float32 on CPU), gradient checkpointing off; each tool pairs
+rows with its own KL completions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import random
+import resource
+import shlex
+import shutil
+import statistics
+import string
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PRESETS = {
+    # Qwen2-0.5B's architecture (random weights); row lengths are scaled so the longest is max_length
+    "qwen2-0.5b": dict(
+        hidden=896,
+        layers=24,
+        heads=14,
+        kv_heads=2,
+        intermediate=4864,
+        vocab=151936,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        rows=1024,
+        batch=8,
+        steps=20,
+        max_length=1024,
+    ),
+    # the same code paths at a size a 2-core CPU runs in about a minute (the tests use it)
+    "tiny": dict(
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate=128,
+        vocab=4096,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=2048,
+        rows=32,
+        batch=4,
+        steps=3,
+        max_length=128,
+    ),
+}
+LEARNING_RATE = 1e-6
+BETA = 0.1
+OURS_PRECOMPUTE = dict(batch_size=64, max_tokens_per_batch=16384)
+PEAK_FLOPS_CUDA = 989e12  # bf16 dense tensor-core peak of an H100 SXM (H200: the same)
+GOALS = dict(step_speedup=1.5, memory_ratio=0.6, mfu=0.40)
+TRL_CASES = ("trl_online", "trl_precomputed", "trl_liger")
+LABELS = {
+    "ours": "kto-pipeline",
+    "trl_online": "trl online",
+    "trl_precomputed": "trl precomputed",
+    "trl_liger": "trl precomputed + liger",
+}
+ALPHABET = string.ascii_letters + string.digits + " "
+
+
+# ----------------------------------------------------------------------------------------- setup
+
+
+def build_tokenizer(vocab_size: int):
+    """kto_pipeline.tiny's character tokenizer (chat template included), its vocabulary padded to `vocab_size`
+    with unused entries so that the embedding and the LM head are as wide as the real model's."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kto_pipeline.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab_list = SPECIAL_TOKENS + chars
+    vocab_list += [f"<unused{i}>" for i in range(vocab_size - len(vocab_list))]
+    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(vocab_list)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def model_config(preset: dict, tok):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=preset["vocab"],
+        hidden_size=preset["hidden"],
+        intermediate_size=preset["intermediate"],
+        num_hidden_layers=preset["layers"],
+        num_attention_heads=preset["heads"],
+        num_key_value_heads=preset["kv_heads"],
+        max_position_embeddings=preset["max_position_embeddings"],
+        rope_theta=preset["rope_theta"],
+        tie_word_embeddings=preset["tie_word_embeddings"],
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
+
+
+def build_model(model_dir: Path, preset: dict) -> None:
+    """Random weights (seeded) with the preset's Qwen2 config, saved in float32 with the tokenizer."""
+    if (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists():
+        return
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    tok = build_tokenizer(preset["vocab"])
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(model_config(preset, tok)).to(torch.float32)
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+
+
+def hh_rlhf_lengths() -> list[tuple[int, int]]:
+    """(prompt, completion) token counts of the bundled HH-RLHF sample (chosen and rejected answers), rendered
+    with the chat template and counted with the character tokenizer (what kto-pipeline tokenizes them to)."""
+    from kto_pipeline.hh_rlhf import bundled_path, convert_pair, read_pairs
+    from kto_pipeline.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+
+    def count(messages, generation_prompt: bool = False) -> int:
+        text = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        return len(tok(text)["input_ids"])
+
+    out = []
+    for line, row in read_pairs(bundled_path()):
+        pair = convert_pair(row, line)
+        prompt = count(pair["prompt"], generation_prompt=True)
+        for key in ("chosen", "rejected"):
+            out.append((prompt, count(pair["prompt"] + pair[key]) - prompt))
+    return out
+
+
+def build_data(path: Path, preset: dict) -> dict:
+    """Unpaired rows whose (prompt, completion) lengths are drawn from HH-RLHF's, scaled by one factor so that
+    the longest prompt + completion of the whole sample is max_length tokens. Labels alternate (balanced).
+
+    The text is random characters: one character is one token, and both tools append EOS to the completion."""
+    real = hh_rlhf_lengths()
+    max_length = preset["max_length"]
+    scale = max_length / max(p + c for p, c in real)
+    rng = random.Random(0)
+    lengths = []
+    with open(path, "w") as f:
+        for i in range(preset["rows"]):
+            p, c = rng.choice(real)
+            prompt = max(1, round(p * scale))
+            completion = min(max(2, round(c * scale)), max_length - prompt)  # tokens, EOS included
+            lengths.append(prompt + completion)
+            row = {
+                "prompt": "".join(rng.choices(ALPHABET, k=prompt)),
+                "completion": "".join(rng.choices(ALPHABET, k=completion - 1)),
+                "label": i % 2 == 0,
+            }
+            f.write(json.dumps(row) + "\n")
+    return dict(
+        source_pairs=len(real) // 2,
+        source_mean=statistics.mean(p + c for p, c in real),
+        source_max=max(p + c for p, c in real),
+        scale=scale,
+        mean=statistics.mean(lengths),
+        median=statistics.median(lengths),
+        max=max(lengths),
+    )
+
+
+# ---------------------------------------------------------------------------------------- workers
+
+
+def peak_memory_mib(device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_memory(device: str) -> None:
+    """CUDA: the next peak counts from what is allocated now. CPU: peak RSS cannot be reset (it is the process')."""
+    import gc
+
+    import torch
+
+    if device == "cuda":
+        torch.cuda.init()  # the statistics exist once CUDA is initialised (workers reset before their first use)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    cpu = "unknown CPU"
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+def _lengths(prompts, completions, kls, max_length: int) -> list[list[int]]:
+    """[P, C, K] per row, completions truncated where prompt + completion would pass max_length (as both tools do)."""
+    out = []
+    for p, c, k in zip(prompts, completions, kls, strict=True):
+        room = max_length - len(p)
+        out.append([len(p), min(len(c), room), min(len(k), room)])
+    return out
+
+
+def _trl_trainer(work: Path, preset: dict, device: str, out: Path, precompute: bool, liger: bool):
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import KTOConfig, KTOTrainer
+
+    model_dir = work / "model"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    # float32 weights (the optimizer's master copy), bf16 autocast on CUDA: as kto-pipeline's train
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # a disk-backed dataset, as a new user would load it (its fingerprint drives trl's reference cache)
+    dataset = load_dataset("json", data_files=str(work / "data.jsonl"), split="train")
+    args = KTOConfig(
+        output_dir=str(out),
+        beta=BETA,
+        learning_rate=LEARNING_RATE,
+        per_device_train_batch_size=preset["batch"],
+        max_steps=preset["steps"],
+        max_length=preset["max_length"],
+        precompute_ref_log_probs=precompute,
+        precompute_ref_batch_size=preset["batch"],
+        bf16=device == "cuda",
+        gradient_checkpointing=False,
+        use_liger_kernel=liger,
+        train_sampling_strategy="sequential",
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=42,
+        lr_scheduler_type="linear",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    return KTOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok)
+
+
+def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
+    """One case; returns a JSON-able dict (seconds, MiB, token counts)."""
+    import torch
+
+    torch.manual_seed(0)
+    import trl  # noqa: F401
+
+    import kto_pipeline  # noqa: F401
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device in the worker")
+    ml = preset["max_length"]
+    n_train = preset["steps"] * preset["batch"]
+    result: dict = {"device_name": device_name(device)}
+    if name == "ours_precompute":
+        from kto_pipeline import PrecomputeConfig, precompute
+        from kto_pipeline.cache import open_cache
+
+        reset_peak_memory(device)
+        cache = open_cache(
+            precompute(
+                PrecomputeConfig(
+                    model=str(work / "model"),
+                    dataset=str(work / "data.jsonl"),
+                    output=str(out),
+                    max_length=ml,
+                    dtype="bfloat16" if device == "cuda" else "float32",
+                    overwrite=True,
+                    **OURS_PRECOMPUTE,
+                )
+            )
+        )
+        t = cache.manifest["timing"]
+        table = cache.table
+        result.update(
+            ref_seconds=t["reference_pass_seconds"],
+            ref_lengths=_lengths(
+                table.column("prompt_ids").to_pylist(),
+                table.column("completion_ids").to_pylist(),
+                table.column("kl_completion_ids").to_pylist(),
+                ml,
+            ),
+            ref_peak_mib=peak_memory_mib(device),
+            timing=t,
+        )
+    elif name == "ours_train":
+        from kto_pipeline import TrainConfig, train
+        from kto_pipeline.cache import open_cache
+
+        cache_dir = work / "runs" / "ours_precompute"
+        table = open_cache(cache_dir).table.slice(0, n_train)
+        reset_peak_memory(device)
+        res = train(
+            TrainConfig(
+                cache=str(cache_dir),
+                output_dir=str(out),
+                overwrite_output_dir=True,
+                beta=BETA,
+                per_device_train_batch_size=preset["batch"],
+                max_steps=preset["steps"],
+                learning_rate=LEARNING_RATE,
+                logging_steps=1,
+                train_sampling_strategy="sequential",
+                bf16=device == "cuda",
+                gradient_checkpointing=False,
+            )
+        )
+        result.update(
+            step_seconds=res.step_seconds,
+            train_peak_mib=peak_memory_mib(device),
+            train_lengths=_lengths(
+                table.column("prompt_ids").to_pylist(),
+                table.column("completion_ids").to_pylist(),
+                table.column("kl_completion_ids").to_pylist(),
+                ml,
+            ),
+        )
+    elif name in TRL_CASES:
+        from transformers import TrainerCallback
+        from trl import KTOTrainer
+
+        timing: dict = {}
+        original = KTOTrainer._precompute_ref_logps
+
+        def timed(self, dataset, *args, **kwargs):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out_ds = original(self, dataset, *args, **kwargs)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            timing["ref_seconds"] = time.perf_counter() - start
+            timing["ref_lengths"] = _lengths(
+                dataset["prompt_ids"], dataset["completion_ids"], dataset["KL_completion_ids"], ml
+            )
+            return out_ds
+
+        KTOTrainer._precompute_ref_logps = timed
+
+        class StepTimer(TrainerCallback):
+            def __init__(self):
+                self.times, self.start = [], None
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                self.start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                self.times.append(time.perf_counter() - self.start)
+
+        reset_peak_memory(device)
+        trainer = _trl_trainer(work, preset, device, out, precompute=name != "trl_online", liger=name == "trl_liger")
+        if timing:
+            result.update(timing, ref_peak_mib=peak_memory_mib(device))
+        ds = trainer.train_dataset
+        result["train_lengths"] = _lengths(
+            ds["prompt_ids"][:n_train], ds["completion_ids"][:n_train], ds["KL_completion_ids"][:n_train], ml
+        )
+        timer = StepTimer()
+        trainer.add_callback(timer)
+        reset_peak_memory(device)
+        trainer.train()
+        result.update(step_seconds=timer.times, train_peak_mib=peak_memory_mib(device))
+    else:
+        raise SystemExit(f"unknown worker {name}")
+    return result
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def run_worker(name: str, work: Path, args, must_succeed: bool = True) -> dict:
+    out = work / "runs" / name
+    env = {
+        **os.environ,
+        "TQDM_DISABLE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        # one datasets cache per case, so that no trl case reuses another one's reference log-probs
+        "HF_DATASETS_CACHE": str(work / "hf-datasets-cache" / name),
+    }
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["ACCELERATE_USE_CPU"] = "1"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "worker", name]
+    cmd += ["--work", str(work), "--preset", args.preset, "--device", args.device, "--out", str(out)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        if must_succeed:
+            raise SystemExit(f"worker {name} failed:\n{proc.stderr[-4000:]}")
+        last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        print(f"  {name:<18} FAILED after {seconds:.1f} s: {last[0][:300]}", flush=True)
+        return {"failed": last[0][:300]}
+    line = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT "))
+    result = json.loads(line[len("RESULT ") :])
+    print(f"  {name:<18} done in {seconds:.1f} s", flush=True)
+    return result
+
+
+def liger_unavailable(device: str) -> str | None:
+    if device != "cuda":
+        return f"skipped: liger-kernel's Triton kernels need a CUDA GPU (device is {device})"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "skipped: liger-kernel is not installed (`pip install liger-kernel`)"
+    return None
+
+
+class Flops:
+    """Model FLOPs of the tokens a step or a reference pass needs (see `formula`)."""
+
+    def __init__(self, preset: dict):
+        import torch
+        from transformers import Qwen2ForCausalLM
+
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(model_config(preset, build_tokenizer(64)))
+        embedding = model.get_input_embeddings().weight.numel()
+        # untied: the LM head is among the parameters; tied: it is the embedding, counted once more as a matmul
+        all_params = sum(p.numel() for p in model.parameters())
+        self.n_lm_head = preset["vocab"] * preset["hidden"]
+        self.n_non_embedding = all_params - embedding - (0 if preset["tie_word_embeddings"] else self.n_lm_head)
+        self.n = self.n_non_embedding + self.n_lm_head
+        self.layers, self.hidden = preset["layers"], preset["hidden"]
+
+    def per_token(self, seq_len: int) -> float:
+        """Forward FLOPs of one token in a sequence of seq_len tokens."""
+        return 2 * self.n + 2 * self.layers * seq_len * self.hidden
+
+    def reference(self, rows) -> float:
+        return sum((p + c) * self.per_token(p + c) + k * self.per_token(p + k) for p, c, k in rows)
+
+    def train(self, rows) -> float:
+        return sum(3 * (p + c) * self.per_token(p + c) + k * self.per_token(p + k) for p, c, k in rows)
+
+    def formula(self, peak: float | None) -> list[str]:
+        if peak is None:
+            peak_text = "none on CPU (MFU is reported as n/a)"
+        elif peak == PEAK_FLOPS_CUDA:
+            peak_text = f"{peak / 1e12:g}e12 FLOP/s, the bf16 dense tensor-core peak of an H100 SXM"
+        else:
+            peak_text = f"{peak / 1e12:g}e12 FLOP/s (--peak-tflops)"
+        return [
+            f"- MFU = model FLOPs of the needed tokens / seconds / peak; peak = {peak_text}.",
+            "- needed tokens per row (P prompt, C completion, K KL completion, each truncated at max_length): "
+            "reference pass P + C + K (each prompt once); training step 3 (P + C) + K forward-equivalents "
+            "(forward + backward of prompt + completion with the policy, forward of the KL completion without grad).",
+            "- forward FLOPs of a token in a sequence of L tokens: f(L) = 2 N + 2 n_layers L d "
+            f"(N = {self.n / 1e6:.1f}M: {self.n_non_embedding / 1e6:.1f}M non-embedding parameters plus the "
+            f"LM head's {self.n_lm_head / 1e6:.1f}M, which is tied to the input embedding but is a vocab x hidden "
+            "matmul for every token; the input embedding lookup is not counted. Attention: QK^T and AV cost "
+            f"4 d L per token and layer over L keys, a causal token sees L/2 on average; d = hidden = {self.hidden}, "
+            f"n_layers = {self.layers}; norms, rotary, softmax, activations and the optimizer are not counted).",
+            "- per row: reference pass (P + C) f(P + C) + K f(P + K); training step 3 (P + C) f(P + C) + K f(P + K), "
+            "i.e. 6 N (P + C) + 2 N K plus the attention terms.",
+            "- train-step MFU = FLOPs of the rows of steps 2..n / the summed wall time of steps 2..n / peak; "
+            "reference-pass MFU = FLOPs of every row / the pass's wall time / peak.",
+        ]
+
+
+def median_step(times: list[float]) -> float:
+    """Median over the steps after the first (the first pays one-off warm-up costs)."""
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
+def summarize(r: dict, preset: dict, flops: Flops, peak: float | None) -> dict:
+    """Per column: ref tokens/s and MFU, step seconds and MFU, peak memory (None where not applicable)."""
+    batch = preset["batch"]
+    cols = {}
+    for col, train_case, ref_case in (
+        ("ours", "ours_train", "ours_precompute"),
+        ("trl_online", "trl_online", None),
+        ("trl_precomputed", "trl_precomputed", "trl_precomputed"),
+        ("trl_liger", "trl_liger", "trl_liger"),
+    ):
+        res = r.get(train_case)
+        if res is None or "skipped" in res or "failed" in res:
+            cols[col] = {"note": (res or {}).get("skipped") or f"failed: {(res or {}).get('failed')}"}
+            continue
+        c: dict = {"step_seconds": res["step_seconds"], "step": median_step(res["step_seconds"])}
+        timed_rows = res["train_lengths"][batch:] if len(res["step_seconds"]) > 1 else res["train_lengths"]
+        timed_seconds = sum(res["step_seconds"][1:]) if len(res["step_seconds"]) > 1 else res["step_seconds"][0]
+        c["step_mfu"] = flops.train(timed_rows) / timed_seconds / peak if peak else None
+        c["train_peak_mib"] = res["train_peak_mib"]
+        ref = r.get(ref_case) if ref_case else None
+        if ref and "ref_seconds" in ref:
+            rows = ref["ref_lengths"]
+            c["ref_tokens"] = sum(p + cc + k for p, cc, k in rows)
+            c["ref_rows"] = len(rows)
+            c["ref_seconds"] = ref["ref_seconds"]
+            c["ref_tokens_per_s"] = c["ref_tokens"] / ref["ref_seconds"]
+            c["ref_mfu"] = flops.reference(rows) / ref["ref_seconds"] / peak if peak else None
+            c["ref_peak_mib"] = ref["ref_peak_mib"]
+        cols[col] = c
+    return cols
+
+
+def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, peak: float | None, seconds) -> str:
+    import torch
+    import transformers
+    import trl
+
+    import kto_pipeline
+
+    cuda = args.device == "cuda"
+    mem = "peak CUDA memory allocated" if cuda else "peak RSS of the process"
+    precision = (
+        "bf16: kto-pipeline's reference pass in bfloat16 weights, both trainers bf16 autocast over float32 weights"
+        if cuda
+        else "float32 everywhere (bf16 is slow on this CPU)"
+    )
+    order = ["ours", "trl_online", "trl_precomputed", "trl_liger"]
+
+    def cell(col: str, key: str, fmt: str) -> str:
+        c = cols[col]
+        if "note" in c:
+            return c["note"] if key == "step" else "-"
+        if key not in c:
+            return "-"
+        value = c[key]
+        if value is None:
+            return "n/a"
+        return format(value * 100 if key.endswith("mfu") else value, fmt)
+
+    def row(label: str, key: str, fmt: str) -> str:
+        return f"| {label} | " + " | ".join(cell(c, key, fmt) for c in order) + " |"
+
+    liger_version = ""
+    if importlib.util.find_spec("liger_kernel") is not None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            liger_version = f", liger-kernel {version('liger-kernel')}"
+        except PackageNotFoundError:
+            liger_version = ", liger-kernel (version unknown)"
+    command = "python " + " ".join(shlex.quote(a) for a in [args.argv0, *args.argv])
+    name = next((v["device_name"] for v in r.values() if isinstance(v, dict) and "device_name" in v), "unknown")
+    lines = [
+        f"# GPU benchmark: kto-pipeline vs trl.KTOTrainer ({args.preset})",
+        "",
+        f"- command: `{command}`" + (" (`make bench-gpu`)" if cuda and args.preset == "qwen2-0.5b" else ""),
+        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total benchmark time {seconds:.0f} s",
+        f"- device: {name} ({args.device}); {platform.system()} {platform.machine()}, Python "
+        f"{platform.python_version()}",
+        f"- versions: kto-pipeline {kto_pipeline.__version__}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, trl {trl.__version__}{liger_version}",
+        f"- model: Qwen2 with random weights, hidden {preset['hidden']}, {preset['layers']} layers, "
+        f"{preset['heads']} heads ({preset['kv_heads']} KV), intermediate {preset['intermediate']}, vocab "
+        f"{preset['vocab']}, tied embeddings {preset['tie_word_embeddings']}, rope_theta {preset['rope_theta']:g}: "
+        f"{flops.n_non_embedding / 1e6:.1f}M non-embedding parameters",
+        f"- data: {preset['rows']} unpaired rows, labels alternating (balanced), random characters (1 token each); "
+        f"prompt and completion lengths drawn from the {data['source_pairs']} HH-RLHF pairs bundled with "
+        f"kto-pipeline (chosen and rejected answers, chat template applied, mean {data['source_mean']:.0f} / max "
+        f"{data['source_max']} tokens), scaled by {data['scale']:.3f} so that the longest is max_length "
+        f"{preset['max_length']}: prompt + completion mean {data['mean']:.0f}, median {data['median']:.0f}, max "
+        f"{data['max']} tokens",
+        f"- settings, all cases: {precision}; gradient checkpointing off; batch {preset['batch']} x 1 process, "
+        f"sequential order (the same rows in every step), {preset['steps']} steps, AdamW lr {LEARNING_RATE}, beta "
+        f"{BETA}; kto-pipeline's reference pass batch_size {OURS_PRECOMPUTE['batch_size']}, max_tokens_per_batch "
+        f"{OURS_PRECOMPUTE['max_tokens_per_batch']}; trl's precompute_ref_batch_size {preset['batch']} (its "
+        "default, the train batch)",
+        f"- memory: {mem}" + (", reset before the phase it is reported for" if cuda else ""),
+        "",
+        "| measurement | " + " | ".join(LABELS[c] for c in order) + " |",
+        "| --- | --- | --- | --- | --- |",
+        row("reference pass, needed tokens/s", "ref_tokens_per_s", ".0f"),
+        row("reference pass, MFU %", "ref_mfu", ".1f"),
+        row("reference pass, peak memory (MiB)", "ref_peak_mib", ".0f"),
+        row(f"train step (s), median of steps 2..{preset['steps']}", "step", ".4f"),
+        row("train step, MFU %", "step_mfu", ".1f"),
+        row("train, peak memory (MiB)", "train_peak_mib", ".0f"),
+        "",
+        "trl online has no reference pass of its own: its reference model runs inside every training step. "
+        "Needed tokens count each prompt once (P + C + K a row), for every tool alike.",
+        "",
+    ]
+    lines += goals(cols, cuda)
+    lines += ["", "## Formula", ""] + flops.formula(peak)
+    raw = [f"{LABELS[c]} {[round(x, 4) for x in cols[c]['step_seconds']]}" for c in order if "step_seconds" in cols[c]]
+    lines += ["", f"- raw step times (s): {'; '.join(raw)}", ""]
+    return "\n".join(lines)
+
+
+def goals(cols: dict, cuda: bool) -> list[str]:
+    ours = cols["ours"]
+    lines = ["## Against the goals", "", "| goal | measured | met |", "| --- | --- | --- |"]
+    trl_steps = {c: cols[c]["step"] for c in TRL_CASES if "step" in cols[c]}
+    if trl_steps:
+        best = min(trl_steps, key=trl_steps.get)
+        ratio = trl_steps[best] / ours["step"]
+        lines.append(
+            f"| train step >= {GOALS['step_speedup']}x faster than trl's best setting ({LABELS[best]}) | "
+            f"{ratio:.2f}x | {'yes' if ratio >= GOALS['step_speedup'] else 'NO'} |"
+        )
+    else:
+        lines.append(f"| train step >= {GOALS['step_speedup']}x faster than trl's best setting | no trl case ran | - |")
+    if "train_peak_mib" in cols["trl_online"]:
+        ratio = ours["train_peak_mib"] / cols["trl_online"]["train_peak_mib"]
+        lines.append(
+            f"| train peak memory <= {GOALS['memory_ratio']}x trl online's | {ratio:.2f}x | "
+            f"{'yes' if ratio <= GOALS['memory_ratio'] else 'NO'} |"
+        )
+    else:
+        lines.append(f"| train peak memory <= {GOALS['memory_ratio']}x trl online's | trl online did not run | - |")
+    if ours.get("step_mfu") is not None:
+        mfu = ours["step_mfu"]
+        lines.append(f"| train step MFU >= {GOALS['mfu']:.0%} | {mfu:.1%} | {'yes' if mfu >= GOALS['mfu'] else 'NO'} |")
+    else:
+        lines.append(f"| train step MFU >= {GOALS['mfu']:.0%} | n/a on {'this device' if cuda else 'CPU'} | - |")
+    if not cuda:
+        lines += ["", "On CPU the goals are not meaningful (they are set for an H100); the table checks the code path."]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
+    parser.add_argument("name", nargs="?")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--preset", default="qwen2-0.5b", choices=sorted(PRESETS))
+    parser.add_argument("--work", default=None, help="Scratch directory (default: benchmarks/.work/gpu-PRESET)")
+    parser.add_argument("--out")
+    parser.add_argument(
+        "--results", default=None, help="Markdown file to write (default: RESULTS-gpu.md for qwen2-0.5b on cuda)"
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help="The device's peak for MFU (bf16 dense)"
+    )
+    args = parser.parse_args()
+    args.argv0, args.argv = sys.argv[0], sys.argv[1:]
+    preset = PRESETS[args.preset]
+    work = Path(args.work or HERE / ".work" / f"gpu-{args.preset}")
+    if args.mode == "worker":
+        print("RESULT " + json.dumps(worker(args.name, work, preset, args.device, Path(args.out))), flush=True)
+        return
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible to torch (use --device cpu --preset tiny)")
+    started = time.perf_counter()
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"building the model and data in {work} ...", flush=True)
+    build_model(work / "model", preset)
+    data = build_data(work / "data.jsonl", preset)
+    # measure from scratch: no case may reuse a cache from an earlier run
+    shutil.rmtree(work / "runs", ignore_errors=True)
+    shutil.rmtree(work / "hf-datasets-cache", ignore_errors=True)
+    r: dict = {}
+    for name in ("ours_precompute", "ours_train"):
+        r[name] = run_worker(name, work, args)
+    for name in TRL_CASES:
+        skip = liger_unavailable(args.device) if name == "trl_liger" else None
+        if skip:
+            print(f"  {name:<18} {skip}", flush=True)
+            r[name] = {"skipped": skip}
+        else:
+            r[name] = run_worker(name, work, args, must_succeed=False)
+    flops = Flops(preset)
+    peak = args.peak_tflops * 1e12 if args.device == "cuda" else None
+    cols = summarize(r, preset, flops, peak)
+    report = render(cols, r, preset, data, flops, args, peak, time.perf_counter() - started)
+    print("\n" + report)
+    results = args.results or (
+        HERE / "RESULTS-gpu.md" if args.device == "cuda" and args.preset == "qwen2-0.5b" else None
+    )
+    if results:
+        Path(results).parent.mkdir(parents=True, exist_ok=True)
+        Path(results).write_text(report)
+        print(f"written to {results}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The GPU benchmark's code path, run on CPU at the tiny preset: every case runs and every number is reported."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NUMBER = re.compile(r"^\d+(\.\d+)?$")
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """First markdown table of `text`: measurement -> its cells."""
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| ") and not line.startswith("| ---"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows.setdefault(cells[0], cells[1:])
+    return rows
+
+
+@pytest.mark.slow
+def test_bench_gpu_tiny_on_cpu(tmp_path):
+    results = tmp_path / "R.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_gpu.py"),
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--work",
+            str(tmp_path / "w"),
+            "--results",
+            str(results),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = results.read_text()
+    rows = table_rows(text)
+    header = rows["measurement"]
+    assert header == ["kto-pipeline", "trl online", "trl precomputed", "trl precomputed + liger"]
+    ours, online, precomputed, liger = range(4)
+
+    def positive(label: str, *columns: int) -> None:
+        for col in columns:
+            cell = rows[label][col]
+            assert NUMBER.match(cell) and float(cell) > 0, f"{label}, {header[col]}: {cell!r}"
+
+    positive("reference pass, needed tokens/s", ours, precomputed)
+    positive("reference pass, peak memory (MiB)", ours, precomputed)
+    positive("train step (s), median of steps 2..3", ours, online, precomputed)
+    positive("train, peak memory (MiB)", ours, online, precomputed)
+    assert rows["reference pass, needed tokens/s"][online] == "-"  # its reference runs inside each step
+    assert rows["train step, MFU %"][ours] == "n/a"  # no peak to compare with on CPU
+    assert rows["train step (s), median of steps 2..3"][liger].startswith("skipped:")
+    # the goals, the formula and the run's provenance are written beside the numbers
+    for needle in ("## Against the goals", "faster than trl's best setting", "<= 0.6x trl online", "MFU >= 40%"):
+        assert needle in text
+    assert "f(L) = 2 N + 2 n_layers L d" in text
+    assert "--device cpu --preset tiny" in text
+    assert "trl 1.16" in text and "transformers " in text and "torch " in text
