@@ -270,29 +270,14 @@ def _forward_columns(model, layout: Layout, columns, context=None, cache=None, *
 
 
 def _score_branch(model, layout: Layout, hidden, where, branch: int, chunk_size: int, with_stats: bool, **extra):
-    """Scores of continuation `branch` (1-based) of every tree of a one-row layout, from the hidden states
-    `hidden[where[column]]`; sequences are numbered by tree."""
+    """Scores of continuation `branch` (1-based) of every tree, from the hidden states `hidden[where[flat index]]`;
+    sequences are numbered by tree."""
     sel = ((layout.sequence % layout.branches) == branch - 1).nonzero()[:, 0]
-    targets = layout.input_ids[0, layout.target[sel]]
+    targets = layout.input_ids.reshape(-1)[layout.target[sel]]
     logps, mean_logits, entropy = _head_logps(
         model, hidden[where[layout.predictor[sel]]], targets, chunk_size, with_stats
     )
     return _scores(logps, layout.sequence[sel] // layout.branches, layout.num_trees, mean_logits, entropy, **extra)
-
-
-def _columns(layout: Layout, *branches: int) -> torch.Tensor:
-    return torch.isin(layout.branch[0], torch.tensor(branches, device=layout.branch.device)).nonzero()[:, 0]
-
-
-def _positions(layout: Layout, *column_groups: torch.Tensor) -> torch.Tensor:
-    """column -> its row in the concatenated hidden states of forwards over `column_groups`, in order."""
-    device = layout.input_ids.device
-    where = torch.full((layout.width,), -1, dtype=torch.long, device=device)
-    offset = 0
-    for columns in column_groups:
-        where[columns] = offset + torch.arange(len(columns), device=device)
-        offset += len(columns)
-    return where
 
 
 def score_layout(model, layout: Layout, chunk_size: int = DEFAULT_CHUNK_SIZE, with_stats: bool = True) -> Scores:
@@ -325,39 +310,44 @@ def score_policy(
     with_stats: bool = True,
     output_router_logits: bool = False,
 ) -> PolicyScores:
-    """Training's forwards over a one-row layout of `(prompt, [completion, KL completion])` trees.
+    """Training's forwards over a `layout_trees(split_last=True)` layout of `(prompt, [completion, KL])` trees.
 
-    1. the prompts and completions, with gradients; their keys/values are kept in a cache;
+    1. the prompts and completions (columns before `layout.split`), with gradients; their keys/values are kept;
     2. (`with_kl`) the KL completions alone, without gradients, attending to the cached prompt keys/values
        (detached): K tokens instead of P + K. A model that keeps no keys/values while training (gradient
-       checkpointing recomputes the layers) runs the prompts again with the KL completions instead."""
+       checkpointing recomputes the layers) runs the whole layout again without gradients instead."""
     from transformers import DynamicCache
 
     model = _scorable(model)
-    assert layout.input_ids.shape[0] == 1 and layout.branches == 2, "one row of (prompt, [completion, KL]) trees"
-    main_cols, kl_cols = _columns(layout, 0, 1), _columns(layout, 2)
+    assert layout.branches == 2, "(prompt, [completion, KL completion]) trees"
+    rows, width, split, device = *layout.input_ids.shape, layout.split, layout.input_ids.device
+    main_cols, kl_cols = torch.arange(split, device=device), torch.arange(split, width, device=device)
     cache = DynamicCache() if with_kl and not getattr(model, "is_gradient_checkpointing", False) else None
     extra = {"output_router_logits": True} if output_router_logits else {}
     outputs = _forward_columns(model, layout, main_cols, cache=cache, **extra)
-    aux_loss = _load_balancing_loss(model, outputs.router_logits, None) if output_router_logits else None
-    main_hidden = outputs.last_hidden_state[0]
-    where = _positions(layout, main_cols, kl_cols)
+    aux_loss = None
+    if output_router_logits:  # padding excluded, as in the padded path
+        aux_loss = _load_balancing_loss(model, outputs.router_logits, (layout.branch[:, :split] >= 0).long())
+    main_hidden = outputs.last_hidden_state.reshape(rows * split, -1)
+    # flat index (row * width + column) -> row of cat(main hidden states, KL hidden states), each row-major
+    r, c = torch.arange(rows, device=device)[:, None], torch.arange(width, device=device)[None, :]
+    where = torch.where(c < split, r * split + c, rows * split + r * (width - split) + c - split).reshape(-1)
     completions = _score_branch(model, layout, main_hidden, where, 1, chunk_size, with_stats, aux_loss=aux_loss)
-    executed = len(main_cols)
+    executed = rows * split
     if not with_kl:
         return PolicyScores(completions, None, executed, False)
-    on_cache = cache is not None and cache.get_seq_length() == len(main_cols)
+    on_cache = cache is not None and cache.get_seq_length() == split
     with torch.no_grad():
         if on_cache:
             for layer in cache.layers:  # the KL forward reads the prompts' keys/values, never backpropagates into them
                 layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
-            kl_hidden = _forward_columns(model, layout, kl_cols, context=main_cols, cache=cache).last_hidden_state[0]
-            hidden = torch.cat([main_hidden.detach(), kl_hidden])
-            executed += len(kl_cols)
+            kl_hidden = _forward_columns(model, layout, kl_cols, context=main_cols, cache=cache).last_hidden_state
+            hidden = torch.cat([main_hidden.detach(), kl_hidden.reshape(rows * (width - split), -1)])
+            executed += rows * (width - split)
         else:
-            columns = _columns(layout, 0, 2)
-            hidden = _forward_columns(model, layout, columns).last_hidden_state[0]
-            where = _positions(layout, columns)
-            executed += len(columns)
+            all_cols = torch.arange(width, device=device)
+            hidden = _forward_columns(model, layout, all_cols).last_hidden_state.reshape(rows * width, -1)
+            where = torch.arange(rows * width, device=device)
+            executed += rows * width
         kl = _score_branch(model, layout, hidden, where, 2, chunk_size, with_stats=False)
     return PolicyScores(completions, kl, executed, on_cache)

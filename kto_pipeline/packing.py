@@ -6,11 +6,15 @@ two padded sequences, the prompt is computed twice and the padding wastes the re
 back to back. Every continuation restarts its position ids where its prompt ends, and a 4-D attention
 mask lets each token see exactly what it would see in its own unpadded sequence:
 
-    token q sees token k  <=>  same tree, k not after q, and k is in the prompt or in q's continuation
+    token q sees token k  <=>  same tree, k at or before q, and k is in the prompt or in q's continuation
 
 (and, for sliding-window models, position(q) - position(k) < window). A causal model's log-prob of a
 token depends only on the tokens it sees and their positions, so the values equal the unshared,
 padded computation up to float rounding; the tests hold them to 1e-5.
+
+Trees are placed in rows first-fit decreasing (`first_fit_rows`), at the row width that balances the
+padding of narrow rows against the attention of wide ones (the mask is dense: every query meets
+every key of its row).
 
 The layout also splits into two forwards: training runs the prompts and completions with gradients,
 keeps their keys/values (a `DynamicCache`), and then runs only the KL completions, without gradients,
@@ -41,6 +45,7 @@ class Layout:
     sequence: torch.Tensor  # (N,) tree * branches + continuation: which sequence the token belongs to
     num_trees: int
     branches: int  # continuations per tree
+    split: int  # with `layout_trees(split_last=True)`, the column where the last continuations start; else width
 
     @property
     def width(self) -> int:
@@ -55,16 +60,79 @@ class Layout:
         return Layout(**moved)
 
 
+def first_fit_rows(sizes: list[int], max_trees: int | None = None, attention_cost: float = 0.0) -> list[list[int]]:
+    """Trees (of `sizes[i]` tokens) into rows, first-fit decreasing, at the row width that costs least.
+
+    A row's tokens all run, padding included, and under a dense mask each attends to the whole row, so a
+    layout of R rows of width W costs about R * W * (1 + attention_cost * W) token-forwards: wide rows
+    pad less, narrow rows attend less. The widths tried are 1, 1.25, 1.5, 2, 3 and 4 times the largest
+    tree, and everything in one row. At most `max_trees` trees a row."""
+    if not sizes:
+        return []
+    largest = max(sizes)
+    widths = sorted({int(largest * f) for f in (1, 1.25, 1.5, 2, 3, 4) if largest * f <= sum(sizes)} | {sum(sizes)})
+    best, best_cost = [], float("inf")
+    for width in widths:
+        rows = _first_fit(sizes, width, max_trees)
+        used = max(sum(sizes[i] for i in row) for row in rows)
+        cost = len(rows) * used * (1 + attention_cost * used)
+        if cost < best_cost:
+            best, best_cost = rows, cost
+    return best
+
+
+def _first_fit(sizes: list[int], capacity: int, max_trees: int | None) -> list[list[int]]:
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        fits = (
+            r for r, room in enumerate(free) if room >= sizes[i] and (max_trees is None or len(rows[r]) < max_trees)
+        )
+        slot = next(fits, None)
+        if slot is None:
+            rows.append([i])
+            free.append(capacity - sizes[i])
+        else:
+            rows[slot].append(i)
+            free[slot] -= sizes[i]
+    return rows
+
+
+def attention_cost(model) -> float:
+    """Attention's cost per (query, key) pair relative to the rest of a token's forward, for `first_fit_rows`:
+    4 * hidden * layers FLOPs against 2 * ~12 * hidden^2 * layers for the weights, i.e. 1 / (6 * hidden)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return 1.0 / (6 * config.hidden_size)
+
+
 def layout_trees(
-    trees: list[tuple[list[int], list[list[int]]]], rows: list[list[int]] | None = None, pad_id: int = 0
+    trees: list[tuple[list[int], list[list[int]]]],
+    rows: list[list[int]] | None = None,
+    pad_id: int = 0,
+    split_last: bool = False,
 ) -> Layout:
     """Lay out `(prompt, [continuation, ...])` trees, every tree with the same number of continuations.
 
     `rows` says which trees share each tensor row (default: all in one row); rows are right-padded to
-    the longest. A prompt must have at least one token: it predicts the first continuation token."""
+    the longest. With `split_last`, every row holds its prompts and other continuations in columns
+    [0, split) and its last continuations in [split, width), so that the two parts can run as two
+    forwards (training: completions with grad, then the KL completions on the cached prompts).
+    A prompt must have at least one token: it predicts the first continuation token."""
     branches = len(trees[0][1])
     rows = [list(range(len(trees)))] if rows is None else rows
-    width = max(sum(len(trees[t][0]) + sum(map(len, trees[t][1])) for t in row) for row in rows)
+    if any(not trees[t][0] for row in rows for t in row):
+        raise ValueError("a tree has an empty prompt: nothing predicts its first token")
+    if any(len(trees[t][1]) != branches for row in rows for t in row):
+        raise ValueError("every tree needs the same number of continuations")
+
+    def tokens(row: list[int], last: bool) -> int:
+        return sum(len(trees[t][1][-1]) if last else len(trees[t][0]) + sum(map(len, trees[t][1][:-1])) for t in row)
+
+    if split_last:
+        split = max(tokens(row, last=False) for row in rows)
+        width = split + max(tokens(row, last=True) for row in rows)
+    else:
+        split = width = max(tokens(row, False) + tokens(row, True) for row in rows)
     shape = (len(rows), width)
     ids = torch.full(shape, pad_id, dtype=torch.long)
     pos = torch.zeros(shape, dtype=torch.long)
@@ -72,16 +140,13 @@ def layout_trees(
     branch_of = torch.full(shape, BRANCH_PAD, dtype=torch.long)
     scored: list[tuple[int, int, int]] = []  # (sequence, target, predictor) as flat indices
     for r, row in enumerate(rows):
-        col = 0
+        base, cols = r * width, [0, split]  # next free column of each part
         for t in row:
             prompt, continuations = trees[t]
-            if not prompt:
-                raise ValueError(f"tree {t} has an empty prompt: nothing predicts its first token")
-            if len(continuations) != branches:
-                raise ValueError("every tree needs the same number of continuations")
-            base = r * width
             for b, segment in enumerate([prompt, *continuations]):
-                n = len(segment)
+                part = 1 if split_last and b == branches else 0
+                col, n = cols[part], len(segment)
+                cols[part] += n
                 start_pos = 0 if b == 0 else len(prompt)
                 ids[r, col : col + n] = torch.tensor(segment, dtype=torch.long)
                 pos[r, col : col + n] = torch.arange(start_pos, start_pos + n)
@@ -93,10 +158,9 @@ def layout_trees(
                     for j in range(n):
                         predictor = last_prompt if j == 0 else base + col + j - 1
                         scored.append((t * branches + b - 1, base + col + j, predictor))
-                col += n
     scored.sort()  # by sequence, then position: each sequence's tokens in order
     sequence, target, predictor = (torch.tensor(c, dtype=torch.long) for c in zip(*scored, strict=True))
-    return Layout(ids, pos, tree_of, branch_of, target, predictor, sequence, len(trees), branches)
+    return Layout(ids, pos, tree_of, branch_of, target, predictor, sequence, len(trees), branches, split)
 
 
 def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:

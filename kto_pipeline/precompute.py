@@ -38,7 +38,7 @@ from kto_pipeline.data import assign_kl_partners, content_hash, load_source, nor
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.logprobs import pad_sequences, score_layout, score_sequences
 from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
-from kto_pipeline.packing import layout_trees, packing_unsupported
+from kto_pipeline.packing import attention_cost, first_fit_rows, layout_trees, packing_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -69,28 +69,16 @@ def pack_batches(seqs: list[Sequence], batch_size: int, max_tokens: int) -> list
     return batches
 
 
-def pack_trees(sizes: list[int], batch_size: int, max_tokens: int) -> list[list[list[int]]]:
+def pack_trees(sizes: list[int], batch_size: int, max_tokens: int, cost: float = 0.0) -> list[list[list[int]]]:
     """Group trees (prompt + completion + KL completion, `sizes[i]` tokens) into forward passes of rows.
 
-    First-fit decreasing into rows as wide as the largest tree, so a row holds several small trees and
-    little padding; then rows into passes while rows x width <= max_tokens and trees <= batch_size / 2
-    (batch_size counts sequences, two per tree; a tree always fits alone). Returns passes -> rows -> trees."""
-    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    capacity = sizes[order[0]]
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in order:
-        slot = next((r for r, room in enumerate(free) if room >= sizes[i] and 2 * len(rows[r]) + 2 <= batch_size), None)
-        if slot is None:
-            rows.append([i])
-            free.append(capacity - sizes[i])
-        else:
-            rows[slot].append(i)
-            free[slot] -= sizes[i]
+    Rows by `packing.first_fit_rows` (several trees a row; `cost`: attention's relative cost); then rows
+    into passes while rows x width <= max_tokens and trees <= batch_size / 2 (batch_size counts sequences,
+    two per tree; a tree always fits alone). Returns passes -> rows -> trees."""
     passes: list[list[list[int]]] = []
     current: list[list[int]] = []
     width = trees = 0
-    for row in rows:
+    for row in first_fit_rows(sizes, max(batch_size // 2, 1), cost):
         row_width = sum(sizes[i] for i in row)
         new_width = max(width, row_width)
         if current and (new_width * (len(current) + 1) > max_tokens or 2 * (trees + len(row)) > max(batch_size, 2)):
@@ -122,7 +110,7 @@ def score_shard(
     out: list[list[np.ndarray]] = [[np.empty(0, np.float32)] * 2 for _ in trees]
     if shared:
         sizes = [len(p) + sum(map(len, conts)) for p, conts in trees]
-        for rows in pack_trees(sizes, batch_size, max_tokens):
+        for rows in pack_trees(sizes, batch_size, max_tokens, attention_cost(model)):
             members = [t for row in rows for t in row]
             local = {t: i for i, t in enumerate(members)}
             layout = layout_trees([trees[t] for t in members], [[local[t] for t in row] for row in rows], pad_id)

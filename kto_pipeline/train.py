@@ -46,7 +46,7 @@ from kto_pipeline.logprobs import PolicyScores, pad_sequences, score_policy, sco
 from kto_pipeline.loss import kto_loss
 from kto_pipeline.model_card import write_model_card
 from kto_pipeline.models import load_model, load_tokenizer
-from kto_pipeline.packing import Layout, layout_trees, packing_unsupported
+from kto_pipeline.packing import Layout, attention_cost, first_fit_rows, layout_trees, packing_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -145,17 +145,22 @@ LAYOUT_KEY = "layout_"  # batch keys of a packed layout's tensors
 
 @dataclass
 class Collator:
-    """Rows -> one micro-batch. `packed`: the rows' `(prompt, [completion, KL completion])` trees side by side
-    in one row, no padding (`packing.layout_trees`); else padded sequences, completions and KL completions apart."""
+    """Rows -> one micro-batch. `packed`: the rows' `(prompt, [completion, KL completion])` trees side by side in
+    rows (`packing.first_fit_rows`), prompts and completions first and the KL completions
+    after them (`layout_trees(split_last=True)`); else padded sequences, completions and KL completions apart."""
 
     pad_id: int
     packed: bool = True
+    attention_cost: float = 0.0  # `packing.attention_cost` of the model: how wide packed rows should be
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch: dict[str, torch.Tensor] = {}
         if self.packed:
-            layout = layout_trees([(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows])
+            trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
+            sizes = [len(p) + len(c) + len(k) for p, (c, k) in trees]
+            layout = layout_trees(trees, first_fit_rows(sizes, None, self.attention_cost), self.pad_id, split_last=True)
             batch.update({LAYOUT_KEY + k: v for k, v in vars(layout).items() if isinstance(v, torch.Tensor)})
+            batch[LAYOUT_KEY + "split"] = torch.tensor(layout.split)
         else:
             prompt_lens = [len(r["prompt_ids"]) for r in rows]
             for prefix, key in (("", "completion_ids"), ("kl_", "kl_completion_ids")):
@@ -178,6 +183,7 @@ def batch_layout(batch: dict[str, torch.Tensor]) -> Layout | None:
     if LAYOUT_KEY + "input_ids" not in batch:
         return None
     fields = {k.removeprefix(LAYOUT_KEY): v for k, v in batch.items() if k.startswith(LAYOUT_KEY)}
+    fields["split"] = int(fields["split"])
     return Layout(**fields, num_trees=len(batch["label"]), branches=2)
 
 
@@ -502,7 +508,7 @@ def train(config: TrainConfig) -> TrainResult:
         sampler = EpochSampler(len(rows), config.seed, shuffle, lengths=rows.lengths(), group=50 * global_batch)
         if accelerator.is_main_process:
             print(f"note: {unpacked_because}: batches are padded, rows grouped by length", flush=True)
-    collator = Collator(tokenizer.pad_token_id, packed=unpacked_because is None)
+    collator = Collator(tokenizer.pad_token_id, unpacked_because is None, attention_cost(model))
     loader = DataLoader(rows, batch_size=config.per_device_train_batch_size, sampler=sampler, collate_fn=collator)
 
     eval_rows = _open_eval_cache(config, manifest, max_length)

@@ -120,16 +120,18 @@ def test_eager_attention_takes_the_additive_mask():
     assert_same(scores.per_sequence(), full_logits_logps(model, trees))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_kl_forward_on_cached_prompt_equals_separate_forwards(kind):
+@pytest.mark.parametrize("kind,rows", [("llama", None), ("qwen2", None), ("llama", [[0, 5], [1, 2, 3], [4]])])
+def test_kl_forward_on_cached_prompt_equals_separate_forwards(kind, rows):
     """Training's two forwards: completion log-probs and their gradients, and KL log-probs, equal the padded
-    path's; the KL forward runs only the KL completions' tokens."""
+    path's; the KL forward runs only the KL completions' tokens (one row: no padding at all)."""
     model = make_model(kind)
     trees = random_trees(6, seed=2)
-    layout = layout_trees(trees)
+    layout = layout_trees(trees, rows, split_last=True)
     scores = score_policy(model, layout, chunk_size=6)
     main, kl = scores.completions, scores.kl
-    assert scores.kl_on_cached_prompt and scores.tokens_executed == layout.tokens()
+    assert scores.kl_on_cached_prompt and scores.tokens_executed == layout.input_ids.numel()
+    if rows is None:
+        assert scores.tokens_executed == layout.tokens()
     want = padded_logps(model, trees)
     assert_same(main.per_sequence(), want[0::2])
     assert_same(kl.per_sequence(), want[1::2])
@@ -158,16 +160,39 @@ def test_gradient_checkpointing_runs_the_prompt_again_for_the_kl():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     trees = random_trees(5, seed=3)
-    layout = layout_trees(trees)
+    layout = layout_trees(trees, [[0, 1], [2, 3, 4]], split_last=True)
     scores = score_policy(model, layout)
     assert not scores.kl_on_cached_prompt
-    assert scores.tokens_executed == layout.tokens() + sum(len(p) for p, _ in trees)
+    rows, width = layout.input_ids.shape
+    assert scores.tokens_executed == rows * layout.split + rows * width
     model.eval()
     want = padded_logps(model, trees)
     assert_same(scores.completions.per_sequence(), want[0::2])
     assert_same(scores.kl.per_sequence(), want[1::2])
     no_kl = score_policy(model, layout, with_kl=False)
-    assert no_kl.kl is None and no_kl.tokens_executed == sum(len(p) + len(c[0]) for p, c in trees)
+    assert no_kl.kl is None and no_kl.tokens_executed == rows * layout.split
+
+
+def test_first_fit_rows():
+    from kto_pipeline.packing import first_fit_rows
+
+    sizes = [10, 9, 6, 5, 4, 3, 1]
+    rows = first_fit_rows(sizes, attention_cost=0.05)
+    assert sorted(t for row in rows for t in row) == list(range(len(sizes)))
+    assert rows == [[0], [1, 6], [2, 4], [3, 5]]  # first fit, largest first, rows of the largest: no padding
+    assert all(len(row) <= 1 for row in first_fit_rows(sizes, max_trees=1))
+    uneven = [10, 7, 7, 7, 4]
+    assert len(first_fit_rows(uneven)) == 1  # no attention cost: one row, no padding
+    assert len(first_fit_rows(uneven, attention_cost=0.2)) == 4  # attention dearer: [10] [7 4] [7] [7]
+
+
+def test_split_layout_puts_the_last_continuations_after_the_rest():
+    trees = random_trees(4, seed=4)
+    layout = layout_trees(trees, [[0, 1], [2, 3]], split_last=True)
+    for r, row in enumerate([[0, 1], [2, 3]]):
+        branch = layout.branch[r]
+        assert (branch[layout.split :] != 1).all() and (branch[: layout.split] != 2).all()
+        assert int((branch == 2).sum()) == sum(len(trees[t][1][1]) for t in row)
 
 
 def test_unsupported_models_are_named():

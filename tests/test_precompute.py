@@ -241,15 +241,13 @@ def test_progress_is_reported_per_forward_pass(tiny_model_dir, shared):
     assert len(calls) > 1
 
 
-def test_pack_trees_fills_rows_and_respects_budgets():
+def test_pack_trees_respects_budgets():
     from kto_pipeline.precompute import pack_trees
 
     sizes = [10, 9, 6, 5, 4, 3, 1]
-    passes = pack_trees(sizes, batch_size=100, max_tokens=1000)
-    rows = [row for p in passes for row in p]
-    assert sorted(t for row in rows for t in row) == list(range(len(sizes)))
-    assert all(sum(sizes[t] for t in row) <= 10 for row in rows)  # no row wider than the largest tree
-    assert len(rows) == 4  # 10 | 9 1 | 6 4 | 5 3
+    passes = pack_trees(sizes, batch_size=100, max_tokens=1000, cost=0.05)
+    assert sorted(t for p in passes for row in p for t in row) == list(range(len(sizes)))
+    assert len(passes) == 1 and len(passes[0]) == 4  # 10 | 9 1 | 6 4 | 5 3
     for p in pack_trees(sizes, batch_size=4, max_tokens=20):  # <= 2 trees, <= 20 tokens (or one row) a pass
         assert sum(map(len, p)) <= 2 or len(p) == 1
         assert len(p) * max(sum(sizes[t] for t in r) for r in p) <= 20 or len(p) == 1
