@@ -252,21 +252,19 @@ def _scores(logps, sequence, num_sequences, mean_logits, entropy, aux_loss=None)
     return Scores(totals, logps, sequence, mean_logits, entropy, aux_loss)
 
 
-def _forward_columns(model, layout: Layout, columns, context=None, cache=None, **extra):
-    """The backbone's final hidden states (R, Q, H) of the layout's `columns`, which attend (tree mask) to
-    themselves and to the `context` columns already held in `cache`."""
-    keys = columns if context is None else torch.cat([context, columns])
-    visible = tree_mask(layout, columns, keys, sliding_window(model))
+def _forward(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | None = None, cache=None, **extra):
+    """The backbone's outputs for the tokens `queries` (N, Q), flat indices into the layout, which attend (tree
+    mask) to the tokens `keys` (N, K): themselves (default), or, with a `cache`, the cached tokens then themselves."""
+    visible = tree_mask(layout, queries, queries if keys is None else keys, sliding_window(model))
     dtype = model.get_input_embeddings().weight.dtype
-    outputs = backbone_of(model)(
-        input_ids=layout.input_ids[:, columns],
-        position_ids=layout.position_ids[:, columns],
+    return backbone_of(model)(
+        input_ids=layout.input_ids.reshape(-1)[queries],
+        position_ids=layout.position_ids.reshape(-1)[queries],
         attention_mask=attention_mask_for(model, visible, dtype),
         past_key_values=cache,
         use_cache=cache is not None,
         **extra,
     )
-    return outputs
 
 
 def _score_branch(model, layout: Layout, hidden, where, branch: int, chunk_size: int, with_stats: bool, **extra):
@@ -281,16 +279,15 @@ def _score_branch(model, layout: Layout, hidden, where, branch: int, chunk_size:
 
 
 def score_layout(model, layout: Layout, chunk_size: int = DEFAULT_CHUNK_SIZE, with_stats: bool = True) -> Scores:
-    """Score every continuation of a packed layout in one forward over its tokens: each prompt runs once.
+    """Score every continuation of a packed layout in one forward over its rows: each prompt runs once.
     The reference pass scores `(prompt, [completion, KL completion])` trees with it, without gradients.
     Sequences are numbered tree * branches + continuation."""
     model = _scorable(model)
     rows, width = layout.input_ids.shape
-    hidden = _forward_columns(model, layout, torch.arange(width, device=layout.input_ids.device)).last_hidden_state
+    tokens = torch.arange(rows * width, device=layout.input_ids.device).reshape(rows, width)
+    hidden = _forward(model, layout, tokens).last_hidden_state.reshape(rows * width, -1)
     targets = layout.input_ids.reshape(-1)[layout.target]
-    logps, mean_logits, entropy = _head_logps(
-        model, hidden.reshape(rows * width, -1)[layout.predictor], targets, chunk_size, with_stats
-    )
+    logps, mean_logits, entropy = _head_logps(model, hidden[layout.predictor], targets, chunk_size, with_stats)
     return _scores(logps, layout.sequence, layout.num_trees * layout.branches, mean_logits, entropy)
 
 
@@ -312,26 +309,33 @@ def score_policy(
 ) -> PolicyScores:
     """Training's forwards over a `layout_trees(split_last=True)` layout of `(prompt, [completion, KL])` trees.
 
-    1. the prompts and completions (columns before `layout.split`), with gradients; their keys/values are kept;
-    2. (`with_kl`) the KL completions alone, without gradients, attending to the cached prompt keys/values
-       (detached): K tokens instead of P + K. A model that keeps no keys/values while training (gradient
-       checkpointing recomputes the layers) runs the whole layout again without gradients instead."""
+    1. the rows' prompts and completions (columns before `layout.split`), with gradients; their keys/values
+       are kept;
+    2. (`with_kl`) the KL completions alone, gathered from every row into one (no padding), without gradients,
+       attending to the cached keys/values of their prompts (detached; the rows' caches laid end to end):
+       K tokens instead of P + K. A model that keeps no keys/values while training (gradient checkpointing
+       recomputes the layers) runs the whole layout again without gradients instead.
+
+    The columns after `layout.split` only hold the KL tokens: they are never run as a padded block."""
     from transformers import DynamicCache
 
     model = _scorable(model)
     assert layout.branches == 2, "(prompt, [completion, KL completion]) trees"
     rows, width, split, device = *layout.input_ids.shape, layout.split, layout.input_ids.device
-    main_cols, kl_cols = torch.arange(split, device=device), torch.arange(split, width, device=device)
+    grid = torch.arange(rows * width, device=device).reshape(rows, width)
+    main = grid[:, :split]  # (R, S) flat indices
     cache = DynamicCache() if with_kl and not getattr(model, "is_gradient_checkpointing", False) else None
     extra = {"output_router_logits": True} if output_router_logits else {}
-    outputs = _forward_columns(model, layout, main_cols, cache=cache, **extra)
+    outputs = _forward(model, layout, main, cache=cache, **extra)
     aux_loss = None
     if output_router_logits:  # padding excluded, as in the padded path
         aux_loss = _load_balancing_loss(model, outputs.router_logits, (layout.branch[:, :split] >= 0).long())
     main_hidden = outputs.last_hidden_state.reshape(rows * split, -1)
-    # flat index (row * width + column) -> row of cat(main hidden states, KL hidden states), each row-major
-    r, c = torch.arange(rows, device=device)[:, None], torch.arange(width, device=device)[None, :]
-    where = torch.where(c < split, r * split + c, rows * split + r * (width - split) + c - split).reshape(-1)
+    kl_tokens = (layout.branch.reshape(-1) == 2).nonzero()[:, 0]  # row by row, in order
+    # flat index -> row of cat(main hidden states, KL hidden states)
+    where = torch.full((rows * width,), -1, dtype=torch.long, device=device)
+    where[main.reshape(-1)] = torch.arange(rows * split, device=device)
+    where[kl_tokens] = rows * split + torch.arange(len(kl_tokens), device=device)
     completions = _score_branch(model, layout, main_hidden, where, 1, chunk_size, with_stats, aux_loss=aux_loss)
     executed = rows * split
     if not with_kl:
@@ -339,14 +343,17 @@ def score_policy(
     on_cache = cache is not None and cache.get_seq_length() == split
     with torch.no_grad():
         if on_cache:
-            for layer in cache.layers:  # the KL forward reads the prompts' keys/values, never backpropagates into them
-                layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
-            kl_hidden = _forward_columns(model, layout, kl_cols, context=main_cols, cache=cache).last_hidden_state
-            hidden = torch.cat([main_hidden.detach(), kl_hidden.reshape(rows * (width - split), -1)])
-            executed += rows * (width - split)
+            for layer in cache.layers:  # (R, heads, S, d) -> (1, heads, R * S, d), detached: read, never trained
+                layer.keys, layer.values = (
+                    x.detach().transpose(0, 1).reshape(x.shape[1], rows * split, x.shape[3])[None]
+                    for x in (layer.keys, layer.values)
+                )
+            keys = torch.cat([main.reshape(-1), kl_tokens])[None]
+            kl_hidden = _forward(model, layout, kl_tokens[None], keys, cache=cache).last_hidden_state[0]
+            hidden = torch.cat([main_hidden.detach(), kl_hidden])
+            executed += len(kl_tokens)
         else:
-            all_cols = torch.arange(width, device=device)
-            hidden = _forward_columns(model, layout, all_cols).last_hidden_state.reshape(rows * width, -1)
+            hidden = _forward(model, layout, grid).last_hidden_state.reshape(rows * width, -1)
             where = torch.arange(rows * width, device=device)
             executed += rows * width
         kl = _score_branch(model, layout, hidden, where, 2, chunk_size, with_stats=False)

@@ -12,7 +12,7 @@ mask lets each token see exactly what it would see in its own unpadded sequence:
 token depends only on the tokens it sees and their positions, so the values equal the unshared,
 padded computation up to float rounding; the tests hold them to 1e-5.
 
-Trees are placed in rows first-fit decreasing (`first_fit_rows`), at the row width that balances the
+Trees are spread over rows (`pack_rows`), as many rows as balance the
 padding of narrow rows against the attention of wide ones (the mask is dense: every query meets
 every key of its row).
 
@@ -23,6 +23,7 @@ against those cached keys/values.
 
 from __future__ import annotations
 
+import heapq
 import inspect
 from dataclasses import dataclass
 
@@ -60,46 +61,41 @@ class Layout:
         return Layout(**moved)
 
 
-def first_fit_rows(sizes: list[int], max_trees: int | None = None, attention_cost: float = 0.0) -> list[list[int]]:
-    """Trees (of `sizes[i]` tokens) into rows, first-fit decreasing, at the row width that costs least.
+def pack_rows(sizes: list[int], max_trees: int | None = None, attention_cost: float = 0.0) -> list[list[int]]:
+    """Trees (of `sizes[i]` tokens) into rows: the number of rows that costs least, trees balanced across them.
 
     A row's tokens all run, padding included, and under a dense mask each attends to the whole row, so a
-    layout of R rows of width W costs about R * W * (1 + attention_cost * W) token-forwards: wide rows
-    pad less, narrow rows attend less. The widths tried are 1, 1.25, 1.5, 2, 3 and 4 times the largest
-    tree, and everything in one row. At most `max_trees` trees a row."""
+    layout of R rows of width W costs about R * W * (1 + attention_cost * W) token-forwards: few wide rows
+    pad less, many narrow rows attend less. For each R, trees go largest first to the emptiest row (which
+    keeps the rows' widths within one tree of each other). At most `max_trees` trees a row."""
     if not sizes:
         return []
-    largest = max(sizes)
-    widths = sorted({int(largest * f) for f in (1, 1.25, 1.5, 2, 3, 4) if largest * f <= sum(sizes)} | {sum(sizes)})
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    fewest = 1 if max_trees is None else -(-len(sizes) // max_trees)
+    candidates, r = [], float(fewest)
+    while int(r) < len(sizes):  # row counts tried: every one up to 16, then 6% apart
+        candidates.append(int(r))
+        r = max(r + 1, r * 1.06)
     best, best_cost = [], float("inf")
-    for width in widths:
-        rows = _first_fit(sizes, width, max_trees)
-        used = max(sum(sizes[i] for i in row) for row in rows)
-        cost = len(rows) * used * (1 + attention_cost * used)
+    for num_rows in [*candidates, len(sizes)]:
+        if num_rows * sizes[order[0]] >= best_cost:  # more rows cannot be cheaper: each is at least this wide
+            break
+        rows: list[list[int]] = [[] for _ in range(num_rows)]
+        heap = [(0, r) for r in range(num_rows)]  # (fill, row): the emptiest row on top
+        for i in order:
+            fill, r = heapq.heappop(heap)
+            rows[r].append(i)
+            if max_trees is None or len(rows[r]) < max_trees:
+                heapq.heappush(heap, (fill + sizes[i], r))
+        width = max(sum(sizes[i] for i in row) for row in rows)
+        cost = num_rows * width * (1 + attention_cost * width)
         if cost < best_cost:
             best, best_cost = rows, cost
     return best
 
 
-def _first_fit(sizes: list[int], capacity: int, max_trees: int | None) -> list[list[int]]:
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        fits = (
-            r for r, room in enumerate(free) if room >= sizes[i] and (max_trees is None or len(rows[r]) < max_trees)
-        )
-        slot = next(fits, None)
-        if slot is None:
-            rows.append([i])
-            free.append(capacity - sizes[i])
-        else:
-            rows[slot].append(i)
-            free[slot] -= sizes[i]
-    return rows
-
-
 def attention_cost(model) -> float:
-    """Attention's cost per (query, key) pair relative to the rest of a token's forward, for `first_fit_rows`:
+    """Attention's cost per (query, key) pair relative to the rest of a token's forward, for `pack_rows`:
     4 * hidden * layers FLOPs against 2 * ~12 * hidden^2 * layers for the weights, i.e. 1 / (6 * hidden)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return 1.0 / (6 * config.hidden_size)
@@ -164,15 +160,17 @@ def layout_trees(
 
 
 def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
-    """(R, 1, Q, K) bool: may query token `queries[i]` attend to key token `keys[j]` (column indices of a row)?
+    """(N, 1, Q, K) bool: may query token `queries[n, i]` attend to key token `keys[n, j]`?
 
-    Padding attends to earlier padding only, so no row of the mask is empty."""
-    t, b, p = layout.tree, layout.branch, layout.position_ids
-    tq, tk = t[:, queries, None], t[:, None, keys]
-    bq, bk = b[:, queries, None], b[:, None, keys]
-    visible = (tq == tk) & (keys[None, None, :] <= queries[None, :, None]) & ((bk == BRANCH_PROMPT) | (bk == bq))
+    Tokens are named by flat index (row * width + column): a forward may take a layout's rows as they are,
+    or gather tokens of several rows into one (training's KL forward, which has no padding). Padding attends
+    to earlier padding, so no row of the mask is empty."""
+    t, b, p = (x.reshape(-1) for x in (layout.tree, layout.branch, layout.position_ids))
+    tq, tk = t[queries][:, :, None], t[keys][:, None, :]
+    bq, bk = b[queries][:, :, None], b[keys][:, None, :]
+    visible = (tq == tk) & (keys[:, None, :] <= queries[:, :, None]) & ((bk == BRANCH_PROMPT) | (bk == bq))
     if window is not None:
-        visible &= (p[:, queries, None] - p[:, None, keys]) < window
+        visible &= (p[queries][:, :, None] - p[keys][:, None, :]) < window
     return visible[:, None]
 
 

@@ -38,7 +38,7 @@ from kto_pipeline.data import assign_kl_partners, content_hash, load_source, nor
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.logprobs import pad_sequences, score_layout, score_sequences
 from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
-from kto_pipeline.packing import attention_cost, first_fit_rows, layout_trees, packing_unsupported
+from kto_pipeline.packing import attention_cost, layout_trees, pack_rows, packing_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +72,13 @@ def pack_batches(seqs: list[Sequence], batch_size: int, max_tokens: int) -> list
 def pack_trees(sizes: list[int], batch_size: int, max_tokens: int, cost: float = 0.0) -> list[list[list[int]]]:
     """Group trees (prompt + completion + KL completion, `sizes[i]` tokens) into forward passes of rows.
 
-    Rows by `packing.first_fit_rows` (several trees a row; `cost`: attention's relative cost); then rows
+    Rows by `packing.pack_rows` (several trees a row; `cost`: attention's relative cost); then rows
     into passes while rows x width <= max_tokens and trees <= batch_size / 2 (batch_size counts sequences,
     two per tree; a tree always fits alone). Returns passes -> rows -> trees."""
     passes: list[list[list[int]]] = []
     current: list[list[int]] = []
     width = trees = 0
-    for row in first_fit_rows(sizes, max(batch_size // 2, 1), cost):
+    for row in pack_rows(sizes, max(batch_size // 2, 1), cost):
         row_width = sum(sizes[i] for i in row)
         new_width = max(width, row_width)
         if current and (new_width * (len(current) + 1) > max_tokens or 2 * (trees + len(row)) > max(batch_size, 2)):

@@ -46,7 +46,7 @@ from kto_pipeline.logprobs import PolicyScores, pad_sequences, score_policy, sco
 from kto_pipeline.loss import kto_loss
 from kto_pipeline.model_card import write_model_card
 from kto_pipeline.models import load_model, load_tokenizer
-from kto_pipeline.packing import Layout, attention_cost, first_fit_rows, layout_trees, packing_unsupported
+from kto_pipeline.packing import Layout, attention_cost, layout_trees, pack_rows, packing_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ LAYOUT_KEY = "layout_"  # batch keys of a packed layout's tensors
 @dataclass
 class Collator:
     """Rows -> one micro-batch. `packed`: the rows' `(prompt, [completion, KL completion])` trees side by side in
-    rows (`packing.first_fit_rows`), prompts and completions first and the KL completions
+    rows (`packing.pack_rows`), prompts and completions first and the KL completions
     after them (`layout_trees(split_last=True)`); else padded sequences, completions and KL completions apart."""
 
     pad_id: int
@@ -157,8 +157,8 @@ class Collator:
         batch: dict[str, torch.Tensor] = {}
         if self.packed:
             trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
-            sizes = [len(p) + len(c) + len(k) for p, (c, k) in trees]
-            layout = layout_trees(trees, first_fit_rows(sizes, None, self.attention_cost), self.pad_id, split_last=True)
+            sizes = [len(p) + len(c) for p, (c, _) in trees]  # the KL completions run apart, in one unpadded row
+            layout = layout_trees(trees, pack_rows(sizes, None, self.attention_cost), self.pad_id, split_last=True)
             batch.update({LAYOUT_KEY + k: v for k, v in vars(layout).items() if isinstance(v, torch.Tensor)})
             batch[LAYOUT_KEY + "split"] = torch.tensor(layout.split)
         else:

@@ -129,7 +129,9 @@ def test_kl_forward_on_cached_prompt_equals_separate_forwards(kind, rows):
     layout = layout_trees(trees, rows, split_last=True)
     scores = score_policy(model, layout, chunk_size=6)
     main, kl = scores.completions, scores.kl
-    assert scores.kl_on_cached_prompt and scores.tokens_executed == layout.input_ids.numel()
+    kl_tokens = sum(len(c[1]) for _, c in trees)
+    assert scores.kl_on_cached_prompt
+    assert scores.tokens_executed == layout.input_ids.shape[0] * layout.split + kl_tokens  # KL: one unpadded row
     if rows is None:
         assert scores.tokens_executed == layout.tokens()
     want = padded_logps(model, trees)
@@ -173,17 +175,17 @@ def test_gradient_checkpointing_runs_the_prompt_again_for_the_kl():
     assert no_kl.kl is None and no_kl.tokens_executed == rows * layout.split
 
 
-def test_first_fit_rows():
-    from kto_pipeline.packing import first_fit_rows
+def test_pack_rows():
+    from kto_pipeline.packing import pack_rows
 
     sizes = [10, 9, 6, 5, 4, 3, 1]
-    rows = first_fit_rows(sizes, attention_cost=0.05)
+    rows = pack_rows(sizes, attention_cost=0.05)
     assert sorted(t for row in rows for t in row) == list(range(len(sizes)))
-    assert rows == [[0], [1, 6], [2, 4], [3, 5]]  # first fit, largest first, rows of the largest: no padding
-    assert all(len(row) <= 1 for row in first_fit_rows(sizes, max_trees=1))
+    assert sorted(sum(sizes[t] for t in row) for row in rows) == [9, 9, 10, 10]  # 10 | 9 1 | 6 3 | 5 4
+    assert all(len(row) <= 1 for row in pack_rows(sizes, max_trees=1))
     uneven = [10, 7, 7, 7, 4]
-    assert len(first_fit_rows(uneven)) == 1  # no attention cost: one row, no padding
-    assert len(first_fit_rows(uneven, attention_cost=0.2)) == 4  # attention dearer: [10] [7 4] [7] [7]
+    assert len(pack_rows(uneven)) == 1  # no attention cost: one row, no padding
+    assert len(pack_rows(uneven, attention_cost=0.2)) == 4  # attention dearer: [10] [7 4] [7] [7]
 
 
 def test_split_layout_puts_the_last_continuations_after_the_rest():
