@@ -103,21 +103,9 @@ ALPHABET = string.ascii_letters + string.digits + " "
 def build_tokenizer(vocab_size: int):
     """kto_pipeline.tiny's character tokenizer (chat template included), its vocabulary padded to `vocab_size`
     with unused entries so that the embedding and the LM head are as wide as the real model's."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from kto_pipeline.tiny import build_char_tokenizer
 
-    from kto_pipeline.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
-
-    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
-    vocab_list = SPECIAL_TOKENS + chars
-    vocab_list += [f"<unused{i}>" for i in range(vocab_size - len(vocab_list))]
-    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(vocab_list)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>")
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return build_char_tokenizer(vocab_size)
 
 
 def model_config(preset: dict, tok):

@@ -2,9 +2,11 @@
 
     python benchmarks/profile_step.py [--size full] [--batches 3]
 
-Uses the benchmark's model and data (benchmarks/bench.py builds them), scores length-sorted
-reference batches and runs training steps as `train` does (KL forward without grad, policy
-forward + backward), and prints the phases' wall times and the top operators by self CPU time.
+Uses the benchmark's model and data (benchmarks/bench.py builds them) and runs training steps as
+`train` does: packed (prompts and completions with grad in a few rows, then the KL completions on
+the prompts' cached keys/values, then the backward) and, for comparison, padded (the fallback: KL
+forward without grad, policy forward, chunked LM head, backward). Prints each phase's wall time
+and the top operators by self CPU time.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kto_pipeline.data import load_source, normalize, tokenize
-    from kto_pipeline.logprobs import backbone_of, chunked_token_logps, score_sequences
-    from kto_pipeline.train import Collator
+    from kto_pipeline.logprobs import backbone_of, chunked_token_logps, score_policy, score_sequences
+    from kto_pipeline.packing import attention_cost
+    from kto_pipeline.train import Collator, batch_layout
 
     tok = AutoTokenizer.from_pretrained(work / "model")
     model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32)
@@ -55,7 +58,9 @@ def main() -> None:
                 "example_id": i,
             }
         )
-    batch = Collator(tok.pad_token_id)(batch_rows)
+    packed = Collator(tok.pad_token_id, packed=True, attention_cost=attention_cost(model))(batch_rows)
+    layout = batch_layout(packed)
+    padded = Collator(tok.pad_token_id, packed=False)(batch_rows)
     phases: dict[str, float] = {}
 
     def timed(name, fn):
@@ -65,42 +70,59 @@ def main() -> None:
         phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
         return out
 
-    def step():
+    def packed_step():
+        scored = timed("packed: completions (grad) + KL on cached prompts", lambda: score_policy(model, layout))
+        timed("packed: backward", lambda: (-scored.completions.logps.sum()).backward())
+        model.zero_grad(set_to_none=True)
+
+    def padded_step():
         with torch.no_grad():
             timed(
-                "KL forward (no grad)",
+                "padded: KL forward (no grad)",
                 lambda: score_sequences(
-                    model, batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_completion_mask"]
+                    model, padded["kl_input_ids"], padded["kl_attention_mask"], padded["kl_completion_mask"]
                 ),
             )
         hidden = timed(
-            "policy backbone forward",
+            "padded: policy backbone forward",
             lambda: (
                 backbone_of(model)(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+                    input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], use_cache=False
                 ).last_hidden_state
             ),
         )
-        mask = batch["completion_mask"][:, 1:].bool()
+        mask = padded["completion_mask"][:, 1:].bool()
         logps = timed(
-            "policy LM head, chunked (completion tokens only)",
-            lambda: chunked_token_logps(hidden[:, :-1][mask], model.lm_head.weight, batch["input_ids"][:, 1:][mask])[0],
+            "padded: policy LM head, chunked (completion tokens only)",
+            lambda: chunked_token_logps(hidden[:, :-1][mask], model.lm_head.weight, padded["input_ids"][:, 1:][mask])[
+                0
+            ],
         )
-        timed("backward", lambda: (-logps.sum()).backward())
+        timed("padded: backward", lambda: (-logps.sum()).backward())
         model.zero_grad(set_to_none=True)
 
     model.train()
-    step()  # warm-up
+    packed_step()  # warm-up
+    padded_step()
     phases.clear()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.batches):
-            step()
-    total = sum(phases.values())
-    tokens = int(batch["attention_mask"].sum() + batch["kl_attention_mask"].sum())
-    scored = int(batch["completion_mask"][:, 1:].sum() + batch["kl_completion_mask"][:, 1:].sum())
-    print(f"training step, batch {size['batch']}: {tokens} tokens of which {scored} completion tokens are scored")
-    for name, seconds in phases.items():
-        print(f"  {name:<50} {seconds / args.batches:7.3f} s/step  {seconds / total:6.1%}")
+            packed_step()
+            padded_step()
+    needed = int(packed["tokens_needed"])
+    rows, width = layout.input_ids.shape
+    executed_packed = rows * layout.split + int((layout.branch == 2).sum())
+    executed_padded = padded["input_ids"].numel() + padded["kl_input_ids"].numel()
+    print(
+        f"training step, batch {size['batch']}: {needed} tokens needed (each prompt once); forwards run "
+        f"{executed_packed} packed ({rows} rows), {executed_padded} padded"
+    )
+    for kind in ("packed", "padded"):
+        total = sum(v for k, v in phases.items() if k.startswith(kind))
+        for name, seconds in phases.items():
+            if name.startswith(kind):
+                print(f"  {name:<60} {seconds / args.batches:7.3f} s/step  {seconds / total:6.1%}")
+        print(f"  {kind + ' step':<60} {total / args.batches:7.3f} s/step")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
 
 

@@ -10,6 +10,11 @@ value per position. Instead we run the backbone, keep only the hidden states of 
 positions, and project them through the LM head in chunks of rows. The backward pass recomputes
 each chunk's logits rather than storing them (as Liger-Kernel's chunked losses do), so memory is
 O(chunk x vocab) in both directions at the cost of one extra matmul per chunk.
+
+Three ways to run the backbone: `score_sequences` (one padded sequence per row: the fallback, and the
+tests' reference), `score_layout` (packed trees, each prompt once: the reference pass) and
+`score_policy` (packed trees in two forwards, completions with grad, then KL completions on the
+prompts' cached keys/values: training). Layouts and masks are built in `packing.py`.
 """
 
 from __future__ import annotations
@@ -324,7 +329,10 @@ def score_policy(
     rows, width, split, device = *layout.input_ids.shape, layout.split, layout.input_ids.device
     grid = torch.arange(rows * width, device=device).reshape(rows, width)
     main = grid[:, :split]  # (R, S) flat indices
-    cache = DynamicCache() if with_kl and not getattr(model, "is_gradient_checkpointing", False) else None
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x; older: the next
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    cache = DynamicCache() if with_kl and not checkpointing else None
     extra = {"output_router_logits": True} if output_router_logits else {}
     outputs = _forward(model, layout, main, cache=cache, **extra)
     aux_loss = None

@@ -16,13 +16,18 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 
 
-def build_char_tokenizer():
-    """A lossless character-level fast tokenizer with `eos_token = <|im_end|>` and a chat template."""
+def build_char_tokenizer(vocab_size: int | None = None):
+    """A lossless character-level fast tokenizer with `eos_token = <|im_end|>` and a chat template.
+
+    `vocab_size` pads the vocabulary with unused entries (`<unusedN>`), so that a model built for it has the
+    embedding and LM head of a real model's vocabulary (the benchmarks)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    entries = SPECIAL_TOKENS + chars
+    entries += [f"<unused{i}>" for i in range((vocab_size or 0) - len(entries))]
+    vocab = {tok: i for i, tok in enumerate(entries)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()

@@ -7,9 +7,9 @@ so the loop is the whole algorithm: nothing happens in callbacks.
 
 Per forward pass, with trl.KTOTrainer's numbers:
   1. score the completions with grad: the micro-batch's prompts and completions packed side by side in
-     one row, no padding (`packing.py`), their keys/values kept;
-  2. score the KL completions (prompt_i + completion of partner) without grad, on prompt_i's cached
-     keys/values: z0 = clamp(mean over the global batch of (policy_kl_logp - ref_kl_logp), min=0);
+     a few rows, almost no padding (`packing.py`), their keys/values kept;
+  2. score the KL completions (prompt_i + completion of partner) without grad, all in one unpadded row, on
+     prompt_i's cached keys/values: z0 = clamp(mean over the global batch of (policy_kl_logp - ref_kl_logp), min=0);
   3. `kto_loss` against the cached reference log-probs.
 Models whose attention takes no packed layout run padded batches instead, grouped by length.
 """
