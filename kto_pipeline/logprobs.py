@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kto_pipeline.packing import Layout, attention_mask_for, sliding_window, tree_mask
+from kto_pipeline.packing import Layout, attention_cost, attention_mask_for, sliding_window, tree_mask
 
 DEFAULT_CHUNK_SIZE = 1024
 
@@ -311,17 +311,18 @@ def score_policy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_stats: bool = True,
     output_router_logits: bool = False,
+    gather_kl: bool | None = None,
 ) -> PolicyScores:
     """Training's forwards over a `layout_trees(split_last=True)` layout of `(prompt, [completion, KL])` trees.
 
     1. the rows' prompts and completions (columns before `layout.split`), with gradients; their keys/values
        are kept;
-    2. (`with_kl`) the KL completions alone, gathered from every row into one (no padding), without gradients,
-       attending to the cached keys/values of their prompts (detached; the rows' caches laid end to end):
-       K tokens instead of P + K. A model that keeps no keys/values while training (gradient checkpointing
-       recomputes the layers) runs the whole layout again without gradients instead.
-
-    The columns after `layout.split` only hold the KL tokens: they are never run as a padded block."""
+    2. (`with_kl`) the KL completions alone, without gradients, attending to the cached keys/values of their
+       prompts (detached): K tokens instead of P + K. They run either in their rows (columns from
+       `layout.split`, padded to the row with the most) or gathered from every row into one unpadded row
+       that attends to all rows' caches laid end to end; `gather_kl` forces one way, by default whichever
+       costs less. A model that keeps no keys/values while training (gradient checkpointing recomputes the
+       layers) runs the whole layout again without gradients instead."""
     from transformers import DynamicCache
 
     model = _scorable(model)
@@ -350,7 +351,13 @@ def score_policy(
         return PolicyScores(completions, None, executed, False)
     on_cache = cache is not None and cache.get_seq_length() == split
     with torch.no_grad():
-        if on_cache:
+        # The KL completions run either as they lie, each row's after its own prompts (padded to the row with the
+        # most), or gathered from all rows into one unpadded row that attends to all rows' cached tokens (the
+        # mask is dense): whichever costs less (see packing.pack_rows).
+        cost, n_kl = attention_cost(model), len(kl_tokens)
+        gathered = n_kl * (1 + cost * (rows * split + n_kl)) < rows * (width - split) * (1 + cost * width)
+        gathered = gathered if gather_kl is None else gather_kl
+        if on_cache and gathered:
             for layer in cache.layers:  # (R, heads, S, d) -> (1, heads, R * S, d), detached: read, never trained
                 layer.keys, layer.values = (
                     x.detach().transpose(0, 1).reshape(x.shape[1], rows * split, x.shape[3])[None]
@@ -359,7 +366,21 @@ def score_policy(
             keys = torch.cat([main.reshape(-1), kl_tokens])[None]
             kl_hidden = _forward(model, layout, kl_tokens[None], keys, cache=cache).last_hidden_state[0]
             hidden = torch.cat([main_hidden.detach(), kl_hidden])
-            executed += len(kl_tokens)
+            executed += n_kl
+        elif on_cache:
+            for layer in cache.layers:  # detached: read, never trained
+                layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
+            kl_hidden = _forward(model, layout, grid[:, split:], grid, cache=cache).last_hidden_state
+            hidden = torch.cat([main_hidden.detach(), kl_hidden.reshape(rows * (width - split), -1)])
+            where = torch.full((rows * width,), -1, dtype=torch.long, device=device)
+            where[grid.reshape(-1)] = torch.cat(
+                [
+                    torch.arange(rows * split, device=device).reshape(rows, split),
+                    rows * split + torch.arange(rows * (width - split), device=device).reshape(rows, width - split),
+                ],
+                dim=1,
+            ).reshape(-1)
+            executed += rows * (width - split)
         else:
             hidden = _forward(model, layout, grid).last_hidden_state.reshape(rows * width, -1)
             where = torch.arange(rows * width, device=device)

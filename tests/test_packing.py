@@ -120,18 +120,27 @@ def test_eager_attention_takes_the_additive_mask():
     assert_same(scores.per_sequence(), full_logits_logps(model, trees))
 
 
-@pytest.mark.parametrize("kind,rows", [("llama", None), ("qwen2", None), ("llama", [[0, 5], [1, 2, 3], [4]])])
-def test_kl_forward_on_cached_prompt_equals_separate_forwards(kind, rows):
+@pytest.mark.parametrize(
+    "kind,rows,gather",
+    [
+        ("llama", None, True),
+        ("qwen2", None, True),
+        ("llama", [[0, 5], [1, 2, 3], [4]], True),
+        ("mistral", [[0, 5], [1, 2, 3], [4]], False),
+    ],
+)
+def test_kl_forward_on_cached_prompt_equals_separate_forwards(kind, rows, gather):
     """Training's two forwards: completion log-probs and their gradients, and KL log-probs, equal the padded
     path's; the KL forward runs only the KL completions' tokens (one row: no padding at all)."""
     model = make_model(kind)
     trees = random_trees(6, seed=2)
     layout = layout_trees(trees, rows, split_last=True)
-    scores = score_policy(model, layout, chunk_size=6)
+    scores = score_policy(model, layout, chunk_size=6, gather_kl=gather)
     main, kl = scores.completions, scores.kl
-    kl_tokens = sum(len(c[1]) for _, c in trees)
     assert scores.kl_on_cached_prompt
-    assert scores.tokens_executed == layout.input_ids.shape[0] * layout.split + kl_tokens  # KL: one unpadded row
+    r, width = layout.input_ids.shape
+    kl_run = sum(len(c[1]) for _, c in trees) if gather else r * (width - layout.split)  # one unpadded row, or rows
+    assert scores.tokens_executed == r * layout.split + kl_run
     if rows is None:
         assert scores.tokens_executed == layout.tokens()
     want = padded_logps(model, trees)
