@@ -79,27 +79,14 @@ def build_assets(work: Path, size: dict) -> None:
     import random
 
     import torch
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from kto_pipeline.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+    from kto_pipeline.tiny import build_char_tokenizer
 
     model_dir = work / "model"
     if not (model_dir / "config.json").exists():
-        import string
-
-        chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
-        vocab_list = SPECIAL_TOKENS + chars
         # unused entries make the LM head as wide as a real model's (the part that dominates its cost)
-        vocab_list += [f"<unused{i}>" for i in range(size["vocab"] - len(vocab_list))]
-        core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(vocab_list)}, unk_token="<unk>"))
-        core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-        core.decoder = decoders.Fuse()
-        core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>"
-        )
-        tok.chat_template = CHAT_TEMPLATE
+        tok = build_char_tokenizer(size["vocab"])
         config = Qwen2Config(
             vocab_size=size["vocab"],
             hidden_size=size["hidden"],
