@@ -215,14 +215,17 @@ def test_ctrl_c_ends_cleanly_and_says_rerun_resumes(tmp_path, tiny_model_dir):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "TQDM_DISABLE": "1"},
+        # a shell's background job (`cmd &`) ignores SIGINT, and so would this child: give it the default back
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     manifest_path = tmp_path / "c" / "manifest.json"
     deadline = time.time() + 120
     while time.time() < deadline and not (manifest_path.exists() and read_manifest(tmp_path / "c")["shards"]):
         time.sleep(0.01)
+    shards_seen = len(read_manifest(tmp_path / "c")["shards"]) if manifest_path.exists() else 0
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, (shards_seen, out[-2000:], err[-2000:])
     assert "Traceback" not in err and "interrupted" in err and "Run the same command again to resume" in err
     assert not read_manifest(tmp_path / "c")["complete"]
 
