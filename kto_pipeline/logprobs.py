@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kto_pipeline.packing import Layout, attention_cost, attention_mask_for, sliding_window, tree_mask
+from kto_pipeline.packing import Layout, attention_cost, attention_mask_for, sliding_window, text_config, tree_mask
 
 DEFAULT_CHUNK_SIZE = 1024
 
@@ -187,7 +187,7 @@ def pad_sequences(
 
 def lm_head_settings(model) -> tuple[float, float | None]:
     """(logit_scale, softcap) a model applies to its logits, read from its config."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     scale = getattr(config, "logit_scale", None)
     if scale is None:
         scale = getattr(config, "output_multiplier", None)
@@ -371,19 +371,13 @@ def score_policy(
             for layer in cache.layers:  # detached: read, never trained
                 layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
             kl_hidden = _forward(model, layout, grid[:, split:], grid, cache=cache).last_hidden_state
-            hidden = torch.cat([main_hidden.detach(), kl_hidden.reshape(rows * (width - split), -1)])
-            where = torch.full((rows * width,), -1, dtype=torch.long, device=device)
-            where[grid.reshape(-1)] = torch.cat(
-                [
-                    torch.arange(rows * split, device=device).reshape(rows, split),
-                    rows * split + torch.arange(rows * (width - split), device=device).reshape(rows, width - split),
-                ],
-                dim=1,
-            ).reshape(-1)
+            # both parts of each row side by side again: hidden states in the layout's own (flat) order
+            hidden = torch.cat([main_hidden.detach().reshape(rows, split, -1), kl_hidden], dim=1).flatten(0, 1)
+            where = grid.reshape(-1)
             executed += rows * (width - split)
         else:
             hidden = _forward(model, layout, grid).last_hidden_state.reshape(rows * width, -1)
-            where = torch.arange(rows * width, device=device)
+            where = grid.reshape(-1)
             executed += rows * width
         kl = _score_branch(model, layout, hidden, where, 2, chunk_size, with_stats=False)
     return PolicyScores(completions, kl, executed, on_cache)

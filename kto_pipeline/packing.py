@@ -94,10 +94,15 @@ def pack_rows(sizes: list[int], max_trees: int | None = None, attention_cost: fl
     return best
 
 
+def text_config(model):
+    """The config of a causal LM's text part (multimodal configs nest it)."""
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def attention_cost(model) -> float:
     """Attention's cost per (query, key) pair relative to the rest of a token's forward, for `pack_rows`:
     4 * hidden * layers FLOPs against 2 * ~12 * hidden^2 * layers for the weights, i.e. 1 / (6 * hidden)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     return 1.0 / (6 * config.hidden_size)
 
 
@@ -179,7 +184,7 @@ def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window:
 
 def sliding_window(model) -> int | None:
     """The attention window of a model whose layers all use one (Mistral-style), else None."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     window = getattr(config, "sliding_window", None)
     if window is None or getattr(config, "use_sliding_window", True) is False:
         return None
@@ -194,7 +199,7 @@ def packing_unsupported(model) -> str | None:
     would need one mask per layer type; models without position ids (ALiBi) would see wrong distances."""
     if hasattr(model, "get_base_model"):  # peft
         model = model.get_base_model()
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in ("sdpa", "eager"):
         return f"attention implementation {impl!r} takes no custom 4-D mask"
