@@ -43,6 +43,7 @@ SIZES = {
         sweep_steps=6,
         batch=8,
         max_length=512,
+        reference_batch=64,
     ),
     "smoke": dict(
         hidden=64,
@@ -293,7 +294,8 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = No
                 max_length=size["max_length"],
                 dtype="float32",
                 overwrite=True,
-                batch_size=64,
+                # the random case's rows are uniform, so big passes pay; the real case runs the CLI's default
+                batch_size=size.get("reference_batch", PrecomputeConfig.batch_size),
                 max_tokens_per_batch=16384,
             )
         )
@@ -741,6 +743,7 @@ def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_commo
     import trl
 
     import kto_pipeline
+    from kto_pipeline import PrecomputeConfig
 
     op, tp = r["ours_precompute"], r["trl_precompute"]
     ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
@@ -775,7 +778,8 @@ def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_commo
         f"- settings, both tools: float32 (bf16 off), gradient checkpointing off, batch {batch} x 1 process, "
         f"sequential order, {steps} steps, AdamW lr {LEARNING_RATE}, beta 0.1; each stage in a fresh process. "
         "trl online = KTOTrainer with its reference model (loaded by trl from the same directory); trl "
-        "precomputed = `precompute_ref_log_probs=True`.",
+        "precomputed = `precompute_ref_log_probs=True`. kto-pipeline's reference pass runs with the CLI's default "
+        f"`--batch-size {size.get('reference_batch', PrecomputeConfig.batch_size)}` (sequences per pass, packed).",
         f"- correctness: reference log-probs agree on {n_common} sequences, max |diff| {max_diff:.1e}",
         "",
         "| measurement | kto-pipeline | trl | ratio | goal | met |",
