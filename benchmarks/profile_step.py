@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -43,14 +44,17 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32)
     rows = tokenize(tok, normalize(load_source(str(work / "data.jsonl"))), size["max_length"])
     batch_rows = []
+    first = np.arange(size["batch"])
+    prompts, completions = rows.take(first, "prompt_ids"), rows.take(first, "completion_ids")
+    partners = rows.take((first + 1) % len(rows), "completion_ids")
     for i in range(size["batch"]):
-        prompt = rows.prompt_ids[i]
+        prompt = prompts[i]
         room = size["max_length"] - len(prompt)
-        partner = rows.completion_ids[(i + 1) % len(rows.example_ids)]
+        partner = partners[i]
         batch_rows.append(
             {
                 "prompt_ids": prompt,
-                "completion_ids": rows.completion_ids[i][:room],
+                "completion_ids": completions[i][:room],
                 "kl_completion_ids": partner[:room],
                 "label": i % 2 == 0,
                 "ref_logp": 0.0,

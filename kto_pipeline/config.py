@@ -79,6 +79,13 @@ class PrecomputeConfig(_ConfigMixin):
         ),
     )
     seed: int = field(default=0, **_help("Seed of the fixed KL partner assignment."))
+    num_proc: int = field(
+        default=1,
+        **_help(
+            "Processes that normalise and tokenize the data (datasets.map); the result is cached, so a second "
+            "precompute of the same data, tokenizer and settings skips it."
+        ),
+    )
     dtype: str = field(
         default="auto",
         **_help("Dtype of the reference pass: auto = bfloat16 on a GPU that supports it, else float32."),
@@ -97,6 +104,7 @@ class PrecomputeConfig(_ConfigMixin):
         _check(self.max_length >= 2, "max_length", f"must be at least 2, got {self.max_length}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
+        _check(self.num_proc >= 1, "num_proc", f"must be at least 1, got {self.num_proc}")
         _check(
             self.max_tokens_per_batch >= self.max_length,
             "max_tokens_per_batch",

@@ -1,9 +1,15 @@
 """Source data -> tokenized, KL-paired rows: the first three arrows of the data flow (DESIGN.md).
 
-    load_source   a hub id, a data file or a save_to_disk directory -> datasets.Dataset
-    normalize     unpaired / paired / implicit-prompt rows -> prompt, completion, label
-    tokenize      prompt_ids, completion_ids with trl.KTOTrainer's semantics
+    load_source     a hub id, a data file or a save_to_disk directory -> datasets.Dataset
+    check_source    columns, types, nulls and labels checked from Arrow before any heavy work
+    preprocess      datasets.map (batched, --num-proc): normalize (unpaired / paired / implicit-prompt rows ->
+                    prompt, completion, label) and tokenize with trl.KTOTrainer's semantics, into an Arrow
+                    file in the datasets cache, reused by the next run on the same data and tokenizer
+    select_rows     trl's drops, from the list lengths alone -> TokenizedRows (numpy indices into the table)
     assign_kl_partners   a fixed partner per row (never itself), from a seed
+
+Nothing here holds the dataset as Python objects: a million rows cost a few numpy arrays, and the token
+ids are read from the memory-mapped table a shard at a time.
 
 Tokenization matches trl 1.16 exactly (tested against it): standard rows get EOS appended to the
 completion; `prompt_ids = tok(prompt)` and `full = tok(prompt + completion)`, the completion
@@ -22,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from kto_pipeline.errors import KTOPipelineError
 
@@ -120,6 +128,99 @@ def content_hash(name: str, dataset) -> str:
     return "sha256:" + h.hexdigest()
 
 
+# ------------------------------------------------------------------------------------------ validate
+
+
+def check_source(dataset) -> str:
+    """Check a source's columns and their values before any heavy work; return its layout:
+    "unpaired" (prompt/completion/label), "paired" (prompt/chosen/rejected) or "implicit" (chosen/rejected).
+
+    Reads only the label column and the Arrow types, null masks and list lengths of the text columns, so a bad
+    row deep in a million-row file is reported in seconds, naming its row number in the source, the column and
+    what was expected."""
+    columns = set(dataset.column_names)
+    if len(dataset) == 0:
+        raise KTOPipelineError("the dataset is empty: there are no rows to train on. Check --dataset and --split.")
+    if {"completion", "label"} <= columns:
+        if "prompt" not in columns:
+            raise KTOPipelineError(
+                f"the dataset has columns {sorted(columns)} but no 'prompt' column; {EXPECTED_COLUMNS}."
+            )
+        layout, texts = "unpaired", ("prompt", "completion")
+    elif {"chosen", "rejected"} <= columns:
+        layout = "paired" if "prompt" in columns else "implicit"
+        texts = ("prompt", "chosen", "rejected") if "prompt" in columns else ("chosen", "rejected")
+    else:
+        hint = ""
+        if "completion" in columns and "label" not in columns:
+            hint = " It has 'completion' but no 'label' column (true = desirable)."
+        elif "label" in columns:
+            hint = " It has 'label' but no 'completion' column (rename your response column to 'completion')."
+        raise KTOPipelineError(f"the dataset has columns {sorted(columns)}; {EXPECTED_COLUMNS}.{hint}")
+
+    data = dataset.data
+    kinds = {}
+    for name in texts:
+        column = data.column(name)
+        kind = _text_kind(column.type)
+        bad = _first(pc.is_null(column))
+        if kind is None or bad is not None:
+            row = bad if bad is not None else 0
+            value = column[row].as_py()
+            raise KTOPipelineError(
+                f"row {row}: '{_key(name)}' must be a string or a non-empty list of {{role, content}} messages, got "
+                f"{type(value).__name__ if value is not None else 'None'}."
+            )
+        if kind == "messages" and name != "prompt":
+            empty = _first(pc.equal(pc.list_value_length(column), 0))
+            if empty is not None:
+                raise KTOPipelineError(
+                    f"row {empty}: '{_key(name)}' must be a string or a non-empty list of {{role, content}} "
+                    "messages, got an empty list."
+                )
+        kinds[name] = kind
+    first, *rest = texts
+    for name in rest:
+        if kinds[name] != kinds[first]:
+            raise KTOPipelineError(
+                f"row 0: the {_key(first)} is a {kinds[first]} but the {_key(name)} is a {kinds[name]}; use strings "
+                "for both (standard) or message lists for both (conversational)."
+            )
+    if layout == "unpaired":
+        column = data.column("label")
+        bad = _first(pc.is_null(column))
+        if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):
+            valid = pc.fill_null(pc.is_in(column, value_set=pa.array([0, 1], type=column.type)), False)
+            invalid = _first(pc.invert(valid))
+            bad = invalid if bad is None or (invalid is not None and invalid < bad) else bad
+        elif not pa.types.is_boolean(column.type):
+            bad = 0
+        if bad is not None:
+            _as_label(column[bad].as_py(), bad)
+    return layout
+
+
+def _key(name: str) -> str:
+    """Paired rows' answers are the completions of the unpaired rows they become."""
+    return {"chosen": "completion", "rejected": "completion"}.get(name, name)
+
+
+def _text_kind(arrow_type) -> str | None:
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return "string"
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        item = arrow_type.value_type
+        if pa.types.is_null(item) or (pa.types.is_struct(item) and item.get_field_index("role") >= 0):
+            return "messages"  # list<null>: every list empty (allowed for prompts; completions are checked)
+    return None
+
+
+def _first(mask) -> int | None:
+    """Index of the first true value of a boolean ChunkedArray, or None."""
+    index = pc.index(mask, True).as_py()
+    return None if index < 0 else index
+
+
 # ----------------------------------------------------------------------------------------- normalize
 
 
@@ -154,80 +255,60 @@ def _as_label(value: Any, row: int) -> bool:
     )
 
 
-def normalize(dataset) -> list[dict[str, Any]]:
-    """Rows of any supported format -> unpaired dicts with prompt, completion, label (+ tools, chat kwargs).
+def normalize_batch(batch: dict[str, list], indices: list[int], layout: str) -> list[tuple[int, dict[str, Any]]]:
+    """A batch of source rows (columns -> values) -> (source row, unpaired row) pairs, with prompt, completion,
+    label (+ tools, chat kwargs). A paired row becomes two rows, the desirable one first, so example ids 2i and
+    2i+1 come from pair i."""
+    extras = [c for c in ("tools", "chat_template_kwargs") if c in batch]
+    out: list[tuple[int, dict[str, Any]]] = []
+    for j, source_row in enumerate(indices):
+        extra = {k: batch[k][j] for k in extras}
+        if layout == "unpaired":
+            label = _as_label(batch["label"][j], source_row)
+            rows = [{"prompt": batch["prompt"][j], "completion": batch["completion"][j], "label": label, **extra}]
+        else:
+            if layout == "paired":
+                prompt, chosen, rejected = batch["prompt"][j], batch["chosen"][j], batch["rejected"][j]
+            else:
+                prompt, chosen, rejected = extract_prompt(batch["chosen"][j], batch["rejected"][j])
+            rows = [
+                {"prompt": prompt, "completion": chosen, "label": True, **extra},
+                {"prompt": prompt, "completion": rejected, "label": False, **extra},
+            ]
+        for row in rows:
+            _check_row(row, source_row)
+            out.append((source_row, row))
+    return out
 
-    Paired rows become two rows, the desirable one first: example ids 2i and 2i+1 come from pair i.
-    """
-    columns = set(dataset.column_names)
-    if len(dataset) == 0:
-        raise KTOPipelineError("the dataset is empty: there are no rows to train on. Check --dataset and --split.")
-    extras = [c for c in ("tools", "chat_template_kwargs") if c in columns]
-    rows: list[dict[str, Any]] = []
-    if {"completion", "label"} <= columns:
-        if "prompt" not in columns:
+
+def _check_row(row: dict[str, Any], source_row: int) -> None:
+    """The per-row form of `check_source`'s type checks (values that Arrow types cannot rule out)."""
+    kinds = []
+    for key in ("prompt", "completion"):
+        value = row[key]
+        if isinstance(value, str):
+            kinds.append("string")
+        elif is_conversational(value) or (value == [] and key == "prompt"):
+            kinds.append("messages")
+        else:
             raise KTOPipelineError(
-                f"the dataset has columns {sorted(columns)} but no 'prompt' column; {EXPECTED_COLUMNS}."
+                f"row {source_row}: '{key}' must be a string or a non-empty list of {{role, content}} messages, "
+                f"got {type(value).__name__}."
             )
-        for i, r in enumerate(dataset):
-            rows.append(
-                {
-                    "prompt": r["prompt"],
-                    "completion": r["completion"],
-                    "label": _as_label(r["label"], i),
-                    **{k: r[k] for k in extras},
-                }
-            )
-    elif {"chosen", "rejected"} <= columns:
-        for r in dataset:
-            if "prompt" in columns:
-                prompt, chosen, rejected = r["prompt"], r["chosen"], r["rejected"]
-            else:
-                prompt, chosen, rejected = extract_prompt(r["chosen"], r["rejected"])
-            extra = {k: r[k] for k in extras}
-            rows.append({"prompt": prompt, "completion": chosen, "label": True, **extra})
-            rows.append({"prompt": prompt, "completion": rejected, "label": False, **extra})
-    else:
-        hint = ""
-        if "completion" in columns and "label" not in columns:
-            hint = " It has 'completion' but no 'label' column (true = desirable)."
-        elif "label" in columns:
-            hint = " It has 'label' but no 'completion' column (rename your response column to 'completion')."
-        raise KTOPipelineError(f"the dataset has columns {sorted(columns)}; {EXPECTED_COLUMNS}.{hint}")
-    for i, r in enumerate(rows):
-        kinds = []
-        for key in ("prompt", "completion"):
-            value = r[key]
-            if isinstance(value, str):
-                kinds.append("string")
-            elif is_conversational(value) or (value == [] and key == "prompt"):
-                kinds.append("messages")
-            else:
-                raise KTOPipelineError(
-                    f"row {i}: '{key}' must be a string or a non-empty list of {{role, content}} messages, got "
-                    f"{type(value).__name__}."
-                )
-        if kinds[0] != kinds[1]:
-            raise KTOPipelineError(
-                f"row {i}: the prompt is a {kinds[0]} but the completion is a {kinds[1]}; use strings for both "
-                "(standard) or message lists for both (conversational)."
-            )
-    return rows
+    if kinds[0] != kinds[1]:
+        raise KTOPipelineError(
+            f"row {source_row}: the prompt is a {kinds[0]} but the completion is a {kinds[1]}; use strings for "
+            "both (standard) or message lists for both (conversational)."
+        )
+
+
+def normalize(dataset) -> list[dict[str, Any]]:
+    """All rows of a (small) dataset as unpaired dicts: `check_source`, then `normalize_batch` in memory."""
+    layout = check_source(dataset)
+    return [row for _, row in normalize_batch(dataset[:], list(range(len(dataset))), layout)]
 
 
 # ------------------------------------------------------------------------------------------ tokenize
-
-
-@dataclass
-class TokenizedRows:
-    """Tokenized rows that survive filtering, in example-id order."""
-
-    example_ids: list[int]
-    labels: list[bool]
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]  # untruncated: KL partners are truncated against *another* prompt
-    dropped: Counter = field(default_factory=Counter)
-    prefix_mismatches: int = 0
 
 
 def _chat_ids(tokenizer, messages, row, **kwargs) -> list[int]:
@@ -238,7 +319,7 @@ def _chat_ids(tokenizer, messages, row, **kwargs) -> list[int]:
     return list(out["input_ids"])
 
 
-def tokenize_row(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int], bool]:
+def tokenize_row(tokenizer, row: dict[str, Any], source_row: int = 0) -> tuple[list[int], list[int], bool]:
     """(prompt_ids, completion_ids, prompt_is_prefix) of one normalized row, with trl's semantics."""
     prompt, completion = row["prompt"], row["completion"]
     if is_conversational(prompt) or is_conversational(completion):
@@ -247,8 +328,13 @@ def tokenize_row(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int], 
                 "the dataset is conversational (lists of {role, content} messages) but the tokenizer has no "
                 "chat template. Use a chat/instruct model's tokenizer, or convert the rows to plain strings."
             )
-        prompt_ids = _chat_ids(tokenizer, prompt, row, add_generation_prompt=True)
-        full_ids = _chat_ids(tokenizer, prompt + completion, row)
+        try:
+            prompt_ids = _chat_ids(tokenizer, prompt, row, add_generation_prompt=True)
+            full_ids = _chat_ids(tokenizer, prompt + completion, row)
+        except Exception as exc:  # jinja raises for messages the template refuses (roles out of order, ...)
+            raise KTOPipelineError(
+                f"row {source_row}: the chat template refused its messages ({type(exc).__name__}: {exc})."
+            ) from None
     else:
         eos = tokenizer.eos_token
         if eos is not None and not completion.endswith(eos):
@@ -263,31 +349,131 @@ def tokenize_row(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int], 
     return prompt_ids[:k], full_ids[k:], k == len(prompt_ids)
 
 
-def tokenize(tokenizer, rows: list[dict[str, Any]], max_length: int) -> TokenizedRows:
-    """Tokenize and filter rows. Rows whose prompt reaches `max_length`, or with an empty prompt or
-    completion after tokenization, are dropped and counted (an empty completion has no log-prob)."""
-    out = TokenizedRows([], [], [], [])
-    for i, row in enumerate(rows):
-        prompt_ids, completion_ids, is_prefix = tokenize_row(tokenizer, row)
-        out.prefix_mismatches += not is_prefix
-        if len(prompt_ids) == 0:
-            out.dropped["empty prompt"] += 1
-        elif len(prompt_ids) >= max_length:
-            out.dropped[f"prompt >= max_length ({max_length})"] += 1
-        elif len(completion_ids) == 0:
-            out.dropped["empty completion"] += 1
-        else:
-            out.example_ids.append(i)
-            out.labels.append(row["label"])
-            out.prompt_ids.append(prompt_ids)
-            out.completion_ids.append(completion_ids)
-    if out.prefix_mismatches:
+# The tokenized dataset: one row per normalized row (example id = row number), every row kept, untruncated, so
+# that --max-length changes which rows are kept, never the cached tokens.
+TOKENIZED_COLUMNS = ("label", "prompt_ids", "completion_ids", "prompt_is_prefix")
+PREPROCESS_VERSION = 1  # bump when normalize_batch or tokenize_row change what they produce
+
+
+def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, layout: str) -> dict[str, list]:
+    """datasets.map function: source rows -> normalized, tokenized rows (columns TOKENIZED_COLUMNS)."""
+    out: dict[str, list] = {name: [] for name in TOKENIZED_COLUMNS}
+    for source_row, row in normalize_batch(batch, indices, layout):
+        prompt_ids, completion_ids, is_prefix = tokenize_row(tokenizer, row, source_row)
+        out["label"].append(row["label"])
+        out["prompt_ids"].append(prompt_ids)
+        out["completion_ids"].append(completion_ids)
+        out["prompt_is_prefix"].append(is_prefix)
+    return out
+
+
+def preprocess_fingerprint(data_hash: str, tokenizer_hash: str) -> str:
+    """The tokenized dataset's name in the datasets cache: data, tokenizer and this code's version."""
+    from kto_pipeline import __version__
+
+    key = json.dumps([data_hash, tokenizer_hash, PREPROCESS_VERSION, __version__])
+    return "kto-" + hashlib.sha256(key.encode()).hexdigest()[:40]
+
+
+def preprocess(source, tokenizer, fingerprint: str, num_proc: int = 1, layout: str | None = None):
+    """Normalize and tokenize `source` with `datasets.map` (batched, `num_proc` processes) into an Arrow file in
+    the datasets cache named by `fingerprint`: a second call with the same fingerprint reads that file instead.
+    Returns the tokenized, memory-mapped `datasets.Dataset`; nothing of it is held as Python objects."""
+    import datasets
+
+    layout = layout or check_source(source)
+    cache_file = preprocess_cache_dir() / f"tokenized-{fingerprint}.arrow"
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    features = datasets.Features(
+        {
+            "label": datasets.Value("bool"),
+            "prompt_ids": datasets.List(datasets.Value("int32")),
+            "completion_ids": datasets.List(datasets.Value("int32")),
+            "prompt_is_prefix": datasets.Value("bool"),
+        }
+    )
+    return source.map(
+        _tokenize_batch,
+        batched=True,
+        batch_size=256,
+        with_indices=True,
+        fn_kwargs={"tokenizer": tokenizer, "layout": layout},
+        remove_columns=source.column_names,
+        features=features,
+        num_proc=num_proc if num_proc > 1 and len(source) > 1 else None,
+        cache_file_name=str(cache_file),
+        new_fingerprint=fingerprint,
+        load_from_cache_file=True,
+        desc="tokenizing",
+    )
+
+
+def preprocess_cache_dir() -> Path:
+    """Where tokenized datasets go: a folder of the datasets cache (HF_DATASETS_CACHE), never the user's data."""
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "kto_pipeline"
+
+
+@dataclass
+class TokenizedRows:
+    """The rows of a tokenized dataset that survive filtering, in example-id order, read from Arrow on demand.
+
+    `example_ids` are the kept rows' positions in `table` (one row per normalized row); only these numpy
+    arrays (a few bytes per row) live in memory, the token ids stay in the memory-mapped table."""
+
+    table: pa.Table  # TOKENIZED_COLUMNS, every normalized row
+    example_ids: np.ndarray  # (n,) int64
+    labels: np.ndarray  # (n,) bool
+    dropped: Counter = field(default_factory=Counter)
+    prefix_mismatches: int = 0
+
+    def __len__(self) -> int:
+        return len(self.example_ids)
+
+    def take(self, positions: np.ndarray, column: str) -> list[list[int]]:
+        """`column` (prompt_ids or completion_ids) of the kept rows at `positions`."""
+        return self.table.column(column).take(pa.array(self.example_ids[positions])).to_pylist()
+
+
+def select_rows(tokenized, max_length: int) -> TokenizedRows:
+    """Keep the rows trl keeps: drop (and count) rows with an empty prompt, a prompt of `max_length` tokens or
+    more, or an empty completion (an empty completion has no log-prob). Reads only labels and list lengths."""
+    table = tokenized.data.table if hasattr(tokenized, "data") else tokenized
+    prompt_len = pc.list_value_length(table.column("prompt_ids")).to_numpy()
+    completion_len = pc.list_value_length(table.column("completion_ids")).to_numpy()
+    empty_prompt = prompt_len == 0
+    too_long = ~empty_prompt & (prompt_len >= max_length)
+    empty_completion = ~empty_prompt & ~too_long & (completion_len == 0)
+    keep = ~(empty_prompt | too_long | empty_completion)
+    reasons = {
+        "empty prompt": empty_prompt,
+        f"prompt >= max_length ({max_length})": too_long,
+        "empty completion": empty_completion,
+    }
+    dropped = Counter({reason: int(mask.sum()) for reason, mask in reasons.items() if mask.any()})
+    prefix_mismatches = int((~table.column("prompt_is_prefix").to_numpy()).sum())
+    if prefix_mismatches:
         logger.warning(
             "%d rows: the tokenized prompt is not a prefix of the tokenized prompt+completion (chat template "
             "or tokens merging across the boundary); their completion starts where the two diverge, as in trl.",
-            out.prefix_mismatches,
+            prefix_mismatches,
         )
-    return out
+    example_ids = np.flatnonzero(keep).astype(np.int64)
+    labels = table.column("label").to_numpy()[example_ids]
+    return TokenizedRows(table, example_ids, labels, dropped, prefix_mismatches)
+
+
+def tokenize(tokenizer, rows: list[dict[str, Any]], max_length: int) -> TokenizedRows:
+    """In-memory form of `preprocess` + `select_rows` for a few normalized rows (tests, tools)."""
+    columns: dict[str, list] = {name: [] for name in TOKENIZED_COLUMNS}
+    for i, row in enumerate(rows):
+        prompt_ids, completion_ids, is_prefix = tokenize_row(tokenizer, row, i)
+        for name, value in zip(TOKENIZED_COLUMNS, (row["label"], prompt_ids, completion_ids, is_prefix), strict=True):
+            columns[name].append(value)
+    ids = pa.list_(pa.int32())
+    types = {"label": pa.bool_(), "prompt_ids": ids, "completion_ids": ids, "prompt_is_prefix": pa.bool_()}
+    return select_rows(pa.table({k: pa.array(v, type=types[k]) for k, v in columns.items()}), max_length)
 
 
 # -------------------------------------------------------------------------------------------- pair

@@ -10,6 +10,7 @@ no packed layout run every sequence on its own, length-sorted and padded; the ma
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -34,7 +35,16 @@ from kto_pipeline.cache import (
     write_shard,
 )
 from kto_pipeline.config import PrecomputeConfig
-from kto_pipeline.data import assign_kl_partners, content_hash, load_source, normalize, tokenize
+from kto_pipeline.data import (
+    assign_kl_partners,
+    check_source,
+    content_hash,
+    load_source,
+    preprocess,
+    preprocess_cache_dir,
+    preprocess_fingerprint,
+    select_rows,
+)
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.logprobs import pad_sequences, score_layout, score_sequences
 from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
@@ -183,6 +193,35 @@ def precompute(config: PrecomputeConfig) -> Path:
     if state.is_main_process:
         print(f"kto-pipeline precompute {__version__}\n{config.describe()}", flush=True)
     tokenizer = load_tokenizer(config.model, config.revision, config.trust_remote_code)
+
+    # The data before the model, so that a bad row is reported before minutes of model loading. The main process
+    # checks and tokenizes (datasets.map, --num-proc workers) into the datasets cache; the others read its files.
+    preprocess_started = time.perf_counter()
+    prepared: list[dict[str, Any]] = [{}]
+    if state.is_main_process:
+        try:
+            prepared = [_preprocess(config, tokenizer)]
+        except KTOPipelineError as exc:
+            prepared = [{"error": str(exc)}]
+    if state.num_processes > 1:
+        broadcast_object_list(prepared)
+    if "error" in prepared[0]:
+        raise KTOPipelineError(prepared[0]["error"])
+    tokenized = _open_tokenized(prepared[0]["files"])
+    tok = select_rows(tokenized, config.max_length)  # numpy indices into the memory-mapped table
+    preprocess_seconds = time.perf_counter() - preprocess_started
+    n = len(tok)
+    if n == 0:
+        reasons = ", ".join(f"{c} {r}" for r, c in tok.dropped.items())
+        raise KTOPipelineError(f"every row was dropped ({reasons}). Raise --max-length or check the data.")
+    partner_pos = assign_kl_partners(n, config.seed)  # positions into the kept rows
+    if state.is_main_process:
+        cached = " (read from the datasets cache)" if prepared[0]["cached"] else ""
+        print(
+            f"tokenized {prepared[0]['source_rows']} rows in {preprocess_seconds:.1f} s{cached}: {n} kept",
+            flush=True,
+        )
+
     dtype = resolve_dtype(config.dtype, device)
     model = load_model(config.model, dtype, config.revision, config.trust_remote_code)
     model.eval().to(device)
@@ -190,15 +229,6 @@ def precompute(config: PrecomputeConfig) -> Path:
     unshared_because = packing_unsupported(model)
     if unshared_because and state.is_main_process:
         print(f"note: {type(model).__name__}: {unshared_because}; each sequence runs on its own, padded", flush=True)
-
-    source = load_source(config.dataset, config.split, config.dataset_config)
-    rows = normalize(source)
-    tok = tokenize(tokenizer, rows, config.max_length)
-    n = len(tok.example_ids)
-    if n == 0:
-        reasons = ", ".join(f"{c} {r}" for r, c in tok.dropped.items())
-        raise KTOPipelineError(f"every row was dropped ({reasons}). Raise --max-length or check the data.")
-    partner_pos = assign_kl_partners(n, config.seed)  # positions into the kept rows
 
     fingerprint = {
         "model": model_id,
@@ -208,7 +238,7 @@ def precompute(config: PrecomputeConfig) -> Path:
         "dataset": dataset_id,
         "dataset_config": config.dataset_config,
         "split": config.split,
-        "dataset_hash": content_hash(config.dataset, source) if state.is_main_process else None,
+        "dataset_hash": prepared[0]["data_hash"],
         "max_length": config.max_length,
         "dtype": str(dtype).removeprefix("torch."),
         "kl_seed": config.seed,
@@ -229,7 +259,7 @@ def precompute(config: PrecomputeConfig) -> Path:
         return out
     done_shards = plan[0]["done_shards"]
 
-    labels = np.array(tok.labels)
+    labels = tok.labels
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "tool": {"name": "kto-pipeline", "version": __version__},
@@ -251,8 +281,8 @@ def precompute(config: PrecomputeConfig) -> Path:
             "config": config.dataset_config,
             "split": config.split,
             "content_hash": fingerprint["dataset_hash"],
-            "source_rows": len(source),
-            "normalized_rows": len(rows),
+            "source_rows": prepared[0]["source_rows"],
+            "normalized_rows": len(tokenized),
         },
         "settings": {"max_length": config.max_length, "dtype": fingerprint["dtype"], "kl_seed": config.seed},
         "counts": {
@@ -311,7 +341,7 @@ def precompute(config: PrecomputeConfig) -> Path:
             entry, executed_here = None, 0
             stats = dict.fromkeys(("rows", "scored", "executed", "needed"), 0)
             if shard_index < num_shards:
-                positions = range(shard_index * config.shard_size, min(n, (shard_index + 1) * config.shard_size))
+                positions = np.arange(shard_index * config.shard_size, min(n, (shard_index + 1) * config.shard_size))
                 shard = _score_rows(
                     model, tok, partner_pos, positions, config, pad_id, device, on_batch, unshared_because is None
                 )
@@ -344,6 +374,10 @@ def precompute(config: PrecomputeConfig) -> Path:
     if state.is_main_process:
         manifest["complete"] = True
         manifest["timing"] = {
+            "preprocess_seconds": round(preprocess_seconds, 3),
+            "preprocess_cached": prepared[0]["cached"],
+            "preprocess_rows_per_second": round(prepared[0]["source_rows"] / max(preprocess_seconds, 1e-9), 1),
+            "num_proc": config.num_proc,
             "reference_pass_seconds": round(time.perf_counter() - t0, 3),
             "rows_scored": rows_scored,
             "tokens_scored": tokens_scored,
@@ -357,6 +391,30 @@ def precompute(config: PrecomputeConfig) -> Path:
         _print_summary(manifest, out, time.perf_counter() - started)
     state.wait_for_everyone()
     return out
+
+
+def _preprocess(config: PrecomputeConfig, tokenizer) -> dict[str, Any]:
+    """Load, check and tokenize the data (main process); returns what every process needs to read the result."""
+    source = load_source(config.dataset, config.split, config.dataset_config)
+    layout = check_source(source)  # seconds, even for millions of rows: columns, types, nulls, labels
+    data_hash = content_hash(config.dataset, source)
+    key = json.dumps([data_hash, config.split, config.dataset_config])
+    fingerprint = preprocess_fingerprint(key, tokenizer_hash(tokenizer))
+    cached = any(preprocess_cache_dir().glob(f"tokenized-{fingerprint}*.arrow"))
+    tokenized = preprocess(source, tokenizer, fingerprint, config.num_proc, layout)
+    return {
+        "files": [f["filename"] for f in tokenized.cache_files],
+        "source_rows": len(source),
+        "data_hash": data_hash,
+        "cached": cached,
+    }
+
+
+def _open_tokenized(files: list[str]):
+    """The tokenized dataset from its Arrow files in the datasets cache, memory-mapped."""
+    import datasets
+
+    return datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in files])
 
 
 def _absolute_if_local(name: str) -> str:
@@ -407,16 +465,17 @@ def _score_rows(
     model, tok, partner_pos, positions, config: PrecomputeConfig, pad_id: int, device, on_batch=None, shared=True
 ) -> dict:
     """Build, score and assemble the Arrow columns of the kept rows at `positions`."""
+    prompts, completions = tok.take(positions, "prompt_ids"), tok.take(positions, "completion_ids")
+    kl_completions = tok.take(partner_pos[positions], "completion_ids")
     trees: list[Tree] = []
-    for pos in positions:
-        prompt = tok.prompt_ids[pos]
+    for prompt, completion, kl_completion in zip(prompts, completions, kl_completions, strict=True):
         room = config.max_length - len(prompt)
-        trees.append((prompt, [tok.completion_ids[pos][:room], tok.completion_ids[partner_pos[pos]][:room]]))
+        trees.append((prompt, [completion[:room], kl_completion[:room]]))
     scores = score_shard(model, trees, pad_id, config.batch_size, config.max_tokens_per_batch, device, on_batch, shared)
     cols: dict[str, list] = {name: [] for name in SCHEMA.names}
     for row, pos in enumerate(positions):
         main, kl = scores[row]
-        example_id = tok.example_ids[pos]
+        example_id = int(tok.example_ids[pos])
         for what, values in (("completion", main), ("KL completion", kl)):
             if not np.isfinite(values).all():
                 raise KTOPipelineError(
@@ -425,10 +484,10 @@ def _score_rows(
                     "(try --dtype float32); nothing of this row was written."
                 )
         cols["example_id"].append(example_id)
-        cols["label"].append(tok.labels[pos])
-        cols["prompt_ids"].append(tok.prompt_ids[pos])
+        cols["label"].append(bool(tok.labels[pos]))
+        cols["prompt_ids"].append(trees[row][0])
         cols["completion_ids"].append(trees[row][1][0])
-        cols["kl_example_id"].append(tok.example_ids[partner_pos[pos]])
+        cols["kl_example_id"].append(int(tok.example_ids[partner_pos[pos]]))
         cols["kl_completion_ids"].append(trees[row][1][1])
         cols["ref_logp"].append(float(main.sum(dtype=np.float32)))
         cols["ref_kl_logp"].append(float(kl.sum(dtype=np.float32)))
@@ -441,6 +500,7 @@ def _print_summary(manifest: dict[str, Any], out: Path, seconds: float) -> None:
     counts, timing = manifest["counts"], manifest["timing"]
     dropped = counts["dropped"]
     dropped_text = ", ".join(f"{c} ({r})" for r, c in dropped.items()) if dropped else "none"
+    cached = " (read from the datasets cache)" if timing["preprocess_cached"] else ""
     print(
         "\nprecompute finished\n"
         f"  rows         {counts['rows']} ({counts['desirable']} desirable, {counts['undesirable']} undesirable)\n"
@@ -448,6 +508,11 @@ def _print_summary(manifest: dict[str, Any], out: Path, seconds: float) -> None:
         f"  tokens       {timing['tokens_scored']} scored (completions + KL completions, with their prompts)\n"
         f"  efficiency   {timing['token_efficiency']:.1%}: {timing['tokens_needed']} tokens needed (each prompt once, "
         f"no padding) / {timing['tokens_executed']} executed\n"
+        f"  tokenizing   {manifest['dataset']['source_rows']} source rows in {timing['preprocess_seconds']:.1f} s: "
+        f"{timing['preprocess_rows_per_second']:.0f} rows/s with --num-proc {timing['num_proc']}{cached}\n"
+        f"  reference    {timing['rows_scored']} rows in {timing['reference_pass_seconds']:.1f} s: "
+        f"{timing['rows_scored'] / max(timing['reference_pass_seconds'], 1e-9):.1f} rows/s, "
+        f"{timing['tokens_scored'] / max(timing['reference_pass_seconds'], 1e-9):.0f} tokens/s\n"
         f"  wall time    {seconds:.1f} s\n"
         f"  shards       {len(manifest['shards'])}\n"
         f"  cache        {out.resolve()}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
+# tokenized datasets (precompute's datasets.map) go to a fresh cache per test session, not ~/.cache
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="kto-pipeline-tests-datasets-"))
 
 
 def train_config(cache, out, **kw):

@@ -238,7 +238,7 @@ def test_empty_completions_are_dropped_and_counted():
     tok.eos_token = None  # without an EOS to append, an empty completion stays empty
     rows = [{"prompt": "Q", "completion": "", "label": True}, {"prompt": "Q", "completion": " a", "label": False}]
     out = tokenize(tok, rows, max_length=32)
-    assert out.example_ids == [1] and out.dropped == {"empty completion": 1}
+    assert out.example_ids.tolist() == [1] and out.dropped == {"empty completion": 1}
 
 
 def test_non_finite_loss_stops_with_step_and_ids_keeping_checkpoint(small_cache, tmp_path):

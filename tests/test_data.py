@@ -99,7 +99,7 @@ def test_tokenize_drops_and_counts(tok):
         {"prompt": "", "completion": " ok", "label": False},  # empty prompt
     ]
     out = tokenize(tok, rows, max_length=20)
-    assert out.example_ids == [0]
+    assert out.example_ids.tolist() == [0] and out.labels.tolist() == [True]
     assert out.dropped == {"prompt >= max_length (20)": 1, "empty prompt": 1}
 
 
