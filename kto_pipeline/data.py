@@ -107,7 +107,32 @@ def load_source(name: str, split: str = "train", config: str | None = None):
     except KTOPipelineError:
         raise
     except Exception as exc:  # datasets raises many types; the user needs the message, not the stack
-        raise KTOPipelineError(f"--dataset {name}: could not load it ({type(exc).__name__}: {exc})") from exc
+        bad_line = _first_bad_json_line(path) if path.is_file() else None
+        if bad_line:
+            raise KTOPipelineError(f"--dataset {name}: {bad_line}. Fix or remove that line.") from exc
+        cause = f"; {type(exc.__cause__).__name__}: {exc.__cause__}" if exc.__cause__ else ""
+        raise KTOPipelineError(f"--dataset {name}: could not load it ({type(exc).__name__}: {exc}{cause})") from exc
+
+
+def _first_bad_json_line(path: Path) -> str | None:
+    """For a JSON-lines file that datasets could not read: the first line that is not a JSON object, named by
+    its line number (datasets' own error does not say where). One streaming pass; None for other files."""
+    if path.suffix.lower() not in (".json", ".jsonl"):
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        if f.read(1) == "[":
+            return None  # a JSON array, not JSON lines
+        f.seek(0)
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as exc:
+                return f"line {number} is not valid JSON ({exc.msg} at column {exc.colno})"
+            if not isinstance(value, dict):
+                return f"line {number} is a JSON {type(value).__name__}, not an object with named columns"
+    return None
 
 
 def content_hash(name: str, dataset) -> str:
@@ -159,26 +184,7 @@ def check_source(dataset) -> str:
         raise KTOPipelineError(f"the dataset has columns {sorted(columns)}; {EXPECTED_COLUMNS}.{hint}")
 
     data = dataset.data
-    kinds = {}
-    for name in texts:
-        column = data.column(name)
-        kind = _text_kind(column.type)
-        bad = _first(pc.is_null(column))
-        if kind is None or bad is not None:
-            row = bad if bad is not None else 0
-            value = column[row].as_py()
-            raise KTOPipelineError(
-                f"row {row}: '{_key(name)}' must be a string or a non-empty list of {{role, content}} messages, got "
-                f"{type(value).__name__ if value is not None else 'None'}."
-            )
-        if kind == "messages" and name != "prompt":
-            empty = _first(pc.equal(pc.list_value_length(column), 0))
-            if empty is not None:
-                raise KTOPipelineError(
-                    f"row {empty}: '{_key(name)}' must be a string or a non-empty list of {{role, content}} "
-                    "messages, got an empty list."
-                )
-        kinds[name] = kind
+    kinds = {name: _column_kind(name, data.column(name)) for name in texts}
     first, *rest = texts
     for name in rest:
         if kinds[name] != kinds[first]:
@@ -188,6 +194,10 @@ def check_source(dataset) -> str:
             )
     if layout == "unpaired":
         column = data.column("label")
+        if _is_json(column.type):
+            for row, value in _json_values(column):
+                _as_label(value, row)
+            return layout
         bad = _first(pc.is_null(column))
         if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):
             valid = pc.fill_null(pc.is_in(column, value_set=pa.array([0, 1], type=column.type)), False)
@@ -198,6 +208,61 @@ def check_source(dataset) -> str:
         if bad is not None:
             _as_label(column[bad].as_py(), bad)
     return layout
+
+
+def _column_kind(name: str, column) -> str:
+    """ "string" or "messages", the same for every row of the column, or an error naming the first bad row."""
+    if _is_json(column.type):  # datasets' Json feature: a column mixing types, stored as JSON text
+        kind = None
+        for row, value in _json_values(column):
+            value_kind = _value_kind(value, name)
+            if value_kind is None:
+                _bad_text(name, row, value)
+            if kind is not None and value_kind != kind:
+                raise KTOPipelineError(
+                    f"row {row}: '{_key(name)}' is a {value_kind} but in the rows before it a {kind}; use strings "
+                    "in every row (standard) or message lists in every row (conversational)."
+                )
+            kind = value_kind
+        return kind or "string"
+    kind = _text_kind(column.type)
+    bad = _first(pc.is_null(column))
+    if kind is None or bad is not None:
+        row = bad if bad is not None else 0
+        _bad_text(name, row, column[row].as_py())
+    if kind == "messages" and name != "prompt":
+        empty = _first(pc.equal(pc.list_value_length(column), 0))
+        if empty is not None:
+            _bad_text(name, empty, [])
+    return kind
+
+
+def _bad_text(name: str, row: int, value: Any) -> None:
+    got = "an empty list" if value == [] else "None" if value is None else type(value).__name__
+    raise KTOPipelineError(
+        f"row {row}: '{_key(name)}' must be a string or a non-empty list of {{role, content}} messages, got {got}."
+    )
+
+
+def _value_kind(value: Any, name: str) -> str | None:
+    if isinstance(value, str):
+        return "string"
+    if is_conversational(value) or (value == [] and name == "prompt"):
+        return "messages"
+    return None
+
+
+def _is_json(arrow_type) -> bool:
+    return getattr(arrow_type, "extension_name", None) == "arrow.json"  # pa.JsonType (canonical extension)
+
+
+def _json_values(column):
+    """(row, decoded value) of a Json column, a chunk at a time."""
+    row = 0
+    for chunk in column.chunks:
+        for text in chunk.storage.to_pylist():
+            yield row, None if text is None else json.loads(text)
+            row += 1
 
 
 def _key(name: str) -> str:
@@ -285,16 +350,10 @@ def _check_row(row: dict[str, Any], source_row: int) -> None:
     """The per-row form of `check_source`'s type checks (values that Arrow types cannot rule out)."""
     kinds = []
     for key in ("prompt", "completion"):
-        value = row[key]
-        if isinstance(value, str):
-            kinds.append("string")
-        elif is_conversational(value) or (value == [] and key == "prompt"):
-            kinds.append("messages")
-        else:
-            raise KTOPipelineError(
-                f"row {source_row}: '{key}' must be a string or a non-empty list of {{role, content}} messages, "
-                f"got {type(value).__name__}."
-            )
+        kind = _value_kind(row[key], key)
+        if kind is None:
+            _bad_text(key, source_row, row[key])
+        kinds.append(kind)
     if kinds[0] != kinds[1]:
         raise KTOPipelineError(
             f"row {source_row}: the prompt is a {kinds[0]} but the completion is a {kinds[1]}; use strings for "
@@ -392,20 +451,26 @@ def preprocess(source, tokenizer, fingerprint: str, num_proc: int = 1, layout: s
             "prompt_is_prefix": datasets.Value("bool"),
         }
     )
-    return source.map(
-        _tokenize_batch,
-        batched=True,
-        batch_size=256,
-        with_indices=True,
-        fn_kwargs={"tokenizer": tokenizer, "layout": layout},
-        remove_columns=source.column_names,
-        features=features,
-        num_proc=num_proc if num_proc > 1 and len(source) > 1 else None,
-        cache_file_name=str(cache_file),
-        new_fingerprint=fingerprint,
-        load_from_cache_file=True,
-        desc="tokenizing",
-    )
+    try:
+        return source.map(
+            _tokenize_batch,
+            batched=True,
+            batch_size=256,
+            with_indices=True,
+            fn_kwargs={"tokenizer": tokenizer, "layout": layout},
+            remove_columns=source.column_names,
+            features=features,
+            num_proc=num_proc if num_proc > 1 and len(source) > 1 else None,
+            cache_file_name=str(cache_file),
+            new_fingerprint=fingerprint,
+            load_from_cache_file=True,
+            desc="tokenizing",
+        )
+    except BaseException:
+        # A worker that failed (a bad row, Ctrl-C) leaves the other workers' finished parts: useless without it
+        for part in cache_file.parent.glob(f"{cache_file.stem}*"):
+            part.unlink(missing_ok=True)
+        raise
 
 
 def preprocess_cache_dir() -> Path:
