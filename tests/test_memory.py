@@ -207,3 +207,72 @@ def _compare(real: Path, small: Path, big: Path, tmp_path: Path) -> None:
     )
     print("\n" + report)
     assert anon_growth < limit, report
+
+
+# ------------------------------------------------------------------------------------------ precompute
+
+_MEASURE_PRECOMPUTE = _MEASURE.replace("import kto_pipeline.train", "import datasets, kto_pipeline.precompute")
+
+
+def short_rows(n: int) -> list[dict]:
+    """`n` short unpaired rows: a prompt + completion + KL completion tree of ~10 character tokens."""
+    return [
+        {"prompt": f"{i % 97}?", "completion": " y" if i % 2 else f" n{i % 7}", "label": i % 3 > 0} for i in range(n)
+    ]
+
+
+def measure_precompute(data: Path, model: Path, output: Path) -> dict[str, float]:
+    """Run `precompute` (one process, --num-proc 1 so that all the work is in it) in a child; return its peak RSS
+    (ru_maxrss) and its peak anonymous RSS polled from outside, in MiB, and the manifest's timing."""
+    args = ["precompute", "--model", str(model), "--dataset", str(data), "--output", str(output)]
+    args += ["--max-length", "64", "--batch-size", "1024", "--max-tokens-per-batch", "32768"]
+    log = output.with_name(output.name + ".log")
+    peak_anon = 0
+    with open(log, "w+") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _MEASURE_PRECOMPUTE, *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "TQDM_DISABLE": "1", "HF_DATASETS_CACHE": str(output.with_name(output.name + "-hf"))},
+        )
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            peak_anon = max(peak_anon, _rss_kib(proc.pid).get("RssAnon", 0))
+            time.sleep(0.002)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    result = json.loads(text.strip().splitlines()[-1])
+    assert result["code"] == 0, text[-3000:]
+    timing = read_manifest(output)["timing"]
+    return {
+        "peak_rss_mib": round(result["peak_mib"], 1),
+        "peak_anon_mib": round(peak_anon / 1024, 1),
+        "after_imports_mib": round(result["baseline_mib"], 1),
+        "tokenize_rows_per_s": timing["preprocess_rows_per_second"],
+        "reference_rows_per_s": round(timing["rows_scored"] / timing["reference_pass_seconds"], 1),
+    }
+
+
+@pytest.mark.slow
+def test_precompute_peak_memory_is_flat_in_rows(tmp_path, tiny_model_dir):
+    """200,000 rows may cost at most 150 MB of peak RSS more than 20,000 (issue 12): preprocessing on Arrow, the
+    rows read from the memory-mapped tokenized table a shard at a time, the KL pairing in numpy."""
+    runs = {}
+    for n in (20_000, 200_000):
+        data = write_jsonl(tmp_path / f"rows{n}.jsonl", short_rows(n))
+        runs[n] = measure_precompute(data, tiny_model_dir, tmp_path / f"cache{n}")
+        assert read_manifest(tmp_path / f"cache{n}")["counts"]["rows"] == n
+        shutil.rmtree(tmp_path / f"cache{n}")
+        shutil.rmtree(tmp_path / f"cache{n}-hf")
+    growth = runs[200_000]["peak_rss_mib"] - runs[20_000]["peak_rss_mib"]
+    anon_growth = runs[200_000]["peak_anon_mib"] - runs[20_000]["peak_anon_mib"]
+    report = (
+        f"20,000 rows: {runs[20_000]}\n200,000 rows: {runs[200_000]}\n"
+        f"peak RSS growth {growth:.1f} MiB (limit 150 MB = 143 MiB), peak anonymous RSS growth {anon_growth:.1f} MiB"
+    )
+    print("\n" + report)
+    assert growth * MIB <= 150e6, report
