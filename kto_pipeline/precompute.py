@@ -46,6 +46,7 @@ from kto_pipeline.data import (
     select_rows,
 )
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.logprobs import pad_sequences, score_layout, score_sequences
 from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
 from kto_pipeline.packing import attention_cost, layout_trees, pack_rows, packing_unsupported
@@ -153,7 +154,7 @@ def score_shard(
 def _check_output(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise KTOPipelineError(f"--output {out} is a file. Choose a directory path for the cache.")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).exists():
+    if out.is_dir() and holds_files(out) and not (out / MANIFEST).exists():
         raise KTOPipelineError(
             f"--output {out} already holds files that are not a kto-pipeline cache. Choose an empty or new directory."
         )
@@ -176,7 +177,15 @@ def _finished_shards(out: Path, shards: list[dict[str, Any]]) -> list[dict[str, 
 
 
 def precompute(config: PrecomputeConfig) -> Path:
-    """Score every row and its KL partner with the reference model and write the cache at `config.output`."""
+    """Score every row and its KL partner with the reference model and write the cache at `config.output`.
+
+    An advisory lock on `config.output` is held from the first check to the last write: a second precompute
+    into the same directory is refused while this one lives."""
+    with main_process_lock(config.output, "precompute", label="--output"):
+        return _precompute(config)
+
+
+def _precompute(config: PrecomputeConfig) -> Path:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env
     from tqdm.auto import tqdm

@@ -1,9 +1,9 @@
 """Stage 2: train the policy alone against a reference cache.
 
-`train()` reads top to bottom: open and check the cache -> load the policy (never a reference
-model) -> data loader over the memory-mapped cache -> optimizer and schedule -> the loop ->
-the final model. accelerate is used as a library (`prepare`, `accumulate`, `backward`, `gather`),
-so the loop is the whole algorithm: nothing happens in callbacks.
+`train()` locks the output directory (`lock.py`), then `_train()` reads top to bottom: open and check
+the cache -> load the policy (never a reference model) -> data loader over the memory-mapped cache ->
+optimizer and schedule -> the loop -> the final model. accelerate is used as a library (`prepare`,
+`accumulate`, `backward`, `gather`), so the loop is the whole algorithm: nothing happens in callbacks.
 
 Per forward pass, with trl.KTOTrainer's numbers:
   1. score the completions with grad: the micro-batch's prompts and completions packed side by side in
@@ -42,6 +42,7 @@ from kto_pipeline.checkpoint import (
 )
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.logprobs import PolicyScores, pad_sequences, score_policy, score_sequences
 from kto_pipeline.loss import kto_loss
 from kto_pipeline.model_card import write_model_card
@@ -249,7 +250,7 @@ def imbalance_warning(num_desirable: int, num_undesirable: int, desirable_weight
 def _check_output_dir(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise KTOPipelineError(f"--output-dir {out} is a file. Choose a directory.")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    if out.is_dir() and holds_files(out) and not overwrite:  # our own lock file does not count
         raise KTOPipelineError(
             f"--output-dir {out} is not empty. Choose a new directory, or pass --overwrite-output-dir to write into it."
         )
@@ -421,7 +422,15 @@ def _resolve_precision(config: TrainConfig) -> str:
 
 
 def train(config: TrainConfig) -> TrainResult:
-    """Train a policy on a reference cache; writes metrics, checkpoints and the final model to `output_dir`."""
+    """Train a policy on a reference cache; writes metrics, checkpoints and the final model to `output_dir`.
+
+    The output directory's lock is taken before any work starts and held until the run ends: a second `train`
+    into the same directory refuses at once, naming this one. Only the main process holds it."""
+    with main_process_lock(config.output_dir, "train", label="--output-dir"):
+        return _train(config)
+
+
+def _train(config: TrainConfig) -> TrainResult:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import gather_object, set_seed
@@ -529,14 +538,12 @@ def train(config: TrainConfig) -> TrainResult:
     if eval_loader is not None:
         eval_loader = accelerator.prepare_data_loader(eval_loader)
     steps_per_epoch = max(math.ceil(len(loader) / config.gradient_accumulation_steps), 1)
-    if config.max_steps > 0:
-        total_steps = config.max_steps
-    else:
-        total_steps = max(math.ceil(config.num_train_epochs * steps_per_epoch), 1)
+    total_steps = _planned_steps(config.max_steps, config.num_train_epochs, steps_per_epoch)
+    warmup_steps = math.ceil(config.warmup_ratio * total_steps)
     scheduler = get_scheduler(
         config.lr_scheduler_type,
         optimizer,
-        num_warmup_steps=math.ceil(config.warmup_ratio * total_steps),
+        num_warmup_steps=warmup_steps,
         num_training_steps=total_steps,
     )
     # Stepped by hand once per optimizer step (not handed to accelerate), but saved with its state.
@@ -552,14 +559,50 @@ def train(config: TrainConfig) -> TrainResult:
         global_step, epoch, skip_batches = state["global_step"], state["epoch_index"], state["batches_in_epoch"]
         fractional_epoch, history = state["epoch"], state["log_history"]
         log.values.update(state.get("pending_metrics", {}))
+        if global_step > total_steps:
+            raise KTOPipelineError(
+                f"cannot resume from {resume_dir}: it is at step {global_step}, past this run's {total_steps} steps. "
+                "Raise --max-steps (or --num-train-epochs), or pick an earlier checkpoint with --resume-from."
+            )
+        if (
+            global_step == total_steps
+            and resume_dir.parent.resolve() == out.resolve()
+            and _finished_at(out) == total_steps
+        ):
+            if accelerator.is_main_process:
+                print(
+                    f"nothing to do: {out} already finished its {total_steps} steps ({resume_dir.name} is its last "
+                    "checkpoint). To train on, raise --max-steps (or --num-train-epochs) and --resume again.",
+                    flush=True,
+                )
+            return TrainResult(output_dir=out, global_step=global_step, metrics=history, step_seconds=[])
         if accelerator.is_main_process:
             print(f"resuming from {resume_dir} at step {global_step}", flush=True)
+        saved = state.get("run_config", {})
+        was_total = state.get("max_steps") or _planned_steps(
+            saved.get("max_steps", -1), saved.get("num_train_epochs", 1.0), steps_per_epoch
+        )
+        if was_total != total_steps and global_step < total_steps:
+            # The optimizer's saved rate came from the old total's schedule (0 at the end of a linear decay):
+            # recompute this step's rate on the new schedule, as a run planned with the new total would have it.
+            was_rate = optimizer.param_groups[0]["lr"]
+            scheduler.last_epoch -= 1
+            scheduler.step()
+            if accelerator.is_main_process:
+                print(
+                    f"note: the run now has {total_steps} steps (its checkpoint's run had {was_total}): the "
+                    f"{config.lr_scheduler_type} learning-rate schedule{' and its warmup' if warmup_steps else ''} "
+                    f"now spans {total_steps} steps, so step {global_step + 1} trains at "
+                    f"{scheduler.get_last_lr()[0]:.3g} (the old schedule's next rate: {was_rate:.3g}).",
+                    flush=True,
+                )
     if accelerator.is_main_process:  # outputs are created only once every check has passed
         out.mkdir(parents=True, exist_ok=True)
         if resume_dir is None:  # a fresh run in a reused dir: stale checkpoints must not mix with its own
             for stale in [*out.glob("checkpoint-*"), *out.glob(".checkpoint-*.tmp")]:
                 shutil.rmtree(stale)
-            (out / "trainer_state.json").unlink(missing_ok=True)
+        # the run counts as finished (sweep's marker) only once it ends, a resumed or extended run included
+        (out / "trainer_state.json").unlink(missing_ok=True)
         config.save(out / RUN_CONFIG_FILE)
         (out / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in history))
     if trackers:
@@ -653,10 +696,12 @@ def train(config: TrainConfig) -> TrainResult:
                         "step": global_step,
                     }
                 )
-            if config.save_steps and global_step % config.save_steps == 0 and not last_step:
+            # every N steps and at the last one (as transformers' Trainer), so that a finished run can be extended
+            if config.save_steps and (global_step % config.save_steps == 0 or last_step):
                 epoch_done = micro_step + 1 == len(loader)
                 state = {
                     "global_step": global_step,
+                    "max_steps": total_steps,  # the schedule's total: a resume with another total says so
                     "epoch": fractional_epoch,
                     "epoch_index": epoch + 1 if epoch_done else epoch,
                     "batches_in_epoch": 0 if epoch_done else micro_step + 1,
@@ -718,6 +763,19 @@ def train(config: TrainConfig) -> TrainResult:
         )
     accelerator.wait_for_everyone()
     return TrainResult(output_dir=out, global_step=global_step, metrics=history, step_seconds=step_seconds)
+
+
+def _planned_steps(max_steps: int, num_train_epochs: float, steps_per_epoch: int) -> int:
+    """Optimizer steps of a run: --max-steps if > 0, else --num-train-epochs passes (at least 1 step)."""
+    return max_steps if max_steps > 0 else max(math.ceil(num_train_epochs * steps_per_epoch), 1)
+
+
+def _finished_at(out: Path) -> int | None:
+    """The step at which the run in `out` finished (its trainer_state.json), or None if it has not."""
+    try:
+        return json.loads((out / "trainer_state.json").read_text())["global_step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # settings that fix what a checkpoint's step and data position mean; resuming with others would be wrong

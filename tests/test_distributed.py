@@ -174,7 +174,8 @@ def test_sigkill_then_resume_reproduces_metrics_and_weights(tmp_path, cache_1pro
     assert read_metrics(tmp_path / "killed") == read_metrics(tmp_path / "full")  # every step, bit for bit
     a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "killed" / "model.safetensors")
     assert all((a[k] == b[k]).all() for k in a)
-    assert sorted(p.name for p in (tmp_path / "full").glob("checkpoint-*")) == ["checkpoint-54", "checkpoint-57"]
+    # 60 steps: every 3rd step and the last, the newest 2 kept
+    assert sorted(p.name for p in (tmp_path / "full").glob("checkpoint-*")) == ["checkpoint-57", "checkpoint-60"]
 
 
 def test_resume_without_checkpoint_is_explained(tmp_path, small_cache):
@@ -225,9 +226,10 @@ def test_fresh_run_in_reused_dir_drops_stale_checkpoints(tmp_path, small_cache):
         learning_rate=1e-3,
     )
     train(TrainConfig(max_steps=5, save_steps=2, **base))
-    assert sorted(p.name for p in (tmp_path / "r").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    names = ["checkpoint-2", "checkpoint-4", "checkpoint-5"]  # every 2 steps and the last
+    assert sorted(p.name for p in (tmp_path / "r").glob("checkpoint-*")) == names
     train(TrainConfig(max_steps=3, save_steps=1, save_total_limit=2, overwrite_output_dir=True, beta=0.5, **base))
-    assert sorted(p.name for p in (tmp_path / "r").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert sorted(p.name for p in (tmp_path / "r").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     state = json.loads((tmp_path / "r" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["run_config"]["beta"] == 0.5  # its own checkpoint, not the old run's
 
