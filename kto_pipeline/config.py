@@ -1,5 +1,6 @@
-"""One config dataclass per stage. Each field's `help` is the CLI's `--help` text, so the Python API
-and the command line are documented in one place. `__post_init__` rejects bad values naming the
+"""One config dataclass per stage. Each field is a command-line option: its name, type, default, `help`
+and `panel` (its --help panel) are the CLI's, which kto_pipeline/recipe.py builds from them, so the Python
+API and the command line are documented in one place. `__post_init__` rejects bad values naming the
 flag; the config is printed at the start of a run and saved next to its outputs."""
 
 from __future__ import annotations
@@ -27,8 +28,39 @@ SAMPLING = ("random", "sequential")
 REPORT_TO = ("none", "tensorboard", "wandb")
 
 
-def _help(text: str, **kw: Any) -> dict[str, Any]:
-    return {"metadata": {"help": text}, **kw}
+# The command line's --help panels. Each field names its panel; a command shows its panels in this order.
+MODEL = "Model"
+MODELS = "Models"
+MODEL_AND_DATA = "Model and data"
+DATA = "Data"
+PROMPTS = "Prompts"
+REFERENCE_PASS = "Reference pass"
+OPTIMISATION = "Optimisation"
+DECODING = "Decoding"
+LORA = "LoRA"
+EVALUATION = "Evaluation"
+CHECKPOINTS = "Checkpoints"
+OUTPUT = "Output"
+LOGGING = "Logging"
+PANELS = (
+    MODEL,
+    MODELS,
+    MODEL_AND_DATA,
+    DATA,
+    PROMPTS,
+    REFERENCE_PASS,
+    OPTIMISATION,
+    DECODING,
+    LORA,
+    EVALUATION,
+    CHECKPOINTS,
+    OUTPUT,
+    LOGGING,
+)
+
+
+def _help(text: str, *, panel: str, **kw: Any) -> dict[str, Any]:
+    return {"metadata": {"help": text, "panel": panel}, **kw}
 
 
 def _flag(name: str) -> str:
@@ -57,48 +89,74 @@ def field_help(cls: type, name: str) -> str:
     return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
 
 
+def field_panel(cls: type, name: str) -> str:
+    """The --help panel of a config field (used by the CLI)."""
+    return next(f.metadata["panel"] for f in dataclasses.fields(cls) if f.name == name)
+
+
 @dataclass
 class PrecomputeConfig(_ConfigMixin):
     """Stage 1: score every completion and its KL completion with the frozen reference model."""
 
-    model: str = field(**_help("Reference model: a Hugging Face hub id or a local directory."))
+    model: str = field(**_help("Reference model: a Hugging Face hub id or a local directory.", panel=MODEL))
     dataset: str = field(
         **_help(
             "Binary-feedback data: a hub id, a .json/.jsonl/.parquet/.csv/.arrow file, "
-            "or a directory written by datasets.save_to_disk."
+            "or a directory written by datasets.save_to_disk.",
+            panel=DATA,
         )
     )
-    output: str = field(**_help("Cache directory to write (manifest.json + shards/)."))
-    split: str = field(default="train", **_help("Dataset split to read."))
-    dataset_config: str | None = field(default=None, **_help("Dataset configuration name (hub datasets)."))
+    output: str = field(**_help("Cache directory to write (manifest.json + shards/).", panel=OUTPUT))
+    split: str = field(default="train", **_help("Dataset split to read.", panel=DATA))
+    dataset_config: str | None = field(default=None, **_help("Dataset configuration name (hub datasets).", panel=DATA))
     max_length: int = field(
         default=1024,
         **_help(
             "Maximum prompt+completion tokens; longer sequences are truncated on the right, rows whose "
-            "prompt alone reaches it are dropped. Training may later use any length up to this one."
+            "prompt alone reaches it are dropped. Training may later use any length up to this one.",
+            panel=DATA,
         ),
     )
-    seed: int = field(default=0, **_help("Seed of the fixed KL partner assignment."))
+    seed: int = field(default=0, **_help("Seed of the fixed KL partner assignment.", panel=DATA))
     num_proc: int = field(
         default=1,
         **_help(
             "Processes that normalise and tokenize the data (datasets.map); the result is cached, so a second "
-            "precompute of the same data, tokenizer and settings skips it."
+            "precompute of the same data, tokenizer and settings skips it.",
+            panel=DATA,
         ),
     )
     dtype: str = field(
         default="auto",
-        **_help("Dtype of the reference pass: auto = bfloat16 on a GPU that supports it, else float32."),
+        **_help(
+            "Dtype of the reference pass: auto = bfloat16 on a GPU that supports it, else float32.",
+            panel=REFERENCE_PASS,
+        ),
     )
-    batch_size: int = field(default=16, **_help("Most sequences per reference forward pass."))
+    batch_size: int = field(
+        default=16,
+        **_help(
+            "Most sequences per reference forward pass (two per row: completion and KL completion).",
+            panel=REFERENCE_PASS,
+        ),
+    )
     max_tokens_per_batch: int = field(
         default=16384,
-        **_help("Token budget of one forward pass (rows are length-sorted, so batches carry little padding)."),
+        **_help(
+            "Token budget of one forward pass (rows are packed side by side, so passes carry little padding).",
+            panel=REFERENCE_PASS,
+        ),
     )
-    shard_size: int = field(default=2048, **_help("Rows per Arrow shard."))
-    revision: str | None = field(default=None, **_help("Model revision (branch, tag or commit) on the hub."))
-    trust_remote_code: bool = field(default=False, **_help("Allow models and tokenizers that run their own code."))
-    overwrite: bool = field(default=False, **_help("Replace an existing cache made with other inputs or settings."))
+    shard_size: int = field(default=2048, **_help("Rows per Arrow shard.", panel=OUTPUT))
+    revision: str | None = field(
+        default=None, **_help("Model revision (branch, tag or commit) on the hub.", panel=MODEL)
+    )
+    trust_remote_code: bool = field(
+        default=False, **_help("Allow models and tokenizers that run their own code.", panel=MODEL)
+    )
+    overwrite: bool = field(
+        default=False, **_help("Replace an existing cache made with other inputs or settings.", panel=OUTPUT)
+    )
 
     def __post_init__(self) -> None:
         _check(self.max_length >= 2, "max_length", f"must be at least 2, got {self.max_length}")
@@ -117,79 +175,134 @@ class PrecomputeConfig(_ConfigMixin):
 class TrainConfig(_ConfigMixin):
     """Stage 2: train the policy against a reference cache. Names follow trl.KTOConfig."""
 
-    cache: str = field(**_help("Cache directory written by `kto-pipeline precompute`."))
-    output_dir: str = field(**_help("Where metrics, checkpoints and the final model go."))
+    cache: str = field(**_help("Cache directory written by `kto-pipeline precompute`.", panel=MODEL_AND_DATA))
+    output_dir: str = field(**_help("Where metrics, checkpoints and the final model go.", panel=CHECKPOINTS))
     model: str | None = field(
-        default=None, **_help("Initial policy (hub id or directory). Default: the cache's reference model.")
+        default=None,
+        **_help("Initial policy (hub id or directory). Default: the cache's reference model.", panel=MODEL_AND_DATA),
     )
     beta: float = field(
         default=0.1,
-        **_help("KTO beta: higher stays closer to the reference, lower cares less about it."),
+        **_help("KTO beta: higher stays closer to the reference, lower cares less about it.", panel=OPTIMISATION),
     )
-    loss_type: str = field(default="kto", **_help("kto (with the KL reference point) or apo_zero_unpaired."))
-    desirable_weight: float = field(default=1.0, **_help("Weight of desirable examples' losses."))
-    undesirable_weight: float = field(default=1.0, **_help("Weight of undesirable examples' losses."))
-    learning_rate: float = field(default=1e-6, **_help("Peak AdamW learning rate (KTO: 5e-7 to 5e-6 at beta 0.1)."))
+    loss_type: str = field(
+        default="kto", **_help("kto (with the KL reference point) or apo_zero_unpaired.", panel=OPTIMISATION)
+    )
+    desirable_weight: float = field(default=1.0, **_help("Weight of desirable examples' losses.", panel=OPTIMISATION))
+    undesirable_weight: float = field(
+        default=1.0, **_help("Weight of undesirable examples' losses.", panel=OPTIMISATION)
+    )
+    learning_rate: float = field(
+        default=1e-6, **_help("Peak AdamW learning rate (KTO: 5e-7 to 5e-6 at beta 0.1).", panel=OPTIMISATION)
+    )
     per_device_train_batch_size: int = field(
-        default=8, **_help("Rows per forward pass and process; KTO needs >= 4 for a useful KL estimate.")
+        default=8,
+        **_help("Rows per forward pass and process; KTO needs >= 4 for a useful KL estimate.", panel=OPTIMISATION),
     )
-    gradient_accumulation_steps: int = field(default=1, **_help("Forward passes per optimizer step."))
-    num_train_epochs: float = field(default=1.0, **_help("Passes over the data (fractions allowed)."))
-    max_steps: int = field(default=-1, **_help("If > 0, the number of optimizer steps; overrides epochs."))
-    warmup_ratio: float = field(default=0.0, **_help("Fraction of the steps spent warming up the learning rate."))
-    lr_scheduler_type: str = field(default="linear", **_help(f"One of {', '.join(SCHEDULERS)}."))
-    weight_decay: float = field(default=0.0, **_help("AdamW weight decay (not applied to biases and norms)."))
-    max_grad_norm: float = field(default=1.0, **_help("Gradient clipping norm; 0 disables clipping."))
+    gradient_accumulation_steps: int = field(
+        default=1, **_help("Forward passes per optimizer step.", panel=OPTIMISATION)
+    )
+    num_train_epochs: float = field(
+        default=1.0, **_help("Passes over the data (fractions allowed).", panel=OPTIMISATION)
+    )
+    max_steps: int = field(
+        default=-1, **_help("If > 0, the number of optimizer steps; overrides epochs.", panel=OPTIMISATION)
+    )
+    warmup_ratio: float = field(
+        default=0.0, **_help("Fraction of the steps spent warming up the learning rate.", panel=OPTIMISATION)
+    )
+    lr_scheduler_type: str = field(default="linear", **_help(f"One of {', '.join(SCHEDULERS)}.", panel=OPTIMISATION))
+    weight_decay: float = field(
+        default=0.0, **_help("AdamW weight decay (not applied to biases and norms).", panel=OPTIMISATION)
+    )
+    max_grad_norm: float = field(
+        default=1.0, **_help("Gradient clipping norm; 0 disables clipping.", panel=OPTIMISATION)
+    )
     max_length: int | None = field(
         default=None,
-        **_help("Truncate sequences to this length (<= the cached max length). Default: the cached one."),
+        **_help(
+            "Truncate sequences to this length (<= the cached max length). Default: the cached one.",
+            panel=MODEL_AND_DATA,
+        ),
     )
-    logging_steps: int = field(default=10, **_help("Log metrics every this many optimizer steps."))
-    save_steps: int = field(default=0, **_help("Save a checkpoint every this many steps; 0 = only the final model."))
-    seed: int = field(default=42, **_help("Seed of the data order and of any randomness in the model."))
+    logging_steps: int = field(default=10, **_help("Log metrics every this many optimizer steps.", panel=LOGGING))
+    save_steps: int = field(
+        default=0,
+        **_help(
+            "Save a checkpoint every this many steps and at the last (a finished run can be extended with --resume); "
+            "0 = only the final model.",
+            panel=CHECKPOINTS,
+        ),
+    )
+    seed: int = field(
+        default=42, **_help("Seed of the data order and of any randomness in the model.", panel=MODEL_AND_DATA)
+    )
     bf16: bool | None = field(
-        default=None, **_help("bf16 mixed precision. Default: on where the GPU supports it, off on CPU.")
+        default=None,
+        **_help("bf16 mixed precision. Default: on where the GPU supports it, off on CPU.", panel=OPTIMISATION),
     )
     train_sampling_strategy: str = field(
         default="random",
         **_help(
             "random (seeded shuffle each epoch) or sequential (dataset order, as trl's default). KL partners "
-            "are fixed in the cache, so shuffling is safe here."
+            "are fixed in the cache, so shuffling is safe here.",
+            panel=MODEL_AND_DATA,
         ),
     )
-    overwrite_output_dir: bool = field(default=False, **_help("Allow writing into a non-empty --output-dir."))
-    trust_remote_code: bool = field(default=False, **_help("Allow models and tokenizers that run their own code."))
-    fp16: bool = field(default=False, **_help("fp16 mixed precision (CUDA GPUs only)."))
+    overwrite_output_dir: bool = field(
+        default=False, **_help("Allow writing into a non-empty --output-dir.", panel=CHECKPOINTS)
+    )
+    trust_remote_code: bool = field(
+        default=False, **_help("Allow models and tokenizers that run their own code.", panel=MODEL_AND_DATA)
+    )
+    fp16: bool = field(default=False, **_help("fp16 mixed precision (CUDA GPUs only).", panel=OPTIMISATION))
     gradient_checkpointing: bool = field(
-        default=False, **_help("Recompute activations in the backward pass: less memory, about 30% more compute.")
+        default=False,
+        **_help("Recompute activations in the backward pass: less memory, about 30% more compute.", panel=OPTIMISATION),
     )
-    save_total_limit: int | None = field(default=None, **_help("Keep only the newest N checkpoints."))
-    resume: bool = field(default=False, **_help("Resume from the newest checkpoint in --output-dir."))
-    resume_from: str | None = field(default=None, **_help("Resume from this checkpoint directory."))
-    lora_r: int | None = field(default=None, **_help("Train LoRA adapters of this rank instead of all weights."))
-    lora_alpha: int = field(default=32, **_help("LoRA scaling alpha (the update is scaled by alpha / r)."))
-    lora_dropout: float = field(default=0.05, **_help("Dropout on the LoRA adapters' input."))
+    save_total_limit: int | None = field(
+        default=None, **_help("Keep only the newest N checkpoints.", panel=CHECKPOINTS)
+    )
+    resume: bool = field(
+        default=False, **_help("Resume from the newest checkpoint in --output-dir.", panel=CHECKPOINTS)
+    )
+    resume_from: str | None = field(default=None, **_help("Resume from this checkpoint directory.", panel=CHECKPOINTS))
+    lora_r: int | None = field(
+        default=None, **_help("Train LoRA adapters of this rank instead of all weights.", panel=LORA)
+    )
+    lora_alpha: int = field(default=32, **_help("LoRA scaling alpha (the update is scaled by alpha / r).", panel=LORA))
+    lora_dropout: float = field(default=0.05, **_help("Dropout on the LoRA adapters' input.", panel=LORA))
     lora_target_modules: str = field(
-        default="all-linear", **_help("all-linear, or comma-separated module names (q_proj,v_proj,...).")
+        default="all-linear", **_help("all-linear, or comma-separated module names (q_proj,v_proj,...).", panel=LORA)
     )
-    merge: bool = field(default=False, **_help("With LoRA, also write the merged full model to OUT/merged."))
+    merge: bool = field(
+        default=False, **_help("With LoRA, also write the merged full model to OUT/merged.", panel=LORA)
+    )
     router_aux_loss_coef: float | None = field(
         default=None,
-        **_help("MoE load-balancing loss weight. Default: the model config's; 0 disables it."),
+        **_help("MoE load-balancing loss weight. Default: the model config's; 0 disables it.", panel=OPTIMISATION),
     )
     eval_cache: str | None = field(
-        default=None, **_help("A cache of held-out rows (precompute --split test ...) to evaluate on.")
+        default=None,
+        **_help("A cache of held-out rows (precompute --split test ...) to evaluate on.", panel=EVALUATION),
     )
     eval_steps: int | None = field(
-        default=None, **_help("Evaluate every this many steps (and always at the end when --eval-cache is set).")
+        default=None,
+        **_help("Evaluate every this many steps (and always at the end when --eval-cache is set).", panel=EVALUATION),
     )
-    per_device_eval_batch_size: int = field(default=8, **_help("Rows per evaluation forward pass and process."))
+    per_device_eval_batch_size: int = field(
+        default=8, **_help("Rows per evaluation forward pass and process.", panel=EVALUATION)
+    )
     report_to: str = field(
-        default="none", **_help("Also log metrics to: none, tensorboard, wandb (comma-separated for several).")
+        default="none",
+        **_help("Also log metrics to: none, tensorboard, wandb (comma-separated for several).", panel=LOGGING),
     )
     verify: bool = field(
         default=False,
-        **_help("Check every shard's sha256 before training (reads the whole cache once). Cheap checks always run."),
+        **_help(
+            "Check every shard's sha256 before training (reads the whole cache once). Cheap checks always run.",
+            panel=MODEL_AND_DATA,
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -266,47 +379,64 @@ class GenerateConfig(_ConfigMixin):
     run: str = field(
         **_help(
             "A `kto-pipeline train --output-dir` (full model or LoRA adapter): the policy and its tokenizer are "
-            "loaded from it."
+            "loaded from it.",
+            panel=MODELS,
         )
     )
     reference: str | None = field(
         default=None,
-        **_help("Reference model (hub id or directory). Default: the reference model of the cache the run trained on."),
+        **_help(
+            "Reference model (hub id or directory). Default: the reference model of the cache the run trained on.",
+            panel=MODELS,
+        ),
     )
     cache: str | None = field(
         default=None,
         **_help(
             "A precompute cache whose prompts to answer (its token ids, chat template included), with its labelled "
-            "completions shown alongside. Default: the run's --eval-cache."
+            "completions shown alongside. Default: the run's --eval-cache.",
+            panel=PROMPTS,
         ),
     )
     prompts: str | None = field(
         default=None,
         **_help(
             "Instead of a cache: a .jsonl file whose rows have `prompt`, a string or a list of {role, content} "
-            "messages (rendered with the chat template and the generation prompt)."
+            "messages (rendered with the chat template and the generation prompt).",
+            panel=PROMPTS,
         ),
     )
-    num_prompts: int = field(default=8, **_help("How many distinct prompts to answer: the first ones, in order."))
-    max_new_tokens: int = field(default=128, **_help("Most tokens of each answer (answers stop earlier at EOS)."))
-    do_sample: bool = field(
-        default=False, **_help("Sample the answers; without it decoding is greedy (the most likely token each step).")
+    num_prompts: int = field(
+        default=8, **_help("How many distinct prompts to answer: the first ones, in order.", panel=PROMPTS)
     )
-    temperature: float = field(default=1.0, **_help("Sampling temperature (with --do-sample)."))
+    max_new_tokens: int = field(
+        default=128, **_help("Most tokens of each answer (answers stop earlier at EOS).", panel=DECODING)
+    )
+    do_sample: bool = field(
+        default=False,
+        **_help("Sample the answers; without it decoding is greedy (the most likely token each step).", panel=DECODING),
+    )
+    temperature: float = field(default=1.0, **_help("Sampling temperature (with --do-sample).", panel=DECODING))
     top_p: float = field(
-        default=1.0, **_help("Nucleus sampling: sample among the most likely tokens of this total probability.")
+        default=1.0,
+        **_help("Nucleus sampling: sample among the most likely tokens of this total probability.", panel=DECODING),
     )
     seed: int = field(
-        default=0, **_help("Seed of the sampling: the same seed, prompts and --batch-size give the same answers.")
+        default=0,
+        **_help("Seed of the sampling: the same seed, prompts and --batch-size give the same answers.", panel=DECODING),
     )
-    batch_size: int = field(default=8, **_help("Prompts per generate call (left-padded)."))
+    batch_size: int = field(default=8, **_help("Prompts per generate call (left-padded).", panel=DECODING))
     output: str | None = field(
-        default=None, **_help("The samples file (JSON lines). Default: RUN/samples.jsonl, which `report` shows.")
+        default=None,
+        **_help("The samples file (JSON lines). Default: RUN/samples.jsonl, which `report` shows.", panel=OUTPUT),
     )
     dtype: str = field(
-        default="auto", **_help("Dtype of both models: auto = bfloat16 on a GPU that supports it, else float32.")
+        default="auto",
+        **_help("Dtype of both models: auto = bfloat16 on a GPU that supports it, else float32.", panel=MODELS),
     )
-    trust_remote_code: bool = field(default=False, **_help("Allow models and tokenizers that run their own code."))
+    trust_remote_code: bool = field(
+        default=False, **_help("Allow models and tokenizers that run their own code.", panel=MODELS)
+    )
 
     def __post_init__(self) -> None:
         _check(

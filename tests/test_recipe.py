@@ -1,0 +1,415 @@
+"""Recipes (`--config FILE.yaml`) and the command-line options generated from the config dataclasses."""
+
+import dataclasses
+import importlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+import typer
+from conftest import read_metrics, run_cli
+
+from kto_pipeline import GenerateConfig, PrecomputeConfig, TrainConfig
+from kto_pipeline.cli import app
+from kto_pipeline.sweep import FIXED_FIELDS, expand_grid
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+CONFIGS = {"precompute": PrecomputeConfig, "train": TrainConfig, "generate": GenerateConfig}
+
+
+def commands() -> dict:
+    return typer.main.get_command(app).commands
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def write(tmp_path, text: str, name: str = "recipe.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def assert_clean_error(code, err, *fragments):
+    assert code == 1, err
+    assert "Traceback" not in err and err.startswith("error: ") and err.strip().count("\n") == 0, err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Stand-ins for the API calls, so that a command only builds its config: {command: what it was called with}."""
+    calls = {}
+    # import them all first: a module imported while another's function is replaced would keep the stand-in
+    for module in ("precompute", "train", "generate", "sweep", "report", "demo"):
+        importlib.import_module(f"kto_pipeline.{module}")
+
+    def stand_in(module, name, command, value=lambda *args, **kw: args[0] if len(args) == 1 else args):
+        def record(*args, **kw):
+            calls[command] = value(*args, **kw)
+            return ""
+
+        monkeypatch.setattr(importlib.import_module(module), name, record)
+
+    stand_in("kto_pipeline.precompute", "precompute", "precompute")  # (the package binds these names to functions)
+    stand_in("kto_pipeline.train", "train", "train")
+    stand_in("kto_pipeline.generate", "generate_samples", "generate")
+    stand_in("kto_pipeline.generate", "preview", "preview")
+    stand_in("kto_pipeline.sweep", "sweep", "sweep", lambda cache, out, values, keep: (cache, out, values, keep))
+    stand_in("kto_pipeline.report", "write_report", "report")
+    stand_in("kto_pipeline.demo", "run_tiny_demo", "demo")
+    return calls
+
+
+# ------------------------------------------------------------------------------ options from the dataclasses
+
+
+@pytest.mark.parametrize("command", sorted(CONFIGS))
+def test_every_field_is_an_option_with_its_name_type_default_help_and_panel(command):
+    """The dataclasses are the single source of the options: nothing is written a second time in cli.py."""
+    cls = CONFIGS[command]
+    cmd = commands()[command]
+    params = {p.name: p for p in cmd.params}
+    assert set(params) == {f.name for f in dataclasses.fields(cls)} | {"config_file"}
+    required = set(cmd.callback.recipe_required)
+    for f in dataclasses.fields(cls):
+        param = params[f.name]
+        assert param.opts == [flag(f.name)], f.name
+        is_bool = str(f.type).startswith("bool")
+        assert param.secondary_opts == ([flag(f.name).replace("--", "--no-")] if is_bool else []), f.name
+        assert param.help == f.metadata["help"] and param.rich_help_panel == f.metadata["panel"], f.name
+        if f.default is dataclasses.MISSING:
+            # required, but it may come from --config: click leaves it to the command, --help shows it required
+            assert f.name in required and param.default is None and not param.required, f.name
+        else:
+            assert f.name not in required and param.default == f.default, f.name
+    assert required == {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+
+
+def test_sweep_takes_every_train_field_but_the_fixed_ones_as_values():
+    params = {p.name: p for p in commands()["sweep"].params}
+    swept = [f for f in dataclasses.fields(TrainConfig) if f.name not in FIXED_FIELDS]
+    assert set(params) == {f.name for f in swept} | {"cache", "output_dir", "keep", "config_file"}
+    for f in swept:
+        param = params[f.name]
+        assert param.opts == [flag(f.name)] and param.rich_help_panel == f.metadata["panel"], f.name
+        assert param.default is None and param.help == f"{f.metadata['help']} Comma-separated values.", f.name
+
+
+def test_help_groups_the_options_in_panels(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run_cli(monkeypatch, capsys, "train", "--help")
+    assert code == 0
+    for title in ("Model and data", "Optimisation", "LoRA", "Evaluation", "Checkpoints", "Logging"):
+        assert re.search(rf"╭─ {title} ─", out), title
+    assert "--config" in out and "--learning-rate" in out and "[default: 1e-06]" in out
+    assert re.search(r"\* +--cache .*\[required\]", out)  # required, even though a recipe may give it
+    panels = [p.rich_help_panel for p in commands()["train"].params if p.name != "config_file"]
+    assert len(set(panels)) == 6 and max(panels.count(p) for p in set(panels)) < len(panels) / 2
+    for command in ("precompute", "generate", "sweep", "inspect", "report", "demo"):
+        code, out, _ = run_cli(monkeypatch, capsys, command, "--help")
+        assert code == 0 and "--config" in out, command
+
+
+# ------------------------------------------------------------------------------------------ the same run from a recipe
+
+
+def test_precompute_from_a_recipe_equals_the_same_flags(tmp_path, monkeypatch, capsys, tiny_model_dir, unpaired_file):
+    args = ["--max-length", "64", "--seed", "3", "--batch-size", "4", "--shard-size", "10", "--num-proc", "1"]
+    code, out_flags, err = run_cli(
+        monkeypatch,
+        capsys,
+        "precompute",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(unpaired_file),
+        "--output",
+        str(tmp_path / "a"),
+        *args,
+    )
+    assert code == 0, err
+    recipe = write(
+        tmp_path,
+        f"model: {tiny_model_dir}\ndataset: {unpaired_file}\noutput: {tmp_path / 'b'}\n"
+        "max_length: 64\nseed: 3\nbatch-size: 4\nshard_size: 10\nnum_proc: 1\n",
+    )
+    code, out_recipe, err = run_cli(monkeypatch, capsys, "precompute", "--config", str(recipe))
+    assert code == 0, err
+    a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in "ab")
+    for key in ("settings", "reference_model", "dataset", "counts", "fingerprint"):
+        assert a[key] == b[key], key
+    assert [s["rows"] for s in a["shards"]] == [s["rows"] for s in b["shards"]] and len(a["shards"]) == 3
+
+    def printed_config(out):  # the config as the run prints it, under its banner
+        lines = out.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("kto-pipeline precompute")) + 1
+        return lines[start : start + len(dataclasses.fields(PrecomputeConfig))]
+
+    assert printed_config(out_flags) == [
+        line.replace(str(tmp_path / "b"), str(tmp_path / "a")) for line in printed_config(out_recipe)
+    ]
+
+
+def test_train_from_a_recipe_equals_the_same_flags(tmp_path, monkeypatch, capsys, small_cache):
+    flags = [
+        "--max-steps",
+        "2",
+        "--per-device-train-batch-size",
+        "4",
+        "--logging-steps",
+        "1",
+        "--learning-rate",
+        "1e-3",
+        "--seed",
+        "0",
+        "--beta",
+        "0.2",
+        "--lora-r",
+        "4",
+        "--lora-target-modules",
+        "q_proj,v_proj",
+        "--no-bf16",
+    ]
+    code, _, err = run_cli(
+        monkeypatch, capsys, "train", "--cache", str(small_cache), "--output-dir", str(tmp_path / "a"), *flags
+    )
+    assert code == 0, err
+    recipe = write(
+        tmp_path,
+        f"""
+cache: {small_cache}
+output-dir: {tmp_path / "b"}
+max_steps: 2
+per_device_train_batch_size: 4
+logging_steps: 1
+learning_rate: 1e-3   # YAML reads this as a string: accepted for a float
+seed: 0
+beta: 0.2
+lora_r: 4
+lora_target_modules: [q_proj, v_proj]
+bf16: false
+""",
+    )
+    code, _, err = run_cli(monkeypatch, capsys, "train", "--config", str(recipe))
+    assert code == 0, err
+    a, b = (json.loads((tmp_path / d / "run_config.json").read_text()) for d in "ab")
+    assert b.pop("output_dir") == str(tmp_path / "b") and a.pop("output_dir") == str(tmp_path / "a")
+    assert a == b and b["learning_rate"] == 1e-3 and b["lora_target_modules"] == "q_proj,v_proj"
+    losses = [[r["loss"] for r in read_metrics(tmp_path / d)] for d in "ab"]
+    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ precedence and types
+
+
+def test_command_line_overrides_the_recipe_which_overrides_the_default(tmp_path, monkeypatch, capsys, captured):
+    recipe = write(tmp_path, "cache: c\noutput_dir: o\nbeta: 0.3\nlearning_rate: 5e-7\nverify: true\nmax_steps: 7\n")
+    code, _, err = run_cli(
+        monkeypatch, capsys, "train", "--config", str(recipe), "--beta", "0.2", "--no-verify", "--output-dir", "cli"
+    )
+    assert code == 0, err
+    config = captured["train"]
+    assert (config.cache, config.output_dir) == ("c", "cli")
+    assert config.beta == 0.2 and config.verify is False  # typed flags win, even one equal to the default
+    assert config.learning_rate == 5e-7 and config.max_steps == 7  # from the recipe
+    assert config.warmup_ratio == 0.0 and config.seed == 42 and config.bf16 is None  # dataclass defaults
+
+
+def test_recipe_values_of_every_type(tmp_path, monkeypatch, capsys, captured):
+    recipe = write(
+        tmp_path,
+        """
+cache: c
+output_dir: o
+beta: 1                 # an int for a float
+learning_rate: 1e-6     # a string for a float (YAML 1.1 needs a dot to read a float)
+max_length: null        # optional
+save_total_limit: 3
+router_aux_loss_coef: 0.01
+bf16: null
+gradient_checkpointing: true
+report_to: [none]
+lora_r: 8
+lora_target_modules: [q_proj, k_proj, v_proj]
+lr_scheduler_type: cosine
+""",
+    )
+    code, _, err = run_cli(monkeypatch, capsys, "train", "--config", str(recipe))
+    assert code == 0, err
+    config = captured["train"]
+    assert config.beta == 1.0 and isinstance(config.beta, float) and config.learning_rate == 1e-6
+    assert config.max_length is None and config.save_total_limit == 3 and config.router_aux_loss_coef == 0.01
+    assert config.bf16 is None and config.gradient_checkpointing is True and config.report_to == "none"
+    assert config.lora_target_modules == "q_proj,k_proj,v_proj" and config.lr_scheduler_type == "cosine"
+
+
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("learnin_rate: 1e-6", "unknown key 'learnin_rate' (did you mean 'learning_rate'?)"),
+        ("learnin-rate: 1e-6", "unknown key 'learnin-rate' (did you mean 'learning-rate'?)"),
+        ("keep: best", "unknown key 'keep' (not an option of this command"),  # sweep's, not train's
+        ("config: other.yaml", "unknown key 'config'"),
+        ("beta: abc", "beta: expected a number, got 'abc'"),
+        ("beta: null", "beta: expected a number, got null"),
+        ("beta: true", "beta: expected a number, got true"),
+        ("max_steps: 2.5", "max_steps: expected an integer, got 2.5"),
+        ("max_steps: '2'", "max_steps: expected an integer, got '2'"),
+        ("max_steps: true", "max_steps: expected an integer, got true"),
+        ("max_length: 1e3", "max_length: expected an integer or null, got '1e3'"),
+        ("verify: 'true'", "verify: expected true or false, got 'true'"),
+        ("verify: 1", "verify: expected true or false, got 1"),
+        ("bf16: 0", "bf16: expected true or false or null, got 0"),
+        ("lr_scheduler_type: 1", "lr_scheduler_type: expected a string, got 1 (put it in quotes)"),
+        ("loss_type: [kto]", "loss_type: expected a string, got a list"),
+        ("report_to: [tensorboard, 3]", "report_to: expected a string or a list of strings, got a list"),
+        ("cache: null", "cache: expected a string, got null"),
+        ("learning_rate: 1e-6\nlearning-rate: 2e-6", "'learning_rate' and 'learning-rate' are the same option"),
+        ("- beta: 0.1", "must be a mapping of option names to values (`beta: 0.1`), got a list"),
+        ("beta: [0.1", "not valid YAML at line 2, column 1: expected ',' or ']'"),
+        ("beta: 0.0", "--beta: must be > 0, got 0.0"),  # the dataclass's own checks, as for a flag
+    ],
+)
+def test_bad_recipes_are_refused_naming_the_file_and_key(tmp_path, monkeypatch, capsys, captured, text, fragment):
+    recipe = write(tmp_path, text + "\n")
+    code, _, err = run_cli(monkeypatch, capsys, "train", "--cache", "c", "--output-dir", "o", "--config", str(recipe))
+    prefix = "" if fragment.startswith("--beta") else f"--config {recipe}: "
+    assert_clean_error(code, err, prefix + fragment)
+    assert "train" not in captured
+
+
+def test_missing_or_unreadable_recipe_and_required_options(tmp_path, monkeypatch, capsys, captured):
+    code, _, err = run_cli(monkeypatch, capsys, "train", "--config", str(tmp_path / "nope.yaml"))
+    assert_clean_error(code, err, f"--config {tmp_path / 'nope.yaml'}: no such file")
+    code, _, err = run_cli(monkeypatch, capsys, "train", "--config", str(tmp_path))
+    assert_clean_error(code, err, "is a directory")
+    code, _, err = run_cli(monkeypatch, capsys, "train", "--beta", "0.2")
+    assert_clean_error(code, err, "--cache and --output-dir are required (on the command line or in --config FILE)")
+    recipe = write(tmp_path, "cache: c\n")
+    code, _, err = run_cli(monkeypatch, capsys, "train", "--config", str(recipe))
+    assert_clean_error(code, err, f"--output-dir is required (on the command line or in --config {recipe})")
+    code, _, err = run_cli(monkeypatch, capsys, "precompute", "--model", "m")
+    assert_clean_error(code, err, "--dataset and --output are required")
+    code, _, err = run_cli(monkeypatch, capsys, "inspect")
+    assert_clean_error(code, err, "CACHE_DIR is required")
+    empty = write(tmp_path, "", "empty.yaml")  # an empty recipe sets nothing
+    code, _, err = run_cli(monkeypatch, capsys, "train", "--config", str(empty), "--cache", "c", "--output-dir", "o")
+    assert code == 0, err
+    assert captured["train"] == TrainConfig(cache="c", output_dir="o")
+
+
+# ------------------------------------------------------------------------------------------ the other commands
+
+
+def test_sweep_recipe_takes_lists_or_scalars(tmp_path, monkeypatch, capsys, captured):
+    recipe = write(
+        tmp_path,
+        """
+cache: c
+output_dir: s
+keep: best
+beta: [0.05, 0.1]
+learning_rate: [5e-7, 1.0e-6]
+max_steps: 3
+loss_type: kto,apo_zero_unpaired
+lora_target_modules: [q_proj, v_proj]   # one value: its commas are literal
+bf16: [false]
+max_length: [null, 32]
+""",
+    )
+    code, _, err = run_cli(monkeypatch, capsys, "sweep", "--config", str(recipe), "--max-steps", "4,5")
+    assert code == 0, err
+    cache, out, values, keep = captured["sweep"]
+    assert (cache, out, keep) == ("c", "s", "best")
+    assert values["beta"] == "0.05,0.1" and values["learning_rate"] == "5e-7,1e-06" and values["max_steps"] == "4,5"
+    assert values["lora_target_modules"] == "q_proj,v_proj" and values["bf16"] == "false"
+    assert values["max_length"] == "none,32" and values["seed"] is None
+    grid, varied = expand_grid(values)
+    assert len(grid) == 2 * 2 * 2 * 2 * 2  # runs are named in the fields' order, as with flags:
+    assert varied == ["beta", "loss_type", "learning_rate", "max_steps", "max_length"]
+    assert {g["lora_target_modules"] for g in grid} == {"q_proj,v_proj"} and {g["max_length"] for g in grid} == {
+        None,
+        32,
+    }
+
+    for text, fragment in [
+        ("beta: [0.1, abc]", "beta: expected a number (or a list of them), got 'abc'"),
+        ("beta: 0.1,abc", "beta: expected a number (or a list of them), got 'abc'"),
+        ("max_steps: [2, 2.5]", "max_steps: expected an integer (or a list of them), got 2.5"),
+        ("output_dir: [a, b]", "output_dir: expected a string, got a list"),
+        ("resume: true", "unknown key 'resume'"),  # a sweep sets it per run
+    ]:
+        bad = write(tmp_path, f"cache: c\noutput_dir: s\n{text}\n", "bad.yaml")
+        code, _, err = run_cli(monkeypatch, capsys, "sweep", "--config", str(bad))
+        assert_clean_error(code, err, f"--config {bad}: {fragment}")
+
+
+def test_inspect_report_demo_and_generate_take_a_recipe(tmp_path, monkeypatch, capsys, captured, small_cache):
+    recipe = write(tmp_path, f"cache_dir: {small_cache}\nverify: true\n")
+    code, out, err = run_cli(monkeypatch, capsys, "inspect", "--config", str(recipe))
+    assert code == 0 and "OK (all checksums verified)" in out, err
+    code, out, err = run_cli(monkeypatch, capsys, "inspect", str(small_cache), "--config", str(recipe), "--no-verify")
+    assert code == 0 and out.rstrip().endswith("OK"), err
+    code, _, err = run_cli(monkeypatch, capsys, "inspect", "--config", str(write(tmp_path, "verfy: true\n", "i.yaml")))
+    assert_clean_error(code, err, "unknown key 'verfy' (did you mean 'verify'?)")
+
+    code, _, err = run_cli(monkeypatch, capsys, "report", "--config", str(write(tmp_path, "path: runs/a\n", "r.yaml")))
+    assert code == 0 and captured["report"] == "runs/a", err
+
+    code, _, err = run_cli(monkeypatch, capsys, "demo", "--config", str(write(tmp_path, "tiny: true\n", "d.yaml")))
+    assert code == 0 and captured["demo"] == ".demo-tiny", err
+    code, _, err = run_cli(
+        monkeypatch, capsys, "demo", "--config", str(write(tmp_path, "tiny: true\nmodel: m\n", "d2.yaml"))
+    )
+    assert_clean_error(code, err, "--model: the tiny demo builds its own model")
+
+    recipe = write(tmp_path, "run: r\nmax-new-tokens: 4\ndo_sample: true\ntemperature: 0.7\n", "g.yaml")
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--config", str(recipe), "--seed", "3")
+    assert code == 0, err
+    assert captured["generate"] == GenerateConfig(run="r", max_new_tokens=4, do_sample=True, temperature=0.7, seed=3)
+
+
+# ------------------------------------------------------------------------------------------ README
+
+
+def readme_rows(command: str) -> dict[str, str]:
+    """{flag cell: default cell} of the option table under README's `kto-pipeline COMMAND` heading."""
+    text = README.read_text()
+    start = text.index(f"### `kto-pipeline {command}`")
+    section = text[start : text.index("\n### ", start + 1)]
+    rows = {}
+    for line in section.splitlines():
+        if line.startswith("| `-"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0].strip("`")] = cells[1]
+    return rows
+
+
+@pytest.mark.parametrize("command", ["precompute", "train"])
+def test_readme_option_tables_match_the_options(command):
+    rows = readme_rows(command)
+    cmd = commands()[command]
+    required = set(cmd.callback.recipe_required)
+    expected = {}
+    for param in cmd.params:
+        if param.name == "config_file":  # every command's; README says so once
+            continue
+        name = " / ".join(param.opts + param.secondary_opts)
+        if param.name in required:
+            expected[name] = "required"
+        elif isinstance(param.default, bool):
+            expected[name] = "on" if param.default else "off"
+        elif param.default is None:
+            expected[name] = None  # a sentence ("none", "the cached one")
+        else:
+            expected[name] = f"`{param.default}`"
+    assert list(rows) == list(expected)  # the same options, in --help's order
+    for name, default in expected.items():
+        if default is None:
+            assert not rows[name].startswith("`"), name
+        else:
+            assert rows[name] == default, name
