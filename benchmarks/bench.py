@@ -4,6 +4,7 @@
     python benchmarks/bench.py --size smoke    # a minute-long run of every path (used by the tests)
     python benchmarks/bench.py --only lora     # LoRA rows only, updates their section of RESULTS.md
     python benchmarks/bench.py --only smollm2  # the real model (SmolLM2-135M-Instruct) on HH-RLHF, its own section
+    python benchmarks/bench.py --only scale    # preprocessing at 20k / 200k / 1M rows (bench_scale.py), its section
 
 Every measurement runs in a fresh subprocess (`bench.py worker NAME`), so each one's peak RSS is its
 own. Both tools run in float32 with gradient checkpointing off (trl 1.16 defaults to bf16=True and
@@ -25,6 +26,8 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from bench_scale import SCALE_HEADING, SCALE_SIZES
 
 HERE = Path(__file__).resolve().parent
 SIZES = {
@@ -67,7 +70,7 @@ SMOLLM2_SIZES = {
     "full": dict(pairs=160, max_turns=1, steps=8, batch=8, max_length=256),
     "smoke": dict(pairs=8, max_turns=1, steps=2, batch=4, max_length=256),
 }
-CASES = {"random": SIZES, "smollm2": SMOLLM2_SIZES}
+CASES = {"random": SIZES, "smollm2": SMOLLM2_SIZES, "scale": SCALE_SIZES}
 SWEEP_BETAS = (0.05, 0.1, 0.2, 0.5)
 LEARNING_RATE = 1e-5
 
@@ -453,6 +456,11 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = No
                 )
             )
         result.update(seconds=time.perf_counter() - start)
+    elif name.startswith("scale_"):  # bench_scale.py: preprocessing only, its own timers and peaks
+        from bench_scale import scale_worker
+
+        result.update(scale_worker(name, size, out, model, data, rss_mib))
+        return result
     elif name in ("trl_sweep_online", "trl_sweep_precomputed"):
         from trl import KTOTrainer
 
@@ -492,8 +500,15 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = No
 
 
 def run_worker(
-    name: str, work: Path, size_name: str, case: str = "random", model: Path | None = None, data: Path | None = None
+    name: str,
+    work: Path,
+    size_name: str,
+    case: str = "random",
+    model: Path | None = None,
+    data: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict:
+    """`bench.py worker NAME` in a fresh process; `env` overrides its environment (e.g. HF_DATASETS_CACHE)."""
     out = work / "runs" / name
     env = {
         **os.environ,
@@ -502,6 +517,7 @@ def run_worker(
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_CACHE": str(work / "hf-datasets-cache"),
+        **(env or {}),
     }
     cmd = [
         sys.executable,
@@ -594,7 +610,18 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--results", default=None, help="Markdown file to write (default: RESULTS.md for full)")
     parser.add_argument(
-        "--only", choices=["lora", "smollm2"], help="Run only these rows and update their section of --results"
+        "--only",
+        choices=["lora", "smollm2", "scale"],
+        help="Run only these rows and update their section of --results",
+    )
+    parser.add_argument(
+        "--scale-rows",
+        help="--only scale: comma-separated row counts (default: 20000,200000,1000000 for full, 500,2000 for smoke)",
+    )
+    parser.add_argument(
+        "--scale-tokenizer",
+        choices=["smollm2", "char"],
+        help="--only scale: the tokenizer (default: smollm2 for full, char for smoke)",
     )
     parser.add_argument("--case", default="random", choices=sorted(CASES), help=argparse.SUPPRESS)  # workers
     parser.add_argument("--model", help=argparse.SUPPRESS)  # workers: model directory
@@ -613,6 +640,12 @@ def main() -> None:
     results = Path(args.results) if args.results else (HERE / "RESULTS.md" if args.size == "full" else None)
     if args.only == "smollm2":
         run_smollm2(work / "smollm2", args.size, results)
+        return
+    if args.only == "scale":
+        from bench_scale import run_scale
+
+        rows = tuple(int(x) for x in args.scale_rows.split(",")) if args.scale_rows else None
+        run_scale(work / "scale", args.size, results, rows, args.scale_tokenizer)
         return
     print(f"building the model and data in {work} ...", flush=True)
     build_assets(work, size)
@@ -654,7 +687,7 @@ def main() -> None:
         kept = ""
         if results.exists():
             old = results.read_text()
-            for heading in (PROFILE_HEADING, LORA_HEADING, SMOLLM2_HEADING):
+            for heading in (PROFILE_HEADING, LORA_HEADING, SMOLLM2_HEADING, SCALE_HEADING):
                 section = get_section(old, heading)
                 if section:
                     kept += "\n" + section
