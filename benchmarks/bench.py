@@ -687,7 +687,7 @@ def main() -> None:
         kept = ""
         if results.exists():
             old = results.read_text()
-            for heading in (PROFILE_HEADING, LORA_HEADING, SMOLLM2_HEADING, SCALE_HEADING):
+            for heading in (PROFILE_HEADING, LORA_HEADING, SMOLLM2_HEADING, SCALE_HEADING, SCALE_RSS_HEADING):
                 section = get_section(old, heading)
                 if section:
                     kept += "\n" + section
@@ -697,6 +697,7 @@ def main() -> None:
 
 LORA_HEADING = "## LoRA"
 PROFILE_HEADING = "## Where the time goes"
+SCALE_RSS_HEADING = "## Scale: where the preprocessing's peak RSS goes (one-off check)"  # benchmarks/checks/
 
 
 def render_lora(r: dict, size: dict, size_name: str) -> str:

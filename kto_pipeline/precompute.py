@@ -45,7 +45,7 @@ from kto_pipeline.data import (
     preprocess_fingerprint,
     select_rows,
 )
-from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.errors import KTOPipelineError, decided_by_main_process
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.logprobs import pad_sequences, score_layout, score_sequences
 from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
@@ -187,7 +187,7 @@ def precompute(config: PrecomputeConfig) -> Path:
 
 def _precompute(config: PrecomputeConfig) -> Path:
     from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env
+    from accelerate.utils import gather_object, parse_flag_from_env
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
@@ -206,17 +206,8 @@ def _precompute(config: PrecomputeConfig) -> Path:
     # The data before the model, so that a bad row is reported before minutes of model loading. The main process
     # checks and tokenizes (datasets.map, --num-proc workers) into the datasets cache; the others read its files.
     preprocess_started = time.perf_counter()
-    prepared: list[dict[str, Any]] = [{}]
-    if state.is_main_process:
-        try:
-            prepared = [_preprocess(config, tokenizer)]
-        except KTOPipelineError as exc:
-            prepared = [{"error": str(exc)}]
-    if state.num_processes > 1:
-        broadcast_object_list(prepared)
-    if "error" in prepared[0]:
-        raise KTOPipelineError(prepared[0]["error"])
-    tokenized = _open_tokenized(prepared[0]["files"])
+    prepared = decided_by_main_process(state, lambda: _preprocess(config, tokenizer))
+    tokenized = _open_tokenized(prepared["files"])
     tok = select_rows(tokenized, config.max_length)  # numpy indices into the memory-mapped table
     preprocess_seconds = time.perf_counter() - preprocess_started
     n = len(tok)
@@ -225,9 +216,9 @@ def _precompute(config: PrecomputeConfig) -> Path:
         raise KTOPipelineError(f"every row was dropped ({reasons}). Raise --max-length or check the data.")
     partner_pos = assign_kl_partners(n, config.seed)  # positions into the kept rows
     if state.is_main_process:
-        cached = " (read from the datasets cache)" if prepared[0]["cached"] else ""
+        cached = " (read from the datasets cache)" if prepared["cached"] else ""
         print(
-            f"tokenized {prepared[0]['source_rows']} rows in {preprocess_seconds:.1f} s{cached}: {n} kept",
+            f"tokenized {prepared['source_rows']} rows in {preprocess_seconds:.1f} s{cached}: {n} kept",
             flush=True,
         )
 
@@ -247,26 +238,17 @@ def _precompute(config: PrecomputeConfig) -> Path:
         "dataset": dataset_id,
         "dataset_config": config.dataset_config,
         "split": config.split,
-        "dataset_hash": prepared[0]["data_hash"],
+        "dataset_hash": prepared["data_hash"],
         "max_length": config.max_length,
         "dtype": str(dtype).removeprefix("torch."),
         "kl_seed": config.seed,
         "shard_size": config.shard_size,
     }
     # The main process decides what to do with what is already in --output; the others follow.
-    plan: list[dict[str, Any]] = [{}]
-    if state.is_main_process:
-        try:
-            plan = [_plan_output(out, fingerprint, config.overwrite)]
-        except KTOPipelineError as exc:
-            plan = [{"error": str(exc)}]
-    if state.num_processes > 1:
-        broadcast_object_list(plan)
-    if "error" in plan[0]:
-        raise KTOPipelineError(plan[0]["error"])
-    if plan[0]["nothing_to_do"]:
+    plan = decided_by_main_process(state, lambda: _plan_output(out, fingerprint, config.overwrite))
+    if plan["nothing_to_do"]:
         return out
-    done_shards = plan[0]["done_shards"]
+    done_shards = plan["done_shards"]
 
     labels = tok.labels
     manifest: dict[str, Any] = {
@@ -290,7 +272,7 @@ def _precompute(config: PrecomputeConfig) -> Path:
             "config": config.dataset_config,
             "split": config.split,
             "content_hash": fingerprint["dataset_hash"],
-            "source_rows": prepared[0]["source_rows"],
+            "source_rows": prepared["source_rows"],
             "normalized_rows": len(tokenized),
         },
         "settings": {"max_length": config.max_length, "dtype": fingerprint["dtype"], "kl_seed": config.seed},
@@ -384,9 +366,9 @@ def _precompute(config: PrecomputeConfig) -> Path:
         manifest["complete"] = True
         manifest["timing"] = {
             "preprocess_seconds": round(preprocess_seconds, 3),
-            "preprocess_cached": prepared[0]["cached"],
-            "preprocess_rows_per_second": round(prepared[0]["source_rows"] / max(preprocess_seconds, 1e-9), 1),
-            "tokenize_seconds": round(prepared[0]["tokenize_seconds"], 3),
+            "preprocess_cached": prepared["cached"],
+            "preprocess_rows_per_second": round(prepared["source_rows"] / max(preprocess_seconds, 1e-9), 1),
+            "tokenize_seconds": round(prepared["tokenize_seconds"], 3),
             "num_proc": config.num_proc,
             "reference_pass_seconds": round(time.perf_counter() - t0, 3),
             "rows_scored": rows_scored,
