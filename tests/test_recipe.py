@@ -100,7 +100,9 @@ def test_sweep_takes_every_train_field_but_the_fixed_ones_as_values():
 
 
 def test_help_groups_the_options_in_panels(monkeypatch, capsys):
-    monkeypatch.setenv("COLUMNS", "200")
+    # a wide console, set where typer builds it: COLUMNS may not reach rich, which holds the os.environ of its import
+    # time, and datasets.map(num_proc > 1) replaces os.environ with a copy (an earlier test in the suite runs one)
+    monkeypatch.setattr("typer.rich_utils.MAX_WIDTH", 200)
     code, out, _ = run_cli(monkeypatch, capsys, "train", "--help")
     assert code == 0
     for title in ("Model and data", "Optimisation", "LoRA", "Evaluation", "Checkpoints", "Logging"):
