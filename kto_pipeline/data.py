@@ -198,12 +198,12 @@ def check_source(dataset) -> str:
             for row, value in _json_values(column):
                 _as_label(value, row)
             return layout
-        bad = _first(pc.is_null(column))
-        if pa.types.is_integer(column.type) or pa.types.is_floating(column.type):
-            valid = pc.fill_null(pc.is_in(column, value_set=pa.array([0, 1], type=column.type)), False)
-            invalid = _first(pc.invert(valid))
-            bad = invalid if bad is None or (invalid is not None and invalid < bad) else bad
-        elif not pa.types.is_boolean(column.type):
+        if pa.types.is_boolean(column.type):
+            bad = _first(pc.is_null(column))
+        elif pa.types.is_integer(column.type) or pa.types.is_floating(column.type):
+            # is_in is false for nulls too: the first row that is null or not 0/1
+            bad = _first(pc.invert(pc.is_in(column, value_set=pa.array([0, 1], type=column.type))))
+        else:
             bad = 0
         if bad is not None:
             _as_label(column[bad].as_py(), bad)
@@ -410,20 +410,32 @@ def tokenize_row(tokenizer, row: dict[str, Any], source_row: int = 0) -> tuple[l
 
 # The tokenized dataset: one row per normalized row (example id = row number), every row kept, untruncated, so
 # that --max-length changes which rows are kept, never the cached tokens.
-TOKENIZED_COLUMNS = ("label", "prompt_ids", "completion_ids", "prompt_is_prefix")
+TOKENIZED_SCHEMA = pa.schema(
+    [
+        ("label", pa.bool_()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("completion_ids", pa.list_(pa.int32())),
+        ("prompt_is_prefix", pa.bool_()),
+    ]
+)
 PREPROCESS_VERSION = 1  # bump when normalize_batch or tokenize_row change what they produce
 
 
-def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, layout: str) -> dict[str, list]:
-    """datasets.map function: source rows -> normalized, tokenized rows (columns TOKENIZED_COLUMNS)."""
-    out: dict[str, list] = {name: [] for name in TOKENIZED_COLUMNS}
-    for source_row, row in normalize_batch(batch, indices, layout):
+def _tokenized_columns(tokenizer, rows) -> dict[str, list]:
+    """(source row, normalized row) pairs -> the columns of TOKENIZED_SCHEMA."""
+    out: dict[str, list] = {name: [] for name in TOKENIZED_SCHEMA.names}
+    for source_row, row in rows:
         prompt_ids, completion_ids, is_prefix = tokenize_row(tokenizer, row, source_row)
         out["label"].append(row["label"])
         out["prompt_ids"].append(prompt_ids)
         out["completion_ids"].append(completion_ids)
         out["prompt_is_prefix"].append(is_prefix)
     return out
+
+
+def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, layout: str) -> dict[str, list]:
+    """datasets.map function: source rows -> normalized, tokenized rows."""
+    return _tokenized_columns(tokenizer, normalize_batch(batch, indices, layout))
 
 
 def preprocess_fingerprint(data_hash: str, tokenizer_hash: str) -> str:
@@ -434,23 +446,15 @@ def preprocess_fingerprint(data_hash: str, tokenizer_hash: str) -> str:
     return "kto-" + hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
-def preprocess(source, tokenizer, fingerprint: str, num_proc: int = 1, layout: str | None = None):
+def preprocess(source, tokenizer, fingerprint: str, layout: str, num_proc: int = 1):
     """Normalize and tokenize `source` with `datasets.map` (batched, `num_proc` processes) into an Arrow file in
     the datasets cache named by `fingerprint`: a second call with the same fingerprint reads that file instead.
-    Returns the tokenized, memory-mapped `datasets.Dataset`; nothing of it is held as Python objects."""
+    `layout` is `check_source(source)`'s answer. Returns the tokenized, memory-mapped `datasets.Dataset`; nothing
+    of it is held as Python objects."""
     import datasets
 
-    layout = layout or check_source(source)
     cache_file = preprocess_cache_dir() / f"tokenized-{fingerprint}.arrow"
     cache_file.parent.mkdir(parents=True, exist_ok=True)
-    features = datasets.Features(
-        {
-            "label": datasets.Value("bool"),
-            "prompt_ids": datasets.List(datasets.Value("int32")),
-            "completion_ids": datasets.List(datasets.Value("int32")),
-            "prompt_is_prefix": datasets.Value("bool"),
-        }
-    )
     try:
         return source.map(
             _tokenize_batch,
@@ -459,7 +463,7 @@ def preprocess(source, tokenizer, fingerprint: str, num_proc: int = 1, layout: s
             with_indices=True,
             fn_kwargs={"tokenizer": tokenizer, "layout": layout},
             remove_columns=source.column_names,
-            features=features,
+            features=datasets.Features.from_arrow_schema(TOKENIZED_SCHEMA),
             num_proc=num_proc if num_proc > 1 and len(source) > 1 else None,
             cache_file_name=str(cache_file),
             new_fingerprint=fingerprint,
@@ -487,7 +491,7 @@ class TokenizedRows:
     `example_ids` are the kept rows' positions in `table` (one row per normalized row); only these numpy
     arrays (a few bytes per row) live in memory, the token ids stay in the memory-mapped table."""
 
-    table: pa.Table  # TOKENIZED_COLUMNS, every normalized row
+    table: pa.Table  # TOKENIZED_SCHEMA, every normalized row
     example_ids: np.ndarray  # (n,) int64
     labels: np.ndarray  # (n,) bool
     dropped: Counter = field(default_factory=Counter)
@@ -501,10 +505,9 @@ class TokenizedRows:
         return self.table.column(column).take(pa.array(self.example_ids[positions])).to_pylist()
 
 
-def select_rows(tokenized, max_length: int) -> TokenizedRows:
+def select_rows(table: pa.Table, max_length: int) -> TokenizedRows:
     """Keep the rows trl keeps: drop (and count) rows with an empty prompt, a prompt of `max_length` tokens or
     more, or an empty completion (an empty completion has no log-prob). Reads only labels and list lengths."""
-    table = tokenized.data.table if hasattr(tokenized, "data") else tokenized
     prompt_len = pc.list_value_length(table.column("prompt_ids")).to_numpy()
     completion_len = pc.list_value_length(table.column("completion_ids")).to_numpy()
     empty_prompt = prompt_len == 0
@@ -531,14 +534,8 @@ def select_rows(tokenized, max_length: int) -> TokenizedRows:
 
 def tokenize(tokenizer, rows: list[dict[str, Any]], max_length: int) -> TokenizedRows:
     """In-memory form of `preprocess` + `select_rows` for a few normalized rows (tests, tools)."""
-    columns: dict[str, list] = {name: [] for name in TOKENIZED_COLUMNS}
-    for i, row in enumerate(rows):
-        prompt_ids, completion_ids, is_prefix = tokenize_row(tokenizer, row, i)
-        for name, value in zip(TOKENIZED_COLUMNS, (row["label"], prompt_ids, completion_ids, is_prefix), strict=True):
-            columns[name].append(value)
-    ids = pa.list_(pa.int32())
-    types = {"label": pa.bool_(), "prompt_ids": ids, "completion_ids": ids, "prompt_is_prefix": pa.bool_()}
-    return select_rows(pa.table({k: pa.array(v, type=types[k]) for k, v in columns.items()}), max_length)
+    columns = _tokenized_columns(tokenizer, enumerate(rows))
+    return select_rows(pa.table(columns, schema=TOKENIZED_SCHEMA), max_length)
 
 
 # -------------------------------------------------------------------------------------------- pair

@@ -197,7 +197,7 @@ def _acquire(path: Path, what: str, label: str | None) -> tuple[int, DirectoryLo
             lock = DirectoryLock(path, lock_file, _new_record(what), took_over=previous)
             _write_record(fd, lock.record)
             if previous:
-                _note_takeover(previous, lock_file, "no longer running")
+                _note_takeover(previous, lock_file)
             return fd, lock
         except BaseException:
             os.close(fd)
@@ -234,7 +234,7 @@ def _acquire_without_flock(
         if not (same_host and isinstance(holder.get("pid"), int) and not _pid_alive(holder["pid"])):
             raise KTOPipelineError(_refusal(path, lock_file, holder, what, label, by_pid=True))
         lock.took_over = holder
-        _note_takeover(holder, lock_file, "no longer running")
+        _note_takeover(holder, lock_file)
     _write_record(fd, lock.record)
     return lock
 
@@ -289,11 +289,11 @@ def _describe(record: dict[str, Any]) -> str:
     )
 
 
-def _note_takeover(previous: dict[str, Any], lock_file: Path, why: str) -> None:
+def _note_takeover(previous: dict[str, Any], lock_file: Path) -> None:
     print(
         f"note: took over the lock {lock_file} left by pid {previous.get('pid', '?')} on host "
         f"{previous.get('host', '?')} ({previous.get('command', 'kto-pipeline')}, started "
-        f"{previous.get('started', '?')}, {why})",
+        f"{previous.get('started', '?')}, no longer running)",
         flush=True,
     )
 

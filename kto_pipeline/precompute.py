@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from kto_pipeline import __version__
@@ -152,8 +153,7 @@ def score_shard(
 
 
 def _check_output(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise KTOPipelineError(f"--output {out} is a file. Choose a directory path for the cache.")
+    # (a file at --output is refused by the lock, taken before this check)
     if out.is_dir() and holds_files(out) and not (out / MANIFEST).exists():
         raise KTOPipelineError(
             f"--output {out} already holds files that are not a kto-pipeline cache. Choose an empty or new directory."
@@ -234,7 +234,7 @@ def _precompute(config: PrecomputeConfig) -> Path:
         "model": model_id,
         "model_revision": config.revision,
         "model_hash": model_weights_hash(model) if state.is_main_process else None,
-        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "tokenizer_hash": prepared["tokenizer_hash"],
         "dataset": dataset_id,
         "dataset_config": config.dataset_config,
         "split": config.split,
@@ -273,7 +273,7 @@ def _precompute(config: PrecomputeConfig) -> Path:
             "split": config.split,
             "content_hash": fingerprint["dataset_hash"],
             "source_rows": prepared["source_rows"],
-            "normalized_rows": len(tokenized),
+            "normalized_rows": tokenized.num_rows,
         },
         "settings": {"max_length": config.max_length, "dtype": fingerprint["dtype"], "kl_seed": config.seed},
         "counts": {
@@ -391,24 +391,26 @@ def _preprocess(config: PrecomputeConfig, tokenizer) -> dict[str, Any]:
     layout = check_source(source)  # seconds, even for millions of rows: columns, types, nulls, labels
     data_hash = content_hash(config.dataset, source)
     key = json.dumps([data_hash, config.split, config.dataset_config])
-    fingerprint = preprocess_fingerprint(key, tokenizer_hash(tokenizer))
+    tokenizer_fingerprint = tokenizer_hash(tokenizer)
+    fingerprint = preprocess_fingerprint(key, tokenizer_fingerprint)
     cached = any(preprocess_cache_dir().glob(f"tokenized-{fingerprint}*.arrow"))
     started = time.perf_counter()
-    tokenized = preprocess(source, tokenizer, fingerprint, config.num_proc, layout)
+    tokenized = preprocess(source, tokenizer, fingerprint, layout, config.num_proc)
     return {
         "files": [f["filename"] for f in tokenized.cache_files],
         "source_rows": len(source),
         "data_hash": data_hash,
+        "tokenizer_hash": tokenizer_fingerprint,
         "cached": cached,
         "tokenize_seconds": time.perf_counter() - started,
     }
 
 
-def _open_tokenized(files: list[str]):
-    """The tokenized dataset from its Arrow files in the datasets cache, memory-mapped."""
+def _open_tokenized(files: list[str]) -> pa.Table:
+    """The tokenized rows from their Arrow files in the datasets cache, memory-mapped."""
     import datasets
 
-    return datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in files])
+    return pa.concat_tables([datasets.Dataset.from_file(f).data.table for f in files])
 
 
 def _absolute_if_local(name: str) -> str:

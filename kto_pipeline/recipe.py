@@ -134,7 +134,6 @@ def options(
             ]
         )
         command.recipe_required = tuple(s.name for s in specs if s.required)
-        command.recipe_options = tuple(specs)
         return command
 
     return decorate

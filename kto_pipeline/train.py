@@ -248,8 +248,7 @@ def imbalance_warning(num_desirable: int, num_undesirable: int, desirable_weight
 
 
 def _check_output_dir(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise KTOPipelineError(f"--output-dir {out} is a file. Choose a directory.")
+    # (a file at --output-dir is refused by the lock, taken before this check)
     if out.is_dir() and holds_files(out) and not overwrite:  # our own lock file does not count
         raise KTOPipelineError(
             f"--output-dir {out} is not empty. Choose a new directory, or pass --overwrite-output-dir to write into it."
