@@ -37,7 +37,7 @@ def main() -> None:
 
     from kto_pipeline.data import load_source, normalize, tokenize
     from kto_pipeline.logprobs import backbone_of, chunked_token_logps, score_policy, score_sequences
-    from kto_pipeline.packing import attention_cost
+    from kto_pipeline.packing import attention_costs
     from kto_pipeline.train import Collator, batch_layout
 
     tok = AutoTokenizer.from_pretrained(work / "model")
@@ -62,7 +62,7 @@ def main() -> None:
                 "example_id": i,
             }
         )
-    packed = Collator(tok.pad_token_id, packed=True, attention_cost=attention_cost(model))(batch_rows)
+    packed = Collator(tok.pad_token_id, packed=True, attention=attention_costs(model, "cpu"))(batch_rows)
     layout = batch_layout(packed)
     padded = Collator(tok.pad_token_id, packed=False)(batch_rows)
     phases: dict[str, float] = {}

@@ -24,7 +24,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kto_pipeline.packing import Layout, attention_cost, attention_mask_for, sliding_window, text_config, tree_mask
+from kto_pipeline.packing import (
+    Layout,
+    attention_by_tree,
+    attention_costs,
+    attention_mask_for,
+    checkpointing,
+    sliding_window,
+    text_config,
+    tree_attention_pays,
+    tree_blocks,
+    tree_blocks_on,
+    tree_mask,
+)
 
 DEFAULT_CHUNK_SIZE = 1024
 
@@ -35,16 +47,30 @@ def _chunk_logits(
     bias: torch.Tensor | None,  # (V,)
     logit_scale: float,
     softcap: float | None,
+    buffer: torch.Tensor,  # (>= n, V) float32, reused from chunk to chunk
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float32 logits of one chunk, plus tanh(raw / softcap) when soft-capping (needed for the backward)."""
-    logits = F.linear(hidden, weight, bias).float()  # (n, V)
+    """Float32 logits of one chunk, plus tanh(raw / softcap) when soft-capping (needed for the backward).
+
+    Float32 matmuls write into `buffer`: a fresh (n, V) block per chunk is page-faulted and zeroed by the
+    kernel on every allocation, which cost about a fifth of the head's time on the CPU."""
+    if hidden.dtype == torch.float32:
+        out = buffer[: hidden.shape[0]]
+        logits = (
+            torch.mm(hidden, weight.t(), out=out) if bias is None else torch.addmm(bias, hidden, weight.t(), out=out)
+        )
+    else:
+        logits = F.linear(hidden, weight, bias).float()  # (n, V)
     if logit_scale != 1.0:
-        logits = logits * logit_scale
+        logits.mul_(logit_scale)
     tanh = None
     if softcap is not None:
         tanh = torch.tanh(logits / softcap)
-        logits = softcap * tanh
+        logits = torch.mul(tanh, softcap, out=logits)
     return logits, tanh
+
+
+def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    return hidden.new_empty(min(chunk_size, hidden.shape[0]), weight.shape[0], dtype=torch.float32)
 
 
 class _ChunkedTokenLogps(torch.autograd.Function):
@@ -57,17 +83,25 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         mean_logits = hidden.new_zeros(n, dtype=torch.float32)
         entropy = hidden.new_zeros(n, dtype=torch.float32)
         lses = hidden.new_empty(n, dtype=torch.float32)
+        buffer = _logits_buffer(hidden, weight, chunk_size)
+        exps = torch.empty_like(buffer) if with_stats else None
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            logits, _ = _chunk_logits(hidden[start:end], weight, bias, logit_scale, softcap)
-            lse = torch.logsumexp(logits, dim=-1)  # (n,)
-            logps[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - lse
-            lses[start:end] = lse
+            logits, _ = _chunk_logits(hidden[start:end], weight, bias, logit_scale, softcap, buffer)
+            target_logits = logits.gather(-1, targets[start:end, None]).squeeze(-1)
             if with_stats:  # metrics only; skipped by the reference pass and the KL forward
                 mean_logits[start:end] = logits.mean(-1)
-                # entropy = -sum(p * log p), log p = logits - lse computed in the logits' own buffer
-                log_p = logits.sub_(lse[:, None])
-                entropy[start:end] = -log_p.exp().mul_(log_p).sum(-1)
+            # logsumexp's own steps (max, shift, exp, sum, log), in place in the chunk's buffer
+            top = logits.amax(-1, keepdim=True)
+            shifted = logits.sub_(top)
+            e = torch.exp(shifted, out=exps[: end - start]) if with_stats else shifted.exp_()
+            sum_exp = e.sum(-1)
+            lse = sum_exp.log() + top.squeeze(-1)
+            logps[start:end] = target_logits - lse
+            lses[start:end] = lse
+            if with_stats:
+                # entropy = -sum(p * log p), p = e / sum_exp, log p = shifted - log(sum_exp)
+                entropy[start:end] = sum_exp.log() - e.mul_(shifted).sum(-1) / sum_exp
         ctx.save_for_backward(hidden, weight, bias, targets, lses)
         ctx.chunk_size, ctx.logit_scale, ctx.softcap = chunk_size, logit_scale, softcap
         ctx.mark_non_differentiable(mean_logits, entropy)
@@ -80,11 +114,12 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if need_h else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if (need_b and bias is not None) else None
+        buffer = _logits_buffer(hidden, weight, ctx.chunk_size)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
             g = grad_logps[start:end].float()  # (n,)
-            logits, tanh = _chunk_logits(h, weight, bias, ctx.logit_scale, ctx.softcap)
+            logits, tanh = _chunk_logits(h, weight, bias, ctx.logit_scale, ctx.softcap, buffer)
             # d logp[t] / d logits = onehot(t) - softmax(logits), built in place in the logits' buffer
             dlogits = logits.sub_(lses[start:end, None]).exp_().mul_(-g[:, None])
             dlogits.scatter_add_(-1, targets[start:end, None], g[:, None])
@@ -94,9 +129,12 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 dlogits = dlogits * ctx.logit_scale
             dlogits = dlogits.to(h.dtype)
             if need_h:
-                grad_hidden[start:end] = dlogits @ weight
+                torch.mm(dlogits, weight, out=grad_hidden[start:end])
             if need_w:
-                grad_weight += (dlogits.t() @ h).float()
+                if grad_weight.dtype == dlogits.dtype:
+                    grad_weight.addmm_(dlogits.t(), h)
+                else:
+                    grad_weight += (dlogits.t() @ h).float()
             if grad_bias is not None:
                 grad_bias += dlogits.float().sum(0)
         if grad_weight is not None:
@@ -260,16 +298,24 @@ def _scores(logps, sequence, num_sequences, mean_logits, entropy, aux_loss=None)
 def _forward(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | None = None, cache=None, **extra):
     """The backbone's outputs for the tokens `queries` (N, Q), flat indices into the layout, which attend (tree
     mask) to the tokens `keys` (N, K): themselves (default), or, with a `cache`, the cached tokens then themselves."""
-    visible = tree_mask(layout, queries, queries if keys is None else keys, sliding_window(model))
+    keys = queries if keys is None else keys
+    visible = tree_mask(layout, queries, keys, sliding_window(model))
     dtype = model.get_input_embeddings().weight.dtype
-    return backbone_of(model)(
-        input_ids=layout.input_ids.reshape(-1)[queries],
-        position_ids=layout.position_ids.reshape(-1)[queries],
-        attention_mask=attention_mask_for(model, visible, dtype),
-        past_key_values=cache,
-        use_cache=cache is not None,
-        **extra,
-    )
+    by_tree = tree_blocks_on(model, queries.device)
+    if by_tree:
+        blocks = tree_blocks(layout, queries, keys, visible)
+        by_tree = tree_attention_pays(model, queries, keys, blocks)
+        if by_tree:
+            extra["tree_blocks"] = blocks
+    with attention_by_tree(model, by_tree):
+        return backbone_of(model)(
+            input_ids=layout.input_ids.reshape(-1)[queries],
+            position_ids=layout.position_ids.reshape(-1)[queries],
+            attention_mask=attention_mask_for(model, visible, dtype),
+            past_key_values=cache,
+            use_cache=cache is not None,
+            **extra,
+        )
 
 
 def _score_branch(model, layout: Layout, hidden, where, branch: int, chunk_size: int, with_stats: bool, **extra):
@@ -330,10 +376,7 @@ def score_policy(
     rows, width, split, device = *layout.input_ids.shape, layout.split, layout.input_ids.device
     grid = torch.arange(rows * width, device=device).reshape(rows, width)
     main = grid[:, :split]  # (R, S) flat indices
-    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x; older: the next
-    if checkpointing is None:
-        checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    cache = DynamicCache() if with_kl and not checkpointing else None
+    cache = DynamicCache() if with_kl and not checkpointing(model) else None
     extra = {"output_router_logits": True} if output_router_logits else {}
     outputs = _forward(model, layout, main, cache=cache, **extra)
     aux_loss = None
@@ -354,7 +397,7 @@ def score_policy(
         # The KL completions run either as they lie, each row's after its own prompts (padded to the row with the
         # most), or gathered from all rows into one unpadded row that attends to all rows' cached tokens (the
         # mask is dense): whichever costs less (see packing.pack_rows).
-        cost, n_kl = attention_cost(model), len(kl_tokens)
+        cost, n_kl = attention_costs(model, device).pair, len(kl_tokens)
         gathered = n_kl * (1 + cost * (rows * split + n_kl)) < rows * (width - split) * (1 + cost * width)
         gathered = gathered if gather_kl is None else gather_kl
         if on_cache and gathered:

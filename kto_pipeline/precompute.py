@@ -50,7 +50,7 @@ from kto_pipeline.errors import KTOPipelineError, decided_by_main_process
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.logprobs import pad_sequences, score_layout, score_sequences
 from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
-from kto_pipeline.packing import attention_cost, layout_trees, pack_rows, packing_unsupported
+from kto_pipeline.packing import AttentionCosts, attention_costs, layout_trees, pack_rows, packing_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -81,16 +81,18 @@ def pack_batches(seqs: list[Sequence], batch_size: int, max_tokens: int) -> list
     return batches
 
 
-def pack_trees(sizes: list[int], batch_size: int, max_tokens: int, cost: float = 0.0) -> list[list[list[int]]]:
+def pack_trees(
+    sizes: list[int], batch_size: int, max_tokens: int, costs: AttentionCosts | None = None
+) -> list[list[list[int]]]:
     """Group trees (prompt + completion + KL completion, `sizes[i]` tokens) into forward passes of rows.
 
-    Rows by `packing.pack_rows` (several trees a row; `cost`: attention's relative cost); then rows
+    Rows by `packing.pack_rows` (several trees a row; `costs`: what attention costs); then rows
     into passes while rows x width <= max_tokens and trees <= batch_size / 2 (batch_size counts sequences,
     two per tree; a tree always fits alone). Returns passes -> rows -> trees."""
     passes: list[list[list[int]]] = []
     current: list[list[int]] = []
     width = trees = 0
-    for row in pack_rows(sizes, max(batch_size // 2, 1), cost):
+    for row in pack_rows(sizes, max(batch_size // 2, 1), costs):
         row_width = sum(sizes[i] for i in row)
         new_width = max(width, row_width)
         if current and (new_width * (len(current) + 1) > max_tokens or 2 * (trees + len(row)) > max(batch_size, 2)):
@@ -122,7 +124,7 @@ def score_shard(
     out: list[list[np.ndarray]] = [[np.empty(0, np.float32)] * 2 for _ in trees]
     if shared:
         sizes = [len(p) + sum(map(len, conts)) for p, conts in trees]
-        for rows in pack_trees(sizes, batch_size, max_tokens, attention_cost(model)):
+        for rows in pack_trees(sizes, batch_size, max_tokens, attention_costs(model, device)):
             members = [t for row in rows for t in row]
             local = {t: i for i, t in enumerate(members)}
             layout = layout_trees([trees[t] for t in members], [[local[t] for t in row] for row in rows], pad_id)

@@ -47,7 +47,7 @@ from kto_pipeline.logprobs import PolicyScores, pad_sequences, score_policy, sco
 from kto_pipeline.loss import kto_loss
 from kto_pipeline.model_card import write_model_card
 from kto_pipeline.models import load_model, load_tokenizer
-from kto_pipeline.packing import Layout, attention_cost, layout_trees, pack_rows, packing_unsupported
+from kto_pipeline.packing import AttentionCosts, Layout, attention_costs, layout_trees, pack_rows, packing_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -152,14 +152,14 @@ class Collator:
 
     pad_id: int
     packed: bool = True
-    attention_cost: float = 0.0  # `packing.attention_cost` of the model: how wide packed rows should be
+    attention: AttentionCosts | None = None  # `packing.attention_costs` of the model: how wide packed rows should be
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch: dict[str, torch.Tensor] = {}
         if self.packed:
             trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
             sizes = [len(p) + len(c) for p, (c, _) in trees]  # the KL completions run apart, in one unpadded row
-            layout = layout_trees(trees, pack_rows(sizes, None, self.attention_cost), self.pad_id, split_last=True)
+            layout = layout_trees(trees, pack_rows(sizes, None, self.attention), self.pad_id, split_last=True)
             batch.update({LAYOUT_KEY + k: v for k, v in vars(layout).items() if isinstance(v, torch.Tensor)})
             batch[LAYOUT_KEY + "split"] = torch.tensor(layout.split)
         else:
@@ -516,7 +516,7 @@ def _train(config: TrainConfig) -> TrainResult:
         sampler = EpochSampler(len(rows), config.seed, shuffle, lengths=rows.lengths(), group=50 * global_batch)
         if accelerator.is_main_process:
             print(f"note: {unpacked_because}: batches are padded, rows grouped by length", flush=True)
-    collator = Collator(tokenizer.pad_token_id, unpacked_because is None, attention_cost(model))
+    collator = Collator(tokenizer.pad_token_id, unpacked_because is None, attention_costs(model, accelerator.device))
     loader = DataLoader(rows, batch_size=config.per_device_train_batch_size, sampler=sampler, collate_fn=collator)
 
     eval_rows = _open_eval_cache(config, manifest, max_length)

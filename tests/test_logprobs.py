@@ -16,30 +16,36 @@ def reference_logps(hidden, weight, targets, bias=None, scale=1.0, softcap=None)
 @pytest.mark.parametrize("n,h,v,chunk", [(1, 8, 11, 4), (37, 16, 50, 8), (64, 32, 97, 1024), (10, 8, 13, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("scale,softcap", [(1.0, None), (0.5, None), (1.0, 3.0)])
-def test_values_and_gradients_match_full_logits(n, h, v, chunk, with_bias, scale, softcap):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: matmuls into the reused buffer
+def test_values_and_gradients_match_full_logits(n, h, v, chunk, with_bias, scale, softcap, dtype):
     g = torch.Generator().manual_seed(n * 1000 + v)
-    hidden = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True) if with_bias else None
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64)
+    bias = torch.randn(v, generator=g, dtype=torch.float64) if with_bias else None
     targets = torch.randint(v, (n,), generator=g)
     upstream = torch.randn(n, generator=g, dtype=torch.float64)
+    params = [x.to(dtype).requires_grad_() for x in (hidden, weight) + ((bias,) if with_bias else ())]
+    hidden, weight = params[:2]
+    bias = params[2] if with_bias else None
+    tol = 1e-5 if dtype == torch.float64 else 1e-4
 
     got, mean_logits, entropy = chunked_token_logps(hidden, weight, targets, bias, chunk, scale, softcap)
-    want = reference_logps(hidden, weight, targets, bias, scale, softcap)
-    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    exact = [x.detach().double().requires_grad_() for x in params]
+    want = reference_logps(exact[0], exact[1], targets, exact[2] if with_bias else None, scale, softcap)
+    torch.testing.assert_close(got, want.float(), atol=tol, rtol=tol)
 
-    params = [hidden, weight] + ([bias] if with_bias else [])
     got_grads = torch.autograd.grad((got.double() * upstream).sum(), params)
-    want_grads = torch.autograd.grad((want * upstream).sum(), params)
+    want_grads = torch.autograd.grad((want * upstream).sum(), exact)
     for a, b in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.double(), b, atol=tol, rtol=1e-4 if dtype == torch.float64 else 1e-3)
+    hidden, weight, bias = exact[0], exact[1], exact[2] if with_bias else None
 
     logits = (hidden @ weight.T + (0 if bias is None else bias)) * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    torch.testing.assert_close(mean_logits, logits.mean(-1).float().detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mean_logits, logits.mean(-1).float().detach(), atol=tol, rtol=tol)
     p = torch.softmax(logits, -1)
-    torch.testing.assert_close(entropy, -(p * torch.log(p)).sum(-1).float().detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, -(p * torch.log(p)).sum(-1).float().detach(), atol=tol, rtol=tol)
 
 
 def test_bfloat16_close_to_float32():

@@ -185,16 +185,19 @@ def test_gradient_checkpointing_runs_the_prompt_again_for_the_kl():
 
 
 def test_pack_rows():
-    from kto_pipeline.packing import pack_rows
+    from kto_pipeline.packing import AttentionCosts, pack_rows
 
     sizes = [10, 9, 6, 5, 4, 3, 1]
-    rows = pack_rows(sizes, attention_cost=0.05)
+    rows = pack_rows(sizes, costs=AttentionCosts(pair=0.05))
     assert sorted(t for row in rows for t in row) == list(range(len(sizes)))
     assert sorted(sum(sizes[t] for t in row) for row in rows) == [9, 9, 10, 10]  # 10 | 9 1 | 6 3 | 5 4
     assert all(len(row) <= 1 for row in pack_rows(sizes, max_trees=1))
     uneven = [10, 7, 7, 7, 4]
     assert len(pack_rows(uneven)) == 1  # no attention cost: one row, no padding
-    assert len(pack_rows(uneven, attention_cost=0.2)) == 4  # attention dearer: [10] [7 4] [7] [7]
+    assert len(pack_rows(uneven, costs=AttentionCosts(pair=0.2))) == 4  # attention dearer: [10] [7 4] [7] [7]
+    # attention tree by tree: each tree attends to itself whatever the row, so one row again where calls are cheap
+    assert len(pack_rows(uneven, costs=AttentionCosts(pair=0.2, tree_call=0.1))) == 1
+    assert len(pack_rows(uneven, costs=AttentionCosts(pair=0.2, tree_call=100.0))) == 4  # calls dearer: dense
 
 
 def test_split_layout_puts_the_last_continuations_after_the_rest():
@@ -212,3 +215,99 @@ def test_unsupported_models_are_named():
     assert "flash_attention_2" in packing_unsupported(model)
     model = make_model("mistral", layer_types=["full_attention", "sliding_attention"])
     assert "several attention types" in packing_unsupported(model)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
+    """On the CPU, packed forwards attend tree by tree (`tree_attention`); the values and gradients equal the dense
+    mask's, for the reference pass's layout and for training's two forwards (KL in rows and gathered)."""
+    import kto_pipeline.logprobs as logprobs
+    from kto_pipeline import packing
+    from kto_pipeline.packing import tree_blocks_on
+
+    model = make_model(kind)
+    assert tree_blocks_on(model, "cpu") and not tree_blocks_on(model, "cuda")
+    assert not tree_blocks_on(make_model(kind, attn_implementation="eager"), "cpu")
+    trees = random_trees(6, seed=5)
+    calls = []
+
+    monkeypatch.setattr(packing, "TREE_CALL_FLOPS", 0)  # tree by tree even where calls cost more than it saves
+
+    def run(by_tree: bool):
+        monkeypatch.setattr(logprobs, "tree_blocks_on", lambda m, d: by_tree)
+        with torch.no_grad():
+            reference = score_layout(model, layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5))
+        results = [reference.token_logps]
+        for gather in (False, True):
+            scores = score_policy(
+                model, layout_trees(trees, [[0, 5], [1, 2, 3], [4]], split_last=True), gather_kl=gather
+            )
+            (scores.completions.logps * torch.linspace(-1, 1, len(trees))).sum().backward()
+            results += [scores.completions.token_logps.detach(), scores.kl.token_logps]
+            results += [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+        assert model.config._attn_implementation == "sdpa"  # restored after every forward
+        return results
+
+    original = packing.tree_attention
+    monkeypatch.setattr(
+        packing, "tree_attention", lambda *a, **k: calls.append(k.get("tree_blocks")) or original(*a, **k)
+    )
+    dense = run(False)
+    assert not calls
+    by_tree = run(True)
+    assert calls and all(blocks is not None for blocks in calls)
+    for a, b in zip(by_tree, dense, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_tree_attention_runs_where_it_saves_more_than_its_calls_cost():
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from kto_pipeline.packing import tree_attention_pays, tree_blocks, tree_mask
+
+    def pays(hidden: int, heads: int, tree_tokens: int, trees: int) -> bool:
+        config = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads)
+        tree = ([1] * (tree_tokens - 2), [[2], [3]])
+        layout = layout_trees([tree] * trees)
+        queries = torch.arange(layout.width)[None]
+        blocks = tree_blocks(layout, queries, queries, tree_mask(layout, queries, queries, None))
+        return tree_attention_pays(SimpleNamespace(config=config), queries, queries, blocks)
+
+    assert pays(hidden=576, heads=9, tree_tokens=120, trees=8)  # SmolLM2's width, real rows
+    assert not pays(hidden=64, heads=4, tree_tokens=15, trees=7)  # the tests' tiny models
+    assert not pays(hidden=576, heads=9, tree_tokens=120, trees=1)  # one tree: nothing to save
+
+
+def test_gradient_checkpointing_attends_on_the_dense_mask(monkeypatch):
+    """Gradient checkpointing recomputes each layer in the backward, outside the forward's tree-by-tree attention,
+    and must save the same tensors as the forward: so its forwards take the dense mask, with the same gradients."""
+    from kto_pipeline import packing
+    from kto_pipeline.packing import tree_blocks_on
+
+    monkeypatch.setattr(packing, "TREE_CALL_FLOPS", 0)  # the tiny model goes tree by tree where it may
+    trees = random_trees(5, seed=6)
+    grads = []
+    for checkpointing in (False, True):
+        model = make_model("llama")
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        assert tree_blocks_on(model, "cpu") is not checkpointing
+        scores = score_policy(model, layout_trees(trees, [[0, 1, 2, 3, 4]], split_last=True))
+        scores.completions.logps.sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_rows_stay_under_the_mask_budget():
+    from kto_pipeline.packing import MAX_ROW_TOKENS, pack_rows
+
+    sizes = [200] * 100  # 20,000 tokens: where attention costs nothing per pair, rows still stop near the budget
+    rows = pack_rows(sizes)
+    assert len(rows) >= 3  # (4 rows of 5,000: 3 would pad 400 tokens)
+    assert max(sum(sizes[t] for t in row) for row in rows) <= MAX_ROW_TOKENS
+    assert len(pack_rows([MAX_ROW_TOKENS * 2] * 3)) == 3  # trees wider than the budget: one a row
