@@ -242,10 +242,11 @@ def test_progress_is_reported_per_forward_pass(tiny_model_dir, shared):
 
 
 def test_pack_trees_respects_budgets():
+    from kto_pipeline.packing import AttentionCosts
     from kto_pipeline.precompute import pack_trees
 
     sizes = [10, 9, 6, 5, 4, 3, 1]
-    passes = pack_trees(sizes, batch_size=100, max_tokens=1000, cost=0.05)
+    passes = pack_trees(sizes, batch_size=100, max_tokens=1000, costs=AttentionCosts(pair=0.05))
     assert sorted(t for p in passes for row in p for t in row) == list(range(len(sizes)))
     assert len(passes) == 1 and len(passes[0]) == 4  # 10 | 9 1 | 6 4 | 5 3
     for p in pack_trees(sizes, batch_size=4, max_tokens=20):  # <= 2 trees, <= 20 tokens (or one row) a pass
