@@ -30,11 +30,9 @@ from kto_pipeline.packing import (
     attention_costs,
     attention_mask_for,
     checkpointing,
+    paying_tree_blocks,
     sliding_window,
     text_config,
-    tree_attention_pays,
-    tree_blocks,
-    tree_blocks_on,
     tree_mask,
 )
 
@@ -301,13 +299,10 @@ def _forward(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | 
     keys = queries if keys is None else keys
     visible = tree_mask(layout, queries, keys, sliding_window(model))
     dtype = model.get_input_embeddings().weight.dtype
-    by_tree = tree_blocks_on(model, queries.device)
-    if by_tree:
-        blocks = tree_blocks(layout, queries, keys, visible)
-        by_tree = tree_attention_pays(model, queries, keys, blocks)
-        if by_tree:
-            extra["tree_blocks"] = blocks
-    with attention_by_tree(model, by_tree):
+    blocks = paying_tree_blocks(model, layout, queries, keys, visible)
+    if blocks is not None:
+        extra["tree_blocks"] = blocks
+    with attention_by_tree(model, blocks is not None):
         return backbone_of(model)(
             input_ids=layout.input_ids.reshape(-1)[queries],
             position_ids=layout.position_ids.reshape(-1)[queries],

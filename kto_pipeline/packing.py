@@ -14,9 +14,9 @@ padded computation up to float rounding; the tests hold them to 1e-5.
 
 Trees are spread over rows (`pack_rows`), as many rows as balance the
 padding of narrow rows against the attention of wide ones: under the dense mask every query meets
-every key of its row. On the CPU, attention runs tree by tree instead (`tree_attention`), each tree's
-queries meeting only its own keys, so a row's width costs nothing and a batch packs into as few rows
-as the mask's memory allows, without padding.
+every key of its row. On the CPU, where it pays (real models), attention runs tree by tree instead
+(`tree_attention`), each tree's queries meeting only its own keys, so a row's width costs nothing and a
+batch packs into as few rows as the mask's memory allows, without padding.
 
 The layout also splits into two forwards: training runs the prompts and completions with gradients,
 keeps their keys/values (a `DynamicCache`), and then runs only the KL completions, without gradients,
@@ -212,8 +212,8 @@ def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window:
 # 8x the (query, key) pairs it needs. `tree_attention` (registered with transformers as TREE_ATTENTION) runs
 # transformers' own sdpa attention once per tree instead, on that tree's queries and keys and its part of the
 # mask: the same values, only the needed pairs. It is a speed-up and never a condition of correctness: the dense
-# mask is still handed over, and a forward that brings no blocks (generation, a recomputing backward under
-# gradient checkpointing) runs plain sdpa on it.
+# mask is still handed over, and a call that brings no blocks runs plain sdpa on it. Gradient checkpointing never
+# goes tree by tree (see `tree_blocks_on`).
 
 TREE_ATTENTION = "kto_tree_sdpa"
 
@@ -256,7 +256,8 @@ def tree_blocks(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visib
 
 
 # One sdpa call costs about 0.1 ms on the CPU whatever its size, about what 10 MFLOP of attention take there
-# (dense masked sdpa runs at ~100 GFLOP/s on the 2-core benchmark machine): measured, see benchmarks/RESULTS.md.
+# (measured 2026-11-22 on the 2-core benchmark machine with transformers' sdpa_attention_forward: ~0.1 ms for
+# 10-40 token blocks, dense masked rows of 320-2000 tokens at ~100 GFLOP/s).
 TREE_CALL_FLOPS = 10e6
 
 
@@ -267,6 +268,17 @@ def tree_attention_pays(model, queries: torch.Tensor, keys: torch.Tensor, blocks
     dense = queries.shape[0] * queries.shape[1] * keys.shape[1]
     saved = (dense - sum(row.pairs() for row in blocks)) * 4 * _attention_width(text_config(model))
     return saved > sum(len(row.widths) for row in blocks) * TREE_CALL_FLOPS
+
+
+def paying_tree_blocks(
+    model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+) -> list[RowBlocks] | None:
+    """The blocks a forward hands to `tree_attention`, or None where it attends on the dense mask: the model or
+    device cannot go tree by tree (`tree_blocks_on`), or going tree by tree would not pay (`tree_attention_pays`)."""
+    if not tree_blocks_on(model, queries.device):
+        return None
+    blocks = tree_blocks(layout, queries, keys, visible)
+    return blocks if tree_attention_pays(model, queries, keys, blocks) else None
 
 
 def _attention_width(config) -> int:

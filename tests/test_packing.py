@@ -221,7 +221,6 @@ def test_unsupported_models_are_named():
 def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
     """On the CPU, packed forwards attend tree by tree (`tree_attention`); the values and gradients equal the dense
     mask's, for the reference pass's layout and for training's two forwards (KL in rows and gathered)."""
-    import kto_pipeline.logprobs as logprobs
     from kto_pipeline import packing
     from kto_pipeline.packing import tree_blocks_on
 
@@ -234,7 +233,7 @@ def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
     monkeypatch.setattr(packing, "TREE_CALL_FLOPS", 0)  # tree by tree even where calls cost more than it saves
 
     def run(by_tree: bool):
-        monkeypatch.setattr(logprobs, "tree_blocks_on", lambda m, d: by_tree)
+        monkeypatch.setattr(packing, "tree_blocks_on", lambda m, d: by_tree)
         with torch.no_grad():
             reference = score_layout(model, layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5))
         results = [reference.token_logps]
