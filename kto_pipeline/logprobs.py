@@ -9,7 +9,9 @@ The trade-off: a model's own forward projects every position through the LM head
 value per position. Instead we run the backbone, keep only the hidden states of completion
 positions, and project them through the LM head in chunks of rows. The backward pass recomputes
 each chunk's logits rather than storing them (as Liger-Kernel's chunked losses do), so memory is
-O(chunk x vocab) in both directions at the cost of one extra matmul per chunk.
+O(chunk x vocab) in both directions at the cost of one extra matmul per chunk. Where all of a batch's
+logits are small (at most `KEEP_LOGITS_BYTES`, e.g. SmolLM2's 49k vocabulary at batch 8 on the CPU), the
+forward keeps them for the backward instead: the same values without the second matmul.
 
 Three ways to run the backbone: `score_sequences` (one padded sequence per row: the fallback, and the
 tests' reference), `score_layout` (packed trees, each prompt once: the reference pass) and
@@ -37,6 +39,9 @@ from kto_pipeline.packing import (
 )
 
 DEFAULT_CHUNK_SIZE = 1024
+# Float32 logits of up to this many bytes are kept from the forward for the backward rather than recomputed
+# (one matmul of the head saved per step; the backward reads the same values it would have recomputed).
+KEEP_LOGITS_BYTES = 256 << 20
 
 
 def _chunk_logits(
@@ -72,10 +77,11 @@ def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int) 
 
 
 class _ChunkedTokenLogps(torch.autograd.Function):
-    """log_softmax(hidden @ weight.T + bias)[target], chunked over rows, with a recomputing backward."""
+    """log_softmax(hidden @ weight.T + bias)[target], chunked over rows. The backward recomputes each chunk's
+    logits, or reads them from the forward where all of them fit in KEEP_LOGITS_BYTES."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, logit_scale, softcap, with_stats):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, logit_scale, softcap, with_stats, keep_logits):
         n = hidden.shape[0]
         logps = hidden.new_empty(n, dtype=torch.float32)
         mean_logits = hidden.new_zeros(n, dtype=torch.float32)
@@ -83,15 +89,19 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         lses = hidden.new_empty(n, dtype=torch.float32)
         buffer = _logits_buffer(hidden, weight, chunk_size)
         exps = torch.empty_like(buffer) if with_stats else None
+        kept = hidden.new_empty(n, weight.shape[0], dtype=torch.float32) if keep_logits else None
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            logits, _ = _chunk_logits(hidden[start:end], weight, bias, logit_scale, softcap, buffer)
+            out = buffer if kept is None else kept[start:end]
+            logits, _ = _chunk_logits(hidden[start:end], weight, bias, logit_scale, softcap, out)
+            if kept is not None and logits.data_ptr() != out.data_ptr():  # bf16/fp16: cast to a new tensor
+                logits = out.copy_(logits)
             target_logits = logits.gather(-1, targets[start:end, None]).squeeze(-1)
             if with_stats:  # metrics only; skipped by the reference pass and the KL forward
                 mean_logits[start:end] = logits.mean(-1)
-            # logsumexp's own steps (max, shift, exp, sum, log), in place in the chunk's buffer
+            # logsumexp's own steps (max, shift, exp, sum, log), in the chunk's buffer (in place unless kept)
             top = logits.amax(-1, keepdim=True)
-            shifted = logits.sub_(top)
+            shifted = torch.sub(logits, top, out=buffer[: end - start])
             e = torch.exp(shifted, out=exps[: end - start]) if with_stats else shifted.exp_()
             sum_exp = e.sum(-1)
             lse = sum_exp.log() + top.squeeze(-1)
@@ -101,7 +111,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 # entropy = -sum(p * log p), p = e / sum_exp, log p = shifted - log(sum_exp)
                 entropy[start:end] = sum_exp.log() - e.mul_(shifted).sum(-1) / sum_exp
         ctx.save_for_backward(hidden, weight, bias, targets, lses)
-        ctx.chunk_size, ctx.logit_scale, ctx.softcap = chunk_size, logit_scale, softcap
+        ctx.chunk_size, ctx.logit_scale, ctx.softcap, ctx.kept = chunk_size, logit_scale, softcap, kept
         ctx.mark_non_differentiable(mean_logits, entropy)
         return logps, mean_logits, entropy
 
@@ -112,12 +122,16 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if need_h else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if (need_b and bias is not None) else None
-        buffer = _logits_buffer(hidden, weight, ctx.chunk_size)
+        kept, ctx.kept = ctx.kept, None
+        buffer = _logits_buffer(hidden, weight, ctx.chunk_size) if kept is None else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
             g = grad_logps[start:end].float()  # (n,)
-            logits, tanh = _chunk_logits(h, weight, bias, ctx.logit_scale, ctx.softcap, buffer)
+            if kept is None:
+                logits, tanh = _chunk_logits(h, weight, bias, ctx.logit_scale, ctx.softcap, buffer)
+            else:
+                logits, tanh = kept[start:end], None
             # d logp[t] / d logits = onehot(t) - softmax(logits), built in place in the logits' buffer
             dlogits = logits.sub_(lses[start:end, None]).exp_().mul_(-g[:, None])
             dlogits.scatter_add_(-1, targets[start:end, None], g[:, None])
@@ -139,7 +153,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def chunked_token_logps(
@@ -174,6 +188,14 @@ def chunked_token_logps(
         dtype = torch.get_autocast_dtype(device_type)
     else:
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    # keep the logits for the backward when there will be one and they are small (soft-capped logits would need
+    # their tanh kept too: those recompute)
+    keep_logits = (
+        torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+        and softcap is None
+        and hidden.shape[0] * weight.shape[0] * 4 <= KEEP_LOGITS_BYTES
+    )
     with torch.autocast(device_type, enabled=False):
         return _ChunkedTokenLogps.apply(
             hidden.to(dtype),
@@ -184,6 +206,7 @@ def chunked_token_logps(
             float(logit_scale),
             softcap,
             with_stats,
+            keep_logits,
         )
 
 

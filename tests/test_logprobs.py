@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kto_pipeline import logprobs
 from kto_pipeline.logprobs import chunked_token_logps, score_sequences
 
 
@@ -17,7 +18,10 @@ def reference_logps(hidden, weight, targets, bias=None, scale=1.0, softcap=None)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("scale,softcap", [(1.0, None), (0.5, None), (1.0, 3.0)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: matmuls into the reused buffer
-def test_values_and_gradients_match_full_logits(n, h, v, chunk, with_bias, scale, softcap, dtype):
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])  # the backward's two sources of logits
+def test_values_and_gradients_match_full_logits(n, h, v, chunk, with_bias, scale, softcap, dtype, keep, monkeypatch):
+    if not keep:
+        monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", 0)
     g = torch.Generator().manual_seed(n * 1000 + v)
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
     weight = torch.randn(v, h, generator=g, dtype=torch.float64)
@@ -46,6 +50,46 @@ def test_values_and_gradients_match_full_logits(n, h, v, chunk, with_bias, scale
     torch.testing.assert_close(mean_logits, logits.mean(-1).float().detach(), atol=tol, rtol=tol)
     p = torch.softmax(logits, -1)
     torch.testing.assert_close(entropy, -(p * torch.log(p)).sum(-1).float().detach(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_give_the_recomputed_gradients(dtype, monkeypatch):
+    """Logits kept from the forward (small batches) and logits recomputed in the backward give the same bits, and
+    keeping them saves the backward's matmul; no-grad forwards (the KL forward, the reference pass) keep nothing."""
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(70, 32, generator=g), torch.randn(300, 32, generator=g) * 0.1
+    targets, upstream = torch.randint(300, (70,), generator=g), torch.randn(70, generator=g)
+    calls = []
+    chunk_logits = logprobs._chunk_logits
+    monkeypatch.setattr(logprobs, "_chunk_logits", lambda *a: calls.append(1) or chunk_logits(*a))
+
+    def run(keep_bytes):
+        monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", keep_bytes)
+        h, w = hidden.to(dtype).detach().requires_grad_(), weight.to(dtype).detach().requires_grad_()
+        calls.clear()
+        logps = chunked_token_logps(h, w, targets, chunk_size=16)[0]
+        forward_calls = len(calls)
+        grads = torch.autograd.grad((logps * upstream).sum(), (h, w))
+        return logps, grads, forward_calls, len(calls) - forward_calls
+
+    kept_logps, kept_grads, kept_fwd, kept_bwd = run(1 << 30)
+    logps, grads, fwd, bwd = run(0)
+    assert (kept_fwd, kept_bwd, fwd, bwd) == (5, 0, 5, 5)
+    assert torch.equal(kept_logps, logps)
+    for a, b in zip(kept_grads, grads, strict=True):
+        assert torch.equal(a, b)
+
+    seen = []
+    function = logprobs._ChunkedTokenLogps.forward
+    monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", 1 << 30)
+    monkeypatch.setattr(
+        logprobs._ChunkedTokenLogps, "forward", staticmethod(lambda ctx, *a: seen.append(a[-1]) or function(ctx, *a))
+    )
+    w = weight.to(dtype).detach().requires_grad_()
+    with torch.no_grad():
+        chunked_token_logps(hidden.to(dtype), w, targets)
+    chunked_token_logps(hidden.to(dtype), weight.to(dtype), targets)  # nothing requires grad
+    assert seen == [False, False]
 
 
 def test_bfloat16_close_to_float32():
