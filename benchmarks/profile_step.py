@@ -1,8 +1,9 @@
 """Where the time of kto-pipeline's reference pass and training step goes (torch.profiler).
 
-    python benchmarks/profile_step.py [--size full] [--batches 3]
+    python benchmarks/profile_step.py [--case random|smollm2] [--size full] [--batches 3]
 
-Uses the benchmark's model and data (benchmarks/bench.py builds them) and runs training steps as
+Uses a benchmark case's model and data (benchmarks/bench.py builds them: the random Qwen2-style model, or
+SmolLM2-135M-Instruct on HH-RLHF rows) and runs training steps as
 `train` does: packed (prompts and completions with grad in a few rows, then the KL completions on
 the prompts' cached keys/values, then the backward) and, for comparison, padded (the fallback: KL
 forward without grad, policy forward, chunked LM head, backward). Prints each phase's wall time
@@ -21,17 +22,23 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import HERE, SIZES, build_assets  # noqa: E402
+from bench import HERE, SIZES, SMOLLM2_SIZES, build_assets, build_smollm2_assets  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--case", default="random", choices=("random", "smollm2"))
     parser.add_argument("--size", default="full", choices=sorted(SIZES))
     parser.add_argument("--work", default=str(HERE / ".work"))
     parser.add_argument("--batches", type=int, default=3)
     args = parser.parse_args()
-    size, work = SIZES[args.size], Path(args.work)
-    build_assets(work, size)
+    if args.case == "smollm2":
+        size, work = SMOLLM2_SIZES[args.size], Path(args.work) / "smollm2"
+        model_dir, data_path = build_smollm2_assets(work, size)
+    else:
+        size, work = SIZES[args.size], Path(args.work)
+        build_assets(work, size)
+        model_dir, data_path = work / "model", work / "data.jsonl"
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -40,9 +47,9 @@ def main() -> None:
     from kto_pipeline.packing import attention_costs
     from kto_pipeline.train import Collator, batch_layout
 
-    tok = AutoTokenizer.from_pretrained(work / "model")
-    model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32)
-    rows = tokenize(tok, normalize(load_source(str(work / "data.jsonl"))), size["max_length"])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rows = tokenize(tok, normalize(load_source(str(data_path))), size["max_length"])
     batch_rows = []
     first = np.arange(size["batch"])
     prompts, completions = rows.take(first, "prompt_ids"), rows.take(first, "completion_ids")
