@@ -1,0 +1,73 @@
+"""One-off check: the FLOPs of the SmolLM2 case's training steps, kto-pipeline against trl online, counted by
+`torch.utils.flop_counter.FlopCounterMode` around the whole training call (forward, backward, everything the
+dispatcher sees), with the bench's settings (float32, batch 8, sequential order, max_length 256).
+
+    python benchmarks/bench.py --size full --only smollm2   # writes the data and kto-pipeline's cache
+    python benchmarks/checks/step_flops.py ours 8
+    python benchmarks/checks/step_flops.py trl 8
+
+At equal FLOP rates the ratio of step times cannot exceed the ratio of FLOPs per step; dividing each tool's
+GFLOP per step by its median step time (RESULTS.md) gives the rate each one reached.
+"""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench import LEARNING_RATE, SMOLLM2_SIZES, _trl_trainer  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+
+def main() -> None:
+    which, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else SMOLLM2_SIZES["full"]["steps"]
+    if which not in ("ours", "trl"):
+        sys.exit("usage: step_flops.py ours|trl [steps]")
+    from kto_pipeline.smollm2 import default_cache_dir, fetch_smollm2
+
+    work = HERE.parent / ".work" / "smollm2"
+    size = dict(SMOLLM2_SIZES["full"], steps=steps)
+    cache = work / "runs" / "ours_precompute"
+    if not (work / "data.jsonl").exists() or not cache.exists():
+        sys.exit(f"run `python benchmarks/bench.py --size full --only smollm2` first ({work} lacks its data or cache)")
+    with tempfile.TemporaryDirectory() as out:
+        if which == "trl":
+            model = fetch_smollm2(default_cache_dir())
+            trainer = _trl_trainer(
+                work, size, Path(out), precompute=False, steps=steps, model=model, data=work / "data.jsonl"
+            )
+            with FlopCounterMode(display=False) as counter:
+                trainer.train()
+        else:
+            from kto_pipeline import TrainConfig, train
+
+            config = TrainConfig(
+                cache=str(cache),
+                output_dir=out,
+                overwrite_output_dir=True,
+                per_device_train_batch_size=size["batch"],
+                max_steps=steps,
+                learning_rate=LEARNING_RATE,
+                logging_steps=1,
+                train_sampling_strategy="sequential",
+                bf16=False,
+                gradient_checkpointing=False,
+            )
+            with FlopCounterMode(display=False) as counter:
+                train(config)
+    total = counter.get_total_flops()
+    by_op = {str(op): round(n / 1e9, 1) for op, n in counter.get_flop_counts()["Global"].items()}
+    summary = {
+        "tool": which,
+        "steps": steps,
+        "gflop": round(total / 1e9, 1),
+        "gflop_per_step": round(total / 1e9 / steps, 1),
+    }
+    print(json.dumps({**summary, "gflop_by_op": by_op}))
+
+
+if __name__ == "__main__":
+    main()
