@@ -163,6 +163,26 @@ def peak_rss_mib() -> float:
 LORA = dict(r=16, alpha=32, dropout=0.05)
 
 
+def ours_train_config(work: Path, size: dict, out: Path, **extra):
+    """kto-pipeline's TrainConfig for the bench's training runs: the cache its precompute worker wrote in `work`,
+    the settings trl's runs get (float32, no gradient checkpointing, sequential order), plus `extra`."""
+    from kto_pipeline import TrainConfig
+
+    return TrainConfig(
+        cache=str(work / "runs" / "ours_precompute"),
+        output_dir=str(out),
+        overwrite_output_dir=True,
+        per_device_train_batch_size=size["batch"],
+        max_steps=size["steps"],
+        learning_rate=LEARNING_RATE,
+        logging_steps=1,
+        train_sampling_strategy="sequential",
+        bf16=False,
+        gradient_checkpointing=False,
+        **extra,
+    )
+
+
 def _trl_trainer(
     work: Path,
     size: dict,
@@ -353,42 +373,15 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = No
             },
         )
     elif name == "ours_train":
-        from kto_pipeline import TrainConfig, train
+        from kto_pipeline import train
 
-        res = train(
-            TrainConfig(
-                cache=str(work / "runs" / "ours_precompute"),
-                output_dir=str(out),
-                overwrite_output_dir=True,
-                per_device_train_batch_size=size["batch"],
-                max_steps=size["steps"],
-                learning_rate=LEARNING_RATE,
-                logging_steps=1,
-                train_sampling_strategy="sequential",
-                bf16=False,
-                gradient_checkpointing=False,
-            )
-        )
+        res = train(ours_train_config(work, size, out))
         result.update(step_seconds=res.step_seconds, token_counts=ours_train_tokens(out))
     elif name == "ours_train_lora":
-        from kto_pipeline import TrainConfig, train
+        from kto_pipeline import train
 
-        res = train(
-            TrainConfig(
-                cache=str(work / "runs" / "ours_precompute"),
-                output_dir=str(out),
-                overwrite_output_dir=True,
-                per_device_train_batch_size=size["batch"],
-                max_steps=size["steps"],
-                learning_rate=LEARNING_RATE,
-                logging_steps=1,
-                train_sampling_strategy="sequential",
-                bf16=False,
-                lora_r=LORA["r"],
-                lora_alpha=LORA["alpha"],
-                lora_dropout=LORA["dropout"],
-            )
-        )
+        lora = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
+        res = train(ours_train_config(work, size, out, **lora))
         result.update(step_seconds=res.step_seconds)
     elif name in ("trl_train_online", "trl_train_precomputed", "trl_train_lora"):
         from transformers import TrainerCallback

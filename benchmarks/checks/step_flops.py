@@ -18,7 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench import LEARNING_RATE, SMOLLM2_SIZES, _trl_trainer  # noqa: E402
+from bench import SMOLLM2_SIZES, _trl_trainer, ours_train_config  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 
@@ -30,8 +30,7 @@ def main() -> None:
 
     work = HERE.parent / ".work" / "smollm2"
     size = dict(SMOLLM2_SIZES["full"], steps=steps)
-    cache = work / "runs" / "ours_precompute"
-    if not (work / "data.jsonl").exists() or not cache.exists():
+    if not (work / "data.jsonl").exists() or not (work / "runs" / "ours_precompute").exists():
         sys.exit(f"run `python benchmarks/bench.py --size full --only smollm2` first ({work} lacks its data or cache)")
     with tempfile.TemporaryDirectory() as out:
         if which == "trl":
@@ -42,22 +41,10 @@ def main() -> None:
             with FlopCounterMode(display=False) as counter:
                 trainer.train()
         else:
-            from kto_pipeline import TrainConfig, train
+            from kto_pipeline import train
 
-            config = TrainConfig(
-                cache=str(cache),
-                output_dir=out,
-                overwrite_output_dir=True,
-                per_device_train_batch_size=size["batch"],
-                max_steps=steps,
-                learning_rate=LEARNING_RATE,
-                logging_steps=1,
-                train_sampling_strategy="sequential",
-                bf16=False,
-                gradient_checkpointing=False,
-            )
             with FlopCounterMode(display=False) as counter:
-                train(config)
+                train(ours_train_config(work, size, Path(out)))
     total = counter.get_total_flops()
     by_op = {str(op): round(n / 1e9, 1) for op, n in counter.get_flop_counts()["Global"].items()}
     summary = {
