@@ -1,27 +1,35 @@
 """kto-pipeline: KTO alignment as two stages.
 
-Stage 1, `precompute` (kto_pipeline/precompute.py): the frozen reference model scores every
+Stage 1, `precompute` (kto_pipeline/stages/precompute.py): the frozen reference model scores every
 completion and its KL completion once, into an Arrow cache (kto_pipeline/cache.py).
-Stage 2, `train` (kto_pipeline/train.py): the policy trains alone against those cached values.
+Stage 2, `train` (kto_pipeline/stages/train.py): the policy trains alone against those cached values.
+
+The names below are imported on first use (PEP 562), so `import kto_pipeline` and `kto-pipeline --help`
+do not pay for torch.
 """
 
 __version__ = "0.1.0"
 
-# The functions share their modules' names; importing them here keeps `kto_pipeline.precompute`
-# and `kto_pipeline.train` bound to the functions (the modules stay importable by full path).
-from kto_pipeline.config import GenerateConfig, PrecomputeConfig, TrainConfig  # noqa: E402
-from kto_pipeline.errors import KTOPipelineError  # noqa: E402
-from kto_pipeline.generate import generate_samples  # noqa: E402
-from kto_pipeline.precompute import precompute  # noqa: E402
-from kto_pipeline.train import train  # noqa: E402
+_EXPORTS = {
+    "GenerateConfig": "kto_pipeline.config",
+    "PrecomputeConfig": "kto_pipeline.config",
+    "TrainConfig": "kto_pipeline.config",
+    "KTOPipelineError": "kto_pipeline.errors",
+    "generate_samples": "kto_pipeline.generate",
+    "precompute": "kto_pipeline.stages.precompute",
+    "train": "kto_pipeline.stages.train",
+}
 
-__all__ = [
-    "GenerateConfig",
-    "PrecomputeConfig",
-    "TrainConfig",
-    "KTOPipelineError",
-    "generate_samples",
-    "precompute",
-    "train",
-    "__version__",
-]
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kto_pipeline' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -45,8 +45,9 @@ SCHEMA = pa.schema(
 # ------------------------------------------------------------------------------------------ hashing
 
 
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: str | Path, into=None) -> str:
+    """sha256 of a file's bytes, read in 1 MiB blocks; with `into` (a hashlib object), feed it the bytes too."""
+    h = hashlib.sha256() if into is None else into
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
@@ -74,6 +75,160 @@ def model_weights_hash(model) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return "sha256:" + h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ manifest
+
+
+class Manifest(dict):
+    """manifest.json (docs/cache-format.md): the dict that is written, plus typed accessors for what the other
+    modules read. Built by `new_manifest` (precompute), read by `read_manifest`; nothing else spells its keys."""
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.get("complete"))
+
+    @property
+    def format_version(self) -> int | None:
+        return self.get("format_version")
+
+    @property
+    def tool_version(self) -> str:
+        return self.get("tool", {}).get("version", "?")
+
+    @property
+    def shards(self) -> list[dict[str, Any]]:
+        return self.get("shards", [])
+
+    @property
+    def reference(self) -> dict[str, Any]:
+        """name_or_path, revision, weights_hash, architecture."""
+        return self["reference_model"]
+
+    @property
+    def reference_model(self) -> str:
+        return self["reference_model"]["name_or_path"]
+
+    @property
+    def reference_revision(self) -> str | None:
+        return self["reference_model"].get("revision")
+
+    @property
+    def tokenizer(self) -> dict[str, Any]:
+        """name_or_path, hash, eos_token, pad_token_id."""
+        return self["tokenizer"]
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self["tokenizer"]["name_or_path"]
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return self["tokenizer"]["hash"]
+
+    @property
+    def dataset(self) -> dict[str, Any]:
+        """name_or_path, config, split, content_hash, source_rows, normalized_rows."""
+        return self["dataset"]
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What shaped the values: max_length, dtype, kl_seed."""
+        return self["settings"]
+
+    @property
+    def max_length(self) -> int:
+        return self["settings"]["max_length"]
+
+    @property
+    def counts(self) -> dict[str, Any]:
+        """rows, desirable, undesirable, dropped ({reason: rows})."""
+        return self["counts"]
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return self.get("fingerprint", {})
+
+    @property
+    def timing(self) -> dict[str, Any]:
+        """Of the precompute run that completed the cache (empty until then)."""
+        return self.get("timing", {})
+
+    def add_shards(self, entries: list[dict[str, Any]]) -> None:
+        """Record finished shards (`write_shard`'s entries), in file order."""
+        self["shards"].extend(sorted(entries, key=lambda e: e["file"]))
+
+    def mark_complete(self, timing: dict[str, Any]) -> None:
+        """Every shard is written: the cache may be trained on. `timing`: of the run that completed it."""
+        self["complete"] = True
+        self["timing"] = timing
+
+
+def new_manifest(
+    fingerprint: dict[str, Any],
+    *,
+    tool_version: str,
+    architecture: str,
+    eos_token: str | None,
+    pad_token_id: int | None,
+    source_rows: int,
+    normalized_rows: int,
+    desirable: int,
+    rows: int,
+    dropped: dict[str, int],
+    padded_because: str | None,
+    shards: list[dict[str, Any]],
+) -> Manifest:
+    """The manifest of a cache being written (`complete` False until its last shard is recorded).
+
+    `fingerprint`: what shapes the values (model, revision, weights hash, tokenizer hash, dataset, config, split,
+    content hash, max_length, dtype, kl_seed, shard_size); a cache is reused only when it matches.
+    `padded_because`: why the reference pass ran every sequence on its own, padded; None when it ran packed."""
+    return Manifest(
+        {
+            "format_version": FORMAT_VERSION,
+            "tool": {"name": "kto-pipeline", "version": tool_version},
+            "complete": False,
+            "reference_model": {
+                "name_or_path": fingerprint["model"],
+                "revision": fingerprint["model_revision"],
+                "weights_hash": fingerprint["model_hash"],
+                "architecture": architecture,
+            },
+            "tokenizer": {
+                "name_or_path": fingerprint["model"],
+                "hash": fingerprint["tokenizer_hash"],
+                "eos_token": eos_token,
+                "pad_token_id": pad_token_id,
+            },
+            "dataset": {
+                "name_or_path": fingerprint["dataset"],
+                "config": fingerprint["dataset_config"],
+                "split": fingerprint["split"],
+                "content_hash": fingerprint["dataset_hash"],
+                "source_rows": source_rows,
+                "normalized_rows": normalized_rows,
+            },
+            "settings": {
+                "max_length": fingerprint["max_length"],
+                "dtype": fingerprint["dtype"],
+                "kl_seed": fingerprint["kl_seed"],
+            },
+            "counts": {"rows": rows, "desirable": desirable, "undesirable": rows - desirable, "dropped": dropped},
+            "fingerprint": fingerprint,
+            # (the cache format's names for packed / padded)
+            "reference_pass": {
+                "prefix_shared": padded_because is None,
+                **({"unshared_because": padded_because} if padded_because else {}),
+            },
+            "shards": shards,
+        }
+    )
+
+
+def fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between a cache's fingerprint and this run's, one line each."""
+    return [f"{k}: cache has {old.get(k)!r}, this run has {v!r}" for k, v in new.items() if old.get(k) != v]
 
 
 # ------------------------------------------------------------------------------------------ writing
@@ -128,7 +283,7 @@ def write_manifest(cache_dir: Path, manifest: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ reading
 
 
-def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
+def read_manifest(cache_dir: str | Path) -> Manifest:
     cache_dir = Path(cache_dir)
     path = cache_dir / MANIFEST
     if not cache_dir.exists():
@@ -142,26 +297,26 @@ def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise KTOPipelineError(f"cache {cache_dir}: {MANIFEST} is not valid JSON ({exc}).") from exc
-    version = manifest.get("format_version")
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
         raise KTOPipelineError(
             f"cache {cache_dir}: format version {version!r}, this kto-pipeline reads version {FORMAT_VERSION}. "
             "Re-run `kto-pipeline precompute` with this version, or use the version that wrote it."
         )
-    return manifest
+    return Manifest(manifest)
 
 
-def check_cache(cache_dir: str | Path, manifest: dict[str, Any], full: bool = False) -> list[str]:
+def check_cache(cache_dir: str | Path, manifest: Manifest, full: bool = False) -> list[str]:
     """Problems with a cache, cheapest checks first: completeness, files, sizes, schema, row counts;
     with `full`, also every shard's sha256 and the KL partner ids. An empty list means the cache is sound."""
     cache_dir = Path(cache_dir)
     problems = []
-    if not manifest.get("complete"):
+    if not manifest.complete:
         problems.append(
             "the cache is incomplete (precompute did not finish); re-run the same `kto-pipeline precompute` "
             "command to finish it"
         )
-    for shard in manifest.get("shards", []):
+    for shard in manifest.shards:
         path = cache_dir / shard["file"]
         if not path.exists():
             problems.append(f"{shard['file']}: missing")
@@ -188,12 +343,12 @@ def check_cache(cache_dir: str | Path, manifest: dict[str, Any], full: bool = Fa
     return problems
 
 
-def _check_kl_partners(cache_dir: Path, manifest: dict[str, Any]) -> list[str]:
+def _check_kl_partners(cache_dir: Path, manifest: Manifest) -> list[str]:
     """Every kl_example_id must name a row of the cache, and never the row itself."""
     import numpy as np
 
     ids, partners = [], []
-    for shard in manifest["shards"]:
+    for shard in manifest.shards:
         with pa.memory_map(str(cache_dir / shard["file"])) as source:
             table = pa.ipc.open_stream(source).read_all()
             ids.append(table.column("example_id").to_numpy())
@@ -216,7 +371,7 @@ class CacheTable:
     """All shards of a cache as one memory-mapped Arrow table (no row is copied until it is read)."""
 
     table: pa.Table
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -234,7 +389,7 @@ def open_cache(cache_dir: str | Path, verify: bool = False) -> CacheTable:
             "Re-run `kto-pipeline precompute` (with --overwrite to start over)."
         )
     tables = []
-    for shard in manifest["shards"]:
+    for shard in manifest.shards:
         source = pa.memory_map(str(cache_dir / shard["file"]))
         tables.append(pa.ipc.open_stream(source).read_all())
     table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.rundir import STATE_FILE, TrainerState
 
-STATE_FILE = "trainer_state.json"
 ACCELERATE_STATE = "accelerate_state"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -46,9 +46,11 @@ def save_model(accelerator, module, tokenizer, path: Path, run_config: dict[str,
 
 
 def save_checkpoint(
-    accelerator, module, tokenizer, out: Path, step: int, state: dict, run_config: dict, total_limit: int | None
+    accelerator, module, tokenizer, out: Path, state: TrainerState, run_config: dict, total_limit: int | None
 ) -> Path:
-    """Write OUT/checkpoint-STEP atomically and prune old ones; every process must call this."""
+    """Write OUT/checkpoint-STEP (STEP: `state.global_step`) atomically and prune old ones; every process must call
+    this."""
+    step = state.global_step
     final = out / f"checkpoint-{step}"
     tmp = out / f".checkpoint-{step}.tmp"
     if accelerator.is_main_process:
@@ -58,7 +60,8 @@ def save_checkpoint(
     save_model(accelerator, module, tokenizer, tmp, run_config)
     if accelerator.is_main_process:
         # the run config goes with the state: resume refuses a checkpoint trained with other batch settings
-        (tmp / STATE_FILE).write_text(json.dumps({**state, "run_config": run_config}, indent=2) + "\n")
+        state.run_config = run_config
+        state.write(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         if total_limit:
@@ -114,7 +117,7 @@ def _load_full_weights(model, path: Path) -> None:
         )
 
 
-def load_checkpoint(accelerator, module, path: Path) -> dict[str, Any]:
+def load_checkpoint(accelerator, module, path: Path) -> TrainerState:
     """Restore weights, optimizer, scheduler and RNG states from `path`; returns its trainer state."""
     from safetensors.torch import load_file
 
@@ -126,4 +129,4 @@ def load_checkpoint(accelerator, module, path: Path) -> dict[str, Any]:
     else:
         _load_full_weights(model, path)
     accelerator.load_state(str(path / ACCELERATE_STATE))
-    return json.loads((path / STATE_FILE).read_text())
+    return TrainerState.read(path)

@@ -30,7 +30,7 @@ app = typer.Typer(
 @options(PrecomputeConfig)
 def precompute(config: PrecomputeConfig) -> None:
     """Stage 1: run the reference model once and write the reference log-prob cache."""
-    from kto_pipeline.precompute import precompute as run
+    from kto_pipeline.stages.precompute import precompute as run
 
     run(config)
 
@@ -39,7 +39,7 @@ def precompute(config: PrecomputeConfig) -> None:
 @options(TrainConfig)
 def train(config: TrainConfig) -> None:
     """Stage 2: train the policy against a cache (no reference model in memory)."""
-    from kto_pipeline.train import train as run
+    from kto_pipeline.stages.train import train as run
 
     run(config)
 
@@ -54,9 +54,9 @@ def generate(config: GenerateConfig) -> None:
     typer.echo(f"samples: {path}\n{preview(path)}")
 
 
-@app.command(cls=RecipeCommand)
+@app.command("inspect", cls=RecipeCommand)
 @options()
-def inspect(
+def inspect_command(
     cache_dir: Annotated[str, typer.Argument(help="Cache directory written by `kto-pipeline precompute`.")],
     verify: Annotated[bool, typer.Option(help="Also check every shard's sha256 (reads the whole cache).")] = False,
 ) -> None:
@@ -127,19 +127,22 @@ def demo(
     ] = False,
 ) -> None:
     """KTO on a real chat model and real human labels (HH-RLHF): precompute, train, evaluate, compare answers."""
-    from kto_pipeline import demo as demos
+    from kto_pipeline.demo.run import run_demo, run_tiny_demo
 
     if tiny:
         if model is not None:
             raise KTOPipelineError("--model: the tiny demo builds its own model; drop --model or --tiny.")
-        demos.run_tiny_demo(workdir or ".demo-tiny")
+        run_tiny_demo(workdir or ".demo-tiny")
     else:
-        demos.run_demo(workdir or ".demo", model=model)
+        run_demo(workdir or ".demo", model=model)
 
 
 def _close_process_group() -> None:
     """Under torchrun / accelerate launch, end the process group before exit: a gloo group left open can
-    abort the process at interpreter shutdown ("terminate called without an active exception")."""
+    abort the process at interpreter shutdown ("terminate called without an active exception"). A command that
+    never imported torch (--help, inspect, report) has no group, and must not pay for importing torch."""
+    if "torch" not in sys.modules:
+        return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import NoneType, UnionType
 from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.loss import LOSS_TYPES
 
+LOSS_TYPES = ("kto", "apo_zero_unpaired")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = (
     "linear",
@@ -70,6 +72,44 @@ def _flag(name: str) -> str:
 def _check(cond: bool, name: str, message: str) -> None:
     if not cond:
         raise KTOPipelineError(f"{_flag(name)}: {message}")
+
+
+# ------------------------------------------------------------------------------------------ typed values
+
+LIST_FIELDS = ("lora_target_modules", "report_to")  # str fields whose value is a comma-separated list itself
+
+
+def base_type(value_type: Any) -> tuple[type, bool]:
+    """(the type, whether None is allowed) of a field annotation such as `int | None`."""
+    if typing.get_origin(value_type) in (UnionType, typing.Union):
+        args = typing.get_args(value_type)
+        return next(a for a in args if a is not NoneType), NoneType in args
+    return value_type, False
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """{field name: its type} of a config dataclass (its annotations are strings here)."""
+    return typing.get_type_hints(cls)
+
+
+def parse_value(value_type: Any, text: str, name: str) -> Any:
+    """One command-line value (`text`, of field `name`) as its type: the one parser of sweep grids and recipes."""
+    base, optional = base_type(value_type)
+    text = text.strip()
+    if text.lower() in ("none", "null", "") and optional:
+        return None
+    try:
+        if base is bool:
+            if text.lower() in ("true", "1", "yes"):
+                return True
+            if text.lower() in ("false", "0", "no"):
+                return False
+            raise ValueError(text)
+        if base in (int, float):
+            return base(text)
+    except ValueError:
+        raise KTOPipelineError(f"{_flag(name)}: cannot read {text!r} as {base.__name__}") from None
+    return text
 
 
 class _ConfigMixin:

@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kto_pipeline.cache import sha256_file
 from kto_pipeline.errors import KTOPipelineError
 
 logger = logging.getLogger(__name__)
@@ -147,9 +148,7 @@ def content_hash(name: str, dataset) -> str:
         return "fingerprint:" + str(getattr(dataset, "_fingerprint", ""))
     for file in files:
         h.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+        sha256_file(file, into=h)
     return "sha256:" + h.hexdigest()
 
 
@@ -370,7 +369,7 @@ def normalize(dataset) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------ tokenize
 
 
-def _chat_ids(tokenizer, messages, row, **kwargs) -> list[int]:
+def chat_ids(tokenizer, messages, row, **kwargs) -> list[int]:
     tools = row.get("tools")
     tools = json.loads(tools) if isinstance(tools, str) else tools
     ctk = row.get("chat_template_kwargs") or {}
@@ -388,8 +387,8 @@ def tokenize_row(tokenizer, row: dict[str, Any], source_row: int = 0) -> tuple[l
                 "chat template. Use a chat/instruct model's tokenizer, or convert the rows to plain strings."
             )
         try:
-            prompt_ids = _chat_ids(tokenizer, prompt, row, add_generation_prompt=True)
-            full_ids = _chat_ids(tokenizer, prompt + completion, row)
+            prompt_ids = chat_ids(tokenizer, prompt, row, add_generation_prompt=True)
+            full_ids = chat_ids(tokenizer, prompt + completion, row)
         except Exception as exc:  # jinja raises for messages the template refuses (roles out of order, ...)
             raise KTOPipelineError(
                 f"row {source_row}: the chat template refused its messages ({type(exc).__name__}: {exc})."

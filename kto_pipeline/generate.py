@@ -25,8 +25,7 @@ from typing import Any
 from kto_pipeline import __version__
 from kto_pipeline.config import GenerateConfig
 from kto_pipeline.errors import KTOPipelineError
-
-SAMPLES_FILE = "samples.jsonl"
+from kto_pipeline.rundir import SAMPLES_FILE, read_samples, run_config
 
 
 @dataclass
@@ -84,7 +83,7 @@ def cache_prompts(table, num_prompts: int) -> list[Prompt]:
 def file_prompts(path: Path, tokenizer, num_prompts: int) -> list[Prompt]:
     """The first `num_prompts` distinct prompts of a .jsonl file: strings are tokenized as precompute does,
     message lists rendered with the chat template and the generation prompt."""
-    from kto_pipeline.data import _chat_ids, is_conversational
+    from kto_pipeline.data import chat_ids, is_conversational
 
     if not path.is_file():
         raise KTOPipelineError(f"--prompts {path}: no such file. Pass a .jsonl file whose rows have `prompt`.")
@@ -109,7 +108,7 @@ def file_prompts(path: Path, tokenizer, num_prompts: int) -> list[Prompt]:
                         f"{where}: the prompt is a list of messages, but the run's tokenizer has no chat template. "
                         "Use plain-string prompts."
                     )
-                ids = _chat_ids(tokenizer, value, row, add_generation_prompt=True)
+                ids = chat_ids(tokenizer, value, row, add_generation_prompt=True)
             else:
                 raise KTOPipelineError(
                     f'{where}: "prompt" must be a string or a list of {{role, content}} messages, '
@@ -221,7 +220,7 @@ def _resolve_reference(config: GenerateConfig, saved: dict[str, Any]) -> tuple[s
             f"the cache the run trained on ({saved['cache']}, from its run_config.json) names the reference model, "
             f"but it cannot be read: {exc} Pass --reference MODEL."
         ) from exc
-    return manifest["reference_model"]["name_or_path"], manifest["reference_model"].get("revision")
+    return manifest.reference_model, manifest.reference_revision
 
 
 def _resolve_source(config: GenerateConfig, saved: dict[str, Any]) -> tuple[str, str]:
@@ -244,7 +243,6 @@ def generate_samples(config: GenerateConfig) -> Path:
 
     from kto_pipeline.cache import atomic_write_text, open_cache, tokenizer_hash
     from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
-    from kto_pipeline.report import run_config
 
     print(f"kto-pipeline generate {__version__}\n{config.describe()}", flush=True)
     run = Path(config.run)
@@ -268,7 +266,7 @@ def generate_samples(config: GenerateConfig) -> Path:
         )
     if kind == "cache":
         cache = open_cache(source)
-        if cache.manifest["tokenizer"]["hash"] != run_tokenizer:
+        if cache.manifest.tokenizer_hash != run_tokenizer:
             raise KTOPipelineError(
                 f"cache {source} was made with another tokenizer than the run's, so its prompt token ids are other "
                 "text to these models. Use a cache precomputed with the run's reference model, or --prompts."
@@ -322,22 +320,7 @@ def generate_samples(config: GenerateConfig) -> Path:
     return out
 
 
-# ------------------------------------------------------------------------------------------ reading
-
-
-def read_samples(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a samples file."""
-    path = Path(path)
-    records = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise KTOPipelineError(
-                    f"{path} line {lineno}: not valid JSON ({exc.msg}). Write it again with `kto-pipeline generate`."
-                ) from exc
-    return records
+# ------------------------------------------------------------------------------------------ preview
 
 
 def preview(path: str | Path, count: int = 2, width: int = 100) -> str:

@@ -24,20 +24,20 @@ def inspect_cache(cache_dir: str | Path, verify: bool = False, console: Console 
     console = console or Console()
     cache_dir = Path(cache_dir)
     m = read_manifest(cache_dir)
-    status = "complete" if m.get("complete") else "INCOMPLETE (re-run precompute to finish)"
-    console.print(f"[bold]cache[/bold] {cache_dir.resolve()}  format v{m['format_version']}  {status}")
-    console.print(_kv_table("reference model", m["reference_model"]))
-    console.print(_kv_table("tokenizer", m["tokenizer"]))
-    console.print(_kv_table("dataset", m["dataset"]))
-    console.print(_kv_table("settings", m["settings"]))
-    counts = dict(m["counts"])
+    status = "complete" if m.complete else "INCOMPLETE (re-run precompute to finish)"
+    console.print(f"[bold]cache[/bold] {cache_dir.resolve()}  format v{m.format_version}  {status}")
+    console.print(_kv_table("reference model", m.reference))
+    console.print(_kv_table("tokenizer", m.tokenizer))
+    console.print(_kv_table("dataset", m.dataset))
+    console.print(_kv_table("settings", m.settings))
+    counts = dict(m.counts)
     dropped = counts.pop("dropped")
     counts["dropped"] = ", ".join(f"{c} ({r})" for r, c in dropped.items()) or "none"
     console.print(_kv_table("counts", counts))
     shards = Table(title="shards", title_justify="left")
     for col in ("file", "rows", "bytes", "sha256"):
         shards.add_column(col)
-    for s in m["shards"]:
+    for s in m.shards:
         shards.add_row(s["file"], str(s["rows"]), str(s["bytes"]), s["sha256"][:16] + "...")
     console.print(shards)
     problems = check_cache(cache_dir, m, full=verify)

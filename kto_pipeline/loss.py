@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("kto", "apo_zero_unpaired")
+from kto_pipeline.config import LOSS_TYPES
 
 
 def kto_loss(

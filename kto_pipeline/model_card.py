@@ -23,6 +23,8 @@ import importlib.metadata
 from pathlib import Path
 from typing import Any
 
+from kto_pipeline.cache import Manifest
+
 CARD_FILE = "README.md"
 KTO_PAPER = {
     "title": "KTO: Model Alignment as Prospect Theoretic Optimization",
@@ -235,9 +237,9 @@ def _settings_rows(
     return rows
 
 
-def _cache_rows(config: dict[str, Any], manifest: dict[str, Any]) -> list[tuple[str, str]]:
-    ref, tok, data = manifest["reference_model"], manifest["tokenizer"], manifest["dataset"]
-    settings, counts = manifest["settings"], manifest["counts"]
+def _cache_rows(config: dict[str, Any], manifest: Manifest) -> list[tuple[str, str]]:
+    ref, tok, data = manifest.reference, manifest.tokenizer, manifest.dataset
+    settings, counts = manifest.settings, manifest.counts
     dropped = counts.get("dropped") or {}
     n_dropped = sum(dropped.values())
     revision = f" (revision {_code(ref['revision'])})" if ref.get("revision") else ""
@@ -257,8 +259,8 @@ def _cache_rows(config: dict[str, Any], manifest: dict[str, Any]) -> list[tuple[
         ("cached max_length", _num(settings["max_length"])),
         ("reference dtype", _code(settings.get("dtype"))),
         ("KL pairing seed", _num(settings.get("kl_seed"))),
-        ("cache format version", _num(manifest.get("format_version"))),
-        ("written by", f"kto-pipeline {manifest.get('tool', {}).get('version', '?')}"),
+        ("cache format version", _num(manifest.format_version)),
+        ("written by", f"kto-pipeline {manifest.tool_version}"),
     ]
 
 
@@ -303,7 +305,7 @@ def _results(config: dict[str, Any], history: list[dict[str, Any]]) -> str:
 
 def build_model_card(
     config: dict[str, Any],
-    manifest: dict[str, Any],
+    manifest: Manifest,
     history: list[dict[str, Any]],
     *,
     adapter: bool,
@@ -324,8 +326,8 @@ def build_model_card(
     from huggingface_hub import ModelCardData
 
     lora = config.get("lora_r") is not None
-    base = config.get("model") or manifest["reference_model"]["name_or_path"]
-    dataset = manifest["dataset"]["name_or_path"]
+    base = config.get("model") or manifest.reference_model
+    dataset = manifest.dataset["name_or_path"]
     model_name = model_name or Path(config["output_dir"]).name
     steps = [r["step"] for r in history if "step" in r]
     data = ModelCardData(
@@ -343,13 +345,13 @@ def build_model_card(
         what = f"This model is a fine-tuned version of {_link(base)} (LoRA adapters merged into its weights)"
     else:
         what = f"This model is a fine-tuned version of {_link(base)}"
-    split = manifest["dataset"].get("split")
+    split = manifest.dataset.get("split")
     intro = (
         f"{what}, trained with KTO ([{KTO_PAPER['title']}]"
         f"(https://huggingface.co/papers/{KTO_PAPER['id']})) on binary feedback (each completion marked desirable "
         f"or undesirable) from {_link(dataset, 'datasets/')}{f' (split {_code(split)})' if split else ''}.\n"
         "It was trained with kto-pipeline's two-stage pipeline: `kto-pipeline precompute` scored the data once "
-        f"with the frozen reference model {_link(manifest['reference_model']['name_or_path'])} into a cache of "
+        f"with the frozen reference model {_link(manifest.reference_model)} into a cache of "
         "log-probabilities, and `kto-pipeline train` trained the policy alone against that cache."
     )
 
@@ -376,9 +378,7 @@ def build_model_card(
         "## Training settings",
         _table(
             ("setting", "value"),
-            _settings_rows(
-                config, manifest["settings"]["max_length"], max(steps) if steps else None, num_processes, precision
-            ),
+            _settings_rows(config, manifest.max_length, max(steps) if steps else None, num_processes, precision),
         ),
         "## The cache it trained on",
         "The reference log-probabilities every reward is measured against; the hashes identify the exact "
@@ -397,7 +397,7 @@ def build_model_card(
 def write_model_card(
     directory: str | Path,
     config: dict[str, Any],
-    manifest: dict[str, Any],
+    manifest: Manifest,
     history: list[dict[str, Any]],
     *,
     adapter: bool,

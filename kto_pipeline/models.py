@@ -33,7 +33,7 @@ def is_gguf(name: str) -> bool:
     return name.lower().endswith(".gguf")
 
 
-def _check_model_path(name: str, flag: str) -> None:
+def check_model_path(name: str, flag: str) -> None:
     path = Path(name).expanduser()
     looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or is_gguf(name)
     if looks_local and not path.exists():
@@ -97,7 +97,7 @@ def _gguf_kwargs(name: str) -> tuple[str, dict[str, str]]:
 def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False, flag: str = "--model"):
     from transformers import AutoTokenizer
 
-    _check_model_path(name, flag)
+    check_model_path(name, flag)
     adapter = _adapter_dir(name)
     if adapter is not None and not (adapter / "tokenizer_config.json").exists():
         name = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
@@ -144,7 +144,7 @@ def load_model(
 ):
     from transformers import AutoModelForCausalLM
 
-    _check_model_path(name, flag)
+    check_model_path(name, flag)
     try:
         if is_gguf(name):
             return load_gguf_model(name, dtype)
@@ -163,3 +163,26 @@ def load_model(
         )
     except Exception as exc:
         raise KTOPipelineError(f"{flag} {name}: could not load the model ({type(exc).__name__}: {exc})") from exc
+
+
+# ------------------------------------------------------------------------------------------ probes
+
+
+def text_config(model):
+    """The config of a causal LM's text part (multimodal configs nest it)."""
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def checkpointing(model) -> bool:
+    """Whether the model recomputes its layers in the backward (gradient checkpointing) and so keeps no keys/values."""
+    on = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x; older: the next
+    return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
+
+
+def sliding_window(model) -> int | None:
+    """The attention window of a model whose layers all use one (Mistral-style), else None."""
+    config = text_config(model)
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)

@@ -17,16 +17,14 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import NoneType, UnionType
 from typing import Annotated, Any
 
 import typer
 from typer.core import TyperCommand
 from typer.models import ArgumentInfo, ParameterInfo
 
-from kto_pipeline.config import PANELS
+from kto_pipeline.config import LIST_FIELDS, PANELS, base_type, parse_value
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.sweep import LIST_FIELDS, parse_value
 
 CONFIG_HELP = (
     "A YAML recipe of this command's options: keys are the flag names (output_dir or output-dir). "
@@ -161,7 +159,7 @@ def _field_option(f: dataclasses.Field, value_type: Any, grid: bool) -> tuple[Op
         info = typer.Option(flag, help=f"{help_text} Comma-separated values.", rich_help_panel=panel)
         option = Option(f.name, value_type, grid=True, joined=joined, field=f)
         return option, _parameter(f.name, str | None, None, info, False)
-    decl = f"{flag}/--no-{flag[2:]}" if _base(value_type) is bool else flag
+    decl = f"{flag}/--no-{flag[2:]}" if base_type(value_type)[0] is bool else flag
     info = typer.Option(decl, help=help_text, rich_help_panel=panel)
     option = Option(f.name, value_type, required, joined=joined, field=f)
     return option, _parameter(f.name, value_type, None if required else f.default, info, required)
@@ -235,22 +233,12 @@ def _suggestion(key: Any, names: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else " (not an option of this command: see its --help)"
 
 
-def _optional(value_type: Any) -> bool:
-    return typing.get_origin(value_type) in (UnionType, typing.Union) and NoneType in typing.get_args(value_type)
-
-
-def _base(value_type: Any) -> Any:
-    if typing.get_origin(value_type) in (UnionType, typing.Union):
-        return next(a for a in typing.get_args(value_type) if a is not NoneType)
-    return value_type
-
-
 def _expected(spec: Option) -> str:
-    base = _base(spec.type)
+    base = base_type(spec.type)[0]
     text = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[base]
     if spec.joined:
         text += " or a list of strings"
-    if _optional(spec.type):
+    if base_type(spec.type)[1]:
         text += " or null"
     if spec.grid and not spec.joined:
         text += " (or a list of them)"
@@ -272,8 +260,8 @@ def _shown(value: Any) -> str:
 def _typed(spec: Option, value: Any, where: str) -> Any:
     """A recipe value as the option's type: ints are YAML integers, floats any number or numeric string
     (YAML reads `1e-6` as a string), bools true/false, and a comma-list option may be a YAML list."""
-    base = _base(spec.type)
-    if value is None and _optional(spec.type):
+    base = base_type(spec.type)[0]
+    if value is None and base_type(spec.type)[1]:
         return None
     if base is bool and isinstance(value, bool):
         return value
@@ -300,10 +288,10 @@ def _grid_text(spec: Option, value: Any, where: str) -> str:
         return _typed(spec, value, where)
     texts = []
     for item in value if isinstance(value, list) else [value]:
-        if isinstance(item, str) and _base(spec.type) is not str:  # the command line's form: "0.05,0.1"
+        if isinstance(item, str) and base_type(spec.type)[0] is not str:  # the command line's form: "0.05,0.1"
             for part in item.split(","):
                 try:
-                    parse_value(spec.field, part)
+                    parse_value(spec.type, part, spec.name)
                 except KTOPipelineError:
                     raise KTOPipelineError(f"{where}: expected {_expected(spec)}, got {part.strip()!r}") from None
                 texts.append(part.strip())
@@ -313,7 +301,7 @@ def _grid_text(spec: Option, value: Any, where: str) -> str:
 
 
 def _text(value: Any) -> str:
-    """One value as the command line writes it (what sweep.parse_value reads back)."""
+    """One value as the command line writes it (what config.parse_value reads back)."""
     if value is None:
         return "none"
     if isinstance(value, bool):

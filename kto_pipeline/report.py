@@ -16,33 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.rundir import SAMPLES_FILE, find_runs, read_metrics, read_samples, run_config
 
 TRAIN_SERIES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "kl")
 EVAL_SERIES = ("eval_reward_accuracy", "eval_pair_accuracy")
-
-
-def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train records, eval records) of one run's metrics.jsonl."""
-    train, evals = [], []
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            (evals if any(k.startswith("eval_") for k in record) else train).append(record)
-    return train, evals
-
-
-def find_runs(path: Path) -> dict[str, Path]:
-    """{label: run dir}: the directory itself if it is a run, else its subdirectories that are runs."""
-    if (path / "metrics.jsonl").exists():
-        return {path.name: path}
-    runs = {p.name: p for p in sorted(path.iterdir()) if p.is_dir() and (p / "metrics.jsonl").exists()}
-    if not runs:
-        raise KTOPipelineError(
-            f"{path}: no metrics.jsonl here or in its subdirectories. Point report at a train --output-dir "
-            "or a sweep directory."
-        )
-    return runs
 
 
 def _plot(
@@ -77,15 +54,6 @@ def _plot(
     fig.savefig(path)
     plt.close(fig)
     return path
-
-
-def run_config(run_dir: Path) -> dict[str, Any]:
-    """The settings a run was trained with: its run_config.json, or a checkpoint's trainer_state.json; {} if none."""
-    if (run_dir / "run_config.json").exists():
-        return json.loads((run_dir / "run_config.json").read_text())
-    if (run_dir / "trainer_state.json").exists():
-        return json.loads((run_dir / "trainer_state.json").read_text()).get("run_config", {})
-    return {}
 
 
 def summary_rows(runs: dict[str, Path], settings: Iterable[str] = ()) -> list[dict[str, Any]]:
@@ -149,7 +117,6 @@ SAMPLES_CSS = (
 def samples_html(label: str, run_dir: Path) -> str:
     """A run's samples.jsonl (`kto-pipeline generate`) as a table: prompt, reference and policy answers side by
     side, and the dataset's labelled completions when the prompts came from a cache; "" if the run has none."""
-    from kto_pipeline.generate import SAMPLES_FILE, read_samples
 
     path = run_dir / SAMPLES_FILE
     records = read_samples(path) if path.exists() else []

@@ -16,9 +16,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kto_pipeline.config import TrainConfig
+from kto_pipeline.config import LIST_FIELDS, TrainConfig, field_types, parse_value
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.report import markdown_table, run_config
+from kto_pipeline.report import markdown_table
+from kto_pipeline.rundir import finished_at, run_config
 
 # fields a sweep sets itself, per run
 FIXED_FIELDS = ("cache", "output_dir", "overwrite_output_dir", "resume", "resume_from")
@@ -38,8 +39,6 @@ SHORT_NAMES = {
     "loss_type": "",
     "lr_scheduler_type": "",
 }
-DONE_FILE = "trainer_state.json"  # written by train only when a run has finished
-LIST_FIELDS = ("lora_target_modules", "report_to")  # values that are comma-separated lists themselves
 # settings that do not change a run's results: a finished run with other values here still counts
 NO_EFFECT_FIELDS = ("report_to", "verify", "overwrite_output_dir", "resume", "resume_from")
 
@@ -48,31 +47,10 @@ def sweepable_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(TrainConfig) if f.name not in FIXED_FIELDS]
 
 
-def parse_value(field: dataclasses.Field, text: str) -> Any:
-    """Convert one command-line value to the field's type (annotations are strings here)."""
-    kind = str(field.type)
-    text = text.strip()
-    if text.lower() in ("none", "null", "") and "None" in kind:
-        return None
-    try:
-        if kind.startswith("bool"):
-            if text.lower() in ("true", "1", "yes"):
-                return True
-            if text.lower() in ("false", "0", "no"):
-                return False
-            raise ValueError(text)
-        if kind.startswith("int"):
-            return int(text)
-        if kind.startswith("float"):
-            return float(text)
-    except ValueError:
-        raise KTOPipelineError(f"--{field.name.replace('_', '-')}: cannot read {text!r} as {kind}") from None
-    return text
-
-
 def expand_grid(values: dict[str, str | None]) -> tuple[list[dict[str, Any]], list[str]]:
     """{field: "v1,v2" or None} -> (one settings dict per run, names of the fields that vary)."""
-    fields = {f.name: f for f in sweepable_fields()}
+    fields = {f.name for f in sweepable_fields()}
+    types = field_types(TrainConfig)
     options: dict[str, list[Any]] = {}
     for name, text in values.items():
         if text is None:
@@ -81,7 +59,7 @@ def expand_grid(values: dict[str, str | None]) -> tuple[list[dict[str, Any]], li
             raise KTOPipelineError(f"--{name.replace('_', '-')} cannot be swept")
         # list-valued flags take their commas literally: one value, not several runs
         parts = [str(text)] if name in LIST_FIELDS else str(text).split(",")
-        parsed = [parse_value(fields[name], part) for part in parts]
+        parsed = [parse_value(types[name], part, name) for part in parts]
         options[name] = list(dict.fromkeys(parsed))  # drop repeats, keep order
     varied = [name for name, vals in options.items() if len(vals) > 1]
     grid = [dict(zip(options, combo, strict=True)) for combo in itertools.product(*options.values())]
@@ -105,7 +83,7 @@ def sweep(cache: str, output_dir: str, values: dict[str, str | None], keep: str 
     from accelerate.utils import parse_flag_from_env
 
     from kto_pipeline.report import summary_rows
-    from kto_pipeline.train import train
+    from kto_pipeline.stages.train import train
 
     if keep not in ("all", "best"):
         raise KTOPipelineError(f"--keep must be all or best, got {keep!r}")
@@ -144,7 +122,7 @@ def sweep(cache: str, output_dir: str, values: dict[str, str | None], keep: str 
 
 def _finished_with(run_dir: Path, config: TrainConfig) -> bool:
     """A run counts as done only if it finished with the same settings (else it is trained again)."""
-    if not (run_dir / DONE_FILE).exists():
+    if finished_at(run_dir) is None:
         return False
     saved, wanted = run_config(run_dir), config.to_dict()
     return all(saved.get(k) == v for k, v in wanted.items() if k not in NO_EFFECT_FIELDS)

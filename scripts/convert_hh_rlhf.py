@@ -6,7 +6,7 @@
 
 Each output line is {"prompt": [messages], "chosen": [answer], "rejected": [answer]}, which
 `kto-pipeline precompute --dataset OUT.jsonl` reads as paired conversational data (a desirable and an
-undesirable row per pair). `make demo` runs the same conversion (kto_pipeline/hh_rlhf.py).
+undesirable row per pair). `make demo` runs the same conversion (kto_pipeline/demo/hh_rlhf.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.hh_rlhf import bundled_path, convert_file
+from kto_pipeline.demo.hh_rlhf import bundled_path, convert_file
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""Write the bundled demo dataset (kto_pipeline/data/demo_{train,test}.jsonl), deterministically.
+"""Write the bundled demo dataset (kto_pipeline/demo/assets/demo_{train,test}.jsonl), deterministically.
 
 The task: an assistant asked for help. Desirable completions help politely; undesirable ones
 brush the user off or are rude. The difference is learnable from a few hundred rows by a tiny
@@ -93,7 +93,7 @@ def make(topics: list[str], rng: random.Random, per_topic: int) -> list[dict]:
 
 
 def main() -> None:
-    out = Path(__file__).resolve().parent.parent / "kto_pipeline" / "data"
+    out = Path(__file__).resolve().parent.parent / "kto_pipeline" / "demo" / "assets"
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(1234)
     for name, topics, per_topic in (("train", TRAIN_TOPICS, 12), ("test", TEST_TOPICS, 8)):

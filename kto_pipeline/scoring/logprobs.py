@@ -23,20 +23,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kto_pipeline.packing import (
-    Layout,
+from kto_pipeline.models import checkpointing, sliding_window, text_config
+from kto_pipeline.scoring.attention import (
     attention_by_tree,
     attention_costs,
     attention_mask_for,
-    checkpointing,
     paying_tree_blocks,
-    sliding_window,
-    text_config,
     tree_mask,
 )
+from kto_pipeline.scoring.packing import Layout, ScoredSequence, Tree, layout_trees, pack_batches, pack_trees
 
 DEFAULT_CHUNK_SIZE = 1024
 # Float32 logits of up to this many bytes are kept from the forward for the backward rather than recomputed
@@ -442,3 +441,48 @@ def score_policy(
             executed += rows * width
         kl = _score_branch(model, layout, hidden, where, 2, chunk_size, with_stats=False)
     return PolicyScores(completions, kl, executed, on_cache)
+
+
+@torch.inference_mode()
+def score_shard(
+    model, trees: list[Tree], pad_id: int, batch_size: int, max_tokens: int, device, on_batch=None, packed=True
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per-token reference log-probs of each tree's completion and KL completion.
+
+    `packed=True`: each prompt runs once, its completion and KL completion both attending to it
+    (`packing.layout_trees`), several trees side by side in each tensor row. `packed=False`: every sequence
+    on its own, padded (the path for models that cannot take a packed layout).
+
+    `on_batch(sequences, tokens, executed)`, if given, is called after each forward pass with the number of
+    sequences, the tokens they need, and the tokens the pass ran (padding included): progress and counters."""
+    out: list[list[np.ndarray]] = [[np.empty(0, np.float32)] * 2 for _ in trees]
+    if packed:
+        sizes = [len(p) + sum(map(len, conts)) for p, conts in trees]
+        for rows in pack_trees(sizes, batch_size, max_tokens, attention_costs(model, device)):
+            members = [t for row in rows for t in row]
+            local = {t: i for i, t in enumerate(members)}
+            layout = layout_trees([trees[t] for t in members], [[local[t] for t in row] for row in rows], pad_id)
+            per_sequence = score_layout(model, layout.to(device), with_stats=False).per_sequence()
+            for i, t in enumerate(members):
+                out[t] = [v.float().cpu().numpy() for v in per_sequence[2 * i : 2 * i + 2]]
+            if on_batch is not None:
+                on_batch(2 * len(members), sum(sizes[t] for t in members), layout.input_ids.numel())
+        return [tuple(o) for o in out]
+    seqs = [
+        ScoredSequence(t, kind, len(prompt), prompt + continuation)
+        for t, (prompt, continuations) in enumerate(trees)
+        for kind, continuation in enumerate(continuations)
+    ]
+    for batch in pack_batches(seqs, batch_size, max_tokens):
+        ids, attn, comp = (
+            t.to(device) for t in pad_sequences([s.ids for s in batch], [s.prompt_len for s in batch], pad_id)
+        )
+        per_sequence = score_sequences(model, ids, attn, comp, with_stats=False).per_sequence()
+        for s, values in zip(batch, per_sequence, strict=True):
+            out[s.row][s.kind] = values.float().cpu().numpy()
+        if on_batch is not None:
+            on_batch(len(batch), sum(len(s.ids) for s in batch), ids.numel())
+    return [tuple(o) for o in out]
+
+
+# ------------------------------------------------------------------------------------------ stage 1

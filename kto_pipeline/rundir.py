@@ -1,0 +1,151 @@
+"""A training run's output directory: the contract between `train` and the tools that read runs.
+
+    OUT/
+        run_config.json        the run's settings (TrainConfig), written when it starts
+        metrics.jsonl          one JSON record per logging step or evaluation (trl's metric names)
+        trainer_state.json     the `TrainerState` the run finished in; present only once it has finished
+        config.json, model.safetensors (or adapter_*), tokenizer files, README.md   the final model and its card
+        checkpoint-STEP/       `checkpoint.py`: the model, trainer_state.json (the state to resume from) and
+                               accelerate_state/
+        samples.jsonl          written by `kto-pipeline generate`: reference and policy answers side by side
+        tensorboard/           with --report-to tensorboard
+
+`trainer_state.json` means one thing wherever it lies: the trainer's state after a step. In a checkpoint it is
+what `--resume` restarts from; at the top of OUT it is the state the run ended in, and so the mark that the run
+finished (`finished_at`, which `sweep` and an extended run read). This module owns these names, their readers
+and the metrics writer: `train`, `report`, `generate` and `sweep` all go through it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kto_pipeline.errors import KTOPipelineError
+
+RUN_CONFIG_FILE = "run_config.json"
+METRICS_FILE = "metrics.jsonl"
+STATE_FILE = "trainer_state.json"
+SAMPLES_FILE = "samples.jsonl"
+
+
+@dataclass
+class TrainerState:
+    """The trainer's state after optimizer step `global_step`.
+
+    A checkpoint's state carries the data position (`epoch_index`, `batches_in_epoch`), the metrics not logged yet
+    and the run config; the final state adds what the run did (`train_seconds` and the token counters)."""
+
+    global_step: int = 0
+    max_steps: int = 0  # the schedule's total: a resume with another total says so
+    epoch: float = 0.0  # fractional, as logged
+    epoch_index: int = 0  # the epoch the next batch belongs to
+    batches_in_epoch: int = 0  # batches of that epoch already trained
+    log_history: list[dict[str, float]] = field(default_factory=list)
+    pending_metrics: dict[str, list[float]] = field(default_factory=dict)
+    run_config: dict[str, Any] | None = None
+    # the final state only: this run's work (since a resume, if resumed)
+    train_seconds: float | None = None
+    tokens_executed: int | None = None  # tokens the forwards ran, padding included
+    tokens_needed: int | None = None  # each prompt once, then its completion and KL completion, no padding
+    token_efficiency: float | None = None
+    packing: str | None = None  # "packed", or "padded (why)"
+    kl_forward: str | None = None
+
+    def write(self, directory: Path) -> None:
+        values = {k: v for k, v in asdict(self).items() if v is not None}
+        (directory / STATE_FILE).write_text(json.dumps(values, indent=2) + "\n")
+
+    @classmethod
+    def read(cls, directory: Path) -> TrainerState:
+        values = json.loads((directory / STATE_FILE).read_text())
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def finished_at(out: Path) -> int | None:
+    """The step at which the run in `out` finished (its trainer_state.json), or None if it has not."""
+    try:
+        return TrainerState.read(out).global_step
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def is_run(path: Path) -> bool:
+    return (path / METRICS_FILE).exists()
+
+
+def start_run(out: Path, config: dict[str, Any], history: list[dict[str, float]]) -> None:
+    """Write a (re)started run's config and the metrics it already has; its finished mark goes until it ends."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / STATE_FILE).unlink(missing_ok=True)
+    (out / RUN_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    (out / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in history))
+
+
+class MetricsWriter:
+    """One metrics record at a time: appended to `history`, to metrics.jsonl (main process) and to accelerate's
+    trackers (--report-to)."""
+
+    def __init__(self, out: Path, accelerator, history: list[dict[str, float]], trackers: bool):
+        self.path, self.accelerator, self.history, self.trackers = out / METRICS_FILE, accelerator, history, trackers
+
+    def __call__(self, record: dict[str, float]) -> None:
+        self.history.append(record)
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.trackers:
+            self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train records, eval records) of one run's metrics.jsonl."""
+    train, evals = [], []
+    for line in (run_dir / METRICS_FILE).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            (evals if any(k.startswith("eval_") for k in record) else train).append(record)
+    return train, evals
+
+
+def find_runs(path: Path) -> dict[str, Path]:
+    """{label: run dir}: the directory itself if it is a run, else its subdirectories that are runs."""
+    if is_run(path):
+        return {path.name: path}
+    runs = {p.name: p for p in sorted(path.iterdir()) if p.is_dir() and is_run(p)}
+    if not runs:
+        raise KTOPipelineError(
+            f"{path}: no {METRICS_FILE} here or in its subdirectories. Point report at a train --output-dir "
+            "or a sweep directory."
+        )
+    return runs
+
+
+def run_config(run_dir: Path) -> dict[str, Any]:
+    """The settings a run was trained with: its run_config.json, or a checkpoint's trainer_state.json; {} if none."""
+    if (run_dir / RUN_CONFIG_FILE).exists():
+        return json.loads((run_dir / RUN_CONFIG_FILE).read_text())
+    if (run_dir / STATE_FILE).exists():
+        return TrainerState.read(run_dir).run_config or {}
+    return {}
+
+
+def read_samples(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a samples file."""
+    path = Path(path)
+    records = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise KTOPipelineError(
+                    f"{path} line {lineno}: not valid JSON ({exc.msg}). Write it again with `kto-pipeline generate`."
+                ) from exc
+    return records

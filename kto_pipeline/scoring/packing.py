@@ -1,0 +1,224 @@
+"""Packed batches: sequences side by side in one row, prompts shared by their continuations, no padding.
+
+Both stages score a row's completion and its KL completion, two continuations of one prompt. Run as
+two padded sequences, the prompt is computed twice and the padding wastes the rest. Here a batch is a
+`Layout`: each row of the tensor holds several *trees* `prompt, continuation 1, continuation 2, ...`
+back to back. Every continuation restarts its position ids where its prompt ends, and a 4-D attention
+mask (`attention.tree_mask`) lets each token see exactly what it would see in its own unpadded sequence.
+
+Trees are spread over rows (`pack_rows`), as many rows as balance the padding of narrow rows against the
+attention of wide ones: under the dense mask every query meets every key of its row. Where attention runs
+tree by tree (`attention.tree_attention`), a row's width costs nothing and a batch packs into as few rows
+as the mask's memory allows, without padding.
+
+The layout also splits into two forwards: training runs the prompts and completions with gradients,
+keeps their keys/values (a `DynamicCache`), and then runs only the KL completions, without gradients,
+against those cached keys/values.
+
+The reference pass groups trees into forward passes (`pack_trees`); models that take no packed layout run
+each sequence on its own, padded and length-sorted (`pack_batches`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+BRANCH_PROMPT, BRANCH_PAD = 0, -1
+MAX_ROW_TOKENS = 8192
+
+
+@dataclass
+class Layout:
+    """A batch of trees laid out in rows. Every per-token tensor is (R, W); flat index = row * W + column."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    tree: torch.Tensor  # which tree (numbered across the batch) each token belongs to; -1 on padding
+    branch: torch.Tensor  # 0 = prompt, j + 1 = continuation j; -1 on padding
+    # one entry per scored token (every continuation token), in order of (tree, continuation, token):
+    target: torch.Tensor  # (N,) flat index of the scored token
+    predictor: torch.Tensor  # (N,) flat index of the token whose hidden state predicts it
+    sequence: torch.Tensor  # (N,) tree * branches + continuation: which sequence the token belongs to
+    num_trees: int
+    branches: int  # continuations per tree
+    split: int  # with `layout_trees(split_last=True)`, the column where the last continuations start; else width
+
+    @property
+    def width(self) -> int:
+        return self.input_ids.shape[1]
+
+    def tokens(self) -> int:
+        """Real (non-padding) tokens: what a forward over the layout needs."""
+        return int((self.branch != BRANCH_PAD).sum())
+
+    def to(self, device) -> Layout:
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return Layout(**moved)
+
+
+@dataclass(frozen=True)
+class AttentionCosts:
+    """What attention costs a packed row, in token-forwards (a token's FLOPs through the weights), for `pack_rows`.
+
+    pair: per (query, key) pair the dense mask runs: 4 * hidden * layers FLOPs against 2 * ~12 * hidden^2 *
+        layers for the weights, i.e. 1 / (6 * hidden);
+    tree_call: per tree when attention runs tree by tree (`tree_attention`), the price of its calls
+        (TREE_CALL_FLOPS a layer); None where it cannot run that way."""
+
+    pair: float = 0.0
+    tree_call: float | None = None
+
+
+def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCosts | None = None) -> list[list[int]]:
+    """Trees (of `sizes[i]` tokens) into rows: the number of rows that costs least, trees balanced across them.
+
+    A row's tokens all run, padding included: R rows of width W cost R * W token-forwards, plus attention (see
+    `AttentionCosts`): under the dense mask every token attends to the whole row, costs.pair * R * W^2, so few
+    wide rows pad less and many narrow rows attend less; tree by tree, each tree attends to itself whatever the
+    row, at a price per tree. For each R, trees go largest first to the emptiest row (which keeps the rows'
+    widths within one tree of each other). At most `max_trees` trees a row, and rows of about MAX_ROW_TOKENS at
+    most (the row's (W, W) mask takes W^2 bytes however attention runs)."""
+    costs = costs or AttentionCosts()
+    if not sizes:
+        return []
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    fewest = 1 if max_trees is None else -(-len(sizes) // max_trees)
+    fewest = min(len(sizes), max(fewest, -(-sum(sizes) // MAX_ROW_TOKENS)))
+    candidates, r = [], float(fewest)
+    while int(r) < len(sizes):  # row counts tried: every one up to 16, then 6% apart
+        candidates.append(int(r))
+        r = max(r + 1, r * 1.06)
+    best, best_cost = [], float("inf")
+    by_tree = float("inf")  # attention tree by tree: the same for every row count
+    if costs.tree_call is not None:
+        by_tree = costs.pair * sum(n * n for n in sizes) + len(sizes) * costs.tree_call
+    for num_rows in [*candidates, len(sizes)]:
+        if num_rows * sizes[order[0]] >= best_cost:  # more rows cannot be cheaper: each is at least this wide
+            break
+        rows: list[list[int]] = [[] for _ in range(num_rows)]
+        heap = [(0, r) for r in range(num_rows)]  # (fill, row): the emptiest row on top
+        for i in order:
+            fill, r = heapq.heappop(heap)
+            rows[r].append(i)
+            if max_trees is None or len(rows[r]) < max_trees:
+                heapq.heappush(heap, (fill + sizes[i], r))
+        width = max(sum(sizes[i] for i in row) for row in rows)
+        cost = num_rows * width + min(costs.pair * num_rows * width * width, by_tree)
+        if cost < best_cost:
+            best, best_cost = rows, cost
+    return best
+
+
+def layout_trees(
+    trees: list[tuple[list[int], list[list[int]]]],
+    rows: list[list[int]] | None = None,
+    pad_id: int = 0,
+    split_last: bool = False,
+) -> Layout:
+    """Lay out `(prompt, [continuation, ...])` trees, every tree with the same number of continuations.
+
+    `rows` says which trees share each tensor row (default: all in one row); rows are right-padded to
+    the longest. With `split_last`, every row holds its prompts and other continuations in columns
+    [0, split) and its last continuations in [split, width), so that the two parts can run as two
+    forwards (training: completions with grad, then the KL completions on the cached prompts).
+    A prompt must have at least one token: it predicts the first continuation token."""
+    branches = len(trees[0][1])
+    rows = [list(range(len(trees)))] if rows is None else rows
+    if any(not trees[t][0] for row in rows for t in row):
+        raise ValueError("a tree has an empty prompt: nothing predicts its first token")
+    if any(len(trees[t][1]) != branches for row in rows for t in row):
+        raise ValueError("every tree needs the same number of continuations")
+
+    def tokens(row: list[int], last: bool) -> int:
+        return sum(len(trees[t][1][-1]) if last else len(trees[t][0]) + sum(map(len, trees[t][1][:-1])) for t in row)
+
+    if split_last:
+        split = max(tokens(row, last=False) for row in rows)
+        width = split + max(tokens(row, last=True) for row in rows)
+    else:
+        split = width = max(tokens(row, False) + tokens(row, True) for row in rows)
+    shape = (len(rows), width)
+    ids = torch.full(shape, pad_id, dtype=torch.long)
+    pos = torch.zeros(shape, dtype=torch.long)
+    tree_of = torch.full(shape, -1, dtype=torch.long)
+    branch_of = torch.full(shape, BRANCH_PAD, dtype=torch.long)
+    scored: list[tuple[int, int, int]] = []  # (sequence, target, predictor) as flat indices
+    for r, row in enumerate(rows):
+        base, cols = r * width, [0, split]  # next free column of each part
+        for t in row:
+            prompt, continuations = trees[t]
+            for b, segment in enumerate([prompt, *continuations]):
+                part = 1 if split_last and b == branches else 0
+                col, n = cols[part], len(segment)
+                cols[part] += n
+                start_pos = 0 if b == 0 else len(prompt)
+                ids[r, col : col + n] = torch.tensor(segment, dtype=torch.long)
+                pos[r, col : col + n] = torch.arange(start_pos, start_pos + n)
+                tree_of[r, col : col + n] = t
+                branch_of[r, col : col + n] = b
+                if b == 0:
+                    last_prompt = base + col + n - 1
+                else:
+                    for j in range(n):
+                        predictor = last_prompt if j == 0 else base + col + j - 1
+                        scored.append((t * branches + b - 1, base + col + j, predictor))
+    scored.sort()  # by sequence, then position: each sequence's tokens in order
+    sequence, target, predictor = (torch.tensor(c, dtype=torch.long) for c in zip(*scored, strict=True))
+    return Layout(ids, pos, tree_of, branch_of, target, predictor, sequence, len(trees), branches, split)
+
+
+Tree = tuple[list[int], list[list[int]]]  # (prompt, [completion, KL completion]), already truncated
+
+
+@dataclass
+class ScoredSequence:
+    row: int  # tree (row) in the shard
+    kind: int  # 0: completion, 1: KL completion
+    prompt_len: int
+    ids: list[int]  # prompt + (KL) completion, already truncated
+
+
+def pack_batches(seqs: list[ScoredSequence], batch_size: int, max_tokens: int) -> list[list[ScoredSequence]]:
+    """Longest first, then fill each batch while rows <= batch_size and padded tokens <= max_tokens."""
+    batches: list[list[ScoredSequence]] = []
+    current: list[ScoredSequence] = []
+    for seq in sorted(seqs, key=lambda s: len(s.ids), reverse=True):
+        width = len(current[0].ids) if current else len(seq.ids)
+        if current and (len(current) >= batch_size or width * (len(current) + 1) > max_tokens):
+            batches.append(current)
+            current = []
+        current.append(seq)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def pack_trees(
+    sizes: list[int], batch_size: int, max_tokens: int, costs: AttentionCosts | None = None
+) -> list[list[list[int]]]:
+    """Group trees (prompt + completion + KL completion, `sizes[i]` tokens) into forward passes of rows.
+
+    Rows by `pack_rows` (several trees a row; `costs`: what attention costs); then rows
+    into passes while rows x width <= max_tokens and trees <= batch_size / 2 (batch_size counts sequences,
+    two per tree; a tree always fits alone). Returns passes -> rows -> trees."""
+    passes: list[list[list[int]]] = []
+    current: list[list[int]] = []
+    width = trees = 0
+    for row in pack_rows(sizes, max(batch_size // 2, 1), costs):
+        row_width = sum(sizes[i] for i in row)
+        new_width = max(width, row_width)
+        if current and (new_width * (len(current) + 1) > max_tokens or 2 * (trees + len(row)) > max(batch_size, 2)):
+            passes.append(current)
+            current, width, trees = [], 0, 0
+            new_width = row_width
+        current.append(row)
+        width, trees = new_width, trees + len(row)
+    if current:
+        passes.append(current)
+    return passes
+
+
+Tree = tuple[list[int], list[list[int]]]  # (prompt, [completion, KL completion]), already truncated

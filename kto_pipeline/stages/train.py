@@ -1,0 +1,647 @@
+"""Stage 2: train the policy alone against a reference cache.
+
+`train()` is the outline, one phase a function around one `Run`:
+
+    setup -> resume -> prepare the output directory -> fit -> finish
+
+`setup` opens and checks the cache, loads the policy (never a reference model), builds the data loaders over
+the memory-mapped cache (`batches.py`), the optimizer and the schedule. `resume` restores a checkpoint, `fit`
+is the loop, `finish` writes the final model, its card and the final trainer state (`rundir.py`). accelerate is
+used as a library (`prepare`, `accumulate`, `backward`, `gather`), so the loop is the whole algorithm: nothing
+happens in callbacks. One forward pass and its metrics are `kto_step.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from kto_pipeline import __version__
+from kto_pipeline.cache import CacheTable, Manifest, open_cache, tokenizer_hash
+from kto_pipeline.checkpoint import (
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    save_model,
+    skip_model_weights_in_accelerate_state,
+)
+from kto_pipeline.config import TrainConfig
+from kto_pipeline.distributed import print0
+from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.lock import holds_files, main_process_lock
+from kto_pipeline.model_card import write_model_card
+from kto_pipeline.models import load_model, load_tokenizer
+from kto_pipeline.rundir import MetricsWriter, TrainerState, finished_at, start_run
+from kto_pipeline.scoring.attention import attention_costs, packing_unsupported
+from kto_pipeline.stages.batches import CacheRows, Collator, EpochSampler, PolicyScorer
+from kto_pipeline.stages.kto_step import MetricLog, batch_metrics, evaluate, kto_forward
+
+
+@dataclass
+class Progress:
+    """Where the run stands, and what this process has done in it."""
+
+    global_step: int = 0
+    epoch: int = 0  # the epoch being trained
+    skip_batches: int = 0  # batches of `epoch` a resumed run skips (trained before the checkpoint)
+    epoch_index: int = 0  # after the last step: the epoch the next batch belongs to
+    batches_in_epoch: int = 0  # after the last step: batches of that epoch trained
+    fractional_epoch: float = 0.0
+    history: list[dict[str, float]] = field(default_factory=list)
+    log: MetricLog = field(default_factory=MetricLog)
+    grad_norm: float | None = None
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each optimizer step of this run
+    started: float = 0.0
+    step_started: float = 0.0
+    # work counters of this run, this process: tokens the forwards ran vs the tokens the rows need (P + C + K)
+    tokens_executed: int = 0
+    tokens_needed: int = 0
+    rows_seen: int = 0
+    kl_on_cached_prompt: bool = False
+
+
+@dataclass
+class Run:
+    """Everything the phases share."""
+
+    config: TrainConfig
+    out: Path
+    resume_dir: Path | None
+    accelerator: Any
+    manifest: Manifest
+    tokenizer: Any
+    scorer: PolicyScorer  # as prepared by accelerate (DDP/FSDP-wrapped where launched so)
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: EpochSampler
+    loader: DataLoader
+    eval_loader: DataLoader | None
+    eval_groups: dict[int, int]  # example_id -> prompt number, for pairwise eval metrics
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    aux_coef: float  # MoE load-balancing weight (0: not a MoE model)
+    padded_because: str | None  # why batches are padded; None: packed
+    trackers: list[str]
+    progress: Progress = field(default_factory=Progress)
+    metrics: MetricsWriter | None = None
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    global_step: int
+    metrics: list[dict[str, float]]
+    step_seconds: list[float]  # wall time of each optimizer step of this run (benchmarks, profiling)
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Train a policy on a reference cache; writes metrics, checkpoints and the final model to `output_dir`.
+
+    The output directory's lock is taken before any work starts and held until the run ends: a second `train`
+    into the same directory refuses at once, naming this one. Only the main process holds it."""
+    with main_process_lock(config.output_dir, "train", label="--output-dir"):
+        run = setup(config)
+        done = resume(run)
+        if done is not None:
+            return done
+        prepare_output_dir(run)
+        fit(run)
+        return finish(run)
+
+
+# ------------------------------------------------------------------------------------------- setup
+
+
+def setup(config: TrainConfig) -> Run:
+    """Check the inputs, then load the policy and build the loaders, optimizer and schedule. Nothing is written."""
+    from accelerate.utils import set_seed
+
+    out = Path(config.output_dir)
+    resume_dir = resolve_resume(out, config.resume, config.resume_from)
+    if resume_dir is None or resume_dir.parent.resolve() != out.resolve():
+        _check_output_dir(out, config.overwrite_output_dir)  # a checkpoint of this same dir may continue it
+    cache, max_length = _open_checked_cache(config)
+    trackers = _trackers(config)
+    accelerator = _accelerator(config, out, trackers)
+    set_seed(config.seed)
+    print0(accelerator, f"kto-pipeline train {__version__}\n{config.describe()}")
+    tokenizer, model, aux_coef = _load_policy(config, cache.manifest)
+    padded_because = packing_unsupported(model)
+    sampler, loader, eval_loader, eval_groups = _loaders(
+        config, cache, max_length, accelerator, tokenizer, model, padded_because
+    )
+    optimizer = _optimizer(config, model)
+    scorer, optimizer, loader = accelerator.prepare(PolicyScorer(model), optimizer, loader)
+    if eval_loader is not None:
+        eval_loader = accelerator.prepare_data_loader(eval_loader)
+    steps_per_epoch = max(math.ceil(len(loader) / config.gradient_accumulation_steps), 1)
+    total_steps = _planned_steps(config.max_steps, config.num_train_epochs, steps_per_epoch)
+    warmup_steps = math.ceil(config.warmup_ratio * total_steps)
+    scheduler = _scheduler(config, optimizer, warmup_steps, total_steps)
+    accelerator.register_for_checkpointing(scheduler)  # stepped by hand once per optimizer step, saved with its state
+    return Run(
+        config=config,
+        out=out,
+        resume_dir=resume_dir,
+        accelerator=accelerator,
+        manifest=cache.manifest,
+        tokenizer=tokenizer,
+        scorer=scorer,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        loader=loader,
+        eval_loader=eval_loader,
+        eval_groups=eval_groups,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        warmup_steps=warmup_steps,
+        aux_coef=aux_coef,
+        padded_because=padded_because,
+        trackers=trackers,
+    )
+
+
+def _open_checked_cache(config: TrainConfig) -> tuple[CacheTable, int]:
+    """The cache (cheap checks always: complete, files, sizes, row counts, schema; sha256 with --verify) and the
+    max length to train at."""
+    cache = open_cache(config.cache, verify=config.verify)
+    cached_max = cache.manifest.max_length
+    max_length = config.max_length or cached_max
+    if max_length > cached_max:
+        raise KTOPipelineError(
+            f"--max-length {max_length} is above the cache's max length {cached_max}: the reference log-probs "
+            f"of longer sequences were never computed. Use --max-length <= {cached_max}, or precompute a new "
+            f"cache with --max-length {max_length}."
+        )
+    return cache, max_length
+
+
+def _accelerator(config: TrainConfig, out: Path, trackers: list[str]):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    # accelerate keeps one global state per process; reset it (not the process group) so that several runs
+    # in one process (a sweep through the Python API) may each choose their own precision.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    accelerator = Accelerator(
+        mixed_precision=_resolve_precision(config),
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        log_with=trackers or None,
+        project_dir=str(out / "tensorboard"),
+    )
+    skip_model_weights_in_accelerate_state(accelerator)
+    return accelerator
+
+
+def _load_policy(config: TrainConfig, manifest: Manifest):
+    """(tokenizer, policy, MoE aux-loss weight): the policy only, with the cache's tokenizer, ready to train."""
+    model_name = config.model or manifest.reference_model
+    revision = None if config.model else manifest.reference_revision
+    tokenizer = load_tokenizer(model_name, revision, config.trust_remote_code)
+    if tokenizer_hash(tokenizer) != manifest.tokenizer_hash:
+        raise KTOPipelineError(
+            f"the tokenizer of --model {model_name} differs from the one the cache was made with "
+            f"({manifest.tokenizer_name}): vocabulary, special tokens or chat template. Token ids "
+            "would not mean the same thing. Train a model that shares the cache's tokenizer, or precompute a "
+            "new cache with this model."
+        )
+    model = load_model(model_name, torch.float32, revision, config.trust_remote_code)
+    model.config.use_cache = False
+    _disable_dropout(model)  # the base model's; LoRA's own dropout (--lora-dropout) is added after
+    aux_coef = _router_aux_coef(model, config)
+    if config.gradient_checkpointing:
+        # recompute each layer's activations in the backward instead of keeping them
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.lora_r is not None:
+        model = _add_lora(model, config)
+    return tokenizer, model, aux_coef
+
+
+def _loaders(config: TrainConfig, cache, max_length: int, accelerator, tokenizer, model, padded_because):
+    """(sampler, train loader, eval loader or None, eval prompt groups). Each process reads a disjoint part of
+    every global batch from the memory-mapped cache."""
+    rows = CacheRows(cache, max_length)
+    if len(rows) < config.per_device_train_batch_size * accelerator.num_processes:
+        raise KTOPipelineError(
+            f"the cache has {len(rows)} rows at max length {max_length}, fewer than one batch "
+            f"({config.per_device_train_batch_size} x {accelerator.num_processes} processes). Lower "
+            "--per-device-train-batch-size or use more data."
+        )
+    n_desirable = int(rows.labels.sum())
+    warning = imbalance_warning(
+        n_desirable, len(rows) - n_desirable, config.desirable_weight, config.undesirable_weight
+    )
+    if warning:
+        print0(accelerator, f"warning: {warning}")
+    # Micro-batches are packed (no padding) where the model's attention takes a packed layout; otherwise padded,
+    # and the shuffled rows grouped by length (runs of 50 global batches sorted longest first) to pad less.
+    shuffle = config.train_sampling_strategy == "random"
+    global_batch = config.per_device_train_batch_size * accelerator.num_processes
+    if padded_because is None:
+        sampler = EpochSampler(len(rows), config.seed, shuffle)
+    else:
+        sampler = EpochSampler(len(rows), config.seed, shuffle, lengths=rows.lengths(), group=50 * global_batch)
+        print0(accelerator, f"note: {padded_because}: batches are padded, rows grouped by length")
+    collator = Collator(tokenizer.pad_token_id, padded_because is None, attention_costs(model, accelerator.device))
+    loader = DataLoader(rows, batch_size=config.per_device_train_batch_size, sampler=sampler, collate_fn=collator)
+    eval_rows = _open_eval_cache(config, cache.manifest, max_length)
+    if eval_rows is None:
+        return sampler, loader, None, {}
+    eval_loader = DataLoader(eval_rows, batch_size=config.per_device_eval_batch_size, collate_fn=collator)
+    return sampler, loader, eval_loader, eval_rows.prompt_groups()
+
+
+def _optimizer(config: TrainConfig, model) -> torch.optim.Optimizer:
+    """transformers.Trainer's default, AdamW with its fused kernel (`adamw_torch_fused`, the update trl runs), no
+    decay on biases and norm weights: one kernel for all parameters (see benchmarks/RESULTS.md for its speed)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.learning_rate,
+        fused=True,
+    )
+
+
+def _scheduler(config: TrainConfig, optimizer, warmup_steps: int, total_steps: int):
+    from transformers import get_scheduler
+
+    return get_scheduler(
+        config.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
+    )
+
+
+# ------------------------------------------------------------------------------------------ resume
+
+
+def resume(run: Run) -> TrainResult | None:
+    """Restore a checkpoint (weights, optimizer, scheduler, RNG, data position, metrics), if resuming. Returns the
+    result of a finished run that has nothing left to do; None to train on."""
+    if run.resume_dir is None:
+        return None
+    config, p, resume_dir = run.config, run.progress, run.resume_dir
+    state = load_checkpoint(run.accelerator, run.scorer, resume_dir)
+    _check_resume_compatible(state.run_config or {}, config, resume_dir)
+    p.global_step, p.epoch, p.skip_batches = state.global_step, state.epoch_index, state.batches_in_epoch
+    p.epoch_index, p.batches_in_epoch = state.epoch_index, state.batches_in_epoch
+    p.fractional_epoch, p.history = state.epoch, state.log_history
+    p.log.values.update(state.pending_metrics)
+    if p.global_step > run.total_steps:
+        raise KTOPipelineError(
+            f"cannot resume from {resume_dir}: it is at step {p.global_step}, past this run's {run.total_steps} "
+            "steps. Raise --max-steps (or --num-train-epochs), or pick an earlier checkpoint with --resume-from."
+        )
+    same_dir = resume_dir.parent.resolve() == run.out.resolve()
+    if p.global_step == run.total_steps and same_dir and finished_at(run.out) == run.total_steps:
+        print0(
+            run.accelerator,
+            f"nothing to do: {run.out} already finished its {run.total_steps} steps ({resume_dir.name} is its last "
+            "checkpoint). To train on, raise --max-steps (or --num-train-epochs) and --resume again.",
+        )
+        return TrainResult(output_dir=run.out, global_step=p.global_step, metrics=p.history, step_seconds=[])
+    print0(run.accelerator, f"resuming from {resume_dir} at step {p.global_step}")
+    saved = state.run_config or {}
+    was_total = state.max_steps or _planned_steps(
+        saved.get("max_steps", -1), saved.get("num_train_epochs", 1.0), run.steps_per_epoch
+    )
+    if was_total != run.total_steps and p.global_step < run.total_steps:
+        # The optimizer's saved rate came from the old total's schedule (0 at the end of a linear decay):
+        # recompute this step's rate on the new schedule, as a run planned with the new total would have it.
+        was_rate = run.optimizer.param_groups[0]["lr"]
+        run.scheduler.last_epoch -= 1
+        run.scheduler.step()
+        print0(
+            run.accelerator,
+            f"note: the run now has {run.total_steps} steps (its checkpoint's run had {was_total}): the "
+            f"{config.lr_scheduler_type} learning-rate schedule{' and its warmup' if run.warmup_steps else ''} "
+            f"now spans {run.total_steps} steps, so step {p.global_step + 1} trains at "
+            f"{run.scheduler.get_last_lr()[0]:.3g} (the old schedule's next rate: {was_rate:.3g}).",
+        )
+    return None
+
+
+# ------------------------------------------------------------------------------------------- output
+
+
+def prepare_output_dir(run: Run) -> None:
+    """Create the run directory once every check has passed: the run config and the metrics so far; no finished
+    mark until the run ends (a resumed or extended run included)."""
+    if run.accelerator.is_main_process:
+        if run.resume_dir is None:  # a fresh run in a reused dir: stale checkpoints must not mix with its own
+            for stale in [*run.out.glob("checkpoint-*"), *run.out.glob(".checkpoint-*.tmp")]:
+                shutil.rmtree(stale)
+        start_run(run.out, run.config.to_dict(), run.progress.history)
+    if run.trackers:
+        hparams = {
+            k: (v if isinstance(v, int | float | str | bool) else str(v)) for k, v in run.config.to_dict().items()
+        }
+        run.accelerator.init_trackers("kto-pipeline", config=hparams)
+    run.metrics = MetricsWriter(run.out, run.accelerator, run.progress.history, bool(run.trackers))
+
+
+# ---------------------------------------------------------------------------------------------- fit
+
+
+def fit(run: Run) -> None:
+    """The loop: micro-batches accumulate into optimizer steps until the run's last step."""
+    from tqdm.auto import tqdm
+
+    accelerator, p = run.accelerator, run.progress
+    bar = tqdm(
+        total=run.total_steps,
+        initial=p.global_step,
+        desc="train",
+        unit="step",
+        disable=not accelerator.is_local_main_process,
+    )
+    p.started = p.step_started = time.perf_counter()
+    run.scorer.train()
+    while p.global_step < run.total_steps:
+        run.sampler.use_epoch(p.epoch)
+        batches = accelerator.skip_first_batches(run.loader, p.skip_batches) if p.skip_batches else run.loader
+        for micro_step, batch in enumerate(batches, start=p.skip_batches):
+            with accelerator.accumulate(run.scorer):
+                train_step(run, batch)
+            if not accelerator.sync_gradients:
+                continue
+            after_step(run, micro_step, bar)
+            if p.global_step >= run.total_steps:
+                break
+        p.skip_batches = 0
+        p.epoch += 1
+    bar.close()
+
+
+def train_step(run: Run, batch: dict[str, torch.Tensor]) -> None:
+    """Forward, metrics and backward of one micro-batch; the optimizer steps where accelerate syncs gradients."""
+    from accelerate.utils import gather_object
+
+    config, accelerator, p = run.config, run.accelerator, run.progress
+    z0, scored, loss, _, rewards = kto_forward(
+        accelerator, run.scorer, batch, config, with_stats=True, output_router_logits=run.aux_coef != 0
+    )
+    scores = scored.completions
+    p.tokens_executed += scored.tokens_executed
+    p.tokens_needed += int(batch["tokens_needed"])
+    p.rows_seen += len(batch["label"])
+    p.kl_on_cached_prompt = scored.kl_on_cached_prompt
+    if scores.aux_loss is not None:  # MoE: keep the experts' load balanced, as the model's own loss does
+        loss = loss + run.aux_coef * scores.aux_loss
+        p.log.add("aux_loss", accelerator.gather(scores.aux_loss.detach().reshape(1)).mean().item())
+    # every process must take the same branch, or the others would wait forever in a collective
+    if not torch.isfinite(accelerator.gather(loss.detach().reshape(1))).all():
+        ids = sorted(gather_object(batch["example_id"].tolist()))
+        raise KTOPipelineError(
+            f"non-finite loss at step {p.global_step + 1}, batch example ids {ids}. Lower "
+            "--learning-rate or check these rows; the last checkpoint is intact."
+        )
+    for name, value in batch_metrics(accelerator, loss, z0, batch["label"], scores.logps, rewards, scores).items():
+        p.log.add(name, value)
+    accelerator.backward(loss)
+    if accelerator.sync_gradients and config.max_grad_norm > 0:
+        p.grad_norm = float(accelerator.clip_grad_norm_(run.scorer.parameters(), config.max_grad_norm))
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+
+
+def after_step(run: Run, micro_step: int, bar) -> None:
+    """The bookkeeping of an optimizer step: schedule, progress, logging, evaluation and checkpoints."""
+    config, accelerator, p = run.config, run.accelerator, run.progress
+    learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step used (what trl logs)
+    run.scheduler.step()
+    p.global_step += 1
+    now = time.perf_counter()
+    p.step_seconds.append(now - p.step_started)
+    p.step_started = now
+    bar.update(1)
+    elapsed = max(now - p.started, 1e-9)
+    bar.set_postfix_str(
+        f"{p.rows_seen * accelerator.num_processes / elapsed:.1f} rows/s, "
+        f"{p.tokens_needed * accelerator.num_processes / elapsed:.0f} tokens/s"
+    )
+    p.fractional_epoch = p.epoch + (micro_step + 1) / len(run.loader)
+    epoch_done = micro_step + 1 == len(run.loader)
+    p.epoch_index, p.batches_in_epoch = (p.epoch + 1, 0) if epoch_done else (p.epoch, micro_step + 1)
+    last_step = p.global_step >= run.total_steps
+    stamp = {"epoch": round(p.fractional_epoch, 4), "step": p.global_step}
+    if p.global_step % config.logging_steps == 0 or last_step:
+        grad_norm = {"grad_norm": p.grad_norm} if p.grad_norm is not None else {}
+        run.metrics({**p.log.flush(), "learning_rate": learning_rate, **grad_norm, **stamp})
+    if run.eval_loader is not None and (last_step or (config.eval_steps and p.global_step % config.eval_steps == 0)):
+        run.metrics({**evaluate(accelerator, run.scorer, run.eval_loader, config, run.eval_groups), **stamp})
+    # every N steps and at the last one (as transformers' Trainer), so that a finished run can be extended
+    if config.save_steps and (p.global_step % config.save_steps == 0 or last_step):
+        state, limit = trainer_state(run), config.save_total_limit
+        save_checkpoint(accelerator, run.scorer, run.tokenizer, run.out, state, config.to_dict(), limit)
+
+
+def trainer_state(run: Run) -> TrainerState:
+    """The trainer's state after the last step (a checkpoint's; `finish` adds the run's work)."""
+    p = run.progress
+    return TrainerState(
+        global_step=p.global_step,
+        max_steps=run.total_steps,
+        epoch=p.fractional_epoch,
+        epoch_index=p.epoch_index,
+        batches_in_epoch=p.batches_in_epoch,
+        log_history=p.history,
+        pending_metrics=dict(p.log.values),
+    )
+
+
+# ------------------------------------------------------------------------------------------- finish
+
+
+def finish(run: Run) -> TrainResult:
+    """The final model (HF format; merged too with --merge), its card, and the final trainer state."""
+    from accelerate.utils import gather_object
+
+    config, accelerator, p, out = run.config, run.accelerator, run.progress, run.out
+    accelerator.wait_for_everyone()
+    if run.trackers:
+        accelerator.end_training()
+    save_model(accelerator, run.scorer, run.tokenizer, out, config.to_dict())
+    if config.merge and accelerator.is_main_process:
+        merged = accelerator.unwrap_model(run.scorer).model.merge_and_unload()
+        merged.save_pretrained(out / "merged")
+        run.tokenizer.save_pretrained(out / "merged")
+    executed, needed = (sum(gather_object([x])) for x in (p.tokens_executed, p.tokens_needed))
+    state = trainer_state(run)
+    state.train_seconds = round(time.perf_counter() - p.started, 3)
+    state.tokens_executed, state.tokens_needed = executed, needed
+    state.token_efficiency = round(needed / max(executed, 1), 4)
+    state.packing = "packed" if run.padded_because is None else f"padded ({run.padded_because})"
+    state.kl_forward = (
+        "on the prompts' cached keys/values"
+        if p.kl_on_cached_prompt
+        else "with the prompts run again"
+        if config.loss_type == "kto"
+        else "none (loss without KL)"
+    )
+    if accelerator.is_main_process:
+        state.write(out)
+        _write_cards(run)
+        print(
+            f"train finished: {p.global_step} steps in {state.train_seconds:.1f} s; model and its card "
+            f"(README.md) in {out.resolve()}\n"
+            f"  efficiency   {state.token_efficiency:.1%}: {needed} tokens needed (each prompt once, no padding) "
+            f"/ {executed} run in forwards; batches {state.packing}, KL forward {state.kl_forward}",
+            flush=True,
+        )
+    accelerator.wait_for_everyone()
+    return TrainResult(output_dir=out, global_step=p.global_step, metrics=p.history, step_seconds=p.step_seconds)
+
+
+def _write_cards(run: Run) -> None:
+    config, history = run.config.to_dict(), run.progress.history
+    card = dict(
+        chat_template=run.tokenizer.chat_template is not None,
+        num_processes=run.accelerator.num_processes,
+        precision=run.accelerator.mixed_precision,
+    )
+    write_model_card(run.out, config, run.manifest, history, adapter=run.config.lora_r is not None, **card)
+    if run.config.merge:
+        write_model_card(run.out / "merged", config, run.manifest, history, adapter=False, **card)
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+
+def imbalance_warning(num_desirable: int, num_undesirable: int, desirable_weight: float, undesirable_weight: float):
+    """trl's advice (KTO paper eq. 8): desirable_weight * n_D / (undesirable_weight * n_U) in [1, 4/3]."""
+    n_d, n_u = max(num_desirable, 1), max(num_undesirable, 1)
+    if n_d == n_u:
+        return None
+    d_lo = round(n_u * undesirable_weight / n_d, 2)
+    d_hi = round(n_u * undesirable_weight / n_d * 1.33, 2)
+    u_lo = round(n_d * desirable_weight / n_u / 1.33, 2)
+    u_hi = round(n_d * desirable_weight / n_u, 2)
+    if d_lo <= desirable_weight <= d_hi or u_lo <= undesirable_weight <= u_hi:
+        return None
+    return (
+        f"the data has {num_desirable} desirable and {num_undesirable} undesirable rows, and the weights are "
+        f"outside the recommended 1:1 to 4:3 range. Use EITHER --desirable-weight in [{d_lo}, {d_hi}] OR "
+        f"--undesirable-weight in [{u_lo}, {u_hi}] (not both)."
+    )
+
+
+def _check_output_dir(out: Path, overwrite: bool) -> None:
+    # (a file at --output-dir is refused by the lock, taken before this check)
+    if out.is_dir() and holds_files(out) and not overwrite:  # our own lock file does not count
+        raise KTOPipelineError(
+            f"--output-dir {out} is not empty. Choose a new directory, or pass --overwrite-output-dir to write into it."
+        )
+
+
+def _trackers(config: TrainConfig) -> list[str]:
+    return [t.strip() for t in config.report_to.split(",") if t.strip() not in ("", "none")]
+
+
+def _resolve_precision(config: TrainConfig) -> str:
+    if config.fp16:
+        if not torch.cuda.is_available():
+            raise KTOPipelineError("--fp16 needs a CUDA GPU; on CPU use --bf16 or full precision (--no-bf16).")
+        return "fp16"
+    bf16 = config.bf16 if config.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    return "bf16" if bf16 else "no"
+
+
+def _planned_steps(max_steps: int, num_train_epochs: float, steps_per_epoch: int) -> int:
+    """Optimizer steps of a run: --max-steps if > 0, else --num-train-epochs passes (at least 1 step)."""
+    return max_steps if max_steps > 0 else max(math.ceil(num_train_epochs * steps_per_epoch), 1)
+
+
+# settings that fix what a checkpoint's step and data position mean; resuming with others would be wrong
+RESUME_INVARIANTS = (
+    "cache",
+    "model",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_length",
+    "seed",
+    "train_sampling_strategy",
+    "lora_r",
+    "lora_target_modules",
+)
+
+
+def _check_resume_compatible(saved: dict, config: TrainConfig, path: Path) -> None:
+    diff = [
+        f"--{k.replace('_', '-')}: checkpoint {saved[k]!r}, now {getattr(config, k)!r}"
+        for k in RESUME_INVARIANTS
+        if k in saved and saved[k] != getattr(config, k)
+    ]
+    if diff:
+        raise KTOPipelineError(
+            f"cannot resume from {path}: it was trained with other settings:\n  - "
+            + "\n  - ".join(diff)
+            + "\nResume with the original settings, or start a new run."
+        )
+
+
+def _router_aux_coef(model, config: TrainConfig) -> float:
+    """The MoE load-balancing weight (as trl): the flag's, else the model config's; 0 when not a MoE model."""
+    text_config = model.config.get_text_config()
+    is_moe = hasattr(text_config, "output_router_logits")
+    if config.router_aux_loss_coef and not is_moe:
+        raise KTOPipelineError(
+            f"--router-aux-loss-coef {config.router_aux_loss_coef}: {type(model).__name__} is not a "
+            "mixture-of-experts model that returns router logits, so there is no load-balancing loss to weight."
+        )
+    if not is_moe:
+        return 0.0
+    coef = config.router_aux_loss_coef
+    return float(getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+
+
+def _add_lora(model, config: TrainConfig):
+    """Wrap the policy with fresh PEFT LoRA adapters (B = 0, so the policy starts equal to the reference)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = config.lora_target_modules
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lora)
+    if config.gradient_checkpointing:
+        model.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a grad path
+    return model
+
+
+def _disable_dropout(model) -> None:
+    """KTO compares log-probs with the reference's, which were computed without dropout (as trl does)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def _open_eval_cache(config: TrainConfig, manifest: Manifest, max_length: int) -> CacheRows | None:
+    if config.eval_cache is None:
+        return None
+    eval_cache = open_cache(config.eval_cache, verify=config.verify)
+    if eval_cache.manifest.tokenizer_hash != manifest.tokenizer_hash:
+        raise KTOPipelineError(
+            f"--eval-cache {config.eval_cache} was made with another tokenizer than --cache {config.cache}. "
+            "Precompute the eval split with the same reference model."
+        )
+    rows = CacheRows(eval_cache, min(max_length, eval_cache.manifest.max_length))
+    if len(rows) == 0:
+        raise KTOPipelineError(
+            f"--eval-cache {config.eval_cache}: no row fits --max-length {max_length} (every prompt is at least "
+            "that long). Raise --max-length, or precompute the eval set with shorter prompts."
+        )
+    return rows
