@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first and pinned: an unpinned torch (or a package that depends on it) pulls the newest CUDA build.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo demo-tiny test lint format clean bench bench-gpu profile
+.PHONY: install demo demo-tiny test lint format docs clean bench bench-gpu profile
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,10 @@ lint: install
 format: install
 	$(VENV)/bin/ruff check --fix kto_pipeline tests scripts benchmarks
 	$(VENV)/bin/ruff format kto_pipeline tests scripts benchmarks
+
+# docs/cli.md is generated from the config dataclasses; a test fails when it is stale
+docs: install
+	$(PY) -m kto_pipeline.cli_docs > docs/cli.md
 
 test: lint
 	$(PY) -m pytest -q

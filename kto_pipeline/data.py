@@ -1,4 +1,4 @@
-"""Source data -> tokenized, KL-paired rows: the first three arrows of the data flow (DESIGN.md).
+"""Source data -> tokenized, KL-paired rows: the first three arrows of the data flow (docs/design.md).
 
     load_source     a hub id, a data file or a save_to_disk directory -> datasets.Dataset
     check_source    columns, types, nulls and labels checked from Arrow before any heavy work

@@ -6,37 +6,11 @@ on its --output-dir, before any work starts, held until the run ends.
     with main_process_lock(path, "train", label="--output-dir"):  # one or several (accelerate launch) processes
         ...
 
-How it works. The lock is `fcntl.flock(LOCK_EX | LOCK_NB)` on `PATH/.kto-pipeline.lock`, a small JSON file
-that names its holder: pid, host, command and start time. The kernel (or the NFS server) drops a flock
-when its process dies, however it dies, so:
-
-- a second run into a directory that a live process holds refuses at once, with an error naming that
-  process (pid, host, command, since when) and what to do;
-- a lock file left by a dead process (SIGKILL, OOM killer, power loss: no cleanup ran) is not held by
-  anyone any more: the next run takes it over and prints a note naming the old holder. Nothing has to
-  guess from pids whether a holder is alive.
-
-On a normal exit and on any exception (Ctrl-C included), the holder deletes the file *while still
-holding the lock*, then closes it (which releases the lock). A process that opened the old file just
-before the delete may then get a lock on a file that no longer has a name, so after every successful
-flock the file's inode is compared with what the path names now; on a mismatch the attempt starts
-again. This is the usual way to make "delete on release" safe, and it leaves a finished directory
-with no lock record to confuse a later run. If the lock created the directory and nothing else was
-written to it (a run refused by a later check), the directory is removed again.
-
-The fallback. Where flock is not supported (some NFS or Lustre mounts answer ENOLCK / EOPNOTSUPP /
-ENOSYS), the lock file itself is the lock: created with O_EXCL, it is ours; if it exists, its holder
-on this host is checked with `os.kill(pid, 0)` (dead: taken over, with the note), and a holder on
-another host cannot be checked, so the run refuses and says how to delete the file if that run is
-gone. This is best effort (two runs taking over the same stale file at the same moment can both
-win), which is why flock is preferred.
-
-Readers (`train --cache`, `inspect`) never look at the lock: a complete cache is immutable, and an
-incomplete one is refused for being incomplete. The lock file is not part of a cache (docs/cache-format.md).
-
-Several processes: only one of them (the main process) may take the lock, since the others would find it
-held. `main_process_lock` does that and tells the other processes whether it worked, so that a refused
-run stops everywhere instead of leaving the other ranks waiting in a collective.
+`flock` on `PATH/.kto-pipeline.lock`, a small JSON file naming its holder (pid, host, command, start time):
+a live holder is refused at once, by name; a dead one's lock (the kernel drops a flock when its process dies)
+is taken over with a note; the file is deleted on release; where flock is unsupported, the file itself is the
+lock (O_EXCL). Readers never look at it. The design, and why each step is safe: docs/design.md, "One writer
+per directory: the lock".
 """
 
 from __future__ import annotations

@@ -325,6 +325,7 @@ def build_model_card(
     """
     from huggingface_hub import ModelCardData
 
+    manifest = Manifest(manifest)  # a manifest.json read as a plain dict works too
     lora = config.get("lora_r") is not None
     base = config.get("model") or manifest.reference_model
     dataset = manifest.dataset["name_or_path"]

@@ -132,6 +132,7 @@ def options(
             ]
         )
         command.recipe_required = tuple(s.name for s in specs if s.required)
+        command.recipe_specs = tuple(specs)  # for docs/cli.md (cli_docs.py)
         return command
 
     return decorate

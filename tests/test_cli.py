@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, unpaired_rows, write_jsonl
+from helpers import run_cli, unpaired_rows, write_jsonl
 
 
 def assert_clean_error(code, err, *fragments):
@@ -204,7 +204,7 @@ def test_end_to_end_with_real_processes(tmp_path, tiny_model_dir):
 
 @pytest.mark.slow
 def test_demo_learns(tmp_path):
-    from kto_pipeline.demo import run_tiny_demo
+    from kto_pipeline.demo.run import run_tiny_demo
 
     summary = run_tiny_demo(tmp_path / "demo")
     assert summary["margin_end"] > summary["margin_start"] + 1.0

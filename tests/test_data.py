@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
-from conftest import conversational_rows
 from datasets import Dataset
+from helpers import conversational_rows
 
 from kto_pipeline.data import assign_kl_partners, extract_prompt, normalize, tokenize, tokenize_row
+from kto_pipeline.demo.tiny import build_char_tokenizer
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.tiny import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

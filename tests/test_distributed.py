@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import read_metrics, unpaired_rows, write_jsonl
+from helpers import read_metrics, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache

@@ -1,17 +1,14 @@
 """Runs you can extend: with --save-steps the last step is checkpointed too, so a finished run continues with a
 larger --max-steps (or --num-train-epochs) and --resume; the learning-rate schedule is laid over the new total."""
 
-import importlib
 import json
 
 import pytest
-from conftest import read_metrics, run_cli, train_config
+from helpers import read_metrics, run_cli, train_config
 
 from kto_pipeline import KTOPipelineError, train
+from kto_pipeline.stages import train as train_module
 
-train_module = importlib.import_module(
-    "kto_pipeline.train"
-)  # the module, which `kto_pipeline.train` (a function) hides
 cfg = train_config
 
 
@@ -32,9 +29,9 @@ def record_saves(monkeypatch):
     steps = []
     save = train_module.save_checkpoint
 
-    def recording(accelerator, module, tokenizer, out, step, *args, **kw):
-        steps.append(step)
-        return save(accelerator, module, tokenizer, out, step, *args, **kw)
+    def recording(accelerator, module, tokenizer, out, state, *args, **kw):
+        steps.append(state.global_step)
+        return save(accelerator, module, tokenizer, out, state, *args, **kw)
 
     monkeypatch.setattr(train_module, "save_checkpoint", recording)
     return steps
@@ -135,3 +132,31 @@ def test_cli_extends_a_finished_run(small_cache, tmp_path, monkeypatch, capsys):
     assert code == 0, err
     assert "nothing to do" in printed and "train finished" not in printed
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_phases_of_train_called_one_by_one(small_cache, tmp_path):
+    """`train` is setup -> resume -> prepare_output_dir -> fit -> finish; called one by one they give the run
+    `train` gives, and each leaves the run directory as its contract says: setup writes nothing, an extension
+    has no finished mark (trainer_state.json) until `finish` writes the state it ended in."""
+    from kto_pipeline.rundir import TrainerState, finished_at
+    from kto_pipeline.stages import train as stage
+
+    out, whole = tmp_path / "run", tmp_path / "whole"
+    train(cfg(small_cache, whole, max_steps=6, lr_scheduler_type="constant"))
+    train(cfg(small_cache, out, max_steps=4, save_steps=2, lr_scheduler_type="constant"))
+    assert finished_at(out) == 4
+
+    run = stage.setup(cfg(small_cache, out, max_steps=6, save_steps=2, resume=True, lr_scheduler_type="constant"))
+    assert run.total_steps == 6 and run.resume_dir == out / "checkpoint-4" and finished_at(out) == 4
+    assert stage.resume(run) is None  # restored, with steps left to train
+    assert run.progress.global_step == 4 and len(run.progress.history) == 4
+    stage.prepare_output_dir(run)
+    assert finished_at(out) is None and not (out / "trainer_state.json").exists()
+    stage.fit(run)
+    assert run.progress.global_step == 6 and finished_at(out) is None
+    result = stage.finish(run)
+    state = TrainerState.read(out)
+    assert result.global_step == state.global_step == finished_at(out) == 6
+    assert (state.max_steps, state.epoch_index, state.batches_in_epoch) == (6, 1, 0)  # 6 batches an epoch
+    assert state.tokens_executed >= state.tokens_needed > 0 and state.packing == "packed"
+    assert read_metrics(out) == read_metrics(whole)  # a constant rate: the records of the uninterrupted run

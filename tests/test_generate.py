@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from conftest import run_cli, write_jsonl
+from helpers import run_cli, write_jsonl
 
 from kto_pipeline import GenerateConfig, KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
-from kto_pipeline.generate import file_prompts, generate_samples, read_samples
+from kto_pipeline.generate import file_prompts, generate_samples
 from kto_pipeline.report import write_report
+from kto_pipeline.rundir import read_samples
 
 TOPICS = [0, 1, 2, 3, 4, 0]  # pair 5 repeats pair 0's prompt: 12 rows, 5 distinct prompts
 KEYS = {"prompt", "reference", "policy", "example_id", "label", "dataset_completions", "settings"}
@@ -185,7 +186,7 @@ def test_prompts_file_with_strings_and_chat_messages(runs, tmp_path):
 
 
 def test_prompts_file_problems_name_the_line(tmp_path):
-    from kto_pipeline.tiny import build_char_tokenizer
+    from kto_pipeline.demo.tiny import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     cases = [

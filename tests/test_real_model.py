@@ -17,7 +17,7 @@ import torch
 
 from kto_pipeline import GenerateConfig, PrecomputeConfig, TrainConfig, generate_samples, precompute, train
 from kto_pipeline.cache import open_cache
-from kto_pipeline.hh_rlhf import bundled_path, convert_file
+from kto_pipeline.demo.hh_rlhf import bundled_path, convert_file
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ RTOL = 1e-4
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    from kto_pipeline.smollm2 import default_cache_dir, fetch_smollm2
+    from kto_pipeline.demo.smollm2 import default_cache_dir, fetch_smollm2
 
     return fetch_smollm2(default_cache_dir())
 

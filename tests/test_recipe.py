@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import typer
-from conftest import read_metrics, run_cli
+from helpers import read_metrics, run_cli
 
 from kto_pipeline import GenerateConfig, PrecomputeConfig, TrainConfig
 from kto_pipeline.cli import app
 from kto_pipeline.sweep import FIXED_FIELDS, expand_grid
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 CONFIGS = {"precompute": PrecomputeConfig, "train": TrainConfig, "generate": GenerateConfig}
 
 
@@ -44,7 +43,7 @@ def captured(monkeypatch):
     """Stand-ins for the API calls, so that a command only builds its config: {command: what it was called with}."""
     calls = {}
     # import them all first: a module imported while another's function is replaced would keep the stand-in
-    for module in ("precompute", "train", "generate", "sweep", "report", "demo"):
+    for module in ("stages.precompute", "stages.train", "generate", "sweep", "report", "demo.run"):
         importlib.import_module(f"kto_pipeline.{module}")
 
     def stand_in(module, name, command, value=lambda *args, **kw: args[0] if len(args) == 1 else args):
@@ -54,13 +53,13 @@ def captured(monkeypatch):
 
         monkeypatch.setattr(importlib.import_module(module), name, record)
 
-    stand_in("kto_pipeline.precompute", "precompute", "precompute")  # (the package binds these names to functions)
-    stand_in("kto_pipeline.train", "train", "train")
+    stand_in("kto_pipeline.stages.precompute", "precompute", "precompute")
+    stand_in("kto_pipeline.stages.train", "train", "train")
     stand_in("kto_pipeline.generate", "generate_samples", "generate")
     stand_in("kto_pipeline.generate", "preview", "preview")
     stand_in("kto_pipeline.sweep", "sweep", "sweep", lambda cache, out, values, keep: (cache, out, values, keep))
     stand_in("kto_pipeline.report", "write_report", "report")
-    stand_in("kto_pipeline.demo", "run_tiny_demo", "demo")
+    stand_in("kto_pipeline.demo.run", "run_tiny_demo", "demo")
     return calls
 
 
@@ -375,43 +374,40 @@ def test_inspect_report_demo_and_generate_take_a_recipe(tmp_path, monkeypatch, c
     assert captured["generate"] == GenerateConfig(run="r", max_new_tokens=4, do_sample=True, temperature=0.7, seed=3)
 
 
-# ------------------------------------------------------------------------------------------ README
+# ------------------------------------------------------------------------------------------ docs and recipes
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def readme_rows(command: str) -> dict[str, str]:
-    """{flag cell: default cell} of the option table under README's `kto-pipeline COMMAND` heading."""
-    text = README.read_text()
-    start = text.index(f"### `kto-pipeline {command}`")
-    section = text[start : text.index("\n### ", start + 1)]
-    rows = {}
-    for line in section.splitlines():
-        if line.startswith("| `-"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            rows[cells[0].strip("`")] = cells[1]
-    return rows
+def test_the_committed_cli_reference_is_what_the_dataclasses_generate():
+    """docs/cli.md is generated (`make docs`); editing a flag's help, default or type without regenerating fails."""
+    from kto_pipeline.cli_docs import render
+
+    generated = render()
+    assert "| `--beta` | number | `0.1` |" in generated and "| `--cache` | text | required |" in generated
+    assert (ROOT / "docs" / "cli.md").read_text() == generated, "docs/cli.md is stale: run `make docs`"
 
 
-@pytest.mark.parametrize("command", ["precompute", "train"])
-def test_readme_option_tables_match_the_options(command):
-    rows = readme_rows(command)
-    cmd = commands()[command]
-    required = set(cmd.callback.recipe_required)
-    expected = {}
-    for param in cmd.params:
-        if param.name == "config_file":  # every command's; README says so once
-            continue
-        name = " / ".join(param.opts + param.secondary_opts)
-        if param.name in required:
-            expected[name] = "required"
-        elif isinstance(param.default, bool):
-            expected[name] = "on" if param.default else "off"
-        elif param.default is None:
-            expected[name] = None  # a sentence ("none", "the cached one")
-        else:
-            expected[name] = f"`{param.default}`"
-    assert list(rows) == list(expected)  # the same options, in --help's order
-    for name, default in expected.items():
-        if default is None:
-            assert not rows[name].startswith("`"), name
-        else:
-            assert rows[name] == default, name
+RECIPES = sorted((ROOT / "configs" / "recipes").glob("*.yaml"))
+
+
+def test_example_recipes_ship():
+    assert {p.name for p in RECIPES} >= {"demo.yaml", "qwen2-0.5b-kto-mix.yaml"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(recipe):
+    """Each recipe under configs/recipes/ is read with its command's options (its first line names the command)
+    and builds that command's config."""
+    from kto_pipeline.recipe import read_recipe
+
+    first_line = recipe.read_text().splitlines()[0]
+    command = next(c for c in ("precompute", "train", "sweep", "generate") if f"kto-pipeline {c}" in first_line)
+    specs = list(commands()[command].callback.recipe_specs)
+    values = read_recipe(recipe, specs)
+    assert values, recipe
+    config_class = {"precompute": PrecomputeConfig, "train": TrainConfig, "generate": GenerateConfig}.get(command)
+    if config_class is not None:
+        defaults = {s.name: None for s in specs if s.required}
+        config = config_class(**{**defaults, **values})
+        assert all(getattr(config, k) == v for k, v in values.items())

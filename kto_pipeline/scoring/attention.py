@@ -6,8 +6,8 @@ attention mask lets each token see exactly what it would see in its own unpadded
     token q sees token k  <=>  same tree, k at or before q, and k is in the prompt or in q's continuation
 
 (and, for sliding-window models, position(q) - position(k) < window). A causal model's log-prob of a token depends
-only on the tokens it sees and their positions, so the values equal the unshared, padded computation up to float
-rounding; the tests hold them to 1e-5.
+only on the tokens it sees and their positions, so the values equal the padded computation (one sequence a row) up
+to float rounding; the tests hold them to 1e-5.
 
 Under the dense mask every query of a row meets every key of the row. On the CPU, where it pays (real models),
 attention runs tree by tree instead (`tree_attention`), each tree's queries meeting only its own keys, so a row's
@@ -100,9 +100,8 @@ def tree_blocks(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visib
     return out
 
 
-# One sdpa call costs about 0.1 ms on the CPU whatever its size, about what 10 MFLOP of attention take there
-# (measured 2026-11-22 on the 2-core benchmark machine with transformers' sdpa_attention_forward: ~0.1 ms for
-# 10-40 token blocks, dense masked rows of 320-2000 tokens at ~100 GFLOP/s).
+# One sdpa call costs about as much on the CPU as 10 MFLOP of attention, whatever its size (the measurement is in
+# benchmarks/RESULTS.md, "The price of an attention call").
 TREE_CALL_FLOPS = 10e6
 
 

@@ -293,7 +293,7 @@ def score_sequences(
     with_stats: bool = True,
     output_router_logits: bool = False,
 ) -> Scores:
-    """Score the completion tokens of a padded batch, one sequence per row: the unshared path, for models
+    """Score the completion tokens of a padded batch, one sequence per row: the padded path, for models
     that cannot run packed layouts (see `packing.packing_unsupported`) and as the tests' reference.
 
     `with_stats=False` skips the metric-only mean logits and entropy (left as zeros).
