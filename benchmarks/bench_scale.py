@@ -7,10 +7,10 @@ HF_DATASETS_CACHE, so that nothing is read from an earlier run's cache. What eac
 
 - load (both tools, reported apart): `datasets.load_dataset("json")` of the .jsonl into Arrow in the datasets cache,
   the same call in both (kto-pipeline's `load_source` makes it; trl's user makes it before building the trainer).
-- kto-pipeline, preprocessing: what `precompute` runs before it loads the model: `precompute._preprocess`
+- kto-pipeline, preprocessing: what `precompute` runs before it loads the model, `stages.precompute.prepare_rows`
   (load_source again, now reading the Arrow file just built, check_source, content_hash of the file, preprocess =
-  datasets.map batched with `num_proc` into the tokenized Arrow file), opening that file, `select_rows` and
-  `assign_kl_partners`. `--num-proc 1` maps in-process.
+  datasets.map batched with `num_proc` into the tokenized Arrow file; opening that file, `select_rows` and
+  `assign_kl_partners`). `--num-proc 1` maps in-process.
 - trl, preprocessing: `KTOTrainer._prepare_dataset` as `KTOTrainer.__init__` calls it (the EOS map, the tokenize
   map, the max_length filter, the KL map with batch_size=per_device_train_batch_size, the label count), each step
   with `num_proc=args.dataset_num_proc`, timed by wrapping the method. Measured with dataset_num_proc None (its
@@ -28,12 +28,22 @@ from __future__ import annotations
 
 import json
 import random
-import resource
 import shutil
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+from harness import (
+    HERE,
+    children_peak_rss_mib,
+    machine,
+    peak_rss_mib,
+    rss_mib,
+    run_worker,
+    time_calls,
+    utc_stamp,
+    write_section,
+)
 
 SCALE_HEADING = "## Scale: preprocessing 20k / 200k / 1M rows"
 SCALE_SIZES = {
@@ -51,6 +61,7 @@ DATA_VERSION = 1  # bump when the row generator changes
 SPEEDUP_GOAL = 1.7  # issue 12: --num-proc 2 tokenizes at least 1.7x faster than 1
 GROWTH_GOAL_MB = 150  # issue 12: peak RSS at 200,000 rows at most 150 MB (10^6 bytes) above the one at 20,000
 MIB = 1 << 20
+BENCH = HERE / "bench.py"  # the scale workers run as `bench.py worker scale_...`, as every bench worker does
 
 
 def worker_name(tool: str, num_proc: int | None) -> str:
@@ -119,10 +130,20 @@ def row_stream(seed: int = 0):
         yield {"prompt": prompt, "completion": completion, "label": rng.random() < 0.55}
 
 
+def data_path(work: Path, rows: int) -> Path:
+    """The .jsonl of the first `rows` rows (`write_data`)."""
+    return work / f"data-v{DATA_VERSION}-{rows}.jsonl"
+
+
+def model_path(work: Path, tokenizer: str) -> Path:
+    """The directory `build_model` writes for `tokenizer`."""
+    return work / f"model-{tokenizer}"
+
+
 def write_data(work: Path, sizes: tuple[int, ...]) -> dict[int, Path]:
     """data-N.jsonl for each size, the first N rows of the same stream (written once, kept between runs)."""
     work.mkdir(parents=True, exist_ok=True)
-    paths = {n: work / f"data-v{DATA_VERSION}-{n}.jsonl" for n in sizes}
+    paths = {n: data_path(work, n) for n in sizes}
     missing = sorted(n for n, p in paths.items() if not p.exists())
     if missing:
         print(f"writing {', '.join(f'{n:,}' for n in missing)} rows of data ...", flush=True)
@@ -146,13 +167,13 @@ def build_model(work: Path, tokenizer: str) -> Path:
     model; kto-pipeline's preprocessing reads only the tokenizer)."""
     from transformers import AutoTokenizer
 
-    from kto_pipeline.tiny import build_char_tokenizer, build_tiny_model
+    from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
 
-    path = work / f"model-{tokenizer}"
+    path = model_path(work, tokenizer)
     if (path / "config.json").exists():
         return path
     if tokenizer == "smollm2":
-        from kto_pipeline.smollm2 import default_cache_dir, fetch_smollm2
+        from kto_pipeline.demo.smollm2 import default_cache_dir, fetch_smollm2
 
         tok = AutoTokenizer.from_pretrained(fetch_smollm2(default_cache_dir()))  # converted once into ~/.cache
     else:
@@ -170,13 +191,10 @@ def build_model(work: Path, tokenizer: str) -> Path:
 
 
 def _peaks() -> dict:
-    return {
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "children_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
-    }
+    return {"peak_rss_mib": peak_rss_mib(), "children_peak_rss_mib": children_peak_rss_mib()}
 
 
-def scale_worker(name: str, size: dict, out: Path, model: Path, data: Path, rss_mib) -> dict:
+def scale_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> dict:
     """One measurement (`name` = scale_<tool>_<num_proc or default>) in this fresh process; returns a JSON-able
     dict. `datasets` (which trl imports lazily) is imported before the post-import baseline, for both tools."""
     import datasets  # noqa: F401
@@ -187,7 +205,7 @@ def scale_worker(name: str, size: dict, out: Path, model: Path, data: Path, rss_
     if tool == "ours" and num_proc is not None:
         return {**_ours(num_proc, size, out, model, data), **baseline}
     if tool == "trl":
-        return {**_trl(num_proc, size, out, model, data, rss_mib), **baseline}
+        return {**_trl(num_proc, size, out, model, data), **baseline}
     raise SystemExit(f"unknown worker {name}")
 
 
@@ -195,9 +213,9 @@ def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict
     import numpy as np
 
     from kto_pipeline.config import PrecomputeConfig
-    from kto_pipeline.data import assign_kl_partners, load_source, select_rows
+    from kto_pipeline.data import load_source
     from kto_pipeline.models import load_tokenizer
-    from kto_pipeline.precompute import _open_tokenized, _preprocess
+    from kto_pipeline.stages.precompute import prepare_rows
 
     tokenizer = load_tokenizer(str(model))
     start = time.perf_counter()
@@ -208,14 +226,12 @@ def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict
         model=str(model), dataset=str(data), output=str(out), max_length=size["max_length"], num_proc=num_proc
     )
     start = time.perf_counter()
-    prepared = _preprocess(config, tokenizer)
-    tokenized = _open_tokenized(prepared["files"])
-    rows = select_rows(tokenized, config.max_length)
-    partners = assign_kl_partners(len(rows), config.seed)
+    prepared = prepare_rows(config, tokenizer)  # load, check, tokenize, select, pair: all of it, as precompute
     seconds = time.perf_counter() - start
     peaks = _peaks()
-    if prepared["cached"]:
+    if prepared.cached:
         raise SystemExit("kto-pipeline read its tokenized rows from a cache: the measurement is void")
+    rows = prepared.rows
     first = np.arange(min(CHECK_ROWS, len(rows)))
     return {
         "tool": "ours",
@@ -224,14 +240,14 @@ def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict
         "kept_rows": len(rows),
         "load_seconds": load_seconds,
         "seconds": seconds,
-        "tokenize_seconds": prepared["tokenize_seconds"],  # the datasets.map part of `seconds`
-        "kl_partners": len(partners),
+        "tokenize_seconds": prepared.tokenize_seconds,  # the datasets.map part of `seconds`
+        "kl_partners": len(prepared.partners),
         "first_rows": {col: rows.take(first, col) for col in ("prompt_ids", "completion_ids")},
         **peaks,
     }
 
 
-def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path, rss_mib) -> dict:
+def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -> dict:
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -249,16 +265,12 @@ def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path, r
     load_seconds = time.perf_counter() - start
 
     timed: dict = {}
-    original = KTOTrainer._prepare_dataset
 
-    def prepare(self, dataset, *args, **kwargs):
-        begin = time.perf_counter()
-        prepared = original(self, dataset, *args, **kwargs)
-        timed["seconds"] = time.perf_counter() - begin
-        timed.update(_peaks())
-        return prepared
+    def prepared(seconds: float, *args, **kwargs) -> None:
+        timed["seconds"] = seconds
+        timed.update(_peaks())  # as _prepare_dataset returns
 
-    KTOTrainer._prepare_dataset = prepare
+    time_calls(KTOTrainer, "_prepare_dataset", prepared)
     args = KTOConfig(
         output_dir=str(out),
         per_device_train_batch_size=size["batch"],
@@ -320,8 +332,6 @@ def check_tokens(results: dict[str, dict], rows: int) -> None:
 
 def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int, ...] | None, tokenizer: str | None):
     """`--only scale`: every size, both tools, 1 and 2 processes, each in a fresh process and datasets cache."""
-    from bench import run_worker, write_section
-
     size = dict(SCALE_SIZES[size_name])
     size["rows"] = tuple(sorted(rows or size["rows"]))
     size["tokenizer"] = tokenizer or size["tokenizer"]
@@ -346,15 +356,8 @@ def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int,
                     continue
                 cache = size_dir / f"hf-datasets-cache-{name}"  # fresh and its own: nothing read from a cache
                 try:
-                    measured[n][name] = run_worker(
-                        name,
-                        size_dir,
-                        size_name,
-                        case="scale",
-                        model=model,
-                        data=data[n],
-                        env={"HF_DATASETS_CACHE": str(cache)},
-                    )
+                    flags = ["--size", size_name, "--case", "scale", "--model", str(model), "--data", str(data[n])]
+                    measured[n][name] = run_worker(BENCH, name, size_dir, flags, env={"HF_DATASETS_CACHE": str(cache)})
                 finally:  # trl's copies of a million rows take GBs
                     shutil.rmtree(cache, ignore_errors=True)
         check_tokens(measured[n], n)
@@ -384,19 +387,12 @@ def _speedup(runs: dict[str, dict], tool: str, num_proc: int | None) -> str:
     return (cells[0].split(" vs ")[0] if len(cells) == 1 else ", ".join(cells)) if cells else "-"
 
 
-def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seconds: float) -> str:
-    import datasets
-    import tokenizers
-    import torch
-    import transformers
-    import trl
-    from bench import machine
+def _met(ok: bool) -> str:
+    return "yes" if ok else "NO"
 
-    import kto_pipeline
 
-    def met(ok: bool) -> str:
-        return "yes" if ok else "NO"
-
+def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str], list[str]]:
+    """(the main table: seconds, rows/s, peaks, speed-up; the details: load, trl's constructor, RSS growth)."""
     table = [
         "| rows | tool | num_proc | seconds | rows/s | peak RSS MiB (parent) | peak RSS MiB (children) | "
         "speed-up 2 vs 1 proc |",
@@ -426,7 +422,11 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
                     f"{head} {r['load_seconds']:.2f} | {trl_cells} | {r['baseline_rss_mib']:.0f} | "
                     f"{r['peak_rss_mib'] - r['baseline_rss_mib']:.0f} |"
                 )
+    return table, details
 
+
+def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
+    """(the goals table, the growth note: peak RSS from the smaller size to the larger, "" where one size ran)."""
     goals = ["| goal | measured | met |", "| --- | --- | --- |"]
     for n in size["rows"]:
         one, two = (measured[n].get(worker_name("ours", p)) for p in (1, 2))
@@ -436,7 +436,7 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
                 f"| kto-pipeline: --num-proc 2 tokenizes at least {SPEEDUP_GOAL}x faster than 1 ({n:,} rows; the "
                 f"datasets.map: {one['tokenize_seconds']:.1f} s vs {two['tokenize_seconds']:.1f} s; all of the "
                 f"preprocessing: {one['seconds'] / two['seconds']:.2f}x) | {ratio:.2f}x | "
-                f"{met(ratio >= SPEEDUP_GOAL)} |"
+                f"{_met(ratio >= SPEEDUP_GOAL)} |"
             )
     growth_notes = []
     small, big = (20_000, 200_000) if {20_000, 200_000} <= set(size["rows"]) else (size["rows"][0], size["rows"][-1])
@@ -456,19 +456,36 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
                     goals.append(
                         f"| preprocessing's peak RSS at {big:,} rows at most {GROWTH_GOAL_MB} MB above at {small:,} "
                         f"(kto-pipeline, 1 process; the issue's goal is for the whole precompute, tested in "
-                        f"tests/test_memory.py) | {parent:+.0f} MiB | {met(parent * MIB <= GROWTH_GOAL_MB * 1e6)} |"
+                        f"tests/test_memory.py) | {parent:+.0f} MiB | {_met(parent * MIB <= GROWTH_GOAL_MB * 1e6)} |"
                     )
+    notes = []
+    if growth_notes:
+        notes = [f"- preprocessing peak RSS growth {small:,} -> {big:,} rows: " + "; ".join(growth_notes) + ".", ""]
+    return goals, notes
+
+
+def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seconds: float) -> str:
+    import datasets
+    import tokenizers
+    import torch
+    import transformers
+    import trl
+
+    import kto_pipeline
+
+    table, details = _scale_tables(measured, skipped, size)
+    goals, notes = _scale_goals(measured, size)
     tokenizer_text = (
         "SmolLM2-135M-Instruct's (BPE, vocab 49152)"
         if size["tokenizer"] == "smollm2"
-        else "the character-level one of `kto_pipeline.tiny`"
+        else "the character-level one of `kto_pipeline.demo.tiny`"
     )
     model_rss = max((r.get("model_rss_mib", 0.0) for m in measured.values() for r in m.values()), default=0.0)
     lines = [
         SCALE_HEADING,
         "",
         f"- command: `python benchmarks/bench.py --size {size_name} --only scale` (in `make bench`)",
-        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total time {seconds:.0f} s",
+        f"- date: {utc_stamp()}; total time {seconds:.0f} s",
         f"- machine: {machine()}",
         f"- versions: kto-pipeline {kto_pipeline.__version__}, trl {trl.__version__}, datasets {datasets.__version__}, "
         f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, torch {torch.__version__}, "
@@ -478,7 +495,7 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
         f"rows of one stream as a .jsonl; tokenizer: {tokenizer_text}, the same for both tools; max_length "
         f"{size['max_length']} (no row dropped)",
         "- each measurement in a fresh process with its own empty HF_DATASETS_CACHE. Timed as preprocessing: "
-        "**kto-pipeline** = what `precompute` runs before it loads the model (`precompute._preprocess`: load_source "
+        "**kto-pipeline** = what `precompute` runs before it loads the model (`prepare_rows`: load_source "
         "of the Arrow file already built, check_source, content_hash of the file, preprocess = datasets.map batched "
         "into the tokenized Arrow file; then opening that file, select_rows, assign_kl_partners); `--num-proc 1` maps "
         "in-process. **trl** = `KTOTrainer._prepare_dataset` as `KTOTrainer.__init__` calls it (EOS map, tokenize "
@@ -502,7 +519,6 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
         "",
         *goals,
         "",
+        *notes,
     ]
-    if growth_notes:
-        lines += [f"- preprocessing peak RSS growth {small:,} -> {big:,} rows: " + "; ".join(growth_notes) + ".", ""]
     return "\n".join(lines)

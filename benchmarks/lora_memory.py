@@ -2,24 +2,26 @@
 
     python benchmarks/lora_memory.py --cache benchmarks/.work/runs/ours_precompute   (after `make bench`)
 
-Each setting runs in its own process so each peak is its own.
+Each setting runs in its own process (`lora_memory.py worker MODE`, harness.py) so each peak is its own.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import resource
-import subprocess
-import sys
+from pathlib import Path
+
+from harness import peak_rss_mib, print_result, run_worker
+
+MODES = (("full", "full fine-tune"), ("0.05", "LoRA r=16, dropout 0.05"), ("0.0", "LoRA r=16, dropout 0"))
 
 
-def run_one(cache: str, mode: str, out: str) -> None:
+def worker(cache: str, mode: str, out: Path) -> dict:
+    """`train` on `cache` with full fine-tuning (`mode` "full") or LoRA r=16 with dropout `mode`."""
     from kto_pipeline import TrainConfig, train
 
     kw = dict(
         cache=cache,
-        output_dir=out,
+        output_dir=str(out),
         overwrite_output_dir=True,
         per_device_train_batch_size=8,
         max_steps=4,
@@ -30,33 +32,23 @@ def run_one(cache: str, mode: str, out: str) -> None:
     if mode != "full":
         kw.update(lora_r=16, lora_alpha=32, lora_dropout=float(mode))
     train(TrainConfig(**kw))
-    print(f"PEAK {mode} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}", flush=True)
+    return {"peak_rss_mib": peak_rss_mib()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
+    parser.add_argument("name", nargs="?", help=argparse.SUPPRESS)  # worker: the MODES entry to run
     parser.add_argument("--cache", required=True)
     parser.add_argument("--out", default="/tmp/kto-lora-memory")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)  # worker: passed by run_worker, unused
     args = parser.parse_args()
-    if args.one:
-        run_one(args.cache, args.one, args.out)
+    if args.mode == "worker":
+        print_result(worker(args.cache, args.name, Path(args.out)))
         return
-    env = {**os.environ, "TQDM_DISABLE": "1"}
-    for mode, label in (
-        ("full", "full fine-tune"),
-        ("0.05", "LoRA r=16, dropout 0.05"),
-        ("0.0", "LoRA r=16, dropout 0"),
-    ):
-        proc = subprocess.run(
-            [sys.executable, __file__, "--cache", args.cache, "--out", args.out, "--one", mode],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=True,
-        )
-        peak = next(line.split()[-1] for line in proc.stdout.splitlines() if line.startswith("PEAK"))
-        print(f"{label:<28} peak RSS {peak} MiB")
+    for mode, label in MODES:
+        peak = run_worker(Path(__file__), mode, Path(args.out), ["--cache", args.cache])["peak_rss_mib"]
+        print(f"{label:<28} peak RSS {peak:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -13,42 +13,32 @@ and the top operators by self CPU time.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from bench import SIZES, SMOLLM2_SIZES, build_assets, build_smollm2_assets
+from harness import WORK_DIR
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import HERE, SIZES, SMOLLM2_SIZES, build_assets, build_smollm2_assets  # noqa: E402
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case", default="random", choices=("random", "smollm2"))
-    parser.add_argument("--size", default="full", choices=sorted(SIZES))
-    parser.add_argument("--work", default=str(HERE / ".work"))
-    parser.add_argument("--batches", type=int, default=3)
-    args = parser.parse_args()
-    if args.case == "smollm2":
-        size, work = SMOLLM2_SIZES[args.size], Path(args.work) / "smollm2"
+def load_case(case: str, size_name: str, work: Path) -> tuple[dict, Path, Path]:
+    """(the case's size, its model directory, its dataset), built by bench.py's builders where missing."""
+    if case == "smollm2":
+        size, work = SMOLLM2_SIZES[size_name], work / "smollm2"
         model_dir, data_path = build_smollm2_assets(work, size)
     else:
-        size, work = SIZES[args.size], Path(args.work)
+        size = SIZES[size_name]
         build_assets(work, size)
         model_dir, data_path = work / "model", work / "data.jsonl"
+    return size, model_dir, data_path
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+def first_batch(tok, data_path: Path, size: dict) -> list[dict]:
+    """The first `batch` rows as train's collator takes them, each with the next row's completion as its KL one."""
     from kto_pipeline.data import load_source, normalize, tokenize
-    from kto_pipeline.logprobs import backbone_of, chunked_token_logps, score_policy, score_sequences
-    from kto_pipeline.packing import attention_costs
-    from kto_pipeline.train import Collator, batch_layout
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rows = tokenize(tok, normalize(load_source(str(data_path))), size["max_length"])
     batch_rows = []
     first = np.arange(size["batch"])
@@ -69,57 +59,94 @@ def main() -> None:
                 "example_id": i,
             }
         )
-    packed = Collator(tok.pad_token_id, packed=True, attention=attention_costs(model, "cpu"))(batch_rows)
-    layout = batch_layout(packed)
-    padded = Collator(tok.pad_token_id, packed=False)(batch_rows)
-    phases: dict[str, float] = {}
+    return batch_rows
 
-    def timed(name, fn):
+
+class Phases:
+    """Wall seconds per named phase, summed over calls; each call is a torch.profiler range of that name too."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name, fn):
         start = time.perf_counter()
         with record_function(name):
             out = fn()
-        phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
         return out
 
-    def packed_step():
-        scored = timed("packed: completions (grad) + KL on cached prompts", lambda: score_policy(model, layout))
-        timed("packed: backward", lambda: (-scored.completions.logps.sum()).backward())
-        model.zero_grad(set_to_none=True)
 
-    def padded_step():
-        with torch.no_grad():
-            timed(
-                "padded: KL forward (no grad)",
-                lambda: score_sequences(
-                    model, padded["kl_input_ids"], padded["kl_attention_mask"], padded["kl_completion_mask"]
-                ),
-            )
-        hidden = timed(
-            "padded: policy backbone forward",
-            lambda: (
-                backbone_of(model)(
-                    input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], use_cache=False
-                ).last_hidden_state
+def packed_step(model, layout, timed: Phases) -> None:
+    from kto_pipeline.scoring.logprobs import score_policy
+
+    scored = timed("packed: completions (grad) + KL on cached prompts", lambda: score_policy(model, layout))
+    timed("packed: backward", lambda: (-scored.completions.logps.sum()).backward())
+    model.zero_grad(set_to_none=True)
+
+
+def padded_step(model, padded: dict, timed: Phases) -> None:
+    from kto_pipeline.scoring.logprobs import backbone_of, chunked_token_logps, score_sequences
+
+    with torch.no_grad():
+        timed(
+            "padded: KL forward (no grad)",
+            lambda: score_sequences(
+                model, padded["kl_input_ids"], padded["kl_attention_mask"], padded["kl_completion_mask"]
             ),
         )
-        mask = padded["completion_mask"][:, 1:].bool()
-        logps = timed(
-            "padded: policy LM head, chunked (completion tokens only)",
-            lambda: chunked_token_logps(hidden[:, :-1][mask], model.lm_head.weight, padded["input_ids"][:, 1:][mask])[
-                0
-            ],
-        )
-        timed("padded: backward", lambda: (-logps.sum()).backward())
-        model.zero_grad(set_to_none=True)
+    hidden = timed(
+        "padded: policy backbone forward",
+        lambda: (
+            backbone_of(model)(
+                input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], use_cache=False
+            ).last_hidden_state
+        ),
+    )
+    mask = padded["completion_mask"][:, 1:].bool()
+    logps = timed(
+        "padded: policy LM head, chunked (completion tokens only)",
+        lambda: chunked_token_logps(hidden[:, :-1][mask], model.lm_head.weight, padded["input_ids"][:, 1:][mask])[0],
+    )
+    timed("padded: backward", lambda: (-logps.sum()).backward())
+    model.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", default="random", choices=("random", "smollm2"))
+    parser.add_argument("--size", default="full", choices=sorted(SIZES))
+    parser.add_argument("--work", default=str(WORK_DIR))
+    parser.add_argument("--batches", type=int, default=3)
+    args = parser.parse_args()
+    size, model_dir, data_path = load_case(args.case, args.size, Path(args.work))
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kto_pipeline.scoring.attention import attention_costs
+    from kto_pipeline.stages.batches import Collator, batch_layout
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch_rows = first_batch(tok, data_path, size)
+    packed = Collator(tok.pad_token_id, packed=True, attention=attention_costs(model, "cpu"))(batch_rows)
+    layout = batch_layout(packed)
+    padded = Collator(tok.pad_token_id, packed=False)(batch_rows)
+    timed = Phases()
 
     model.train()
-    packed_step()  # warm-up
-    padded_step()
-    phases.clear()
+    packed_step(model, layout, timed)  # warm-up
+    padded_step(model, padded, timed)
+    timed.seconds.clear()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.batches):
-            packed_step()
-            padded_step()
+            packed_step(model, layout, timed)
+            padded_step(model, padded, timed)
+    report(timed.seconds, packed, layout, padded, size, args.batches)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
+
+
+def report(phases: dict[str, float], packed: dict, layout, padded: dict, size: dict, batches: int) -> None:
+    """The tokens each way runs, then each phase's seconds per step and share of its step."""
     needed = int(packed["tokens_needed"])
     rows, width = layout.input_ids.shape
     executed_packed = rows * layout.split + int((layout.branch == 2).sum())
@@ -132,9 +159,8 @@ def main() -> None:
         total = sum(v for k, v in phases.items() if k.startswith(kind))
         for name, seconds in phases.items():
             if name.startswith(kind):
-                print(f"  {name:<60} {seconds / args.batches:7.3f} s/step  {seconds / total:6.1%}")
-        print(f"  {kind + ' step':<60} {total / args.batches:7.3f} s/step")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
+                print(f"  {name:<60} {seconds / batches:7.3f} s/step  {seconds / total:6.1%}")
+        print(f"  {kind + ' step':<60} {total / batches:7.3f} s/step")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.demo.hh_rlhf import bundled_path, convert_file
+from kto_pipeline.errors import KTOPipelineError
 
 
 def main() -> int:

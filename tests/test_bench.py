@@ -1,5 +1,8 @@
-"""The benchmark harness runs end to end (smoke size) and refuses to report speed without agreement."""
+"""The benchmark harness runs end to end (smoke size) and refuses to report speed without agreement; the
+benchmarks share benchmarks/harness.py and do not import each other in a cycle."""
 
+import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +10,107 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPTS = sorted(BENCHMARKS.glob("*.py")) + sorted((BENCHMARKS / "checks").glob("*.py"))
+MODULES = {p.stem for p in BENCHMARKS.glob("*.py")}
+
+
+@pytest.fixture
+def harness(monkeypatch):
+    """benchmarks/harness.py, imported as the benchmarks import it (benchmarks/ on sys.path)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import harness
+
+    return harness
+
+
+def _imports(path: Path) -> list[tuple[str, str]]:
+    """(benchmark module, name) for each name `path` imports from another benchmark module; (module, "") for
+    `import module`. Function-level imports included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in MODULES:
+            found += [(node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names if alias.name in MODULES]
+    return found
+
+
+def test_benchmarks_share_the_harness_without_cycles():
+    imports = {p.relative_to(BENCHMARKS).as_posix(): _imports(p) for p in SCRIPTS}
+    graph = {name: {module for module, _ in found} for name, found in imports.items()}
+    assert graph["harness.py"] == set()  # the base: it imports no benchmark
+    assert "bench" not in graph["bench_scale.py"]  # bench dispatches to bench_scale, never the other way
+    assert graph["bench_gpu.py"] == {"harness"}
+    for name in ("bench.py", "bench_scale.py", "bench_gpu.py", "profile_step.py", "lora_memory.py"):
+        assert "harness" in graph[name], name
+    for name, found in imports.items():
+        private = [f"{module}.{n}" for module, n in found if n.startswith("_")]
+        assert not private, f"{name} imports private names {private}"
+    for path in SCRIPTS:
+        hops = path.read_text().count("sys.path.insert")
+        assert hops <= (1 if path.parent.name == "checks" else 0), path
+
+
+def test_harness_sections_replace_in_place(harness):
+    text = "# T\n\nmain\n\n## A\n\nold a\n\n## B\n\nb\n"
+    assert harness.get_section(text, "## A") == "## A\n\nold a\n"
+    assert harness.get_section(text, "## C") is None
+    replaced = harness.replace_section(text, "## A", "## A\n\nnew a\n")
+    assert replaced == "# T\n\nmain\n\n## A\n\nnew a\n\n## B\n\nb\n"
+    assert harness.replace_section(text, "## B", "## B\n\nnew b") == "# T\n\nmain\n\n## A\n\nold a\n\n## B\n\nnew b\n"
+    assert harness.replace_section(text, "## C", "## C\n\nc").endswith("## B\n\nb\n\n## C\n\nc\n")
+    assert harness.replace_section("", "## C", "## C\n\nc") == "## C\n\nc\n"
+
+
+def test_harness_worker_protocol(harness, tmp_path):
+    """run_worker: `SCRIPT worker NAME --work --out FLAGS` in a fresh process with the benchmark environment, its
+    RESULT line back as a dict with the process' seconds; a failed worker ends the run or, if allowed, is reported."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "if sys.argv[2] == 'bad':\n"
+        "    sys.exit('it broke')\n"
+        "print('RESULT not this one')\n"
+        "env = {k: os.environ.get(k) for k in ('HF_DATASETS_CACHE', 'HF_HUB_OFFLINE', 'TQDM_DISABLE', 'X')}\n"
+        "print('RESULT ' + json.dumps({'argv': sys.argv[1:], 'env': env}))\n"
+        "print('trailing noise')\n"
+    )
+    work = tmp_path / "w"
+    result = harness.run_worker(script, "good", work, ["--size", "smoke"], env={"X": "1"})
+    out = str(work / "runs" / "good")
+    assert result["argv"] == ["worker", "good", "--work", str(work), "--out", out, "--size", "smoke"]
+    assert result["env"] == {
+        "HF_DATASETS_CACHE": str(work / "hf-datasets-cache"),
+        "HF_HUB_OFFLINE": "1",
+        "TQDM_DISABLE": "1",
+        "X": "1",
+    }
+    assert result["process_seconds"] > 0
+    with pytest.raises(SystemExit, match="worker bad failed:\n.*it broke"):
+        harness.run_worker(script, "bad", work)
+    assert harness.run_worker(script, "bad", work, must_succeed=False) == {"failed": "it broke"}
+
+
+def test_harness_median_step_skips_the_first(harness):
+    assert harness.median_step([9.0, 1.0, 2.0, 3.0]) == 2.0
+    assert harness.median_step([5.0]) == 5.0
+
+
+def test_ours_train_tokens_reads_the_trainer_state(monkeypatch, tmp_path):
+    """Top-level token counters of trainer_state.json first, else the newest log record that has them."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench import ours_train_tokens
+
+    assert ours_train_tokens(tmp_path) is None
+    state = tmp_path / "trainer_state.json"
+    state.write_text(json.dumps({"global_step": 3, "tokens_needed": 10, "tokens_executed": 20, "log_history": []}))
+    assert ours_train_tokens(tmp_path) == {"tokens_needed": 10, "tokens_executed": 20, "token_efficiency": 0.5}
+    history = [{"loss": 1.0}, {"tokens_needed": 6, "tokens_executed": 8, "token_efficiency": 0.75}, {"loss": 0.5}]
+    state.write_text(json.dumps({"global_step": 3, "log_history": history}))
+    assert ours_train_tokens(tmp_path) == {"tokens_needed": 6, "tokens_executed": 8, "token_efficiency": 0.75}
+    state.write_text(json.dumps({"global_step": 3, "log_history": [{"loss": 1.0}]}))
+    assert ours_train_tokens(tmp_path) is None
 
 
 @pytest.mark.slow
@@ -83,3 +187,12 @@ def test_benchmark_scale_smoke(tmp_path):
         assert (speedup != "-") == (key[2] == "2"), key
     assert "--num-proc 2 tokenizes at least 1.7x faster than 1 (2,000 rows; the datasets.map: " in text
     assert "preprocessing's peak RSS at 2,000 rows at most 150 MB above at 500" in text
+
+
+def test_a_main_table_rerun_keeps_every_other_section(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as `python benchmarks/bench.py` runs it
+    from bench import with_other_sections
+
+    old = "# B\n\n## Against the goals\n\nold table\n\n## LoRA\n\nlora\n\n## Demo: held-out\n\n59.4%\n"
+    new = with_other_sections("# B\n\n## Against the goals\n\nnew table\n", old)
+    assert new == "# B\n\n## Against the goals\n\nnew table\n\n## LoRA\n\nlora\n\n## Demo: held-out\n\n59.4%\n"

@@ -1,5 +1,6 @@
 """The GPU benchmark's code path, run on CPU at the tiny preset: every case runs and every number is reported."""
 
+import ast
 import re
 import subprocess
 import sys
@@ -9,6 +10,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMBER = re.compile(r"^\d+(\.\d+)?$")
+
+
+def test_bench_gpu_runs_workers_through_the_harness(monkeypatch):
+    """No second copy of the worker runner, the step median or the memory readings: bench_gpu uses harness's."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_gpu
+    import harness
+
+    source = ROOT / "benchmarks" / "bench_gpu.py"
+    defined = {n.name for n in ast.walk(ast.parse(source.read_text())) if isinstance(n, ast.FunctionDef)}
+    shared = {"run_worker", "median_step", "rss_mib", "peak_rss_mib", "machine", "cpu_name", "step_timer"}
+    assert not defined & shared
+    for name in ("run_worker", "median_step", "peak_rss_mib", "step_timer", "time_calls", "fresh_runs"):
+        assert getattr(bench_gpu, name) is getattr(harness, name), name
 
 
 def table_rows(text: str) -> dict[str, list[str]]:

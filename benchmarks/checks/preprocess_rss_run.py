@@ -1,19 +1,16 @@
-"""The child of preprocess_rss.py: kto-pipeline's preprocessing of N rows of the scale case's data."""
+"""The child of preprocess_rss.py: kto-pipeline's preprocessing of the scale case's data, as `precompute` runs it
+before it loads the model (load, check, tokenize with --num-proc 1, select, pair). It imports only kto_pipeline,
+so that its RSS is the preprocessing's.
+
+    python benchmarks/checks/preprocess_rss_run.py MODEL_DIR DATA.jsonl
+"""
 
 import sys
-from pathlib import Path
 
 from kto_pipeline.config import PrecomputeConfig
-from kto_pipeline.data import assign_kl_partners, select_rows
 from kto_pipeline.models import load_tokenizer
-from kto_pipeline.precompute import _open_tokenized, _preprocess
+from kto_pipeline.stages.precompute import prepare_rows
 
-WORK = Path(__file__).resolve().parents[1] / ".work" / "scale"
-n = sys.argv[1]
-tokenizer = load_tokenizer(str(WORK / "model-smollm2"))
-config = PrecomputeConfig(
-    model=str(WORK / "model-smollm2"), dataset=str(WORK / f"data-v1-{n}.jsonl"), output="unused", max_length=1024
-)
-prepared = _preprocess(config, tokenizer)
-rows = select_rows(_open_tokenized(prepared["files"]), config.max_length)
-assign_kl_partners(len(rows), config.seed)
+model, data = sys.argv[1], sys.argv[2]
+tokenizer = load_tokenizer(model)
+prepare_rows(PrecomputeConfig(model=model, dataset=data, output="unused", max_length=1024), tokenizer)

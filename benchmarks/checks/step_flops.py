@@ -15,10 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the one hop: benchmarks/ (bench, harness)
 
-from bench import SMOLLM2_SIZES, _trl_trainer, ours_train_config  # noqa: E402
+from bench import SMOLLM2_SIZES, ours_train_config, trl_trainer  # noqa: E402
+from harness import WORK_DIR  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 
@@ -26,16 +26,16 @@ def main() -> None:
     which, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else SMOLLM2_SIZES["full"]["steps"]
     if which not in ("ours", "trl"):
         sys.exit("usage: step_flops.py ours|trl [steps]")
-    from kto_pipeline.smollm2 import default_cache_dir, fetch_smollm2
+    from kto_pipeline.demo.smollm2 import default_cache_dir, fetch_smollm2
 
-    work = HERE.parent / ".work" / "smollm2"
+    work = WORK_DIR / "smollm2"
     size = dict(SMOLLM2_SIZES["full"], steps=steps)
     if not (work / "data.jsonl").exists() or not (work / "runs" / "ours_precompute").exists():
         sys.exit(f"run `python benchmarks/bench.py --size full --only smollm2` first ({work} lacks its data or cache)")
     with tempfile.TemporaryDirectory() as out:
         if which == "trl":
             model = fetch_smollm2(default_cache_dir())
-            trainer = _trl_trainer(
+            trainer = trl_trainer(
                 work, size, Path(out), precompute=False, steps=steps, model=model, data=work / "data.jsonl"
             )
             with FlopCounterMode(display=False) as counter:
