@@ -16,20 +16,16 @@ from pathlib import Path
 import pytest
 from helpers import run_cli, train_config, unpaired_rows, write_jsonl
 
-import kto_pipeline
 from kto_pipeline import KTOPipelineError, train
 from kto_pipeline.cache import open_cache
 from kto_pipeline.lock import LOCK_FILE, directory_lock, holds_files
 
 HOST = socket.gethostname()
 
-# A process that holds the lock until it reads a line on stdin (or is killed). It loads only lock.py and
-# errors.py: the package's __init__ imports torch, which would make every holder take seconds to start.
+# A process that holds the lock until it reads a line on stdin (or is killed). `import kto_pipeline` does not
+# import torch, so the holder starts in a fraction of a second.
 HOLDER = r"""
-import sys, types
-package = types.ModuleType("kto_pipeline")
-package.__path__ = [sys.argv[3]]
-sys.modules["kto_pipeline"] = package
+import sys
 from kto_pipeline.lock import directory_lock
 
 with directory_lock(sys.argv[1], sys.argv[2]):
@@ -45,9 +41,8 @@ def hold():
     children: list[subprocess.Popen] = []
 
     def start(path: Path, what: str = "precompute") -> subprocess.Popen:
-        package_dir = str(Path(kto_pipeline.__file__).parent)
         child = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, str(path), what, package_dir],
+            [sys.executable, "-c", HOLDER, str(path), what],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

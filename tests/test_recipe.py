@@ -1,7 +1,6 @@
 """Recipes (`--config FILE.yaml`) and the command-line options generated from the config dataclasses."""
 
 import dataclasses
-import importlib
 import json
 import re
 from pathlib import Path
@@ -41,25 +40,27 @@ def assert_clean_error(code, err, *fragments):
 @pytest.fixture
 def captured(monkeypatch):
     """Stand-ins for the API calls, so that a command only builds its config: {command: what it was called with}."""
+    from kto_pipeline import generate, report, sweep
+    from kto_pipeline.demo import run as demo
+    from kto_pipeline.stages import precompute, train
+
     calls = {}
-    # import them all first: a module imported while another's function is replaced would keep the stand-in
-    for module in ("stages.precompute", "stages.train", "generate", "sweep", "report", "demo.run"):
-        importlib.import_module(f"kto_pipeline.{module}")
 
     def stand_in(module, name, command, value=lambda *args, **kw: args[0] if len(args) == 1 else args):
         def record(*args, **kw):
             calls[command] = value(*args, **kw)
             return ""
 
-        monkeypatch.setattr(importlib.import_module(module), name, record)
+        monkeypatch.setattr(module, name, record)
 
-    stand_in("kto_pipeline.stages.precompute", "precompute", "precompute")
-    stand_in("kto_pipeline.stages.train", "train", "train")
-    stand_in("kto_pipeline.generate", "generate_samples", "generate")
-    stand_in("kto_pipeline.generate", "preview", "preview")
-    stand_in("kto_pipeline.sweep", "sweep", "sweep", lambda cache, out, values, keep: (cache, out, values, keep))
-    stand_in("kto_pipeline.report", "write_report", "report")
-    stand_in("kto_pipeline.demo.run", "run_tiny_demo", "demo")
+    # the CLI imports each command's function from its module when the command runs
+    stand_in(precompute, "precompute", "precompute")
+    stand_in(train, "train", "train")
+    stand_in(generate, "generate_samples", "generate")
+    stand_in(generate, "preview", "preview")
+    stand_in(sweep, "sweep", "sweep", lambda cache, out, values, keep: (cache, out, values, keep))
+    stand_in(report, "write_report", "report")
+    stand_in(demo, "run_tiny_demo", "demo")
     return calls
 
 
