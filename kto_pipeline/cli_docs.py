@@ -20,7 +20,7 @@ recipe, which overrides the defaults). The same settings are the fields of `Prec
 """
 
 
-def _type_name(spec: Any, param: Any) -> str:
+def _type_name(spec: Any) -> str:
     if spec is None:
         return "text"
     base, optional = base_type(spec.type)
@@ -69,7 +69,7 @@ def render() -> str:
             flag = "/".join([param.opts[0], *param.secondary_opts])
             spec = specs.get(param.name)
             row = (
-                f"| `{flag}` | {_type_name(spec, param)} | {_default(param, param.name in required)} "
+                f"| `{flag}` | {_type_name(spec)} | {_default(param, param.name in required)} "
                 f"| {_cell(param.help or '')} |"
             )
             panels.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(row)

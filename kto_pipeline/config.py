@@ -87,11 +87,6 @@ def base_type(value_type: Any) -> tuple[type, bool]:
     return value_type, False
 
 
-def field_types(cls: type) -> dict[str, Any]:
-    """{field name: its type} of a config dataclass (its annotations are strings here)."""
-    return typing.get_type_hints(cls)
-
-
 def parse_value(value_type: Any, text: str, name: str) -> Any:
     """One command-line value (`text`, of field `name`) as its type: the one parser of sweep grids and recipes."""
     base, optional = base_type(value_type)

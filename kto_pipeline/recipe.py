@@ -46,7 +46,6 @@ class Option:
     argument: bool = False  # a positional argument (CACHE_DIR) rather than a --flag
     grid: bool = False  # sweep: one value or several (comma-separated on the command line, a list in a recipe)
     joined: bool = False  # a str holding a comma-separated list (report_to): a recipe may give a YAML list
-    field: dataclasses.Field | None = None
 
     @property
     def flag(self) -> str:
@@ -158,11 +157,11 @@ def _field_option(f: dataclasses.Field, value_type: Any, grid: bool) -> tuple[Op
     if grid:
         assert not required, f.name
         info = typer.Option(flag, help=f"{help_text} Comma-separated values.", rich_help_panel=panel)
-        option = Option(f.name, value_type, grid=True, joined=joined, field=f)
+        option = Option(f.name, value_type, grid=True, joined=joined)
         return option, _parameter(f.name, str | None, None, info, False)
     decl = f"{flag}/--no-{flag[2:]}" if base_type(value_type)[0] is bool else flag
     info = typer.Option(decl, help=help_text, rich_help_panel=panel)
-    option = Option(f.name, value_type, required, joined=joined, field=f)
+    option = Option(f.name, value_type, required, joined=joined)
     return option, _parameter(f.name, value_type, None if required else f.default, info, required)
 
 

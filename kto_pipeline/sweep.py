@@ -13,10 +13,11 @@ import csv
 import dataclasses
 import itertools
 import shutil
+import typing
 from pathlib import Path
 from typing import Any
 
-from kto_pipeline.config import LIST_FIELDS, TrainConfig, field_types, parse_value
+from kto_pipeline.config import LIST_FIELDS, TrainConfig, parse_value
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.report import markdown_table
 from kto_pipeline.rundir import finished_at, run_config
@@ -50,7 +51,7 @@ def sweepable_fields() -> list[dataclasses.Field]:
 def expand_grid(values: dict[str, str | None]) -> tuple[list[dict[str, Any]], list[str]]:
     """{field: "v1,v2" or None} -> (one settings dict per run, names of the fields that vary)."""
     fields = {f.name for f in sweepable_fields()}
-    types = field_types(TrainConfig)
+    types = typing.get_type_hints(TrainConfig)  # (the annotations are strings here)
     options: dict[str, list[Any]] = {}
     for name, text in values.items():
         if text is None:

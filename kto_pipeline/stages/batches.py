@@ -34,7 +34,7 @@ class CacheRows(Dataset):
     def __init__(self, cache: CacheTable, max_length: int):
         self.table = cache.table
         self.max_length = max_length
-        self.truncate = max_length < cache.manifest["settings"]["max_length"]
+        self.truncate = max_length < cache.manifest.max_length
         prompt_lens = pc.list_value_length(self.table.column("prompt_ids")).to_numpy()
         self.indices = np.flatnonzero(prompt_lens < max_length)
         self.labels = self.table.column("label").to_numpy(zero_copy_only=False)[self.indices]

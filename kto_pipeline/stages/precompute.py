@@ -24,6 +24,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from accelerate import PartialState
+from accelerate.utils import gather_object, parse_flag_from_env
+from tqdm.auto import tqdm
 
 from kto_pipeline import __version__
 from kto_pipeline.cache import (
@@ -108,9 +111,6 @@ def precompute(config: PrecomputeConfig) -> Path:
 
 
 def setup(config: PrecomputeConfig) -> Pass:
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
     started = time.perf_counter()
     out = Path(config.output)
     _check_output(out)
@@ -221,7 +221,7 @@ def plan_output(run: Pass) -> bool:
         "kl_seed": config.seed,
         "shard_size": config.shard_size,
     }
-    plan = decided_by_main_process(state, lambda: _plan_output(run.out, fingerprint, config.overwrite))
+    plan = decided_by_main_process(state, lambda: _decide_output(run.out, fingerprint, config.overwrite))
     if plan["nothing_to_do"]:
         return False
     rows = prepared.rows
@@ -259,7 +259,7 @@ def _absolute_if_local(name: str) -> str:
     return str(path.resolve()) if path.exists() else name
 
 
-def _plan_output(out: Path, fingerprint: dict[str, Any], overwrite: bool) -> dict[str, Any]:
+def _decide_output(out: Path, fingerprint: dict[str, Any], overwrite: bool) -> dict[str, Any]:
     """Compare what --output holds with this run: nothing to do, resume after intact shards, or start over."""
     done_shards: list[dict[str, Any]] = []
     if (out / MANIFEST).exists():
@@ -312,7 +312,6 @@ def score_shards(run: Pass) -> None:
     """Score the shards not yet written, in rounds: in round r, process k scores shard r * N + k. After each round
     the main process records the finished shards, so the manifest always lists a complete prefix of them and the
     shard layout (which rows go where) does not depend on the number of processes."""
-    from accelerate.utils import gather_object
 
     config, state, manifest = run.config, run.state, run.manifest
     n = len(run.prepared.rows)
@@ -350,8 +349,6 @@ class ShardProgress:
     process's batches, times the process count (an estimate; each round's end sets the exact count)."""
 
     def __init__(self, total_rows: int, done_rows: int, state):
-        from tqdm.auto import tqdm
-
         self.started = time.perf_counter()
         self.bar = tqdm(
             total=total_rows, initial=done_rows, unit="row", desc="reference pass", disable=not state.is_main_process

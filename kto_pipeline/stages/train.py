@@ -21,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import gather_object, set_seed
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 
 from kto_pipeline import __version__
 from kto_pipeline.cache import CacheTable, Manifest, open_cache, tokenizer_hash
@@ -122,8 +126,6 @@ def train(config: TrainConfig) -> TrainResult:
 
 def setup(config: TrainConfig) -> Run:
     """Check the inputs, then load the policy and build the loaders, optimizer and schedule. Nothing is written."""
-    from accelerate.utils import set_seed
-
     out = Path(config.output_dir)
     resume_dir = resolve_resume(out, config.resume, config.resume_from)
     if resume_dir is None or resume_dir.parent.resolve() != out.resolve():
@@ -186,9 +188,6 @@ def _open_checked_cache(config: TrainConfig) -> tuple[CacheTable, int]:
 
 
 def _accelerator(config: TrainConfig, out: Path, trackers: list[str]):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
     # accelerate keeps one global state per process; reset it (not the process group) so that several runs
     # in one process (a sweep through the Python API) may each choose their own precision.
     AcceleratorState._reset_state(reset_partial_state=False)
@@ -354,8 +353,6 @@ def prepare_output_dir(run: Run) -> None:
 
 def fit(run: Run) -> None:
     """The loop: micro-batches accumulate into optimizer steps until the run's last step."""
-    from tqdm.auto import tqdm
-
     accelerator, p = run.accelerator, run.progress
     bar = tqdm(
         total=run.total_steps,
@@ -384,8 +381,6 @@ def fit(run: Run) -> None:
 
 def train_step(run: Run, batch: dict[str, torch.Tensor]) -> None:
     """Forward, metrics and backward of one micro-batch; the optimizer steps where accelerate syncs gradients."""
-    from accelerate.utils import gather_object
-
     config, accelerator, p = run.config, run.accelerator, run.progress
     z0, scored, loss, _, rewards = kto_forward(
         accelerator, run.scorer, batch, config, with_stats=True, output_router_logits=run.aux_coef != 0
@@ -464,8 +459,6 @@ def trainer_state(run: Run) -> TrainerState:
 
 def finish(run: Run) -> TrainResult:
     """The final model (HF format; merged too with --merge), its card, and the final trainer state."""
-    from accelerate.utils import gather_object
-
     config, accelerator, p, out = run.config, run.accelerator, run.progress, run.out
     accelerator.wait_for_everyone()
     if run.trackers:
