@@ -177,13 +177,16 @@ def new_manifest(
     rows: int,
     dropped: dict[str, int],
     padded_because: str | None,
+    distributed: dict[str, Any],
     shards: list[dict[str, Any]],
 ) -> Manifest:
     """The manifest of a cache being written (`complete` False until its last shard is recorded).
 
     `fingerprint`: what shapes the values (model, revision, weights hash, tokenizer hash, dataset, config, split,
     content hash, max_length, dtype, kl_seed, shard_size); a cache is reused only when it matches.
-    `padded_because`: why the reference pass ran every sequence on its own, padded; None when it ran packed."""
+    `padded_because`: why the reference pass ran every sequence on its own, padded; None when it ran packed.
+    `distributed`: how the reference ran, e.g. {"engine": "fsdp2", "world_size": 2} (not in the fingerprint: the
+    values do not depend on it)."""
     return Manifest(
         {
             "format_version": FORMAT_VERSION,
@@ -221,6 +224,7 @@ def new_manifest(
                 "prefix_shared": padded_because is None,
                 **({"unshared_because": padded_because} if padded_because else {}),
             },
+            "distributed": distributed,
             "shards": shards,
         }
     )

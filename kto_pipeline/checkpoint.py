@@ -1,4 +1,4 @@
-"""Checkpoints of stage 2: written atomically, loadable as Hugging Face models, and resumable.
+"""Checkpoints of stage 2: written atomically, resumable, and the final model in Hugging Face format.
 
     OUT/checkpoint-STEP/
         config.json, model.safetensors, tokenizer files   the policy, loadable with from_pretrained
@@ -6,8 +6,14 @@
         accelerate_state/                                optimizer, scheduler, RNG states (accelerate)
 
 The weights are stored once, in Hugging Face format: accelerate's own copy of them is skipped
-with a save hook (the pattern diffusers uses) and they are loaded back from the HF files. A
-checkpoint is written to a hidden temporary directory and renamed into place when complete, so
+with a save hook (the pattern diffusers uses) and they are loaded back from the HF files.
+
+Under FSDP2 no process holds the whole model: a checkpoint stores the weights and the optimizer state
+sharded, each process writing its own shards (`torch.distributed.checkpoint`), in `sharded/`
+instead of model.safetensors and accelerate's optimizer file; config.json and the tokenizer are still
+there. The final model is gathered and written whole, in Hugging Face format, by the main process.
+
+A checkpoint is written to a hidden temporary directory and renamed into place when complete, so
 a run killed while saving never leaves a half checkpoint that `--resume` would pick.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +30,7 @@ from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.rundir import STATE_FILE, TrainerState
 
 ACCELERATE_STATE = "accelerate_state"
+SHARDED = "sharded"  # FSDP2: weights and optimizer state, each process's shards (torch.distributed.checkpoint)
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -32,9 +40,19 @@ def skip_model_weights_in_accelerate_state(accelerator) -> None:
     accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
 
 
-def save_model(accelerator, module, tokenizer, path: Path, run_config: dict[str, Any]) -> None:
+def full_state_dict(accelerator, engine, module) -> dict:
+    """The whole model's weights on the main process (others: what they hold). Every process must call this:
+    under FSDP2 the shards are gathered, onto the CPU of the main process only."""
+    if engine.shards:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return accelerator.get_state_dict(module)
+
+
+def save_model(accelerator, engine, module, tokenizer, path: Path, run_config: dict[str, Any]) -> None:
     """Save the policy (HF format) + tokenizer at `path`. Every process must call this (FSDP gathers)."""
-    state_dict = accelerator.get_state_dict(module)  # collective under FSDP / ZeRO-3
+    state_dict = full_state_dict(accelerator, engine, module)
     if not accelerator.is_main_process:
         return
     model = accelerator.unwrap_model(module).model
@@ -45,8 +63,29 @@ def save_model(accelerator, module, tokenizer, path: Path, run_config: dict[str,
     tokenizer.save_pretrained(path)
 
 
+@contextmanager
+def _optimizer_not_in_accelerate_state(accelerator, engine):
+    """Under FSDP2 the optimizer state is saved sharded with the weights: accelerate would save (and load) only
+    the main process's shards of it."""
+    saved = accelerator._optimizers
+    if engine.shards:
+        accelerator._optimizers = []
+    try:
+        yield
+    finally:
+        accelerator._optimizers = saved
+
+
 def save_checkpoint(
-    accelerator, module, tokenizer, out: Path, state: TrainerState, run_config: dict, total_limit: int | None
+    accelerator,
+    engine,
+    module,
+    optimizer,
+    tokenizer,
+    out: Path,
+    state: TrainerState,
+    run_config: dict,
+    total_limit: int | None,
 ) -> Path:
     """Write OUT/checkpoint-STEP (STEP: `state.global_step`) atomically and prune old ones; every process must call
     this."""
@@ -56,8 +95,19 @@ def save_checkpoint(
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / ACCELERATE_STATE))
-    save_model(accelerator, module, tokenizer, tmp, run_config)
+    with _optimizer_not_in_accelerate_state(accelerator, engine):
+        accelerator.save_state(str(tmp / ACCELERATE_STATE))
+    if engine.shards:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(_sharded_state(module, optimizer), checkpoint_id=str(tmp / SHARDED))
+        if accelerator.is_main_process:
+            model = accelerator.unwrap_model(module).model
+            model.config.kto_pipeline_run = run_config
+            model.config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    else:
+        save_model(accelerator, engine, module, tokenizer, tmp, run_config)
     if accelerator.is_main_process:
         # the run config goes with the state: resume refuses a checkpoint trained with other batch settings
         state.run_config = run_config
@@ -69,6 +119,14 @@ def save_checkpoint(
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def _sharded_state(module, optimizer) -> dict:
+    """This process's shards of the weights and of the optimizer state, by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(module, getattr(optimizer, "optimizer", optimizer))
+    return {"model": model_state, "optimizer": optimizer_state}
 
 
 def list_checkpoints(out: Path) -> list[Path]:
@@ -117,16 +175,50 @@ def _load_full_weights(model, path: Path) -> None:
         )
 
 
-def load_checkpoint(accelerator, module, path: Path) -> TrainerState:
-    """Restore weights, optimizer, scheduler and RNG states from `path`; returns its trainer state."""
+def load_checkpoint(accelerator, module, optimizer, path: Path, engine) -> TrainerState:
+    """Restore weights, optimizer, scheduler and RNG states from `path`; returns its trainer state. Every process
+    must call this."""
+    state = TrainerState.read(path)
+    _check_same_processes(state, engine, path)
+    if engine.shards:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        sharded = _sharded_state(module, optimizer)
+        dcp.load(sharded, checkpoint_id=str(path / SHARDED))
+        set_state_dict(
+            module,
+            getattr(optimizer, "optimizer", optimizer),
+            model_state_dict=sharded["model"],
+            optim_state_dict=sharded["optimizer"],
+        )
+    else:
+        _load_hf_weights(accelerator.unwrap_model(module).model, path)
+    with _optimizer_not_in_accelerate_state(accelerator, engine):
+        accelerator.load_state(str(path / ACCELERATE_STATE))
+    return state
+
+
+def _load_hf_weights(model, path: Path) -> None:
     from safetensors.torch import load_file
 
-    model = accelerator.unwrap_model(module).model
     if (path / "adapter_model.safetensors").exists():  # a LoRA run: the checkpoint holds the adapters only
         from peft import set_peft_model_state_dict
 
         set_peft_model_state_dict(model, load_file(str(path / "adapter_model.safetensors")))
     else:
         _load_full_weights(model, path)
-    accelerator.load_state(str(path / ACCELERATE_STATE))
-    return TrainerState.read(path)
+
+
+def _check_same_processes(state: TrainerState, engine, path: Path) -> None:
+    """A checkpoint's data position and optimizer shards are those of its engine and world size."""
+    saved, now = state.distributed, engine.record()
+    if saved is None:
+        return  # written before kto-pipeline recorded it
+    if saved != now:
+        raise KTOPipelineError(
+            f"cannot resume from {path}: it was written by {saved['world_size']} process(es) ({saved['engine']}), "
+            f"and this run has {now['world_size']} ({now['engine']}). A step's batch, the data position and the "
+            f"sharded optimizer state depend on them. Resume with {saved['world_size']} process(es) and the same "
+            "launch configuration, or start a new run."
+        )

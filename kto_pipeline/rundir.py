@@ -46,6 +46,7 @@ class TrainerState:
     log_history: list[dict[str, float]] = field(default_factory=list)
     pending_metrics: dict[str, list[float]] = field(default_factory=dict)
     run_config: dict[str, Any] | None = None
+    distributed: dict[str, Any] | None = None  # how the run was spread: {"engine": "fsdp2", "world_size": 2}
     # the final state only: this run's work (since a resume, if resumed)
     train_seconds: float | None = None
     tokens_executed: int | None = None  # tokens the forwards ran, padding included

@@ -29,9 +29,9 @@ def record_saves(monkeypatch):
     steps = []
     save = train_module.save_checkpoint
 
-    def recording(accelerator, module, tokenizer, out, state, *args, **kw):
+    def recording(accelerator, engine, module, optimizer, tokenizer, out, state, *args, **kw):
         steps.append(state.global_step)
-        return save(accelerator, module, tokenizer, out, state, *args, **kw)
+        return save(accelerator, engine, module, optimizer, tokenizer, out, state, *args, **kw)
 
     monkeypatch.setattr(train_module, "save_checkpoint", recording)
     return steps

@@ -443,45 +443,87 @@ def score_policy(
     return PolicyScores(completions, kl, executed, on_cache)
 
 
+class ReferenceScorer(torch.nn.Module):
+    """The reference pass's scoring as a module forward: under FSDP2 this is the root, whose forward gathers the
+    parameters outside the decoder layers (embeddings, final norm, LM head) that the scoring reads directly."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, layout: Layout | None = None, padded: tuple | None = None) -> Scores:
+        """The scores of a packed `layout`, or of a `padded` (input_ids, attention_mask, completion_mask) batch."""
+        if layout is not None:
+            return score_layout(self.model, layout, with_stats=False)
+        return score_sequences(self.model, *padded, with_stats=False)
+
+
+def _filler_tree(pad_id: int) -> Tree:
+    return ([pad_id], [[pad_id], [pad_id]])
+
+
 @torch.inference_mode()
 def score_shard(
-    model, trees: list[Tree], pad_id: int, batch_size: int, max_tokens: int, device, on_batch=None, packed=True
+    scorer,
+    trees: list[Tree],
+    pad_id: int,
+    batch_size: int,
+    max_tokens: int,
+    device,
+    on_batch=None,
+    packed=True,
+    agree_on_forwards=None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per-token reference log-probs of each tree's completion and KL completion.
+    """Per-token reference log-probs of each tree's completion and KL completion. `scorer`: a `ReferenceScorer`
+    (sharded or not), or a causal LM.
 
     `packed=True`: each prompt runs once, its completion and KL completion both attending to it
     (`packing.layout_trees`), several trees side by side in each tensor row. `packed=False`: every sequence
     on its own, padded (the path for models that cannot take a packed layout).
 
     `on_batch(sequences, tokens, executed)`, if given, is called after each forward pass with the number of
-    sequences, the tokens they need, and the tokens the pass ran (padding included): progress and counters."""
+    sequences, the tokens they need, and the tokens the pass ran (padding included): progress and counters.
+
+    `agree_on_forwards(count) -> total` (a sharded reference): every process runs `total` forwards, the last
+    ones on a one-token filler tree whose scores are dropped, so that none waits for the others forever."""
+    scorer = scorer if isinstance(scorer, ReferenceScorer) else ReferenceScorer(scorer)
     out: list[list[np.ndarray]] = [[np.empty(0, np.float32)] * 2 for _ in trees]
     if packed:
         sizes = [len(p) + sum(map(len, conts)) for p, conts in trees]
-        for rows in pack_trees(sizes, batch_size, max_tokens, attention_costs(model, device)):
-            members = [t for row in rows for t in row]
+        passes = pack_trees(sizes, batch_size, max_tokens, attention_costs(scorer.model, device))
+    else:
+        seqs = [
+            ScoredSequence(t, kind, len(prompt), prompt + continuation)
+            for t, (prompt, continuations) in enumerate(trees)
+            for kind, continuation in enumerate(continuations)
+        ]
+        passes = pack_batches(seqs, batch_size, max_tokens)
+    total = len(passes) if agree_on_forwards is None else agree_on_forwards(len(passes))
+    for batch in passes:
+        if packed:
+            members = [t for row in batch for t in row]
             local = {t: i for i, t in enumerate(members)}
-            layout = layout_trees([trees[t] for t in members], [[local[t] for t in row] for row in rows], pad_id)
-            per_sequence = score_layout(model, layout.to(device), with_stats=False).per_sequence()
+            layout = layout_trees([trees[t] for t in members], [[local[t] for t in row] for row in batch], pad_id)
+            per_sequence = scorer(layout=layout.to(device)).per_sequence()
             for i, t in enumerate(members):
                 out[t] = [v.float().cpu().numpy() for v in per_sequence[2 * i : 2 * i + 2]]
             if on_batch is not None:
                 on_batch(2 * len(members), sum(sizes[t] for t in members), layout.input_ids.numel())
-        return [tuple(o) for o in out]
-    seqs = [
-        ScoredSequence(t, kind, len(prompt), prompt + continuation)
-        for t, (prompt, continuations) in enumerate(trees)
-        for kind, continuation in enumerate(continuations)
-    ]
-    for batch in pack_batches(seqs, batch_size, max_tokens):
+            continue
         ids, attn, comp = (
             t.to(device) for t in pad_sequences([s.ids for s in batch], [s.prompt_len for s in batch], pad_id)
         )
-        per_sequence = score_sequences(model, ids, attn, comp, with_stats=False).per_sequence()
+        per_sequence = scorer(padded=(ids, attn, comp)).per_sequence()
         for s, values in zip(batch, per_sequence, strict=True):
             out[s.row][s.kind] = values.float().cpu().numpy()
         if on_batch is not None:
             on_batch(len(batch), sum(len(s.ids) for s in batch), ids.numel())
+    for _ in range(total - len(passes)):
+        filler = _filler_tree(pad_id)
+        if packed:
+            scorer(layout=layout_trees([filler], [[0]], pad_id).to(device))
+        else:
+            scorer(padded=tuple(t.to(device) for t in pad_sequences([filler[0] + filler[1][0]], [1], pad_id)))
     return [tuple(o) for o in out]
 
 

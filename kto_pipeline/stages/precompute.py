@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 from accelerate import PartialState
-from accelerate.utils import gather_object, parse_flag_from_env
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from kto_pipeline import __version__
@@ -60,8 +60,9 @@ from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
 from kto_pipeline.scoring.attention import packing_unsupported
-from kto_pipeline.scoring.logprobs import score_shard
+from kto_pipeline.scoring.logprobs import ReferenceScorer, score_shard
 from kto_pipeline.scoring.packing import Tree
+from kto_pipeline.sharding import Engine, agree_on_forwards, check_process_group, engine_from_env, shard_model, use_cpu
 
 
 @dataclass
@@ -85,10 +86,13 @@ class Pass:
     config: PrecomputeConfig
     out: Path
     state: Any  # accelerate's PartialState: one process, or one per device under accelerate launch / torchrun
+    engine: Engine  # the reference replicated on every process, or sharded over them (FSDP2)
     started: float
     tokenizer: Any
     prepared: PreparedRows | None = None
     model: Any = None
+    model_hash: str | None = None  # of the weights as loaded (main process)
+    scorer: ReferenceScorer | None = None  # the model's scoring forward (the FSDP2 root when sharded)
     dtype: Any = None  # of the reference's weights
     padded_because: str | None = None  # why every sequence runs on its own, padded; None: packed
     manifest: Manifest | None = None
@@ -114,11 +118,13 @@ def setup(config: PrecomputeConfig) -> Pass:
     started = time.perf_counter()
     out = Path(config.output)
     _check_output(out)
-    # One process, or one per device under `accelerate launch` / torchrun (ACCELERATE_USE_CPU=1: CPU + gloo).
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    # One process, or one per device under `accelerate launch` / torchrun (without a GPU: CPU + gloo).
+    state = PartialState(cpu=use_cpu())
+    check_process_group(state)
+    engine = engine_from_env(state.num_processes)
     print0(state, f"kto-pipeline precompute {__version__}\n{config.describe()}")
     tokenizer = load_tokenizer(config.model, config.revision, config.trust_remote_code)
-    return Pass(config, out, state, started, tokenizer)
+    return Pass(config, out, state, engine, started, tokenizer)
 
 
 # ------------------------------------------------------------------------------------------- rows
@@ -190,8 +196,12 @@ def load_reference(run: Pass) -> None:
     run.dtype = resolve_dtype(config.dtype, run.state.device)
     run.model = load_model(config.model, run.dtype, config.revision, config.trust_remote_code)
     run.model.eval().to(run.state.device)
+    run.model_hash = model_weights_hash(run.model) if run.state.is_main_process else None  # before any sharding
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(run.model)
+    run.scorer = ReferenceScorer(run.model)
+    if run.engine.shards:  # each process keeps 1/N of the weights; each layer's are gathered for its forward
+        shard_model(run.scorer, run.model, run.engine, run.state.device)
     if run.padded_because:
         print0(
             run.state,
@@ -210,7 +220,7 @@ def plan_output(run: Pass) -> bool:
     fingerprint = {
         "model": _absolute_if_local(config.model),
         "model_revision": config.revision,
-        "model_hash": model_weights_hash(run.model) if state.is_main_process else None,
+        "model_hash": run.model_hash,
         "tokenizer_hash": prepared.tokenizer_hash,
         "dataset": _absolute_if_local(config.dataset),
         "dataset_config": config.dataset_config,
@@ -237,6 +247,7 @@ def plan_output(run: Pass) -> bool:
         rows=len(rows),
         dropped=dict(rows.dropped),
         padded_because=run.padded_because,
+        distributed=run.engine.record(),
         shards=plan["done_shards"],
     )
     if state.is_main_process:
@@ -330,6 +341,8 @@ def score_shards(run: Pass) -> None:
                 needed = _needed_tokens(shard)
                 scored = needed + sum(len(p) for p in shard["prompt_ids"])  # as separate sequences: prompts twice
                 stats = {"rows": len(positions), "scored": scored, "executed": progress.executed_here, "needed": needed}
+            elif run.engine.shards:  # no shard left for this process: it still runs the others' forwards
+                _score_trees(run, [], pad_id)
             entries = gather_object([(entry, stats)]) if state.num_processes > 1 else [(entry, stats)]
             if state.is_main_process:
                 manifest.add_shards([e for e, _ in entries if e is not None])
@@ -392,16 +405,7 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> dict:
     for prompt, completion, kl_completion in zip(prompts, completions, kl_completions, strict=True):
         room = config.max_length - len(prompt)
         trees.append((prompt, [completion[:room], kl_completion[:room]]))
-    scores = score_shard(
-        run.model,
-        trees,
-        pad_id,
-        config.batch_size,
-        config.max_tokens_per_batch,
-        run.state.device,
-        run.progress.on_batch,
-        packed=run.padded_because is None,
-    )
+    scores = _score_trees(run, trees, pad_id)
     cols: dict[str, list] = {name: [] for name in SCHEMA.names}
     for row, pos in enumerate(positions):
         main, kl = scores[row]
@@ -424,6 +428,22 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> dict:
         cols["ref_token_logps"].append(main)
         cols["ref_kl_token_logps"].append(kl)
     return cols
+
+
+def _score_trees(run: Pass, trees: list[Tree], pad_id: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """score_shard with this pass's settings. Sharded, every process runs as many forwards as the busiest."""
+    device = run.state.device
+    return score_shard(
+        run.scorer,
+        trees,
+        pad_id,
+        run.config.batch_size,
+        run.config.max_tokens_per_batch,
+        device,
+        run.progress.on_batch,
+        packed=run.padded_because is None,
+        agree_on_forwards=(lambda count: agree_on_forwards(count, device)) if run.engine.shards else None,
+    )
 
 
 def _needed_tokens(shard: dict) -> int:

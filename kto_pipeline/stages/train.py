@@ -13,6 +13,7 @@ happens in callbacks. One forward pass and its metrics are `kto_step.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import time
@@ -44,6 +45,17 @@ from kto_pipeline.model_card import write_model_card
 from kto_pipeline.models import load_model, load_tokenizer
 from kto_pipeline.rundir import MetricsWriter, TrainerState, finished_at, start_run
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported
+from kto_pipeline.sharding import (
+    Engine,
+    accelerate_without_fsdp,
+    autocast_forward,
+    check_process_group,
+    clip_grad_norm,
+    engine_from_env,
+    launched_processes,
+    shard_model,
+    use_cpu,
+)
 from kto_pipeline.stages.batches import CacheRows, Collator, EpochSampler, PolicyScorer
 from kto_pipeline.stages.kto_step import MetricLog, batch_metrics, evaluate, kto_forward
 
@@ -79,9 +91,10 @@ class Run:
     out: Path
     resume_dir: Path | None
     accelerator: Any
+    engine: Engine  # the policy replicated on every process (accelerate's DDP), or sharded over them (FSDP2)
     manifest: Manifest
     tokenizer: Any
-    scorer: PolicyScorer  # as prepared by accelerate (DDP/FSDP-wrapped where launched so)
+    scorer: PolicyScorer  # DDP-wrapped by accelerate, or the FSDP2 root
     optimizer: torch.optim.Optimizer
     scheduler: Any
     sampler: EpochSampler
@@ -132,7 +145,10 @@ def setup(config: TrainConfig) -> Run:
         _check_output_dir(out, config.overwrite_output_dir)  # a checkpoint of this same dir may continue it
     cache, max_length = _open_checked_cache(config)
     trackers = _trackers(config)
-    accelerator = _accelerator(config, out, trackers)
+    engine = engine_from_env(launched_processes())
+    accelerator = _accelerator(config, out, trackers, engine)
+    if engine.activation_checkpointing and not config.gradient_checkpointing:  # fsdp_activation_checkpointing: true
+        config = dataclasses.replace(config, gradient_checkpointing=True)
     set_seed(config.seed)
     print0(accelerator, f"kto-pipeline train {__version__}\n{config.describe()}")
     tokenizer, model, aux_coef = _load_policy(config, cache.manifest)
@@ -140,8 +156,15 @@ def setup(config: TrainConfig) -> Run:
     sampler, loader, eval_loader, eval_groups = _loaders(
         config, cache, max_length, accelerator, tokenizer, model, padded_because
     )
-    optimizer = _optimizer(config, model)
-    scorer, optimizer, loader = accelerator.prepare(PolicyScorer(model), optimizer, loader)
+    scorer = PolicyScorer(model)
+    if engine.shards:  # sharded before the optimizer is built: it holds each process's shards only
+        shard_model(scorer, model, engine, accelerator.device)
+        autocast_forward(scorer, accelerator.mixed_precision)
+        optimizer = _optimizer(config, model)
+        optimizer, loader = accelerator.prepare(optimizer, loader)
+    else:
+        optimizer = _optimizer(config, model)
+        scorer, optimizer, loader = accelerator.prepare(scorer, optimizer, loader)
     if eval_loader is not None:
         eval_loader = accelerator.prepare_data_loader(eval_loader)
     steps_per_epoch = max(math.ceil(len(loader) / config.gradient_accumulation_steps), 1)
@@ -154,6 +177,7 @@ def setup(config: TrainConfig) -> Run:
         out=out,
         resume_dir=resume_dir,
         accelerator=accelerator,
+        engine=engine,
         manifest=cache.manifest,
         tokenizer=tokenizer,
         scorer=scorer,
@@ -187,17 +211,20 @@ def _open_checked_cache(config: TrainConfig) -> tuple[CacheTable, int]:
     return cache, max_length
 
 
-def _accelerator(config: TrainConfig, out: Path, trackers: list[str]):
+def _accelerator(config: TrainConfig, out: Path, trackers: list[str], engine: Engine):
     # accelerate keeps one global state per process; reset it (not the process group) so that several runs
     # in one process (a sweep through the Python API) may each choose their own precision.
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
-    accelerator = Accelerator(
-        mixed_precision=_resolve_precision(config),
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-        log_with=trackers or None,
-        project_dir=str(out / "tensorboard"),
-    )
+    with accelerate_without_fsdp(engine):
+        accelerator = Accelerator(
+            cpu=use_cpu(),
+            mixed_precision=_resolve_precision(config),
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            log_with=trackers or None,
+            project_dir=str(out / "tensorboard"),
+        )
+    check_process_group(accelerator)
     skip_model_weights_in_accelerate_state(accelerator)
     return accelerator
 
@@ -289,7 +316,7 @@ def resume(run: Run) -> TrainResult | None:
     if run.resume_dir is None:
         return None
     config, p, resume_dir = run.config, run.progress, run.resume_dir
-    state = load_checkpoint(run.accelerator, run.scorer, resume_dir)
+    state = load_checkpoint(run.accelerator, run.scorer, run.optimizer, resume_dir, run.engine)
     _check_resume_compatible(state.run_config or {}, config, resume_dir)
     p.global_step, p.epoch, p.skip_batches = state.global_step, state.epoch_index, state.batches_in_epoch
     p.epoch_index, p.batches_in_epoch = state.epoch_index, state.batches_in_epoch
@@ -404,7 +431,8 @@ def train_step(run: Run, batch: dict[str, torch.Tensor]) -> None:
         p.log.add(name, value)
     accelerator.backward(loss)
     if accelerator.sync_gradients and config.max_grad_norm > 0:
-        p.grad_norm = float(accelerator.clip_grad_norm_(run.scorer.parameters(), config.max_grad_norm))
+        clip = clip_grad_norm if run.engine.shards else accelerator.clip_grad_norm_
+        p.grad_norm = float(clip(run.scorer.parameters(), config.max_grad_norm))
     run.optimizer.step()
     run.optimizer.zero_grad()
 
@@ -437,7 +465,9 @@ def after_step(run: Run, micro_step: int, bar) -> None:
     # every N steps and at the last one (as transformers' Trainer), so that a finished run can be extended
     if config.save_steps and (p.global_step % config.save_steps == 0 or last_step):
         state, limit = trainer_state(run), config.save_total_limit
-        save_checkpoint(accelerator, run.scorer, run.tokenizer, run.out, state, config.to_dict(), limit)
+        save_checkpoint(
+            accelerator, run.engine, run.scorer, run.optimizer, run.tokenizer, run.out, state, config.to_dict(), limit
+        )
 
 
 def trainer_state(run: Run) -> TrainerState:
@@ -451,6 +481,7 @@ def trainer_state(run: Run) -> TrainerState:
         batches_in_epoch=p.batches_in_epoch,
         log_history=p.history,
         pending_metrics=dict(p.log.values),
+        distributed=run.engine.record(),
     )
 
 
@@ -463,7 +494,7 @@ def finish(run: Run) -> TrainResult:
     accelerator.wait_for_everyone()
     if run.trackers:
         accelerator.end_training()
-    save_model(accelerator, run.scorer, run.tokenizer, out, config.to_dict())
+    save_model(accelerator, run.engine, run.scorer, run.tokenizer, out, config.to_dict())
     if config.merge and accelerator.is_main_process:
         merged = accelerator.unwrap_model(run.scorer).model.merge_and_unload()
         merged.save_pretrained(out / "merged")
