@@ -133,12 +133,22 @@ class Manifest(dict):
 
     @property
     def settings(self) -> dict[str, Any]:
-        """What shaped the values: max_length, dtype, kl_seed."""
+        """What shaped the values: max_length, dtype (of the weights), autocast, kl_seed."""
         return self["settings"]
 
     @property
     def max_length(self) -> int:
         return self["settings"]["max_length"]
+
+    @property
+    def precision(self) -> tuple[str, str | None]:
+        """(weights dtype, autocast dtype or None) of the reference pass."""
+        return self["settings"]["dtype"], self["settings"].get("autocast")
+
+    @property
+    def distributed(self) -> dict[str, Any]:
+        """How the reference pass ran, e.g. {"engine": "fsdp2", "world_size": 2}."""
+        return self.get("distributed") or {"engine": "single", "world_size": self.timing.get("processes", 1)}
 
     @property
     def counts(self) -> dict[str, Any]:
@@ -183,7 +193,7 @@ def new_manifest(
     """The manifest of a cache being written (`complete` False until its last shard is recorded).
 
     `fingerprint`: what shapes the values (model, revision, weights hash, tokenizer hash, dataset, config, split,
-    content hash, max_length, dtype, kl_seed, shard_size); a cache is reused only when it matches.
+    content hash, max_length, dtype and autocast, kl_seed, shard_size); a cache is reused only when it matches.
     `padded_because`: why the reference pass ran every sequence on its own, padded; None when it ran packed.
     `distributed`: how the reference ran, e.g. {"engine": "fsdp2", "world_size": 2} (not in the fingerprint: the
     values do not depend on it)."""
@@ -215,6 +225,7 @@ def new_manifest(
             "settings": {
                 "max_length": fingerprint["max_length"],
                 "dtype": fingerprint["dtype"],
+                "autocast": fingerprint["autocast"],
                 "kl_seed": fingerprint["kl_seed"],
             },
             "counts": {"rows": rows, "desirable": desirable, "undesirable": rows - desirable, "dropped": dropped},

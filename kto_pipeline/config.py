@@ -44,6 +44,7 @@ EVALUATION = "Evaluation"
 CHECKPOINTS = "Checkpoints"
 OUTPUT = "Output"
 LOGGING = "Logging"
+PROCESSES = "More than one process"
 PANELS = (
     MODEL,
     MODELS,
@@ -58,6 +59,7 @@ PANELS = (
     CHECKPOINTS,
     OUTPUT,
     LOGGING,
+    PROCESSES,
 )
 
 
@@ -164,7 +166,16 @@ class PrecomputeConfig(_ConfigMixin):
     dtype: str = field(
         default="auto",
         **_help(
-            "Dtype of the reference pass: auto = bfloat16 on a GPU that supports it, else float32.",
+            "Dtype of the reference's weights: auto = float32 (bf16 compute comes from --bf16, as in train); "
+            "bfloat16/float16 load the weights in that dtype.",
+            panel=REFERENCE_PASS,
+        ),
+    )
+    bf16: bool | None = field(
+        default=None,
+        **_help(
+            "Run the reference under bf16 autocast (the regime train --bf16 trains in: float32 weights, bf16 "
+            "matmuls, float32 log-softmax and sums). Default: on where the GPU supports it, off on CPU.",
             panel=REFERENCE_PASS,
         ),
     )
@@ -192,9 +203,17 @@ class PrecomputeConfig(_ConfigMixin):
     overwrite: bool = field(
         default=False, **_help("Replace an existing cache made with other inputs or settings.", panel=OUTPUT)
     )
+    ddp_timeout: int = field(
+        default=1800,
+        **_help(
+            "Seconds a process waits for the others in a collective before failing (as transformers' ddp_timeout).",
+            panel=PROCESSES,
+        ),
+    )
 
     def __post_init__(self) -> None:
         _check(self.max_length >= 2, "max_length", f"must be at least 2, got {self.max_length}")
+        _check(self.ddp_timeout >= 1, "ddp_timeout", f"must be at least 1 second, got {self.ddp_timeout}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
         _check(self.num_proc >= 1, "num_proc", f"must be at least 1, got {self.num_proc}")
@@ -274,7 +293,26 @@ class TrainConfig(_ConfigMixin):
     )
     bf16: bool | None = field(
         default=None,
-        **_help("bf16 mixed precision. Default: on where the GPU supports it, off on CPU.", panel=OPTIMISATION),
+        **_help(
+            "bf16 mixed precision: float32 weights under bf16 autocast. Default: on where the GPU supports it, "
+            "off on CPU.",
+            panel=OPTIMISATION,
+        ),
+    )
+    strict: bool = field(
+        default=False,
+        **_help(
+            "Refuse, instead of warning, when the cache's reference ran in another precision regime (weights "
+            "dtype, autocast) than this run's policy: then step-1 rewards and KL are not zero.",
+            panel=MODEL_AND_DATA,
+        ),
+    )
+    ddp_timeout: int = field(
+        default=1800,
+        **_help(
+            "Seconds a process waits for the others in a collective before failing (as transformers' ddp_timeout).",
+            panel=PROCESSES,
+        ),
     )
     train_sampling_strategy: str = field(
         default="random",

@@ -52,6 +52,7 @@ class TrainerState:
     tokens_executed: int | None = None  # tokens the forwards ran, padding included
     tokens_needed: int | None = None  # each prompt once, then its completion and KL completion, no padding
     token_efficiency: float | None = None
+    precision: str | None = None  # the policy's regime, e.g. "float32 weights under bfloat16 autocast"
     packing: str | None = None  # "packed", or "padded (why)"
     kl_forward: str | None = None
 

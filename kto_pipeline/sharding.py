@@ -44,6 +44,13 @@ def use_cpu() -> bool:
     return _flag("ACCELERATE_USE_CPU") or (launched_processes() > 1 and not torch.cuda.is_available())
 
 
+def process_group_kwargs(timeout_seconds: int) -> dict:
+    """What the process group is created with: how long a process waits for the others in a collective."""
+    from datetime import timedelta
+
+    return {"timeout": timedelta(seconds=timeout_seconds)}
+
+
 @dataclass(frozen=True)
 class Engine:
     """How the model is spread over the processes: "single" (one process), "ddp" (replicated, accelerate) or
@@ -59,6 +66,12 @@ class Engine:
     @property
     def shards(self) -> bool:
         return self.name == "fsdp2"
+
+    def __str__(self) -> str:
+        if self.name == "single":
+            return "one process"
+        how = "sharded (FSDP2)" if self.shards else "replicated (DDP)"
+        return f"{how} over {self.world_size} processes"
 
     def record(self) -> dict:
         """What manifest.json and trainer_state.json record under "distributed"."""

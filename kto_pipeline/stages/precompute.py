@@ -59,10 +59,20 @@ from kto_pipeline.distributed import decided_by_main_process, print0
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
+from kto_pipeline.precision import Regime, default_bf16
 from kto_pipeline.scoring.attention import packing_unsupported
 from kto_pipeline.scoring.logprobs import ReferenceScorer, score_shard
 from kto_pipeline.scoring.packing import Tree
-from kto_pipeline.sharding import Engine, agree_on_forwards, check_process_group, engine_from_env, shard_model, use_cpu
+from kto_pipeline.sharding import (
+    Engine,
+    agree_on_forwards,
+    autocast_forward,
+    check_process_group,
+    engine_from_env,
+    process_group_kwargs,
+    shard_model,
+    use_cpu,
+)
 
 
 @dataclass
@@ -94,6 +104,7 @@ class Pass:
     model_hash: str | None = None  # of the weights as loaded (main process)
     scorer: ReferenceScorer | None = None  # the model's scoring forward (the FSDP2 root when sharded)
     dtype: Any = None  # of the reference's weights
+    regime: Regime | None = None  # weights dtype and autocast
     padded_because: str | None = None  # why every sequence runs on its own, padded; None: packed
     manifest: Manifest | None = None
     progress: ShardProgress | None = None
@@ -119,7 +130,7 @@ def setup(config: PrecomputeConfig) -> Pass:
     out = Path(config.output)
     _check_output(out)
     # One process, or one per device under `accelerate launch` / torchrun (without a GPU: CPU + gloo).
-    state = PartialState(cpu=use_cpu())
+    state = PartialState(cpu=use_cpu(), **process_group_kwargs(config.ddp_timeout))
     check_process_group(state)
     engine = engine_from_env(state.num_processes)
     print0(state, f"kto-pipeline precompute {__version__}\n{config.describe()}")
@@ -193,7 +204,9 @@ def _open_tokenized(files: list[str]) -> pa.Table:
 
 def load_reference(run: Pass) -> None:
     config = run.config
-    run.dtype = resolve_dtype(config.dtype, run.state.device)
+    run.dtype = resolve_dtype("float32" if config.dtype == "auto" else config.dtype, run.state.device)
+    bf16 = default_bf16(run.state.device) if config.bf16 is None else config.bf16
+    run.regime = Regime(str(run.dtype).removeprefix("torch."), "bfloat16" if bf16 else None)
     run.model = load_model(config.model, run.dtype, config.revision, config.trust_remote_code)
     run.model.eval().to(run.state.device)
     run.model_hash = model_weights_hash(run.model) if run.state.is_main_process else None  # before any sharding
@@ -202,6 +215,8 @@ def load_reference(run: Pass) -> None:
     run.scorer = ReferenceScorer(run.model)
     if run.engine.shards:  # each process keeps 1/N of the weights; each layer's are gathered for its forward
         shard_model(run.scorer, run.model, run.engine, run.state.device)
+    autocast_forward(run.scorer, "bf16" if bf16 else "no")
+    print0(run.state, f"reference: {run.regime}, {run.engine}")
     if run.padded_because:
         print0(
             run.state,
@@ -227,7 +242,8 @@ def plan_output(run: Pass) -> bool:
         "split": config.split,
         "dataset_hash": prepared.data_hash,
         "max_length": config.max_length,
-        "dtype": str(run.dtype).removeprefix("torch."),
+        "dtype": run.regime.weights,
+        "autocast": run.regime.autocast,
         "kl_seed": config.seed,
         "shard_size": config.shard_size,
     }

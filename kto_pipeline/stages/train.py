@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -43,6 +43,7 @@ from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.model_card import write_model_card
 from kto_pipeline.models import load_model, load_tokenizer
+from kto_pipeline.precision import AUTOCAST_DTYPES, Regime, default_bf16, regime_mismatch
 from kto_pipeline.rundir import MetricsWriter, TrainerState, finished_at, start_run
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported
 from kto_pipeline.sharding import (
@@ -53,6 +54,7 @@ from kto_pipeline.sharding import (
     clip_grad_norm,
     engine_from_env,
     launched_processes,
+    process_group_kwargs,
     shard_model,
     use_cpu,
 )
@@ -92,6 +94,7 @@ class Run:
     resume_dir: Path | None
     accelerator: Any
     engine: Engine  # the policy replicated on every process (accelerate's DDP), or sharded over them (FSDP2)
+    regime: Regime  # the policy's precision: float32 weights, under autocast with bf16/fp16
     manifest: Manifest
     tokenizer: Any
     scorer: PolicyScorer  # DDP-wrapped by accelerate, or the FSDP2 root
@@ -151,6 +154,9 @@ def setup(config: TrainConfig) -> Run:
         config = dataclasses.replace(config, gradient_checkpointing=True)
     set_seed(config.seed)
     print0(accelerator, f"kto-pipeline train {__version__}\n{config.describe()}")
+    regime = Regime("float32", AUTOCAST_DTYPES[accelerator.mixed_precision])  # the policy loads in float32
+    _check_regime(config, Regime(*cache.manifest.precision), regime, accelerator)
+    print0(accelerator, f"policy: {regime}, {engine}")
     tokenizer, model, aux_coef = _load_policy(config, cache.manifest)
     padded_because = packing_unsupported(model)
     sampler, loader, eval_loader, eval_groups = _loaders(
@@ -178,6 +184,7 @@ def setup(config: TrainConfig) -> Run:
         resume_dir=resume_dir,
         accelerator=accelerator,
         engine=engine,
+        regime=regime,
         manifest=cache.manifest,
         tokenizer=tokenizer,
         scorer=scorer,
@@ -223,6 +230,7 @@ def _accelerator(config: TrainConfig, out: Path, trackers: list[str], engine: En
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             log_with=trackers or None,
             project_dir=str(out / "tensorboard"),
+            kwargs_handlers=[InitProcessGroupKwargs(**process_group_kwargs(config.ddp_timeout))],
         )
     check_process_group(accelerator)
     skip_model_weights_in_accelerate_state(accelerator)
@@ -504,6 +512,7 @@ def finish(run: Run) -> TrainResult:
     state.train_seconds = round(time.perf_counter() - p.started, 3)
     state.tokens_executed, state.tokens_needed = executed, needed
     state.token_efficiency = round(needed / max(executed, 1), 4)
+    state.precision = str(run.regime)
     state.packing = "packed" if run.padded_because is None else f"padded ({run.padded_because})"
     state.kl_forward = (
         "on the prompts' cached keys/values"
@@ -576,8 +585,16 @@ def _resolve_precision(config: TrainConfig) -> str:
         if not torch.cuda.is_available():
             raise KTOPipelineError("--fp16 needs a CUDA GPU; on CPU use --bf16 or full precision (--no-bf16).")
         return "fp16"
-    bf16 = config.bf16 if config.bf16 is not None else (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    return "bf16" if bf16 else "no"
+    return "bf16" if (default_bf16() if config.bf16 is None else config.bf16) else "no"
+
+
+def _check_regime(config: TrainConfig, cache: Regime, run: Regime, accelerator) -> None:
+    """The cache's reference and this run's policy should compute in one precision regime (precision.py)."""
+    mismatch = regime_mismatch(cache, run)
+    if mismatch and config.strict:
+        raise KTOPipelineError(f"--strict: {mismatch}")
+    if mismatch:
+        print0(accelerator, f"warning: {mismatch} (--strict makes this an error)")
 
 
 def _planned_steps(max_steps: int, num_train_epochs: float, steps_per_epoch: int) -> int:
