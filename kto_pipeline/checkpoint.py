@@ -108,6 +108,10 @@ def save_checkpoint(
             tokenizer.save_pretrained(tmp)
     else:
         save_model(accelerator, engine, module, tokenizer, tmp, run_config)
+    # Every process writes its own files (accelerate's RNG states, FSDP2's shards) and nothing waits for them after:
+    # without this barrier the main process could rename the directory while another is still writing into it,
+    # which then fails (the intermittent "rank 1 exited 1" of a 2-process test run).
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         # the run config goes with the state: resume refuses a checkpoint trained with other batch settings
         state.run_config = run_config

@@ -26,9 +26,18 @@ def kto_forward(accelerator, scorer, batch, config: TrainConfig, with_stats: boo
     Returns (z0, scored: PolicyScores, loss, losses, rewards)."""
     with_kl = config.loss_type == "kto"
     scored = scorer(batch, with_kl, with_stats, output_router_logits)
+    real = real_rows(accelerator, len(batch["label"]))
     z0 = torch.zeros((), device=accelerator.device)
     if with_kl:
-        z0 = accelerator.gather((scored.kl.logps - batch["ref_kl_logp"]).mean().detach().reshape(1)).mean().clamp(min=0)
+        delta = (scored.kl.logps - batch["ref_kl_logp"]).detach()
+        if real is None:
+            z0 = accelerator.gather(delta.mean().reshape(1)).mean()
+        else:  # the mean over the global batch's real rows
+            z0 = (
+                accelerator.gather((delta * real).sum().reshape(1)).sum()
+                / accelerator.gather(real.sum().reshape(1)).sum()
+            )
+        z0 = z0.clamp(min=0)
     loss, losses, rewards = kto_loss(
         scored.completions.logps,
         batch["ref_logp"],
@@ -39,7 +48,22 @@ def kto_forward(accelerator, scorer, batch, config: TrainConfig, with_stats: boo
         desirable_weight=config.desirable_weight,
         undesirable_weight=config.undesirable_weight,
     )
+    if real is not None:
+        # each process's share of the mean over the global batch's real rows (gradients are averaged over processes)
+        loss = (losses * real).sum() * accelerator.num_processes / accelerator.gather(real.sum().reshape(1)).sum()
     return z0, scored, loss, losses, rewards
+
+
+def real_rows(accelerator, batch_size: int) -> torch.Tensor | None:
+    """(B,) 1.0 for this process's real rows, 0.0 for the rows accelerate repeats so that every process gets a
+    full last batch (`even_batches`); None when the global batch has no repeated row. Decided the same way on
+    every process (from the loader's remainder), so that all take the same collectives."""
+    state = accelerator.gradient_state
+    if accelerator.num_processes == 1 or not state.end_of_dataloader or state.remainder <= 0:
+        return None
+    first = accelerator.process_index * batch_size  # the gathered global batch: process 0's rows, then 1's, ...
+    positions = torch.arange(first, first + batch_size, device=accelerator.device)
+    return (positions < state.remainder).float()
 
 
 class MetricLog:
@@ -57,29 +81,37 @@ class MetricLog:
         return out
 
 
-def batch_metrics(accelerator, loss, z0, labels, logps, rewards, scores) -> dict[str, float]:
-    """TRL's metrics for one forward pass, summed across processes before dividing."""
+def batch_metrics(accelerator, loss, z0, labels, logps, rewards, scores, real=None) -> dict[str, float]:
+    """TRL's metrics for one forward pass, summed across processes before dividing. `real`: see `real_rows`
+    (the repeated rows of an uneven last batch are left out)."""
     labels = labels.bool()
     token_labels = labels[scores.sequence]  # each scored token's row label
+    if real is not None:
+        kept = real.bool()
+        labels, token_labels = labels & kept, token_labels & kept[scores.sequence]
+        rejected, token_rejected = ~labels & kept, ~token_labels & kept[scores.sequence]
+    else:
+        rejected, token_rejected = ~labels, ~token_labels
     mean_logits = scores.mean_logits.detach()
 
     def total(x: torch.Tensor) -> float:
         return accelerator.gather(x.detach().float().reshape(1)).sum().item()
 
-    n_chosen, n_rejected = total(labels.sum()), total((~labels).sum())
+    n_chosen, n_rejected = total(labels.sum()), total(rejected.sum())
     out = {"loss": accelerator.gather(loss.detach().reshape(1)).mean().item(), "kl": z0.item()}
-    for name, sel, n in (("chosen", labels, n_chosen), ("rejected", ~labels, n_rejected)):
+    for name, sel, n in (("chosen", labels, n_chosen), ("rejected", rejected, n_rejected)):
         if n > 0:
             out[f"rewards/{name}"] = total(rewards[sel].sum()) / n
             out[f"logps/{name}"] = total(logps.detach()[sel].sum()) / n
-            tokens = token_labels if name == "chosen" else ~token_labels
+            tokens = token_labels if name == "chosen" else token_rejected
             n_tok = total(tokens.sum())
             if n_tok > 0:
                 out[f"logits/{name}"] = total(mean_logits[tokens].sum()) / n_tok
     if n_chosen > 0 and n_rejected > 0:
         out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-    n_tok = total(torch.tensor(scores.entropy.numel(), device=labels.device))
-    out["entropy"] = total(scores.entropy.sum()) / max(n_tok, 1)
+    entropy = scores.entropy if real is None else scores.entropy[real.bool()[scores.sequence]]
+    n_tok = total(torch.tensor(entropy.numel(), device=labels.device))
+    out["entropy"] = total(entropy.sum()) / max(n_tok, 1)
     return out
 
 

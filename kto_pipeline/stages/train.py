@@ -59,7 +59,7 @@ from kto_pipeline.sharding import (
     use_cpu,
 )
 from kto_pipeline.stages.batches import CacheRows, Collator, EpochSampler, PolicyScorer
-from kto_pipeline.stages.kto_step import MetricLog, batch_metrics, evaluate, kto_forward
+from kto_pipeline.stages.kto_step import MetricLog, batch_metrics, evaluate, kto_forward, real_rows
 
 
 @dataclass
@@ -435,7 +435,10 @@ def train_step(run: Run, batch: dict[str, torch.Tensor]) -> None:
             f"non-finite loss at step {p.global_step + 1}, batch example ids {ids}. Lower "
             "--learning-rate or check these rows; the last checkpoint is intact."
         )
-    for name, value in batch_metrics(accelerator, loss, z0, batch["label"], scores.logps, rewards, scores).items():
+    real = real_rows(accelerator, len(batch["label"]))
+    for name, value in batch_metrics(
+        accelerator, loss, z0, batch["label"], scores.logps, rewards, scores, real
+    ).items():
         p.log.add(name, value)
     accelerator.backward(loss)
     if accelerator.sync_gradients and config.max_grad_norm > 0:
