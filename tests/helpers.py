@@ -77,3 +77,39 @@ def conversational_rows(n: int = 12) -> list[dict]:
             }
         )
     return rows
+
+
+def launch(nproc: int, *args: str, env: dict | None = None, log_dir: Path, timeout: int = 300):
+    """`torchrun --nproc_per_node N -m kto_pipeline ARGS`, every rank's output kept in `log_dir` (torchrun
+    --log-dir --tee). A failure or a hang shows each rank's log, so the rank that failed first names its cause."""
+    import subprocess
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "--log-dir",
+        str(log_dir),
+        "--tee",
+        "3",
+        "-m",
+        "kto_pipeline",
+        *args,
+    ]
+    try:
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"timed out after {timeout} s\n{rank_logs(log_dir)}") from None
+    assert result.returncode == 0, f"exit {result.returncode}\n{rank_logs(log_dir)}\ntorchrun: {result.stderr[-2000:]}"
+    return result
+
+
+def rank_logs(log_dir: Path, tail: int = 3000) -> str:
+    """The end of every rank's stdout and stderr under a torchrun --log-dir."""
+    parts = []
+    for path in sorted(Path(log_dir).glob("*/attempt_*/*/std*.log")):
+        text = path.read_text(errors="replace")
+        parts.append(f"--- rank {path.parent.name} {path.name} ---\n{text[-tail:]}")
+    return "\n".join(parts) or f"(no rank logs in {log_dir})"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import helpers
 import numpy as np
 import pytest
 from helpers import read_metrics, unpaired_rows, write_jsonl
@@ -16,24 +17,13 @@ from helpers import read_metrics, unpaired_rows, write_jsonl
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
 
-ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+# no ACCELERATE_USE_CPU: several processes on a machine without a GPU run on the CPU (gloo) by themselves
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+ENV.pop("ACCELERATE_USE_CPU", None)
 
 
-def launch(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node N -m kto_pipeline ...` (accelerate picks up the process group)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "kto_pipeline",
-        *args,
-    ]
-    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+def launch(nproc: int, *args: str, log_dir):
+    return helpers.launch(nproc, *args, "--ddp-timeout", "60", env=ENV, log_dir=log_dir)
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +55,12 @@ def test_precompute_two_processes_equals_one(tmp_path, tiny_model_dir, data, cac
         "64",
         "--shard-size",
         "6",
+        log_dir=tmp_path / "logs",
     )
     assert result.stdout.count("precompute finished") == 1  # one summary, from the main process
     two, one = open_cache(out, verify=True), open_cache(cache_1proc, verify=True)
     assert two.manifest["timing"]["processes"] == 2
+    assert two.manifest["distributed"] == {"engine": "ddp", "world_size": 2}
     assert [s["rows"] for s in two.manifest["shards"]] == [s["rows"] for s in one.manifest["shards"]]
     for a, b in zip(two.table.to_pylist(), one.table.to_pylist(), strict=True):
         for key in ("example_id", "label", "prompt_ids", "completion_ids", "kl_example_id", "kl_completion_ids"):
@@ -93,6 +85,7 @@ def test_train_two_by_four_equals_one_by_eight_and_resumes(tmp_path, cache_1proc
         "--per-device-train-batch-size",
         "4",
         *TRAIN_ARGS,
+        log_dir=tmp_path / "logs-two",
     )
     train(
         TrainConfig(
@@ -137,6 +130,7 @@ def test_train_two_by_four_equals_one_by_eight_and_resumes(tmp_path, cache_1proc
         *TRAIN_ARGS,
         "--resume-from",
         str(resumed / "checkpoint-2"),
+        log_dir=tmp_path / "logs-resumed",
     )
     assert read_metrics(resumed) == two
 

@@ -19,14 +19,16 @@ from kto_pipeline.config import TrainConfig
 from kto_pipeline.loss import kto_loss
 
 
-def kto_forward(accelerator, scorer, batch, config: TrainConfig, with_stats: bool, output_router_logits: bool = False):
+def kto_forward(
+    accelerator, scorer, batch, config: TrainConfig, with_stats: bool, output_router_logits: bool = False, real=None
+):
     """One KTO forward pass, shared by training and evaluation: the completions scored (policy, with grad),
     z0 from the KL completions (policy, no grad, averaged over the global batch before the clamp), `kto_loss`.
+    `real`: see `real_rows` (None: every row of the global batch is real).
 
     Returns (z0, scored: PolicyScores, loss, losses, rewards)."""
     with_kl = config.loss_type == "kto"
     scored = scorer(batch, with_kl, with_stats, output_router_logits)
-    real = real_rows(accelerator, len(batch["label"]))
     z0 = torch.zeros((), device=accelerator.device)
     if with_kl:
         delta = (scored.kl.logps - batch["ref_kl_logp"]).detach()
@@ -54,16 +56,17 @@ def kto_forward(accelerator, scorer, batch, config: TrainConfig, with_stats: boo
     return z0, scored, loss, losses, rewards
 
 
-def real_rows(accelerator, batch_size: int) -> torch.Tensor | None:
+def real_rows(accelerator, batch_size: int, dataset_rows: int, last_batch: bool) -> torch.Tensor | None:
     """(B,) 1.0 for this process's real rows, 0.0 for the rows accelerate repeats so that every process gets a
-    full last batch (`even_batches`); None when the global batch has no repeated row. Decided the same way on
-    every process (from the loader's remainder), so that all take the same collectives."""
-    state = accelerator.gradient_state
-    if accelerator.num_processes == 1 or not state.end_of_dataloader or state.remainder <= 0:
+    full last batch (`even_batches`); None when the global batch has no repeated row. `batch_size`: the loader's
+    per-process batch size. The same on every process, so that all take the same collectives. (Computed here:
+    accelerate's own remainder is lost in a loader resumed with skip_first_batches.)"""
+    remainder = dataset_rows % (batch_size * accelerator.num_processes)
+    if accelerator.num_processes == 1 or not last_batch or remainder == 0:
         return None
     first = accelerator.process_index * batch_size  # the gathered global batch: process 0's rows, then 1's, ...
     positions = torch.arange(first, first + batch_size, device=accelerator.device)
-    return (positions < state.remainder).float()
+    return (positions < remainder).float()
 
 
 class MetricLog:
@@ -145,8 +148,9 @@ def evaluate(accelerator, scorer, loader, config: TrainConfig, groups: dict[int,
     scorer.eval()
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     kls = []
-    for batch in loader:
-        z0, scored, _, losses, rewards = kto_forward(accelerator, scorer, batch, config, with_stats=False)
+    for i, batch in enumerate(loader):
+        real = real_rows(accelerator, config.per_device_eval_batch_size, len(loader.dataset), i == len(loader) - 1)
+        z0, scored, _, losses, rewards = kto_forward(accelerator, scorer, batch, config, with_stats=False, real=real)
         kls.append(z0.item())
         logps = scored.completions.logps
         for name, value in (("loss", losses), ("reward", rewards), ("logp", logps), ("label", batch["label"])):

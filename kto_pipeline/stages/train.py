@@ -403,7 +403,7 @@ def fit(run: Run) -> None:
         batches = accelerator.skip_first_batches(run.loader, p.skip_batches) if p.skip_batches else run.loader
         for micro_step, batch in enumerate(batches, start=p.skip_batches):
             with accelerator.accumulate(run.scorer):
-                train_step(run, batch)
+                train_step(run, batch, last_batch=micro_step + 1 == len(run.loader))
             if not accelerator.sync_gradients:
                 continue
             after_step(run, micro_step, bar)
@@ -414,11 +414,13 @@ def fit(run: Run) -> None:
     bar.close()
 
 
-def train_step(run: Run, batch: dict[str, torch.Tensor]) -> None:
-    """Forward, metrics and backward of one micro-batch; the optimizer steps where accelerate syncs gradients."""
+def train_step(run: Run, batch: dict[str, torch.Tensor], last_batch: bool = False) -> None:
+    """Forward, metrics and backward of one micro-batch; the optimizer steps where accelerate syncs gradients.
+    `last_batch`: the epoch's last, which may hold rows repeated to even it out across processes."""
     config, accelerator, p = run.config, run.accelerator, run.progress
+    real = real_rows(accelerator, config.per_device_train_batch_size, len(run.sampler), last_batch)
     z0, scored, loss, _, rewards = kto_forward(
-        accelerator, run.scorer, batch, config, with_stats=True, output_router_logits=run.aux_coef != 0
+        accelerator, run.scorer, batch, config, with_stats=True, output_router_logits=run.aux_coef != 0, real=real
     )
     scores = scored.completions
     p.tokens_executed += scored.tokens_executed
@@ -435,7 +437,6 @@ def train_step(run: Run, batch: dict[str, torch.Tensor]) -> None:
             f"non-finite loss at step {p.global_step + 1}, batch example ids {ids}. Lower "
             "--learning-rate or check these rows; the last checkpoint is intact."
         )
-    real = real_rows(accelerator, len(batch["label"]))
     for name, value in batch_metrics(
         accelerator, loss, z0, batch["label"], scores.logps, rewards, scores, real
     ).items():

@@ -1,0 +1,212 @@
+"""Both stages under FSDP2 (torch's fully_shard, 2 CPU processes on gloo via torchrun), on deliberately skewed
+shards, give the 1-process numbers, save sharded checkpoints, resume after a rank is SIGKILLed, and refuse what
+they cannot do with a message that says what to change.
+
+The skew (rows in blocks of 4; one block is one process's micro-batch and one precompute shard):
+  - even blocks (process 0): long prompts, desirable only (one class on one process);
+  - odd blocks (process 1): short prompts, both classes;
+  - 39 rows: not divisible by the world size, and the last batch is uneven (accelerate repeats a row);
+  - an eval set of 3 rows, smaller than one global eval batch (2 x 2): one process gets a repeated row. (An eval
+    set smaller than the world size, 1 row at 2 processes, cannot exist: KTO needs 2 rows to draw KL partners.)
+With --max-tokens-per-batch 64, a long shard takes 4 reference forwards and a short one 1.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import launch, rank_logs, read_metrics, write_jsonl
+
+from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
+from kto_pipeline.cache import open_cache
+
+FSDP_ENV = {
+    **os.environ,
+    "ACCELERATE_USE_CPU": "1",
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_RESHARD_AFTER_FORWARD": "true",
+    "OMP_NUM_THREADS": "1",
+    "TQDM_DISABLE": "1",
+}
+PRECOMPUTE_ARGS = ["--max-length", "64", "--shard-size", "4", "--max-tokens-per-batch", "64"]
+TRAIN = dict(
+    per_device_train_batch_size=4,
+    num_train_epochs=4,
+    train_sampling_strategy="sequential",
+    logging_steps=1,
+    learning_rate=1e-3,
+    save_steps=2,
+    eval_steps=4,
+    per_device_eval_batch_size=2,
+    seed=3,
+)
+
+
+def skewed_rows(n: int = 39) -> list[dict]:
+    rows = []
+    for i in range(n):
+        if (i // 4) % 2 == 0:  # process 0: long prompts, desirable only
+            rows.append({"prompt": f"User: tell me about the sea {i:02d}?\nA:", "completion": " Sure" + "!" * (i % 4)})
+            rows[-1]["label"] = True
+        else:  # process 1: short prompts, both classes
+            rows.append({"prompt": f"Q{i}?", "completion": " Yes" if i % 2 else " No", "label": bool(i % 2)})
+    return rows
+
+
+def cli_args(config: dict) -> list[str]:
+    args = []
+    for key, value in config.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return args
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("fsdp")
+    data = write_jsonl(root / "d.jsonl", skewed_rows())
+    eval_data = write_jsonl(root / "e.jsonl", skewed_rows(3))
+    cache = precompute(
+        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(root / "cache1"), **_pre())
+    )
+    eval_cache = precompute(
+        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(eval_data), output=str(root / "eval"), **_pre())
+    )
+    return root, data, cache, eval_cache
+
+
+def _pre() -> dict:
+    return dict(max_length=64, shard_size=4, max_tokens_per_batch=64)
+
+
+@pytest.mark.slow
+def test_fsdp2_precompute_on_skewed_shards_equals_one_process(tmp_path, tiny_model_dir, skewed):
+    root, data, cache1, _ = skewed
+    out = tmp_path / "cache2"
+    args = ["precompute", "--model", str(tiny_model_dir), "--dataset", str(data), "--output", str(out)]
+    result = launch(2, *args, *PRECOMPUTE_ARGS, "--ddp-timeout", "60", env=FSDP_ENV, log_dir=tmp_path / "logs")
+    assert "sharded (FSDP2) over 2 processes" in result.stdout
+    two, one = open_cache(out, verify=True), open_cache(cache1, verify=True)
+    assert two.manifest["distributed"] == {"engine": "fsdp2", "world_size": 2}
+    assert two.manifest.fingerprint == one.manifest.fingerprint  # the same cache, reusable by either
+    rows_two, rows_one = two.table.to_pylist(), one.table.to_pylist()
+    assert len(rows_two) == len(rows_one) == 39
+    for a, b in zip(rows_two, rows_one, strict=True):
+        for key in ("example_id", "label", "prompt_ids", "completion_ids", "kl_example_id", "kl_completion_ids"):
+            assert a[key] == b[key], key
+        np.testing.assert_allclose(a["ref_token_logps"], b["ref_token_logps"], atol=1e-5)
+        np.testing.assert_allclose(a["ref_kl_token_logps"], b["ref_kl_token_logps"], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp2_train_on_skewed_shards_equals_one_process_and_resumes_after_sigkill(tmp_path, skewed):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    _, _, cache, eval_cache = skewed
+    config = dict(cache=str(cache), eval_cache=str(eval_cache), **TRAIN)
+    # one process, the same global batches: 8 training rows, 4 eval rows
+    single = {**config, "per_device_train_batch_size": 8, "per_device_eval_batch_size": 4}
+    train(TrainConfig(output_dir=str(tmp_path / "one"), **single))
+    # FSDP2, 2 processes x 4
+    args = ["train", *cli_args(config), "--ddp-timeout", "60"]
+    launch(2, *args, "--output-dir", str(tmp_path / "two"), env=FSDP_ENV, log_dir=tmp_path / "logs")
+
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    steps = [r for r in one if "loss" in r]
+    assert len(steps) == 20 and len([r for r in two if "loss" in r]) == 20  # 5 steps an epoch, the 5th uneven
+    for a, b in zip(two, one, strict=True):
+        assert a.keys() == b.keys()
+        for key in a.keys() - {"learning_rate", "epoch", "step"}:
+            assert a[key] == pytest.approx(b[key], rel=2e-3, abs=1e-5), (a["step"], key)
+    assert abs(steps[-1]["loss"] - steps[0]["loss"]) > 1e-3  # it trained
+    assert [r["eval_rows"] for r in two if "eval_rows" in r] == [3] * 5  # the repeated eval row counted once
+    w1, w2 = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert w1.keys() == w2.keys()
+    for key in w1:
+        assert float((w1[key] - w2[key]).norm() / w1[key].norm().clamp(min=1e-12)) < 1e-4, key
+    AutoModelForCausalLM.from_pretrained(tmp_path / "two")  # the final model is whole, in HF format
+    state = json.loads((tmp_path / "two" / "trainer_state.json").read_text())
+    assert state["distributed"] == {"engine": "fsdp2", "world_size": 2}
+    checkpoint = tmp_path / "two" / "checkpoint-2"
+    assert (checkpoint / "sharded" / ".metadata").exists() and not (checkpoint / "model.safetensors").exists()
+    assert sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (checkpoint / "accelerate_state" / "optimizer.bin").exists()  # the optimizer is in the shards
+
+    # the same run, one rank SIGKILLed once its first checkpoint is written; then --resume
+    killed = tmp_path / "killed"
+    torchrun = _start(2, *args, "--output-dir", str(killed), log_dir=tmp_path / "logs-killed")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (killed / "checkpoint-2").exists() and torchrun.poll() is None:
+        time.sleep(0.005)
+    ranks = _ranks(torchrun.pid)
+    assert torchrun.poll() is None and len(ranks) == 2, rank_logs(tmp_path / "logs-killed")
+    os.kill(ranks[1], signal.SIGKILL)
+    assert torchrun.wait(timeout=120) != 0
+    assert not (killed / "model.safetensors").exists() and not (killed / "trainer_state.json").exists()
+    launch(2, *args, "--output-dir", str(killed), "--resume", env=FSDP_ENV, log_dir=tmp_path / "logs-resume")
+    assert read_metrics(killed) == two
+    w3 = load_file(killed / "model.safetensors")
+    assert all(bool((w2[k] == w3[k]).all()) for k in w2)
+    assert not list(killed.glob(".checkpoint-*")), "a half-written checkpoint was left behind"
+
+    # another world size cannot resume it: refused before anything is loaded
+    with pytest.raises(KTOPipelineError, match=r"written by 2 process\(es\) \(fsdp2\).*this run has 1 \(single\)"):
+        train(TrainConfig(output_dir=str(killed), resume=True, **config))
+
+
+def _start(nproc: int, *args: str, log_dir: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += ["--log-dir", str(log_dir), "--tee", "3", "-m", "kto_pipeline", *args]
+    return subprocess.Popen(cmd, env=FSDP_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _ranks(parent: int) -> list[int]:
+    """The worker processes torchrun started, by rank (read from /proc)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            rank = next((e.split(b"=", 1)[1] for e in environ if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                found[int(rank)] = int(stat.parent.name)
+    return [found[r] for r in sorted(found)]
+
+
+def test_fsdp_settings_come_from_the_accelerate_environment(monkeypatch):
+    from kto_pipeline.sharding import engine_from_env
+
+    for key in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_OFFLOAD_PARAMS"):
+        monkeypatch.delenv(key, raising=False)
+    assert engine_from_env(1).name == "single" and engine_from_env(2).name == "ddp"
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    engine = engine_from_env(8)
+    assert engine.record() == {"engine": "fsdp2", "world_size": 8}
+    assert not engine.reshard_after_forward and engine.offload_params
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(KTOPipelineError, match="FSDP_VERSION=1: kto-pipeline shards with FSDP2 only"):
+        engine_from_env(8)
+
+
+def test_a_model_without_layers_to_wrap_is_refused_by_name(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from kto_pipeline.sharding import decoder_layers
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert len(decoder_layers(model)) == model.config.num_hidden_layers
+    with pytest.raises(KTOPipelineError, match=r"no decoder layer of LlamaForCausalLM.*FSDP_TRANSFORMER_CLS_TO_WRAP"):
+        decoder_layers(model, ("NoSuchLayer",))
