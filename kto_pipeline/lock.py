@@ -93,10 +93,11 @@ def main_process_lock(path: str | Path, what: str, *, label: str | None = None) 
     The main process takes the lock; the outcome is broadcast, so that when it is refused every process
     raises the same KTOPipelineError. The lock is released when the main process leaves the block.
     """
-    from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list, parse_flag_from_env
+    from accelerate.utils import broadcast_object_list
 
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    from kto_pipeline.sharding import process_state
+
+    state = process_state()  # the stage's, if it set the process group up first (with its timeout)
     with ExitStack() as stack:
         outcome: list[dict[str, Any]] = [{}]
         lock = failure = None

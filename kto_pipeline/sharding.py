@@ -51,6 +51,14 @@ def process_group_kwargs(timeout_seconds: int) -> dict:
     return {"timeout": timedelta(seconds=timeout_seconds)}
 
 
+def process_state(timeout_seconds: int = 1800):
+    """accelerate's PartialState: one process, or one per device under accelerate launch / torchrun (without a GPU:
+    the CPU and gloo). The first call in a process sets the process group up; later calls return the same state."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=use_cpu(), **process_group_kwargs(timeout_seconds))
+
+
 @dataclass(frozen=True)
 class Engine:
     """How the model is spread over the processes: "single" (one process), "ddp" (replicated, accelerate) or

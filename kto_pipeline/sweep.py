@@ -80,10 +80,8 @@ def run_name(settings: dict[str, Any], varied: list[str]) -> str:
 
 def sweep(cache: str, output_dir: str, values: dict[str, str | None], keep: str = "all") -> list[dict[str, Any]]:
     """Train every combination of `values` on `cache` into `output_dir`; returns the summary rows, best first."""
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
     from kto_pipeline.report import summary_rows
+    from kto_pipeline.sharding import process_state
     from kto_pipeline.stages.train import train
 
     if keep not in ("all", "best"):
@@ -95,7 +93,7 @@ def sweep(cache: str, output_dir: str, values: dict[str, str | None], keep: str 
         TrainConfig(cache=cache, output_dir=str(out / name), overwrite_output_dir=True, **settings)
         for name, settings in zip(names, grid, strict=True)
     ]  # built first, so a bad value fails before any run starts
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    state = process_state()
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         print(f"sweep: {len(configs)} runs on {cache}: {', '.join(names)}", flush=True)

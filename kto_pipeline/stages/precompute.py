@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from accelerate import PartialState
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
@@ -69,9 +68,8 @@ from kto_pipeline.sharding import (
     autocast_forward,
     check_process_group,
     engine_from_env,
-    process_group_kwargs,
+    process_state,
     shard_model,
-    use_cpu,
 )
 
 
@@ -115,6 +113,7 @@ def precompute(config: PrecomputeConfig) -> Path:
 
     An advisory lock on `config.output` is held from the first check to the last write: a second precompute
     into the same directory is refused while this one lives."""
+    process_state(config.ddp_timeout)  # the process group first: the lock's broadcast runs in it
     with main_process_lock(config.output, "precompute", label="--output"):
         run = setup(config)
         run.prepared = prepare_rows(config, run.tokenizer, run.state)
@@ -130,7 +129,7 @@ def setup(config: PrecomputeConfig) -> Pass:
     out = Path(config.output)
     _check_output(out)
     # One process, or one per device under `accelerate launch` / torchrun (without a GPU: CPU + gloo).
-    state = PartialState(cpu=use_cpu(), **process_group_kwargs(config.ddp_timeout))
+    state = process_state(config.ddp_timeout)
     check_process_group(state)
     engine = engine_from_env(state.num_processes)
     print0(state, f"kto-pipeline precompute {__version__}\n{config.describe()}")

@@ -55,6 +55,7 @@ from kto_pipeline.sharding import (
     engine_from_env,
     launched_processes,
     process_group_kwargs,
+    process_state,
     shard_model,
     use_cpu,
 )
@@ -127,6 +128,7 @@ def train(config: TrainConfig) -> TrainResult:
 
     The output directory's lock is taken before any work starts and held until the run ends: a second `train`
     into the same directory refuses at once, naming this one. Only the main process holds it."""
+    process_state(config.ddp_timeout)  # the process group first: the lock's broadcast runs in it
     with main_process_lock(config.output_dir, "train", label="--output-dir"):
         run = setup(config)
         done = resume(run)

@@ -1,0 +1,89 @@
+"""One precision regime end to end: the cache records how the reference computed (weights dtype, autocast), train
+compares it with its own, and at step 1 (policy = reference) the rewards and the KL estimate are zero (to float32
+rounding) under every engine when the cache was made in the matching regime, bf16 included.
+
+The tiny model's weights are scaled up (x4) so that precision shows: a random tiny model's nearly uniform outputs
+hide the difference between bf16 and float32 (about 1e-4 there, 2e-3 here)."""
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import launch, read_metrics, train_config, unpaired_rows, write_jsonl
+
+from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute, train
+from kto_pipeline.cache import open_cache
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+FSDP_ENV = {**ENV, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+ZERO = 1e-5  # float32 rounding between the reference pass's batches and the policy's
+MISMATCH = 1e-3  # bf16 vs float32 on the scaled model: about 2e-3 (rewards), 2e-2 (KL)
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("precision")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(4.0)
+    model.save_pretrained(root / "scaled")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(root / "scaled")
+    data = write_jsonl(root / "d.jsonl", unpaired_rows(16))
+    made = {}
+    for name, bf16 in (("float32", False), ("bf16", True)):
+        config = PrecomputeConfig(
+            model=str(root / "scaled"), dataset=str(data), output=str(root / name), max_length=64, bf16=bf16
+        )
+        made[name] = precompute(config)
+    return made
+
+
+def step_one(out) -> dict:
+    return read_metrics(out)[0]
+
+
+def assert_zero(record: dict) -> None:
+    for key in ("kl", "rewards/chosen", "rewards/rejected"):
+        assert abs(record[key]) < ZERO, (key, record[key])
+
+
+def test_the_cache_records_its_regime_and_train_compares(tmp_path, caches, capsys):
+    fp32, bf16 = open_cache(caches["float32"]), open_cache(caches["bf16"])
+    assert fp32.manifest.precision == ("float32", None) and bf16.manifest.precision == ("float32", "bfloat16")
+    assert fp32.manifest.fingerprint["autocast"] is None and bf16.manifest.fingerprint["autocast"] == "bfloat16"
+    # matching regimes: zero at step 1; mismatched: a warning naming both, and rewards that start off zero
+    for cache, bf16_on, matching in (("float32", False, True), ("bf16", True, True), ("bf16", False, False)):
+        out = tmp_path / f"{cache}-{bf16_on}"
+        train(train_config(caches[cache], out, max_steps=1, per_device_train_batch_size=8, bf16=bf16_on))
+        warned = "warning: the cache's reference ran in" in capsys.readouterr().out
+        record = step_one(out)
+        if matching:
+            assert not warned
+            assert_zero(record)
+        else:
+            assert warned
+            assert abs(record["rewards/chosen"]) > MISMATCH and record["kl"] > MISMATCH
+        state = json.loads((out / "trainer_state.json").read_text())
+        assert state["precision"] == (
+            "float32 weights under bfloat16 autocast" if bf16_on else "float32 weights, no autocast"
+        )
+    regimes = r"ran in float32 weights under bfloat16 autocast, and this run's policy runs in float32 weights, no"
+    with pytest.raises(KTOPipelineError, match=f"--strict: the cache's reference {regimes}"):
+        train(train_config(caches["bf16"], tmp_path / "strict", bf16=False, strict=True))
+    assert not (tmp_path / "strict" / "metrics.jsonl").exists()  # refused before anything is written
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_step_one_is_zero_under_bf16_for_every_engine(tmp_path, caches, engine):
+    out = tmp_path / engine
+    args = ["train", "--cache", str(caches["bf16"]), "--output-dir", str(out), "--bf16", "--max-steps", "1"]
+    args += ["--per-device-train-batch-size", "4", "--ddp-timeout", "60"]
+    launch(2, *args, env=FSDP_ENV if engine == "fsdp2" else ENV, log_dir=tmp_path / "logs")
+    assert json.loads((out / "trainer_state.json").read_text())["distributed"]["engine"] == engine
+    assert_zero(step_one(out))
