@@ -63,6 +63,22 @@ def save_model(accelerator, engine, module, tokenizer, path: Path, run_config: d
     tokenizer.save_pretrained(path)
 
 
+def save_merged(accelerator, engine, module, tokenizer, out: Path, load_base) -> None:
+    """--merge: the base model with the trained LoRA adapter merged in, whole, in OUT/merged (main process only;
+    after `save_model`). Sharded, no process holds the whole adapter model: the main process merges the adapter just
+    saved in OUT into a fresh copy of the base model (`load_base()`), as one would offline, while the others wait."""
+    if accelerator.is_main_process:
+        if engine.shards:
+            from peft import PeftModel
+
+            merged = PeftModel.from_pretrained(load_base(), out).merge_and_unload()
+        else:
+            merged = accelerator.unwrap_model(module).model.merge_and_unload()
+        merged.save_pretrained(out / "merged")
+        tokenizer.save_pretrained(out / "merged")
+    accelerator.wait_for_everyone()
+
+
 @contextmanager
 def _optimizer_not_in_accelerate_state(accelerator, engine):
     """Under FSDP2 the optimizer state is saved sharded with the weights: accelerate would save (and load) only

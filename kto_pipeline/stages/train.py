@@ -34,6 +34,7 @@ from kto_pipeline.checkpoint import (
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
+    save_merged,
     save_model,
     skip_model_weights_in_accelerate_state,
 )
@@ -239,6 +240,13 @@ def _accelerator(config: TrainConfig, out: Path, trackers: list[str], engine: En
     return accelerator
 
 
+def _load_base(config: TrainConfig, manifest: Manifest):
+    """The model training started from (the cache's reference unless --model), as loaded."""
+    model_name = config.model or manifest.reference_model
+    revision = None if config.model else manifest.reference_revision
+    return load_model(model_name, torch.float32, revision, config.trust_remote_code)
+
+
 def _load_policy(config: TrainConfig, manifest: Manifest):
     """(tokenizer, policy, MoE aux-loss weight): the policy only, with the cache's tokenizer, ready to train."""
     model_name = config.model or manifest.reference_model
@@ -251,7 +259,7 @@ def _load_policy(config: TrainConfig, manifest: Manifest):
             "would not mean the same thing. Train a model that shares the cache's tokenizer, or precompute a "
             "new cache with this model."
         )
-    model = load_model(model_name, torch.float32, revision, config.trust_remote_code)
+    model = _load_base(config, manifest)
     model.config.use_cache = False
     _disable_dropout(model)  # the base model's; LoRA's own dropout (--lora-dropout) is added after
     aux_coef = _router_aux_coef(model, config)
@@ -509,10 +517,8 @@ def finish(run: Run) -> TrainResult:
     if run.trackers:
         accelerator.end_training()
     save_model(accelerator, run.engine, run.scorer, run.tokenizer, out, config.to_dict())
-    if config.merge and accelerator.is_main_process:
-        merged = accelerator.unwrap_model(run.scorer).model.merge_and_unload()
-        merged.save_pretrained(out / "merged")
-        run.tokenizer.save_pretrained(out / "merged")
+    if config.merge:
+        save_merged(accelerator, run.engine, run.scorer, run.tokenizer, out, lambda: _load_base(config, run.manifest))
     executed, needed = (sum(gather_object([x])) for x in (p.tokens_executed, p.tokens_needed))
     state = trainer_state(run)
     state.train_seconds = round(time.perf_counter() - p.started, 3)
