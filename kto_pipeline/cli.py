@@ -15,6 +15,7 @@ import typer
 
 from kto_pipeline.config import GenerateConfig, PrecomputeConfig, TrainConfig, field_help, field_panel
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.memory import MemoryEstimateConfig
 from kto_pipeline.recipe import RecipeCommand, options
 from kto_pipeline.sweep import FIXED_FIELDS
 
@@ -107,6 +108,16 @@ def report(
     from kto_pipeline.report import write_report
 
     typer.echo(f"report: {write_report(path)}")
+
+
+@app.command("estimate-memory", cls=RecipeCommand)
+@options(MemoryEstimateConfig)
+def estimate_memory(config: MemoryEstimateConfig) -> None:
+    """Peak accelerator memory per device of one train step, simulated from the model's config (no GPU, no
+    weights): parameters, gradients, AdamW, activations, temporaries; with --against-trl, trl online's too."""
+    from kto_pipeline.memory import run
+
+    run(config)
 
 
 @app.command(cls=RecipeCommand)

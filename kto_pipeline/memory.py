@@ -40,8 +40,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from kto_pipeline.config import DATA, LORA, MODEL, OPTIMISATION, OUTPUT, _check, _ConfigMixin, _help
 from kto_pipeline.errors import KTOPipelineError
 
@@ -106,11 +104,14 @@ class MemoryEstimateConfig(_ConfigMixin):
         ),
     )
     lora_r: int | None = field(
-        default=None, **_help("Train LoRA adapters of this rank (all linear layers) instead of all weights.", panel=LORA)
+        default=None,
+        **_help("Train LoRA adapters of this rank (all linear layers) instead of all weights.", panel=LORA),
     )
     against_trl: bool = field(
         default=False,
-        **_help("Also simulate trl.KTOTrainer online (a reference model beside the policy) on the same rows.", panel=OUTPUT),
+        **_help(
+            "Also simulate trl.KTOTrainer online (a reference model beside the policy) on the same rows.", panel=OUTPUT
+        ),
     )
     json: bool = field(default=False, **_help("Print one JSON line instead of a table.", panel=OUTPUT))
 
@@ -170,7 +171,9 @@ def load_model_config(name: str):
     from kto_pipeline.models import check_model_path
 
     check_model_path(name, "--model")
-    if os.path.isdir(os.path.expanduser(name)) and not os.path.exists(os.path.join(os.path.expanduser(name), "config.json")):
+    if os.path.isdir(os.path.expanduser(name)) and not os.path.exists(
+        os.path.join(os.path.expanduser(name), "config.json")
+    ):
         raise KTOPipelineError(
             f"--model {name}: a LoRA adapter directory; pass the base model it was trained from "
             "(its adapter_config.json names it) with --lora-r"
@@ -197,6 +200,8 @@ def synthetic_rows(
 
     KL partners: each row takes the previous row's completion (trl's rotation within a batch; precompute fixes
     partners over the whole dataset, which gives the same length distribution)."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     shapes: list[tuple[int, int]] = []
     while len(shapes) < batch_size:
@@ -233,6 +238,11 @@ def synthetic_rows(
 # ------------------------------------------------------------------------------------------ trackers
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
 class _PeakOnly:
     """MemTracker keeps a peak per module too, walking every module it has seen at every op (O(ops x modules):
     a minute for a 24-layer step). Only the step's peak is needed: this keeps that, and nothing else.
@@ -259,6 +269,21 @@ class _PeakOnly:
                 if self.attribute_at is not None and self.top is None and total >= self.attribute_at:
                     self.top = self._live_tensors()
 
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        # frozen parameters (a reference model, LoRA's base) get no gradient, and refuse a gradient hook
+        for p in module.parameters():
+            if not p.requires_grad and p not in self._param_to_grad_hook_handles:
+                self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        # A module called again in the forward keeps its first call's stats: MemTracker would refuse a root
+        # module's second call (an iteration, it assumes), but trl calls its policy twice a step (KL, then
+        # completions). The peak does not depend on per-module stats.
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            return
+        super()._pre_fw_hook(module, inputs)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._op = func
         return super().__torch_dispatch__(func, types, args, kwargs)
@@ -277,7 +302,7 @@ class _PeakOnly:
 
     def _live_tensors(self) -> list[dict[str, Any]]:
         groups: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
-        for st, winfo in self._WINFO.items():
+        for st, (winfo, _) in self._WINFO.items():
             if self.offload and str(winfo.reftype.value) in _OFFLOADED:
                 continue
             module, op, shape, dtype = self._labels.get(st, ("-", "-", "-", "-"))
@@ -555,7 +580,6 @@ def _layout_tokens(batch) -> int:
 # backward accumulates float32 gradients of the hidden states and of the head's weight.
 
 _TRL_TOKEN_CHUNK, _TRL_VOCAB_CHUNK = 4096, 32768
-_FOLD_ROWS = 256  # this model's fold runs this many tokens at a time (see _TrlFusedLogProbs)
 
 
 def _addmm_fp32(acc, a, b) -> None:
@@ -570,6 +594,17 @@ def _addmm_fp32(acc, a, b) -> None:
         acc.addmm_(a.float(), b.float())
 
 
+@contextmanager
+def _uncounted():
+    """Ops in the block run without the memory tracker (a dispatch mode; fake tensors stay fake): trl's Triton
+    kernels fold a logits tile into running statistics, or turn it into its gradient, in registers, allocating
+    nothing, while the same maths in torch makes tile-sized temporaries that a GPU never holds."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
 def _trl_fused_function():
     import torch
 
@@ -578,21 +613,17 @@ def _trl_fused_function():
         computes them on a CUDA device, with its allocations: seven (N,) float32 statistics, one reused
         (min(N, 4096), 32768) tile in the compute dtype, each token chunk and weight slice cast to it; saved for the
         backward: hidden, weight, targets, log Z, entropy; the backward's float32 accumulators of the hidden
-        states' and the weight's gradients.
-
-        trl's Triton kernel folds each tile into the running statistics without temporaries; here the fold runs
-        in float32 on _FOLD_ROWS tokens of the tile at a time, whose few (_FOLD_ROWS, 32768) temporaries (about
-        100 MB) this model counts and trl's kernel does not have."""
+        states' and the weight's gradients, and its own tile. The folds, Triton kernels in trl, run uncounted."""
 
         @staticmethod
         def forward(ctx, hidden, weight, targets, with_stats, dtype):
-            n, vocab = hidden.shape[0], weight.shape[0]
-            device = hidden.device
-            running_max = torch.full((n,), float("-inf"), device=device)
-            sum_exp, x_sum_exp, sq_sum_exp, z_sum = (torch.zeros(n, device=device) for _ in range(4))
-            max_before_target = torch.full((n,), float("-inf"), device=device)
-            target_logit = torch.zeros(n, device=device)
-            buffer = torch.empty((min(n, _TRL_TOKEN_CHUNK), _TRL_VOCAB_CHUNK), device=device, dtype=dtype)
+            # (factories from `hidden`: in the simulation they are fake like it)
+            n, vocab, f32 = hidden.shape[0], weight.shape[0], torch.float32
+            running_max = hidden.new_full((n,), float("-inf"), dtype=f32)
+            sum_exp, x_sum_exp, sq_sum_exp, z_sum = (hidden.new_zeros(n, dtype=f32) for _ in range(4))
+            max_before_target = hidden.new_full((n,), float("-inf"), dtype=f32)
+            target_logit = hidden.new_zeros(n, dtype=f32)
+            buffer = hidden.new_empty((min(n, _TRL_TOKEN_CHUNK), _TRL_VOCAB_CHUNK), dtype=dtype)
             for t0 in range(0, n, _TRL_TOKEN_CHUNK):
                 t1 = min(t0 + _TRL_TOKEN_CHUNK, n)
                 chunk = hidden[t0:t1].to(dtype)
@@ -600,10 +631,9 @@ def _trl_fused_function():
                     v1 = min(v0 + _TRL_VOCAB_CHUNK, vocab)
                     tile = buffer[: t1 - t0, : v1 - v0]
                     torch.mm(chunk, weight[v0:v1].to(dtype).t(), out=tile)
-                    for r0 in range(0, t1 - t0, _FOLD_ROWS):
-                        r1 = min(r0 + _FOLD_ROWS, t1 - t0)
-                        rows = slice(t0 + r0, t0 + r1)
-                        z = tile[r0:r1].float()
+                    with _uncounted():  # online logsumexp: trl's `_forward_kernel`
+                        rows = slice(t0, t1)
+                        z = tile.float()
                         z_sum[rows] += z.sum(-1)
                         new_max = torch.maximum(running_max[rows], z.amax(-1))
                         e = torch.exp(z - new_max[:, None])
@@ -615,6 +645,7 @@ def _trl_fused_function():
                         inside = (local >= 0) & (local < v1 - v0)
                         picked = z.gather(-1, local.clamp(0, v1 - v0 - 1)[:, None]).squeeze(-1)
                         target_logit[rows] = torch.where(inside, picked, target_logit[rows])
+                        del z, e
             log_z = running_max + torch.log(sum_exp)
             logps = target_logit - log_z
             entropy = log_z - x_sum_exp / sum_exp if with_stats else None
@@ -631,9 +662,9 @@ def _trl_fused_function():
             hidden, weight, targets, log_z, _ = ctx.saved_tensors
             n, vocab, dtype = hidden.shape[0], weight.shape[0], ctx.dtype
             need_h, need_w = ctx.needs_input_grad[:2]
-            grad_hidden = torch.zeros(hidden.shape, device=hidden.device) if need_h else None
-            grad_weight = torch.zeros(weight.shape, device=weight.device) if need_w else None
-            buffer = torch.empty((min(n, _TRL_TOKEN_CHUNK), _TRL_VOCAB_CHUNK), device=hidden.device, dtype=dtype)
+            grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if need_h else None
+            grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32) if need_w else None
+            buffer = hidden.new_empty((min(n, _TRL_TOKEN_CHUNK), _TRL_VOCAB_CHUNK), dtype=dtype)
             g = grad_logps.float().contiguous()
             for t0 in range(0, n, _TRL_TOKEN_CHUNK):
                 t1 = min(t0 + _TRL_TOKEN_CHUNK, n)
@@ -643,15 +674,14 @@ def _trl_fused_function():
                     w_chunk = weight[v0:v1].to(dtype)
                     tile = buffer[: t1 - t0, : v1 - v0]
                     torch.mm(chunk, w_chunk.t(), out=tile)
-                    for r0 in range(0, t1 - t0, _FOLD_ROWS):  # d logp[t] / d z = onehot(t) - softmax(z), in the tile
-                        r1 = min(r0 + _FOLD_ROWS, t1 - t0)
-                        rows = slice(t0 + r0, t0 + r1)
-                        p = torch.exp(tile[r0:r1].float() - log_z[rows, None])
-                        grad = -g[rows, None] * p
+                    with _uncounted():  # d logp[t] / d z = onehot(t) - softmax(z), in the tile: `_backward_kernel`
+                        rows = slice(t0, t1)
+                        grad = torch.exp(tile.float() - log_z[rows, None]).mul_(-g[rows, None])
                         local = targets[rows] - v0
                         inside = ((local >= 0) & (local < v1 - v0)).float()
                         grad.scatter_add_(-1, local.clamp(0, v1 - v0 - 1)[:, None], (g[rows] * inside)[:, None])
-                        tile[r0:r1].copy_(grad)
+                        tile.copy_(grad)
+                        del grad
                     if grad_hidden is not None:
                         _addmm_fp32(grad_hidden[t0:t1], tile, w_chunk)
                     if grad_weight is not None:
@@ -708,7 +738,9 @@ def simulate_trl(
     policy = build_model(model_config, settings, mode)
     reference = None
     if online:
-        reference = build_model(model_config, dataclasses.replace(settings, lora_r=None, gradient_checkpointing=False), mode)
+        reference = build_model(
+            model_config, dataclasses.replace(settings, lora_r=None, gradient_checkpointing=False), mode
+        )
         reference.requires_grad_(False).eval()
     accelerator = _accelerator(precision)
     optimizer = _optimizer(config, policy)
@@ -784,32 +816,36 @@ def floor_bytes(model_config, settings: StepSettings, tokens: int, fake: bool = 
     """What any trainer of this model must hold at its peak: the trained weights' float32 copies, their
     gradients and AdamW's two moments (16 bytes a trained parameter; LoRA: the frozen base's 4 bytes a parameter
     plus 16 a trained one; FSDP2: a 1/world share of each), plus the activations a backward needs for `tokens`
-    tokens with gradients. Those are measured, not modelled: the bare backbone's forward on one unpadded
-    sequence of 512 tokens (causal mask, no LM head), with the step's autocast and checkpointing, keeps A bytes
-    of activations; the floor takes A / 512 a token."""
+    tokens with gradients.
+
+    The activations are measured, not modelled: the bare backbone's forward (causal, one unpadded sequence, no
+    LM head), with the step's autocast and checkpointing, on 256 and on 512 tokens. What it keeps grows by a
+    per-token slope; what it keeps whatever the length (autocast's bf16 copies of the weights, which the backward
+    reads) is the intercept. The floor takes intercept + slope x `tokens`."""
     import torch
+
+    from kto_pipeline.scoring.logprobs import backbone_of
 
     mode = fake_mode() if fake else None
     model = build_model(model_config, dataclasses.replace(settings, fsdp_world_size=1), mode)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     world = settings.fsdp_world_size
-    n = 512
-    ids = torch.zeros((1, n), dtype=torch.long)
-    tracker = _tracker()
-    tracker.track_external(model)
-    from kto_pipeline.scoring.logprobs import backbone_of
-
-    with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
-        out = backbone_of(model)(input_ids=ids, use_cache=False).last_hidden_state
-        held = tracker.get_tracker_snapshot()[torch.device("cpu")]
-    activations_per_token = _breakdown(held, False)["activations"] / n
-    del out
+    kept = {}
+    for n in (256, 512):
+        tracker = _tracker()
+        tracker.track_external(model)
+        with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
+            out = backbone_of(model)(input_ids=torch.zeros((1, n), dtype=torch.long), use_cache=False)
+            kept[n] = _breakdown(tracker.get_tracker_snapshot()[torch.device("cpu")], False)["activations"]
+        del out
+    slope = (kept[512] - kept[256]) / 256
+    intercept = kept[256] - slope * 256
     return {
         "parameters": (trained + frozen) * 4 // world,
         "gradients": trained * 4 // world,
         "optimizer": trained * 8 // world,
-        "activations": int(activations_per_token * tokens),
+        "activations": int(intercept / world + slope * tokens),
     }
 
 
