@@ -70,7 +70,8 @@ def test_schema_manifest_and_readers(small_cache):
     manifest = json.loads((small_cache / "manifest.json").read_text())
     assert manifest["complete"] is True and manifest["format_version"] == 1
     assert manifest["counts"] == {"rows": 24, "desirable": 16, "undesirable": 8, "dropped": {}}
-    assert manifest["settings"] == {"max_length": 64, "dtype": "float32", "kl_seed": 0}
+    assert manifest["settings"] == {"max_length": 64, "dtype": "float32", "autocast": None, "kl_seed": 0}
+    assert manifest["distributed"] == {"engine": "single", "world_size": 1}
     for key in ("weights_hash", "name_or_path", "revision"):
         assert key in manifest["reference_model"]
     assert manifest["tokenizer"]["hash"].startswith("sha256:")
