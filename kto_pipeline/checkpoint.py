@@ -11,7 +11,9 @@ with a save hook (the pattern diffusers uses) and they are loaded back from the 
 Under FSDP2 no process holds the whole model: a checkpoint stores the weights and the optimizer state
 sharded, each process writing its own shards (`torch.distributed.checkpoint`), in `sharded/`
 instead of model.safetensors and accelerate's optimizer file; config.json and the tokenizer are still
-there. The final model is gathered and written whole, in Hugging Face format, by the main process.
+there. Under DeepSpeed the weights and optimizer state are DeepSpeed's own checkpoint, which accelerate
+writes into `accelerate_state/`. The final model is gathered and written whole, in Hugging Face format,
+by the main process.
 
 A checkpoint is written to a hidden temporary directory and renamed into place when complete, so
 a run killed while saving never leaves a half checkpoint that `--resume` would pick.
@@ -117,6 +119,7 @@ def save_checkpoint(
         import torch.distributed.checkpoint as dcp
 
         dcp.save(_sharded_state(module, optimizer), checkpoint_id=str(tmp / SHARDED))
+    if engine.shards or engine.deepspeed:  # the weights are in the shards (DeepSpeed's: in accelerate_state/)
         if accelerator.is_main_process:
             model = accelerator.unwrap_model(module).model
             model.config.kto_pipeline_run = run_config
@@ -212,7 +215,7 @@ def load_checkpoint(accelerator, module, optimizer, path: Path, engine) -> Train
             model_state_dict=sharded["model"],
             optim_state_dict=sharded["optimizer"],
         )
-    else:
+    elif not engine.deepspeed:  # DeepSpeed: accelerate's load_state restores them from DeepSpeed's checkpoint
         _load_hf_weights(accelerator.unwrap_model(module).model, path)
     with _optimizer_not_in_accelerate_state(accelerator, engine):
         accelerator.load_state(str(path / ACCELERATE_STATE))

@@ -38,17 +38,31 @@ def launched_processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def deepspeed_requested() -> bool:
+    """`accelerate launch` with a DeepSpeed config (configs/accelerate/deepspeed_zero*.yaml) exports this."""
+    return _flag("ACCELERATE_USE_DEEPSPEED")
+
+
 def use_cpu() -> bool:
     """Whether accelerate must run on the CPU: asked for (ACCELERATE_USE_CPU=1), or several processes launched on
-    a machine without a GPU. Without the second, accelerate gives each torchrun process a world of its own."""
+    a machine without a GPU. Without the second, accelerate gives each torchrun process a world of its own.
+    Never under DeepSpeed: accelerate's CPU mode silently drops DeepSpeed (the model would be DDP-wrapped);
+    DeepSpeed runs on its own CPU accelerator, over gloo (`process_group_kwargs`)."""
+    if deepspeed_requested():
+        return False
     return _flag("ACCELERATE_USE_CPU") or (launched_processes() > 1 and not torch.cuda.is_available())
 
 
 def process_group_kwargs(timeout_seconds: int) -> dict:
-    """What the process group is created with: how long a process waits for the others in a collective."""
+    """What the process group is created with: how long a process waits for the others in a collective, and, for
+    DeepSpeed on a machine without a GPU, gloo (accelerate would otherwise find no backend and give every process
+    a world of its own)."""
     from datetime import timedelta
 
-    return {"timeout": timedelta(seconds=timeout_seconds)}
+    kwargs: dict = {"timeout": timedelta(seconds=timeout_seconds)}
+    if deepspeed_requested() and not torch.cuda.is_available():
+        kwargs["backend"] = "gloo"
+    return kwargs
 
 
 def process_state(timeout_seconds: int = 1800):
@@ -61,8 +75,9 @@ def process_state(timeout_seconds: int = 1800):
 
 @dataclass(frozen=True)
 class Engine:
-    """How the model is spread over the processes: "single" (one process), "ddp" (replicated, accelerate) or
-    "fsdp2" (sharded, `fully_shard`), with FSDP2's settings from the launcher's environment."""
+    """How the model is spread over the processes: "single" (one process), "ddp" (replicated, accelerate),
+    "fsdp2" (sharded here, `fully_shard`) or "deepspeed" (ZeRO-2 or ZeRO-3, through accelerate), with the settings
+    from the launcher's environment."""
 
     name: str
     world_size: int
@@ -70,20 +85,33 @@ class Engine:
     offload_params: bool = False
     activation_checkpointing: bool = False
     layer_classes: tuple[str, ...] = ()  # FSDP_TRANSFORMER_CLS_TO_WRAP; () = the model's _no_split_modules
+    zero_stage: int = 0  # DeepSpeed's ZeRO stage
 
     @property
     def shards(self) -> bool:
+        """This module shards the model with FSDP2 (DeepSpeed shards its own, through accelerate)."""
         return self.name == "fsdp2"
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.name == "deepspeed"
+
+    @property
+    def collective_forwards(self) -> bool:
+        """Every forward gathers parameters from all processes (FSDP2, ZeRO-3): all must run as many."""
+        return self.shards or (self.deepspeed and self.zero_stage == 3)
 
     def __str__(self) -> str:
         if self.name == "single":
             return "one process"
-        how = "sharded (FSDP2)" if self.shards else "replicated (DDP)"
+        names = {"fsdp2": "sharded (FSDP2)", "ddp": "replicated (DDP)"}
+        how = names.get(self.name, f"DeepSpeed ZeRO-{self.zero_stage}")
         return f"{how} over {self.world_size} processes"
 
     def record(self) -> dict:
         """What manifest.json and trainer_state.json record under "distributed"."""
-        return {"engine": self.name, "world_size": self.world_size}
+        name = f"deepspeed-zero{self.zero_stage}" if self.deepspeed else self.name
+        return {"engine": name, "world_size": self.world_size}
 
 
 def engine_from_env(world_size: int) -> Engine:
@@ -104,6 +132,14 @@ def engine_from_env(world_size: int) -> Engine:
             activation_checkpointing=_flag("FSDP_ACTIVATION_CHECKPOINTING"),
             layer_classes=tuple(c.strip() for c in classes.split(",") if c.strip()),
         )
+    if deepspeed_requested():
+        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+        if stage not in (2, 3):
+            raise KTOPipelineError(
+                f"DeepSpeed ZeRO-{stage}: kto-pipeline runs ZeRO-2 and ZeRO-3 "
+                "(configs/accelerate/deepspeed_zero2.yaml, deepspeed_zero3.yaml)."
+            )
+        return Engine("deepspeed", world_size, zero_stage=stage)
     return Engine("ddp" if world_size > 1 else "single", world_size)
 
 

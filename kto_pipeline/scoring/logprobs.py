@@ -273,7 +273,21 @@ def _head_logps(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: 
     """(logps, mean_logits, entropy) of `targets` (N,) predicted from `hidden` (N, H) through the LM head."""
     head = model.get_output_embeddings()
     logit_scale, softcap = lm_head_settings(model)
-    return chunked_token_logps(hidden, head.weight, targets, head.bias, chunk_size, logit_scale, softcap, with_stats)
+
+    def head_logps(hidden, targets):
+        return chunked_token_logps(
+            hidden, head.weight, targets, head.bias, chunk_size, logit_scale, softcap, with_stats
+        )
+
+    if not hasattr(head.weight, "ds_id"):
+        return head_logps(hidden, targets)
+    # DeepSpeed ZeRO-3: each process holds a slice of the head's weight, gathered only around the head module's own
+    # forward and backward (its hooks). Run the chunked scoring as that forward, so the weight is whole in both.
+    head.forward = head_logps
+    try:
+        return head(hidden, targets)
+    finally:
+        del head.forward
 
 
 def _load_balancing_loss(model, router_logits, attention_mask):
@@ -486,11 +500,13 @@ def score_shard(
 
     `agree_on_forwards(count) -> total` (a sharded reference): every process runs `total` forwards, the last
     ones on a one-token filler tree whose scores are dropped, so that none waits for the others forever."""
-    scorer = scorer if isinstance(scorer, ReferenceScorer) else ReferenceScorer(scorer)
+    # (a DeepSpeed engine around a ReferenceScorer is used as it is)
+    scorer = scorer if isinstance(getattr(scorer, "module", scorer), ReferenceScorer) else ReferenceScorer(scorer)
     out: list[list[np.ndarray]] = [[np.empty(0, np.float32)] * 2 for _ in trees]
     if packed:
         sizes = [len(p) + sum(map(len, conts)) for p, conts in trees]
-        passes = pack_trees(sizes, batch_size, max_tokens, attention_costs(scorer.model, device))
+        model = getattr(scorer, "module", scorer).model  # (DeepSpeed's engine keeps the scorer in .module)
+        passes = pack_trees(sizes, batch_size, max_tokens, attention_costs(model, device))
     else:
         seqs = [
             ScoredSequence(t, kind, len(prompt), prompt + continuation)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
@@ -100,7 +101,7 @@ class Pass:
     prepared: PreparedRows | None = None
     model: Any = None
     model_hash: str | None = None  # of the weights as loaded (main process)
-    scorer: ReferenceScorer | None = None  # the model's scoring forward (the FSDP2 root when sharded)
+    scorer: Any = None  # the scoring forward: a ReferenceScorer (the FSDP2 root when sharded), or ZeRO-3's engine
     dtype: Any = None  # of the reference's weights
     regime: Regime | None = None  # weights dtype and autocast
     padded_because: str | None = None  # why every sequence runs on its own, padded; None: packed
@@ -212,15 +213,34 @@ def load_reference(run: Pass) -> None:
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(run.model)
     run.scorer = ReferenceScorer(run.model)
+    autocast_forward(run.scorer, "bf16" if bf16 else "no")
     if run.engine.shards:  # each process keeps 1/N of the weights; each layer's are gathered for its forward
         shard_model(run.scorer, run.model, run.engine, run.state.device)
-    autocast_forward(run.scorer, "bf16" if bf16 else "no")
+    elif run.engine.collective_forwards:  # the same with DeepSpeed ZeRO-3
+        run.scorer = _zero3_inference(run.scorer, run.dtype)
     print0(run.state, f"reference: {run.regime}, {run.engine}")
     if run.padded_because:
         print0(
             run.state,
             f"note: {type(run.model).__name__}: {run.padded_because}; each sequence runs on its own, padded",
         )
+
+
+def _zero3_inference(scorer: ReferenceScorer, dtype):
+    """`scorer` partitioned over the processes by DeepSpeed ZeRO-3 for inference, without an optimizer (what trl and
+    transformers do for a frozen model under ZeRO-3). The engine's forward gathers each module's parameters. Weights
+    stay in `dtype`; bf16 compute comes from the scorer's autocast, as on one process."""
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+    }
+    engine, *_ = deepspeed.initialize(model=scorer, config=config)
+    engine.eval()  # (returns None)
+    return engine
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -356,7 +376,7 @@ def score_shards(run: Pass) -> None:
                 needed = _needed_tokens(shard)
                 scored = needed + sum(len(p) for p in shard["prompt_ids"])  # as separate sequences: prompts twice
                 stats = {"rows": len(positions), "scored": scored, "executed": progress.executed_here, "needed": needed}
-            elif run.engine.shards:  # no shard left for this process: it still runs the others' forwards
+            elif run.engine.collective_forwards:  # no shard left for this process: it still runs the others' forwards
                 _score_trees(run, [], pad_id)
             entries = gather_object([(entry, stats)]) if state.num_processes > 1 else [(entry, stats)]
             if state.is_main_process:
@@ -457,7 +477,7 @@ def _score_trees(run: Pass, trees: list[Tree], pad_id: int) -> list[tuple[np.nda
         device,
         run.progress.on_batch,
         packed=run.padded_because is None,
-        agree_on_forwards=(lambda count: agree_on_forwards(count, device)) if run.engine.shards else None,
+        agree_on_forwards=(lambda count: agree_on_forwards(count, device)) if run.engine.collective_forwards else None,
     )
 
 

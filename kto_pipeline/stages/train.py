@@ -236,8 +236,27 @@ def _accelerator(config: TrainConfig, out: Path, trackers: list[str], engine: En
             kwargs_handlers=[InitProcessGroupKwargs(**process_group_kwargs(config.ddp_timeout))],
         )
     check_process_group(accelerator)
+    if engine.deepspeed:
+        _configure_deepspeed(accelerator, config)
     skip_model_weights_in_accelerate_state(accelerator)
     return accelerator
+
+
+def _configure_deepspeed(accelerator, config: TrainConfig) -> None:
+    """The DeepSpeed settings the train flags own; accelerate fills what the config leaves "auto" when the model is
+    prepared (--gradient-accumulation-steps from the Accelerator, but clipping at a fixed 1.0).
+
+    bf16: float32 weights and forwards under torch.autocast (DeepSpeed's `torch_autocast`), gradients reduced in
+    float32, the regime of one process and of FSDP2. DeepSpeed's own bf16 mode would cast the weights to bf16."""
+    plugin = accelerator.state.deepspeed_plugin
+    ds = plugin.deepspeed_config
+    ds["gradient_clipping"] = config.max_grad_norm  # DeepSpeed clips inside its step; 0: no clipping
+    if accelerator.mixed_precision == "bf16":
+        ds["bf16"] = {"enabled": False}
+        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    # ZeRO-3: from_pretrained reads this config (through the weak reference accelerate took when the Accelerator was
+    # built) and loads the weights partitioned, in its dtype: hand it the edited one
+    plugin.set_deepspeed_weakref()
 
 
 def _load_base(config: TrainConfig, manifest: Manifest):
@@ -552,7 +571,7 @@ def _write_cards(run: Run) -> None:
     card = dict(
         chat_template=run.tokenizer.chat_template is not None,
         num_processes=run.accelerator.num_processes,
-        precision=run.accelerator.mixed_precision,
+        precision={None: "no", "bfloat16": "bf16", "float16": "fp16"}[run.regime.autocast],
     )
     write_model_card(run.out, config, run.manifest, history, adapter=run.config.lora_r is not None, **card)
     if run.config.merge:
