@@ -38,7 +38,7 @@ FSDP_ENV = {
 PRECOMPUTE_ARGS = ["--max-length", "64", "--shard-size", "4", "--max-tokens-per-batch", "64"]
 TRAIN = dict(
     per_device_train_batch_size=4,
-    num_train_epochs=4,
+    num_train_epochs=2,
     train_sampling_strategy="sequential",
     logging_steps=1,
     learning_rate=1e-3,
@@ -121,13 +121,13 @@ def test_fsdp2_train_on_skewed_shards_equals_one_process_and_resumes_after_sigki
 
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     steps = [r for r in one if "loss" in r]
-    assert len(steps) == 20 and len([r for r in two if "loss" in r]) == 20  # 5 steps an epoch, the 5th uneven
+    assert len(steps) == 10 and len([r for r in two if "loss" in r]) == 10  # 5 steps an epoch, the 5th uneven
     for a, b in zip(two, one, strict=True):
         assert a.keys() == b.keys()
         for key in a.keys() - {"learning_rate", "epoch", "step"}:
             assert a[key] == pytest.approx(b[key], rel=2e-3, abs=1e-5), (a["step"], key)
     assert abs(steps[-1]["loss"] - steps[0]["loss"]) > 1e-3  # it trained
-    assert [r["eval_rows"] for r in two if "eval_rows" in r] == [3] * 5  # the repeated eval row counted once
+    assert [r["eval_rows"] for r in two if "eval_rows" in r] == [3] * 3  # the repeated eval row counted once
     w1, w2 = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
     assert w1.keys() == w2.keys()
     for key in w1:
