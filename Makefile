@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first and pinned: an unpinned torch (or a package that depends on it) pulls the newest CUDA build.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo demo-tiny test lint format docs clean bench bench-gpu profile
+.PHONY: install demo demo-tiny test lint format docs clean bench bench-gpu bench-memory profile
 
 install: $(VENV)/.installed
 
@@ -51,6 +51,10 @@ bench: install
 # On a CUDA GPU (H100): Qwen2-0.5B-sized model, bf16, vs trl; writes benchmarks/RESULTS-gpu.md
 bench-gpu: install
 	$(PY) benchmarks/bench_gpu.py --device cuda --preset qwen2-0.5b
+
+# Peak GPU memory of a training step, ours vs trl, simulated on fake tensors (no GPU); writes benchmarks/RESULTS-memory.md
+bench-memory: install
+	$(PY) benchmarks/bench_memory.py
 
 profile: install
 	$(PY) benchmarks/profile_step.py --size full

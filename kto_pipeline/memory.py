@@ -144,6 +144,7 @@ class StepSettings:
     fsdp_world_size: int = 1
     cpu_offload: bool = False
     device_type: str = "cuda"  # whose device decisions the code takes (attention tree by tree only on "cpu")
+    optimizer: str = "adamw"  # train's fused AdamW, or "bnb-adamw8bit" (bitsandbytes' 8-bit AdamW: a what-if)
 
 
 @dataclass
@@ -511,7 +512,6 @@ def _run_ours(model_config, rows, settings: StepSettings, fake: bool, attribute_
     from kto_pipeline.sharding import Engine, autocast_forward, clip_grad_norm, shard_model
     from kto_pipeline.stages.batches import Collator, PolicyScorer
     from kto_pipeline.stages.kto_step import kto_forward
-    from kto_pipeline.stages.train import _optimizer
 
     mode = fake_mode() if fake else None
     config = TrainConfig(cache="-", output_dir="-", bf16=settings.bf16, per_device_train_batch_size=max(len(rows), 2))
@@ -526,9 +526,9 @@ def _run_ours(model_config, rows, settings: StepSettings, fake: bool, attribute_
             with _offload_unpinned():
                 shard_model(scorer, model, engine, torch.device("cpu"))
             autocast_forward(scorer, precision)
-            optimizer = _optimizer(config, model)
+            optimizer = _make_optimizer(settings, config, model)
         else:
-            optimizer = _optimizer(config, model)
+            optimizer = _make_optimizer(settings, config, model)
             scorer, optimizer = accelerator.prepare(scorer, optimizer, device_placement=[False, False])
         _init_optimizer_state(model, optimizer, mode)
         pad_id = model_config.pad_token_id if model_config.pad_token_id is not None else 0
@@ -557,6 +557,21 @@ def _run_ours(model_config, rows, settings: StepSettings, fake: bool, attribute_
         tokens_with_grad=tokens_with_grad,
         tokens_executed=tokens_executed,
         top=tracker.top or [],
+    )
+
+
+def _make_optimizer(settings: StepSettings, config, model):
+    """train's optimizer (fused AdamW), or bitsandbytes' AdamW8bit over the same parameter groups (built outside
+    the fake mode: its quantization map is a real table; its moments are made from the fake parameters)."""
+    from kto_pipeline.stages.train import _optimizer
+
+    if settings.optimizer == "adamw":
+        return _optimizer(config, model)
+    import bitsandbytes as bnb
+
+    groups = _optimizer(config, model).param_groups
+    return bnb.optim.AdamW8bit(
+        [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups], lr=config.learning_rate
     )
 
 
@@ -935,6 +950,13 @@ def measure_cpu_step(spec: dict[str, Any]) -> dict[str, int]:
     config_dict = dict(spec["config"])
     model_config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     settings = StepSettings(bf16=False, device_type="cpu")
+    # everything the step imports, before the baseline: the model's class (built on the meta device: no
+    # memory), accelerate's state, the stages
+    import kto_pipeline.stages.train  # noqa: F401
+
+    with torch.device("meta"):
+        build_model(model_config, settings, None)
+    _accelerator("no")
     baseline = _rss("VmRSS")
     out = _run_real(model_config, spec["rows"], settings)
     out["baseline"] = baseline

@@ -1,0 +1,681 @@
+"""Peak accelerator memory of one training step, kto-pipeline vs trl.KTOTrainer 1.16, simulated without an accelerator.
+
+    python benchmarks/bench_memory.py            # `make bench-memory`: writes benchmarks/RESULTS-memory.md
+    python benchmarks/bench_memory.py --quick    # the 0.5B rows only, no CPU check
+
+How: `kto_pipeline/memory.py` (the simulator `kto-pipeline estimate-memory` runs). The model is built on the meta
+device and materialized as fake tensors; one steady training step (AdamW's moments already exist) runs through
+the real code, and torch's MemTracker (FSDPMemTracker on a fake process group for FSDP2) keeps the peak and what
+was alive at it. The CPU stands in for the GPU: shapes and dtypes are a GPU user's (float32 weights, bf16
+autocast, fused AdamW), and so are the code's device decisions.
+
+- kto-pipeline: `Collator` -> `PolicyScorer` -> `kto_forward`, `accelerator.backward`, clipping, AdamW, as
+  `train_step` runs them; FSDP2 through `sharding.shard_model` (each decoder layer, then the root).
+- trl, real: `trl.KTOTrainer` 1.16 built on the same fake model, its own tokenization, collator, `training_step`
+  (`compute_loss`: KL forward, policy forward, reference forwards), `clip_grad_norm_`, its own optimizer
+  (`adamw_torch_fused`) step. What had to give under fake tensors, each the smallest change that lets it run:
+  its metrics' `.item()` read 0 (they only feed logs); its LM head takes its CUDA path (`_use_triton`: only the
+  scored positions, fp32 accumulation with cuBLAS's out_dtype) with its two Triton kernels, which write into
+  buffers already allocated, replaced by no-ops; with `precompute_ref_log_probs=True` the reference pass over the
+  dataset (a phase before training, whose outputs are two columns) adds the rows' given values instead of running.
+- trl, modelled: `memory.simulate_trl`, what `estimate-memory --against-trl` runs (the package does not import
+  trl); the table shows it beside the real trl, which it must match.
+
+The check against a real measurement: `memory.cpu_check`, a real float32 step of a small Llama on this CPU (RSS
+high water mark in a fresh process), against the simulation of the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+import types
+import warnings
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "RESULTS-memory.md"
+GIB = 1 << 30
+
+# Qwen2 configurations as published in the models' config.json (Qwen/Qwen2-0.5B, Qwen/Qwen2-7B); no weights.
+QWEN2 = {
+    "qwen2-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=131072,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        sliding_window=131072,
+        max_window_layers=24,
+        use_sliding_window=False,
+        hidden_act="silu",
+    ),
+    "qwen2-7b": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=131072,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        sliding_window=131072,
+        max_window_layers=28,
+        use_sliding_window=False,
+        hidden_act="silu",
+    ),
+}
+# SmolLM2-135M's architecture (HuggingFaceTB/SmolLM2-135M config.json): the real CPU check's model, random weights
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
+
+def qwen2(name: str):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**QWEN2[name])
+
+
+def smollm2_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**SMOLLM2)
+
+
+# ------------------------------------------------------------------------------------------ real trl, fake tensors
+
+
+@contextmanager
+def trl_on_a_cuda_device():
+    """trl's fused LM head as it runs on a CUDA device, under fake CPU tensors: only the scored positions
+    (`_use_triton`), float32 accumulation without float32 copies (cuBLAS's out_dtype), and its Triton kernels,
+    which fold a tile into statistics already allocated, as no-ops (fake tensors hold no values to fold)."""
+    import trl.kernels.chunked_logprob as kernels
+    import trl.trainer.utils as utils
+
+    from kto_pipeline.memory import _addmm_fp32
+
+    class NoOpKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    saved = {
+        (kernels, "_use_triton"): kernels._use_triton,
+        (utils, "_use_triton"): utils._use_triton,
+        (kernels, "_forward_kernel"): kernels._forward_kernel,
+        (kernels, "_backward_kernel"): kernels._backward_kernel,
+        (kernels, "_addmm_fp32"): kernels._addmm_fp32,
+    }
+    kernels._use_triton = utils._use_triton = lambda device: True
+    kernels._forward_kernel = kernels._backward_kernel = NoOpKernel()
+    kernels._addmm_fp32 = _addmm_fp32
+    had_triton = hasattr(kernels, "triton")
+    if not had_triton:
+        kernels.triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))
+    try:
+        yield
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
+        if not had_triton:
+            del kernels.triton
+
+
+def _trl_fake_mode():
+    """The simulation's fake mode, run around trl's step: ops whose tensors are all real (the batch's masks,
+    `nonzero` of the labels) run for real, as host-side work would; `.item()` of a fake tensor (trl's metrics)
+    reads 0."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+
+    from kto_pipeline.memory import fake_mode
+
+    base = type(fake_mode())
+
+    class TrlFakeMode(base):
+        items_read = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+                TrlFakeMode.items_read += 1
+                return False if args[0].dtype == torch.bool else 0
+            tensors = [x for x in tree_leaves((args, kwargs or {})) if isinstance(x, torch.Tensor)]
+            if tensors and not any(isinstance(x, FakeTensor) for x in tensors):
+                return func(*args, **(kwargs or {}))  # this mode is off within its own dispatch: a real op
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return TrlFakeMode(allow_non_fake_inputs=True)
+
+
+def trl_dataset_rows(rows):
+    """Text rows that the char tokenizer (one token a character) turns into exactly `rows`' lengths: trl appends EOS
+    to each completion, so each completion has one character fewer."""
+    import random
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return [
+        {
+            "prompt": "".join(rng.choice(letters) for _ in r["prompt_ids"]),
+            "completion": "".join(rng.choice(letters) for _ in r["completion_ids"][1:]),
+            "label": r["label"],
+        }
+        for r in rows
+    ]
+
+
+def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tuple[dict, list[dict]]:
+    """Peak memory of one real trl.KTOTrainer step on fake tensors, and trl's own tokenized rows (as cache rows,
+    for running ours on exactly the same tokens). `rows` give the lengths (their token ids are not used)."""
+    import torch
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+    from trl.trainer import kto_trainer
+
+    from kto_pipeline.demo.tiny import build_char_tokenizer
+    from kto_pipeline.memory import (
+        StepMemory,
+        _breakdown,
+        _init_optimizer_state,
+        _tracker,
+        build_model,
+        device_decisions,
+    )
+
+    tokenizer = build_char_tokenizer(model_config.vocab_size)
+    mode = _trl_fake_mode()
+    policy = build_model(model_config, settings, mode)
+    reference = build_model(model_config, settings.__class__(bf16=settings.bf16), mode) if online else None
+    args = KTOConfig(
+        output_dir=str(work / "trl"),
+        per_device_train_batch_size=len(rows),
+        max_length=max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows),
+        bf16=settings.bf16,
+        use_cpu=True,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        precompute_ref_log_probs=not online,
+        learning_rate=1e-6,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    given = {"ref_logps": [r["ref_logp"] for r in rows], "ref_KL_logps": [r["ref_kl_logp"] for r in rows]}
+
+    def given_ref_logps(self, dataset, name, batch_size):  # the reference pass is a phase before training
+        return dataset.add_column("ref_logps", given["ref_logps"]).add_column("ref_KL_logps", given["ref_KL_logps"])
+
+    patches = {"hash_module": lambda module: "fake", "_precompute": given_ref_logps}
+    saved_hash, saved_pre = kto_trainer.hash_module, KTOTrainer._precompute_ref_logps
+    kto_trainer.hash_module, KTOTrainer._precompute_ref_logps = patches["hash_module"], patches["_precompute"]
+    try:
+        with mode, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = KTOTrainer(
+                model=policy,
+                ref_model=reference,
+                args=args,
+                train_dataset=Dataset.from_list(trl_dataset_rows(rows)),
+                processing_class=tokenizer,
+            )
+            if args.gradient_checkpointing:  # what Trainer._inner_training_loop does before the first step
+                trainer.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
+                )
+            trainer.create_optimizer()
+            model, optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+            trainer.model_wrapped = model
+            trainer.current_gradient_accumulation_steps = 1  # set by Trainer._inner_training_loop
+    finally:
+        kto_trainer.hash_module, KTOTrainer._precompute_ref_logps = saved_hash, saved_pre
+    _init_optimizer_state(model, optimizer, mode)
+    inputs = next(iter(trainer.get_train_dataloader()))
+    tracker = _tracker()
+    tracker.track_external(model, optimizer)
+    if trainer.ref_model is not None:
+        tracker.track_external(trainer.ref_model)
+    with trl_on_a_cuda_device(), device_decisions(settings.device_type), mode, tracker:
+        before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])
+        loss = trainer.training_step(model, inputs)
+        del loss
+        trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        model.zero_grad()
+    dev = torch.device("cpu")
+    width, kl_width = inputs["input_ids"].shape[1], inputs["KL_input_ids"].shape[1]
+    memory = StepMemory(
+        peak_bytes=tracker._peak_mem[dev],
+        breakdown=_breakdown(tracker._peak_mem_snap[dev], False),
+        before_step_bytes=before,
+        tokens_with_grad=len(rows) * width,
+        tokens_executed=len(rows) * (width + kl_width) * (2 if online else 1),
+    )
+    ds = trainer.train_dataset
+    ours = [
+        {
+            "example_id": i,
+            "prompt_ids": list(ds[i]["prompt_ids"]),
+            "completion_ids": list(ds[i]["completion_ids"]),
+            "kl_completion_ids": list(ds[i]["KL_completion_ids"]),
+            "label": bool(ds[i]["label"]),
+            "ref_logp": -100.0,
+            "ref_kl_logp": -100.0,
+        }
+        for i in range(len(ds))
+    ]
+    return memory.to_dict(), ours
+
+
+# ------------------------------------------------------------------------------------------ the cases
+
+
+def comparison(name: str, max_length: int, gradient_checkpointing: bool, work: Path) -> dict:
+    """One table row: ours, trl online and trl precomputed (real trl and this package's model of it), the floor,
+    on 8 kto-mix-like rows of at most `max_length` tokens, bf16 autocast, AdamW."""
+    from kto_pipeline.memory import StepSettings, floor_bytes, simulate_ours, simulate_trl, synthetic_rows
+
+    config = qwen2(name)
+    settings = StepSettings(gradient_checkpointing=gradient_checkpointing)
+    rows = synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
+    out = {"model": name, "max_length": max_length, "gradient_checkpointing": gradient_checkpointing}
+    started = time.perf_counter()
+    out["trl_online"], trl_rows = trl_real_step(config, rows, settings, True, work)
+    out["trl_precomputed"], _ = trl_real_step(config, rows, settings, False, work)
+    out["trl_online_model"] = simulate_trl(config, trl_rows, settings, online=True).to_dict()
+    out["trl_precomputed_model"] = simulate_trl(config, trl_rows, settings, online=False).to_dict()
+    out["ours"] = simulate_ours(config, trl_rows, settings, attribute=True).to_dict()
+    out["tokens_needed"] = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in trl_rows)
+    out["tokens_needed_all"] = out["tokens_needed"] + sum(len(r["kl_completion_ids"]) for r in trl_rows)
+    out["floor"] = floor_bytes(config, settings, out["tokens_needed"])
+    out["lengths"] = [(len(r["prompt_ids"]), len(r["completion_ids"]), len(r["kl_completion_ids"])) for r in trl_rows]
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+LEVERS = (
+    # (label, model, max_length, StepSettings fields)
+    ("FSDP2 x8", "qwen2-7b", 1024, dict(fsdp_world_size=8)),
+    ("FSDP2 x8 + activation checkpointing", "qwen2-7b", 1024, dict(fsdp_world_size=8, gradient_checkpointing=True)),
+    (
+        "FSDP2 x8 + AC + CPUOffloadPolicy",
+        "qwen2-7b",
+        1024,
+        dict(fsdp_world_size=8, gradient_checkpointing=True, cpu_offload=True),
+    ),
+    ("FSDP2 x8", "qwen2-7b", 2048, dict(fsdp_world_size=8)),
+    ("FSDP2 x8 + activation checkpointing", "qwen2-7b", 2048, dict(fsdp_world_size=8, gradient_checkpointing=True)),
+    (
+        "FSDP2 x8 + AC + CPUOffloadPolicy",
+        "qwen2-7b",
+        2048,
+        dict(fsdp_world_size=8, gradient_checkpointing=True, cpu_offload=True),
+    ),
+    ("LoRA r=16 (all linear)", "qwen2-0.5b", 1024, dict(lora_r=16)),
+    ("LoRA r=16 (all linear)", "qwen2-7b", 1024, dict(lora_r=16)),
+    ("LoRA r=16 + activation checkpointing", "qwen2-7b", 2048, dict(lora_r=16, gradient_checkpointing=True)),
+    ("bitsandbytes AdamW8bit + AC", "qwen2-0.5b", 1024, dict(optimizer="bnb-adamw8bit", gradient_checkpointing=True)),
+    ("bitsandbytes AdamW8bit + AC", "qwen2-7b", 1024, dict(optimizer="bnb-adamw8bit", gradient_checkpointing=True)),
+)
+
+
+def lever(label: str, name: str, max_length: int, fields: dict) -> dict:
+    from kto_pipeline.memory import StepSettings, floor_bytes, simulate_ours, synthetic_rows
+
+    config = qwen2(name)
+    settings = StepSettings(**fields)
+    rows = synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
+    out = {"label": label, "model": name, "max_length": max_length, "settings": fields}
+    started = time.perf_counter()
+    try:
+        out["ours"] = simulate_ours(config, rows, settings).to_dict()
+    except Exception as exc:  # a lever that does not run here is a result too
+        out["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        return out
+    out["tokens_needed"] = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+    floor = floor_bytes(config, settings, out["tokens_needed"])
+    if settings.cpu_offload:
+        floor.update(parameters=0, gradients=0, optimizer=0)
+    if settings.optimizer == "bnb-adamw8bit":  # two 8-bit moments (+ a float32 scale per 256-value block each)
+        floor["optimizer"] = floor["optimizer"] // 4
+    out["floor"] = floor
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def torchao_adamw8bit() -> str:
+    """torchao's AdamW8bit under the simulation: the outcome, in a line."""
+    import torch
+
+    from kto_pipeline.memory import _tracker, fake_mode
+
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError as exc:
+        return f"not installed ({exc})"
+    mode = fake_mode()
+    with torch.device("meta"):
+        layer = torch.nn.Linear(1024, 4096)
+    with mode:
+        layer = layer.to_empty(device="cpu")
+        optimizer = AdamW8bit(layer.parameters(), lr=1e-5)
+    try:
+        with _tracker():
+            layer(torch.zeros(4, 1024)).sum().backward()
+            optimizer.step()
+    except Exception as exc:
+        return f"fails: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+    return "runs"
+
+
+def cpu_checks() -> list[dict]:
+    """The simulation against real CPU steps (float32): the tests' tiny Llama size and SmolLM2-135M's architecture."""
+    from transformers import LlamaConfig
+
+    from kto_pipeline.memory import cpu_check, synthetic_rows
+
+    cases = [
+        (
+            "Llama 2 layers, hidden 64, vocab 32000",
+            LlamaConfig(
+                **{
+                    **SMOLLM2,
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "vocab_size": 32000,
+                }
+            ),
+            256,
+        ),
+        ("SmolLM2-135M architecture", smollm2_config(), 512),
+    ]
+    out = []
+    for label, config, max_length in cases:
+        rows = synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
+        started = time.perf_counter()
+        result = cpu_check(config, rows)
+        result.update(label=label, max_length=max_length, seconds=time.perf_counter() - started)
+        result["tokens_needed"] = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+        out.append(result)
+        print(
+            f"  cpu check {label}: simulated {result['simulated_step_bytes'] / GIB:.3f} GiB, real "
+            f"{result['real_step_bytes'] / GIB:.3f} GiB",
+            flush=True,
+        )
+    return out
+
+
+def accelerate_estimate(name: str) -> dict:
+    """What `accelerate estimate-memory NAME --library_name transformers` prints for the model, computed from
+    accelerate's own code path on the local config (its command fetches the config from the hub, which this
+    machine cannot reach): the model built on the meta device (`create_empty_model`), `calculate_maximum_sizes`,
+    and `estimate_training_usage` per dtype row (float32: weights, gradients and Adam, 16 bytes a parameter; float16:
+    accelerate's mixed-precision formula, 8 bytes a parameter). It counts no activations."""
+    import torch
+    from accelerate.commands.estimate import estimate_training_usage
+    from accelerate.utils import calculate_maximum_sizes
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(qwen2(name))
+    total, (largest, _) = calculate_maximum_sizes(model)
+    # the table's "Training using Adam" column is the largest of the estimate's entries, per dtype row
+    return {
+        "model_bytes": total,
+        "largest_layer_bytes": largest,
+        "adam_float32_bytes": max(estimate_training_usage(total, "float32").values()),
+        "adam_float16_bytes": max(estimate_training_usage(total, "float16").values()),
+    }
+
+
+# ------------------------------------------------------------------------------------------ the report
+
+
+def gib(x) -> str:
+    return "-" if x is None else f"{x / GIB:.2f}"
+
+
+def machine() -> str:
+    import os
+
+    import torch
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    python = platform.python_version()
+    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {python}, torch {torch.__version__}"
+
+
+def versions() -> str:
+    import accelerate
+    import transformers
+    import trl
+
+    return f"transformers {transformers.__version__}, accelerate {accelerate.__version__}, trl {trl.__version__}"
+
+
+def render(data: dict) -> str:
+    out = [
+        "# Peak accelerator memory of a training step: kto-pipeline vs trl.KTOTrainer",
+        "",
+        f"Written by `{data['command']}` on {data['date']} ({data['seconds'] / 60:.0f} min).",
+        f"Machine: {data['machine']}; {data['versions']}. No GPU: every number below is **simulated** unless it",
+        "says measured (how: benchmarks/bench_memory.py's docstring, kto_pipeline/memory.py).",
+        "",
+        "GiB per device at the peak of one steady training step (AdamW moments alive), bf16 autocast over float32",
+        "weights, fused AdamW, batch 8, rows of kto-mix-like lengths (memory.synthetic_rows) truncated at the max",
+        "length.",
+        '"trl" is the real trl.KTOTrainer 1.16 run under the simulation; "model" is memory.simulate_trl (what',
+        "`estimate-memory --against-trl` reports). Breakdown at the peak: parameters / gradients / optimizer /",
+        "activations / temporaries. Floor: parameters + gradients + AdamW + the activations of the needed tokens",
+        "(memory.floor_bytes).",
+        "",
+        "| model | max len | AC | ours | ours breakdown | floor | ours / floor | trl online (model) "
+        "| trl online breakdown | trl precomputed (model) | ours / trl online | ours / trl precomp. |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in data["comparisons"]:
+        ours, online, pre = r["ours"], r["trl_online"], r["trl_precomputed"]
+        floor = sum(r["floor"].values())
+        b = " / ".join(
+            gib(ours["breakdown"][k]) for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")
+        )
+        tb = " / ".join(
+            gib(online["breakdown"][k]) for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")
+        )
+        out.append(
+            f"| {r['model']} | {r['max_length']} | {'yes' if r['gradient_checkpointing'] else 'no'} "
+            f"| **{gib(ours['peak_bytes'])}** | {b} | {gib(floor)} | {ours['peak_bytes'] / floor:.2f} "
+            f"| {gib(online['peak_bytes'])} ({gib(r['trl_online_model']['peak_bytes'])}) | {tb} "
+            f"| {gib(pre['peak_bytes'])} ({gib(r['trl_precomputed_model']['peak_bytes'])}) "
+            f"| {ours['peak_bytes'] / online['peak_bytes']:.2f} | {ours['peak_bytes'] / pre['peak_bytes']:.2f} |"
+        )
+    out += [
+        "",
+        "Tokens per step (the same rows for both tools):",
+        "",
+        "| model | max len | AC | needed (prompt + completion) | ours, with grad (packed) | trl, with grad (padded) "
+        "| trl online, all forwards | model / real trl online | model / real trl precomp. |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in data["comparisons"]:
+        out.append(
+            f"| {r['model']} | {r['max_length']} | {'yes' if r['gradient_checkpointing'] else 'no'} "
+            f"| {r['tokens_needed']} | {r['ours']['tokens_with_grad']} | {r['trl_online']['tokens_with_grad']} "
+            f"| {r['trl_online']['tokens_executed']} "
+            f"| {r['trl_online_model']['peak_bytes'] / r['trl_online']['peak_bytes']:.3f} "
+            f"| {r['trl_precomputed_model']['peak_bytes'] / r['trl_precomputed']['peak_bytes']:.3f} |"
+        )
+    out += ["", "## What is alive at our peak", ""]
+    for r in data["comparisons"]:
+        if r["gradient_checkpointing"] or r["max_length"] != 1024:
+            continue
+        out += [
+            f"{r['model']}, max length 1024, no AC (largest groups of tensors; `*` = every layer):",
+            "",
+            "| GiB | count | category | module | op | shape | dtype |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for t in r["ours"]["top"][:14]:
+            out.append(
+                f"| {t['bytes'] / GIB:.3f} | {t['count']} | {t['category']} | `{t['module']}` | `{t['op']}` "
+                f"| {t['shape']} | {t['dtype']} |"
+            )
+        out.append("")
+    out += [
+        "## Levers (ours; the same kto-mix-like rows)",
+        "",
+        "| lever | model | max len | peak | breakdown | floor | peak / floor |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in data["levers"]:
+        if "failed" in r:
+            out.append(f"| {r['label']} | {r['model']} | {r['max_length']} | failed: {r['failed']} | | | |")
+            continue
+        b = " / ".join(
+            gib(r["ours"]["breakdown"][k])
+            for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")
+        )
+        floor = sum(r["floor"].values())
+        out.append(
+            f"| {r['label']} | {r['model']} | {r['max_length']} | **{gib(r['ours']['peak_bytes'])}** | {b} "
+            f"| {gib(floor)} | {r['ours']['peak_bytes'] / floor:.2f} |"
+        )
+    out += ["", f"torchao's AdamW8bit under the simulation: {data['torchao']}", ""]
+    out += [
+        "## The simulation against a real CPU step (measured)",
+        "",
+        "Float32, attention as the CPU runs it, the same 8 rows: the real step in a fresh process "
+        "(MALLOC_MMAP_THRESHOLD_=65536, one thread), its resident set's high water mark (VmHWM, reset before the "
+        'step) against the simulation. "step": what the step adds to what was resident before it (gradients, '
+        'activations, temporaries); "total": the peak above the process before the model existed.',
+        "",
+        "| model | tokens | step: real (MiB) | step: simulated | sim / real | total: real | total: simulated "
+        "| sim / real | tracker on real tensors, step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    mib = 1 << 20
+    for c in data["cpu_checks"]:
+        out.append(
+            f"| {c['label']} | {c['tokens_needed']} | {c['real_step_bytes'] / mib:.1f} "
+            f"| {c['simulated_step_bytes'] / mib:.1f} "
+            f"| {c['simulated_step_bytes'] / c['real_step_bytes']:.3f} | {c['real_total_bytes'] / mib:.1f} "
+            f"| {c['simulated_total_bytes'] / mib:.1f} | {c['simulated_total_bytes'] / c['real_total_bytes']:.3f} "
+            f"| {c['tracked_real_step_bytes'] / mib:.1f} |"
+        )
+    out += [
+        "",
+        "## accelerate estimate-memory, for the same models",
+        "",
+        "`accelerate estimate-memory Qwen/Qwen2-7B --library_name transformers` fetches the config from the hub, "
+        "which this machine cannot reach; these are its own functions on the local config (see "
+        "`accelerate_estimate`). It counts weights, gradients and Adam only.",
+        "",
+        "| model | weights (float32) | accelerate: Adam, float32 | accelerate: Adam, float16 row "
+        "| ours, 8 x 1024, no AC | ours, 8 x 1024, AC |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, a in data["accelerate"].items():
+        peaks = {
+            r["gradient_checkpointing"]: r["ours"]["peak_bytes"]
+            for r in data["comparisons"]
+            if r["model"] == name and r["max_length"] == 1024
+        }
+        out.append(
+            f"| {name} | {gib(a['model_bytes'])} | {gib(a['adam_float32_bytes'])} | {gib(a['adam_float16_bytes'])} "
+            f"| {gib(peaks.get(False))} | {gib(peaks.get(True))} |"
+        )
+    out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="Qwen2-0.5B rows only, no levers, no CPU check.")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--render", action="store_true", help="Rewrite --out from the last run's saved data.")
+    args = parser.parse_args()
+    partial = HERE / ".work" / "bench_memory.json"
+    if args.render:
+        Path(args.out).write_text(render(json.loads(partial.read_text())))
+        return
+    warnings.filterwarnings("ignore")
+    started = time.perf_counter()
+    data = {
+        "command": "python benchmarks/bench_memory.py" + (" --quick" if args.quick else ""),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "versions": versions(),
+        "comparisons": [],
+        "levers": [],
+        "cpu_checks": [],
+        "accelerate": {},
+    }
+    names = ["qwen2-0.5b"] if args.quick else ["qwen2-0.5b", "qwen2-7b"]
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as work:
+        for name in names:
+            for max_length in (1024, 2048):
+                for ac in (False, True):
+                    row = comparison(name, max_length, ac, Path(work))
+                    data["comparisons"].append(row)
+                    print(
+                        f"  {name} {max_length} AC={ac}: ours {gib(row['ours']['peak_bytes'])} GiB, trl online "
+                        f"{gib(row['trl_online']['peak_bytes'])} GiB ({row['seconds']:.0f} s)",
+                        flush=True,
+                    )
+                    partial.write_text(json.dumps(data))
+    if not args.quick:
+        for label, name, max_length, fields in LEVERS:
+            row = lever(label, name, max_length, fields)
+            data["levers"].append(row)
+            print(
+                f"  lever {label} {name} {max_length}: {gib(row.get('ours', {}).get('peak_bytes'))} GiB "
+                f"{row.get('failed', '')}",
+                flush=True,
+            )
+            partial.write_text(json.dumps(data))
+        data["cpu_checks"] = cpu_checks()
+    data["torchao"] = torchao_adamw8bit()
+    data["accelerate"] = {name: accelerate_estimate(name) for name in names}
+    data["seconds"] = time.perf_counter() - started
+    partial.write_text(json.dumps(data))
+    Path(args.out).write_text(render(data))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
