@@ -157,7 +157,7 @@ def setup(config: TrainConfig) -> Run:
         config = dataclasses.replace(config, gradient_checkpointing=True)
     set_seed(config.seed)
     print0(accelerator, f"kto-pipeline train {__version__}\n{config.describe()}")
-    regime = Regime("float32", AUTOCAST_DTYPES[accelerator.mixed_precision])  # the policy loads in float32
+    regime = Regime("float32", AUTOCAST_DTYPES[_resolve_precision(config)])  # the policy loads in float32
     _check_regime(config, Regime(*cache.manifest.precision), regime, accelerator)
     print0(accelerator, f"policy: {regime}, {engine}")
     tokenizer, model, aux_coef = _load_policy(config, cache.manifest)
