@@ -105,12 +105,13 @@ def test_help_groups_the_options_in_panels(monkeypatch, capsys):
     monkeypatch.setattr("typer.rich_utils.MAX_WIDTH", 200)
     code, out, _ = run_cli(monkeypatch, capsys, "train", "--help")
     assert code == 0
-    for title in ("Model and data", "Optimisation", "LoRA", "Evaluation", "Checkpoints", "Logging"):
+    panels_of_train = ("Model and data", "Optimisation", "LoRA", "Evaluation", "Checkpoints", "Logging")
+    for title in (*panels_of_train, "More than one process"):
         assert re.search(rf"╭─ {title} ─", out), title
     assert "--config" in out and "--learning-rate" in out and "[default: 1e-06]" in out
     assert re.search(r"\* +--cache .*\[required\]", out)  # required, even though a recipe may give it
     panels = [p.rich_help_panel for p in commands()["train"].params if p.name != "config_file"]
-    assert len(set(panels)) == 6 and max(panels.count(p) for p in set(panels)) < len(panels) / 2
+    assert len(set(panels)) == 7 and max(panels.count(p) for p in set(panels)) < len(panels) / 2
     for command in ("precompute", "generate", "sweep", "inspect", "report", "demo"):
         code, out, _ = run_cli(monkeypatch, capsys, command, "--help")
         assert code == 0 and "--config" in out, command
