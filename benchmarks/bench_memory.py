@@ -674,8 +674,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="Qwen2-0.5B rows only, no levers, no CPU check.")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--render", action="store_true", help="Rewrite --out from the last run's saved data.")
+    parser.add_argument(
+        "--redo", choices=["levers", "cpu"], help="Run again one part of the last run (its saved data), then --render."
+    )
     args = parser.parse_args()
     partial = HERE / ".work" / "bench_memory.json"
+    if args.redo:
+        warnings.filterwarnings("ignore")
+        data = json.loads(partial.read_text())
+        started = time.perf_counter()
+        if args.redo == "levers":
+            data["levers"] = [lever(*case) for case in LEVERS]
+        else:
+            data["cpu_checks"] = cpu_checks()
+        data["seconds"] = data.get("seconds", 0) + time.perf_counter() - started
+        data["command"] += f"; python benchmarks/bench_memory.py --redo {args.redo}"
+        partial.write_text(json.dumps(data))
+        args.render = True
     if args.render:
         Path(args.out).write_text(render(json.loads(partial.read_text())))
         return

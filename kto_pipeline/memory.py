@@ -401,28 +401,29 @@ def build_model(model_config, settings: StepSettings, fake, seed: int = 0):
     from kto_pipeline.stages.train import _add_lora, _disable_dropout
 
     config = type(model_config).from_dict(model_config.to_dict())  # a copy: the model may change it
-    if fake is None:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    else:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-        with fake:
-            model = model.to_empty(device="cpu")
-            model.tie_weights()  # to_empty materializes tied weights one by one
-    model.config.use_cache = False
-    _disable_dropout(model)
-    if settings.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = None
     if settings.lora_r is not None:
         lora = TrainConfig(
             cache="-", output_dir="-", lora_r=settings.lora_r, gradient_checkpointing=settings.gradient_checkpointing
         )
-        if fake is None:
-            model = _add_lora(model, lora)
-        else:
-            with fake:
-                model = _add_lora(model, lora)
+
+    def prepare(model):  # as train._load_policy, in its order
+        model.config.use_cache = False
+        _disable_dropout(model)
+        if settings.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model if lora is None else _add_lora(model, lora)
+
+    if fake is None:
+        torch.manual_seed(seed)
+        return prepare(AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
+    # On the meta device first, LoRA's adapters included (peft moves each adapter to its base layer's device, which
+    # a fake parameter refuses: `_apply(): Couldn't swap`), then every tensor materialized fake at once.
+    with torch.device("meta"):
+        model = prepare(AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
+    with fake:
+        model = model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty materializes tied weights one by one
     return model
 
 
