@@ -929,7 +929,11 @@ def describe(result: dict[str, Any]) -> str:
 
 
 def run(config: MemoryEstimateConfig) -> None:
-    result = estimate(config)
+    import warnings
+
+    with warnings.catch_warnings():  # fake tensors' own (data_ptr of a FakeTensor, ...): not the user's concern
+        warnings.simplefilter("ignore")
+        result = estimate(config)
     print(json.dumps(result) if config.json else describe(result))
 
 
