@@ -151,6 +151,27 @@ def trl_on_a_cuda_device():
             del kernels.triton
 
 
+@contextmanager
+def models_already_placed():
+    """The fake models are on the simulated device already; moving them (`Trainer._move_model_to_device`,
+    accelerate's `prepare_model` device placement) would try to swap fake parameters, which `Module._apply`
+    refuses (`Couldn't swap Embedding.weight`). Everything else `prepare_model` does (autocast) stays."""
+    from accelerate import Accelerator
+    from transformers import Trainer
+
+    move, prepare = Trainer._move_model_to_device, Accelerator.prepare_model
+
+    def prepare_in_place(self, model, device_placement=None, evaluation_mode=False):
+        return prepare(self, model, device_placement=False, evaluation_mode=evaluation_mode)
+
+    Trainer._move_model_to_device = lambda self, model, device: None
+    Accelerator.prepare_model = prepare_in_place
+    try:
+        yield
+    finally:
+        Trainer._move_model_to_device, Accelerator.prepare_model = move, prepare
+
+
 def _trl_fake_mode():
     """The simulation's fake mode, run around trl's step: ops whose tensors are all real (the batch's masks,
     `nonzero` of the labels) run for real, as host-side work would; `.item()` of a fake tensor (trl's metrics)
@@ -171,7 +192,8 @@ def _trl_fake_mode():
                 TrlFakeMode.items_read += 1
                 return False if args[0].dtype == torch.bool else 0
             tensors = [x for x in tree_leaves((args, kwargs or {})) if isinstance(x, torch.Tensor)]
-            if tensors and not any(isinstance(x, FakeTensor) for x in tensors):
+            # (meta tensors are the model before `to_empty`: shapes only, never real)
+            if tensors and not any(isinstance(x, FakeTensor) or x.device.type == "meta" for x in tensors):
                 return func(*args, **(kwargs or {}))  # this mode is off within its own dispatch: a real op
             return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -241,7 +263,7 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
     saved_hash, saved_pre = kto_trainer.hash_module, KTOTrainer._precompute_ref_logps
     kto_trainer.hash_module, KTOTrainer._precompute_ref_logps = patches["hash_module"], patches["_precompute"]
     try:
-        with mode, warnings.catch_warnings():
+        with mode, models_already_placed(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer = KTOTrainer(
                 model=policy,
