@@ -396,6 +396,68 @@ def lever(label: str, name: str, max_length: int, fields: dict) -> dict:
     return out
 
 
+@contextmanager
+def proposed_head(chunk_rows: int = 256):
+    """The change proposed for `scoring/logprobs.py` (see RESULTS-memory.md), applied for a simulation: under
+    bf16/fp16 a chunk's logits are cast into the reused float32 buffer (`out.copy_(F.linear(...))`) instead of a
+    fresh float32 tensor per chunk, and chunks are `chunk_rows` scored tokens instead of 1024."""
+    import torch
+    import torch.nn.functional as F
+
+    import kto_pipeline.scoring.logprobs as logprobs
+
+    chunk_logits, defaults = logprobs._chunk_logits, logprobs.score_policy.__defaults__
+
+    def into_buffer(hidden, weight, bias, logit_scale, softcap, buffer):
+        if hidden.dtype == torch.float32 or softcap is not None:
+            return chunk_logits(hidden, weight, bias, logit_scale, softcap, buffer)
+        out = buffer[: hidden.shape[0]]
+        out.copy_(F.linear(hidden, weight, bias))
+        return (out.mul_(logit_scale) if logit_scale != 1.0 else out), None
+
+    logprobs._chunk_logits = into_buffer
+    logprobs.score_policy.__defaults__ = tuple(chunk_rows if d == logprobs.DEFAULT_CHUNK_SIZE else d for d in defaults)
+    try:
+        yield
+    finally:
+        logprobs._chunk_logits, logprobs.score_policy.__defaults__ = chunk_logits, defaults
+
+
+def rows_of(lengths: list[list[int]], vocab_size: int) -> list[dict]:
+    """Cache rows with these (prompt, completion, KL completion) lengths (random ids: memory depends on lengths)."""
+    import random
+
+    rng = random.Random(0)
+    return [
+        {
+            "example_id": i,
+            "prompt_ids": [rng.randrange(vocab_size) for _ in range(p)],
+            "completion_ids": [rng.randrange(vocab_size) for _ in range(c)],
+            "kl_completion_ids": [rng.randrange(vocab_size) for _ in range(k)],
+            "label": i % 2 == 0,
+            "ref_logp": -100.0,
+            "ref_kl_logp": -100.0,
+        }
+        for i, (p, c, k) in enumerate(lengths)
+    ]
+
+
+def proposal(data: dict) -> None:
+    """Ours with the proposed head change, on each comparison row's rows (its saved lengths)."""
+    from kto_pipeline.memory import StepSettings, simulate_ours
+
+    for r in data["comparisons"]:
+        config = qwen2(r["model"])
+        settings = StepSettings(gradient_checkpointing=r["gradient_checkpointing"])
+        with proposed_head():
+            r["ours_proposed"] = simulate_ours(config, rows_of(r["lengths"], config.vocab_size), settings).to_dict()
+        print(
+            f"  proposed head {r['model']} {r['max_length']} AC={r['gradient_checkpointing']}: "
+            f"{gib(r['ours']['peak_bytes'])} -> {gib(r['ours_proposed']['peak_bytes'])} GiB",
+            flush=True,
+        )
+
+
 def torchao_adamw8bit() -> str:
     """torchao's AdamW8bit under the simulation: the outcome, in a line."""
     import torch
@@ -526,8 +588,9 @@ def render(data: dict) -> str:
         "(memory.floor_bytes).",
         "",
         "| model | max len | AC | ours | ours breakdown | floor | ours / floor | trl online (model) "
-        "| trl online breakdown | trl precomputed (model) | ours / trl online | ours / trl precomp. |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| trl online breakdown | trl precomputed (model) | ours / trl online | ours / trl precomp. "
+        "| ours, proposed head |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in data["comparisons"]:
         ours, online, pre = r["ours"], r["trl_online"], r["trl_precomputed"]
@@ -543,7 +606,8 @@ def render(data: dict) -> str:
             f"| **{gib(ours['peak_bytes'])}** | {b} | {gib(floor)} | {ours['peak_bytes'] / floor:.2f} "
             f"| {gib(online['peak_bytes'])} ({gib(r['trl_online_model']['peak_bytes'])}) | {tb} "
             f"| {gib(pre['peak_bytes'])} ({gib(r['trl_precomputed_model']['peak_bytes'])}) "
-            f"| {ours['peak_bytes'] / online['peak_bytes']:.2f} | {ours['peak_bytes'] / pre['peak_bytes']:.2f} |"
+            f"| {ours['peak_bytes'] / online['peak_bytes']:.2f} | {ours['peak_bytes'] / pre['peak_bytes']:.2f} "
+            f"| {gib(r.get('ours_proposed', {}).get('peak_bytes'))} |"
         )
     out += [
         "",
@@ -610,7 +674,17 @@ def render(data: dict) -> str:
             f"| {r['label']} | {r['model']} | {r['max_length']} | **{gib(r['ours']['peak_bytes'])}** | {b} "
             f"| {gib(floor)} | {r['ours']['peak_bytes'] / floor:.2f} |"
         )
-    out += ["", f"torchao's AdamW8bit under the simulation: {data.get('torchao', 'not run')}", ""]
+    out += [
+        "",
+        f"torchao's AdamW8bit under the simulation, this run: {data.get('torchao', 'not run')}. Tried on 2026-11-23 "
+        "with torchao 0.18.0 installed (it installs beside torch 2.13.0): its step is compiled with torch.compile, "
+        "and Dynamo refuses to trace the tracker: `torch._dynamo.exc.Unsupported: Attempted to call function "
+        "marked as skipped ... MemTracker.__torch_dispatch__` (torchao/optim/adam.py, `step`). It was uninstalled "
+        "again: transformers imports torchao at start-up when present and prints warnings in every process. "
+        "bitsandbytes 0.50.2 (CPU backend, installs beside torch 2.13.0; not a dependency of this package) runs: "
+        "its optimizer is built outside the fake mode (its quantization map is a real table).",
+        "",
+    ]
     out += [
         "## The simulation against a real CPU step (measured)",
         "",
@@ -680,6 +754,19 @@ def findings(data: dict) -> list[str]:
         f"(`--against-trl`) is within {max(model_err) * 100:.1f}% of the real trl in every row.",
         "",
     ]
+    proposed = [r for r in rows if "ours_proposed" in r]
+    if proposed:
+        floor_ratio = [r["ours_proposed"]["peak_bytes"] / sum(r["floor"].values()) for r in proposed]
+        online_ratio = [r["ours_proposed"]["peak_bytes"] / r["trl_online"]["peak_bytes"] for r in proposed]
+        out += [
+            "**Above the floor: the LM head.** At our peak, the chunked head (`_ChunkedTokenLogps`) holds several "
+            "(1024, vocab) transients (next section). With the change proposed for `scoring/logprobs.py` "
+            "(`proposed_head`: under bf16 a chunk's logits cast into the reused float32 buffer instead of a fresh "
+            "float32 copy per chunk, and 256-token chunks), simulated on the same rows: ours / floor "
+            f"{min(floor_ratio):.2f}-{max(floor_ratio):.2f}, ours / trl online {min(online_ratio):.2f}-"
+            f'{max(online_ratio):.2f} (column "ours, proposed head").',
+            "",
+        ]
     for name in sorted({r["model"] for r in rows}):
         r = next(r for r in rows if r["model"] == name)
         ref = r["trl_online"]["breakdown"]["parameters"] - r["trl_precomputed"]["breakdown"]["parameters"]
@@ -697,7 +784,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--render", action="store_true", help="Rewrite --out from the last run's saved data.")
     parser.add_argument(
-        "--redo", choices=["levers", "cpu"], help="Run again one part of the last run (its saved data), then --render."
+        "--redo",
+        choices=["levers", "cpu", "proposal"],
+        help="Run again one part of the last run (its saved data), then --render.",
     )
     args = parser.parse_args()
     partial = HERE / ".work" / "bench_memory.json"
@@ -707,8 +796,10 @@ def main() -> None:
         started = time.perf_counter()
         if args.redo == "levers":
             data["levers"] = [lever(*case) for case in LEVERS]
-        else:
+        elif args.redo == "cpu":
             data["cpu_checks"] = cpu_checks()
+        else:
+            proposal(data)
         data["seconds"] = data.get("seconds", 0) + time.perf_counter() - started
         data["command"] += f"; python benchmarks/bench_memory.py --redo {args.redo}"
         partial.write_text(json.dumps(data))
@@ -742,6 +833,8 @@ def main() -> None:
                         flush=True,
                     )
                     partial.write_text(json.dumps(data))
+    proposal(data)
+    partial.write_text(json.dumps(data))
     if not args.quick:
         for label, name, max_length, fields in LEVERS:
             row = lever(label, name, max_length, fields)
