@@ -44,6 +44,7 @@ from kto_pipeline.config import DATA, LORA, MODEL, OPTIMISATION, OUTPUT, _check,
 from kto_pipeline.errors import KTOPipelineError
 
 LENGTHS = ("full", "kto-mix")
+KTO_MIX_ROWS = 14549  # rows of the kto-mix train split (its card)
 GIB = 1 << 30
 # the breakdown's categories, from the tracker's (MemTracker's and FSDPMemTracker's reference types)
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
@@ -82,7 +83,7 @@ class MemoryEstimateConfig(_ConfigMixin):
         default="full",
         **_help(
             "Row lengths: full (every row and KL row at --max-length, a quarter of it prompt: the largest batch a "
-            "run can meet) or kto-mix (lengths drawn like trl-lib/kto-mix-14k's, seeded).",
+            "run can meet) or kto-mix (the largest batch of an epoch of kto-mix-14k-like lengths, seeded).",
             panel=DATA,
         ),
     )
@@ -192,29 +193,31 @@ def synthetic_rows(
 
     `full`: every prompt + completion fills `max_length`, a quarter of it prompt, and every KL completion (another
     row's completion) fills it too: the largest batch a run can meet.
-    `kto-mix`: like trl-lib/kto-mix-14k (argilla's dpo-mix-7k unpaired: Capybara, Orca and UltraFeedback chats).
-    Its card gives 53.4 MB of text for 14,549 rows, about 3.7 kB a row, so about 900 tokens of prompt + completion
-    at ~4 bytes a token; its length histogram is not at hand here. So: prompt + completion log-normal with median
-    600 tokens and sigma 0.8 (mean ~830, a long tail of multi-turn Capybara prompts), the prompt a Beta(2, 3)
-    share of it (mean 40%), truncated at `max_length` as precompute truncates (the completion's end is cut;
-    rows whose prompt reaches `max_length` are dropped and redrawn).
+    `kto-mix`: the largest batch (most prompt + completion tokens at `max_length`) of one shuffled epoch of a
+    dataset like trl-lib/kto-mix-14k: a run's peak is its largest batch's. kto-mix is argilla's dpo-mix-7k
+    unpaired (Capybara, Orca and UltraFeedback chats); its card gives 53.4 MB of text for 14,549 rows, about
+    3.7 kB a row, so about 900 tokens of prompt + completion at ~4 bytes a token; its length histogram is not at
+    hand here. So: 14,549 rows, prompt + completion log-normal with median 600 tokens and sigma 0.8 (mean ~830, a
+    long tail of multi-turn Capybara prompts), the prompt a Beta(2, 3) share of it (mean 40%), truncated at
+    `max_length` as precompute truncates (the completion's end is cut; rows whose prompt reaches `max_length`
+    are dropped).
 
     KL partners: each row takes the previous row's completion (trl's rotation within a batch; precompute fixes
     partners over the whole dataset, which gives the same length distribution)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    shapes: list[tuple[int, int]] = []
-    while len(shapes) < batch_size:
-        if lengths == "full":
-            prompt = max(max_length // 4, 1)
-            shapes.append((prompt, max_length - prompt))
-            continue
-        total = int(max(rng.lognormal(math.log(600), 0.8), 16))
-        prompt = max(int(total * rng.beta(2, 3)), 1)
-        if prompt >= max_length:
-            continue
-        shapes.append((prompt, min(total - prompt, max_length - prompt) or 1))
+    if lengths == "full":
+        prompt = max(max_length // 4, 1)
+        shapes = [(prompt, max_length - prompt)] * batch_size
+    else:
+        total = np.maximum(rng.lognormal(math.log(600), 0.8, KTO_MIX_ROWS), 16).astype(np.int64)
+        prompt = np.maximum((total * rng.beta(2, 3, KTO_MIX_ROWS)).astype(np.int64), 1)
+        keep = prompt < max_length
+        prompt, completion = prompt[keep], np.maximum(np.minimum(total - prompt, max_length - prompt)[keep], 1)
+        order = rng.permutation(len(prompt))[: len(prompt) // batch_size * batch_size].reshape(-1, batch_size)
+        biggest = order[np.argmax((prompt + completion)[order].sum(1))]
+        shapes = [(int(prompt[i]), int(completion[i])) for i in biggest]
     rows = []
     for i, (p, c) in enumerate(shapes):
         rows.append(
