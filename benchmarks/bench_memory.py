@@ -458,6 +458,22 @@ def proposal(data: dict) -> None:
         )
 
 
+def cli_answers(names: list[str]) -> dict:
+    """What `kto-pipeline estimate-memory --model DIR --against-trl` answers for each model (its defaults: 8 rows,
+    max length 1024, every row full, bf16, no AC), DIR holding only the model's config.json."""
+    from kto_pipeline.memory import MemoryEstimateConfig, estimate
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            qwen2(name).save_pretrained(Path(tmp) / name)
+            started = time.perf_counter()
+            out[name] = estimate(MemoryEstimateConfig(model=str(Path(tmp) / name), against_trl=True))
+            out[name]["seconds"] = time.perf_counter() - started
+            print(f"  estimate-memory {name}: {gib(out[name]['peak_bytes'])} GiB", flush=True)
+    return out
+
+
 def torchao_adamw8bit() -> str:
     """torchao's AdamW8bit under the simulation: the outcome, in a line."""
     import torch
@@ -715,8 +731,8 @@ def render(data: dict) -> str:
         "`accelerate_estimate`). It counts weights, gradients and Adam only.",
         "",
         "| model | weights (float32) | accelerate: Adam, float32 | accelerate: Adam, float16 row "
-        "| ours, 8 x 1024, no AC | ours, 8 x 1024, AC |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| estimate-memory (8 x 1024 full rows, bf16) | its trl online | bench rows: ours, no AC | ours, AC |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, a in data["accelerate"].items():
         peaks = {
@@ -724,8 +740,10 @@ def render(data: dict) -> str:
             for r in data["comparisons"]
             if r["model"] == name and r["max_length"] == 1024
         }
+        cli = data.get("cli", {}).get(name, {})
         out.append(
             f"| {name} | {gib(a['model_bytes'])} | {gib(a['adam_float32_bytes'])} | {gib(a['adam_float16_bytes'])} "
+            f"| {gib(cli.get('peak_bytes'))} | {gib(cli.get('trl_online_peak_bytes'))} "
             f"| {gib(peaks.get(False))} | {gib(peaks.get(True))} |"
         )
     out.append("")
@@ -785,7 +803,7 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="Rewrite --out from the last run's saved data.")
     parser.add_argument(
         "--redo",
-        choices=["levers", "cpu", "proposal"],
+        choices=["levers", "cpu", "proposal", "cli"],
         help="Run again one part of the last run (its saved data), then --render.",
     )
     args = parser.parse_args()
@@ -798,6 +816,8 @@ def main() -> None:
             data["levers"] = [lever(*case) for case in LEVERS]
         elif args.redo == "cpu":
             data["cpu_checks"] = cpu_checks()
+        elif args.redo == "cli":
+            data["cli"] = cli_answers(list(data["accelerate"]))
         else:
             proposal(data)
         data["seconds"] = data.get("seconds", 0) + time.perf_counter() - started
@@ -848,6 +868,7 @@ def main() -> None:
         data["cpu_checks"] = cpu_checks()
     data["torchao"] = torchao_adamw8bit()
     data["accelerate"] = {name: accelerate_estimate(name) for name in names}
+    data["cli"] = cli_answers(names)
     data["seconds"] = time.perf_counter() - started
     partial.write_text(json.dumps(data))
     Path(args.out).write_text(render(data))
