@@ -1,0 +1,628 @@
+"""Precision regimes on the real model (issue 24, point 5): how far a bf16 reference cache is from a float32 one, and
+what the step-1 rewards and KL are when the cache and the policy computed in the same or in different regimes;
+then trl.KTOTrainer in the same setting.
+
+    .venv/bin/python benchmarks/bench_precision.py            # writes benchmarks/RESULTS-precision.md
+    .venv/bin/python benchmarks/bench_precision.py --pairs 8 --batch 8 --results /tmp/precision.md
+
+--model: a Hugging Face directory (default: the demo's SmolLM2-135M-Instruct, /tmp/fresh/.demo/models/...).
+--data: the demo's paired conversational rows (default /tmp/fresh/.demo/data/train.jsonl; kto_pipeline/demo/run.py
+writes it); the first --pairs pairs are used, each -> a desirable (chosen) and an undesirable (rejected) row.
+
+(a) three caches of the same rows at the demo's max length (192), with the Python API: float32; float32 weights
+    under bf16 autocast (`bf16=True`); bf16 weights, no autocast (`dtype="bfloat16", bf16=False`). Each bf16 cache
+    is compared with the float32 one: sequence log-probs (`ref_logp`, `ref_kl_logp`) and per-token log-probs.
+(b) one training step at learning rate 0 (`TrainConfig(max_steps=1, logging_steps=1)`, sequential order, one fixed
+    batch) of each cache x {train --no-bf16, train --bf16}; its step-1 rewards and KL read from metrics.jsonl.
+(c) trl.KTOTrainer (1.16) on the same rows, float32 and bf16=True, with precompute_ref_log_probs=True and online:
+    its logged step-1 metrics, and its own bf16-vs-float32 reference log-probs. One more trl run checks whether trl
+    reuses a float32 reference pass in a bf16 run (its reference cache is keyed by the dataset's fingerprint, the
+model's weight hash and whether KL is computed; not by the precision).
+
+Every measurement runs in a fresh process (harness.run_worker). bf16 is emulated on a CPU without native bf16
+(AVX2 only: its bf16 matmuls are many times slower than float32 ones), which is why the defaults keep the rows
+few: --pairs 4 (8 rows cached) and --batch 4 (the step-1 batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from harness import HERE, WORK_DIR, machine, print_result, run_worker, time_calls, utc_stamp
+
+DEMO = Path("/tmp/fresh/.demo")
+DEFAULT_MODEL = DEMO / "models" / "SmolLM2-135M-Instruct"
+DEFAULT_DATA = DEMO / "data" / "train.jsonl"
+RESULTS = HERE / "RESULTS-precision.md"
+SEED = 42  # train and trl (data order is sequential anyway)
+
+# (name, PrecomputeConfig precision settings, what it is)
+CACHES = (
+    ("float32", dict(dtype="float32", bf16=False), "float32 weights, no autocast"),
+    ("autocast", dict(dtype="float32", bf16=True), "float32 weights under bf16 autocast"),
+    ("bf16-weights", dict(dtype="bfloat16", bf16=False), "bf16 weights, no autocast"),
+)
+TRAIN_REGIMES = (("no-bf16", False), ("bf16", True))
+# trl runs: (worker name, bf16, use_cpu, precompute_ref_log_probs, datasets cache dir under work/hf-cache)
+TRL_RUNS = (
+    ("trl_float32_precomputed", False, False, True, "shared"),
+    ("trl_float32_online", False, False, False, "trl_float32_online"),
+    # bf16=True as a GPU user writes it (transformers refuses it on a CPU unless use_cpu=True)
+    ("trl_bf16", True, False, True, "trl_bf16"),
+    ("trl_bf16_precomputed", True, True, True, "trl_bf16_precomputed"),
+    ("trl_bf16_online", True, True, False, "trl_bf16_online"),
+    # the same datasets cache as trl_float32_precomputed: does trl reuse the float32 reference pass?
+    ("trl_bf16_after_float32", True, True, True, "shared"),
+)
+STEP1_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "logps/chosen", "logps/rejected", "loss")
+
+
+# ------------------------------------------------------------------------------------------- data
+
+
+def write_rows(data: Path, pairs: int, batch: int, work: Path) -> tuple[Path, Path]:
+    """(the first `pairs` paired rows, as the demo feeds precompute; the first `batch` of the same rows unpaired,
+    for trl: pair i -> its chosen answer as a desirable row, then its rejected one as an undesirable row, the order
+    of kto-pipeline's example ids 2i and 2i+1). trl gets only the step-1 batch: its KL completions come from within
+    the batch, so the other rows would only lengthen its (emulated bf16) reference pass."""
+    lines = [ln for ln in data.read_text(encoding="utf-8").splitlines() if ln.strip()][:pairs]
+    if len(lines) < pairs:
+        raise SystemExit(f"{data} has only {len(lines)} pairs, --pairs asks for {pairs}")
+    paired, unpaired = work / "pairs.jsonl", work / "rows.jsonl"
+    paired.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    rows = []
+    for line in lines:
+        pair = json.loads(line)
+        for key, label in (("chosen", True), ("rejected", False)):
+            rows.append(json.dumps({"prompt": pair["prompt"], "completion": pair[key], "label": label}))
+    unpaired.write_text("\n".join(rows[:batch]) + "\n", encoding="utf-8")
+    return paired, unpaired
+
+
+# ---------------------------------------------------------------------------------------- workers
+
+
+def caches_worker(args: argparse.Namespace, out: Path) -> dict:
+    """(a): the three caches, one after the other in this process; their reference-pass seconds."""
+    from kto_pipeline import PrecomputeConfig, precompute
+    from kto_pipeline.cache import read_manifest
+
+    result = {}
+    for name, precision, _ in CACHES:
+        path = precompute(
+            PrecomputeConfig(
+                model=args.model,
+                dataset=str(args.work / "pairs.jsonl"),
+                output=str(out / name),
+                max_length=args.max_length,
+                overwrite=True,
+                **precision,
+            )
+        )
+        manifest = read_manifest(path)
+        result[name] = dict(
+            path=str(path),
+            precision=list(manifest.precision),
+            seconds=manifest.timing["reference_pass_seconds"],
+            tokens_executed=manifest.timing.get("tokens_executed"),
+        )
+    return result
+
+
+def ours_train_worker(args: argparse.Namespace, out: Path, bf16: bool) -> dict:
+    """(b): one step at learning rate 0 of each cache, this process's train regime; the step-1 metrics."""
+    from kto_pipeline import TrainConfig, train
+    from kto_pipeline.cache import read_manifest
+    from kto_pipeline.precision import Regime, regime_mismatch
+    from kto_pipeline.rundir import TrainerState, read_metrics
+
+    result = {}
+    for name, _, _ in CACHES:
+        cache = args.work / "runs" / "caches" / name
+        run_dir = out / name
+        res = train(
+            TrainConfig(
+                cache=str(cache),
+                output_dir=str(run_dir),
+                bf16=bf16,
+                learning_rate=0.0,
+                max_steps=1,
+                logging_steps=1,
+                per_device_train_batch_size=args.batch,
+                train_sampling_strategy="sequential",
+                seed=SEED,
+                beta=args.beta,
+                overwrite_output_dir=True,
+            )
+        )
+        records, _ = read_metrics(run_dir)
+        step1 = next(r for r in records if r.get("step") == 1)
+        run_regime = Regime("float32", "bfloat16" if bf16 else None)
+        result[name] = dict(
+            step1={k: step1.get(k) for k in STEP1_KEYS},
+            precision=TrainerState.read(run_dir).precision,
+            warned=regime_mismatch(Regime(*read_manifest(cache).precision), run_regime) is not None,
+            step_seconds=res.step_seconds,
+        )
+        for weights in run_dir.glob("*.safetensors"):  # 0.5 GB each, and the weights did not move (lr 0)
+            weights.unlink()
+    return result
+
+
+def trl_trainer(args: argparse.Namespace, out: Path, bf16: bool, use_cpu: bool, precompute: bool):
+    """trl 1.16's KTOTrainer as benchmarks/bench.py's `trl_trainer` builds it (a float32 policy instance, a
+    disk-backed dataset, sequential order, batches of `--batch`, gradient checkpointing off, dropout off), with
+    bf16 on or off and learning rate 0, one step logged. (bench.py's own fixes bf16=False and its learning rate.)"""
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import KTOConfig, KTOTrainer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    dataset = load_dataset("json", data_files=str(args.work / "rows.jsonl"), split="train")
+    config = KTOConfig(
+        output_dir=str(out),
+        beta=args.beta,
+        learning_rate=0.0,
+        per_device_train_batch_size=args.batch,
+        max_steps=1,
+        max_length=args.max_length,
+        precompute_ref_log_probs=precompute,
+        precompute_ref_batch_size=args.batch,
+        bf16=bf16,
+        use_cpu=use_cpu,
+        gradient_checkpointing=False,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=SEED,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    return KTOTrainer(model=policy, args=config, train_dataset=dataset, processing_class=tok)
+
+
+def trl_worker(args: argparse.Namespace, out: Path, bf16: bool, use_cpu: bool, precompute: bool) -> dict:
+    """(c): trl's logged step-1 metrics, how many reference forwards its precompute ran, and (precomputed) its
+    per-row reference log-probs keyed by token ids."""
+    from trl import KTOTrainer
+
+    forwards = []
+    time_calls(KTOTrainer, "compute_ref_log_probs", lambda seconds, *a, **kw: forwards.append(seconds))
+    trainer = trl_trainer(args, out, bf16, use_cpu, precompute)
+    reference_forwards_before_training = len(forwards)
+    result = dict(
+        mixed_precision=str(trainer.accelerator.mixed_precision),
+        reference_forwards_before_training=reference_forwards_before_training,
+    )
+    if precompute:
+        ds = trainer.train_dataset
+        result["ref"] = [
+            dict(key=json.dumps((p + c)[: args.max_length]), ref_logp=r, ref_kl_logp=k)
+            for p, c, r, k in zip(
+                ds["prompt_ids"], ds["completion_ids"], ds["ref_logps"], ds["ref_KL_logps"], strict=True
+            )
+        ]
+    if args.name == "trl_bf16_after_float32" and reference_forwards_before_training > 0:
+        # it ran its own bf16 reference pass: its step 1 would be trl_bf16_precomputed's (an emulated-bf16 step saved)
+        return dict(result, skipped=True)
+    start = time.perf_counter()
+    trainer.train()
+    result["train_seconds"] = time.perf_counter() - start
+    step1 = next(r for r in trainer.state.log_history if r.get("step") == 1 and "loss" in r)
+    result["step1"] = {k: step1.get(k) for k in STEP1_KEYS}
+    return result
+
+
+def worker(args: argparse.Namespace) -> dict:
+    out = Path(args.out)
+    if args.name == "caches":
+        return caches_worker(args, out)
+    if args.name.startswith("ours_train_"):
+        return ours_train_worker(args, out, bf16=args.name == "ours_train_bf16")
+    for name, bf16, use_cpu, precompute, _ in TRL_RUNS:
+        if args.name == name:
+            return trl_worker(args, out, bf16, use_cpu, precompute)
+    raise SystemExit(f"unknown worker {args.name}")
+
+
+# ------------------------------------------------------------------------------------------ stats
+
+
+def read_cache(path: Path) -> dict:
+    from kto_pipeline.cache import open_cache
+
+    table = open_cache(path).table
+    return {name: table.column(name).to_pylist() for name in table.schema.names}
+
+
+def diff_stats(a: list[float], b: list[float]) -> dict:
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    return dict(max=max(diffs), mean=statistics.fmean(diffs), n=len(diffs))
+
+
+def compare_caches(caches: dict[str, dict]) -> dict[str, dict]:
+    """Each bf16 cache against the float32 one: the same rows and tokens, then |diff| of the log-probs."""
+    base = caches["float32"]
+    out = {}
+    for name, other in caches.items():
+        if name == "float32":
+            continue
+        for column in ("example_id", "prompt_ids", "completion_ids", "kl_completion_ids"):
+            if other[column] != base[column]:
+                raise SystemExit(f"cache {name} does not hold the rows of the float32 cache ({column} differs)")
+        tokens_base = [x for row in base["ref_token_logps"] + base["ref_kl_token_logps"] for x in row]
+        tokens = [x for row in other["ref_token_logps"] + other["ref_kl_token_logps"] for x in row]
+        out[name] = dict(
+            ref_logp=diff_stats(other["ref_logp"], base["ref_logp"]),
+            ref_kl_logp=diff_stats(other["ref_kl_logp"], base["ref_kl_logp"]),
+            tokens=diff_stats(tokens, tokens_base),
+        )
+    return out
+
+
+def trl_reference_stats(trl: dict, caches: dict[str, dict], max_length: int) -> dict:
+    """trl's bf16 reference pass against its float32 one (row by row), and trl's float32 against our float32 cache
+    (matched by token ids: the same tokenization is the check)."""
+    out: dict = {"vs_trl_float32": {}}
+    f32 = trl.get("trl_float32_precomputed", {}).get("ref")
+    for name, t in trl.items():
+        if f32 and t.get("ref"):
+            out["vs_trl_float32"][name] = dict(
+                ref_logp=diff_stats([r["ref_logp"] for r in t["ref"]], [r["ref_logp"] for r in f32]),
+                ref_kl_logp=diff_stats([r["ref_kl_logp"] for r in t["ref"]], [r["ref_kl_logp"] for r in f32]),
+            )
+    if f32:
+        ours = {
+            json.dumps((p + c)[:max_length]): r
+            for p, c, r in zip(
+                caches["float32"]["prompt_ids"],
+                caches["float32"]["completion_ids"],
+                caches["float32"]["ref_logp"],
+                strict=True,
+            )
+        }
+        common = [r for r in f32 if r["key"] in ours]
+        out["trl_float32_vs_ours"] = dict(
+            matched=len(common),
+            rows=len(f32),
+            **(diff_stats([r["ref_logp"] for r in common], [ours[r["key"]] for r in common]) if common else {}),
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def _g(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def _signed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.3g}"
+
+
+def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> str:
+    import torch
+    import transformers
+    import trl
+
+    import kto_pipeline
+
+    caches, stats, trains = r["cache_rows"], r["cache_stats"], r["train"]
+    labels = {name: what for name, _, what in CACHES}
+    f32 = caches["float32"]
+    n_rows, n_tokens = len(f32["ref_logp"]), stats[next(iter(stats))]["tokens"]["n"]
+    abs_logp = [abs(x) for x in f32["ref_logp"]]
+    abs_kl = [abs(x) for x in f32["ref_kl_logp"]]
+    abs_tok = [abs(x) for row in f32["ref_token_logps"] + f32["ref_kl_token_logps"] for x in row]
+    cmd = "python benchmarks/bench_precision.py" + "".join(
+        f" {flag} {value}"
+        for flag, value, default in (
+            ("--model", args.model, str(DEFAULT_MODEL)),
+            ("--data", args.data, str(DEFAULT_DATA)),
+            ("--pairs", args.pairs, 4),
+            ("--batch", args.batch, 4),
+            ("--max-length", args.max_length, 192),
+            ("--beta", args.beta, 0.1),
+        )
+        if value != default
+    )
+    lines = [
+        "# Precision regimes on SmolLM2-135M-Instruct (issue 24, point 5)",
+        "",
+        f"- command: `{cmd}` (from the repository root, with the project's .venv)",
+        f"- date: {r.get('date') or utc_stamp()}; total time {seconds:.0f} s; load average (1 min) {loads[0]:.2f} "
+        f"before the first worker, {loads[1]:.2f} at the end (the workers use {os.cpu_count()} threads: a higher "
+        "load means other processes shared the cores, and every time below is slower than on an idle machine)",
+        f"- machine: {machine()}",
+        f"- versions: kto-pipeline {kto_pipeline.__version__}, trl {trl.__version__}, transformers "
+        f"{transformers.__version__}, torch {torch.__version__}",
+        f"- model: `{args.model}`",
+        f"- data: the first {args.pairs} pairs of `{args.data}` (the demo's HH-RLHF harmless-base single-turn "
+        f"conversational pairs, the rows `kto_pipeline/demo/run.py` trains on), each -> a desirable (chosen) and an "
+        f"undesirable (rejected) row: {n_rows} rows, {n_tokens} scored tokens (completions + KL completions); "
+        f"max_length {args.max_length} (the demo's). A subsample: bf16 is emulated on this CPU and slow.",
+        f"- training: one step at learning rate 0, batch {args.batch} (the first {args.batch} rows: sequential "
+        f"order), beta {args.beta}, seed {SEED}; metrics of step 1 (computed before the optimizer step, so the "
+        "learning rate does not enter them).",
+        "",
+        "## (a) bf16 caches against the float32 cache",
+        "",
+        f"Typical magnitudes in the float32 cache: |ref_logp| mean {statistics.fmean(abs_logp):.3g} (median "
+        f"{statistics.median(abs_logp):.3g}, max {max(abs_logp):.3g}); |ref_kl_logp| mean "
+        f"{statistics.fmean(abs_kl):.3g}; per-token |log-prob| mean {statistics.fmean(abs_tok):.3g}.",
+        "",
+        "| cache | ref_logp max abs diff | ref_logp mean abs diff | mean abs diff / mean abs ref_logp | "
+        "ref_kl_logp max abs diff | ref_kl_logp mean abs diff | per-token max abs diff | per-token mean abs diff | "
+        "reference pass (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, s in stats.items():
+        lines.append(
+            f"| {labels[name]} | {_g(s['ref_logp']['max'])} | {_g(s['ref_logp']['mean'])} | "
+            f"{s['ref_logp']['mean'] / statistics.fmean(abs_logp):.2%} | {_g(s['ref_kl_logp']['max'])} | "
+            f"{_g(s['ref_kl_logp']['mean'])} | {_g(s['tokens']['max'])} | {_g(s['tokens']['mean'])} | "
+            f"{r['caches'][name]['seconds']:.1f} |"
+        )
+    lines += [
+        "",
+        f"- rows: each diff is over the {n_rows} rows (sequence sums) or the {n_tokens} completion and KL-completion "
+        "tokens (per token) of the same token ids in both caches (checked). The float32 cache's reference pass took "
+        f"{r['caches']['float32']['seconds']:.1f} s.",
+        f"- at beta {args.beta} a sequence log-prob diff d moves that row's reward by beta x d.",
+        "",
+        "## (b) kto-pipeline: step-1 rewards and KL of each cache x train regime",
+        "",
+        "| cache made in | train in | regimes match | train warned | rewards/chosen | rewards/rejected | "
+        "rewards/margins | kl | policy logps/chosen | step (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for cache_name, _, what in CACHES:
+        for regime_name, bf16 in TRAIN_REGIMES:
+            run = trains.get(regime_name, {}).get(cache_name)
+            if run is None:
+                continue
+            m = run["step1"]
+            match = r["caches"][cache_name]["precision"] == ["float32", "bfloat16" if bf16 else None]
+            lines.append(
+                f"| {what} | `train --{regime_name}` ({run['precision']}) | {'yes' if match else 'no'} | "
+                f"{'yes' if run['warned'] else 'no'} | {_signed(m['rewards/chosen'])} | "
+                f"{_signed(m['rewards/rejected'])} | {_signed(m['rewards/margins'])} | {_g(m['kl'])} | "
+                f"{m['logps/chosen']:.7g} | {run['step_seconds'][0]:.0f} |"
+            )
+    lines += [
+        "",
+        "- rewards/chosen, rewards/rejected: the mean over the batch's desirable / undesirable rows of beta x (policy "
+        "log-prob - cached reference log-prob) of the completion. At step 1 the policy is the reference, so they "
+        "measure only the difference of the two stages' roundings.",
+        "- kl: KTO's reference point z0 = max(0, mean over the batch of (policy - reference) log-prob of the KL "
+        "completions) (not multiplied by beta; clamped at 0 as trl does, so a negative mean shows as 0).",
+        "- policy logps/chosen: the policy's mean sequence log-prob of the desirable rows (its regime shows here).",
+        "- train warned: `train` printed its regime-mismatch warning (kto_pipeline/precision.py).",
+        "",
+        "## (c) trl.KTOTrainer in the same setting",
+        "",
+        f"trl gets the step-1 batch only (the first {args.batch} rows above, the same token ids: checked below).",
+        "",
+        "| trl run | KTOConfig | reference | reference forwards before training | its ref_logps vs trl's float32 "
+        "pass: max abs diff (mean) | rewards/chosen | rewards/rejected | rewards/margins | kl | train (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    ts = r["trl_ref_stats"]
+    for name, bf16, use_cpu, precompute, cache_dir in TRL_RUNS:
+        t = r["trl"].get(name)
+        if t is None:
+            continue
+        config = f"bf16={bf16}" + (", use_cpu=True" if use_cpu else "")
+        reference = "precompute_ref_log_probs=True" if precompute else "online (reference model)"
+        if cache_dir == "shared" and bf16:
+            reference += ", datasets cache shared with trl_float32_precomputed"
+        if "failed" in t:
+            lines.append(f"| {name} | {config} | {reference} | FAILED: `{t['failed']}` | | | | | | |")
+            continue
+        d = ts.get("vs_trl_float32", {}).get(name)
+        versus = "n/a (online)" if d is None else f"{_g(d['ref_logp']['max'])} ({_g(d['ref_logp']['mean'])})"
+        if name == "trl_float32_precomputed":
+            versus = "(itself)"
+        if t.get("skipped"):
+            lines.append(
+                f"| {name} | {config} (accelerate: {t['mixed_precision']}) | {reference} | "
+                f"{t['reference_forwards_before_training']} | {versus} | not trained: it ran its own reference pass, "
+                "so its step 1 is trl_bf16_precomputed's | | | | |"
+            )
+            continue
+        m = t["step1"]
+        lines.append(
+            f"| {name} | {config} (accelerate: {t['mixed_precision']}) | {reference} | "
+            f"{t['reference_forwards_before_training']} | {versus} | {_signed(m['rewards/chosen'])} | "
+            f"{_signed(m['rewards/rejected'])} | {_signed(m['rewards/margins'])} | {_g(m['kl'])} | "
+            f"{t['train_seconds']:.0f} |"
+        )
+    lines += [""]
+    d = ts.get("vs_trl_float32", {}).get("trl_bf16_precomputed")
+    if d is not None:
+        lines.append(
+            f"- trl's bf16 reference pass (float32 weights under bf16 autocast) against its float32 one, over "
+            f"{d['ref_logp']['n']} rows: ref_logps max abs diff {_g(d['ref_logp']['max'])}, mean "
+            f"{_g(d['ref_logp']['mean'])}; ref_KL_logps max {_g(d['ref_kl_logp']['max'])}, mean "
+            f"{_g(d['ref_kl_logp']['mean'])} (kto-pipeline's autocast cache in (a): max "
+            f"{_g(stats['autocast']['ref_logp']['max'])}, mean {_g(stats['autocast']['ref_logp']['mean'])})."
+        )
+    if "trl_float32_vs_ours" in ts:
+        s = ts["trl_float32_vs_ours"]
+        lines.append(
+            f"- sanity: trl's float32 reference log-probs against kto-pipeline's float32 cache: {s['matched']} of "
+            f"{s['rows']} rows have the same token ids, max abs diff {_g(s.get('max'))}."
+        )
+    shared = r["trl"].get("trl_bf16_after_float32", {})
+    if "reference_forwards_before_training" in shared:
+        reused = shared["reference_forwards_before_training"] == 0
+        lines.append(
+            "- trl_bf16_after_float32: a bf16 run whose datasets cache already holds the float32 precomputed run's "
+            "reference pass (trl keys it by the dataset's fingerprint, the model's weight hash and whether KL is "
+            "computed). "
+            + (
+                "trl ran no reference forward: it reused the float32 reference log-probs for a bf16 policy, "
+                "silently, so its step 1 is the mismatched combination (float32 cache, bf16 training)."
+                if reused
+                else f"trl ran {shared['reference_forwards_before_training']} reference forwards: it did not reuse "
+                "the float32 pass."
+            )
+        )
+    lines += [
+        "- trl computes its KL completions as each row's prompt with the previous row's completion in the batch; "
+        "kto-pipeline's KL partners are the cache's seeded cycle, so the two tools' kl values are over different "
+        "sequences. The rewards are over the same rows.",
+        "- trl online: the reference model (loaded by trl in the policy's dtype, float32) runs in the same step, "
+        "under the same autocast as the policy. trl precomputed: the reference pass runs before training with the "
+        "policy model, under the accelerator's autocast.",
+        "",
+        "## Summary (computed from the tables above)",
+        "",
+        *summary_lines(r),
+        "",
+        "Worker processes (s): "
+        + ", ".join(
+            f"{name} " + (f"{res['process_seconds']:.0f}" if "process_seconds" in res else "(failed)")
+            for name, res in r["processes"].items()
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def summary_lines(r: dict) -> list[str]:
+    def largest(runs: list[dict]) -> float:
+        return max(abs(x["step1"][k]) for x in runs for k in ("rewards/chosen", "rewards/rejected"))
+
+    matched, mismatched = [], []
+    for cache_name, _, _ in CACHES:
+        for regime_name, bf16 in TRAIN_REGIMES:
+            run = r["train"].get(regime_name, {}).get(cache_name)
+            if run is not None:
+                same = r["caches"][cache_name]["precision"] == ["float32", "bfloat16" if bf16 else None]
+                (matched if same else mismatched).append((cache_name, regime_name, run))
+    out = []
+    for label, runs in (("matching", matched), ("mismatched", mismatched)):
+        if runs:
+            worst = max(runs, key=lambda x: largest([x[2]]))
+            out.append(
+                f"- kto-pipeline, {label} regimes ({len(runs)} runs): largest step-1 |reward| "
+                f"{largest([x[2] for x in runs]):.3g} (cache {worst[0]}, train --{worst[1]}); largest kl "
+                f"{max(x[2]['step1']['kl'] for x in runs):.3g}."
+            )
+    bf16_matched = r["train"].get("bf16", {}).get("autocast")
+    if bf16_matched is not None and mismatched:
+        worst = largest([x[2] for x in mismatched])
+        out.append(
+            f"- kto-pipeline, bf16 cache (float32 weights under autocast) with train --bf16: |reward| up to "
+            f"{largest([bf16_matched]):.3g}, {largest([bf16_matched]) / worst:.0%} of the largest mismatched one "
+            f"({worst:.3g}); float32 with float32: {largest([r['train']['no-bf16']['float32']]):.3g}."
+        )
+    trl_ok = {k: v for k, v in r["trl"].items() if "step1" in v}
+    for name, t in trl_ok.items():
+        out.append(f"- {name}: step-1 |reward| up to {largest([t]):.3g}, kl {t['step1']['kl']:.3g}.")
+    failed = {k: v["failed"] for k, v in r["trl"].items() if "failed" in v}
+    for name, error in failed.items():
+        out.append(f"- {name} failed: `{error}`")
+    return out
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
+    parser.add_argument("name", nargs="?", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="Hugging Face model directory (or hub id)")
+    parser.add_argument("--data", default=str(DEFAULT_DATA), help="paired conversational rows (.jsonl), the demo's")
+    parser.add_argument("--pairs", type=int, default=4, help="use the first PAIRS pairs (2 rows each)")
+    parser.add_argument("--batch", type=int, default=4, help="per-device train batch of every training run")
+    parser.add_argument("--max-length", type=int, default=192, help="the demo's max length")
+    parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--no-trl", action="store_true", help="skip (c), the trl runs")
+    parser.add_argument("--work", default=str(WORK_DIR / "precision"), help="scratch directory (git-ignored)")
+    parser.add_argument("--results", default=str(RESULTS), help="Markdown file to write")
+    parser.add_argument(
+        "--render-only", action="store_true", help="rewrite --results from the last run's WORK/results.json"
+    )
+    parser.add_argument("--out", help=argparse.SUPPRESS)  # workers
+    args = parser.parse_args()
+    args.work = Path(args.work).resolve()
+    return args
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    return [
+        *("--model", args.model),
+        *("--data", args.data),
+        *("--pairs", str(args.pairs)),
+        *("--batch", str(args.batch)),
+        *("--max-length", str(args.max_length)),
+        *("--beta", str(args.beta)),
+    ]
+
+
+def main() -> None:
+    args = parse_args()
+    if args.mode == "worker":
+        print_result(worker(args))
+        return
+    if args.render_only:
+        write_report(json.loads((args.work / "results.json").read_text()), args)
+        return
+    if args.batch > 2 * args.pairs:
+        raise SystemExit(f"--batch {args.batch} needs at least {args.batch} rows: --pairs >= {-(-args.batch // 2)}")
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    work = args.work
+    shutil.rmtree(work, ignore_errors=True)  # from scratch: no cache, run or datasets cache of an earlier run
+    work.mkdir(parents=True)
+    write_rows(Path(args.data), args.pairs, args.batch, work)
+    script, flags = Path(__file__), worker_flags(args)
+
+    def run(name: str, cache_dir: str | None = None, must_succeed: bool = True) -> dict:
+        env = {"HF_DATASETS_CACHE": str(work / "hf-cache" / (cache_dir or name))}
+        return run_worker(script, name, work, flags, env=env, must_succeed=must_succeed, width=26)
+
+    r: dict = {"processes": {}}
+    print(f"(a) three caches of {2 * args.pairs} rows ...", flush=True)
+    r["caches"] = run("caches")
+    r["processes"]["caches"] = r["caches"]
+    r["cache_rows"] = {name: read_cache(work / "runs" / "caches" / name) for name, _, _ in CACHES}
+    r["cache_stats"] = compare_caches(r["cache_rows"])
+    print("(b) one step at learning rate 0 of each cache, train --no-bf16 and --bf16 ...", flush=True)
+    r["train"] = {}
+    for regime_name, _ in TRAIN_REGIMES:
+        res = run(f"ours_train_{regime_name.replace('-', '_')}")
+        r["processes"][f"ours_train_{regime_name}"] = res
+        r["train"][regime_name] = {k: v for k, v in res.items() if isinstance(v, dict)}
+    r["trl"] = {}
+    if not args.no_trl:
+        print("(c) trl.KTOTrainer, float32 and bf16, precomputed and online ...", flush=True)
+        for name, _, _, _, cache_dir in TRL_RUNS:
+            r["trl"][name] = run(name, cache_dir, must_succeed=False)
+            r["processes"][name] = r["trl"][name]
+    r["trl_ref_stats"] = trl_reference_stats(r["trl"], r["cache_rows"], args.max_length)
+    r["seconds"], r["loads"], r["date"] = time.perf_counter() - started, (load_start, os.getloadavg()[0]), utc_stamp()
+    (work / "results.json").write_text(json.dumps(r))  # `--render-only` rewrites the report from it
+    write_report(r, args)
+
+
+def write_report(r: dict, args: argparse.Namespace) -> None:
+    report = render(r, args, r["seconds"], r["loads"])
+    print("\n" + report)
+    Path(args.results).write_text(report)
+    print(f"written to {args.results}")
+
+
+if __name__ == "__main__":
+    main()
