@@ -603,6 +603,9 @@ def render(data: dict) -> str:
         "activations / temporaries. Floor: parameters + gradients + AdamW + the activations of the needed tokens",
         "(memory.floor_bytes).",
         "",
+        "The floor counts the gradients and all the needed activations as alive together, which no step reaches:",
+        "where the fixed part dominates (7B), ours / floor is below 1.",
+        "",
         "| model | max len | AC | ours | ours breakdown | floor | ours / floor | trl online (model) "
         "| trl online breakdown | trl precomputed (model) | ours / trl online | ours / trl precomp. "
         "| ours, proposed head |",
@@ -691,6 +694,16 @@ def render(data: dict) -> str:
             f"| {gib(floor)} | {r['ours']['peak_bytes'] / floor:.2f} |"
         )
     out += [
+        "",
+        "Reading the levers. The floor assumes the gradients and all the activations alive at once, which no "
+        "step reaches (activations are freed as gradients arrive): rows whose peak is the fixed part come out "
+        "below 1. Above it: FSDP2 rows hold (a) the root's parameters (embeddings, LM head: the root scorer is "
+        "their FSDP unit) unsharded in float32 from the first forward to the end of the backward, and (b) with "
+        "autocast around the root (`sharding.autocast_forward`), autocast's cache of bf16 casts of every layer's "
+        "all-gathered weights for the whole forward, so resharding after each layer frees the float32 copy but not "
+        "its bf16 cast; CPU offload moves the shards, the moments and the gradients to the host, not those. LoRA "
+        "with dropout (train's default 0.05) keeps each adapted layer's dropped-out input for the backward: more "
+        "activations than full fine-tuning, fewer gradients and moments.",
         "",
         f"torchao's AdamW8bit under the simulation, this run: {data.get('torchao', 'not run')}. Tried on 2026-11-23 "
         "with torchao 0.18.0 installed (it installs beside torch 2.13.0): its step is compiled with torch.compile, "
