@@ -198,9 +198,13 @@ def shard_model(root: torch.nn.Module, model, engine: Engine, device: torch.devi
     return root
 
 
-def autocast_forward(module: torch.nn.Module, mixed_precision: str) -> None:
+def autocast_forward(module: torch.nn.Module, mixed_precision: str, cache: bool = True) -> None:
     """Run `module`'s forward under autocast, as accelerate does for the models it prepares ("bf16", "fp16"; "no":
-    nothing): the weights stay float32, and so do the log-probs (the scoring computes them in float32)."""
+    nothing): the weights stay float32, and so do the log-probs (the scoring computes them in float32).
+
+    `cache=False` for a sharded model: autocast would keep its bf16 cast of every layer's gathered weights for the
+    whole forward, undoing the resharding after each layer (found by the memory simulation); the casts are the same
+    values either way."""
     if mixed_precision not in ("bf16", "fp16"):
         return
     import functools
@@ -211,7 +215,7 @@ def autocast_forward(module: torch.nn.Module, mixed_precision: str) -> None:
 
     @functools.wraps(forward)
     def autocast(*args, **kwargs):
-        with torch.autocast(device_type, dtype=dtype):
+        with torch.autocast(device_type, dtype=dtype, cache_enabled=cache):
             return forward(*args, **kwargs)
 
     module.forward = autocast

@@ -213,7 +213,7 @@ def load_reference(run: Pass) -> None:
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(run.model)
     run.scorer = ReferenceScorer(run.model)
-    autocast_forward(run.scorer, "bf16" if bf16 else "no")
+    autocast_forward(run.scorer, "bf16" if bf16 else "no", cache=not run.engine.collective_forwards)
     if run.engine.shards:  # each process keeps 1/N of the weights; each layer's are gathered for its forward
         shard_model(run.scorer, run.model, run.engine, run.state.device)
     elif run.engine.collective_forwards:  # the same with DeepSpeed ZeRO-3

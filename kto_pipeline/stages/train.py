@@ -168,7 +168,7 @@ def setup(config: TrainConfig) -> Run:
     scorer = PolicyScorer(model)
     if engine.shards:  # sharded before the optimizer is built: it holds each process's shards only
         shard_model(scorer, model, engine, accelerator.device)
-        autocast_forward(scorer, accelerator.mixed_precision)
+        autocast_forward(scorer, accelerator.mixed_precision, cache=False)
         optimizer = _optimizer(config, model)
         optimizer, loader = accelerator.prepare(optimizer, loader)
     else:
