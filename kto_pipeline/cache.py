@@ -146,11 +146,6 @@ class Manifest(dict):
         return self["settings"]["dtype"], self["settings"].get("autocast")
 
     @property
-    def distributed(self) -> dict[str, Any]:
-        """How the reference pass ran, e.g. {"engine": "fsdp2", "world_size": 2}."""
-        return self.get("distributed") or {"engine": "single", "world_size": self.timing.get("processes", 1)}
-
-    @property
     def counts(self) -> dict[str, Any]:
         """rows, desirable, undesirable, dropped ({reason: rows})."""
         return self["counts"]

@@ -22,6 +22,11 @@ class Regime:
     weights: str  # "float32", "bfloat16", "float16"
     autocast: str | None = None  # "bfloat16", "float16", or None
 
+    @property
+    def mixed_precision(self) -> str:
+        """accelerate's name for the autocast: "bf16", "fp16" or "no"."""
+        return next(name for name, dtype in AUTOCAST_DTYPES.items() if dtype == self.autocast)
+
     def __str__(self) -> str:
         return f"{self.weights} weights" + (f" under {self.autocast} autocast" if self.autocast else ", no autocast")
 

@@ -25,12 +25,11 @@ import torch
 
 from kto_pipeline.errors import KTOPipelineError
 
-FSDP_LAUNCH = "accelerate launch --config_file configs/accelerate/fsdp.yaml"
-
 
 def _flag(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
-    return default if value is None else value.strip().lower() in ("1", "true", "yes", "on")
+    from accelerate.utils import parse_flag_from_env  # accelerate's own reading of its boolean variables
+
+    return parse_flag_from_env(name, default)
 
 
 def launched_processes() -> int:

@@ -79,31 +79,34 @@ def conversational_rows(n: int = 12) -> list[dict]:
     return rows
 
 
+def torchrun_cmd(nproc: int, *args: str, log_dir: Path) -> list[str]:
+    """`torchrun --nproc_per_node N -m kto_pipeline ARGS`, every rank's output kept in `log_dir` (--log-dir --tee)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*cmd, "--log-dir", str(log_dir), "--tee", "3", "-m", "kto_pipeline", *args]
+
+
 def launch(nproc: int, *args: str, env: dict | None = None, log_dir: Path, timeout: int = 300):
-    """`torchrun --nproc_per_node N -m kto_pipeline ARGS`, every rank's output kept in `log_dir` (torchrun
-    --log-dir --tee). A failure or a hang shows each rank's log, so the rank that failed first names its cause."""
+    """Run `torchrun_cmd` to the end. A failure or a hang shows each rank's log, so the rank that failed first
+    names its cause."""
     import subprocess
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "--log-dir",
-        str(log_dir),
-        "--tee",
-        "3",
-        "-m",
-        "kto_pipeline",
-        *args,
-    ]
     try:
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(
+            torchrun_cmd(nproc, *args, log_dir=log_dir), env=env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         raise AssertionError(f"timed out after {timeout} s\n{rank_logs(log_dir)}") from None
     assert result.returncode == 0, f"exit {result.returncode}\n{rank_logs(log_dir)}\ntorchrun: {result.stderr[-2000:]}"
     return result
+
+
+def cli_args(**options) -> list[str]:
+    """Command-line flags for config fields: --name value, a bare --name for True."""
+    args = []
+    for key, value in options.items():
+        flag = f"--{key.replace('_', '-')}"
+        args += [flag] if value is True else [flag, str(value)]
+    return args
 
 
 def rank_logs(log_dir: Path, tail: int = 3000) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import rank_logs, read_metrics, train_config, unpaired_rows, write_jsonl
+from helpers import cli_args, rank_logs, read_metrics, train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline import PrecomputeConfig, precompute, train
 from kto_pipeline.cache import open_cache
@@ -41,14 +41,6 @@ def accelerate_launch(config: str, *args: str, log_dir: Path) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{rank_logs(log_dir)}\n{result.stderr[-2000:]}"
 
 
-def cli(**kw) -> list[str]:
-    args = []
-    for key, value in kw.items():
-        flag = f"--{key.replace('_', '-')}"
-        args += [flag] if value is True else [flag, str(value)]
-    return args
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("ds") / "d.jsonl", unpaired_rows(40))
@@ -61,7 +53,7 @@ def test_zero3_both_stages_equal_one_process_and_resume(tmp_path, tiny_model_dir
     one_cache = precompute(
         PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c1"), **PRECOMPUTE)
     )
-    pre = cli(model=tiny_model_dir, dataset=data, output=tmp_path / "c3", ddp_timeout=120, **PRECOMPUTE)
+    pre = cli_args(model=tiny_model_dir, dataset=data, output=tmp_path / "c3", ddp_timeout=120, **PRECOMPUTE)
     accelerate_launch("deepspeed_zero3", "precompute", *pre, log_dir=tmp_path / "logs-pre")
     three = open_cache(tmp_path / "c3", verify=True)
     assert three.manifest["distributed"] == {"engine": "deepspeed-zero3", "world_size": 2}
@@ -71,7 +63,7 @@ def test_zero3_both_stages_equal_one_process_and_resume(tmp_path, tiny_model_dir
         np.testing.assert_allclose(a["ref_kl_token_logps"], b["ref_kl_token_logps"], atol=1e-5)
 
     train(train_config(one_cache, tmp_path / "one", per_device_train_batch_size=8, **TRAIN))
-    args = cli(cache=one_cache, per_device_train_batch_size=4, ddp_timeout=120, no_bf16=True, **TRAIN)
+    args = cli_args(cache=one_cache, per_device_train_batch_size=4, ddp_timeout=120, no_bf16=True, **TRAIN)
     accelerate_launch("deepspeed_zero3", "train", *args, "--output-dir", str(tmp_path / "z3"), log_dir=tmp_path / "l")
     one, z3 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "z3")
     assert len(z3) == 4
@@ -105,7 +97,7 @@ def test_zero2_bf16_trains_in_the_regime_of_one_process(tmp_path, tiny_model_dir
         )
     )
     train(train_config(cache, tmp_path / "one", per_device_train_batch_size=8, bf16=True, **TRAIN))
-    args = cli(cache=cache, per_device_train_batch_size=4, ddp_timeout=120, bf16=True, **TRAIN)
+    args = cli_args(cache=cache, per_device_train_batch_size=4, ddp_timeout=120, bf16=True, **TRAIN)
     accelerate_launch("deepspeed_zero2", "train", *args, "--output-dir", str(tmp_path / "z2"), log_dir=tmp_path / "l")
     state = json.loads((tmp_path / "z2" / "trainer_state.json").read_text())
     assert state["distributed"] == {"engine": "deepspeed-zero2", "world_size": 2}

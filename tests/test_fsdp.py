@@ -16,13 +16,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import launch, rank_logs, read_metrics, write_jsonl
+from helpers import cli_args, launch, rank_logs, read_metrics, torchrun_cmd, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
@@ -59,14 +58,6 @@ def skewed_rows(n: int = 35) -> list[dict]:
         else:  # process 1: short prompts, both classes
             rows.append({"prompt": f"Q{i}?", "completion": " Yes" if i % 2 else " No", "label": bool(i % 2)})
     return rows
-
-
-def cli_args(config: dict) -> list[str]:
-    args = []
-    for key, value in config.items():
-        flag = f"--{key.replace('_', '-')}"
-        args += [flag] if value is True else [flag, str(value)]
-    return args
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +108,7 @@ def test_fsdp2_train_on_skewed_shards_equals_one_process_and_resumes_after_sigki
     single = {**config, "per_device_train_batch_size": 8, "per_device_eval_batch_size": 4}
     train(TrainConfig(output_dir=str(tmp_path / "one"), **single))
     # FSDP2, 2 processes x 4
-    args = ["train", *cli_args(config), "--ddp-timeout", "60"]
+    args = ["train", *cli_args(**config), "--ddp-timeout", "60"]
     launch(2, *args, "--output-dir", str(tmp_path / "two"), env=FSDP_ENV, log_dir=tmp_path / "logs")
 
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
@@ -143,7 +134,8 @@ def test_fsdp2_train_on_skewed_shards_equals_one_process_and_resumes_after_sigki
 
     # the same run, one rank SIGKILLed once its first checkpoint is written; then --resume
     killed = tmp_path / "killed"
-    torchrun = _start(2, *args, "--output-dir", str(killed), log_dir=tmp_path / "logs-killed")
+    cmd = torchrun_cmd(2, *args, "--output-dir", str(killed), log_dir=tmp_path / "logs-killed")
+    torchrun = subprocess.Popen(cmd, env=FSDP_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and not (killed / "checkpoint-2").exists() and torchrun.poll() is None:
         time.sleep(0.005)
@@ -161,12 +153,6 @@ def test_fsdp2_train_on_skewed_shards_equals_one_process_and_resumes_after_sigki
     # another world size cannot resume it: refused before anything is loaded
     with pytest.raises(KTOPipelineError, match=r"written by 2 process\(es\) \(fsdp2\).*this run has 1 \(single\)"):
         train(TrainConfig(output_dir=str(killed), resume=True, **config))
-
-
-def _start(nproc: int, *args: str, log_dir: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += ["--log-dir", str(log_dir), "--tee", "3", "-m", "kto_pipeline", *args]
-    return subprocess.Popen(cmd, env=FSDP_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _ranks(parent: int) -> list[int]:
@@ -225,7 +211,7 @@ def test_fsdp2_lora_with_merge_equals_one_process(tmp_path, skewed):
     config = dict(cache=str(cache), max_steps=3, logging_steps=1, learning_rate=1e-2, seed=3, lora_r=4)
     config.update(lora_dropout=0.0, merge=True, train_sampling_strategy="sequential")
     train(TrainConfig(output_dir=str(tmp_path / "one"), per_device_train_batch_size=8, **config))
-    args = ["train", *cli_args(config), "--per-device-train-batch-size", "4", "--output-dir", str(tmp_path / "two")]
+    args = ["train", *cli_args(**config), "--per-device-train-batch-size", "4", "--output-dir", str(tmp_path / "two")]
     launch(2, *args, "--ddp-timeout", "60", env=FSDP_ENV, log_dir=tmp_path / "logs")
     for a, b in zip(read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one"), strict=True):
         for key in ("loss", "grad_norm"):

@@ -571,7 +571,7 @@ def _write_cards(run: Run) -> None:
     card = dict(
         chat_template=run.tokenizer.chat_template is not None,
         num_processes=run.accelerator.num_processes,
-        precision={None: "no", "bfloat16": "bf16", "float16": "fp16"}[run.regime.autocast],
+        precision=run.regime.mixed_precision,
     )
     write_model_card(run.out, config, run.manifest, history, adapter=run.config.lora_r is not None, **card)
     if run.config.merge:
