@@ -37,7 +37,10 @@ from kto_pipeline.scoring.attention import (
 )
 from kto_pipeline.scoring.packing import Layout, ScoredSequence, Tree, layout_trees, pack_batches, pack_trees
 
-DEFAULT_CHUNK_SIZE = 1024
+# A chunk is as many scored tokens as make this many bytes of float32 logits (Qwen2's 152k vocabulary: 220 tokens;
+# SmolLM2's 49k: 682), so that the head's transients stay small beside the activations whatever the vocabulary.
+CHUNK_LOGITS_BYTES = 128 << 20
+DEFAULT_CHUNK_SIZE = None  # rows per chunk: from CHUNK_LOGITS_BYTES
 # Float32 logits of up to this many bytes are kept from the forward for the backward rather than recomputed
 # (one matmul of the head saved per step; the backward reads the same values it would have recomputed).
 KEEP_LOGITS_BYTES = 256 << 20
@@ -51,17 +54,20 @@ def _chunk_logits(
     softcap: float | None,
     buffer: torch.Tensor,  # (>= n, V) float32, reused from chunk to chunk
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float32 logits of one chunk, plus tanh(raw / softcap) when soft-capping (needed for the backward).
+    """Float32 logits of one chunk, in `buffer`, plus tanh(raw / softcap) when soft-capping (needed for the
+    backward).
 
     Float32 matmuls write into `buffer`: a fresh (n, V) block per chunk is page-faulted and zeroed by the
-    kernel on every allocation, which cost about a fifth of the head's time on the CPU."""
+    kernel on every allocation, which cost about a fifth of the head's time on the CPU. Lower-precision logits
+    (bf16 autocast) are cast into it, the value `.float()` gives, without a fresh float32 block per chunk."""
+    logits = buffer[: hidden.shape[0]]
     if hidden.dtype == torch.float32:
-        out = buffer[: hidden.shape[0]]
-        logits = (
-            torch.mm(hidden, weight.t(), out=out) if bias is None else torch.addmm(bias, hidden, weight.t(), out=out)
-        )
+        if bias is None:
+            torch.mm(hidden, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, hidden, weight.t(), out=logits)
     else:
-        logits = F.linear(hidden, weight, bias).float()  # (n, V)
+        logits.copy_(F.linear(hidden, weight, bias))  # (n, V) in bf16, then float32
     if logit_scale != 1.0:
         logits.mul_(logit_scale)
     tanh = None
@@ -93,8 +99,6 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             end = min(start + chunk_size, n)
             out = buffer if kept is None else kept[start:end]
             logits, _ = _chunk_logits(hidden[start:end], weight, bias, logit_scale, softcap, out)
-            if kept is not None and logits.data_ptr() != out.data_ptr():  # bf16/fp16: cast to a new tensor
-                logits = out.copy_(logits)
             target_logits = logits.gather(-1, targets[start:end, None]).squeeze(-1)
             if with_stats:  # metrics only; skipped by the reference pass and the KL forward
                 mean_logits[start:end] = logits.mean(-1)
@@ -160,12 +164,13 @@ def chunked_token_logps(
     weight: torch.Tensor,
     targets: torch.Tensor,
     bias: torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     logit_scale: float = 1.0,
     softcap: float | None = None,
     with_stats: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-prob of each target token under an LM head, computed `chunk_size` rows at a time.
+    """Log-prob of each target token under an LM head, computed `chunk_size` rows at a time (default: as many as
+    make CHUNK_LOGITS_BYTES of float32 logits).
 
     Args:
         hidden: (N, H) hidden states, one row per scored position.
@@ -181,6 +186,8 @@ def chunked_token_logps(
         entropy (N,) float32 of the next-token distribution. The last two carry no gradient, and are
         zeros with `with_stats=False` (which saves two passes over each chunk's logits).
     """
+    if chunk_size is None:
+        chunk_size = max(16, CHUNK_LOGITS_BYTES // (4 * weight.shape[0]))
     # Under autocast the custom Function would see mixed dtypes; cast explicitly to what autocast would use.
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
@@ -269,7 +276,7 @@ def _scorable(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _head_logps(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int, with_stats: bool):
+def _head_logps(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int | None, with_stats: bool):
     """(logps, mean_logits, entropy) of `targets` (N,) predicted from `hidden` (N, H) through the LM head."""
     head = model.get_output_embeddings()
     logit_scale, softcap = lm_head_settings(model)
@@ -303,7 +310,7 @@ def score_sequences(
     input_ids: torch.Tensor,  # (B, T)
     attention_mask: torch.Tensor,  # (B, T)
     completion_mask: torch.Tensor,  # (B, T), 1 on completion tokens
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     with_stats: bool = True,
     output_router_logits: bool = False,
 ) -> Scores:
@@ -349,7 +356,7 @@ def _forward(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | 
         )
 
 
-def _score_branch(model, layout: Layout, hidden, where, branch: int, chunk_size: int, with_stats: bool, **extra):
+def _score_branch(model, layout: Layout, hidden, where, branch: int, chunk_size: int | None, with_stats: bool, **extra):
     """Scores of continuation `branch` (1-based) of every tree, from the hidden states `hidden[where[flat index]]`;
     sequences are numbered by tree."""
     sel = ((layout.sequence % layout.branches) == branch - 1).nonzero()[:, 0]
@@ -360,7 +367,7 @@ def _score_branch(model, layout: Layout, hidden, where, branch: int, chunk_size:
     return _scores(logps, layout.sequence[sel] // layout.branches, layout.num_trees, mean_logits, entropy, **extra)
 
 
-def score_layout(model, layout: Layout, chunk_size: int = DEFAULT_CHUNK_SIZE, with_stats: bool = True) -> Scores:
+def score_layout(model, layout: Layout, chunk_size: int | None = DEFAULT_CHUNK_SIZE, with_stats: bool = True) -> Scores:
     """Score every continuation of a packed layout in one forward over its rows: each prompt runs once.
     The reference pass scores `(prompt, [completion, KL completion])` trees with it, without gradients.
     Sequences are numbered tree * branches + continuation."""
@@ -385,7 +392,7 @@ def score_policy(
     model,
     layout: Layout,
     with_kl: bool = True,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     with_stats: bool = True,
     output_router_logits: bool = False,
     gather_kl: bool | None = None,
