@@ -411,6 +411,15 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
         "## (c) trl.KTOTrainer in the same setting",
         "",
         f"trl gets the step-1 batch only (the first {args.batch} rows above, the same token ids: checked below).",
+        *(
+            [
+                "",
+                f"These trl runs are reused from this benchmark's run of {r['trl_reused_from']} (`--reuse-trl`): "
+                "trl, its settings and the rows are the same; only kto-pipeline's side was run again.",
+            ]
+            if r.get("trl_reused_from")
+            else []
+        ),
         "",
         "| trl run | KTOConfig | reference | reference forwards before training | its ref_logps vs trl's float32 "
         "pass: max abs diff (mean) | rewards/chosen | rewards/rejected | rewards/margins | kl | train (s) |",
@@ -550,6 +559,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=192, help="the demo's max length")
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--no-trl", action="store_true", help="skip (c), the trl runs")
+    parser.add_argument(
+        "--reuse-trl", action="store_true", help="(c) from the last run's WORK/results.json instead of running trl"
+    )
     parser.add_argument("--work", default=str(WORK_DIR / "precision"), help="scratch directory (git-ignored)")
     parser.add_argument("--results", default=str(RESULTS), help="Markdown file to write")
     parser.add_argument(
@@ -584,6 +596,7 @@ def main() -> None:
         raise SystemExit(f"--batch {args.batch} needs at least {args.batch} rows: --pairs >= {-(-args.batch // 2)}")
     started, load_start = time.perf_counter(), os.getloadavg()[0]
     work = args.work
+    earlier = json.loads((work / "results.json").read_text()) if args.reuse_trl else None
     shutil.rmtree(work, ignore_errors=True)  # from scratch: no cache, run or datasets cache of an earlier run
     work.mkdir(parents=True)
     write_rows(Path(args.data), args.pairs, args.batch, work)
@@ -606,7 +619,10 @@ def main() -> None:
         r["processes"][f"ours_train_{regime_name}"] = res
         r["train"][regime_name] = {k: v for k, v in res.items() if isinstance(v, dict)}
     r["trl"] = {}
-    if not args.no_trl:
+    if earlier is not None:
+        r["trl"], r["trl_reused_from"] = earlier["trl"], earlier.get("trl_reused_from") or earlier["date"]
+        r["processes"].update({name: earlier["processes"][name] for name in earlier["trl"]})
+    elif not args.no_trl:
         print("(c) trl.KTOTrainer, float32 and bf16, precomputed and online ...", flush=True)
         for name, _, _, _, cache_dir in TRL_RUNS:
             r["trl"][name] = run(name, cache_dir, must_succeed=False)

@@ -13,10 +13,7 @@ import torch.nn.functional as F
 from kto_pipeline.scoring import attention
 from kto_pipeline.scoring.attention import (
     packing_unsupported,
-    tree_attention_pays,
-    tree_blocks,
     tree_blocks_on,
-    tree_mask,
 )
 from kto_pipeline.scoring.logprobs import score_layout, score_policy, score_sequences
 from kto_pipeline.scoring.packing import MAX_ROW_TOKENS, AttentionCosts, layout_trees, pack_rows
@@ -235,8 +232,6 @@ def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
     trees = random_trees(6, seed=5)
     calls = []
 
-    monkeypatch.setattr(attention, "TREE_CALL_FLOPS", 0)  # tree by tree even where calls cost more than it saves
-
     def run(by_tree: bool):
         monkeypatch.setattr(attention, "tree_blocks_on", lambda m, d: by_tree)
         with torch.no_grad():
@@ -265,29 +260,45 @@ def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-def test_tree_attention_runs_where_it_saves_more_than_its_calls_cost():
-    from types import SimpleNamespace
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_sequence_scores_alike_in_every_layout(dtype):
+    """Attention sequence by sequence makes a sequence's log-probs one computation wherever it lies: the reference
+    pass's rows of several trees, one tree alone, and training's rows with the KL completions on the cached prompts
+    (in rows and gathered). Under bf16 autocast on the CPU they are equal bit for bit (the dense mask's extra masked
+    keys moved them by up to 4e-3 a value); in float32, to float32 rounding (the CPU's float32 matmuls round a
+    single row apart from a batch)."""
+    model = make_model("llama")
+    with torch.no_grad():
+        for p in model.parameters():  # scaled up so that precision shows (a random tiny model is nearly uniform)
+            p.mul_(4.0 if p.ndim == 2 else 1.0)
+    trees = random_trees(6, seed=5)
+    exact = dtype == torch.bfloat16
 
-    from transformers import LlamaConfig
+    def per_sequence(scores, sequences):
+        return [t.float() for t in scores.per_sequence()[: len(sequences)]]
 
-    def pays(hidden: int, heads: int, tree_tokens: int, trees: int) -> bool:
-        config = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads)
-        tree = ([1] * (tree_tokens - 2), [[2], [3]])
-        layout = layout_trees([tree] * trees)
-        queries = torch.arange(layout.width)[None]
-        blocks = tree_blocks(layout, queries, queries, tree_mask(layout, queries, queries, None))
-        return tree_attention_pays(SimpleNamespace(config=config), queries, queries, blocks)
-
-    assert pays(hidden=576, heads=9, tree_tokens=120, trees=8)  # SmolLM2's width, real rows
-    assert not pays(hidden=64, heads=4, tree_tokens=15, trees=7)  # the tests' tiny models
-    assert not pays(hidden=576, heads=9, tree_tokens=120, trees=1)  # one tree: nothing to save
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=exact), torch.no_grad():
+        packed = score_layout(model, layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5)).per_sequence()
+        alone = [t for i in range(len(trees)) for t in score_layout(model, layout_trees([trees[i]])).per_sequence()]
+        policy = []
+        for gather in (False, True):
+            scores = score_policy(
+                model, layout_trees(trees, [[0, 5], [1, 2, 3], [4]], split_last=True), gather_kl=gather
+            )
+            completions, kl = scores.completions.per_sequence(), scores.kl.per_sequence()
+            policy.append([t for pair in zip(completions, kl, strict=True) for t in pair])
+    for other in (alone, *policy):
+        for a, b in zip(packed, other, strict=True):
+            if exact:
+                assert torch.equal(a, b), (a - b).abs().max()
+            else:
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_gradient_checkpointing_attends_on_the_dense_mask(monkeypatch):
     """Gradient checkpointing recomputes each layer in the backward, outside the forward's tree-by-tree attention,
     and must save the same tensors as the forward: so its forwards take the dense mask, with the same gradients."""
 
-    monkeypatch.setattr(attention, "TREE_CALL_FLOPS", 0)  # the tiny model goes tree by tree where it may
     trees = random_trees(5, seed=6)
     grads = []
     for checkpointing in (False, True):

@@ -9,9 +9,9 @@ attention mask lets each token see exactly what it would see in its own unpadded
 only on the tokens it sees and their positions, so the values equal the padded computation (one sequence a row) up
 to float rounding; the tests hold them to 1e-5.
 
-Under the dense mask every query of a row meets every key of the row. On the CPU, where it pays (real models),
-attention runs tree by tree instead (`tree_attention`), each tree's queries meeting only its own keys, so a row's
-width costs nothing. `packing_unsupported` names the models that take no packed layout at all (they run padded).
+Under the dense mask every query of a row meets every key of the row. On the CPU attention runs sequence by
+sequence instead (`tree_attention`), each run of one sequence's queries meeting only the keys it may see, so a row's
+width costs nothing and a sequence computes alike in every layout. `packing_unsupported` names the models that take no packed layout at all (they run padded).
 """
 
 from __future__ import annotations
@@ -51,48 +51,51 @@ def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window:
     return visible[:, None]
 
 
-# ------------------------------------------------------------------------------ attention tree by tree
+# ------------------------------------------------------------------------------ attention sequence by sequence
 #
 # Under the dense mask every query of a row meets every key of the row, so a row of 8 trees of 120 tokens runs
 # 8x the (query, key) pairs it needs. `tree_attention` (registered with transformers as TREE_ATTENTION) runs
-# transformers' own sdpa attention once per tree instead, on that tree's queries and keys and its part of the
-# mask: the same values, only the needed pairs. It is a speed-up and never a condition of correctness: the dense
-# mask is still handed over, and a call that brings no blocks runs plain sdpa on it. Gradient checkpointing never
-# goes tree by tree (see `tree_blocks_on`).
+# transformers' own sdpa attention once per run of one sequence's tokens instead: a tree's prompt, or one of its
+# continuations, meeting exactly the keys it may see (its prompt, then its own continuation). Only the needed
+# pairs run, and a sequence's attention is the same computation however the trees are laid out: in the
+# reference pass's rows, or in training's, where the KL completions run apart on the prompts' cached keys. The
+# masked keys a dense call would also take change sdpa's result on the CPU under bf16 (about 4e-3 per value,
+# 0.66 nats on a SmolLM2 sequence log-prob: benchmarks/RESULTS-precision.md), so this path is what makes a
+# policy equal to its reference score exactly its cached values. Where it is available (`tree_blocks_on`) it
+# always runs. Gradient checkpointing never goes sequence by sequence (see `tree_blocks_on`).
 
 TREE_ATTENTION = "kto_tree_sdpa"
 
 
 @dataclass
 class RowBlocks:
-    """One row's queries as runs of one tree's tokens, for `tree_attention`: built once per forward, read by
+    """One row's queries as runs of one sequence's tokens, for `tree_attention`: built once per forward, read by
     every layer."""
 
     lengths: list[int]  # every run, in order (padding runs included)
     is_tree: list[bool]  # False: a run of padding, whose outputs are zeros (no real token attends to padding)
-    keys: torch.Tensor  # the key columns of each tree run's tree, run after run
-    widths: list[int]  # how many of `keys` belong to each tree run
-    masks: list[torch.Tensor]  # (1, 1, length, width) bool for each tree run: its part of the row's mask
-
-    def pairs(self) -> int:
-        """The (query, key) pairs attention runs tree by tree."""
-        tree_lengths = [n for n, is_tree in zip(self.lengths, self.is_tree, strict=True) if is_tree]
-        return sum(q * k for q, k in zip(tree_lengths, self.widths, strict=True))
+    keys: torch.Tensor  # the key columns of each sequence run, run after run
+    widths: list[int]  # how many of `keys` belong to each sequence run
+    masks: list[torch.Tensor]  # (1, 1, length, width) bool for each sequence run: its part of the row's mask
 
 
 def tree_blocks(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> list[RowBlocks]:
     """The `RowBlocks` of each row n of `queries` (N, Q) attending to `keys` (N, K) under the mask `visible`
-    (N, 1, Q, K)."""
-    t = layout.tree.reshape(-1)
-    tq, tk = t[queries], t[keys]
+    (N, 1, Q, K): runs of queries of one (tree, branch), each with the keys of its tree's prompt and, for a
+    continuation, its own branch, in the keys' order."""
+    t, b = layout.tree.reshape(-1), layout.branch.reshape(-1)
+    tq, bq, tk, bk = t[queries], b[queries], t[keys], b[keys]
     out = []
     for n in range(queries.shape[0]):
-        trees, counts = torch.unique_consecutive(tq[n], return_counts=True)
+        # one id per (tree, branch); padding (tree -1) gets negative ids
+        ids, counts = torch.unique_consecutive(tq[n] * (int(b.max()) + 2) + bq[n] + 1, return_counts=True)
         lengths, is_tree, cols, masks, start = counts.tolist(), [], [], [], 0
-        for tree, length in zip(trees.tolist(), lengths, strict=True):
+        for length in lengths:
+            tree, branch = int(tq[n, start]), int(bq[n, start])
             is_tree.append(tree >= 0)
             if tree >= 0:
-                cols.append((tk[n] == tree).nonzero()[:, 0])
+                own = (tk[n] == tree) & ((bk[n] == BRANCH_PROMPT) | (bk[n] == branch))
+                cols.append(own.nonzero()[:, 0])
                 masks.append(visible[n : n + 1, :, start : start + length].index_select(3, cols[-1]))
             start += length
         every = torch.cat(cols) if cols else tk.new_zeros(0)
@@ -101,28 +104,18 @@ def tree_blocks(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visib
 
 
 # One sdpa call costs about as much on the CPU as 10 MFLOP of attention, whatever its size (the measurement is in
-# benchmarks/RESULTS.md, "The price of an attention call").
+# benchmarks/RESULTS.md, "The price of an attention call"). `pack_rows` weighs it when it lays trees out.
 TREE_CALL_FLOPS = 10e6
 
 
-def tree_attention_pays(model, queries: torch.Tensor, keys: torch.Tensor, blocks: list[RowBlocks]) -> bool:
-    """Whether attending tree by tree saves more than its calls cost: the (query, key) pairs the dense mask runs
-    beyond the trees' own, at 4 * heads * head_dim FLOPs each, against TREE_CALL_FLOPS per tree (per layer both).
-    Real models' rows of several trees: yes by far; the tests' tiny models: no. `pack_rows` weighs the same."""
-    dense = queries.shape[0] * queries.shape[1] * keys.shape[1]
-    saved = (dense - sum(row.pairs() for row in blocks)) * 4 * _attention_width(text_config(model))
-    return saved > sum(len(row.widths) for row in blocks) * TREE_CALL_FLOPS
-
-
-def paying_tree_blocks(
+def sequence_blocks(
     model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
 ) -> list[RowBlocks] | None:
     """The blocks a forward hands to `tree_attention`, or None where it attends on the dense mask: the model or
-    device cannot go tree by tree (`tree_blocks_on`), or going tree by tree would not pay (`tree_attention_pays`)."""
+    device cannot go sequence by sequence (`tree_blocks_on`)."""
     if not tree_blocks_on(model, queries.device):
         return None
-    blocks = tree_blocks(layout, queries, keys, visible)
-    return blocks if tree_attention_pays(model, queries, keys, blocks) else None
+    return tree_blocks(layout, queries, keys, visible)
 
 
 def _attention_width(config) -> int:
@@ -164,8 +157,8 @@ def _register_tree_attention() -> None:
 
 
 def tree_blocks_on(model, device) -> bool:
-    """Whether packed forwards of this model on `device` run attention tree by tree: sdpa models whose backbone
-    passes extra keyword arguments down to the attention, on the CPU. There, attention's FLOPs are dear and a
+    """Whether packed forwards of this model on `device` run attention sequence by sequence: sdpa models whose
+    backbone passes extra keyword arguments down to the attention, on the CPU. There, attention's FLOPs are dear and a
     call is cheap; on a GPU one dense masked kernel beats a launch per tree and layer (not measured yet: the
     dense path stays there). Not under gradient checkpointing: its backward recomputes each layer outside the
     forward and must save the same tensors as the forward did."""

@@ -32,7 +32,7 @@ from kto_pipeline.scoring.attention import (
     attention_by_tree,
     attention_costs,
     attention_mask_for,
-    paying_tree_blocks,
+    sequence_blocks,
     tree_mask,
 )
 from kto_pipeline.scoring.packing import Layout, ScoredSequence, Tree, layout_trees, pack_batches, pack_trees
@@ -342,7 +342,7 @@ def _forward(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | 
     keys = queries if keys is None else keys
     visible = tree_mask(layout, queries, keys, sliding_window(model))
     dtype = model.get_input_embeddings().weight.dtype
-    blocks = paying_tree_blocks(model, layout, queries, keys, visible)
+    blocks = sequence_blocks(model, layout, queries, keys, visible)
     if blocks is not None:
         extra["tree_blocks"] = blocks
     with attention_by_tree(model, blocks is not None):

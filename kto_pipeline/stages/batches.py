@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from kto_pipeline.cache import CacheTable
+from kto_pipeline.cache import CacheTable, token_sum
 from kto_pipeline.scoring.logprobs import PolicyScores, pad_sequences, score_policy, score_sequences
 from kto_pipeline.scoring.packing import AttentionCosts, Layout, layout_trees, pack_rows
 
@@ -70,7 +70,7 @@ class CacheRows(Dataset):
                 if len(row[ids]) > room:
                     row[ids] = row[ids][:room]
                     row[logps] = row[logps][:room]
-                    row[total] = float(np.sum(np.asarray(row[logps], dtype=np.float32), dtype=np.float32))
+                    row[total] = token_sum(row[logps])
         return row
 
 

@@ -39,6 +39,7 @@ from kto_pipeline.cache import (
     new_manifest,
     read_manifest,
     sha256_file,
+    token_sum,
     tokenizer_hash,
     write_manifest,
     write_shard,
@@ -458,8 +459,8 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> dict:
         cols["completion_ids"].append(trees[row][1][0])
         cols["kl_example_id"].append(int(tok.example_ids[partner_pos[pos]]))
         cols["kl_completion_ids"].append(trees[row][1][1])
-        cols["ref_logp"].append(float(main.sum(dtype=np.float32)))
-        cols["ref_kl_logp"].append(float(kl.sum(dtype=np.float32)))
+        cols["ref_logp"].append(token_sum(main))
+        cols["ref_kl_logp"].append(token_sum(kl))
         cols["ref_token_logps"].append(main)
         cols["ref_kl_token_logps"].append(kl)
     return cols

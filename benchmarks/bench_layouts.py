@@ -1,0 +1,143 @@
+"""Why step 1 is not exactly zero under bf16 (issue 24, point 5): the same sequences scored in different layouts.
+
+At step 1 the policy is the reference, so its rewards are the difference between two computations of the same
+log-probs: the reference pass's (packed trees, several per row, each KL completion beside its completion) and
+training's (the step's batch packed its own way, the KL completions on the prompts' cached keys/values). This
+script scores one cache's sequences again, in the regime the cache was made in, in several layouts, and compares
+each with the cache:
+
+    stage 1 as run       score_shard over all trees, as precompute batched them (must equal the cache: checks
+                         the harness)
+    stage 1, tree alone  score_shard with one tree per forward
+    padded, alone        every sequence alone, unpadded (the padded path, batch 1)
+    stage 2, batch       training's forward (PolicyScorer over the Collator's layout) on the step-1 batch
+    stage 2, row alone   training's forward on one row at a time
+
+and, where the model attends tree by tree on this CPU (`tree_attention`), the same with that switched off and on
+everywhere. The rows are bench_precision.py's (the demo's first pairs), and its caches are reused:
+
+    .venv/bin/python benchmarks/bench_precision.py      # once: writes the caches under benchmarks/.work/precision
+    .venv/bin/python benchmarks/bench_layouts.py        # prints a Markdown table
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from harness import WORK_DIR, machine
+
+CACHES = WORK_DIR / "precision" / "runs" / "caches"
+
+
+def load(cache_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    from kto_pipeline.cache import open_cache
+
+    cache = open_cache(cache_dir)
+    rows = cache.table.to_pylist()
+    model = AutoModelForCausalLM.from_pretrained(cache.manifest.reference_model, dtype=torch.float32)
+    model.eval()
+    return cache, rows, model
+
+
+@contextmanager
+def tree_attention_forced(on: bool | None):
+    """None: as the package decides; True/False: attend tree by tree always / never (where the model can)."""
+    from kto_pipeline.scoring import attention
+
+    if on is None:
+        yield
+        return
+    saved = attention.tree_attention_pays
+    attention.tree_attention_pays = lambda *a, **k: on
+    try:
+        yield
+    finally:
+        attention.tree_attention_pays = saved
+
+
+def stage1(model, rows, pad_id, batch_size, max_tokens) -> list[tuple[float, float]]:
+    from kto_pipeline.scoring.logprobs import score_shard
+
+    trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
+    out = score_shard(model, trees, pad_id, batch_size, max_tokens, "cpu")
+    return [(float(np.sum(c, dtype=np.float32)), float(np.sum(k, dtype=np.float32))) for c, k in out]
+
+
+def padded_alone(model, rows, pad_id) -> list[tuple[float, float]]:
+    from kto_pipeline.scoring.logprobs import score_shard
+
+    trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
+    out = score_shard(model, trees, pad_id, 1, 1 << 30, "cpu", packed=False)
+    return [(float(np.sum(c, dtype=np.float32)), float(np.sum(k, dtype=np.float32))) for c, k in out]
+
+
+def stage2(model, rows, pad_id, batch_size) -> list[tuple[float, float]]:
+    from kto_pipeline.scoring.attention import attention_costs
+    from kto_pipeline.stages.batches import Collator, PolicyScorer
+
+    scorer, collate = PolicyScorer(model), Collator(pad_id, packed=True, attention=attention_costs(model, "cpu"))
+    out = []
+    for start in range(0, len(rows), batch_size):
+        scores = scorer(collate(rows[start : start + batch_size]), with_stats=False)  # with grad, as training
+        out += list(zip(scores.completions.logps.tolist(), scores.kl.logps.tolist(), strict=True))
+    return out
+
+
+def compare(values, rows) -> dict:
+    c = np.array([v[0] for v in values]) - np.array([r["ref_logp"] for r in rows])
+    k = np.array([v[1] for v in values]) - np.array([r["ref_kl_logp"] for r in rows])
+    return dict(c_max=np.abs(c).max(), c_mean=np.abs(c).mean(), k_max=np.abs(k).max(), k_mean=np.abs(k).mean())
+
+
+def main() -> None:
+    from kto_pipeline import PrecomputeConfig
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--caches", default=str(CACHES), help="bench_precision.py's caches directory")
+    parser.add_argument("--names", nargs="+", default=["float32", "autocast"], help="caches to re-score")
+    parser.add_argument("--batch", type=int, default=4, help="training's batch (bench_precision's step 1)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"machine: {machine()}; torch {torch.__version__}\n")
+    print("| cache (regime) | layout | tree attention | completions: max abs diff | mean | KL: max | mean | s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name in args.names:
+        cache, rows, model = load(Path(args.caches) / name)
+        weights, autocast = cache.manifest.precision
+        regime = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext()
+        pad_id = cache.manifest["tokenizer"]["pad_token_id"]
+        defaults = PrecomputeConfig(model="", dataset="", output="")  # what precompute batched the cache by
+        batch_size, max_tokens = defaults.batch_size, defaults.max_tokens_per_batch
+        layouts = [
+            ("stage 1 as run", partial(stage1, model, rows, pad_id, batch_size, max_tokens)),
+            ("stage 1, tree alone", partial(stage1, model, rows, pad_id, 1, max_tokens)),
+            ("padded, alone", partial(padded_alone, model, rows, pad_id)),
+            (f"stage 2, batch {args.batch}", partial(stage2, model, rows, pad_id, args.batch)),
+            ("stage 2, row alone", partial(stage2, model, rows, pad_id, 1)),
+        ]
+        for forced in (None, False, True):
+            for label, run in layouts:
+                if forced is not None and label.startswith("padded"):
+                    continue
+                start = time.perf_counter()
+                with regime, tree_attention_forced(forced):
+                    d = compare(run(), rows)
+                seconds = time.perf_counter() - start
+                how = {None: "as decided", False: "off", True: "on"}[forced]
+                print(
+                    f"| {name} ({weights}, autocast {autocast}) | {label} | {how} | {d['c_max']:.3g} | "
+                    f"{d['c_mean']:.3g} | {d['k_max']:.3g} | {d['k_mean']:.3g} | {seconds:.0f} |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
