@@ -11,7 +11,8 @@ to float rounding; the tests hold them to 1e-5.
 
 Under the dense mask every query of a row meets every key of the row. On the CPU attention runs sequence by
 sequence instead (`tree_attention`), each run of one sequence's queries meeting only the keys it may see, so a row's
-width costs nothing and a sequence computes alike in every layout. `packing_unsupported` names the models that take no packed layout at all (they run padded).
+width costs nothing and a sequence computes alike in every layout. `packing_unsupported` names the models that
+take no packed layout at all (they run padded).
 """
 
 from __future__ import annotations
