@@ -401,6 +401,7 @@ def build_model(model_config, settings: StepSettings, fake, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     from kto_pipeline.config import TrainConfig
+    from kto_pipeline.scoring.attention import checkpointing_kwargs
     from kto_pipeline.stages.train import _add_lora, _disable_dropout
 
     config = type(model_config).from_dict(model_config.to_dict())  # a copy: the model may change it
@@ -414,7 +415,7 @@ def build_model(model_config, settings: StepSettings, fake, seed: int = 0):
         model.config.use_cache = False
         _disable_dropout(model)
         if settings.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
         return model if lora is None else _add_lora(model, lora)
 
     if fake is None:

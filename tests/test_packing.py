@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kto_pipeline.scoring import attention
 from kto_pipeline.scoring.attention import (
+    checkpointing_kwargs,
     packing_unsupported,
     tree_blocks_on,
 )
@@ -173,7 +174,7 @@ def test_gradient_checkpointing_runs_the_prompt_again_for_the_kl():
     """A model that keeps no keys/values while training (gradient checkpointing) scores the KL completions in a
     forward over the prompts and KL completions: same values, P + K more tokens."""
     model = make_model("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
     model.train()
     trees = random_trees(5, seed=3)
     layout = layout_trees(trees, [[0, 1], [2, 3, 4]], split_last=True)
@@ -295,22 +296,39 @@ def test_a_sequence_scores_alike_in_every_layout(dtype):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_gradient_checkpointing_attends_on_the_dense_mask(monkeypatch):
-    """Gradient checkpointing recomputes each layer in the backward, outside the forward's tree-by-tree attention,
-    and must save the same tensors as the forward: so its forwards take the dense mask, with the same gradients."""
-
+def test_gradient_checkpointing_recomputes_with_the_forwards_attention(monkeypatch):
+    """Gradient checkpointing recomputes each layer in the backward, after the forward's sequence-by-sequence
+    attention has exited; `checkpointing_kwargs` makes the recomputation attend as the forward did (else it would
+    save other tensors). The log-probs are bit-equal with and without checkpointing (bf16 autocast), and the
+    gradients equal to float32 rounding."""
     trees = random_trees(5, seed=6)
-    grads = []
+    calls = []
+    original = attention.tree_attention
+    monkeypatch.setattr(
+        attention, "tree_attention", lambda *a, **k: calls.append(k.get("tree_blocks")) or original(*a, **k)
+    )
+    results = {}
     for checkpointing in (False, True):
-        model = make_model("llama")
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        assert tree_blocks_on(model, "cpu") is not checkpointing
-        scores = score_policy(model, layout_trees(trees, [[0, 1, 2, 3, 4]], split_last=True))
-        scores.completions.logps.sum().backward()
-        grads.append([p.grad for p in model.parameters()])
-    for a, b in zip(*grads, strict=True):
+        for bf16 in (False, True):
+            model = make_model("llama")
+            if checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
+            model.train()
+            assert tree_blocks_on(model, "cpu")
+            calls.clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                scores = score_policy(model, layout_trees(trees, [[0, 1, 2, 3, 4]], split_last=True))
+            forward_calls = len(calls)
+            scores.completions.logps.sum().backward()
+            assert model.config._attn_implementation == "sdpa"  # restored
+            assert all(blocks is not None for blocks in calls)  # forward and recomputation: sequence by sequence
+            assert (len(calls) > forward_calls) is checkpointing  # the backward recomputed the layers
+            values = [scores.completions.token_logps.detach(), scores.kl.token_logps]
+            results[checkpointing, bf16] = values, [p.grad for p in model.parameters()]
+    for bf16 in (False, True):
+        values, values_ac = results[False, bf16][0], results[True, bf16][0]
+        assert all(torch.equal(a, b) for a, b in zip(values, values_ac, strict=True))
+    for a, b in zip(results[False, False][1], results[True, False][1], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from kto_pipeline.models import checkpointing, text_config
+from kto_pipeline.models import text_config
 from kto_pipeline.scoring.packing import BRANCH_PROMPT, AttentionCosts, Layout
 
 
@@ -63,7 +63,7 @@ def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window:
 # masked keys a dense call would also take change sdpa's result on the CPU under bf16 (about 4e-3 per value,
 # 0.66 nats on a SmolLM2 sequence log-prob: benchmarks/RESULTS-precision.md), so this path is what makes a
 # policy equal to its reference score exactly its cached values. Where it is available (`tree_blocks_on`) it
-# always runs. Gradient checkpointing never goes sequence by sequence (see `tree_blocks_on`).
+# always runs, gradient checkpointing included (`checkpointing_kwargs`).
 
 TREE_ATTENTION = "kto_tree_sdpa"
 
@@ -161,14 +161,12 @@ def tree_blocks_on(model, device) -> bool:
     """Whether packed forwards of this model on `device` run attention sequence by sequence: sdpa models whose
     backbone passes extra keyword arguments down to the attention, on the CPU. There, attention's FLOPs are dear and a
     call is cheap; on a GPU one dense masked kernel beats a launch per tree and layer (not measured yet: the
-    dense path stays there). Not under gradient checkpointing: its backward recomputes each layer outside the
-    forward and must save the same tensors as the forward did."""
+    dense path stays there). Under gradient checkpointing the backward recomputes each layer with the attention
+    its forward used (`checkpointing_kwargs`)."""
     if torch.device(device).type != "cpu":
         return False
     if hasattr(model, "get_base_model"):  # peft
         model = model.get_base_model()
-    if checkpointing(model):
-        return False
     if getattr(text_config(model), "_attn_implementation", None) != "sdpa":
         return False
     body = getattr(model, "base_model", None)
@@ -178,6 +176,29 @@ def tree_blocks_on(model, device) -> bool:
 @functools.cache
 def _takes_any_keyword(cls) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls.forward).parameters.values())
+
+
+@contextmanager
+def _attention_implementation(config, implementation: str):
+    saved = config._attn_implementation
+    config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
+
+
+def checkpointing_kwargs(model) -> dict:
+    """`gradient_checkpointing_kwargs` for `model.gradient_checkpointing_enable`: non-reentrant checkpoints whose
+    recomputation in the backward attends as the forward did. The forward may run inside `attention_by_tree`
+    (sequence by sequence), which has exited by the time the backward recomputes the layer: without this, the
+    recomputation would attend on the dense mask and save other tensors than the forward."""
+    config = text_config(model)
+
+    def context_fn():  # called in each checkpointed forward
+        return nullcontext(), _attention_implementation(config, config._attn_implementation)
+
+    return {"use_reentrant": False, "context_fn": context_fn}
 
 
 @contextmanager

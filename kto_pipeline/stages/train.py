@@ -46,7 +46,7 @@ from kto_pipeline.model_card import write_model_card
 from kto_pipeline.models import load_model, load_tokenizer
 from kto_pipeline.precision import AUTOCAST_DTYPES, Regime, default_bf16, regime_mismatch
 from kto_pipeline.rundir import MetricsWriter, TrainerState, finished_at, start_run
-from kto_pipeline.scoring.attention import attention_costs, packing_unsupported
+from kto_pipeline.scoring.attention import attention_costs, checkpointing_kwargs, packing_unsupported
 from kto_pipeline.sharding import (
     Engine,
     accelerate_without_fsdp,
@@ -284,7 +284,7 @@ def _load_policy(config: TrainConfig, manifest: Manifest):
     aux_coef = _router_aux_coef(model, config)
     if config.gradient_checkpointing:
         # recompute each layer's activations in the backward instead of keeping them
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
     if config.lora_r is not None:
         model = _add_lora(model, config)
     return tokenizer, model, aux_coef
