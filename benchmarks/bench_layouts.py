@@ -13,11 +13,11 @@ each with the cache:
     stage 2, batch       training's forward (PolicyScorer over the Collator's layout) on the step-1 batch
     stage 2, row alone   training's forward on one row at a time
 
-and, where the model attends tree by tree on this CPU (`tree_attention`), the same with that switched off and on
-everywhere. The rows are bench_precision.py's (the demo's first pairs), and its caches are reused:
+and the same with attention forced onto the dense mask (one masked sdpa call per row, as on a GPU) everywhere.
+The rows are bench_precision.py's (the demo's first pairs), and its caches are reused:
 
     .venv/bin/python benchmarks/bench_precision.py      # once: writes the caches under benchmarks/.work/precision
-    .venv/bin/python benchmarks/bench_layouts.py        # prints a Markdown table
+    .venv/bin/python benchmarks/bench_layouts.py        # writes benchmarks/RESULTS-layouts.md
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from harness import WORK_DIR, machine
+from harness import HERE, WORK_DIR, machine, utc_stamp
 
 CACHES = WORK_DIR / "precision" / "runs" / "caches"
 
@@ -48,35 +48,38 @@ def load(cache_dir: Path):
 
 
 @contextmanager
-def tree_attention_forced(on: bool | None):
-    """None: as the package decides; True/False: attend tree by tree always / never (where the model can)."""
-    from kto_pipeline.scoring import attention
+def dense_attention(on: bool):
+    """Within the block (`on`), packed forwards attend on the dense mask, one masked sdpa call per row, as the
+    package did where attending sequence by sequence did not pay, and does on a GPU."""
+    from kto_pipeline.scoring import logprobs
 
-    if on is None:
+    if not on:
         yield
         return
-    saved = attention.tree_attention_pays
-    attention.tree_attention_pays = lambda *a, **k: on
+    saved = logprobs.sequence_blocks
+    logprobs.sequence_blocks = lambda *a, **k: None
     try:
         yield
     finally:
-        attention.tree_attention_pays = saved
+        logprobs.sequence_blocks = saved
 
 
 def stage1(model, rows, pad_id, batch_size, max_tokens) -> list[tuple[float, float]]:
+    from kto_pipeline.cache import token_sum
     from kto_pipeline.scoring.logprobs import score_shard
 
     trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
     out = score_shard(model, trees, pad_id, batch_size, max_tokens, "cpu")
-    return [(float(np.sum(c, dtype=np.float32)), float(np.sum(k, dtype=np.float32))) for c, k in out]
+    return [(token_sum(c), token_sum(k)) for c, k in out]
 
 
 def padded_alone(model, rows, pad_id) -> list[tuple[float, float]]:
+    from kto_pipeline.cache import token_sum
     from kto_pipeline.scoring.logprobs import score_shard
 
     trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
     out = score_shard(model, trees, pad_id, 1, 1 << 30, "cpu", packed=False)
-    return [(float(np.sum(c, dtype=np.float32)), float(np.sum(k, dtype=np.float32))) for c, k in out]
+    return [(token_sum(c), token_sum(k)) for c, k in out]
 
 
 def stage2(model, rows, pad_id, batch_size) -> list[tuple[float, float]]:
@@ -104,11 +107,22 @@ def main() -> None:
     parser.add_argument("--caches", default=str(CACHES), help="bench_precision.py's caches directory")
     parser.add_argument("--names", nargs="+", default=["float32", "autocast"], help="caches to re-score")
     parser.add_argument("--batch", type=int, default=4, help="training's batch (bench_precision's step 1)")
+    parser.add_argument("--results", default=str(HERE / "RESULTS-layouts.md"))
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"machine: {machine()}; torch {torch.__version__}\n")
-    print("| cache (regime) | layout | tree attention | completions: max abs diff | mean | KL: max | mean | s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    lines = [
+        "# One sequence, several layouts: sequence log-probs against the cache (SmolLM2-135M-Instruct, 8 rows)",
+        "",
+        f"- command: `python benchmarks/bench_layouts.py`; date: {utc_stamp()}; machine: {machine()}",
+        "- what: each cache of benchmarks/bench_precision.py re-scored in its own regime in several layouts "
+        "(see the script's docstring); max and mean |diff| of sequence log-probs (nats) against the cached values.",
+        '- "attention": as the package runs (sequence by sequence on this CPU), or forced onto the dense mask (one '
+        "masked sdpa call per row, as on a GPU). The caches were written sequence by sequence.",
+        "",
+        "| cache (regime) | layout | attention | completions: max abs diff | mean | KL: max | mean | s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    print("\n".join(lines))
     for name in args.names:
         cache, rows, model = load(Path(args.caches) / name)
         weights, autocast = cache.manifest.precision
@@ -123,20 +137,21 @@ def main() -> None:
             (f"stage 2, batch {args.batch}", partial(stage2, model, rows, pad_id, args.batch)),
             ("stage 2, row alone", partial(stage2, model, rows, pad_id, 1)),
         ]
-        for forced in (None, False, True):
+        for dense in (False, True):
             for label, run in layouts:
-                if forced is not None and label.startswith("padded"):
+                if dense and label.startswith("padded"):
                     continue
                 start = time.perf_counter()
-                with regime, tree_attention_forced(forced):
+                with regime, dense_attention(dense):
                     d = compare(run(), rows)
                 seconds = time.perf_counter() - start
-                how = {None: "as decided", False: "off", True: "on"}[forced]
-                print(
+                how = "dense mask (forced)" if dense else "as the package runs"
+                lines.append(
                     f"| {name} ({weights}, autocast {autocast}) | {label} | {how} | {d['c_max']:.3g} | "
-                    f"{d['c_mean']:.3g} | {d['k_max']:.3g} | {d['k_mean']:.3g} | {seconds:.0f} |",
-                    flush=True,
+                    f"{d['c_mean']:.3g} | {d['k_max']:.3g} | {d['k_mean']:.3g} | {seconds:.0f} |"
                 )
+                print(lines[-1], flush=True)
+    Path(args.results).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

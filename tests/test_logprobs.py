@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kto_pipeline.scoring import logprobs
 from kto_pipeline.scoring.logprobs import chunked_token_logps, score_sequences
@@ -90,6 +91,31 @@ def test_kept_logits_give_the_recomputed_gradients(dtype, monkeypatch):
         chunked_token_logps(hidden.to(dtype), w, targets)
     chunked_token_logps(hidden.to(dtype), weight.to(dtype), targets)  # nothing requires grad
     assert seen == [False, False]
+
+
+def test_autocast_head_gives_autograds_gradients(monkeypatch):
+    """Under bf16 autocast over a float32 head (training's regime): the head casts its weight inside, returns the
+    weight's gradient in float32, accumulated in vocabulary slices (3 here); values and gradients as autograd's
+    through `F.linear` under autocast and a float32 log-softmax."""
+    monkeypatch.setattr(logprobs, "CHUNK_LOGITS_BYTES", 100 * 32 * 2)  # 100-row vocabulary slices
+    monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", 0)  # recompute in the backward
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(70, 32, generator=g), torch.randn(300, 32, generator=g) * 0.3
+    targets, upstream = torch.randint(300, (70,), generator=g), torch.randn(70, generator=g)
+    results = []
+    for ours in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if ours:
+                logps = chunked_token_logps(h, w, targets, chunk_size=16)[0]
+            else:
+                logits = F.linear(h, w).float()
+                logps = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+        grads = torch.autograd.grad((logps * upstream).sum(), (h, w))
+        assert grads[1].dtype == torch.float32
+        results.append((logps, *grads))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # bf16 products summed in another order
 
 
 def test_bfloat16_close_to_float32():

@@ -88,7 +88,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     `weight` comes as the model holds it and is cast to `hidden`'s dtype here, in the forward and again in the
     backward: under autocast a bf16 copy of the head (1.1 GiB for Qwen2-7B) lives only while the head runs, not
     from the forward to the backward, and its gradient comes back in the weight's own dtype, float32,
-    accumulated chunk by chunk without a float32 copy of each chunk's part."""
+    accumulated chunk by chunk and vocabulary slice by slice: no (vocab, hidden) transient but the weight's cast."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size, logit_scale, softcap, with_stats, keep_logits):
@@ -155,8 +155,10 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             if need_w:
                 if grad_weight.dtype == dlogits.dtype:
                     grad_weight.addmm_(dlogits.t(), h)
-                else:  # bf16 product, added into float32 (no float32 copy of it)
-                    grad_weight.add_(dlogits.t() @ h)
+                else:  # bf16 products added into float32, a slice of the vocabulary at a time (small transients)
+                    step = max(1, CHUNK_LOGITS_BYTES // (h.element_size() * h.shape[1]))
+                    for v in range(0, grad_weight.shape[0], step):
+                        grad_weight[v : v + step].add_(dlogits[:, v : v + step].t() @ h)
             if grad_bias is not None:
                 grad_bias += dlogits.float().sum(0)
         del weight
