@@ -243,7 +243,13 @@ def generate_samples(config: GenerateConfig) -> Path:
 
     from kto_pipeline.cache import atomic_write_text, open_cache, tokenizer_hash
     from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
+    from kto_pipeline.sharding import launched_processes
 
+    if launched_processes() > 1:  # no collectives here: each process would load both models and write the file
+        raise KTOPipelineError(
+            f"generate runs in one process (this launch started {launched_processes()}): it loads each model whole "
+            "on one device and writes one file. Run `kto-pipeline generate ...` without torchrun or accelerate launch."
+        )
     print(f"kto-pipeline generate {__version__}\n{config.describe()}", flush=True)
     run = Path(config.run)
     _check_run(run)

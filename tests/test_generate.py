@@ -248,6 +248,16 @@ def test_cli_errors_for_a_missing_or_modelless_run(tmp_path, monkeypatch, capsys
     assert code == 1 and "no saved model here" in err, err
 
 
+def test_several_processes_are_refused_before_any_model_loads(runs, paired_cache, tmp_path, monkeypatch):
+    """generate has no collectives and shards nothing: under torchrun every process would load both models and
+    write the same file. It refuses, naming the count, before it reads the run."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "samples.jsonl"
+    with pytest.raises(KTOPipelineError, match=r"generate runs in one process \(this launch started 2\)"):
+        generate_samples(GenerateConfig(run=str(runs["trained"]), cache=str(paired_cache), output=str(out)))
+    assert not out.exists()
+
+
 def test_reference_with_another_tokenizer_is_refused(runs, paired_cache, other_tokenizer_model_dir, tmp_path):
     config = GenerateConfig(run=str(runs["trained"]), reference=str(other_tokenizer_model_dir), cache=str(paired_cache))
     with pytest.raises(KTOPipelineError, match="tokenizer of the reference .* differs from the run's"):
