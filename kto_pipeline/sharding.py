@@ -191,8 +191,15 @@ def shard_model(root: torch.nn.Module, model, engine: Engine, device: torch.devi
 
     mesh = init_device_mesh(device.type, (engine.world_size,))
     offload = CPUOffloadPolicy() if engine.offload_params else OffloadPolicy()
-    for layer in decoder_layers(model, engine.layer_classes):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=engine.reshard_after_forward, offload_policy=offload)
+    units = list(decoder_layers(model, engine.layer_classes))
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is not embeddings.weight:
+        # Untied, the embeddings and the LM head are units of their own: else they are the root's, whole on every
+        # process from the first forward to the end of the backward (4 GiB for Qwen2-7B in float32). The chunked
+        # head then runs as the head's own forward (logprobs._head_logps), which gathers its weight.
+        units += [embeddings, head]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=engine.reshard_after_forward, offload_policy=offload)
     fully_shard(root, mesh=mesh, reshard_after_forward=engine.reshard_after_forward, offload_policy=offload)
     return root
 

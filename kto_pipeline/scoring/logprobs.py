@@ -286,6 +286,14 @@ def _scorable(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def _gathered_by_hooks(module) -> bool:
+    """Whether `module`'s parameters are whole only within its own forward and backward: DeepSpeed ZeRO-3 (its
+    parameters carry a `ds_id`) or an FSDP2 unit of its own (`fully_shard` makes it an FSDPModule)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(module.weight, "ds_id") or isinstance(module, FSDPModule)
+
+
 def _head_logps(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int | None, with_stats: bool):
     """(logps, mean_logits, entropy) of `targets` (N,) predicted from `hidden` (N, H) through the LM head."""
     head = model.get_output_embeddings()
@@ -296,10 +304,11 @@ def _head_logps(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: 
             hidden, head.weight, targets, head.bias, chunk_size, logit_scale, softcap, with_stats
         )
 
-    if not hasattr(head.weight, "ds_id"):
+    if not _gathered_by_hooks(head):
         return head_logps(hidden, targets)
-    # DeepSpeed ZeRO-3: each process holds a slice of the head's weight, gathered only around the head module's own
-    # forward and backward (its hooks). Run the chunked scoring as that forward, so the weight is whole in both.
+    # Sharded head (DeepSpeed ZeRO-3, or an FSDP2 unit of its own): each process holds a slice of its weight,
+    # gathered only around the head module's own forward and backward (its hooks). Run the chunked scoring as that
+    # forward, so the weight is whole in both.
     head.forward = head_logps
     try:
         return head(hidden, targets)
