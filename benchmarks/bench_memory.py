@@ -565,7 +565,9 @@ def render(data: dict) -> str:
     out = [
         "# Peak accelerator memory of a training step: kto-pipeline vs trl.KTOTrainer",
         "",
-        f"Written by `{data['command']}` on {data['date']} ({data.get('seconds', 0) / 60:.0f} min).",
+        f"Written by `{data['command']}`: first run on {data['date']}, "
+        + (", ".join(f"`--redo {k}` last on {v}" for k, v in data.get("redone", {}).items()) or "no part re-run")
+        + f" ({data.get('seconds', 0) / 60:.0f} min in all).",
         f"Machine: {data['machine']}; {data['versions']}. No GPU: every number below is **simulated** unless it",
         "says measured (how: benchmarks/bench_memory.py's docstring, kto_pipeline/memory.py).",
         "",
@@ -667,16 +669,22 @@ def render(data: dict) -> str:
             f"| {r['label']} | {r['model']} | {r['max_length']} | **{gib(r['ours']['peak_bytes'])}** | {b} "
             f"| {gib(floor)} | {r['ours']['peak_bytes'] / floor:.2f} |"
         )
+    fsdp = [
+        r["ours"]["peak_bytes"] / sum(r["floor"].values())
+        for r in data["levers"]
+        if "ours" in r and r["label"].startswith("FSDP2")
+    ]
+    fsdp_ratios = f"{min(fsdp):.2f}-{max(fsdp):.2f}x" if fsdp else "(no FSDP2 row)"
     out += [
         "",
         "Reading the levers. The floor assumes the gradients and all the activations alive at once, which no "
         "step reaches (activations are freed as gradients arrive): rows whose peak is the fixed part come out "
-        "below 1. Above it: FSDP2 rows hold (a) the root's parameters (embeddings, LM head: the root scorer is "
-        "their FSDP unit) unsharded in float32 from the first forward to the end of the backward, and (b) with "
-        "autocast around the root (`sharding.autocast_forward`), autocast's cache of bf16 casts of every layer's "
-        "all-gathered weights for the whole forward, so resharding after each layer frees the float32 copy but not "
-        "its bf16 cast; CPU offload moves the shards, the moments and the gradients to the host, not those. LoRA "
-        "with dropout (train's default 0.05) keeps each adapted layer's dropped-out input for the backward: more "
+        f"below 1. FSDP2 rows sit at {fsdp_ratios} their floor (not attributed tensor by tensor in this run): "
+        "sharding divides the fixed part by the world size and leaves each device its own batch's activations; "
+        "CPU offload moves the shards, the moments and the gradients to the host. Since the first run, autocast "
+        "no longer keeps bf16 casts of the gathered weights (`sharding.autocast_forward`), and untied embeddings "
+        "and LM head are FSDP units of their own instead of the root's (`sharding.shard_model`). LoRA with "
+        "dropout (train's default 0.05) keeps each adapted layer's dropped-out input for the backward: more "
         "activations than full fine-tuning, fewer gradients and moments.",
         "",
         f"torchao's AdamW8bit under the simulation, this run: {data.get('torchao', 'not run')}. Tried on 2026-11-23 "
@@ -763,12 +771,15 @@ def findings(data: dict) -> list[str]:
     if before:
         changes = [f"{gib(r['ours_before']['peak_bytes'])} -> {gib(r['ours']['peak_bytes'])}" for r in before]
         out += [
-            '**Pushed down since the first run** (`--redo ours`, column "ours before"): the LM head casts each '
-            "chunk's bf16 logits into its reused float32 buffer instead of a fresh float32 copy, and a chunk is "
-            "`CHUNK_LOGITS_BYTES` (128 MiB) of float32 logits (220 tokens of Qwen2's vocabulary) instead of 1024 "
-            "tokens; the packed forwards hand sdpa one additive mask in the compute dtype, read by every layer, "
-            "instead of a bool mask that each layer's sdpa call converted and its backward kept. Same values (the "
-            f"parity tests pass unchanged). GiB per row: {', '.join(changes)}.",
+            '**Pushed down since the first run** (`--redo ours`, column "ours before"), in `scoring/logprobs.py` '
+            "and `scoring/attention.py`: the LM head casts each chunk's bf16 logits into its reused float32 buffer "
+            "instead of a fresh float32 copy; a chunk is `CHUNK_LOGITS_BYTES` (128 MiB) of float32 logits (220 "
+            "tokens of Qwen2's vocabulary) instead of 1024 tokens; the head casts its weight to bf16 inside its "
+            "forward and again in its backward instead of keeping a bf16 copy from one to the other, and adds its "
+            "weight gradient into float32 a vocabulary slice at a time; the packed forwards hand sdpa one additive "
+            "mask in the compute dtype, read by every layer, instead of a bool mask that each layer's sdpa call "
+            "converted and its backward kept. Same values (the parity tests pass). GiB per row: "
+            f"{', '.join(changes)}.",
             "",
         ]
     floor_ok = [r for r in rows if r["ours"]["peak_bytes"] <= 1.1 * sum(r["floor"].values())]
@@ -825,6 +836,7 @@ def main() -> None:
             redo_ours(data)
         data["seconds"] = data.get("seconds", 0) + time.perf_counter() - started
         data["command"] += f"; python benchmarks/bench_memory.py --redo {args.redo}"
+        data.setdefault("redone", {})[args.redo] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         partial.write_text(json.dumps(data))
         args.render = True
     if args.render:

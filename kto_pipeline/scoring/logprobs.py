@@ -364,11 +364,14 @@ def _forward(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | 
     blocks = sequence_blocks(model, layout, queries, keys, visible)
     if blocks is not None:
         extra["tree_blocks"] = blocks
+    # sequence by sequence, each run's attention takes its part of `visible`: the dense mask goes unread, so the
+    # bool one (already built) is handed over rather than a float copy of it
+    mask = visible if blocks is not None else attention_mask_for(model, visible, dtype)
     with attention_by_tree(model, blocks is not None):
         return backbone_of(model)(
             input_ids=layout.input_ids.reshape(-1)[queries],
             position_ids=layout.position_ids.reshape(-1)[queries],
-            attention_mask=attention_mask_for(model, visible, dtype),
+            attention_mask=mask,
             past_key_values=cache,
             use_cache=cache is not None,
             **extra,
