@@ -148,26 +148,42 @@ def demo(
         run_demo(workdir or ".demo", model=model)
 
 
-def _close_process_group() -> None:
+def _close_process_group(finished: bool) -> None:
     """Under torchrun / accelerate launch, end the process group before exit: a gloo group left open can
-    abort the process at interpreter shutdown ("terminate called without an active exception"). A command that
-    never imported torch (--help, inspect, report) has no group, and must not pay for importing torch."""
+    abort the process at interpreter shutdown ("terminate called without an active exception": gloo's worker
+    threads still hold work objects whose tensors are freed after Python is gone). A command that never imported
+    torch (--help, inspect, report) has no group, and must not pay for importing torch.
+
+    `finished`: every process ran the command to its end, so they meet at a barrier first (no process tears the
+    group down while another still communicates), and garbage from the run (DeepSpeed's engines and their
+    communication handles among it) is collected while Python is still whole. After an error the others may be
+    waiting elsewhere, and the group is only destroyed."""
     if "torch" not in sys.modules:
         return
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
 
 
 def main() -> None:
+    finished = False
     try:
         app()
+        finished = True
+    except SystemExit as exc:  # typer ends a command that ran to its end with SystemExit(0)
+        finished = exc.code in (0, None)
+        raise
     except KTOPipelineError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(1)
     finally:
-        _close_process_group()
+        _close_process_group(finished)
 
 
 if __name__ == "__main__":

@@ -204,6 +204,14 @@ def shard_model(root: torch.nn.Module, model, engine: Engine, device: torch.devi
     return root
 
 
+def release_deepspeed(engine) -> None:
+    """Once a stage is done with a DeepSpeed engine: remove its hooks (ZeRO-3 gathers parameters from them) and
+    its buffers (`DeepSpeedEngine.destroy`), so that nothing of it is left to be torn down at interpreter exit."""
+    destroy = getattr(engine, "destroy", None)
+    if callable(destroy):
+        destroy()
+
+
 def autocast_forward(module: torch.nn.Module, mixed_precision: str, cache: bool = True) -> None:
     """Run `module`'s forward under autocast, as accelerate does for the models it prepares ("bf16", "fp16"; "no":
     nothing): the weights stay float32, and so do the log-probs (the scoring computes them in float32).

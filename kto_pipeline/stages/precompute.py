@@ -71,6 +71,7 @@ from kto_pipeline.sharding import (
     check_process_group,
     engine_from_env,
     process_state,
+    release_deepspeed,
     shard_model,
 )
 
@@ -513,6 +514,8 @@ def finish(run: Pass) -> None:
         )
         write_manifest(run.out, manifest)
         _print_summary(manifest, run.out, time.perf_counter() - run.started)
+    if run.engine.deepspeed:
+        release_deepspeed(run.scorer)
     run.state.wait_for_everyone()
 
 

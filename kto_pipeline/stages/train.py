@@ -57,6 +57,7 @@ from kto_pipeline.sharding import (
     launched_processes,
     process_group_kwargs,
     process_state,
+    release_deepspeed,
     shard_model,
     use_cpu,
 )
@@ -562,6 +563,8 @@ def finish(run: Run) -> TrainResult:
             f"/ {executed} run in forwards; batches {state.packing}, KL forward {state.kl_forward}",
             flush=True,
         )
+    if run.engine.deepspeed:
+        release_deepspeed(run.scorer)
     accelerator.wait_for_everyone()
     return TrainResult(output_dir=out, global_step=p.global_step, metrics=p.history, step_seconds=p.step_seconds)
 
