@@ -64,21 +64,13 @@ def dense_attention(on: bool):
         logprobs.sequence_blocks = saved
 
 
-def stage1(model, rows, pad_id, batch_size, max_tokens) -> list[tuple[float, float]]:
+def stage1(model, rows, pad_id, batch_size, max_tokens, packed=True) -> list[tuple[float, float]]:
+    """Sequence log-probs (completion, KL) as the reference pass scores them; `packed=False`: the padded path."""
     from kto_pipeline.cache import token_sum
     from kto_pipeline.scoring.logprobs import score_shard
 
     trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
-    out = score_shard(model, trees, pad_id, batch_size, max_tokens, "cpu")
-    return [(token_sum(c), token_sum(k)) for c, k in out]
-
-
-def padded_alone(model, rows, pad_id) -> list[tuple[float, float]]:
-    from kto_pipeline.cache import token_sum
-    from kto_pipeline.scoring.logprobs import score_shard
-
-    trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
-    out = score_shard(model, trees, pad_id, 1, 1 << 30, "cpu", packed=False)
+    out = score_shard(model, trees, pad_id, batch_size, max_tokens, "cpu", packed=packed)
     return [(token_sum(c), token_sum(k)) for c, k in out]
 
 
@@ -133,7 +125,7 @@ def main() -> None:
         layouts = [
             ("stage 1 as run", partial(stage1, model, rows, pad_id, batch_size, max_tokens)),
             ("stage 1, tree alone", partial(stage1, model, rows, pad_id, 1, max_tokens)),
-            ("padded, alone", partial(padded_alone, model, rows, pad_id)),
+            ("padded, alone", partial(stage1, model, rows, pad_id, 1, 1 << 30, packed=False)),
             (f"stage 2, batch {args.batch}", partial(stage2, model, rows, pad_id, args.batch)),
             ("stage 2, row alone", partial(stage2, model, rows, pad_id, 1)),
         ]

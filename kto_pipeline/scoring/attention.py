@@ -246,9 +246,10 @@ def attention_mask_for(model, visible: torch.Tensor, dtype: torch.dtype) -> torc
     make from a bool one. Made once per forward, every layer reads this one tensor; a bool mask is converted by
     each layer's sdpa call, a copy per layer that the backward keeps (24 x 16 MiB for Qwen2-0.5B at 8 x 1024).
     eager: the dtype's minimum, as transformers' own masks."""
+    fill = torch.finfo(dtype).min
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
         device_type = visible.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
-        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+        fill = float("-inf")
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, fill)
