@@ -174,6 +174,22 @@ class Manifest(dict):
         """Record finished shards (`write_shard`'s entries), in file order."""
         self["shards"].extend(sorted(entries, key=lambda e: e["file"]))
 
+    @property
+    def segments(self) -> list[dict[str, Any]]:
+        """The segments the cache was written in (kto_pipeline/segments.py); empty for a cache written before them."""
+        return self.get("segments", [])
+
+    def add_segment(self, segment: dict[str, Any], shards: list[dict[str, Any]]) -> None:
+        """Add an appended segment and its shards, and its rows to the counts."""
+        self["segments"].append(segment)
+        self.add_shards(shards)
+        counts = self["counts"]
+        counts["rows"] += segment["rows"]
+        counts["desirable"] += segment["desirable"]
+        counts["undesirable"] = counts["rows"] - counts["desirable"]
+        for reason, rows in segment["dropped"].items():
+            counts["dropped"][reason] = counts["dropped"].get(reason, 0) + rows
+
     def mark_complete(self, timing: dict[str, Any]) -> None:
         """Every shard is written: the cache may be trained on. `timing`: of the run that completed it."""
         self["complete"] = True
@@ -279,22 +295,22 @@ def shard_name(index: int) -> str:
 
 def write_shard(cache_dir: Path, index: int, rows: dict[str, list]) -> dict[str, Any]:
     """Write one shard atomically; returns its manifest entry (file, rows, bytes, sha256)."""
-    table = pa.Table.from_pydict(rows, schema=SCHEMA)
-    final = cache_dir / shard_name(index)
+    return write_table(cache_dir, shard_name(index), pa.Table.from_pydict(rows, schema=SCHEMA))
+
+
+def write_table(cache_dir: Path, name: str, table: pa.Table) -> dict[str, Any]:
+    """Write `table` as the Arrow IPC stream file `cache_dir/name`, atomically: under a temporary name, fsynced,
+    then renamed. Returns its manifest entry: file, rows, bytes, sha256."""
+    final = cache_dir / name
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, SCHEMA) as writer:
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
     _fsync_dir(final.parent)
-    return {
-        "file": shard_name(index),
-        "rows": table.num_rows,
-        "bytes": final.stat().st_size,
-        "sha256": sha256_file(final),
-    }
+    return {"file": name, "rows": table.num_rows, "bytes": final.stat().st_size, "sha256": sha256_file(final)}
 
 
 def write_manifest(cache_dir: Path, manifest: dict[str, Any]) -> None:
@@ -359,9 +375,65 @@ def check_cache(cache_dir: str | Path, manifest: Manifest, full: bool = False) -
             problems.append(f"{shard['file']}: {rows} rows, the manifest says {shard['rows']}")
         if full and sha256_file(path) != shard["sha256"]:
             problems.append(f"{shard['file']}: sha256 differs from the manifest (the file was altered or corrupted)")
+    if not problems:
+        problems += check_segments(cache_dir, manifest, full)
     if full and not problems:
         problems += _check_kl_partners(cache_dir, manifest)
     return problems
+
+
+def check_segments(cache_dir: Path, manifest: Manifest, full: bool) -> list[str]:
+    """Problems with the segments: every shard in exactly one segment, row counts, keys files (size; with `full`
+    their sha256 and the example ids of each segment's shards within its range)."""
+    if not manifest.get("segments"):
+        return []
+    problems = []
+    segments = manifest["segments"]
+    by_file = {s["file"]: s for s in manifest.shards}
+    listed = [f for seg in segments for f in seg["shards"]]
+    if sorted(listed) != sorted(by_file):
+        problems.append(
+            f"the segments list {len(listed)} shards, the manifest {len(by_file)}: they must name the same files"
+        )
+        return problems
+    for seg in segments:
+        name = f"segment {seg['index']}"
+        rows = sum(by_file[f]["rows"] for f in seg["shards"])
+        if rows != seg["rows"]:
+            problems.append(f"{name}: its shards hold {rows} rows, the manifest says {seg['rows']}")
+        keys = seg.get("keys")
+        if keys is None:
+            continue
+        path = cache_dir / keys["file"]
+        if not path.exists():
+            problems.append(f"{keys['file']}: missing")
+            continue
+        if path.stat().st_size != keys["bytes"]:
+            problems.append(f"{keys['file']}: {path.stat().st_size} bytes, the manifest says {keys['bytes']}")
+            continue
+        if not full:
+            continue
+        if sha256_file(path) != keys["sha256"]:
+            problems.append(f"{keys['file']}: sha256 differs from the manifest (the file was altered or corrupted)")
+            continue
+        table = read_keys(cache_dir, keys)
+        first, count = seg["first_example_id"], seg["normalized_rows"]
+        ids = table.column("example_id").to_numpy()
+        if len(ids) != count or (len(ids) and (ids.min() < first or ids.max() >= first + count)):
+            problems.append(f"{keys['file']}: example ids are not {first}..{first + count - 1}")
+        if int(table.column("kept").to_numpy().sum()) != seg["rows"]:
+            problems.append(f"{keys['file']}: its kept rows are not the segment's {seg['rows']} rows")
+        for file in seg["shards"]:
+            with pa.memory_map(str(cache_dir / file)) as source:
+                shard_ids = pa.ipc.open_stream(source).read_all().column("example_id").to_numpy()
+            if len(shard_ids) and (shard_ids.min() < first or shard_ids.max() >= first + count):
+                problems.append(f"{file}: example ids outside {name}'s range {first}..{first + count - 1}")
+    return problems
+
+
+def read_keys(cache_dir: Path, entry: dict[str, Any]) -> pa.Table:
+    with pa.memory_map(str(cache_dir / entry["file"])) as source:
+        return pa.ipc.open_stream(source).read_all()
 
 
 def _check_kl_partners(cache_dir: Path, manifest: Manifest) -> list[str]:

@@ -203,6 +203,24 @@ class PrecomputeConfig(_ConfigMixin):
     overwrite: bool = field(
         default=False, **_help("Replace an existing cache made with other inputs or settings.", panel=OUTPUT)
     )
+    append: bool = field(
+        default=False,
+        **_help(
+            "Add to the complete cache at --output the rows of --dataset it does not hold yet (recognised by a "
+            "content key over prompt, completion and label), scored into new shards; the rows it holds are not "
+            "scored again. --dataset may be the whole grown log or only the new rows. The reference, tokenizer "
+            "and settings must be the cache's.",
+            panel=OUTPUT,
+        ),
+    )
+    allow_missing: bool = field(
+        default=False,
+        **_help(
+            "With --append: go on when rows that the cache holds are missing from --dataset (a log that dropped "
+            "or relabelled rows); they stay in the cache.",
+            panel=OUTPUT,
+        ),
+    )
     ddp_timeout: int = field(
         default=1800,
         **_help(
@@ -213,6 +231,8 @@ class PrecomputeConfig(_ConfigMixin):
 
     def __post_init__(self) -> None:
         _check(self.max_length >= 2, "max_length", f"must be at least 2, got {self.max_length}")
+        _check(not (self.append and self.overwrite), "append", "cannot be combined with --overwrite")
+        _check(self.append or not self.allow_missing, "allow_missing", "only applies with --append")
         _check(self.ddp_timeout >= 1, "ddp_timeout", f"must be at least 1 second, got {self.ddp_timeout}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")

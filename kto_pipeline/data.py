@@ -504,22 +504,27 @@ class TokenizedRows:
         return self.table.column(column).take(pa.array(self.example_ids[positions])).to_pylist()
 
 
-def select_rows(table: pa.Table, max_length: int) -> TokenizedRows:
+def select_rows(table: pa.Table, max_length: int, among: np.ndarray | None = None) -> TokenizedRows:
     """Keep the rows trl keeps: drop (and count) rows with an empty prompt, a prompt of `max_length` tokens or
-    more, or an empty completion (an empty completion has no log-prob). Reads only labels and list lengths."""
+    more, or an empty completion (an empty completion has no log-prob). Reads only labels and list lengths.
+    `among`: the table's rows to consider (positions; an append's new rows), all when None."""
     prompt_len = pc.list_value_length(table.column("prompt_ids")).to_numpy()
     completion_len = pc.list_value_length(table.column("completion_ids")).to_numpy()
-    empty_prompt = prompt_len == 0
-    too_long = ~empty_prompt & (prompt_len >= max_length)
-    empty_completion = ~empty_prompt & ~too_long & (completion_len == 0)
-    keep = ~(empty_prompt | too_long | empty_completion)
+    considered = np.ones(len(prompt_len), dtype=bool)
+    if among is not None:
+        considered[:] = False
+        considered[among] = True
+    empty_prompt = considered & (prompt_len == 0)
+    too_long = considered & ~empty_prompt & (prompt_len >= max_length)
+    empty_completion = considered & ~empty_prompt & ~too_long & (completion_len == 0)
+    keep = considered & ~(empty_prompt | too_long | empty_completion)
     reasons = {
         "empty prompt": empty_prompt,
         f"prompt >= max_length ({max_length})": too_long,
         "empty completion": empty_completion,
     }
     dropped = Counter({reason: int(mask.sum()) for reason, mask in reasons.items() if mask.any()})
-    prefix_mismatches = int((~table.column("prompt_is_prefix").to_numpy()).sum())
+    prefix_mismatches = int((considered & ~table.column("prompt_is_prefix").to_numpy()).sum())
     if prefix_mismatches:
         logger.warning(
             "%d rows: the tokenized prompt is not a prefix of the tokenized prompt+completion (chat template "
@@ -540,7 +545,7 @@ def tokenize(tokenizer, rows: list[dict[str, Any]], max_length: int) -> Tokenize
 # -------------------------------------------------------------------------------------------- pair
 
 
-def assign_kl_partners(num_rows: int, seed: int) -> np.ndarray:
+def assign_kl_partners(num_rows: int, seed: int | list[int]) -> np.ndarray:
     """partner[i] = the row whose completion forms row i's KL sequence; never i itself.
 
     A seeded random cycle through all rows: every completion is used exactly once as a KL

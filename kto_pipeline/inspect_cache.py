@@ -20,7 +20,8 @@ def _kv_table(title: str, items: dict) -> Table:
 
 
 def inspect_cache(cache_dir: str | Path, verify: bool = False, console: Console | None = None) -> list[str]:
-    """Print the manifest of a cache as tables and return its problems (cheap checks, or all with `verify`)."""
+    """Print the manifest of a cache as tables (its segments too) and return its problems (cheap checks, or all with
+    `verify`: every shard's and keys file's sha256)."""
     console = console or Console()
     cache_dir = Path(cache_dir)
     m = read_manifest(cache_dir)
@@ -40,5 +41,17 @@ def inspect_cache(cache_dir: str | Path, verify: bool = False, console: Console 
     for s in m.shards:
         shards.add_row(s["file"], str(s["rows"]), str(s["bytes"]), s["sha256"][:16] + "...")
     console.print(shards)
+    if m.segments:
+        console.print("[italic]segments[/italic]")
+        for seg in m.segments:
+            first, count, files = seg["first_example_id"], seg["normalized_rows"], seg["shards"]
+            held = f", {seg['matched_rows']} rows of its data already held" if seg["index"] else ""
+            console.print(
+                f"  {seg['index']}  {seg['rows']} rows{held}  example ids {first}..{first + count - 1}  "
+                f"{files[0]}..{Path(files[-1]).name}  written {seg.get('written_at') or '-'}\n"
+                f"     from {seg['source']['name_or_path']} ({seg['source']['content_hash']})",
+                overflow="fold",
+                highlight=False,
+            )
     problems = check_cache(cache_dir, m, full=verify)
     return problems

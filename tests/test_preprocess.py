@@ -23,7 +23,7 @@ def hf_cache(tmp_path, monkeypatch):
 
 
 def tokenized_files(hf_cache):
-    return sorted(p.name for p in (hf_cache / "kto_pipeline").glob("*"))
+    return sorted(p.name for p in (hf_cache / "kto_pipeline").glob("tokenized-*"))
 
 
 def rows_of(cache):
@@ -78,7 +78,7 @@ def test_two_tokenizing_processes_give_the_same_cache(tmp_path, tiny_model_dir, 
     two = precompute(
         PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "two"), num_proc=2)
     )
-    assert len(list((tmp_path / "other-hf" / "kto_pipeline").glob("*_of_00002.arrow"))) == 2  # two workers ran
+    assert len(list((tmp_path / "other-hf" / "kto_pipeline").glob("tokenized-*_of_00002.arrow"))) == 2  # two workers ran
     assert rows_of(one) == rows_of(two)
     assert read_manifest(two)["timing"]["num_proc"] == 2
     if "chosen" in rows[0]:  # pair i -> example ids 2i (chosen, desirable) and 2i + 1, across the workers' split

@@ -15,6 +15,7 @@ which (`cache.py` owns the manifest and the shards).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -64,6 +65,19 @@ from kto_pipeline.precision import Regime, default_bf16
 from kto_pipeline.scoring.attention import packing_unsupported
 from kto_pipeline.scoring.logprobs import ReferenceScorer, score_shard
 from kto_pipeline.scoring.packing import Tree
+from kto_pipeline.segments import (
+    KEY_DIR,
+    content_keys,
+    held_keys,
+    key_array,
+    match_keys,
+    new_segment,
+    next_example_id,
+    open_keys,
+    require_keys,
+    segments_of,
+    write_keys,
+)
 from kto_pipeline.sharding import (
     Engine,
     agree_on_forwards,
@@ -78,16 +92,22 @@ from kto_pipeline.sharding import (
 
 @dataclass
 class PreparedRows:
-    """The kept rows of the dataset, tokenized and memory-mapped, with their KL partners."""
+    """The kept rows of the dataset (of an append: its new rows), tokenized and memory-mapped, with their KL
+    partners and their place in the cache."""
 
     rows: TokenizedRows  # numpy indices into the memory-mapped tokenized table
+    example_ids: np.ndarray  # (n,) each kept row's example id in the cache
     partners: np.ndarray  # (n,) each kept row's KL partner, as a position among the kept rows
+    segment: dict[str, Any]  # what the cache records of these rows: segments.new_segment's keywords
+    key_files: list[str]  # the content keys of every normalized row of the dataset (segments.content_keys)
+    key_rows: np.ndarray | None  # which of them these rows are (None: all)
     source_rows: int
     data_hash: str
     tokenizer_hash: str
     cached: bool  # the tokenized rows were read from the datasets cache
     tokenize_seconds: float  # the datasets.map part of `seconds`
-    seconds: float  # load, check, tokenize and select
+    seconds: float  # load, check, key, tokenize and select
+    outside_partner: tuple[int, list[int]] | None = None  # a one-row append's KL partner: (example id, completion)
 
 
 @dataclass
@@ -108,6 +128,10 @@ class Pass:
     regime: Regime | None = None  # weights dtype and autocast
     padded_because: str | None = None  # why every sequence runs on its own, padded; None: packed
     manifest: Manifest | None = None
+    base: Manifest | None = None  # with --append: the cache's manifest as this run found it
+    segment: dict[str, Any] | None = None  # the manifest entry of the segment this run writes
+    written: list[dict[str, Any]] | None = None  # its finished shards (manifest entries)
+    first_shard: int = 0  # its first shard's file number
     progress: ShardProgress | None = None
 
 
@@ -119,7 +143,11 @@ def precompute(config: PrecomputeConfig) -> Path:
     process_state(config.ddp_timeout)  # the process group first: the lock's broadcast runs in it
     with main_process_lock(config.output, "precompute", label="--output"):
         run = setup(config)
-        run.prepared = prepare_rows(config, run.tokenizer, run.state)
+        if config.append:
+            run.base = open_base(run)
+        run.prepared = prepare_rows(config, run.tokenizer, run.state, run.base)
+        if run.prepared is None:
+            return run.out  # an append that found no new rows
         load_reference(run)
         if plan_output(run):
             score_shards(run)
@@ -140,58 +168,245 @@ def setup(config: PrecomputeConfig) -> Pass:
     return Pass(config, out, state, engine, started, tokenizer)
 
 
+def open_base(run: Pass) -> Manifest:
+    """--append: the complete cache at --output, checked against this run before any work: the tokenizer, the
+    model's name and revision, max_length, the precision regime and the KL seed must be the cache's (the weights'
+    hash is compared once the model is loaded). Anything else is refused, naming each difference."""
+    config, out = run.config, run.out
+
+    def check() -> dict[str, Any]:
+        if not (out / MANIFEST).exists():
+            raise KTOPipelineError(
+                f"--append: {out} holds no cache to append to. Run `kto-pipeline precompute` without --append first."
+            )
+        base = read_manifest(out)
+        if not base.complete:
+            raise KTOPipelineError(
+                f"--append: the cache at {out} is incomplete; finish it first by re-running the precompute that "
+                "wrote it (without --append)."
+            )
+        require_keys(out, base)
+        _, regime = _regime(config, run.state)
+        diff = fingerprint_diff(
+            {k: base.fingerprint.get(k) for k in APPEND_MUST_MATCH},
+            {
+                "model": _absolute_if_local(config.model),
+                "model_revision": config.revision,
+                "tokenizer_hash": tokenizer_hash(run.tokenizer),
+                "max_length": config.max_length,
+                "dtype": regime.weights,
+                "autocast": regime.autocast,
+                "kl_seed": config.seed,
+            },
+        )
+        if diff:
+            raise KTOPipelineError(_append_refused(out, diff))
+        return {"manifest": dict(base)}
+
+    return Manifest(decided_by_main_process(run.state, check)["manifest"])
+
+
+# What must be the same for rows appended to a cache to have the values a full precompute would give them:
+# the reference (name, revision; its weights' hash is checked after loading), the tokenizer (vocabulary, special
+# tokens, chat template), max_length, the precision regime, and the KL seed.
+DATASET_FIELDS = ("dataset", "dataset_config", "split", "dataset_hash")
+APPEND_MUST_MATCH = ("model", "model_revision", "tokenizer_hash", "max_length", "dtype", "autocast", "kl_seed")
+
+
+def _append_refused(out: Path, diff: list[str]) -> str:
+    return (
+        f"--append: the cache at {out} was made with another reference or settings:\n  - "
+        + "\n  - ".join(diff)
+        + "\nRows appended with these would not have the values the cache's rows have. Use the cache's model and "
+        "settings (`kto-pipeline inspect` shows them), or write a new cache. The cache is unchanged."
+    )
+
+
 # ------------------------------------------------------------------------------------------- rows
 
 
-def prepare_rows(config: PrecomputeConfig, tokenizer, state=None) -> PreparedRows:
-    """Load, check, tokenize and select the rows, and draw their KL partners, before any model loads.
+def prepare_rows(config: PrecomputeConfig, tokenizer, state=None, base: Manifest | None = None) -> PreparedRows | None:
+    """Load, check, key, tokenize and select the rows, and draw their KL partners, before any model loads.
 
-    The main process checks and tokenizes (datasets.map, --num-proc workers) into the datasets cache; the others
-    read its files. `state`: accelerate's PartialState (None: this process alone)."""
+    The main process does the work (datasets.map, --num-proc workers, into the datasets cache); the others read its
+    files. `state`: accelerate's PartialState (None: this process alone). `base`: with --append, the cache's manifest:
+    only the rows it does not hold are tokenized; None when there are none."""
     started = time.perf_counter()
+    out = Path(config.output)
     if state is None:
-        prepared = _preprocess(config, tokenizer)
+        prepared = _preprocess(config, tokenizer, out, base)
     else:
-        prepared = decided_by_main_process(state, lambda: _preprocess(config, tokenizer))
-    rows = select_rows(_open_tokenized(prepared["files"]), config.max_length)
+        prepared = decided_by_main_process(state, lambda: _preprocess(config, tokenizer, out, base))
+    if prepared.get("nothing_new"):
+        if state is None or state.is_main_process:
+            print(
+                f"{config.dataset}: all {prepared['matched_rows']} of its rows are in the cache already: "
+                "nothing to append.",
+                flush=True,
+            )
+        return None
+    table = _open_tokenized(prepared["files"])
+    among = None if prepared["positions"] is None else np.asarray(prepared["positions"], dtype=np.int64)
+    rows = select_rows(table, config.max_length, among)
     seconds = time.perf_counter() - started
+    which = "new row" if base is not None else "row"
     if len(rows) == 0:
         reasons = ", ".join(f"{c} {r}" for r, c in rows.dropped.items())
-        raise KTOPipelineError(f"every row was dropped ({reasons}). Raise --max-length or check the data.")
+        raise KTOPipelineError(f"every {which} was dropped ({reasons}). Raise --max-length or check the data.")
+    first = prepared["first_example_id"]
+    # a row's example id: its place among the normalized rows of the cache, kept or dropped
+    example_ids = first + (rows.example_ids if among is None else np.searchsorted(among, rows.example_ids))
+    segment = {
+        "source": prepared["source"],
+        "first_example_id": first,
+        "normalized_rows": table.num_rows if among is None else len(among),
+        "rows": len(rows),
+        "desirable": int(rows.labels.sum()),
+        "dropped": dict(rows.dropped),
+        "conversational": prepared["conversational"],
+        "matched_rows": prepared["matched_rows"],
+    }
+    partners, outside = _kl_partners(config, out, base, len(rows), prepared["conversational"])
     if state is None or state.is_main_process:
         cached = " (read from the datasets cache)" if prepared["cached"] else ""
-        print(f"tokenized {prepared['source_rows']} rows in {seconds:.1f} s{cached}: {len(rows)} kept", flush=True)
+        held = f", {prepared['matched_rows']} already in the cache" if base is not None else ""
+        print(
+            f"tokenized {segment['normalized_rows']} {which}s of {prepared['source_rows']} in {seconds:.1f} s"
+            f"{cached}: {len(rows)} kept{held}",
+            flush=True,
+        )
     return PreparedRows(
         rows=rows,
-        partners=assign_kl_partners(len(rows), config.seed),  # positions into the kept rows
+        example_ids=example_ids.astype(np.int64),
+        partners=partners,
+        segment=segment,
+        key_files=prepared["key_files"],
+        key_rows=None if prepared["key_rows"] is None else np.asarray(prepared["key_rows"], dtype=np.int64),
         source_rows=prepared["source_rows"],
         data_hash=prepared["data_hash"],
         tokenizer_hash=prepared["tokenizer_hash"],
         cached=prepared["cached"],
         tokenize_seconds=prepared["tokenize_seconds"],
         seconds=seconds,
+        outside_partner=outside,
     )
 
 
-def _preprocess(config: PrecomputeConfig, tokenizer) -> dict[str, Any]:
-    """Load, check and tokenize the data (main process); returns what every process needs to read the result."""
+def _preprocess(config: PrecomputeConfig, tokenizer, out: Path, base: Manifest | None) -> dict[str, Any]:
+    """Load, check, key and tokenize the data (main process); returns what every process needs to read the result.
+    With `base` (--append), the rows the cache holds are found by their content keys and only the others are
+    tokenized."""
     source = load_source(config.dataset, config.split, config.dataset_config)
     layout = check_source(source)  # seconds, even for millions of rows: columns, types, nulls, labels
     data_hash = content_hash(config.dataset, source)
-    key = json.dumps([data_hash, config.split, config.dataset_config])
+    key_files = content_keys(source, layout, data_hash, config.num_proc)
+    keys = open_keys(key_files)
+    answer = {
+        "source": {
+            "name_or_path": _absolute_if_local(config.dataset),
+            "config": config.dataset_config,
+            "split": config.split,
+            "content_hash": data_hash,
+            "source_rows": len(source),
+        },
+        "source_rows": len(source),
+        "data_hash": data_hash,
+        "key_files": key_files,
+        "key_rows": None,
+        "positions": None,
+        "matched_rows": 0,
+        "first_example_id": 0,
+        "conversational": bool(len(keys) and keys.column("conversational")[0].as_py()),
+    }
+    selection = ""
+    if base is not None:
+        new_rows = _new_rows(config, out, base, keys)
+        answer["matched_rows"] = len(keys) - len(new_rows)
+        if not len(new_rows):
+            return {**answer, "nothing_new": True}
+        # only the source rows that hold a new normalized row are tokenized (a pair may be half new)
+        source_row = keys.column("source_row").to_numpy()
+        selected = np.unique(source_row[new_rows])
+        in_selected = np.isin(source_row, selected)
+        answer["key_rows"] = new_rows.tolist()
+        answer["positions"] = (np.cumsum(in_selected) - 1)[new_rows].tolist()
+        answer["first_example_id"] = next_example_id(base)
+        answer["conversational"] = bool(keys.column("conversational")[int(new_rows[0])].as_py())
+        if len(selected) < len(source):
+            source = source.select(selected)
+            selection = hashlib.sha256(selected.tobytes()).hexdigest()
+    key = json.dumps([data_hash, config.split, config.dataset_config, *([selection] if selection else [])])
     tokenizer_fingerprint = tokenizer_hash(tokenizer)
     fingerprint = preprocess_fingerprint(key, tokenizer_fingerprint)
     cached = any(preprocess_cache_dir().glob(f"tokenized-{fingerprint}*.arrow"))
     started = time.perf_counter()
     tokenized = preprocess(source, tokenizer, fingerprint, layout, config.num_proc)
     return {
+        **answer,
         "files": [f["filename"] for f in tokenized.cache_files],
-        "source_rows": len(source),
-        "data_hash": data_hash,
         "tokenizer_hash": tokenizer_fingerprint,
         "cached": cached,
         "tokenize_seconds": time.perf_counter() - started,
     }
+
+
+def _new_rows(config: PrecomputeConfig, out: Path, base: Manifest, keys: pa.Table) -> np.ndarray:
+    """The normalized rows of the dataset (positions) that the cache does not hold, matched by content key with
+    multiplicity. A dataset that shares rows with the cache but lacks some of the rows it holds is refused, naming
+    them, unless --allow-missing; a dataset that shares none is taken as new rows only."""
+    held, held_ids, held_kept = held_keys(out, base)
+    match = match_keys(held, key_array(keys.column("key")))
+    new_rows = np.flatnonzero(match.new)
+    missing = held_ids[match.missing & held_kept]
+    if len(missing) and len(new_rows) < len(keys) and not config.allow_missing:
+        shown = ", ".join(str(i) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise KTOPipelineError(
+            f"--dataset {config.dataset} holds {len(keys) - len(new_rows)} of the cache's rows but not "
+            f"{len(missing)} others (example ids {shown}): a grown log should keep every row it had, with its "
+            "label. If rows were removed or relabelled on purpose, or --dataset holds only new rows of which some "
+            "repeat rows of the cache, pass --allow-missing: the cache keeps its rows and only the rows it does not "
+            "hold are appended. The cache is unchanged."
+        )
+    return new_rows
+
+
+def _kl_partners(
+    config: PrecomputeConfig, out: Path, base: Manifest | None, n: int, conversational: bool
+) -> tuple[np.ndarray, tuple[int, list[int]] | None]:
+    """Each kept row's KL partner: a seeded random cycle through the rows of this segment (a full precompute: the
+    whole dataset, seed --seed; an append: its new rows, seed (--seed, segment number)), so that each completion
+    is another row's KL completion exactly once. A one-row append draws its partner from the cache's rows with
+    the same kind of prompt (standard or conversational), with the same seed."""
+    if base is None:
+        return assign_kl_partners(n, config.seed), None
+    seed = [config.seed, len(segments_of(base))]
+    if n > 1:
+        return assign_kl_partners(n, seed), None
+    return np.array([-1], dtype=np.int64), _partner_from_cache(out, base, conversational, seed)
+
+
+def _partner_from_cache(out: Path, base: Manifest, conversational: bool, seed: list[int]) -> tuple[int, list[int]]:
+    kind = "conversational" if conversational else "standard"
+    files = [f for seg in segments_of(base) if seg.get("prompt_kind") == kind for f in seg["shards"]]
+    ids = [_column(out / f, "example_id") for f in files]
+    if not files or not sum(len(i) for i in ids):
+        raise KTOPipelineError(
+            f"the one new row has a {kind} prompt and the cache holds no row of that kind to draw its KL completion "
+            "from. Append it together with at least one other row."
+        )
+    pick = int(np.random.default_rng(seed).integers(sum(len(i) for i in ids)))
+    for file, shard_ids in zip(files, ids, strict=True):
+        if pick < len(shard_ids):
+            with pa.memory_map(str(out / file)) as source:
+                table = pa.ipc.open_stream(source).read_all()
+            return int(shard_ids[pick]), table.column("completion_ids")[pick].as_py()
+        pick -= len(shard_ids)
+    raise AssertionError("unreachable")
+
+
+def _column(path: Path, name: str) -> np.ndarray:
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_stream(source).read_all().column(name).to_numpy()
 
 
 def _open_tokenized(files: list[str]) -> pa.Table:
@@ -204,11 +419,17 @@ def _open_tokenized(files: list[str]) -> pa.Table:
 # -------------------------------------------------------------------------------------- reference
 
 
+def _regime(config: PrecomputeConfig, state) -> tuple[torch.dtype, Regime]:
+    """The reference's weights dtype, and its precision regime (weights dtype + autocast)."""
+    dtype = resolve_dtype("float32" if config.dtype == "auto" else config.dtype, state.device)
+    bf16 = default_bf16(state.device) if config.bf16 is None else config.bf16
+    return dtype, Regime(str(dtype).removeprefix("torch."), "bfloat16" if bf16 else None)
+
+
 def load_reference(run: Pass) -> None:
     config = run.config
-    run.dtype = resolve_dtype("float32" if config.dtype == "auto" else config.dtype, run.state.device)
-    bf16 = default_bf16(run.state.device) if config.bf16 is None else config.bf16
-    run.regime = Regime(str(run.dtype).removeprefix("torch."), "bfloat16" if bf16 else None)
+    run.dtype, run.regime = _regime(config, run.state)
+    bf16 = run.regime.autocast is not None
     run.model = load_model(config.model, run.dtype, config.revision, config.trust_remote_code)
     run.model.eval().to(run.state.device)
     run.model_hash = model_weights_hash(run.model) if run.state.is_main_process else None  # before any sharding
@@ -268,6 +489,8 @@ def plan_output(run: Pass) -> bool:
         "kl_seed": config.seed,
         "shard_size": config.shard_size,
     }
+    if run.base is not None:
+        return _plan_append(run, fingerprint)
     plan = decided_by_main_process(state, lambda: _decide_output(run.out, fingerprint, config.overwrite))
     if plan["nothing_to_do"]:
         return False
@@ -279,7 +502,7 @@ def plan_output(run: Pass) -> bool:
         eos_token=run.tokenizer.eos_token,
         pad_token_id=run.tokenizer.pad_token_id,
         source_rows=prepared.source_rows,
-        normalized_rows=rows.table.num_rows,
+        normalized_rows=prepared.segment["normalized_rows"],
         desirable=int(rows.labels.sum()),
         rows=len(rows),
         dropped=dict(rows.dropped),
@@ -287,11 +510,87 @@ def plan_output(run: Pass) -> bool:
         distributed=run.engine.record(),
         shards=plan["done_shards"],
     )
+    run.written, run.first_shard = run.manifest["shards"], 0
     if state.is_main_process:
         run.out.mkdir(parents=True, exist_ok=True)
+        run.segment = _new_segment(run, 0)
+        run.manifest["segments"] = [run.segment]
         write_manifest(run.out, run.manifest)
     state.wait_for_everyone()
     return True
+
+
+def _plan_append(run: Pass, fingerprint: dict[str, Any]) -> bool:
+    """--append: check the loaded weights against the cache's, write the new segment's keys file and record the
+    segment as being appended (`appending` in the manifest: the cache, as every reader sees it, is unchanged until
+    `finish`). An interrupted append of the same rows resumes after its intact shards; one of other rows is
+    discarded (its shards were never part of the cache)."""
+    out, base = run.out, run.base
+
+    def plan() -> dict[str, Any]:
+        if base.fingerprint.get("model_hash") != run.model_hash:
+            raise KTOPipelineError(
+                _append_refused(
+                    out,
+                    fingerprint_diff(
+                        {"model_hash": base.fingerprint.get("model_hash")}, {"model_hash": run.model_hash}
+                    ),
+                )
+            )
+        manifest = Manifest(dict(base))
+        pending = manifest.pop("appending", None)
+        done: list[dict[str, Any]] = []
+        if pending is not None:
+            was = pending["segment"]
+            same = was["source"] == run.prepared.segment["source"] and was["rows"] == run.prepared.segment["rows"]
+            if same:
+                done = _finished_shards(out, pending["shards"])
+                print(f"resuming the append: {len(done)} finished shards of its {was['rows']} rows found in {out}")
+            else:
+                print(f"an interrupted append of other rows ({was['source']['name_or_path']}) is discarded")
+        keep = {s["file"] for s in manifest.shards + done}
+        keep |= {seg["keys"]["file"] for seg in segments_of(manifest)}
+        _remove_leftovers(out, keep)
+        manifest["segments"] = segments_of(manifest)  # (a cache of one segment may predate the list)
+        segment = _new_segment(run, len(manifest["segments"]))
+        manifest["appending"] = {"segment": segment, "shards": done}
+        write_manifest(out, manifest)
+        return {"manifest": dict(manifest)}
+
+    run.manifest = Manifest(decided_by_main_process(run.state, plan)["manifest"])
+    run.segment = run.manifest["appending"]["segment"]
+    run.written = run.manifest["appending"]["shards"]
+    run.first_shard = len(run.manifest.shards)
+    return True
+
+
+def _new_segment(run: Pass, index: int) -> dict[str, Any]:
+    """Write the keys file of the segment this run writes (main process) and return its manifest entry."""
+    prepared = run.prepared
+    keys = key_array(open_keys(prepared.key_files).column("key"))
+    if prepared.key_rows is not None:
+        keys = keys[prepared.key_rows]
+    first = prepared.segment["first_example_id"]
+    kept = np.zeros(len(keys), dtype=bool)
+    kept[prepared.example_ids - first] = True
+    keys_entry = write_keys(run.out, index, first + np.arange(len(keys)), keys, kept)
+    info = dict(prepared.segment)
+    if index == 0:
+        kl = {"rule": "seeded cycle through the segment's rows", "seed": [run.config.seed]}
+    elif prepared.outside_partner is None:
+        kl = {"rule": "seeded cycle through the segment's rows", "seed": [run.config.seed, index]}
+    else:
+        kl = {"rule": "drawn from the cache's rows of the same prompt kind", "seed": [run.config.seed, index]}
+    return new_segment(index, **info, kl=kl, keys=keys_entry)
+
+
+def _remove_leftovers(out: Path, keep: set[str]) -> None:
+    """Delete the files under shards/ and keys/ that are not part of the cache: half-written files of a killed
+    run, and finished files that no manifest entry lists."""
+    for folder in (SHARD_DIR, KEY_DIR):
+        for leftover in out.glob(f"{folder}/*"):
+            if f"{folder}/{leftover.name}" not in keep:
+                leftover.unlink()
 
 
 def _check_output(out: Path) -> None:
@@ -322,22 +621,23 @@ def _decide_output(out: Path, fingerprint: dict[str, Any], overwrite: bool) -> d
             print(f"{out} already holds a complete cache of this model, tokenizer, data and settings: nothing to do.")
             return {"nothing_to_do": True}
         if diff and not overwrite:
+            grown = all(line.split(":")[0] in DATASET_FIELDS for line in diff) and old.complete
             raise KTOPipelineError(
                 f"--output {out} holds a cache made with other inputs or settings:\n  - "
                 + "\n  - ".join(diff)
-                + "\nPass --overwrite to replace it, or choose another --output."
+                + "\nPass --overwrite to replace it"
+                + (", --append to add the rows of --dataset that it does not hold" if grown else "")
+                + ", or choose another --output."
             )
         if diff:
             shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
+            shutil.rmtree(out / KEY_DIR, ignore_errors=True)
             (out / MANIFEST).unlink()
         else:
             done_shards = _finished_shards(out, old.shards)
             print(f"resuming: {len(done_shards)} finished shards found in {out}")
     # Half-written shards of a killed run, and shards past the intact ones, are not part of the cache.
-    keep = {s["file"] for s in done_shards}
-    for leftover in out.glob(f"{SHARD_DIR}/*"):
-        if f"{SHARD_DIR}/{leftover.name}" not in keep:
-            leftover.unlink()
+    _remove_leftovers(out, {s["file"] for s in done_shards})
     return {"nothing_to_do": False, "done_shards": done_shards}
 
 
@@ -359,22 +659,23 @@ def _finished_shards(out: Path, shards: list[dict[str, Any]]) -> list[dict[str, 
 def score_shards(run: Pass) -> None:
     """Score the shards not yet written, in rounds: in round r, process k scores shard r * N + k. After each round
     the main process records the finished shards, so the manifest always lists a complete prefix of them and the
-    shard layout (which rows go where) does not depend on the number of processes."""
+    shard layout (which rows go where) does not depend on the number of processes. An append's shards are
+    numbered after the cache's and recorded under `appending` until `finish`."""
 
     config, state, manifest = run.config, run.state, run.manifest
     n = len(run.prepared.rows)
     pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
     num_shards = (n + config.shard_size - 1) // config.shard_size
-    run.progress = progress = ShardProgress(n, sum(s["rows"] for s in manifest.shards), state)
+    run.progress = progress = ShardProgress(n, sum(s["rows"] for s in run.written), state)
     try:
-        for first in range(len(manifest.shards), num_shards, state.num_processes):
+        for first in range(len(run.written), num_shards, state.num_processes):
             shard_index = first + state.process_index
             entry, stats = None, dict.fromkeys(("rows", "scored", "executed", "needed"), 0)
             progress.executed_here = 0
             if shard_index < num_shards:
                 positions = np.arange(shard_index * config.shard_size, min(n, (shard_index + 1) * config.shard_size))
                 shard = _score_rows(run, positions, pad_id)
-                entry = write_shard(run.out, shard_index, shard)
+                entry = write_shard(run.out, run.first_shard + shard_index, shard)
                 needed = _needed_tokens(shard)
                 scored = needed + sum(len(p) for p in shard["prompt_ids"])  # as separate sequences: prompts twice
                 stats = {"rows": len(positions), "scored": scored, "executed": progress.executed_here, "needed": needed}
@@ -382,13 +683,13 @@ def score_shards(run: Pass) -> None:
                 _score_trees(run, [], pad_id)
             entries = gather_object([(entry, stats)]) if state.num_processes > 1 else [(entry, stats)]
             if state.is_main_process:
-                manifest.add_shards([e for e, _ in entries if e is not None])
+                run.written.extend(sorted((e for e, _ in entries if e is not None), key=lambda e: e["file"]))
                 write_manifest(run.out, manifest)
             progress.end_round([s for _, s in entries])
     except KeyboardInterrupt:
         progress.bar.close()
         raise KTOPipelineError(
-            f"interrupted: {len(manifest.shards)}/{num_shards} shards are safely written in {run.out}. "
+            f"interrupted: {len(run.written)}/{num_shards} shards are safely written in {run.out}. "
             "Run the same command again to resume from there."
         ) from None
     progress.bar.close()
@@ -435,9 +736,13 @@ class ShardProgress:
 
 def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> dict:
     """Build, score and assemble the Arrow columns of the kept rows at `positions`."""
-    config, tok, partner_pos = run.config, run.prepared.rows, run.prepared.partners
+    config, prepared = run.config, run.prepared
+    tok, partner_pos, ids = prepared.rows, prepared.partners, prepared.example_ids
     prompts, completions = tok.take(positions, "prompt_ids"), tok.take(positions, "completion_ids")
-    kl_completions = tok.take(partner_pos[positions], "completion_ids")
+    if prepared.outside_partner is None:
+        kl_ids, kl_completions = ids[partner_pos[positions]], tok.take(partner_pos[positions], "completion_ids")
+    else:  # a one-row append: its partner is a row of the cache
+        kl_ids, kl_completions = [prepared.outside_partner[0]], [prepared.outside_partner[1]]
     trees: list[Tree] = []
     for prompt, completion, kl_completion in zip(prompts, completions, kl_completions, strict=True):
         room = config.max_length - len(prompt)
@@ -446,7 +751,7 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> dict:
     cols: dict[str, list] = {name: [] for name in SCHEMA.names}
     for row, pos in enumerate(positions):
         main, kl = scores[row]
-        example_id = int(tok.example_ids[pos])
+        example_id = int(ids[pos])
         for what, values in (("completion", main), ("KL completion", kl)):
             if not np.isfinite(values).all():
                 raise KTOPipelineError(
@@ -458,7 +763,7 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> dict:
         cols["label"].append(bool(tok.labels[pos]))
         cols["prompt_ids"].append(trees[row][0])
         cols["completion_ids"].append(trees[row][1][0])
-        cols["kl_example_id"].append(int(tok.example_ids[partner_pos[pos]]))
+        cols["kl_example_id"].append(int(kl_ids[row]))
         cols["kl_completion_ids"].append(trees[row][1][1])
         cols["ref_logp"].append(token_sum(main))
         cols["ref_kl_logp"].append(token_sum(kl))
@@ -492,48 +797,64 @@ def _needed_tokens(shard: dict) -> int:
 
 
 def finish(run: Pass) -> None:
-    """Mark the cache complete, with the timing of this run, and print its summary."""
+    """Record the segment's shards and this run's timing; a full precompute marks the cache complete, an append adds
+    its segment to the cache (one atomic manifest write). Print the summary."""
     config, prepared, progress, manifest = run.config, run.prepared, run.progress, run.manifest
     if run.state.is_main_process:
-        manifest.mark_complete(
-            {
-                "preprocess_seconds": round(prepared.seconds, 3),
-                "preprocess_cached": prepared.cached,
-                "preprocess_rows_per_second": round(prepared.source_rows / max(prepared.seconds, 1e-9), 1),
-                "tokenize_seconds": round(prepared.tokenize_seconds, 3),
-                "num_proc": config.num_proc,
-                "reference_pass_seconds": round(time.perf_counter() - progress.started, 3),
-                "rows_scored": progress.rows_scored,
-                "tokens_scored": progress.tokens_scored,
-                "tokens_executed": progress.tokens_executed,
-                "tokens_needed": progress.tokens_needed,
-                "token_efficiency": round(progress.tokens_needed / max(progress.tokens_executed, 1), 4),
-                "wall_seconds": round(time.perf_counter() - run.started, 3),
-                "processes": run.state.num_processes,
-            }
-        )
+        timing = {
+            "preprocess_seconds": round(prepared.seconds, 3),
+            "preprocess_cached": prepared.cached,
+            "preprocess_rows_per_second": round(prepared.source_rows / max(prepared.seconds, 1e-9), 1),
+            "tokenize_seconds": round(prepared.tokenize_seconds, 3),
+            "num_proc": config.num_proc,
+            "reference_pass_seconds": round(time.perf_counter() - progress.started, 3),
+            "rows_scored": progress.rows_scored,
+            "tokens_scored": progress.tokens_scored,
+            "tokens_executed": progress.tokens_executed,
+            "tokens_needed": progress.tokens_needed,
+            "token_efficiency": round(progress.tokens_needed / max(progress.tokens_executed, 1), 4),
+            "wall_seconds": round(time.perf_counter() - run.started, 3),
+            "processes": run.state.num_processes,
+        }
+        segment = run.segment
+        segment["shards"] = [s["file"] for s in run.written]
+        segment["timing"] = timing
+        if run.base is None:
+            manifest.mark_complete(timing)
+        else:
+            del manifest["appending"]
+            manifest.add_segment(segment, run.written)
         write_manifest(run.out, manifest)
-        _print_summary(manifest, run.out, time.perf_counter() - run.started)
+        _print_summary(manifest, segment, run.out, time.perf_counter() - run.started)
     if run.engine.deepspeed:
         release_deepspeed(run.scorer)
     run.state.wait_for_everyone()
 
 
-def _print_summary(manifest: Manifest, out: Path, seconds: float) -> None:
-    counts, timing = manifest.counts, manifest.timing
-    dropped = counts["dropped"]
+def _print_summary(manifest: Manifest, segment: dict[str, Any], out: Path, seconds: float) -> None:
+    timing, dropped = segment["timing"], segment["dropped"]
     dropped_text = ", ".join(f"{c} ({r})" for r, c in dropped.items()) if dropped else "none"
     cached = " (read from the datasets cache)" if timing["preprocess_cached"] else ""
+    counts = manifest.counts
+    appended = segment["index"] > 0
+    rows = (
+        f"{segment['rows']} appended as segment {segment['index']} ({segment['desirable']} desirable, "
+        f"{segment['rows'] - segment['desirable']} undesirable); {segment['matched_rows']} of the dataset's rows "
+        f"were in the cache already; the cache now holds {counts['rows']} rows in {len(manifest['segments'])} segments"
+        if appended
+        else f"{counts['rows']} ({counts['desirable']} desirable, {counts['undesirable']} undesirable)"
+    )
     print(
-        "\nprecompute finished\n"
-        f"  rows         {counts['rows']} ({counts['desirable']} desirable, {counts['undesirable']} undesirable)\n"
+        f"\n{'append' if appended else 'precompute'} finished\n"
+        f"  rows         {rows}\n"
         f"  dropped      {sum(dropped.values())}: {dropped_text}\n"
         f"  tokens       {timing['tokens_scored']} scored (completions + KL completions, with their prompts)\n"
         f"  efficiency   {timing['token_efficiency']:.1%}: {timing['tokens_needed']} tokens needed (each prompt once, "
         f"no padding) / {timing['tokens_executed']} executed\n"
-        f"  tokenizing   {manifest.dataset['source_rows']} source rows in {timing['preprocess_seconds']:.1f} s: "
-        f"{timing['preprocess_rows_per_second']:.0f} rows/s (load, check, tokenize; datasets.map "
-        f"{timing['tokenize_seconds']:.1f} s with --num-proc {timing['num_proc']}){cached}\n"
+        f"  tokenizing   {segment['normalized_rows']} rows of {segment['source']['source_rows']} source rows in "
+        f"{timing['preprocess_seconds']:.1f} s: {timing['preprocess_rows_per_second']:.0f} source rows/s (load, "
+        f"check, key, tokenize; datasets.map {timing['tokenize_seconds']:.1f} s with --num-proc "
+        f"{timing['num_proc']}){cached}\n"
         f"  reference    {timing['rows_scored']} rows in {timing['reference_pass_seconds']:.1f} s: "
         f"{timing['rows_scored'] / max(timing['reference_pass_seconds'], 1e-9):.1f} rows/s, "
         f"{timing['tokens_scored'] / max(timing['reference_pass_seconds'], 1e-9):.0f} tokens/s\n"
