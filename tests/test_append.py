@@ -245,3 +245,59 @@ def test_manifest_segments_are_json(grown):
     manifest = json.loads((grown["cache"] / "manifest.json").read_text())
     assert [s["index"] for s in manifest["segments"]] == [0, 1]
     assert manifest["segments"][0]["keys"]["file"] == "keys/segment-00000.arrow"
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_append_then_rerun_completes_it(tiny_model_dir, tmp_path):
+    """The cache as readers see it is the old one until the append finishes; a second writer is refused while it
+    runs; after SIGKILL the same command resumes after the append's intact shards, and the old shards never
+    change."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rows = unpaired_rows(400)
+    cache = precompute(config(tiny_model_dir, write_jsonl(tmp_path / "first.jsonl", rows[:48]), tmp_path / "cache"))
+    old = files(cache)
+    log = write_jsonl(tmp_path / "log.jsonl", rows)
+    cmd = [
+        sys.executable,
+        "-m",
+        "kto_pipeline",
+        "precompute",
+        *cli(tiny_model_dir, log, cache),
+        "--append",
+        "--batch-size",
+        "4",
+    ]
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    appending = {}
+    while time.time() < deadline and len(appending.get("shards", [])) < 3:
+        try:
+            appending = json.loads((cache / "manifest.json").read_text()).get("appending", {})
+        except json.JSONDecodeError:
+            pass
+        time.sleep(0.01)
+    with pytest.raises(KTOPipelineError, match="is in use by"):
+        precompute(config(tiny_model_dir, log, cache, append=True))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert 3 <= len(appending["shards"]) < 44
+    assert len(open_cache(cache, verify=True)) == 48  # readers see the old cache, whole
+
+    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming the append:" in resumed.stdout
+    after = files(cache)
+    assert {k: after[k] for k in old} == old  # the old shards and keys, byte for byte
+    t = open_cache(cache, verify=True).table
+    assert t.column("example_id").to_pylist() == list(range(400))  # none lost, none twice
+    assert not list((cache / "shards").glob(".*")) and not list((cache / "keys").glob(".*"))
+
+    clean = precompute(config(tiny_model_dir, write_jsonl(tmp_path / "first2.jsonl", rows[:48]), tmp_path / "clean"))
+    precompute(config(tiny_model_dir, log, clean, append=True))
+    assert t.to_pylist() == open_cache(clean).table.to_pylist()
