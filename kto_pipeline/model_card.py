@@ -259,8 +259,23 @@ def _cache_rows(config: dict[str, Any], manifest: Manifest) -> list[tuple[str, s
         ("cached max_length", _num(settings["max_length"])),
         ("reference dtype", _code(settings.get("dtype"))),
         ("KL pairing seed", _num(settings.get("kl_seed"))),
+        *_segment_rows(manifest),
         ("cache format version", _num(manifest.format_version)),
         ("written by", f"kto-pipeline {manifest.tool_version}"),
+    ]
+
+
+def _segment_rows(manifest: Manifest) -> list[tuple[str, str]]:
+    """The cache's segments (a cache grown by `precompute --append`), when there is more than one."""
+    if len(manifest.segments) < 2:
+        return []
+    return [
+        (
+            f"segment {seg['index']}",
+            f"{seg['rows']} rows from {_code(seg['source']['name_or_path'])} ({_code(seg['source']['content_hash'])}), "
+            f"written {seg.get('written_at') or '-'}",
+        )
+        for seg in manifest.segments
     ]
 
 
@@ -303,6 +318,20 @@ def _results(config: dict[str, Any], history: list[dict[str, Any]]) -> str:
 # ------------------------------------------------------------------------------------------ the card
 
 
+def _round_section(lineage: dict[str, Any] | None) -> list[str]:
+    parent = (lineage or {}).get("parent_run")
+    if not parent:
+        return []
+    what = "LoRA adapter" if parent["kind"] == "adapter" else "full weights"
+    step = f" (step {parent['global_step']})" if parent.get("global_step") is not None else ""
+    return [
+        f"## Round {lineage['round']}",
+        f"This run is round {lineage['round']} of training in rounds: it started from the trained policy of "
+        f"round {parent['round']}, {_code(parent['path'])}{step}, its {what}, and trained against the same frozen "
+        "reference (the weights hash below).",
+    ]
+
+
 def build_model_card(
     config: dict[str, Any],
     manifest: Manifest,
@@ -315,6 +344,7 @@ def build_model_card(
     num_processes: int | None = None,
     precision: str | None = None,
     versions: dict[str, str] | None = None,
+    lineage: dict[str, Any] | None = None,
 ) -> str:
     """The card's text (YAML front matter + Markdown) for the model saved at `model_path`.
 
@@ -322,12 +352,15 @@ def build_model_card(
     of the run (train records carry `loss`, evaluation records `eval_reward_accuracy`). `adapter`: the folder
     holds LoRA adapters (not a full model); a run with `lora_r` set and `adapter=False` is its merged model.
     `precision` is accelerate's mixed_precision ("no", "bf16", "fp16"); None reads the config's flags.
+    `lineage`: for a run started with --init-from, its round and parent run (trainer_state's `round`, `parent_run`).
     """
     from huggingface_hub import ModelCardData
 
     manifest = Manifest(manifest)  # a manifest.json read as a plain dict works too
     lora = config.get("lora_r") is not None
-    base = config.get("model") or manifest.reference_model
+    parent = (lineage or {}).get("parent_run")
+    # the weights this run's LoRA adapters sit on: a full-weights parent's, else the reference (or --model)
+    base = parent["path"] if parent and parent["kind"] == "full" else config.get("model") or manifest.reference_model
     dataset = manifest.dataset["name_or_path"]
     model_name = model_name or Path(config["output_dir"]).name
     steps = [r["step"] for r in history if "step" in r]
@@ -376,6 +409,7 @@ def build_model_card(
         "## How to load it",
         f"```python\n{snippet}\n```",
         *load_notes,
+        *_round_section(lineage),
         "## Training settings",
         _table(
             ("setting", "value"),
@@ -405,6 +439,7 @@ def write_model_card(
     chat_template: bool = True,
     num_processes: int | None = None,
     precision: str | None = None,
+    lineage: dict[str, Any] | None = None,
 ) -> Path:
     """Write DIRECTORY/README.md for the model saved in `directory` (replacing peft's placeholder card)."""
     directory = Path(directory)
@@ -420,6 +455,7 @@ def write_model_card(
         chat_template=chat_template,
         num_processes=num_processes,
         precision=precision,
+        lineage=lineage,
     )
     path = directory / CARD_FILE
     path.write_text(text)

@@ -260,6 +260,12 @@ def _shown(value: Any) -> str:
 def _typed(spec: Option, value: Any, where: str) -> Any:
     """A recipe value as the option's type: ints are YAML integers, floats any number or numeric string
     (YAML reads `1e-6` as a string), bools true/false, and a comma-list option may be a YAML list."""
+    if typing.get_origin(spec.type) is list:  # a command's several arguments (report's paths)
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return value
+        raise KTOPipelineError(f"{where}: expected a string or a list of strings, got {_shown(value)}")
     base = base_type(spec.type)[0]
     if value is None and base_type(spec.type)[1]:
         return None

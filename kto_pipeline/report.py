@@ -1,4 +1,4 @@
-"""`kto-pipeline report RUN_OR_SWEEP_DIR`: plots and a self-contained HTML page from metrics.jsonl.
+"""`kto-pipeline report RUN_OR_SWEEP_DIR [MORE ...]`: plots and a self-contained HTML page from metrics.jsonl.
 
 One run (a directory with metrics.jsonl) or a sweep (a directory whose subdirectories are runs)
 gives the same figures; a sweep's runs are overlaid with a legend. The HTML embeds the PNGs and
@@ -11,12 +11,21 @@ from __future__ import annotations
 import base64
 import html
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.rundir import SAMPLES_FILE, find_runs, read_metrics, read_samples, run_config
+from kto_pipeline.rundir import (
+    SAMPLES_FILE,
+    STATE_FILE,
+    TrainerState,
+    find_runs,
+    read_metrics,
+    read_samples,
+    run_config,
+)
 
 TRAIN_SERIES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "kl")
 EVAL_SERIES = ("eval_reward_accuracy", "eval_pair_accuracy")
@@ -57,8 +66,10 @@ def _plot(
 
 
 def summary_rows(runs: dict[str, Path], settings: Iterable[str] = ()) -> list[dict[str, Any]]:
-    """One row per run: its main settings (plus `settings`) and its final metrics, best first."""
+    """One row per run: its main settings (plus `settings`) and its final metrics, best first. Runs of training in
+    rounds (`train --init-from`) come in round order instead, with their round, parent and cache rows."""
     rows = []
+    lineage = _lineage(runs)
     for label, run_dir in runs.items():
         train, evals = read_metrics(run_dir)
         config = run_config(run_dir)
@@ -79,7 +90,30 @@ def summary_rows(runs: dict[str, Path], settings: Iterable[str] = ()) -> list[di
             }
         )
         rows[-1].update({k: config.get(k) for k in settings})
+        if lineage:
+            rows[-1] = {"run": label, **lineage[label], **{k: v for k, v in rows[-1].items() if k != "run"}}
+    if lineage:
+        return sorted(rows, key=lambda row: (row["round"] or 0, row["run"]))
     return rank(rows)
+
+
+def _lineage(runs: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """{label: round, started from, cache rows and segments} when some run started from another; else {}."""
+    states = {label: TrainerState.read(d) if (d / STATE_FILE).exists() else None for label, d in runs.items()}
+    if not any(state and state.parent_run for state in states.values()):
+        return {}
+    by_path = {str(d.resolve()): label for label, d in runs.items()}
+    out = {}
+    for label, state in states.items():
+        parent = (state.parent_run if state else None) or {}
+        segments = (state.cache_segments if state else None) or []
+        out[label] = {
+            "round": state.round if state else None,
+            "started_from": by_path.get(parent.get("path"), parent.get("path")) if parent else "reference",
+            "cache_rows": sum(seg["rows"] for seg in segments) or None,
+            "cache_segments": len(segments) or None,
+        }
+    return out
 
 
 def rank(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -156,12 +190,24 @@ def samples_html(label: str, run_dir: Path) -> str:
     )
 
 
-def write_report(path: str | Path) -> Path:
-    """Write PNG plots and report.html into `path`; returns the HTML file."""
-    path = Path(path)
-    if not path.is_dir():
-        raise KTOPipelineError(f"{path}: no such directory.")
-    runs = find_runs(path)
+def write_report(*paths: str | Path, output: str | Path | None = None) -> Path:
+    """Write PNG plots and report.html for the runs in `paths` (runs, sweeps, or the rounds of a training in rounds,
+    side by side) into `output`: by default the one path, or the deepest folder that holds them all. Returns the
+    HTML file."""
+    if not paths:
+        raise KTOPipelineError("report: name at least one run or sweep directory.")
+    dirs = [Path(p) for p in paths]
+    for d in dirs:
+        if not d.is_dir():
+            raise KTOPipelineError(f"{d}: no such directory.")
+    runs: dict[str, Path] = {}
+    for d in dirs:
+        for label, run_dir in find_runs(d).items():
+            runs[label if label not in runs else f"{d.name}/{label}"] = run_dir
+    path = (
+        Path(output) if output else dirs[0] if len(dirs) == 1 else Path(os.path.commonpath([d.resolve() for d in dirs]))
+    )
+    path.mkdir(parents=True, exist_ok=True)
     metrics = {label: read_metrics(run_dir) for label, run_dir in runs.items()}
     out = path / "report"
     out.mkdir(exist_ok=True)
@@ -186,7 +232,7 @@ def write_report(path: str | Path) -> Path:
 padding:4px 8px;text-align:right}}figure{{display:inline-block;margin:0.5em}}img{{max-width:640px}}
 {SAMPLES_CSS}</style></head>
 <body><h1>kto-pipeline report: {html.escape(str(path))}</h1>
-<h2>Runs (best first)</h2><table><tr>{header}</tr>{table}</table>
+<h2>{"Rounds" if rows and "round" in rows[0] else "Runs (best first)"}</h2><table><tr>{header}</tr>{table}</table>
 <h2>Curves</h2>{figures}
 {"<h2>Samples</h2>" + samples if samples else ""}
 </body></html>

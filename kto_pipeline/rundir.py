@@ -55,6 +55,11 @@ class TrainerState:
     precision: str | None = None  # the policy's regime, e.g. "float32 weights under bfloat16 autocast"
     packing: str | None = None  # "packed", or "padded (why)"
     kl_forward: str | None = None
+    # the final state only: where the run started and what it saw
+    reference_hash: str | None = None  # the frozen reference's weights hash (the cache's): --init-from checks it
+    round: int | None = None  # 1, or the --init-from run's round + 1
+    parent_run: dict[str, Any] | None = None  # the --init-from run: path, global_step, round, kind (full / adapter)
+    cache_segments: list[dict[str, Any]] | None = None  # the cache segments trained on: index, rows, source, hash
 
     def write(self, directory: Path) -> None:
         values = {k: v for k, v in asdict(self).items() if v is not None}
@@ -151,3 +156,52 @@ def read_samples(path: str | Path) -> list[dict[str, Any]]:
                     f"{path} line {lineno}: not valid JSON ({exc.msg}). Write it again with `kto-pipeline generate`."
                 ) from exc
     return records
+
+
+# ------------------------------------------------------------------------------------------ rounds
+
+
+@dataclass
+class InitPoint:
+    """A previous run's trained policy that a new run starts from (`train --init-from`): the next round."""
+
+    run_dir: Path  # the run (or checkpoint) directory: its weights or adapter, and its tokenizer
+    kind: str  # "full" (model weights) or "adapter" (a LoRA adapter over `base`)
+    base: str | None  # an adapter's base model (name or path, as PEFT recorded it)
+    global_step: int | None
+    round: int  # the parent's round (1 for a run that did not start from another)
+    reference_hash: str | None  # the frozen reference it trained against, where the run recorded it
+
+
+def read_init_point(path: str | Path) -> InitPoint:
+    """What `--init-from PATH` holds, or a KTOPipelineError saying why it holds no trained model."""
+    run_dir = Path(path)
+    if not run_dir.is_dir():
+        raise KTOPipelineError(f"--init-from {run_dir}: no such directory.")
+    weights = any(run_dir.glob("*.safetensors")) or (run_dir / "pytorch_model.bin").exists()
+    if (run_dir / "adapter_config.json").exists():
+        kind = "adapter"
+        base = json.loads((run_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    elif (run_dir / "config.json").exists() and weights:
+        kind, base = "full", None
+    else:
+        checkpoints = sorted(run_dir.glob("checkpoint-*"))
+        hint = (
+            f" It has checkpoints ({checkpoints[-1].name} ...): the run did not finish; continue it with --resume, "
+            "or point --init-from at a checkpoint."
+            if checkpoints
+            else ""
+        )
+        raise KTOPipelineError(
+            f"--init-from {run_dir} holds no trained model: neither model weights (config.json + *.safetensors) "
+            f"nor a LoRA adapter (adapter_config.json). Point it at a finished `kto-pipeline train --output-dir`.{hint}"
+        )
+    state = TrainerState.read(run_dir) if (run_dir / STATE_FILE).exists() else None
+    return InitPoint(
+        run_dir=run_dir,
+        kind=kind,
+        base=base,
+        global_step=state.global_step if state else None,
+        round=(state.round or 1) if state else 1,
+        reference_hash=state.reference_hash if state else None,
+    )

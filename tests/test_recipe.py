@@ -360,8 +360,13 @@ def test_inspect_report_demo_and_generate_take_a_recipe(tmp_path, monkeypatch, c
     code, _, err = run_cli(monkeypatch, capsys, "inspect", "--config", str(write(tmp_path, "verfy: true\n", "i.yaml")))
     assert_clean_error(code, err, "unknown key 'verfy' (did you mean 'verify'?)")
 
-    code, _, err = run_cli(monkeypatch, capsys, "report", "--config", str(write(tmp_path, "path: runs/a\n", "r.yaml")))
+    code, _, err = run_cli(
+        monkeypatch, capsys, "report", "--config", str(write(tmp_path, "paths: [runs/a]\n", "r.yaml"))
+    )
     assert code == 0 and captured["report"] == "runs/a", err
+    recipe = write(tmp_path, "paths: [runs/a, runs/b]\noutput: both\n", "r2.yaml")
+    code, _, err = run_cli(monkeypatch, capsys, "report", "--config", str(recipe))
+    assert code == 0 and captured["report"] == ("runs/a", "runs/b"), err
 
     code, _, err = run_cli(monkeypatch, capsys, "demo", "--config", str(write(tmp_path, "tiny: true\n", "d.yaml")))
     assert code == 0 and captured["demo"] == ".demo-tiny", err

@@ -45,8 +45,9 @@ from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.model_card import write_model_card
 from kto_pipeline.models import load_model, load_tokenizer
 from kto_pipeline.precision import AUTOCAST_DTYPES, Regime, default_bf16, regime_mismatch
-from kto_pipeline.rundir import MetricsWriter, TrainerState, finished_at, start_run
+from kto_pipeline.rundir import InitPoint, MetricsWriter, TrainerState, finished_at, read_init_point, start_run
 from kto_pipeline.scoring.attention import attention_costs, checkpointing_kwargs, packing_unsupported
+from kto_pipeline.segments import segments_of
 from kto_pipeline.sharding import (
     Engine,
     accelerate_without_fsdp,
@@ -99,6 +100,7 @@ class Run:
     engine: Engine  # the policy replicated on every process (accelerate's DDP), or sharded over them (FSDP2)
     regime: Regime  # the policy's precision: float32 weights, under autocast with bf16/fp16
     manifest: Manifest
+    init: InitPoint | None  # --init-from: the previous round's policy this run started from
     tokenizer: Any
     scorer: PolicyScorer  # DDP-wrapped by accelerate, or the FSDP2 root
     optimizer: torch.optim.Optimizer
@@ -161,7 +163,8 @@ def setup(config: TrainConfig) -> Run:
     regime = Regime("float32", AUTOCAST_DTYPES[_resolve_precision(config)])  # the policy loads in float32
     _check_regime(config, Regime(*cache.manifest.precision), regime, accelerator)
     print0(accelerator, f"policy: {regime}, {engine}")
-    tokenizer, model, aux_coef = _load_policy(config, cache.manifest)
+    init = _init_point(config, cache.manifest, accelerator)
+    tokenizer, model, aux_coef = _load_policy(config, cache.manifest, init)
     padded_because = packing_unsupported(model)
     sampler, loader, eval_loader, eval_groups = _loaders(
         config, cache, max_length, accelerator, tokenizer, model, padded_because
@@ -190,6 +193,7 @@ def setup(config: TrainConfig) -> Run:
         engine=engine,
         regime=regime,
         manifest=cache.manifest,
+        init=init,
         tokenizer=tokenizer,
         scorer=scorer,
         optimizer=optimizer,
@@ -260,17 +264,47 @@ def _configure_deepspeed(accelerator, config: TrainConfig) -> None:
     plugin.set_deepspeed_weakref()
 
 
-def _load_base(config: TrainConfig, manifest: Manifest):
-    """The model training started from (the cache's reference unless --model), as loaded."""
+def _init_point(config: TrainConfig, manifest: Manifest, accelerator) -> InitPoint | None:
+    """--init-from: the previous round's policy, checked to have trained against this cache's frozen reference."""
+    if config.init_from is None:
+        return None
+    init = read_init_point(config.init_from)
+    ours = manifest.reference["weights_hash"]
+    if init.reference_hash is None:
+        print0(
+            accelerator, f"note: {init.run_dir} does not record its reference; it cannot be checked against the cache's"
+        )
+    elif init.reference_hash != ours:
+        raise KTOPipelineError(
+            f"--init-from {init.run_dir} trained against another reference (weights {init.reference_hash}) than the "
+            f"cache's ({manifest.reference_model}, weights {ours}). A round continues against the same frozen "
+            "reference: use a cache precomputed with that run's reference."
+        )
+    what = "LoRA adapter" if init.kind == "adapter" else "weights"
+    step = f" at step {init.global_step}" if init.global_step is not None else ""
+    print0(accelerator, f"round {init.round + 1}: starting from the {what} of {init.run_dir}{step}")
+    return init
+
+
+def _load_base(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None):
+    """The full weights training started from, as loaded: the cache's reference unless --model, or --init-from's
+    weights (an adapter's base for an adapter)."""
+    if init is not None:
+        return load_model(
+            str(init.run_dir) if init.kind == "full" else init.base, torch.float32, None, config.trust_remote_code
+        )
     model_name = config.model or manifest.reference_model
     revision = None if config.model else manifest.reference_revision
     return load_model(model_name, torch.float32, revision, config.trust_remote_code)
 
 
-def _load_policy(config: TrainConfig, manifest: Manifest):
+def _load_policy(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None):
     """(tokenizer, policy, MoE aux-loss weight): the policy only, with the cache's tokenizer, ready to train."""
-    model_name = config.model or manifest.reference_model
-    revision = None if config.model else manifest.reference_revision
+    if init is not None:
+        model_name, revision = str(init.run_dir), None
+    else:
+        model_name = config.model or manifest.reference_model
+        revision = None if config.model else manifest.reference_revision
     tokenizer = load_tokenizer(model_name, revision, config.trust_remote_code)
     if tokenizer_hash(tokenizer) != manifest.tokenizer_hash:
         raise KTOPipelineError(
@@ -279,14 +313,23 @@ def _load_policy(config: TrainConfig, manifest: Manifest):
             "would not mean the same thing. Train a model that shares the cache's tokenizer, or precompute a "
             "new cache with this model."
         )
-    model = _load_base(config, manifest)
+    model = _load_base(config, manifest, init)
     model.config.use_cache = False
     _disable_dropout(model)  # the base model's; LoRA's own dropout (--lora-dropout) is added after
     aux_coef = _router_aux_coef(model, config)
     if config.gradient_checkpointing:
         # recompute each layer's activations in the backward instead of keeping them
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
-    if config.lora_r is not None:
+    if init is not None and init.kind == "adapter":
+        from peft import PeftModel
+
+        # with --lora-r the previous round's adapter trains on; without, it is merged and the whole model trains
+        model = PeftModel.from_pretrained(model, init.run_dir, is_trainable=config.lora_r is not None)
+        if config.lora_r is None:
+            model = model.merge_and_unload().requires_grad_(True)  # (peft froze the base)
+        elif config.gradient_checkpointing:
+            model.enable_input_require_grads()
+    elif config.lora_r is not None:
         model = _add_lora(model, config)
     return tokenizer, model, aux_coef
 
@@ -538,7 +581,9 @@ def finish(run: Run) -> TrainResult:
         accelerator.end_training()
     save_model(accelerator, run.engine, run.scorer, run.tokenizer, out, config.to_dict())
     if config.merge:
-        save_merged(accelerator, run.engine, run.scorer, run.tokenizer, out, lambda: _load_base(config, run.manifest))
+        save_merged(
+            accelerator, run.engine, run.scorer, run.tokenizer, out, lambda: _load_base(config, run.manifest, run.init)
+        )
     executed, needed = (sum(gather_object([x])) for x in (p.tokens_executed, p.tokens_needed))
     state = trainer_state(run)
     state.train_seconds = round(time.perf_counter() - p.started, 3)
@@ -546,6 +591,20 @@ def finish(run: Run) -> TrainResult:
     state.token_efficiency = round(needed / max(executed, 1), 4)
     state.precision = str(run.regime)
     state.packing = "packed" if run.padded_because is None else f"padded ({run.padded_because})"
+    state.reference_hash = run.manifest.reference["weights_hash"]
+    state.round = run.init.round + 1 if run.init else 1
+    if run.init:
+        state.parent_run = {
+            "path": str(run.init.run_dir.resolve()),
+            "global_step": run.init.global_step,
+            "round": run.init.round,
+            "kind": run.init.kind,
+        }
+    state.cache_segments = [
+        {k: seg[k] for k in ("index", "rows", "first_example_id", "written_at")}
+        | {"source": seg["source"]["name_or_path"], "content_hash": seg["source"]["content_hash"]}
+        for seg in segments_of(run.manifest)
+    ]
     state.kl_forward = (
         "on the prompts' cached keys/values"
         if p.kl_on_cached_prompt
@@ -555,7 +614,7 @@ def finish(run: Run) -> TrainResult:
     )
     if accelerator.is_main_process:
         state.write(out)
-        _write_cards(run)
+        _write_cards(run, {"round": state.round, "parent_run": state.parent_run})
         print(
             f"train finished: {p.global_step} steps in {state.train_seconds:.1f} s; model and its card "
             f"(README.md) in {out.resolve()}\n"
@@ -569,12 +628,13 @@ def finish(run: Run) -> TrainResult:
     return TrainResult(output_dir=out, global_step=p.global_step, metrics=p.history, step_seconds=p.step_seconds)
 
 
-def _write_cards(run: Run) -> None:
+def _write_cards(run: Run, lineage: dict[str, Any]) -> None:
     config, history = run.config.to_dict(), run.progress.history
     card = dict(
         chat_template=run.tokenizer.chat_template is not None,
         num_processes=run.accelerator.num_processes,
         precision=run.regime.mixed_precision,
+        lineage=lineage,
     )
     write_model_card(run.out, config, run.manifest, history, adapter=run.config.lora_r is not None, **card)
     if run.config.merge:
