@@ -301,3 +301,21 @@ def test_sigkill_during_an_append_then_rerun_completes_it(tiny_model_dir, tmp_pa
     clean = precompute(config(tiny_model_dir, write_jsonl(tmp_path / "first2.jsonl", rows[:48]), tmp_path / "clean"))
     precompute(config(tiny_model_dir, log, clean, append=True))
     assert t.to_pylist() == open_cache(clean).table.to_pylist()
+
+
+def test_train_uses_every_row_of_a_grown_cache(grown, tmp_path, monkeypatch):
+    from helpers import train_config
+
+    from kto_pipeline import train
+    from kto_pipeline.stages import train as train_module
+
+    seen = []
+    forward = train_module.kto_forward
+
+    def recording(accelerator, scorer, batch, *args, **kw):
+        seen.extend(batch["example_id"].tolist())
+        return forward(accelerator, scorer, batch, *args, **kw)
+
+    monkeypatch.setattr(train_module, "kto_forward", recording)
+    train(train_config(grown["cache"], tmp_path / "run", max_steps=-1, num_train_epochs=1, logging_steps=3))
+    assert sorted(seen) == list(range(24))
