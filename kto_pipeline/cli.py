@@ -48,11 +48,40 @@ def train(config: TrainConfig) -> None:
 @app.command(cls=RecipeCommand)
 @options(GenerateConfig)
 def generate(config: GenerateConfig) -> None:
-    """Answer the same prompts with the reference and the trained policy, side by side (RUN/samples.jsonl)."""
-    from kto_pipeline.generate import generate_samples, preview
+    """Answer the same prompts with the reference and the trained policy, side by side (RUN/samples.jsonl); with
+    --num-return-sequences N, sample N completions of each --prompts row with the policy, as rows to label."""
+    from kto_pipeline.generate import completions_preview, generate_completions, generate_samples, preview
 
-    path = generate_samples(config)
-    typer.echo(f"samples: {path}\n{preview(path)}")
+    if config.rounds:
+        path = generate_completions(config)
+        typer.echo(f"completions: {path}\n{completions_preview(path)}")
+    else:
+        path = generate_samples(config)
+        typer.echo(f"samples: {path}\n{preview(path)}")
+
+
+@app.command(cls=RecipeCommand)
+@options()
+def label(
+    file: Annotated[
+        str,
+        typer.Argument(help="A .jsonl of prompt/completion rows, e.g. `generate --num-return-sequences` output."),
+    ],
+    label_with: Annotated[
+        str,
+        typer.Option(
+            help="MODULE:FUNCTION, a .py path or a dotted module name: FUNCTION(row) returns True (desirable) or "
+            "False (undesirable), a bool or numpy bool. Every row is labelled, any label it had replaced."
+        ),
+    ],
+    output: Annotated[str, typer.Option(help="The labelled file to write (FILE itself with --overwrite).")],
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing --output.")] = False,
+) -> None:
+    """Label the rows of a file with your Python function, for `precompute --append` (by hand: edit the .jsonl)."""
+    from kto_pipeline.label import label_counts, label_file, read_rows
+
+    path = label_file(file, label_with, output, overwrite=overwrite)
+    typer.echo(f"labelled: {path}\n{label_counts([row for _, row in read_rows(path, 'FILE')])}")
 
 
 @app.command("inspect", cls=RecipeCommand)
@@ -102,12 +131,24 @@ def sweep(
 @app.command(cls=RecipeCommand)
 @options()
 def report(
-    path: Annotated[str, typer.Argument(help="A train --output-dir, or a sweep directory.")],
+    paths: Annotated[
+        list[str],
+        typer.Argument(
+            help="Train --output-dirs or sweep directories; several (e.g. the rounds of a training in "
+            "rounds) are shown side by side."
+        ),
+    ],
+    output: Annotated[
+        str | None,
+        typer.Option(
+            help="Where report.html and report/ go. Default: the one path, or the folder that holds them all."
+        ),
+    ] = None,
 ) -> None:
     """Plot loss, rewards, margins, KL and eval reward accuracy; write PNGs and a self-contained report.html."""
     from kto_pipeline.report import write_report
 
-    typer.echo(f"report: {write_report(path)}")
+    typer.echo(f"report: {write_report(*paths, output=output)}")
 
 
 @app.command("estimate-memory", cls=RecipeCommand)

@@ -39,6 +39,7 @@ PROMPTS = "Prompts"
 REFERENCE_PASS = "Reference pass"
 OPTIMISATION = "Optimisation"
 DECODING = "Decoding"
+ROUNDS = "Rounds: completions to label"
 LORA = "LoRA"
 EVALUATION = "Evaluation"
 CHECKPOINTS = "Checkpoints"
@@ -54,6 +55,7 @@ PANELS = (
     REFERENCE_PASS,
     OPTIMISATION,
     DECODING,
+    ROUNDS,
     LORA,
     EVALUATION,
     CHECKPOINTS,
@@ -255,6 +257,16 @@ class TrainConfig(_ConfigMixin):
         default=None,
         **_help("Initial policy (hub id or directory). Default: the cache's reference model.", panel=MODEL_AND_DATA),
     )
+    init_from: str | None = field(
+        default=None,
+        **_help(
+            "Start from a previous run's trained policy (its --output-dir, or one of its checkpoint-N): the next "
+            "round, against the same frozen reference (checked). Full weights are trained on; a LoRA adapter is "
+            "trained on with --lora-r, merged into its base and fully trained without. Not --resume: a new run, "
+            "its own schedule and optimizer.",
+            panel=MODEL_AND_DATA,
+        ),
+    )
     beta: float = field(
         default=0.1,
         **_help("KTO beta: higher stays closer to the reference, lower cares less about it.", panel=OPTIMISATION),
@@ -400,6 +412,7 @@ class TrainConfig(_ConfigMixin):
 
     def __post_init__(self) -> None:
         _check(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
+        _check(not (self.init_from and self.model), "init_from", "cannot be combined with --model (choose one start)")
         _check(self.loss_type in LOSS_TYPES, "loss_type", f"must be one of {', '.join(LOSS_TYPES)}")
         _check(self.desirable_weight > 0, "desirable_weight", f"must be > 0, got {self.desirable_weight}")
         _check(self.undesirable_weight > 0, "undesirable_weight", f"must be > 0, got {self.undesirable_weight}")
@@ -467,7 +480,9 @@ class TrainConfig(_ConfigMixin):
 
 @dataclass
 class GenerateConfig(_ConfigMixin):
-    """Side by side: the reference model's and the trained policy's answers to the same prompts."""
+    """Side by side: the reference model's and the trained policy's answers to the same prompts. With
+    `num_return_sequences`: that many sampled completions per prompt of a file, by the policy alone, written as
+    dataset rows to label."""
 
     run: str = field(
         **_help(
@@ -499,17 +514,26 @@ class GenerateConfig(_ConfigMixin):
             panel=PROMPTS,
         ),
     )
-    num_prompts: int = field(
-        default=8, **_help("How many distinct prompts to answer: the first ones, in order.", panel=PROMPTS)
+    num_prompts: int | None = field(
+        default=None,
+        **_help(
+            "How many prompts to answer: the first ones, in order. Default: 8 distinct prompts side by side; "
+            "with --num-return-sequences, every row of --prompts.",
+            panel=PROMPTS,
+        ),
     )
     max_new_tokens: int = field(
         default=128, **_help("Most tokens of each answer (answers stop earlier at EOS).", panel=DECODING)
     )
-    do_sample: bool = field(
-        default=False,
-        **_help("Sample the answers; without it decoding is greedy (the most likely token each step).", panel=DECODING),
+    do_sample: bool | None = field(
+        default=None,
+        **_help(
+            "Sample the answers; without it decoding is greedy (the most likely token each step). Default: greedy "
+            "side by side, sampled with --num-return-sequences.",
+            panel=DECODING,
+        ),
     )
-    temperature: float = field(default=1.0, **_help("Sampling temperature (with --do-sample).", panel=DECODING))
+    temperature: float = field(default=1.0, **_help("Sampling temperature (when sampling).", panel=DECODING))
     top_p: float = field(
         default=1.0,
         **_help("Nucleus sampling: sample among the most likely tokens of this total probability.", panel=DECODING),
@@ -518,10 +542,47 @@ class GenerateConfig(_ConfigMixin):
         default=0,
         **_help("Seed of the sampling: the same seed, prompts and --batch-size give the same answers.", panel=DECODING),
     )
-    batch_size: int = field(default=8, **_help("Prompts per generate call (left-padded).", panel=DECODING))
+    batch_size: int = field(
+        default=8,
+        **_help(
+            "Sequences per generate call (left-padded): prompts, or with --num-return-sequences, completions.",
+            panel=DECODING,
+        ),
+    )
+    num_return_sequences: int | None = field(
+        default=None,
+        **_help(
+            "Rounds: sample this many completions of each --prompts row with the policy alone (no reference) and "
+            "write them as prompt/completion rows, unlabeled (label null) unless --label-with labels them, for "
+            "`precompute --append`. Sampling is on; greedy is refused when it is above 1.",
+            panel=ROUNDS,
+        ),
+    )
+    label_with: str | None = field(
+        default=None,
+        **_help(
+            "With --num-return-sequences: label each row with your Python function, MODULE:FUNCTION (MODULE a "
+            "dotted module name importable from the current directory, or a path to a .py file). It is called "
+            "as FUNCTION(row) with the row dict (prompt, completion, policy, sample_index, ...) and must return "
+            "True (desirable) or False (undesirable): a bool or numpy bool, nothing else.",
+            panel=ROUNDS,
+        ),
+    )
     output: str | None = field(
         default=None,
-        **_help("The samples file (JSON lines). Default: RUN/samples.jsonl, which `report` shows.", panel=OUTPUT),
+        **_help(
+            "The file to write (JSON lines). Default: RUN/samples.jsonl, which `report` shows; with "
+            "--num-return-sequences, RUN/rounds/completions.jsonl.",
+            panel=OUTPUT,
+        ),
+    )
+    overwrite: bool = field(
+        default=False,
+        **_help(
+            "With --num-return-sequences: replace an existing --output (else refused). The side-by-side samples "
+            "file is always replaced.",
+            panel=OUTPUT,
+        ),
     )
     dtype: str = field(
         default="auto",
@@ -531,21 +592,65 @@ class GenerateConfig(_ConfigMixin):
         default=False, **_help("Allow models and tokenizers that run their own code.", panel=MODELS)
     )
 
+    @property
+    def rounds(self) -> bool:
+        """Sampled completions of a prompts file, written as rows to label (--num-return-sequences)."""
+        return self.num_return_sequences is not None
+
+    @property
+    def sampling(self) -> bool:
+        """Whether decoding samples: --do-sample / --no-do-sample, else on in rounds and off side by side."""
+        return self.do_sample if self.do_sample is not None else self.rounds
+
     def __post_init__(self) -> None:
         _check(
             self.cache is None or self.prompts is None,
             "prompts",
             "choose one prompt source: --cache (a precompute cache) or --prompts (a .jsonl file), not both",
         )
-        _check(self.num_prompts >= 1, "num_prompts", f"must be at least 1, got {self.num_prompts}")
+        _check(
+            self.num_prompts is None or self.num_prompts >= 1,
+            "num_prompts",
+            f"must be at least 1, got {self.num_prompts}",
+        )
         _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
         _check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
         _check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         for name in ("temperature", "top_p"):
             _check(
-                self.do_sample or getattr(self, name) == 1.0,
+                self.sampling or getattr(self, name) == 1.0,
                 name,
                 "only applies with --do-sample (greedy decoding ignores it)",
             )
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        n = self.num_return_sequences
+        if n is None:
+            for name in ("label_with", "overwrite"):
+                _check(not getattr(self, name), name, "only applies with --num-return-sequences")
+            return
+        _check(n >= 1, "num_return_sequences", f"must be at least 1, got {n}")
+        _check(
+            self.prompts is not None,
+            "num_return_sequences",
+            "samples completions of the rows of a prompts file, written with each row's prompt as given: pass "
+            "--prompts FILE.jsonl" + (" instead of --cache" if self.cache is not None else ""),
+        )
+        _check(
+            self.reference is None,
+            "reference",
+            "does not apply with --num-return-sequences: completions are sampled with the policy (--run) alone",
+        )
+        _check(
+            self.sampling or n == 1,
+            "num_return_sequences",
+            f"{n} greedy completions of a prompt are one completion {n} times: drop --no-do-sample (completions "
+            "are sampled by default) or ask for --num-return-sequences 1",
+        )
+        if self.label_with is not None:
+            module, _, function = self.label_with.rpartition(":")
+            _check(
+                bool(module.strip()) and function.strip().isidentifier(),
+                "label_with",
+                f"expected MODULE:FUNCTION (e.g. rules.py:label or my_package.rules:label), got {self.label_with!r}",
+            )

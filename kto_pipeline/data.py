@@ -177,7 +177,7 @@ def check_source(dataset) -> str:
     else:
         hint = ""
         if "completion" in columns and "label" not in columns:
-            hint = " It has 'completion' but no 'label' column (true = desirable)."
+            hint = f" It has 'completion' but no 'label' column (true = desirable): {LABEL_FIRST}"
         elif "label" in columns:
             hint = " It has 'label' but no 'completion' column (rename your response column to 'completion')."
         raise KTOPipelineError(f"the dataset has columns {sorted(columns)}; {EXPECTED_COLUMNS}.{hint}")
@@ -306,7 +306,15 @@ def extract_prompt(chosen, rejected):
     return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
+LABEL_FIRST = (
+    "the rows have no label; label them first: `kto-pipeline label FILE --label-with MODULE:FUNCTION --output "
+    'OUT.jsonl` (your Python function), or set each row\'s "label" to true/false by hand.'
+)
+
+
 def _as_label(value: Any, row: int) -> bool:
+    if value is None:  # generate --num-return-sequences writes rows unlabeled (label null)
+        raise KTOPipelineError(f"row {row}: label is null: {LABEL_FIRST}")
     if isinstance(value, bool | np.bool_):
         return bool(value)
     if isinstance(value, int | np.integer) and value in (0, 1):

@@ -1,4 +1,6 @@
-"""`kto-pipeline generate`: the reference's and the trained policy's answers to the same prompts, side by side.
+"""`kto-pipeline generate`: the reference's and the trained policy's answers to the same prompts, side by side;
+or, with --num-return-sequences (rounds), sampled completions of a prompts file by the policy alone, as dataset
+rows to label.
 
 Metrics say that the rewards moved; reading answers says whether the model got better. Like trl's
 `generate_during_eval`, but written to RUN/samples.jsonl (which `kto-pipeline report` shows) instead of
@@ -12,6 +14,11 @@ several rows (paired data: a desirable and an undesirable one) is answered once.
 The two models are loaded one after the other (peak memory: one model), and decode by this command's
 settings alone: the models' own generation_config sampling defaults are replaced, so both answer in the
 same way and the file records how.
+
+Rounds (`generate_completions`): each row of --prompts gets N sampled completions from the policy (the reference
+is not loaded), written as unpaired dataset rows (`prompt` exactly as in the file, `completion`, `label`,
+`policy`, `sample_index`, `generation`, and the prompts row's other keys), with `label` null, or set by the
+user's function (--label-with, kto_pipeline/label.py). Labelled rows are ready for `precompute --append`.
 """
 
 from __future__ import annotations
@@ -25,17 +32,24 @@ from typing import Any
 from kto_pipeline import __version__
 from kto_pipeline.config import GenerateConfig
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.rundir import SAMPLES_FILE, read_samples, run_config
+from kto_pipeline.rundir import SAMPLES_FILE, finished_at, read_samples, run_config
+
+SIDE_BY_SIDE_PROMPTS = 8  # --num-prompts' default side by side (rounds answer every row of --prompts)
+COMPLETIONS_FILE = "rounds/completions.jsonl"  # rounds' default --output, under the run
+WRITTEN_KEYS = ("completion", "label", "policy", "sample_index", "generation")  # a rounds row's own keys
 
 
 @dataclass
 class Prompt:
-    """One distinct prompt; from a cache also its first row's id and label, and every row's (label, completion)."""
+    """One prompt; from a cache also its first row's id and label, and every row's (label, completion); from a
+    file, the row as read and its line number."""
 
     ids: list[int]
     example_id: int | None = None
     label: bool | None = None
     completions: list[tuple[bool, list[int]]] = field(default_factory=list)
+    row: dict[str, Any] | None = None
+    line: int | None = None
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -80,14 +94,15 @@ def cache_prompts(table, num_prompts: int) -> list[Prompt]:
     return list(chosen.values())
 
 
-def file_prompts(path: Path, tokenizer, num_prompts: int) -> list[Prompt]:
-    """The first `num_prompts` distinct prompts of a .jsonl file: strings are tokenized as precompute does,
-    message lists rendered with the chat template and the generation prompt."""
+def file_prompts(path: Path, tokenizer, num_prompts: int | None, distinct: bool = True) -> list[Prompt]:
+    """The first `num_prompts` (all: None) distinct prompts of a .jsonl file, or with `distinct=False` its first
+    rows, repeats kept: strings are tokenized as precompute does, message lists rendered with the chat template
+    and the generation prompt."""
     from kto_pipeline.data import chat_ids, is_conversational
 
     if not path.is_file():
         raise KTOPipelineError(f"--prompts {path}: no such file. Pass a .jsonl file whose rows have `prompt`.")
-    prompts: dict[tuple[int, ...], Prompt] = {}
+    prompts: dict[Any, Prompt] = {}
     with open(path) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -116,7 +131,7 @@ def file_prompts(path: Path, tokenizer, num_prompts: int) -> list[Prompt]:
                 )
             if not ids:
                 raise KTOPipelineError(f"{where}: the prompt is empty (no tokens); there is nothing to answer.")
-            prompts.setdefault(tuple(ids), Prompt(ids))
+            prompts.setdefault(tuple(ids) if distinct else lineno, Prompt(ids, row=row, line=lineno))
             if len(prompts) == num_prompts:
                 break
     if not prompts:
@@ -137,8 +152,10 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def generate_answers(model, tokenizer, prompts: list[list[int]], config: GenerateConfig, desc: str) -> list[str]:
-    """Each prompt's answer (decoded, special tokens dropped, stripped), in prompt order.
+def generate_answers(
+    model, tokenizer, prompts: list[list[int]], config: GenerateConfig, desc: str, strip: bool = True
+) -> list[str]:
+    """Each prompt's answer (decoded, special tokens dropped, stripped unless `strip=False`), in prompt order.
 
     Prompts are batched longest first and left-padded, so every answer continues its prompt's last token.
     The seed is set afresh for each call: two identical models give identical answers, sampled or greedy.
@@ -150,10 +167,10 @@ def generate_answers(model, tokenizer, prompts: list[list[int]], config: Generat
     device = next(model.parameters()).device
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": 0} if config.do_sample else {}
+    sampling = {"temperature": config.temperature, "top_p": config.top_p, "top_k": 0} if config.sampling else {}
     generation = GenerationConfig(
         max_new_tokens=config.max_new_tokens,
-        do_sample=config.do_sample,
+        do_sample=config.sampling,
         eos_token_id=eos,
         pad_token_id=pad_id,
         use_cache=True,  # a trained run's config.json says use_cache=False (training needs no KV cache)
@@ -183,7 +200,8 @@ def generate_answers(model, tokenizer, prompts: list[list[int]], config: Generat
             for row, i in enumerate(batch):
                 new = out[row, width:].tolist()
                 end = next((k for k, t in enumerate(new) if t in eos), len(new))
-                answers[i] = tokenizer.decode(new[:end], skip_special_tokens=True).strip()
+                answer = tokenizer.decode(new[:end], skip_special_tokens=True)
+                answers[i] = answer.strip() if strip else answer
     return answers
 
 
@@ -237,19 +255,35 @@ def _resolve_source(config: GenerateConfig, saved: dict[str, Any]) -> tuple[str,
     )
 
 
-def generate_samples(config: GenerateConfig) -> Path:
-    """Answer the same prompts with the reference and the policy of `config.run`; returns the samples file."""
-    import torch
-
-    from kto_pipeline.cache import atomic_write_text, open_cache, tokenizer_hash
-    from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
+def _one_process() -> None:
     from kto_pipeline.sharding import launched_processes
 
-    if launched_processes() > 1:  # no collectives here: each process would load both models and write the file
+    if launched_processes() > 1:  # no collectives here: each process would load the models and write the file
         raise KTOPipelineError(
             f"generate runs in one process (this launch started {launched_processes()}): it loads each model whole "
             "on one device and writes one file. Run `kto-pipeline generate ...` without torchrun or accelerate launch."
         )
+
+
+def _free(device) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def generate_samples(config: GenerateConfig) -> Path:
+    """Answer the same prompts with the reference and the policy of `config.run`; returns the samples file.
+    With `config.num_return_sequences` this is `generate_completions`."""
+    import torch
+
+    from kto_pipeline.cache import atomic_write_text, open_cache, tokenizer_hash
+    from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
+
+    if config.rounds:
+        return generate_completions(config)
+    _one_process()
     print(f"kto-pipeline generate {__version__}\n{config.describe()}", flush=True)
     run = Path(config.run)
     _check_run(run)
@@ -277,9 +311,9 @@ def generate_samples(config: GenerateConfig) -> Path:
                 f"cache {source} was made with another tokenizer than the run's, so its prompt token ids are other "
                 "text to these models. Use a cache precomputed with the run's reference model, or --prompts."
             )
-        prompts = cache_prompts(cache.table, config.num_prompts)
+        prompts = cache_prompts(cache.table, config.num_prompts or SIDE_BY_SIDE_PROMPTS)
     else:
-        prompts = file_prompts(Path(source), tokenizer, config.num_prompts)
+        prompts = file_prompts(Path(source), tokenizer, config.num_prompts or SIDE_BY_SIDE_PROMPTS)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(config.dtype, device)
@@ -292,12 +326,12 @@ def generate_samples(config: GenerateConfig) -> Path:
         model = load_model(name, dtype, rev, config.trust_remote_code, flag=flag).eval().to(device)
         answers[role] = generate_answers(model, tokenizer, [p.ids for p in prompts], config, f"generate ({role})")
         del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _free(device)
 
     settings = {
         **{k: v for k, v in config.to_dict().items() if k not in ("output", "cache", "prompts", "reference")},
+        "num_prompts": config.num_prompts or SIDE_BY_SIDE_PROMPTS,
+        "do_sample": config.sampling,
         "reference": reference,
         "reference_revision": revision,
         kind: source,
@@ -324,6 +358,99 @@ def generate_samples(config: GenerateConfig) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "".join(lines))
     return out
+
+
+# ------------------------------------------------------------------------------------------ rounds
+
+
+def generate_completions(config: GenerateConfig) -> Path:
+    """`config.num_return_sequences` sampled completions of each row of `config.prompts` by the policy of
+    `config.run` alone, written as dataset rows (labelled by `config.label_with` if given); returns the file.
+
+    Every check that needs no model (the run, the output, the labeller, the prompts) comes before the policy is
+    loaded, and the file is written whole at the end (temporary file, then rename), so a failure leaves none."""
+    import torch
+
+    from kto_pipeline.cache import atomic_write_text
+    from kto_pipeline.label import check_output, label_rows, load_labeller, rows_text
+    from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
+
+    _one_process()
+    print(f"kto-pipeline generate {__version__}\n{config.describe()}", flush=True)
+    run = Path(config.run)
+    _check_run(run)
+    out = Path(config.output) if config.output else run / COMPLETIONS_FILE
+    check_output(out, config.overwrite)
+    labeller = load_labeller(config.label_with) if config.label_with else None
+    tokenizer = load_tokenizer(config.run, trust_remote_code=config.trust_remote_code, flag="--run")
+    prompts = file_prompts(Path(config.prompts), tokenizer, config.num_prompts, distinct=False)
+
+    n = config.num_return_sequences
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(config.dtype, device)
+    model = load_model(config.run, dtype, None, config.trust_remote_code, flag="--run").eval().to(device)
+    # each prompt n times, side by side in the batches: the copies draw different samples
+    texts = generate_answers(
+        model, tokenizer, [p.ids for p in prompts for _ in range(n)], config, "generate (policy)", strip=False
+    )
+    del model
+
+    policy = {"run": str(run.resolve()), "global_step": finished_at(run)}
+    generation = {
+        "do_sample": config.sampling,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "max_new_tokens": config.max_new_tokens,
+        "seed": config.seed,
+        "batch_size": config.batch_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "kto_pipeline_version": __version__,
+    }
+    rows, where = [], []
+    for i, prompt in enumerate(prompts):
+        source = prompt.row
+        extra = {k: v for k, v in source.items() if k != "prompt" and k not in WRITTEN_KEYS}
+        for k in range(n):
+            text = texts[i * n + k]
+            completion = [{"role": "assistant", "content": text}] if isinstance(source["prompt"], list) else text
+            rows.append(
+                {
+                    "prompt": source["prompt"],
+                    **extra,
+                    "completion": completion,
+                    "label": None,
+                    "policy": policy,
+                    "sample_index": k,
+                    "generation": generation,
+                }
+            )
+            where.append(f"row {len(rows) - 1} (--prompts line {prompt.line}, sample {k})")
+    if labeller is not None:
+        label_rows(rows, labeller, config.label_with, where)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, rows_text(rows))
+    return out
+
+
+def completions_preview(path: str | Path, count: int = 2, width: int = 100) -> str:
+    """A few lines for the terminal: rows, labels and the next step, and the first `count` rows, shortened."""
+    from kto_pipeline.label import label_counts, read_rows
+
+    rows = [row for _, row in read_rows(Path(path), "the completions file")]
+    prompts = len({json.dumps(row["prompt"]) for row in rows})
+    lines = [f"{len(rows)} rows: completions of {prompts} prompts; {label_counts(rows)}"]
+    if any(row.get("label") is None for row in rows):
+        lines.append(
+            f"  label them before `precompute --append`: kto-pipeline label {path} --label-with MODULE:FUNCTION "
+            '--output OUT.jsonl, or set each "label" to true/false by hand'
+        )
+    for i, row in enumerate(rows[:count], start=1):
+        completion = row["completion"]
+        text = completion[0]["content"] if isinstance(completion, list) else completion
+        shown = text.replace("\n", "\\n")
+        shown = shown if len(shown) <= width else shown[: width - 3] + "..."
+        lines.append(f"  [{i}] label {json.dumps(row.get('label'))}: {shown}")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ preview
