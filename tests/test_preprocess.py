@@ -78,7 +78,9 @@ def test_two_tokenizing_processes_give_the_same_cache(tmp_path, tiny_model_dir, 
     two = precompute(
         PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "two"), num_proc=2)
     )
-    assert len(list((tmp_path / "other-hf" / "kto_pipeline").glob("tokenized-*_of_00002.arrow"))) == 2  # two workers ran
+    assert (
+        len(list((tmp_path / "other-hf" / "kto_pipeline").glob("tokenized-*_of_00002.arrow"))) == 2
+    )  # two workers ran
     assert rows_of(one) == rows_of(two)
     assert read_manifest(two)["timing"]["num_proc"] == 2
     if "chosen" in rows[0]:  # pair i -> example ids 2i (chosen, desirable) and 2i + 1, across the workers' split

@@ -231,9 +231,10 @@ def build_reference(path: Path, steps: int = 300, seed: int = 0) -> Path:
     return path
 
 
-def run_tiny_demo(workdir: str | Path = ".demo-tiny", epochs: float = 3.0) -> dict[str, float]:
+def run_tiny_demo(workdir: str | Path = ".demo-tiny", epochs: float = 3.0, rounds: bool = True) -> dict[str, float]:
     """The pipeline on toy data with a tiny model built locally (no download); the learning rate is far above
-    KTO's usual because the model is tiny and nearly random."""
+    KTO's usual because the model is tiny and nearly random. With `rounds`, a second round follows
+    (`tiny_round_two`)."""
     workdir = Path(workdir)
     model_dir = build_reference(workdir / "tiny-llama-sft")
     for split in ("train", "test"):
@@ -267,6 +268,8 @@ def run_tiny_demo(workdir: str | Path = ".demo-tiny", epochs: float = 3.0) -> di
         "heldout_accuracy_after": final_eval["eval_reward_accuracy"],
         "heldout_rows": final_eval["eval_rows"],
     }
+    if rounds:
+        summary.update(tiny_round_two(workdir, model_dir))
     print(
         "\ntiny demo summary\n"
         f"  reward margin (chosen - rejected)   start {summary['margin_start']:+.4f}"
@@ -277,4 +280,88 @@ def run_tiny_demo(workdir: str | Path = ".demo-tiny", epochs: float = 3.0) -> di
         f"   (sign of beta * (policy - reference logp) vs label)\n"
         f"  model, metrics                      {(workdir / 'run').resolve()}"
     )
+    if rounds:
+        print(
+            "  round 2 (generate -> label -> append -> train --init-from)\n"
+            f"    answers the rule calls helpful      round 1 policy {summary['helpful_round1']:.0%}  ->  "
+            f"round 2 policy {summary['helpful_round2']:.0%}   ({ROUND_PROMPTS} train prompts x {ROUND_SAMPLES} "
+            "samples, kto_pipeline/demo/rules.py)\n"
+            f"    cache                               {summary['round2_rows']} rows appended and scored, "
+            f"{summary['round2_tokens']} tokens; the {summary['round1_rows']} rows of round 1 not scored again\n"
+            f"    held-out reward accuracy            {summary['heldout_accuracy_round2']:.1%} after round 2\n"
+            f"    report of both rounds               {summary['rounds_report']}"
+        )
     return summary
+
+
+ROUND_PROMPTS = 40  # distinct train prompts the round-1 policy answers
+ROUND_SAMPLES = 2  # sampled answers per prompt
+
+
+def tiny_round_two(workdir: Path, model_dir: Path) -> dict:
+    """The second round of the tiny demo: the trained policy answers train prompts, a rule a reader can check
+    (kto_pipeline/demo/rules.py) labels the answers, the labelled rows are appended to the train cache (only they
+    are scored), and round 2 trains from round 1's policy. The round-2 policy then answers the same prompts, so
+    the summary shows how often each round's answers pass the rule."""
+    from kto_pipeline.cache import read_manifest
+    from kto_pipeline.generate import generate_completions
+    from kto_pipeline.report import write_report
+
+    prompts, seen = workdir / "round2-prompts.jsonl", []
+    for line in demo_data("train").read_text().splitlines():
+        prompt = json.loads(line)["prompt"]
+        if prompt not in seen:
+            seen.append(prompt)
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in seen[:ROUND_PROMPTS]))
+
+    def answers(run: str, output: str) -> list[dict]:
+        path = generate_completions(
+            GenerateConfig(
+                run=str(workdir / run),
+                prompts=str(prompts),
+                num_return_sequences=ROUND_SAMPLES,
+                max_new_tokens=96,
+                label_with="kto_pipeline.demo.rules:helpful",
+                output=str(workdir / output),
+                overwrite=True,
+            )
+        )
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    round1 = answers("run", "round2-rows.jsonl")
+    precompute(
+        PrecomputeConfig(
+            model=str(model_dir),
+            dataset=str(workdir / "round2-rows.jsonl"),
+            output=str(workdir / "cache-train"),
+            max_length=256,
+            append=True,
+        )
+    )
+    segments = read_manifest(workdir / "cache-train").segments
+    result = train(
+        TrainConfig(
+            cache=str(workdir / "cache-train"),
+            output_dir=str(workdir / "run-round2"),
+            init_from=str(workdir / "run"),
+            beta=TINY_BETA,
+            learning_rate=1e-4,
+            per_device_train_batch_size=8,
+            num_train_epochs=1.0,
+            warmup_ratio=0.1,
+            logging_steps=5,
+            eval_cache=str(workdir / "cache-test"),
+            overwrite_output_dir=True,
+        )
+    )
+    round2 = answers("run-round2", "round2-policy-answers.jsonl")
+    (final_eval,) = [m for m in result.metrics if "eval_loss" in m]
+    return {
+        "helpful_round1": sum(r["label"] for r in round1) / len(round1),
+        "helpful_round2": sum(r["label"] for r in round2) / len(round2),
+        "round1_rows": segments[0]["rows"],
+        "round2_rows": segments[-1]["rows"],
+        "round2_tokens": segments[-1]["timing"]["tokens_scored"],
+        "heldout_accuracy_round2": final_eval["eval_reward_accuracy"],
+        "rounds_report": str(write_report(workdir / "run", workdir / "run-round2", output=workdir / "rounds")),
+    }
