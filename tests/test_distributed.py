@@ -213,3 +213,35 @@ def test_resume_with_other_batch_settings_is_refused(tmp_path, small_cache):
     train(TrainConfig(per_device_train_batch_size=4, save_steps=2, **base))
     with pytest.raises(KTOPipelineError, match="--per-device-train-batch-size: checkpoint 4, now 6"):
         train(TrainConfig(per_device_train_batch_size=6, resume=True, **base))
+
+
+@pytest.mark.slow
+def test_append_two_processes_equals_one(tmp_path, tiny_model_dir, data):
+    """An append under two processes writes the shards (numbered after the cache's) and manifest one process
+    would write."""
+    import shutil
+
+    first = write_jsonl(tmp_path / "first.jsonl", unpaired_rows(40)[:16])
+    base = precompute(
+        PrecomputeConfig(
+            model=str(tiny_model_dir), dataset=str(first), output=str(tmp_path / "base"), max_length=64, shard_size=6
+        )
+    )
+    shutil.copytree(base, tmp_path / "two")
+    precompute(
+        PrecomputeConfig(
+            model=str(tiny_model_dir), dataset=str(data), output=str(base), max_length=64, shard_size=6, append=True
+        )
+    )
+    args = ["--model", str(tiny_model_dir), "--dataset", str(data), "--output", str(tmp_path / "two")]
+    result = launch(
+        2, "precompute", *args, "--max-length", "64", "--shard-size", "6", "--append", log_dir=tmp_path / "logs"
+    )
+    assert result.stdout.count("append finished") == 1
+    two, one = open_cache(tmp_path / "two", verify=True), open_cache(base, verify=True)
+    assert two.table.to_pylist() == one.table.to_pylist()
+    assert [s["file"] for s in two.manifest.shards] == [s["file"] for s in one.manifest.shards]
+    assert [s["sha256"] for s in two.manifest.shards] == [s["sha256"] for s in one.manifest.shards]
+    assert (
+        two.manifest.segments[1]["rows"] == 24 and two.manifest.segments[1]["shards"][0] == "shards/shard-00003.arrow"
+    )
