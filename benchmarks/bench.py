@@ -5,6 +5,7 @@
     python benchmarks/bench.py --only lora     # LoRA rows only, updates their section of RESULTS.md
     python benchmarks/bench.py --only smollm2  # the real model (SmolLM2-135M-Instruct) on HH-RLHF, its own section
     python benchmarks/bench.py --only scale    # preprocessing at 20k / 200k / 1M rows (bench_scale.py), its section
+    python benchmarks/bench.py --only append   # precompute --append of 1% new rows to a 200k-row cache (bench_scale.py)
 
 Every measurement runs in a fresh subprocess (`bench.py worker NAME`, harness.py), so each one's peak RSS is its
 own. Both tools run in float32 with gradient checkpointing off (trl 1.16 defaults to bf16=True and
@@ -20,7 +21,7 @@ import json
 import time
 from pathlib import Path
 
-from bench_scale import SCALE_SIZES
+from bench_scale import APPEND_SIZES, SCALE_SIZES
 from harness import (
     HERE,
     WORK_DIR,
@@ -78,7 +79,7 @@ SMOLLM2_SIZES = {
     "full": dict(pairs=160, max_turns=1, steps=8, batch=8, max_length=256),
     "smoke": dict(pairs=8, max_turns=1, steps=2, batch=4, max_length=256),
 }
-CASES = {"random": SIZES, "smollm2": SMOLLM2_SIZES, "scale": SCALE_SIZES}
+CASES = {"random": SIZES, "smollm2": SMOLLM2_SIZES, "scale": SCALE_SIZES, "append": APPEND_SIZES}
 SWEEP_BETAS = (0.05, 0.1, 0.2, 0.5)
 LEARNING_RATE = 1e-5
 # RESULTS.md: the main table (`render`) is rewritten by a full run; these sections are written by their own runs
@@ -482,6 +483,10 @@ WORKERS = {
 def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = None, data: Path | None = None) -> dict:
     """One measurement; returns a JSON-able dict (times in seconds, memory in MiB). `model` and `data` default to
     the random model and data that build_assets writes in `work`."""
+    if name.startswith("append_"):  # bench_scale.py: the CLI's process, imports timed (so nothing is imported first)
+        from bench_scale import append_worker
+
+        return append_worker(name, size, out, model, data)
     import torch
 
     model, data = model or work / "model", data or work / "data.jsonl"
@@ -550,17 +555,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--results", default=None, help="Markdown file to write (default: RESULTS.md for full)")
     parser.add_argument(
         "--only",
-        choices=["lora", "smollm2", "scale"],
+        choices=["lora", "smollm2", "scale", "append"],
         help="Run only these rows and update their section of --results",
     )
     parser.add_argument(
         "--scale-rows",
-        help="--only scale: comma-separated row counts (default: 20000,200000,1000000 for full, 500,2000 for smoke)",
+        help="--only scale: comma-separated row counts (default: 20000,200000,1000000 for full, 500,2000 for smoke); "
+        "--only append: the cache sizes (default: 20000,200000 for full, 50,200 for smoke)",
     )
     parser.add_argument(
         "--scale-tokenizer",
         choices=["smollm2", "char"],
-        help="--only scale: the tokenizer (default: smollm2 for full, char for smoke)",
+        help="--only scale or append: the tokenizer (default: smollm2 for full, char for smoke)",
     )
     parser.add_argument("--case", default="random", choices=sorted(CASES), help=argparse.SUPPRESS)  # workers
     parser.add_argument("--model", help=argparse.SUPPRESS)  # workers: model directory
@@ -586,6 +592,11 @@ def main() -> None:
 
         rows = tuple(int(x) for x in args.scale_rows.split(",")) if args.scale_rows else None
         run_scale(work / "scale", args.size, results, rows, args.scale_tokenizer)
+    elif args.only == "append":
+        from bench_scale import run_append
+
+        rows = tuple(int(x) for x in args.scale_rows.split(",")) if args.scale_rows else None
+        run_append(work / "append", args.size, results, rows, args.scale_tokenizer)
     elif args.only == "lora":
         run_lora(work, args.size, results)
     else:

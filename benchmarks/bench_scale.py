@@ -1,6 +1,7 @@
 """The scale case of the benchmark (`python benchmarks/bench.py --only scale`, part of `make bench`): preprocessing
 rows/s and peak RSS at 20,000 / 200,000 / 1,000,000 short unpaired rows, kto-pipeline against trl.KTOTrainer 1.16,
-with 1 and 2 processes.
+with 1 and 2 processes. The append case (`--only append`: `precompute --append` of 1% new rows next to the full
+precompute of a 200,000-row cache) is at the end of this file and uses the same rows and model.
 
 Every measurement runs in a fresh process (`bench.py worker scale_<tool>_<num_proc>`) with its own, empty
 HF_DATASETS_CACHE, so that nothing is read from an earlier run's cache. What each one times:
@@ -520,5 +521,543 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
         *goals,
         "",
         *notes,
+    ]
+    return "\n".join(lines)
+
+
+# ==================================================================================================== append
+#
+# The append case (`python benchmarks/bench.py --only append`): what `kto-pipeline precompute --append` costs
+# next to the full precompute of the cache it grows. For each cache size (200,000 rows; 20,000 to see whether
+# memory grows with the cache), each in a fresh process (`bench.py worker append_<form>_<rows>`) with its own empty
+# HF_DATASETS_CACHE, running the CLI's own entry point (`kto_pipeline.cli.main`) in-process:
+#
+# - append_full_N: `precompute` of the first N rows of the stream (the cache);
+# - append_log_N: `precompute --append` into a copy of that cache with the grown log, the first N + NEW rows;
+# - append_new_N: the same with a file of the NEW new rows only.
+#
+# The worker imports nothing before it starts its clock (bench.py dispatches to it first), so process start,
+# imports and exit = the process's wall time from outside - the CLI call. Inside the call, the stage's phases are
+# timed by wrapping the functions `stages/precompute.py` calls (exclusive times: a timed call inside another is
+# taken out of the outer one), and sorted into what is fixed, what grows with the dataset given (the log) and what
+# grows with the new rows.
+
+APPEND_HEADING = "## Append: `precompute --append` of 1% new rows to a 200,000-row cache"
+APPEND_SIZES = {
+    # caches: the cache sizes (full precomputes), ascending; new: rows appended to each; tokenizer as in SCALE_SIZES;
+    # goal_cache: the size the goal is about
+    "full": dict(caches=(20_000, 200_000), new=2_000, goal_cache=200_000, tokenizer="smollm2", max_length=1024),
+    "smoke": dict(caches=(50, 200), new=10, goal_cache=200, tokenizer="char", max_length=1024),
+}
+# torch's threads in every run (OMP_NUM_THREADS; None: torch's default, one per core). 1: on a 2-core machine shared
+# with another torch process, 2 threads each stall at every parallel region's barrier (measured 2026-11-24: the tiny
+# model's reference pass fell from 111 rows/s to 7.5 with 2 threads; 51 rows/s with 1), which is noise, not the
+# append's cost. The full pass and the appends run alike.
+APPEND_THREADS = 1
+APPEND_FORMS = {"full": "full precompute", "log": "append, grown log", "new": "append, new rows only"}
+APPEND_GOAL = 0.02  # the issue: appending 1% new rows costs at most 2% of a full pass, plus a fixed overhead
+SMOLLM2_TOKENS_PER_S = 726  # SmolLM2-135M's reference pass on this CPU (RESULTS.md, the real-model case, 2026-11-24)
+FLAT_MIB = 50  # "memory stays flat": an append's peak RSS grows at most this much from the smaller cache to the larger
+# The functions of kto_pipeline.stages.precompute that are timed, by the part of an append's cost they are:
+# fixed (does not grow with the dataset or the new rows; reading the cache's keys and matching grow with the cache,
+# a few bytes a row), proportional to the dataset given (the grown log, or the new rows alone), or to the new rows.
+PHASES = {
+    "precompute": "fixed",  # its own time: process group, the --output lock
+    "setup": "fixed",  # load the tokenizer, check --output
+    "open_base": "fixed",  # read the manifest, check the keys files, hash the tokenizer
+    "held_keys": "fixed",  # read the cache's keys files
+    "match_keys": "fixed",  # match the dataset's keys against them
+    "load_reference": "fixed",  # load the model, hash its weights
+    "plan_output": "fixed",  # write the segment's keys file and the manifest
+    "finish": "fixed",  # the manifest
+    "load_source": "data",  # JSON -> Arrow in the datasets cache
+    "check_source": "data",
+    "content_hash": "data",  # sha256 of the file
+    "content_keys": "data",  # a key per row: datasets.map, normalize + sha256
+    "open_keys": "data",
+    "prepare_rows": "other",  # its own time: select the new rows, open the tokenized file
+    "preprocess": "rows",  # tokenize (datasets.map)
+    "select_rows": "rows",
+    "_kl_partners": "rows",
+    "score_shards": "rows",  # the reference pass
+}
+BUCKETS = {
+    "start": "process start, imports, exit",
+    "fixed": "fixed (tokenizer, manifest + keys files, matching, model load, writes)",
+    "data": "dataset: JSON -> Arrow, sha256, content keys",
+    "rows": "new rows: tokenize, score",
+    "other": "other (prepare_rows' own)",
+}
+
+
+def append_worker_name(form: str, rows: int) -> str:
+    return f"append_{form}_{rows}"
+
+
+def new_rows_path(work: Path, rows: int, new: int) -> Path:
+    """The .jsonl of rows `rows` .. `rows + new - 1` of the stream alone: the new rows of the grown log."""
+    return work / f"data-v{DATA_VERSION}-{rows}-new{new}.jsonl"
+
+
+def write_new_rows(work: Path, rows: int, new: int) -> Path:
+    """The new rows alone, cut from the grown log `data_path(work, rows + new)` (`write_data` wrote it)."""
+    path = new_rows_path(work, rows, new)
+    if not path.exists():
+        part = path.with_name(path.name + ".part")
+        with open(data_path(work, rows + new), encoding="utf-8") as f, open(part, "w", encoding="utf-8") as out:
+            for i, line in enumerate(f):
+                if i >= rows:
+                    out.write(line)
+        part.replace(path)
+    return path
+
+
+def _time_phases(module, names) -> list[dict]:
+    """Wrap the functions `names` of `module` (looked up there by the code that calls them): each call is recorded
+    as {name, seconds, exclusive (without the timed calls inside it), rows (len of its first argument or result,
+    where it is a dataset)}."""
+    calls: list[dict] = []
+    stack: list[float] = []
+
+    def wrap(name, original):
+        def timed(*args, **kwargs):
+            stack.append(0.0)
+            start = time.perf_counter()
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - start
+                inner = stack.pop()
+                if stack:
+                    stack[-1] += seconds
+                calls.append({"name": name, "seconds": seconds, "exclusive": seconds - inner})
+            if name in ("preprocess", "content_keys") and args:
+                calls[-1]["rows"] = len(args[0])
+            elif name == "load_source":
+                calls[-1]["rows"] = len(out)
+            return out
+
+        return timed
+
+    for name in names:
+        setattr(module, name, wrap(name, getattr(module, name)))
+    return calls
+
+
+def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> dict:
+    """One run of the CLI (`kto-pipeline precompute [--append]`) in this fresh process; returns a JSON-able dict.
+    Nothing heavy is imported before this is called (bench.py dispatches here first)."""
+    import os
+    import resource
+
+    started = time.perf_counter()
+    import datasets  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import kto_pipeline.cli as cli
+    import kto_pipeline.stages.precompute as stage
+    from kto_pipeline.cache import read_manifest
+
+    imports_seconds = time.perf_counter() - started
+    baseline = rss_mib()
+    _, form, _ = name.split("_")
+    if form not in APPEND_FORMS:
+        raise SystemExit(f"unknown worker {name}")
+    calls = _time_phases(stage, PHASES)
+    argv = ["kto-pipeline", "precompute", "--model", str(model), "--dataset", str(data), "--output", str(out)]
+    argv += ["--max-length", str(size["max_length"])] + (["--append"] if form != "full" else [])
+    sys.argv = argv
+    start = time.perf_counter()
+    try:
+        cli.main()
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise SystemExit(f"{' '.join(argv)} exited with {exc.code}") from None
+    cli_seconds = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    peaks = _peaks()
+    manifest = read_manifest(out)
+    segment = manifest["segments"][-1]
+    exclusive: dict[str, float] = {}
+    for call in calls:
+        exclusive[call["name"]] = exclusive.get(call["name"], 0.0) + call["exclusive"]
+    tokenized = [c["rows"] for c in calls if c["name"] == "preprocess"]
+    return {
+        "form": form,
+        "argv": argv,
+        "imports_seconds": imports_seconds,
+        "cli_seconds": cli_seconds,
+        "cpu_seconds": usage.ru_utime + usage.ru_stime,
+        "phases": exclusive,
+        "calls": {c["name"]: c["seconds"] for c in calls},  # inclusive, the last call of each
+        "source_rows": next((c["rows"] for c in calls if c["name"] == "load_source"), None),
+        "keyed_rows": sum(c["rows"] for c in calls if c["name"] == "content_keys"),
+        "tokenized_rows": sum(tokenized),
+        "tokenize_calls": len(tokenized),
+        "segment": {k: segment[k] for k in ("index", "rows", "normalized_rows", "matched_rows", "timing", "shards")},
+        "cache_rows": manifest.counts["rows"],
+        "segments": len(manifest["segments"]),
+        "baseline_rss_mib": baseline,
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+        **peaks,
+    }
+
+
+def _file_hashes(cache: Path) -> dict[str, str]:
+    """sha256 of every shard and keys file of a cache (the manifest and the lock file left out)."""
+    import hashlib
+
+    hashes = {}
+    for folder in ("shards", "keys"):
+        for path in sorted((cache / folder).glob("*")):
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            hashes[f"{folder}/{path.name}"] = h.hexdigest()
+    return hashes
+
+
+def _verify_cli(cache: Path) -> tuple[bool, float, str]:
+    """`kto-pipeline inspect CACHE --verify` in its own process: (passed, seconds, its last line)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "kto_pipeline.cli", "inspect", str(cache), "--verify"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - start
+    lines = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()]
+    last = lines[-1] if lines else "no output"
+    return proc.returncode == 0 and last.startswith("OK"), seconds, last
+
+
+def check_append(full: dict, r: dict, base: dict[str, str], cache: Path, cache_rows: int, new: int) -> dict:
+    """What an append must have done, checked before any number is reported (the benchmark stops otherwise):
+    tokenized and scored exactly the new rows, recorded them as segment 1, left every file of the cache as it was,
+    and the cache passes `kto-pipeline inspect --verify`. Returns what was checked, for the section."""
+    name = f"{APPEND_FORMS[r['form']]} ({cache_rows:,} rows)"
+    seg, timing = r["segment"], r["segment"]["timing"]
+    expected_matched = cache_rows if r["form"] == "log" else 0
+    problems = []
+    if r["tokenized_rows"] != new or r["tokenize_calls"] != 1:
+        problems.append(f"tokenized {r['tokenized_rows']} rows in {r['tokenize_calls']} calls, not {new} in 1")
+    if timing["rows_scored"] != new or seg["rows"] != new or seg["index"] != 1 or r["segments"] != 2:
+        problems.append(
+            f"segment {seg['index']} of {r['segments']}: {seg['rows']} rows, {timing['rows_scored']} scored"
+        )
+    if seg["matched_rows"] != expected_matched:
+        problems.append(f"{seg['matched_rows']} rows matched in the cache, expected {expected_matched}")
+    if r["cache_rows"] != cache_rows + new:
+        problems.append(f"the cache holds {r['cache_rows']} rows, expected {cache_rows + new}")
+    after = _file_hashes(cache)
+    changed = sorted(f for f, h in base.items() if after.get(f) != h)
+    if changed:
+        problems.append(f"files of the cache changed or vanished: {changed[:5]}")
+    added = sorted(set(after) - set(base))
+    if sorted(set(seg["shards"]) | {"keys/segment-00001.arrow"}) != added:
+        problems.append(f"new files {added}, the segment lists {seg['shards']}")
+    verified, verify_seconds, last = _verify_cli(cache)
+    if not verified:
+        problems.append(f"kto-pipeline inspect --verify: {last}")
+    if problems:
+        raise SystemExit(f"{name}: " + "; ".join(problems) + ": not reporting numbers")
+    print(
+        f"  {name}: tokenized and scored {new} rows, {len(base)} files of the cache unchanged, inspect --verify OK "
+        f"({verify_seconds:.1f} s)",
+        flush=True,
+    )
+    return {
+        "unchanged_files": len(base),
+        "new_files": {f: after[f] for f in added},
+        "verify_seconds": verify_seconds,
+        "tokens_per_row": timing["tokens_scored"] / max(timing["rows_scored"], 1),
+        "full_tokens_per_row": full["segment"]["timing"]["tokens_scored"] / full["segment"]["timing"]["rows_scored"],
+    }
+
+
+def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[int, ...] | None, tokenizer: str | None):
+    """`--only append`: for each cache size, a full precompute, then both append forms into copies of its cache,
+    each in a fresh process and datasets cache; checked, then written as a section of `results`."""
+    import os
+
+    size = dict(APPEND_SIZES[size_name])
+    size["caches"] = tuple(sorted(caches or size["caches"]))
+    size["tokenizer"] = tokenizer or size["tokenizer"]
+    if size["goal_cache"] not in size["caches"]:
+        size["goal_cache"] = size["caches"][-1]
+    new = size["new"]
+    started = time.perf_counter()
+    work.mkdir(parents=True, exist_ok=True)
+    model = build_model(work, size["tokenizer"])
+    data = write_data(work, tuple(sorted({n for c in size["caches"] for n in (c, c + new)})))
+    shutil.rmtree(work / "runs", ignore_errors=True)
+    measured: dict[int, dict[str, dict]] = {}
+    checks: dict[int, dict[str, dict]] = {}
+    for n in size["caches"]:
+        print(f"{n:,}-row cache, {new:,} new rows ({size['tokenizer']} tokenizer):", flush=True)
+        sources = {"full": data[n], "log": data[n + new], "new": write_new_rows(work, n, new)}
+        measured[n], checks[n] = {}, {}
+        base: dict[str, str] = {}
+        for form in APPEND_FORMS:
+            name = append_worker_name(form, n)
+            out = work / "runs" / name
+            if form != "full":  # a copy of the full precompute's cache, appended to
+                shutil.copytree(work / "runs" / append_worker_name("full", n), out)
+            cache = work / "runs" / f"hf-datasets-cache-{name}"  # fresh and its own: nothing read from a cache
+            load = os.getloadavg()[0]
+            try:
+                flags = ["--size", size_name, "--case", "append", "--model", str(model), "--data", str(sources[form])]
+                env = {"HF_DATASETS_CACHE": str(cache)}
+                if APPEND_THREADS:
+                    env |= {"OMP_NUM_THREADS": str(APPEND_THREADS), "MKL_NUM_THREADS": str(APPEND_THREADS)}
+                r = run_worker(BENCH, name, work, flags, env=env)
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+            r["load_before"], r["load_after"] = load, os.getloadavg()[0]
+            measured[n][form] = r
+            if form == "full":
+                base = _file_hashes(out)
+            else:
+                checks[n][form] = check_append(measured[n]["full"], r, base, out, n, new)
+        log_files, new_files = checks[n]["log"]["new_files"], checks[n]["new"]["new_files"]
+        if log_files != new_files:
+            raise SystemExit(f"{n:,} rows: the two appends wrote different files: {log_files} vs {new_files}")
+        print(f"  both appends wrote the same {len(log_files)} files, byte for byte", flush=True)
+        for form in ("log", "new"):
+            shutil.rmtree(work / "runs" / append_worker_name(form, n), ignore_errors=True)
+    seconds = time.perf_counter() - started
+    (work / "runs" / "measured.json").write_text(json.dumps({"measured": measured, "checks": checks, "size": size}))
+    section = render_append(measured, checks, size, size_name, seconds)
+    print("\n" + section)
+    if results:
+        write_section(results, APPEND_HEADING, section)
+
+
+def append_buckets(r: dict) -> dict[str, float]:
+    """A run's wall time (process_seconds, from outside) split into BUCKETS (seconds)."""
+    out = dict.fromkeys(BUCKETS, 0.0)
+    for name, seconds in r["phases"].items():
+        out[PHASES[name]] += seconds
+    out["start"] = r["process_seconds"] - r["cli_seconds"]
+    out["other"] += r["cli_seconds"] - sum(r["phases"].values())  # the CLI around the stage (typer)
+    return out
+
+
+def _append_tables(measured: dict, checks: dict, size: dict) -> tuple[list[str], list[str], list[str]]:
+    """(the runs: times, rows, tokens, peaks; the split of each run's time; the phases that matter, seconds)."""
+    runs = [
+        "| cache rows | run | dataset rows | rows tokenized | rows scored | tokens scored | process s (outside) | "
+        "manifest: wall s | preprocess s | reference pass s | CPU s | peak RSS MiB | vs full pass |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    split = [
+        "| cache rows | run | " + " | ".join(BUCKETS.values()) + " | total s |",
+        "| --- | --- | " + " | ".join("---" for _ in BUCKETS) + " | --- |",
+    ]
+    shown = (
+        "load_source",
+        "content_hash",
+        "content_keys",
+        "preprocess",
+        "score_shards",
+        "load_reference",
+        "setup",
+        "open_base",
+        "held_keys",
+        "match_keys",
+        "plan_output",
+        "finish",
+    )
+    phases = [
+        "| cache rows | run | imports | " + " | ".join(shown) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in shown) + " |",
+    ]
+    for n in size["caches"]:
+        full = measured[n]["full"]
+        for form, label in APPEND_FORMS.items():
+            r = measured[n][form]
+            t = r["segment"]["timing"]
+            ratio = "-" if form == "full" else f"{r['process_seconds'] / full['process_seconds']:.2%}"
+            runs.append(
+                f"| {n:,} | {label} | {r['source_rows']:,} | {r['tokenized_rows']:,} | {t['rows_scored']:,} | "
+                f"{t['tokens_scored']:,} | {r['process_seconds']:.1f} | {t['wall_seconds']:.1f} | "
+                f"{t['preprocess_seconds']:.1f} | {t['reference_pass_seconds']:.1f} | {r['cpu_seconds']:.0f} | "
+                f"{r['peak_rss_mib']:.0f} | {ratio} |"
+            )
+            b = append_buckets(r)
+            split.append(
+                f"| {n:,} | {label} | " + " | ".join(f"{b[k]:.2f}" for k in BUCKETS) + f" | {sum(b.values()):.1f} |"
+            )
+            cells = [f"{r['phases'].get(p, 0.0):.2f}" for p in shown]
+            phases.append(f"| {n:,} | {label} | {r['imports_seconds']:.2f} | " + " | ".join(cells) + " |")
+    return runs, split, phases
+
+
+def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], list[str]]:
+    """(the goals table, the notes that go with it)."""
+    n, new = size["goal_cache"], size["new"]
+    full = measured[n]["full"]
+    goals = ["| goal | measured | met |", "| --- | --- | --- |"]
+    notes = []
+    fixed = {}
+    for form in ("log", "new"):
+        r = measured[n][form]
+        b = append_buckets(r)
+        fixed[form] = b["start"] + b["fixed"]
+        variable = sum(b.values()) - fixed[form]
+        budget = APPEND_GOAL * full["process_seconds"]
+        goals.append(
+            f"| {APPEND_FORMS[form]}: {new:,} new rows ({new / n:.0%}) to a {n:,}-row cache cost at most "
+            f"{APPEND_GOAL:.0%} of the full pass ({budget:.1f} s of {full['process_seconds']:.1f} s) + a fixed "
+            f"overhead X = {fixed[form]:.1f} s (measured: process start and imports, tokenizer, manifest and keys "
+            f"files, matching, model load, writes) | {sum(b.values()):.1f} s in all = X + {variable:.1f} s "
+            f"({variable / full['process_seconds']:.2%} of the full pass; the whole append "
+            f"{sum(b.values()) / full['process_seconds']:.2%}) | {_met(variable <= budget)} |"
+        )
+    for form in ("log", "new"):
+        r, c = measured[n][form], checks[n][form]
+        t = r["segment"]["timing"]
+        goals.append(
+            f"| {APPEND_FORMS[form]}: only the new rows are tokenized and scored | tokenized {r['tokenized_rows']:,}, "
+            f"scored {t['rows_scored']:,} rows ({t['tokens_scored']:,} tokens, {c['tokens_per_row']:.1f} a row; "
+            f"the full pass {c['full_tokens_per_row']:.1f}); hashed (content keys, no tokenizer) {r['keyed_rows']:,}; "
+            f"{c['unchanged_files']} files of the cache unchanged (sha256); inspect --verify OK | yes |"
+        )
+    for form in ("log", "new"):
+        r = measured[n][form]
+        goals.append(
+            f"| {APPEND_FORMS[form]}: peak RSS at most the full pass's | {r['peak_rss_mib']:.0f} MiB vs "
+            f"{full['peak_rss_mib']:.0f} MiB ({r['peak_rss_mib'] - full['peak_rss_mib']:+.0f}) | "
+            f"{_met(r['peak_rss_mib'] <= full['peak_rss_mib'])} |"
+        )
+    small = size["caches"][0]
+    if small != n:
+        for form in ("log", "new"):
+            a, b = measured[small][form], measured[n][form]
+            growth = b["peak_rss_mib"] - a["peak_rss_mib"]
+            goals.append(
+                f"| {APPEND_FORMS[form]}: memory stays flat: peak RSS of the {new:,}-row append to a {n:,}-row cache "
+                f"at most {FLAT_MIB} MiB above the one to a {small:,}-row cache | {a['peak_rss_mib']:.0f} -> "
+                f"{b['peak_rss_mib']:.0f} MiB ({growth:+.0f}) | {_met(growth <= FLAT_MIB)} |"
+            )
+            notes.append(
+                f"- fixed overhead X of the {APPEND_FORMS[form]}: {small:,}-row cache "
+                f"{sum(append_buckets(a)[k] for k in ('start', 'fixed')):.1f} s, {n:,}-row cache "
+                f"{sum(append_buckets(b)[k] for k in ('start', 'fixed')):.1f} s."
+            )
+    full_rows_s = append_buckets(full)["rows"]
+    for form in ("log", "new"):
+        r, t, ft = measured[n][form], measured[n][form]["segment"]["timing"], full["segment"]["timing"]
+        rate = t["rows_scored"] / t["reference_pass_seconds"]
+        full_rate = ft["rows_scored"] / ft["reference_pass_seconds"]
+        rows_s, p = append_buckets(r)["rows"], r["phases"]
+        notes.append(
+            f"- {APPEND_FORMS[form]}: its new-row part ({rows_s:.1f} s: tokenize {p.get('preprocess', 0):.2f} s, "
+            f"score {p.get('score_shards', 0):.1f} s) is {rows_s / full_rows_s:.2%} of the full pass's "
+            f"({full_rows_s:.0f} s): it scores at {rate:.1f} rows/s, the full pass at {full_rate:.1f}."
+        )
+    r = measured[n]["log"]
+    data_s, p = append_buckets(r)["data"], r["phases"]
+    keys_s = p.get("content_keys", 0.0)
+    notes.append(
+        f"- the grown-log form pays for the whole log it is given: {data_s:.1f} s for {r['source_rows']:,} rows "
+        f"({r['source_rows'] / max(data_s, 1e-9):,.0f} rows/s: JSON -> Arrow {p.get('load_source', 0):.1f} s, "
+        f"sha256 of the file {p.get('content_hash', 0):.2f} s, content keys {keys_s:.1f} s = "
+        f"{r['keyed_rows'] / max(keys_s, 1e-9):,.0f} rows/s); the new-rows form "
+        f"{append_buckets(measured[n]['new'])['data']:.2f} s. The full pass pays the same keys for its "
+        f"{full['source_rows']:,} rows: {full['phases'].get('content_keys', 0):.1f} s of its "
+        f"{full['segment']['timing']['preprocess_seconds']:.1f} s of preprocessing."
+    )
+    return goals, notes
+
+
+def _real_model_note(measured: dict, size: dict) -> str:
+    """Why the reference is the tiny model: what the full pass would take with SmolLM2-135M at its measured rate."""
+    t = measured[size["goal_cache"]]["full"]["segment"]["timing"]
+    tokens, tiny = t["tokens_scored"], t["tokens_scored"] / t["reference_pass_seconds"]
+    hours = tokens / SMOLLM2_TOKENS_PER_S / 3600
+    return (
+        f"Not SmolLM2-135M itself: its reference pass ran at {SMOLLM2_TOKENS_PER_S} tokens/s on this CPU with 2 "
+        f"threads (the real-model section above, 2026-11-24), so the {tokens:,} tokens of the full pass would take "
+        f"about {hours:.1f} hours; the tiny model scored {tiny:,.0f} tokens/s here with 1 thread "
+        f"({tiny / SMOLLM2_TOKENS_PER_S:.0f}x faster). With the real model the reference pass (full pass and the "
+        "append's scoring alike) would be that much longer, and the fixed and dataset-proportional costs of an "
+        "append, which do not depend on the model (but for its load), would weigh that much less against the full "
+        "pass."
+    )
+
+
+def render_append(measured: dict, checks: dict, size: dict, size_name: str, seconds: float) -> str:
+    import datasets
+    import tokenizers
+    import torch
+    import transformers
+
+    import kto_pipeline
+
+    runs, split, phases = _append_tables(measured, checks, size)
+    goals, notes = _append_goals(measured, checks, size)
+    new = size["new"]
+    tokenizer_text = (
+        "SmolLM2-135M-Instruct's (BPE, vocab 49152)"
+        if size["tokenizer"] == "smollm2"
+        else "the character-level one of `kto_pipeline.demo.tiny`"
+    )
+    loads = [(r["load_before"], r["load_after"]) for m in measured.values() for r in m.values()]
+    threads = max(r["threads"] for m in measured.values() for r in m.values())
+    lines = [
+        APPEND_HEADING,
+        "",
+        f"- command: `python benchmarks/bench.py --size {size_name} --only append`",
+        f"- date: {utc_stamp()}; total time {seconds:.0f} s",
+        f"- machine: {machine()}; 1-minute load average before / after each run: "
+        + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in loads)
+        + f" (each run keeps {threads} torch thread(s) busy: more means the machine was shared; every run "
+        f"with OMP_NUM_THREADS={APPEND_THREADS}, see `APPEND_THREADS`: with torch's default of one thread per core, "
+        "another torch process on the 2 cores made the reference pass ~15x slower, 7.5 rows/s instead of 111)",
+        f"- versions: kto-pipeline {kto_pipeline.__version__}, datasets {datasets.__version__}, transformers "
+        f"{transformers.__version__}, tokenizers {tokenizers.__version__}, torch {torch.__version__}, "
+        f"Python {sys.version.split()[0]}",
+        f"- data: the rows of the scale case (`bench_scale.row_stream`): the cache = the first N rows; the grown log = "
+        f"the first N + {new:,}; the new rows = rows N .. N + {new - 1:,} alone. Tokenizer: {tokenizer_text}; the "
+        f"reference: the tiny random Llama of `build_model` over it (hidden 64, 2 layers; its 49152-way output "
+        f"layer is most of its work), float32, the CLI's defaults otherwise (max_length {size['max_length']}, "
+        "--num-proc 1, batch 16 sequences / 16384 tokens, shards of 2048 rows). " + _real_model_note(measured, size),
+        "- each run is `kto-pipeline precompute [--append]` through the CLI's entry point in a fresh process "
+        "(`bench.py worker append_<full|log|new>_N`) with its own empty HF_DATASETS_CACHE; each append goes into "
+        "a copy of the full precompute's cache. process s = the process from start to exit, from outside; "
+        "manifest = the segment's `timing` (wall from the stage's setup: no imports). CPU s = user + system of "
+        "the process. Peak RSS = its ru_maxrss.",
+        "- split: stage functions timed by wrapping them (exclusive times); 'process start, imports, exit' = "
+        "process s - the CLI call; 'fixed' = setup (tokenizer), open_base (manifest, keys files present, "
+        "tokenizer hash), held_keys + match_keys (the cache's keys, matching: a few bytes a row of the cache), "
+        "load_reference (model load, weights hash), plan_output (the segment's keys file, manifest), finish, and "
+        "the stage's own time (lock); 'dataset' = load_source, check_source, content_hash, content_keys, "
+        "open_keys; 'new rows' = preprocess (tokenize), select_rows, KL partners, score_shards; 'other' = what "
+        "prepare_rows and the CLI do between them (selecting the new rows, opening the tokenized file). "
+        "The goal counts 'other' against the 2%, not as fixed.",
+        f"- checked before any number was written: each append tokenized exactly {new:,} rows (one tokenize map "
+        f"over {new:,} rows), scored {new:,}, recorded them as segment 1; every shard and keys file of the cache "
+        "kept its sha256; `kto-pipeline inspect CACHE --verify` passed; and the two appends (grown log, new rows "
+        "only) wrote the same new shards and keys file, byte for byte.",
+        "",
+        *runs,
+        "",
+        "Where each run's time goes (seconds; the columns add up to process s):",
+        "",
+        *split,
+        "",
+        "The phases (exclusive seconds; imports timed inside the worker):",
+        "",
+        *phases,
+        "",
+        *goals,
+        "",
+        *notes,
+        "",
     ]
     return "\n".join(lines)
