@@ -26,6 +26,7 @@ on the small bundled toy data; the whole pipeline in well under a minute (`make 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -300,9 +301,9 @@ ROUND_SAMPLES = 2  # sampled answers per prompt
 
 def tiny_round_two(workdir: Path, model_dir: Path) -> dict:
     """The second round of the tiny demo: the trained policy answers train prompts, a rule a reader can check
-    (kto_pipeline/demo/rules.py) labels the answers, the labelled rows are appended to the train cache (only they
-    are scored), and round 2 trains from round 1's policy. The round-2 policy then answers the same prompts, so
-    the summary shows how often each round's answers pass the rule."""
+    (kto_pipeline/demo/rules.py) labels the answers, the labelled rows are appended to a copy of the train cache
+    (cache-rounds; only they are scored), and round 2 trains from round 1's policy. The round-2 policy then
+    answers the same prompts, so the summary shows how often each round's answers pass the rule."""
     from kto_pipeline.cache import read_manifest
     from kto_pipeline.generate import generate_completions
     from kto_pipeline.report import write_report
@@ -329,19 +330,23 @@ def tiny_round_two(workdir: Path, model_dir: Path) -> dict:
         return [json.loads(line) for line in path.read_text().splitlines()]
 
     round1 = answers("run", "round2-rows.jsonl")
+    # the rounds grow their own copy of the train cache: cache-train stays the one docs/training.md's sweep uses
+    cache = workdir / "cache-rounds"
+    if not cache.exists():
+        shutil.copytree(workdir / "cache-train", cache)
     precompute(
         PrecomputeConfig(
             model=str(model_dir),
             dataset=str(workdir / "round2-rows.jsonl"),
-            output=str(workdir / "cache-train"),
+            output=str(cache),
             max_length=256,
             append=True,
         )
     )
-    segments = read_manifest(workdir / "cache-train").segments
+    segments = read_manifest(cache).segments
     result = train(
         TrainConfig(
-            cache=str(workdir / "cache-train"),
+            cache=str(cache),
             output_dir=str(workdir / "run-round2"),
             init_from=str(workdir / "run"),
             beta=TINY_BETA,
