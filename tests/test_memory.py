@@ -105,6 +105,7 @@ def synthesize_cache(real: Path, out: Path, n_rows: int) -> int:
         }
         shards.append(write_shard(out, index, rows))
         del rows, kl_ids, kl_logps
+    manifest.pop("segments", None)  # written by hand, not appended to: a cache without segments (docs/cache-format.md)
     manifest.update(
         complete=True,
         shards=shards,

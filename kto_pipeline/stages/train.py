@@ -14,6 +14,7 @@ happens in callbacks. One forward pass and its metrics are `kto_step.py`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import shutil
 import time
@@ -280,6 +281,14 @@ def _init_point(config: TrainConfig, manifest: Manifest, accelerator) -> InitPoi
             f"cache's ({manifest.reference_model}, weights {ours}). A round continues against the same frozen "
             "reference: use a cache precomputed with that run's reference."
         )
+    if init.kind == "adapter" and config.lora_r is not None:
+        adapter = json.loads((init.run_dir / "adapter_config.json").read_text())
+        if (adapter.get("r"), adapter.get("lora_alpha")) != (config.lora_r, config.lora_alpha):
+            print0(
+                accelerator,
+                f"note: the adapter of {init.run_dir} trains on with its own r {adapter.get('r')} and alpha "
+                f"{adapter.get('lora_alpha')} (--lora-r {config.lora_r} --lora-alpha {config.lora_alpha} not applied)",
+            )
     what = "LoRA adapter" if init.kind == "adapter" else "weights"
     step = f" at step {init.global_step}" if init.global_step is not None else ""
     print0(accelerator, f"round {init.round + 1}: starting from the {what} of {init.run_dir}{step}")
