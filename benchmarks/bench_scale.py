@@ -547,7 +547,7 @@ APPEND_SIZES = {
     # caches: the cache sizes (full precomputes), ascending; new: rows appended to each; tokenizer as in SCALE_SIZES;
     # goal_cache: the size the goal is about
     "full": dict(caches=(20_000, 200_000), new=2_000, goal_cache=200_000, tokenizer="smollm2", max_length=1024),
-    "smoke": dict(caches=(50, 200), new=10, goal_cache=200, tokenizer="char", max_length=1024),
+    "smoke": dict(caches=(200,), new=10, goal_cache=200, tokenizer="char", max_length=1024),
 }
 # torch's threads in every run (OMP_NUM_THREADS; None: torch's default, one per core). 1: on a 2-core machine shared
 # with another torch process, 2 threads each stall at every parallel region's barrier (measured 2026-11-24: the tiny
