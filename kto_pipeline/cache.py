@@ -355,11 +355,8 @@ def check_cache(cache_dir: str | Path, manifest: Manifest, full: bool = False) -
         )
     for shard in manifest.shards:
         path = cache_dir / shard["file"]
-        if not path.exists():
-            problems.append(f"{shard['file']}: missing")
-            continue
-        if path.stat().st_size != shard["bytes"]:
-            problems.append(f"{shard['file']}: {path.stat().st_size} bytes, the manifest says {shard['bytes']}")
+        if problem := _file_problem(cache_dir, shard):
+            problems.append(problem)
             continue
         try:
             with pa.memory_map(str(path)) as source:
@@ -405,11 +402,8 @@ def check_segments(cache_dir: Path, manifest: Manifest, full: bool) -> list[str]
         if keys is None:
             continue
         path = cache_dir / keys["file"]
-        if not path.exists():
-            problems.append(f"{keys['file']}: missing")
-            continue
-        if path.stat().st_size != keys["bytes"]:
-            problems.append(f"{keys['file']}: {path.stat().st_size} bytes, the manifest says {keys['bytes']}")
+        if problem := _file_problem(cache_dir, keys):
+            problems.append(problem)
             continue
         if not full:
             continue
@@ -434,6 +428,16 @@ def check_segments(cache_dir: Path, manifest: Manifest, full: bool) -> list[str]
 def read_keys(cache_dir: Path, entry: dict[str, Any]) -> pa.Table:
     with pa.memory_map(str(cache_dir / entry["file"])) as source:
         return pa.ipc.open_stream(source).read_all()
+
+
+def _file_problem(cache_dir: Path, entry: dict[str, Any]) -> str | None:
+    """A listed file (a shard, a keys file) that is missing or not the size its manifest entry says."""
+    path = cache_dir / entry["file"]
+    if not path.exists():
+        return f"{entry['file']}: missing"
+    if path.stat().st_size != entry["bytes"]:
+        return f"{entry['file']}: {path.stat().st_size} bytes, the manifest says {entry['bytes']}"
+    return None
 
 
 def _check_kl_partners(cache_dir: Path, manifest: Manifest) -> list[str]:

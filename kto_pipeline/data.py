@@ -458,30 +458,57 @@ def preprocess(source, tokenizer, fingerprint: str, layout: str, num_proc: int =
     the datasets cache named by `fingerprint`: a second call with the same fingerprint reads that file instead.
     `layout` is `check_source(source)`'s answer. Returns the tokenized, memory-mapped `datasets.Dataset`; nothing
     of it is held as Python objects."""
+    kwargs = {"tokenizer": tokenizer, "layout": layout}
+    return cached_map(
+        source, _tokenize_batch, kwargs, TOKENIZED_SCHEMA, "tokenized", fingerprint, 256, num_proc, "tokenizing"
+    )
+
+
+def cached_map(
+    source,
+    function,
+    fn_kwargs: dict,
+    schema: pa.Schema,
+    kind: str,
+    fingerprint: str,
+    batch_size: int,
+    num_proc: int,
+    desc: str,
+):
+    """`source.map(function)` (batched, with indices, `num_proc` processes) into `kind-fingerprint.arrow` in the
+    datasets cache, read back instead of computed when it exists; the result has `schema` and none of the source's
+    columns. A failed map leaves no part of its file behind."""
     import datasets
 
-    cache_file = preprocess_cache_dir() / f"tokenized-{fingerprint}.arrow"
+    cache_file = preprocess_cache_dir() / f"{kind}-{fingerprint}.arrow"
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     try:
         return source.map(
-            _tokenize_batch,
+            function,
             batched=True,
-            batch_size=256,
+            batch_size=batch_size,
             with_indices=True,
-            fn_kwargs={"tokenizer": tokenizer, "layout": layout},
+            fn_kwargs=fn_kwargs,
             remove_columns=source.column_names,
-            features=datasets.Features.from_arrow_schema(TOKENIZED_SCHEMA),
+            features=datasets.Features.from_arrow_schema(schema),
             num_proc=num_proc if num_proc > 1 and len(source) > 1 else None,
             cache_file_name=str(cache_file),
             new_fingerprint=fingerprint,
             load_from_cache_file=True,
-            desc="tokenizing",
+            desc=desc,
         )
     except BaseException:
         # A worker that failed (a bad row, Ctrl-C) leaves the other workers' finished parts: useless without it
         for part in cache_file.parent.glob(f"{cache_file.stem}*"):
             part.unlink(missing_ok=True)
         raise
+
+
+def open_arrow_files(files: list[str]) -> pa.Table:
+    """The Arrow files a `cached_map` wrote, as one memory-mapped table."""
+    import datasets
+
+    return pa.concat_tables([datasets.Dataset.from_file(f).data.table for f in files])
 
 
 def preprocess_cache_dir() -> Path:

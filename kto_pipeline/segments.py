@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from kto_pipeline.cache import Manifest, read_keys, write_table
-from kto_pipeline.data import is_conversational, normalize_batch
+from kto_pipeline.data import cached_map, is_conversational, normalize_batch, open_arrow_files
 from kto_pipeline.errors import KTOPipelineError
 
 KEY_DIR = "keys"
@@ -76,35 +76,16 @@ def content_keys(source, layout: str, data_hash: str, num_proc: int = 1) -> list
     """The content key of every normalized row of `source`, computed with datasets.map into the datasets cache
     (named by the data's hash: a second run reads it). Returns its Arrow files (`open_keys` maps them): columns
     key, source_row, conversational. `layout`: `check_source(source)`."""
-    import datasets
-
-    from kto_pipeline.data import preprocess_cache_dir
-
     name = "kto-keys-" + hashlib.sha256(json.dumps([data_hash, layout, KEY_BYTES]).encode()).hexdigest()[:40]
-    cache_file = preprocess_cache_dir() / f"keys-{name}.arrow"
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    keyed = source.map(
-        _key_batch,
-        batched=True,
-        batch_size=1024,
-        with_indices=True,
-        fn_kwargs={"layout": layout},
-        remove_columns=source.column_names,
-        features=datasets.Features.from_arrow_schema(ROW_KEYS_SCHEMA),
-        num_proc=num_proc if num_proc > 1 and len(source) > 1 else None,
-        cache_file_name=str(cache_file),
-        new_fingerprint=name,
-        load_from_cache_file=True,
-        desc="content keys",
+    keyed = cached_map(
+        source, _key_batch, {"layout": layout}, ROW_KEYS_SCHEMA, "keys", name, 1024, num_proc, "content keys"
     )
     return [f["filename"] for f in keyed.cache_files]
 
 
 def open_keys(files: list[str]) -> pa.Table:
     """`content_keys`' files as one memory-mapped table."""
-    import datasets
-
-    return pa.concat_tables([datasets.Dataset.from_file(f).data.table for f in files])
+    return open_arrow_files(files)
 
 
 def key_array(column) -> np.ndarray:

@@ -52,6 +52,7 @@ from kto_pipeline.data import (
     check_source,
     content_hash,
     load_source,
+    open_arrow_files,
     preprocess,
     preprocess_cache_dir,
     preprocess_fingerprint,
@@ -245,7 +246,7 @@ def prepare_rows(config: PrecomputeConfig, tokenizer, state=None, base: Manifest
                 flush=True,
             )
         return None
-    table = _open_tokenized(prepared["files"])
+    table = open_arrow_files(prepared["files"])
     among = None if prepared["positions"] is None else np.asarray(prepared["positions"], dtype=np.int64)
     rows = select_rows(table, config.max_length, among)
     seconds = time.perf_counter() - started
@@ -387,33 +388,22 @@ def _kl_partners(
 
 def _partner_from_cache(out: Path, base: Manifest, conversational: bool, seed: list[int]) -> tuple[int, list[int]]:
     kind = "conversational" if conversational else "standard"
+    rows = {s["file"]: s["rows"] for s in base.shards}
     files = [f for seg in segments_of(base) if seg.get("prompt_kind") == kind for f in seg["shards"]]
-    ids = [_column(out / f, "example_id") for f in files]
-    if not files or not sum(len(i) for i in ids):
+    total = sum(rows[f] for f in files)
+    if not total:
         raise KTOPipelineError(
             f"the one new row has a {kind} prompt and the cache holds no row of that kind to draw its KL completion "
             "from. Append it together with at least one other row."
         )
-    pick = int(np.random.default_rng(seed).integers(sum(len(i) for i in ids)))
-    for file, shard_ids in zip(files, ids, strict=True):
-        if pick < len(shard_ids):
+    pick = int(np.random.default_rng(seed).integers(total))
+    for file in files:
+        if pick < rows[file]:
             with pa.memory_map(str(out / file)) as source:
                 table = pa.ipc.open_stream(source).read_all()
-            return int(shard_ids[pick]), table.column("completion_ids")[pick].as_py()
-        pick -= len(shard_ids)
+            return table.column("example_id")[pick].as_py(), table.column("completion_ids")[pick].as_py()
+        pick -= rows[file]
     raise AssertionError("unreachable")
-
-
-def _column(path: Path, name: str) -> np.ndarray:
-    with pa.memory_map(str(path)) as source:
-        return pa.ipc.open_stream(source).read_all().column(name).to_numpy()
-
-
-def _open_tokenized(files: list[str]) -> pa.Table:
-    """The tokenized rows from their Arrow files in the datasets cache, memory-mapped."""
-    import datasets
-
-    return pa.concat_tables([datasets.Dataset.from_file(f).data.table for f in files])
 
 
 # -------------------------------------------------------------------------------------- reference
