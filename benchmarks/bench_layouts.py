@@ -76,7 +76,7 @@ def stage1(model, rows, pad_id, batch_size, max_tokens, packed=True) -> list[tup
 
 def stage2(model, rows, pad_id, batch_size) -> list[tuple[float, float]]:
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.batches import Collator, PolicyScorer
+    from kto_pipeline.stages.train.batches import Collator, PolicyScorer
 
     scorer, collate = PolicyScorer(model), Collator(pad_id, packed=True, attention=attention_costs(model, "cpu"))
     out = []

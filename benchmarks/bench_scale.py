@@ -214,9 +214,9 @@ def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict
     import numpy as np
 
     from kto_pipeline.config import PrecomputeConfig
-    from kto_pipeline.data import load_source
     from kto_pipeline.models import load_tokenizer
-    from kto_pipeline.stages.precompute import prepare_rows
+    from kto_pipeline.stages.precompute.data import load_source
+    from kto_pipeline.stages.precompute.stage import prepare_rows
 
     tokenizer = load_tokenizer(str(model))
     start = time.perf_counter()
@@ -538,7 +538,7 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
 #
 # The worker imports nothing before it starts its clock (bench.py dispatches to it first), so process start,
 # imports and exit = the process's wall time from outside - the CLI call. Inside the call, the stage's phases are
-# timed by wrapping the functions `stages/precompute.py` calls (exclusive times: a timed call inside another is
+# timed by wrapping the functions `stages/precompute/stage.py` calls (exclusive times: a timed call inside another is
 # taken out of the outer one), and sorted into what is fixed, what grows with the dataset given (the log) and what
 # grows with the new rows.
 
@@ -558,7 +558,7 @@ APPEND_FORMS = {"full": "full precompute", "log": "append, grown log", "new": "a
 APPEND_GOAL = 0.02  # the issue: appending 1% new rows costs at most 2% of a full pass, plus a fixed overhead
 SMOLLM2_TOKENS_PER_S = 726  # SmolLM2-135M's reference pass on this CPU (RESULTS.md, the real-model case, 2026-11-24)
 FLAT_MIB = 50  # "memory stays flat": an append's peak RSS grows at most this much from the smaller cache to the larger
-# The functions of kto_pipeline.stages.precompute that are timed, by the part of an append's cost they are:
+# The functions of kto_pipeline.stages.precompute.stage that are timed, by the part of an append's cost they are:
 # fixed (does not grow with the dataset or the new rows; reading the cache's keys and matching grow with the cache,
 # a few bytes a row), proportional to the dataset given (the grown log, or the new rows alone), or to the new rows.
 PHASES = {
@@ -656,7 +656,7 @@ def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> 
     import transformers  # noqa: F401
 
     import kto_pipeline.cli as cli
-    import kto_pipeline.stages.precompute as stage
+    import kto_pipeline.stages.precompute.stage as stage
     from kto_pipeline.cache import read_manifest
 
     imports_seconds = time.perf_counter() - started

@@ -37,7 +37,7 @@ def load_case(case: str, size_name: str, work: Path) -> tuple[dict, Path, Path]:
 
 def first_batch(tok, data_path: Path, size: dict) -> list[dict]:
     """The first `batch` rows as train's collator takes them, each with the next row's completion as its KL one."""
-    from kto_pipeline.data import load_source, normalize, tokenize
+    from kto_pipeline.stages.precompute.data import load_source, normalize, tokenize
 
     rows = tokenize(tok, normalize(load_source(str(data_path))), size["max_length"])
     batch_rows = []
@@ -123,7 +123,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.batches import Collator, batch_layout
+    from kto_pipeline.stages.train.batches import Collator, batch_layout
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -1,8 +1,8 @@
 """kto-pipeline: KTO alignment as two stages.
 
-Stage 1, `precompute` (kto_pipeline/stages/precompute.py): the frozen reference model scores every
+Stage 1, `precompute` (kto_pipeline/stages/precompute/stage.py): the frozen reference model scores every
 completion and its KL completion once, into an Arrow cache (kto_pipeline/cache.py).
-Stage 2, `train` (kto_pipeline/stages/train.py): the policy trains alone against those cached values.
+Stage 2, `train` (kto_pipeline/stages/train/stage.py): the policy trains alone against those cached values.
 
 The names below are imported on first use (PEP 562), so `import kto_pipeline` and `kto-pipeline --help`
 do not pay for torch.
@@ -18,8 +18,8 @@ _EXPORTS = {
     "generate_completions": "kto_pipeline.generate",
     "generate_samples": "kto_pipeline.generate",
     "label_file": "kto_pipeline.label",
-    "precompute": "kto_pipeline.stages.precompute",
-    "train": "kto_pipeline.stages.train",
+    "precompute": "kto_pipeline.stages.precompute.stage",
+    "train": "kto_pipeline.stages.train.stage",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

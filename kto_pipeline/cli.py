@@ -31,7 +31,7 @@ app = typer.Typer(
 @options(PrecomputeConfig)
 def precompute(config: PrecomputeConfig) -> None:
     """Stage 1: run the reference model once and write the reference log-prob cache."""
-    from kto_pipeline.stages.precompute import precompute as run
+    from kto_pipeline.stages.precompute.stage import precompute as run
 
     run(config)
 
@@ -40,7 +40,7 @@ def precompute(config: PrecomputeConfig) -> None:
 @options(TrainConfig)
 def train(config: TrainConfig) -> None:
     """Stage 2: train the policy against a cache (no reference model in memory)."""
-    from kto_pipeline.stages.train import train as run
+    from kto_pipeline.stages.train.stage import train as run
 
     run(config)
 

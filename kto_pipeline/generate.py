@@ -98,7 +98,7 @@ def file_prompts(path: Path, tokenizer, num_prompts: int | None, distinct: bool 
     """The first `num_prompts` (all: None) distinct prompts of a .jsonl file, or with `distinct=False` its first
     rows, repeats kept: strings are tokenized as precompute does, message lists rendered with the chat template
     and the generation prompt."""
-    from kto_pipeline.data import chat_ids, is_conversational
+    from kto_pipeline.stages.precompute.data import chat_ids, is_conversational
 
     if not path.is_file():
         raise KTOPipelineError(f"--prompts {path}: no such file. Pass a .jsonl file whose rows have `prompt`.")

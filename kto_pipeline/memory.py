@@ -402,7 +402,7 @@ def build_model(model_config, settings: StepSettings, fake, seed: int = 0):
 
     from kto_pipeline.config import TrainConfig
     from kto_pipeline.scoring.attention import checkpointing_kwargs
-    from kto_pipeline.stages.train import _add_lora, _disable_dropout
+    from kto_pipeline.stages.train.stage import _add_lora, _disable_dropout
 
     config = type(model_config).from_dict(model_config.to_dict())  # a copy: the model may change it
     lora = None
@@ -515,8 +515,8 @@ def _run_ours(model_config, rows, settings: StepSettings, fake: bool, attribute_
     from kto_pipeline.config import TrainConfig
     from kto_pipeline.scoring.attention import attention_costs
     from kto_pipeline.sharding import Engine, autocast_forward, clip_grad_norm, shard_model
-    from kto_pipeline.stages.batches import Collator, PolicyScorer
-    from kto_pipeline.stages.kto_step import kto_forward
+    from kto_pipeline.stages.train.batches import Collator, PolicyScorer
+    from kto_pipeline.stages.train.kto_step import kto_forward
 
     mode = fake_mode() if fake else None
     config = TrainConfig(cache="-", output_dir="-", bf16=settings.bf16, per_device_train_batch_size=max(len(rows), 2))
@@ -568,7 +568,7 @@ def _run_ours(model_config, rows, settings: StepSettings, fake: bool, attribute_
 def _make_optimizer(settings: StepSettings, config, model):
     """train's optimizer (fused AdamW), or bitsandbytes' AdamW8bit over the same parameter groups (built outside
     the fake mode: its quantization map is a real table; its moments are made from the fake parameters)."""
-    from kto_pipeline.stages.train import _optimizer
+    from kto_pipeline.stages.train.stage import _optimizer
 
     if settings.optimizer == "adamw":
         return _optimizer(config, model)
@@ -750,7 +750,7 @@ def simulate_trl(
     from kto_pipeline.config import TrainConfig
     from kto_pipeline.loss import kto_loss
     from kto_pipeline.scoring.logprobs import pad_sequences
-    from kto_pipeline.stages.train import _optimizer
+    from kto_pipeline.stages.train.stage import _optimizer
 
     mode = fake_mode() if fake else None
     precision = "bf16" if settings.bf16 else "no"
@@ -961,7 +961,7 @@ def measure_cpu_step(spec: dict[str, Any]) -> dict[str, int]:
     settings = StepSettings(bf16=False, device_type="cpu")
     # everything the step imports, before the baseline: the model's class (built on the meta device: no
     # memory), accelerate's state, the stages
-    import kto_pipeline.stages.train  # noqa: F401
+    import kto_pipeline.stages.train.stage  # noqa: F401
 
     with torch.device("meta"):
         build_model(model_config, settings, None)
@@ -979,9 +979,9 @@ def _run_real(model_config, rows, settings: StepSettings) -> dict[str, int]:
 
     from kto_pipeline.config import TrainConfig
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.batches import Collator, PolicyScorer
-    from kto_pipeline.stages.kto_step import kto_forward
-    from kto_pipeline.stages.train import _optimizer
+    from kto_pipeline.stages.train.batches import Collator, PolicyScorer
+    from kto_pipeline.stages.train.kto_step import kto_forward
+    from kto_pipeline.stages.train.stage import _optimizer
 
     config = TrainConfig(cache="-", output_dir="-", bf16=False, per_device_train_batch_size=max(len(rows), 2))
     model = build_model(model_config, settings, None)

@@ -82,7 +82,7 @@ def sweep(cache: str, output_dir: str, values: dict[str, str | None], keep: str 
     """Train every combination of `values` on `cache` into `output_dir`; returns the summary rows, best first."""
     from kto_pipeline.report import summary_rows
     from kto_pipeline.sharding import process_state
-    from kto_pipeline.stages.train import train
+    from kto_pipeline.stages.train.stage import train
 
     if keep not in ("all", "best"):
         raise KTOPipelineError(f"--keep must be all or best, got {keep!r}")

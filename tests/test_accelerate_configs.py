@@ -25,7 +25,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "accelerate"
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 # Run in a fresh process (accelerate's state is global): construct the Accelerator as the train stage does
-# (stages/train.py `_accelerator`, but leaving the precision to the config file), report what it resolved.
+# (stages/train/stage.py `_accelerator`, but leaving the precision to the config file), report what it resolved.
 PROBE = """
 import json, os
 from accelerate import Accelerator

@@ -11,9 +11,9 @@ from helpers import run_cli, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute
 from kto_pipeline.cache import open_cache, read_manifest, sha256_file
-from kto_pipeline.data import assign_kl_partners
-from kto_pipeline.segments import match_keys, row_key
 from kto_pipeline.stages import precompute as precompute_module
+from kto_pipeline.stages.precompute.data import assign_kl_partners
+from kto_pipeline.stages.precompute.segments import match_keys, row_key
 
 ROWS = unpaired_rows(24)
 

@@ -5,9 +5,9 @@ import pytest
 from datasets import Dataset
 from helpers import conversational_rows
 
-from kto_pipeline.data import assign_kl_partners, extract_prompt, normalize, tokenize, tokenize_row
 from kto_pipeline.demo.tiny import build_char_tokenizer
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.stages.precompute.data import assign_kl_partners, extract_prompt, normalize, tokenize, tokenize_row
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 from helpers import run_cli, train_config, write_jsonl
 
 from kto_pipeline import GenerateConfig, KTOPipelineError, PrecomputeConfig, precompute, train
-from kto_pipeline.data import check_source, load_source
 from kto_pipeline.generate import generate_completions, generate_samples
 from kto_pipeline.label import label_file
+from kto_pipeline.stages.precompute.data import check_source, load_source
 
 PROMPTS = [
     {"prompt": "User: say something nice?\nAssistant:", "gold": "nice"},

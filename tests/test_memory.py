@@ -49,7 +49,7 @@ def peak_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 import accelerate, torch, transformers  # noqa: E401,F401
-import kto_pipeline.stages.train  # noqa: F401
+import kto_pipeline.stages.train.stage  # noqa: F401
 
 baseline = peak_mib()
 sys.argv = ["kto-pipeline", *sys.argv[1:]]
@@ -213,7 +213,7 @@ def _compare(real: Path, small: Path, big: Path, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------ precompute
 
 _MEASURE_PRECOMPUTE = _MEASURE.replace(
-    "import kto_pipeline.stages.train", "import datasets, kto_pipeline.stages.precompute"
+    "import kto_pipeline.stages.train.stage", "import datasets, kto_pipeline.stages.precompute.stage"
 )
 
 

@@ -11,7 +11,7 @@ from helpers import conversational_rows, unpaired_rows, write_jsonl
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute
 from kto_pipeline.cache import open_cache, read_manifest
 from kto_pipeline.models import load_tokenizer
-from kto_pipeline.stages.precompute import prepare_rows
+from kto_pipeline.stages.precompute.stage import prepare_rows
 
 
 @pytest.fixture

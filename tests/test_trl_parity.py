@@ -22,8 +22,8 @@ from helpers import conversational_rows, unpaired_rows, write_jsonl
 
 from kto_pipeline import PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
-from kto_pipeline.data import load_source, normalize, tokenize_row
 from kto_pipeline.scoring.logprobs import score_sequences
+from kto_pipeline.stages.precompute.data import load_source, normalize, tokenize_row
 
 ATOL = 1e-4
 BATCH_SIZE = 4

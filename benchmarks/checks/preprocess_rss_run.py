@@ -9,7 +9,7 @@ import sys
 
 from kto_pipeline.config import PrecomputeConfig
 from kto_pipeline.models import load_tokenizer
-from kto_pipeline.stages.precompute import prepare_rows
+from kto_pipeline.stages.precompute.stage import prepare_rows
 
 model, data = sys.argv[1], sys.argv[2]
 tokenizer = load_tokenizer(model)

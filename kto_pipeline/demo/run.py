@@ -33,8 +33,8 @@ from importlib import resources
 from pathlib import Path
 
 from kto_pipeline.config import GenerateConfig, PrecomputeConfig, TrainConfig
-from kto_pipeline.stages.precompute import precompute
-from kto_pipeline.stages.train import train
+from kto_pipeline.stages.precompute.stage import precompute
+from kto_pipeline.stages.train.stage import train
 
 # ------------------------------------------------------------------------------------- the real demo
 

@@ -25,8 +25,8 @@ import numpy as np
 import pyarrow as pa
 
 from kto_pipeline.cache import Manifest, read_keys, write_table
-from kto_pipeline.data import cached_map, is_conversational, normalize_batch, open_arrow_files
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.stages.precompute.data import cached_map, is_conversational, normalize_batch, open_arrow_files
 
 KEY_DIR = "keys"
 KEY_BYTES = 16

@@ -48,7 +48,6 @@ from kto_pipeline.models import load_model, load_tokenizer
 from kto_pipeline.precision import AUTOCAST_DTYPES, Regime, default_bf16, regime_mismatch
 from kto_pipeline.rundir import InitPoint, MetricsWriter, TrainerState, finished_at, read_init_point, start_run
 from kto_pipeline.scoring.attention import attention_costs, checkpointing_kwargs, packing_unsupported
-from kto_pipeline.segments import segments_of
 from kto_pipeline.sharding import (
     Engine,
     accelerate_without_fsdp,
@@ -63,8 +62,9 @@ from kto_pipeline.sharding import (
     shard_model,
     use_cpu,
 )
-from kto_pipeline.stages.batches import CacheRows, Collator, EpochSampler, PolicyScorer
-from kto_pipeline.stages.kto_step import MetricLog, batch_metrics, evaluate, kto_forward, real_rows
+from kto_pipeline.stages.precompute.segments import segments_of
+from kto_pipeline.stages.train.batches import CacheRows, Collator, EpochSampler, PolicyScorer
+from kto_pipeline.stages.train.kto_step import MetricLog, batch_metrics, evaluate, kto_forward, real_rows
 
 
 @dataclass

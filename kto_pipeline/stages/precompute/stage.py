@@ -46,7 +46,25 @@ from kto_pipeline.cache import (
     write_shard,
 )
 from kto_pipeline.config import PrecomputeConfig
-from kto_pipeline.data import (
+from kto_pipeline.distributed import decided_by_main_process, print0
+from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.lock import holds_files, main_process_lock
+from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
+from kto_pipeline.precision import Regime, default_bf16
+from kto_pipeline.scoring.attention import packing_unsupported
+from kto_pipeline.scoring.logprobs import ReferenceScorer, score_shard
+from kto_pipeline.scoring.packing import Tree
+from kto_pipeline.sharding import (
+    Engine,
+    agree_on_forwards,
+    autocast_forward,
+    check_process_group,
+    engine_from_env,
+    process_state,
+    release_deepspeed,
+    shard_model,
+)
+from kto_pipeline.stages.precompute.data import (
     TokenizedRows,
     assign_kl_partners,
     check_source,
@@ -58,15 +76,7 @@ from kto_pipeline.data import (
     preprocess_fingerprint,
     select_rows,
 )
-from kto_pipeline.distributed import decided_by_main_process, print0
-from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.lock import holds_files, main_process_lock
-from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
-from kto_pipeline.precision import Regime, default_bf16
-from kto_pipeline.scoring.attention import packing_unsupported
-from kto_pipeline.scoring.logprobs import ReferenceScorer, score_shard
-from kto_pipeline.scoring.packing import Tree
-from kto_pipeline.segments import (
+from kto_pipeline.stages.precompute.segments import (
     KEY_DIR,
     content_keys,
     held_keys,
@@ -78,16 +88,6 @@ from kto_pipeline.segments import (
     require_keys,
     segments_of,
     write_keys,
-)
-from kto_pipeline.sharding import (
-    Engine,
-    agree_on_forwards,
-    autocast_forward,
-    check_process_group,
-    engine_from_env,
-    process_state,
-    release_deepspeed,
-    shard_model,
 )
 
 

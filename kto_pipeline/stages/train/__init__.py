@@ -1,0 +1,2 @@
+"""Stage 2: the policy trains alone against a reference cache. The outline is `stage.py`; `policy.py` loads the
+policy and builds its optimizer, `batches.py` reads the cache into micro-batches, `kto_step.py` is one forward."""
