@@ -10,7 +10,7 @@ was alive at it. The CPU stands in for the GPU: shapes and dtypes are a GPU user
 autocast, fused AdamW), and so are the code's device decisions.
 
 - kto-pipeline: `Collator` -> `PolicyScorer` -> `kto_forward`, `accelerator.backward`, clipping, AdamW, as
-  `train_step` runs them; FSDP2 through `sharding.shard_model` (each decoder layer, then the root).
+  `train_step` runs them; FSDP2 through `FSDP2.shard` (each decoder layer, then the root).
 - trl, real: `trl.KTOTrainer` 1.16 built on the same fake model, its own tokenization, collator, `training_step`
   (`compute_loss`: KL forward, policy forward, reference forwards), `clip_grad_norm_`, its own optimizer
   (`adamw_torch_fused`) step. What had to give under fake tensors, each the smallest change that lets it run:
@@ -123,7 +123,7 @@ def trl_on_a_cuda_device():
     import trl.kernels.chunked_logprob as kernels
     import trl.trainer.utils as utils
 
-    from kto_pipeline.memory import _addmm_fp32
+    from kto_pipeline.memory import addmm_fp32 as _addmm_fp32
 
     class NoOpKernel:
         def __getitem__(self, grid):
@@ -230,9 +230,11 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
         StepMemory,
         _breakdown,
         _init_optimizer_state,
-        _tracker,
         build_model,
         device_decisions,
+    )
+    from kto_pipeline.memory import (
+        memory_tracker as _tracker,
     )
 
     tokenizer = build_char_tokenizer(model_config.vocab_size)
@@ -435,7 +437,8 @@ def redo_ours(data: dict) -> None:
 def cli_answers(names: list[str]) -> dict:
     """What `kto-pipeline estimate-memory --model DIR --against-trl` answers for each model (its defaults: 8 rows,
     max length 1024, every row full, bf16, no AC), DIR holding only the model's config.json."""
-    from kto_pipeline.memory import MemoryEstimateConfig, estimate
+    from kto_pipeline.config import MemoryEstimateConfig
+    from kto_pipeline.memory import estimate
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -452,7 +455,8 @@ def torchao_adamw8bit() -> str:
     """torchao's AdamW8bit under the simulation: the outcome, in a line."""
     import torch
 
-    from kto_pipeline.memory import _tracker, fake_mode
+    from kto_pipeline.memory import fake_mode
+    from kto_pipeline.memory import memory_tracker as _tracker
 
     try:
         from torchao.optim import AdamW8bit
@@ -682,8 +686,8 @@ def render(data: dict) -> str:
         f"below 1. FSDP2 rows sit at {fsdp_ratios} their floor (not attributed tensor by tensor in this run): "
         "sharding divides the fixed part by the world size and leaves each device its own batch's activations; "
         "CPU offload moves the shards, the moments and the gradients to the host. Since the first run, autocast "
-        "no longer keeps bf16 casts of the gathered weights (`sharding.autocast_forward`), and untied embeddings "
-        "and LM head are FSDP units of their own instead of the root's (`sharding.shard_model`). LoRA with "
+        "no longer keeps bf16 casts of the gathered weights (`precision.autocast_forward`), and untied embeddings "
+        "and LM head are FSDP units of their own instead of the root's (`FSDP2.shard`). LoRA with "
         "dropout (train's default 0.05) keeps each adapted layer's dropped-out input for the backward: more "
         "activations than full fine-tuning, fewer gradients and moments.",
         "",

@@ -119,8 +119,8 @@ def ours_train_worker(args: argparse.Namespace, out: Path, bf16: bool) -> dict:
     """(b): one step at learning rate 0 of each cache, this process's train regime; the step-1 metrics."""
     from kto_pipeline import TrainConfig, train
     from kto_pipeline.cache import read_manifest
-    from kto_pipeline.precision import Regime, regime_mismatch
     from kto_pipeline.rundir import TrainerState, read_metrics
+    from kto_pipeline.runtime.precision import Regime, regime_mismatch
 
     result = {}
     for name, _, _ in CACHES:
@@ -406,7 +406,7 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
         "- kl: KTO's reference point z0 = max(0, mean over the batch of (policy - reference) log-prob of the KL "
         "completions) (not multiplied by beta; clamped at 0 as trl does, so a negative mean shows as 0).",
         "- policy logps/chosen: the policy's mean sequence log-prob of the desirable rows (its regime shows here).",
-        "- train warned: `train` printed its regime-mismatch warning (kto_pipeline/precision.py).",
+        "- train warned: `train` printed its regime-mismatch warning (kto_pipeline/runtime/precision.py).",
         "",
         "## (c) trl.KTOTrainer in the same setting",
         "",

@@ -176,7 +176,8 @@ class Manifest(dict):
 
     @property
     def segments(self) -> list[dict[str, Any]]:
-        """The segments the cache was written in (kto_pipeline/stages/precompute/segments.py); empty for a cache written before them."""
+        """The segments the cache was written in (`stages/precompute/segments.py`); empty for a cache written
+        before them."""
         return self.get("segments", [])
 
     def add_segment(self, segment: dict[str, Any], shards: list[dict[str, Any]]) -> None:

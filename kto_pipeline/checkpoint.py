@@ -8,12 +8,12 @@
 The weights are stored once, in Hugging Face format: accelerate's own copy of them is skipped
 with a save hook (the pattern diffusers uses) and they are loaded back from the HF files.
 
-Under FSDP2 no process holds the whole model: a checkpoint stores the weights and the optimizer state
-sharded, each process writing its own shards (`torch.distributed.checkpoint`), in `sharded/`
-instead of model.safetensors and accelerate's optimizer file; config.json and the tokenizer are still
-there. Under DeepSpeed the weights and optimizer state are DeepSpeed's own checkpoint, which accelerate
-writes into `accelerate_state/`. The final model is gathered and written whole, in Hugging Face format,
-by the main process.
+What resuming needs besides the HF files is the engine's to write and read (`runtime/engines`:
+`save_state`, `load_state`). An engine whose state holds the weights (`state_holds_weights`) leaves
+only config.json and the tokenizer in HF format: under FSDP2 each process writes its shards of the
+weights and the optimizer state (`torch.distributed.checkpoint`) into `sharded/`; under DeepSpeed
+they are DeepSpeed's own checkpoint, inside `accelerate_state/`. The final model is gathered and
+written whole, in Hugging Face format, by the main process.
 
 A checkpoint is written to a hidden temporary directory and renamed into place when complete, so
 a run killed while saving never leaves a half checkpoint that `--resume` would pick.
@@ -24,15 +24,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.rundir import STATE_FILE, TrainerState
 
-ACCELERATE_STATE = "accelerate_state"
-SHARDED = "sharded"  # FSDP2: weights and optimizer state, each process's shards (torch.distributed.checkpoint)
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -42,22 +39,13 @@ def skip_model_weights_in_accelerate_state(accelerator) -> None:
     accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
 
 
-def full_state_dict(accelerator, engine, module) -> dict:
-    """The whole model's weights on the main process (others: what they hold). Every process must call this:
-    under FSDP2 the shards are gathered, onto the CPU of the main process only."""
-    if engine.shards:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return accelerator.get_state_dict(module)
-
-
-def save_model(accelerator, engine, module, tokenizer, path: Path, run_config: dict[str, Any]) -> None:
-    """Save the policy (HF format) + tokenizer at `path`. Every process must call this (FSDP gathers)."""
-    state_dict = full_state_dict(accelerator, engine, module)
-    if not accelerator.is_main_process:
+def save_model(engine, module, tokenizer, path: Path, run_config: dict[str, Any]) -> None:
+    """Save the policy (HF format) + tokenizer at `path`. Every process must call this (a sharded model is
+    gathered)."""
+    state_dict = engine.full_state_dict(module)
+    if not engine.accelerator.is_main_process:
         return
-    model = accelerator.unwrap_model(module).model
+    model = engine.unwrap(module).model
     state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
     model.config.kto_pipeline_run = run_config  # the run's settings travel with the weights
     path.mkdir(parents=True, exist_ok=True)
@@ -65,37 +53,25 @@ def save_model(accelerator, engine, module, tokenizer, path: Path, run_config: d
     tokenizer.save_pretrained(path)
 
 
-def save_merged(accelerator, engine, module, tokenizer, out: Path, load_base) -> None:
+def save_merged(engine, module, tokenizer, out: Path, load_base) -> None:
     """--merge: the base model with the trained LoRA adapter merged in, whole, in OUT/merged (main process only;
-    after `save_model`). Sharded, no process holds the whole adapter model: the main process merges the adapter just
-    saved in OUT into a fresh copy of the base model (`load_base()`), as one would offline, while the others wait."""
+    after `save_model`). Where no process holds the whole adapter model (a sharded one), the main process merges the
+    adapter just saved in OUT into a fresh copy of the base model (`load_base()`), as one would offline, while the
+    others wait."""
+    accelerator = engine.accelerator
     if accelerator.is_main_process:
-        if engine.shards:
+        if engine.holds_whole_model:
+            merged = engine.unwrap(module).model.merge_and_unload()
+        else:
             from peft import PeftModel
 
             merged = PeftModel.from_pretrained(load_base(), out).merge_and_unload()
-        else:
-            merged = accelerator.unwrap_model(module).model.merge_and_unload()
         merged.save_pretrained(out / "merged")
         tokenizer.save_pretrained(out / "merged")
     accelerator.wait_for_everyone()
 
 
-@contextmanager
-def _optimizer_not_in_accelerate_state(accelerator, engine):
-    """Under FSDP2 the optimizer state is saved sharded with the weights: accelerate would save (and load) only
-    the main process's shards of it."""
-    saved = accelerator._optimizers
-    if engine.shards:
-        accelerator._optimizers = []
-    try:
-        yield
-    finally:
-        accelerator._optimizers = saved
-
-
 def save_checkpoint(
-    accelerator,
     engine,
     module,
     optimizer,
@@ -107,27 +83,23 @@ def save_checkpoint(
 ) -> Path:
     """Write OUT/checkpoint-STEP (STEP: `state.global_step`) atomically and prune old ones; every process must call
     this."""
+    accelerator = engine.accelerator
     step = state.global_step
     final = out / f"checkpoint-{step}"
     tmp = out / f".checkpoint-{step}.tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    with _optimizer_not_in_accelerate_state(accelerator, engine):
-        accelerator.save_state(str(tmp / ACCELERATE_STATE))
-    if engine.shards:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(_sharded_state(module, optimizer), checkpoint_id=str(tmp / SHARDED))
-    if engine.shards or engine.deepspeed:  # the weights are in the shards (DeepSpeed's: in accelerate_state/)
+    engine.save_state(module, optimizer, tmp)
+    if engine.state_holds_weights:  # the HF files are the config and the tokenizer only
         if accelerator.is_main_process:
-            model = accelerator.unwrap_model(module).model
+            model = engine.unwrap(module).model
             model.config.kto_pipeline_run = run_config
             model.config.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
     else:
-        save_model(accelerator, engine, module, tokenizer, tmp, run_config)
-    # Every process writes its own files (accelerate's RNG states, FSDP2's shards) and nothing waits for them after:
+        save_model(engine, module, tokenizer, tmp, run_config)
+    # Every process writes its own files (accelerate's RNG states, sharded weights) and nothing waits for them after:
     # without this barrier the main process could rename the directory while another is still writing into it,
     # which then fails (the intermittent "rank 1 exited 1" of a 2-process test run).
     accelerator.wait_for_everyone()
@@ -142,14 +114,6 @@ def save_checkpoint(
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
-
-
-def _sharded_state(module, optimizer) -> dict:
-    """This process's shards of the weights and of the optimizer state, by parameter name."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optimizer_state = get_state_dict(module, getattr(optimizer, "optimizer", optimizer))
-    return {"model": model_state, "optimizer": optimizer_state}
 
 
 def list_checkpoints(out: Path) -> list[Path]:
@@ -198,27 +162,14 @@ def _load_full_weights(model, path: Path) -> None:
         )
 
 
-def load_checkpoint(accelerator, module, optimizer, path: Path, engine) -> TrainerState:
+def load_checkpoint(engine, module, optimizer, path: Path) -> TrainerState:
     """Restore weights, optimizer, scheduler and RNG states from `path`; returns its trainer state. Every process
     must call this."""
     state = TrainerState.read(path)
     _check_same_processes(state, engine, path)
-    if engine.shards:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        sharded = _sharded_state(module, optimizer)
-        dcp.load(sharded, checkpoint_id=str(path / SHARDED))
-        set_state_dict(
-            module,
-            getattr(optimizer, "optimizer", optimizer),
-            model_state_dict=sharded["model"],
-            optim_state_dict=sharded["optimizer"],
-        )
-    elif not engine.deepspeed:  # DeepSpeed: accelerate's load_state restores them from DeepSpeed's checkpoint
-        _load_hf_weights(accelerator.unwrap_model(module).model, path)
-    with _optimizer_not_in_accelerate_state(accelerator, engine):
-        accelerator.load_state(str(path / ACCELERATE_STATE))
+    if not engine.state_holds_weights:
+        _load_hf_weights(engine.unwrap(module).model, path)
+    engine.load_state(module, optimizer, path)
     return state
 
 

@@ -13,9 +13,15 @@ from typing import Annotated
 
 import typer
 
-from kto_pipeline.config import GenerateConfig, PrecomputeConfig, TrainConfig, field_help, field_panel
+from kto_pipeline.config import (
+    GenerateConfig,
+    MemoryEstimateConfig,
+    PrecomputeConfig,
+    TrainConfig,
+    field_help,
+    field_panel,
+)
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.memory import MemoryEstimateConfig
 from kto_pipeline.recipe import RecipeCommand, options
 from kto_pipeline.sweep import FIXED_FIELDS
 

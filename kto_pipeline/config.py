@@ -654,3 +654,72 @@ class GenerateConfig(_ConfigMixin):
                 "label_with",
                 f"expected MODULE:FUNCTION (e.g. rules.py:label or my_package.rules:label), got {self.label_with!r}",
             )
+
+
+LENGTHS = ("full", "kto-mix")  # estimate-memory --lengths
+
+
+@dataclass
+class MemoryEstimateConfig(_ConfigMixin):
+    """`kto-pipeline estimate-memory`: the peak accelerator memory per device of one `train` step. The flags
+    that shape memory are named as `train`'s."""
+
+    model: str = field(
+        **_help("Model: a local directory with config.json, or a hub id (only its config is read).", panel=MODEL)
+    )
+    per_device_train_batch_size: int = field(default=8, **_help("Rows per forward pass and device.", panel=DATA))
+    max_length: int = field(default=1024, **_help("Tokens of prompt + completion per row, at most.", panel=DATA))
+    lengths: str = field(
+        default="full",
+        **_help(
+            "Row lengths: full (every row and KL row at --max-length, a quarter of it prompt: the largest batch a "
+            "run can meet) or kto-mix (the largest batch of an epoch of kto-mix-14k-like lengths, seeded).",
+            panel=DATA,
+        ),
+    )
+    bf16: bool = field(
+        default=True, **_help("bf16 autocast over float32 weights (else float32 throughout).", panel=OPTIMISATION)
+    )
+    gradient_checkpointing: bool = field(
+        default=False, **_help("Recompute activations in the backward pass.", panel=OPTIMISATION)
+    )
+    fsdp_world_size: int = field(
+        default=1, **_help("Shard with FSDP2 over this many devices (1: no sharding).", panel=OPTIMISATION)
+    )
+    cpu_offload: bool = field(
+        default=False,
+        **_help(
+            "With --fsdp-world-size > 1: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and optimizer "
+            "state in host memory).",
+            panel=OPTIMISATION,
+        ),
+    )
+    lora_r: int | None = field(
+        default=None,
+        **_help("Train LoRA adapters of this rank (all linear layers) instead of all weights.", panel=LORA),
+    )
+    against_trl: bool = field(
+        default=False,
+        **_help(
+            "Also simulate trl.KTOTrainer online (a reference model beside the policy) on the same rows.", panel=OUTPUT
+        ),
+    )
+    json: bool = field(default=False, **_help("Print one JSON line instead of a table.", panel=OUTPUT))
+
+    def __post_init__(self) -> None:
+        _check(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be at least 1")
+        _check(self.max_length >= 8, "max_length", f"must be at least 8, got {self.max_length}")
+        _check(self.lengths in LENGTHS, "lengths", f"must be one of {', '.join(LENGTHS)}, got {self.lengths!r}")
+        _check(self.fsdp_world_size >= 1, "fsdp_world_size", "must be at least 1")
+        _check(not self.cpu_offload or self.fsdp_world_size > 1, "cpu_offload", "needs --fsdp-world-size > 1")
+        _check(self.lora_r is None or self.lora_r >= 1, "lora_r", "must be >= 1")
+        _check(
+            self.lora_r is None or self.fsdp_world_size == 1,
+            "lora_r",
+            "is simulated on one device only; drop --fsdp-world-size",
+        )
+        _check(
+            not (self.against_trl and self.fsdp_world_size > 1),
+            "against_trl",
+            "compares on one device only; drop --fsdp-world-size",
+        )

@@ -256,7 +256,7 @@ def _resolve_source(config: GenerateConfig, saved: dict[str, Any]) -> tuple[str,
 
 
 def _one_process() -> None:
-    from kto_pipeline.sharding import launched_processes
+    from kto_pipeline.runtime.launch import launched_processes
 
     if launched_processes() > 1:  # no collectives here: each process would load the models and write the file
         raise KTOPipelineError(

@@ -93,26 +93,18 @@ def main_process_lock(path: str | Path, what: str, *, label: str | None = None) 
     The main process takes the lock; the outcome is broadcast, so that when it is refused every process
     raises the same KTOPipelineError. The lock is released when the main process leaves the block.
     """
-    from accelerate.utils import broadcast_object_list
-
-    from kto_pipeline.sharding import process_state
+    from kto_pipeline.runtime.launch import main_decides, process_state
 
     state = process_state()  # the stage's, if it set the process group up first (with its timeout)
     with ExitStack() as stack:
-        outcome: list[dict[str, Any]] = [{}]
-        lock = failure = None
-        if state.is_main_process:
-            try:
-                lock = stack.enter_context(directory_lock(path, what, label=label))
-            except Exception as exc:  # any failure: the other processes must not wait for the main one
-                outcome, failure = [{"error": str(exc)}], exc
-        if state.num_processes > 1:
-            broadcast_object_list(outcome)
-        if failure is not None:
-            raise failure
-        if "error" in outcome[0]:
-            raise KTOPipelineError(outcome[0]["error"])
-        yield lock
+        taken: list[DirectoryLock | None] = [None]
+
+        def take() -> dict:
+            taken[0] = stack.enter_context(directory_lock(path, what, label=label))
+            return {}
+
+        main_decides(state, take)
+        yield taken[0]
 
 
 # ------------------------------------------------------------------------------------------ internals

@@ -81,7 +81,7 @@ def run_name(settings: dict[str, Any], varied: list[str]) -> str:
 def sweep(cache: str, output_dir: str, values: dict[str, str | None], keep: str = "all") -> list[dict[str, Any]]:
     """Train every combination of `values` on `cache` into `output_dir`; returns the summary rows, best first."""
     from kto_pipeline.report import summary_rows
-    from kto_pipeline.sharding import process_state
+    from kto_pipeline.runtime.launch import process_state
     from kto_pipeline.stages.train.stage import train
 
     if keep not in ("all", "best"):

@@ -11,7 +11,7 @@ from helpers import run_cli, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute
 from kto_pipeline.cache import open_cache, read_manifest, sha256_file
-from kto_pipeline.stages import precompute as precompute_module
+from kto_pipeline.stages.precompute import stage as precompute_module
 from kto_pipeline.stages.precompute.data import assign_kl_partners
 from kto_pipeline.stages.precompute.segments import match_keys, row_key
 
@@ -307,7 +307,7 @@ def test_train_uses_every_row_of_a_grown_cache(grown, tmp_path, monkeypatch):
     from helpers import train_config
 
     from kto_pipeline import train
-    from kto_pipeline.stages import train as train_module
+    from kto_pipeline.stages.train import stage as train_module
 
     seen = []
     forward = train_module.kto_forward

@@ -7,7 +7,7 @@ import pytest
 from helpers import read_metrics, run_cli, train_config
 
 from kto_pipeline import KTOPipelineError, train
-from kto_pipeline.stages import train as train_module
+from kto_pipeline.stages.train import stage as train_module
 
 cfg = train_config
 
@@ -29,9 +29,9 @@ def record_saves(monkeypatch):
     steps = []
     save = train_module.save_checkpoint
 
-    def recording(accelerator, engine, module, optimizer, tokenizer, out, state, *args, **kw):
+    def recording(engine, module, optimizer, tokenizer, out, state, *args, **kw):
         steps.append(state.global_step)
-        return save(accelerator, engine, module, optimizer, tokenizer, out, state, *args, **kw)
+        return save(engine, module, optimizer, tokenizer, out, state, *args, **kw)
 
     monkeypatch.setattr(train_module, "save_checkpoint", recording)
     return steps
@@ -139,7 +139,7 @@ def test_the_phases_of_train_called_one_by_one(small_cache, tmp_path):
     `train` gives, and each leaves the run directory as its contract says: setup writes nothing, an extension
     has no finished mark (trainer_state.json) until `finish` writes the state it ended in."""
     from kto_pipeline.rundir import TrainerState, finished_at
-    from kto_pipeline.stages import train as stage
+    from kto_pipeline.stages.train import stage as stage
 
     out, whole = tmp_path / "run", tmp_path / "whole"
     train(cfg(small_cache, whole, max_steps=6, lr_scheduler_type="constant"))

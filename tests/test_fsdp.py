@@ -172,7 +172,7 @@ def _ranks(parent: int) -> list[int]:
 
 
 def test_fsdp_settings_come_from_the_accelerate_environment(monkeypatch):
-    from kto_pipeline.sharding import engine_from_env
+    from kto_pipeline.runtime.engines import engine_for as engine_from_env
 
     for key in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_OFFLOAD_PARAMS"):
         monkeypatch.delenv(key, raising=False)
@@ -192,7 +192,7 @@ def test_fsdp_settings_come_from_the_accelerate_environment(monkeypatch):
 def test_a_model_without_layers_to_wrap_is_refused_by_name(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from kto_pipeline.sharding import decoder_layers
+    from kto_pipeline.runtime.engines.fsdp2 import decoder_layers
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert len(decoder_layers(model)) == model.config.num_hidden_layers

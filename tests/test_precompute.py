@@ -259,7 +259,7 @@ def test_padded_fallback_gives_the_same_cache(tmp_path, tiny_model_dir, unpaired
     """A model whose attention takes no packed layout runs every sequence on its own; the values are the same
     and the manifest says which path ran. The padded run calls the stage's phases one by one, saying after
     `load_reference` that this model takes no packed layout."""
-    from kto_pipeline.stages import precompute as stage
+    from kto_pipeline.stages.precompute import stage as stage
 
     packed = open_cache(precompute(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "a"))))
     assert packed.manifest["reference_pass"] == {"prefix_shared": True}

@@ -42,7 +42,8 @@ def captured(monkeypatch):
     """Stand-ins for the API calls, so that a command only builds its config: {command: what it was called with}."""
     from kto_pipeline import generate, report, sweep
     from kto_pipeline.demo import run as demo
-    from kto_pipeline.stages import precompute, train
+    from kto_pipeline.stages.precompute import stage as precompute
+    from kto_pipeline.stages.train import stage as train
 
     calls = {}
 

@@ -14,7 +14,7 @@ from kto_pipeline import PrecomputeConfig, precompute, train
 from kto_pipeline.cache import open_cache, read_manifest, sha256_file
 from kto_pipeline.report import write_report
 from kto_pipeline.rundir import TrainerState
-from kto_pipeline.stages import train as train_module
+from kto_pipeline.stages.train import stage as train_module
 
 RULE = '''
 def label(row):
@@ -75,14 +75,14 @@ def test_two_rounds(tiny_model_dir, tmp_path, monkeypatch, capsys):
 
     # round 2 trains from round one's weights
     loaded = {}
-    load_policy = train_module._load_policy
+    load_policy = train_module.load_policy
 
     def recording(*args, **kw):
         tokenizer, model, aux = load_policy(*args, **kw)
         loaded.update({k: v.detach().clone() for k, v in model.state_dict().items()})
         return tokenizer, model, aux
 
-    monkeypatch.setattr(train_module, "_load_policy", recording)
+    monkeypatch.setattr(train_module, "load_policy", recording)
     run2 = train(train_config(cache, tmp_path / "run2", max_steps=3, init_from=str(run1))).output_dir
     saved = load_file(str(run1 / "model.safetensors"))
     assert saved.keys() <= loaded.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
@@ -46,24 +45,15 @@ from kto_pipeline.cache import (
     write_shard,
 )
 from kto_pipeline.config import PrecomputeConfig
-from kto_pipeline.distributed import decided_by_main_process, print0
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.lock import holds_files, main_process_lock
-from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
-from kto_pipeline.precision import Regime, default_bf16
+from kto_pipeline.models import load_model, load_tokenizer
+from kto_pipeline.runtime.engines import Engine, engine_for
+from kto_pipeline.runtime.launch import main_decides, print0, process_state
+from kto_pipeline.runtime.precision import Regime, reference_regime
 from kto_pipeline.scoring.attention import packing_unsupported
 from kto_pipeline.scoring.logprobs import ReferenceScorer, score_shard
 from kto_pipeline.scoring.packing import Tree
-from kto_pipeline.sharding import (
-    Engine,
-    agree_on_forwards,
-    autocast_forward,
-    check_process_group,
-    engine_from_env,
-    process_state,
-    release_deepspeed,
-    shard_model,
-)
 from kto_pipeline.stages.precompute.data import (
     TokenizedRows,
     assign_kl_partners,
@@ -118,14 +108,13 @@ class Pass:
     config: PrecomputeConfig
     out: Path
     state: Any  # accelerate's PartialState: one process, or one per device under accelerate launch / torchrun
-    engine: Engine  # the reference replicated on every process, or sharded over them (FSDP2)
+    engine: Engine  # how the reference is spread over the processes (runtime/engines)
     started: float
     tokenizer: Any
     prepared: PreparedRows | None = None
     model: Any = None
     model_hash: str | None = None  # of the weights as loaded (main process)
     scorer: Any = None  # the scoring forward: a ReferenceScorer (the FSDP2 root when sharded), or ZeRO-3's engine
-    dtype: Any = None  # of the reference's weights
     regime: Regime | None = None  # weights dtype and autocast
     padded_because: str | None = None  # why every sequence runs on its own, padded; None: packed
     manifest: Manifest | None = None
@@ -162,8 +151,7 @@ def setup(config: PrecomputeConfig) -> Pass:
     _check_output(out)
     # One process, or one per device under `accelerate launch` / torchrun (without a GPU: CPU + gloo).
     state = process_state(config.ddp_timeout)
-    check_process_group(state)
-    engine = engine_from_env(state.num_processes)
+    engine = engine_for(state.num_processes)
     print0(state, f"kto-pipeline precompute {__version__}\n{config.describe()}")
     tokenizer = load_tokenizer(config.model, config.revision, config.trust_remote_code)
     return Pass(config, out, state, engine, started, tokenizer)
@@ -187,7 +175,7 @@ def open_base(run: Pass) -> Manifest:
                 "wrote it (without --append)."
             )
         require_keys(out, base)
-        _, regime = _regime(config, run.state)
+        regime = reference_regime(config.dtype, config.bf16, run.state.device)
         diff = fingerprint_diff(
             {k: base.fingerprint.get(k) for k in APPEND_MUST_MATCH},
             {
@@ -204,7 +192,7 @@ def open_base(run: Pass) -> Manifest:
             raise KTOPipelineError(_append_refused(out, diff))
         return {"manifest": dict(base)}
 
-    return Manifest(decided_by_main_process(run.state, check)["manifest"])
+    return Manifest(main_decides(run.state, check)["manifest"])
 
 
 # What must be the same for rows appended to a cache to have the values a full precompute would give them:
@@ -237,7 +225,7 @@ def prepare_rows(config: PrecomputeConfig, tokenizer, state=None, base: Manifest
     if state is None:
         prepared = _preprocess(config, tokenizer, out, base)
     else:
-        prepared = decided_by_main_process(state, lambda: _preprocess(config, tokenizer, out, base))
+        prepared = main_decides(state, lambda: _preprocess(config, tokenizer, out, base))
     if prepared.get("nothing_new"):
         if state is None or state.is_main_process:
             print(
@@ -409,51 +397,21 @@ def _partner_from_cache(out: Path, base: Manifest, conversational: bool, seed: l
 # -------------------------------------------------------------------------------------- reference
 
 
-def _regime(config: PrecomputeConfig, state) -> tuple[torch.dtype, Regime]:
-    """The reference's weights dtype, and its precision regime (weights dtype + autocast)."""
-    dtype = resolve_dtype("float32" if config.dtype == "auto" else config.dtype, state.device)
-    bf16 = default_bf16(state.device) if config.bf16 is None else config.bf16
-    return dtype, Regime(str(dtype).removeprefix("torch."), "bfloat16" if bf16 else None)
-
-
 def load_reference(run: Pass) -> None:
     config = run.config
-    run.dtype, run.regime = _regime(config, run.state)
-    bf16 = run.regime.autocast is not None
-    run.model = load_model(config.model, run.dtype, config.revision, config.trust_remote_code)
+    run.regime = reference_regime(config.dtype, config.bf16, run.state.device)
+    run.model = load_model(config.model, run.regime.dtype, config.revision, config.trust_remote_code)
     run.model.eval().to(run.state.device)
     run.model_hash = model_weights_hash(run.model) if run.state.is_main_process else None  # before any sharding
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(run.model)
-    run.scorer = ReferenceScorer(run.model)
-    autocast_forward(run.scorer, "bf16" if bf16 else "no", cache=not run.engine.collective_forwards)
-    if run.engine.shards:  # each process keeps 1/N of the weights; each layer's are gathered for its forward
-        shard_model(run.scorer, run.model, run.engine, run.state.device)
-    elif run.engine.collective_forwards:  # the same with DeepSpeed ZeRO-3
-        run.scorer = _zero3_inference(run.scorer, run.dtype)
+    run.scorer = run.engine.prepare_scorer(ReferenceScorer(run.model), run.model, run.regime, run.state.device)
     print0(run.state, f"reference: {run.regime}, {run.engine}")
     if run.padded_because:
         print0(
             run.state,
             f"note: {type(run.model).__name__}: {run.padded_because}; each sequence runs on its own, padded",
         )
-
-
-def _zero3_inference(scorer: ReferenceScorer, dtype):
-    """`scorer` partitioned over the processes by DeepSpeed ZeRO-3 for inference, without an optimizer (what trl and
-    transformers do for a frozen model under ZeRO-3). The engine's forward gathers each module's parameters. Weights
-    stay in `dtype`; bf16 compute comes from the scorer's autocast, as on one process."""
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "bf16": {"enabled": dtype == torch.bfloat16},
-        "fp16": {"enabled": dtype == torch.float16},
-    }
-    engine, *_ = deepspeed.initialize(model=scorer, config=config)
-    engine.eval()  # (returns None)
-    return engine
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -474,14 +432,13 @@ def plan_output(run: Pass) -> bool:
         "split": config.split,
         "dataset_hash": prepared.data_hash,
         "max_length": config.max_length,
-        "dtype": run.regime.weights,
-        "autocast": run.regime.autocast,
+        **run.regime.record(),
         "kl_seed": config.seed,
         "shard_size": config.shard_size,
     }
     if run.base is not None:
         return _plan_append(run, fingerprint)
-    plan = decided_by_main_process(state, lambda: _decide_output(run.out, fingerprint, config.overwrite))
+    plan = main_decides(state, lambda: _decide_output(run.out, fingerprint, config.overwrite))
     if plan["nothing_to_do"]:
         return False
     rows = prepared.rows
@@ -547,7 +504,7 @@ def _plan_append(run: Pass, fingerprint: dict[str, Any]) -> bool:
         write_manifest(out, manifest)
         return {"manifest": dict(manifest)}
 
-    run.manifest = Manifest(decided_by_main_process(run.state, plan)["manifest"])
+    run.manifest = Manifest(main_decides(run.state, plan)["manifest"])
     run.segment = run.manifest["appending"]["segment"]
     run.written = run.manifest["appending"]["shards"]
     run.first_shard = len(run.manifest.shards)
@@ -764,17 +721,16 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> dict:
 
 def _score_trees(run: Pass, trees: list[Tree], pad_id: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """score_shard with this pass's settings. Sharded, every process runs as many forwards as the busiest."""
-    device = run.state.device
     return score_shard(
         run.scorer,
         trees,
         pad_id,
         run.config.batch_size,
         run.config.max_tokens_per_batch,
-        device,
+        run.state.device,
         run.progress.on_batch,
         packed=run.padded_because is None,
-        agree_on_forwards=(lambda count: agree_on_forwards(count, device)) if run.engine.collective_forwards else None,
+        agree_on_forwards=run.engine.agree_on_forwards if run.engine.collective_forwards else None,
     )
 
 
@@ -816,8 +772,7 @@ def finish(run: Pass) -> None:
             manifest.add_segment(segment, run.written)
         write_manifest(run.out, manifest)
         _print_summary(manifest, segment, run.out, time.perf_counter() - run.started)
-    if run.engine.deepspeed:
-        release_deepspeed(run.scorer)
+    run.engine.close(run.scorer)
     run.state.wait_for_everyone()
 
 

@@ -14,7 +14,6 @@ happens in callbacks. One forward pass and its metrics are `kto_step.py`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import shutil
 import time
@@ -23,14 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
+from accelerate.utils import gather_object, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from kto_pipeline import __version__
-from kto_pipeline.cache import CacheTable, Manifest, open_cache, tokenizer_hash
+from kto_pipeline.cache import CacheTable, Manifest, open_cache
 from kto_pipeline.checkpoint import (
     load_checkpoint,
     resolve_resume,
@@ -40,31 +37,18 @@ from kto_pipeline.checkpoint import (
     skip_model_weights_in_accelerate_state,
 )
 from kto_pipeline.config import TrainConfig
-from kto_pipeline.distributed import print0
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.model_card import write_model_card
-from kto_pipeline.models import load_model, load_tokenizer
-from kto_pipeline.precision import AUTOCAST_DTYPES, Regime, default_bf16, regime_mismatch
-from kto_pipeline.rundir import InitPoint, MetricsWriter, TrainerState, finished_at, read_init_point, start_run
-from kto_pipeline.scoring.attention import attention_costs, checkpointing_kwargs, packing_unsupported
-from kto_pipeline.sharding import (
-    Engine,
-    accelerate_without_fsdp,
-    autocast_forward,
-    check_process_group,
-    clip_grad_norm,
-    engine_from_env,
-    launched_processes,
-    process_group_kwargs,
-    process_state,
-    release_deepspeed,
-    shard_model,
-    use_cpu,
-)
+from kto_pipeline.rundir import InitPoint, MetricsWriter, TrainerState, finished_at, start_run
+from kto_pipeline.runtime.engines import Engine, engine_for
+from kto_pipeline.runtime.launch import launched_processes, print0, process_state
+from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
+from kto_pipeline.scoring.attention import attention_costs, packing_unsupported
 from kto_pipeline.stages.precompute.segments import segments_of
 from kto_pipeline.stages.train.batches import CacheRows, Collator, EpochSampler, PolicyScorer
 from kto_pipeline.stages.train.kto_step import MetricLog, batch_metrics, evaluate, kto_forward, real_rows
+from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
 
 
 @dataclass
@@ -98,7 +82,7 @@ class Run:
     out: Path
     resume_dir: Path | None
     accelerator: Any
-    engine: Engine  # the policy replicated on every process (accelerate's DDP), or sharded over them (FSDP2)
+    engine: Engine  # how the policy is spread over the processes (runtime/engines)
     regime: Regime  # the policy's precision: float32 weights, under autocast with bf16/fp16
     manifest: Manifest
     init: InitPoint | None  # --init-from: the previous round's policy this run started from
@@ -155,30 +139,34 @@ def setup(config: TrainConfig) -> Run:
         _check_output_dir(out, config.overwrite_output_dir)  # a checkpoint of this same dir may continue it
     cache, max_length = _open_checked_cache(config)
     trackers = _trackers(config)
-    engine = engine_from_env(launched_processes())
-    accelerator = _accelerator(config, out, trackers, engine)
-    if engine.activation_checkpointing and not config.gradient_checkpointing:  # fsdp_activation_checkpointing: true
+    regime = policy_regime(config.bf16, config.fp16)  # the policy loads in float32
+    engine = engine_for(launched_processes())
+    accelerator = engine.make_accelerator(
+        regime,
+        config.max_grad_norm,
+        config.ddp_timeout,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        log_with=trackers or None,
+        project_dir=str(out / "tensorboard"),
+    )
+    skip_model_weights_in_accelerate_state(accelerator)
+    if engine.activation_checkpointing and not config.gradient_checkpointing:  # the launch config asks for it
         config = dataclasses.replace(config, gradient_checkpointing=True)
     set_seed(config.seed)
     print0(accelerator, f"kto-pipeline train {__version__}\n{config.describe()}")
-    regime = Regime("float32", AUTOCAST_DTYPES[_resolve_precision(config)])  # the policy loads in float32
-    _check_regime(config, Regime(*cache.manifest.precision), regime, accelerator)
+    warning = check_regime(Regime(*cache.manifest.precision), regime, config.strict)
+    if warning:
+        print0(accelerator, warning)
     print0(accelerator, f"policy: {regime}, {engine}")
-    init = _init_point(config, cache.manifest, accelerator)
-    tokenizer, model, aux_coef = _load_policy(config, cache.manifest, init)
+    init = init_point(config, cache.manifest, accelerator)
+    tokenizer, model, aux_coef = load_policy(config, cache.manifest, init)
     padded_because = packing_unsupported(model)
     sampler, loader, eval_loader, eval_groups = _loaders(
         config, cache, max_length, accelerator, tokenizer, model, padded_because
     )
-    scorer = PolicyScorer(model)
-    if engine.shards:  # sharded before the optimizer is built: it holds each process's shards only
-        shard_model(scorer, model, engine, accelerator.device)
-        autocast_forward(scorer, accelerator.mixed_precision, cache=False)
-        optimizer = _optimizer(config, model)
-        optimizer, loader = accelerator.prepare(optimizer, loader)
-    else:
-        optimizer = _optimizer(config, model)
-        scorer, optimizer, loader = accelerator.prepare(scorer, optimizer, loader)
+    scorer, optimizer, loader = engine.prepare_policy(
+        PolicyScorer(model), model, lambda m: make_optimizer(config, m), loader
+    )
     if eval_loader is not None:
         eval_loader = accelerator.prepare_data_loader(eval_loader)
     steps_per_epoch = max(math.ceil(len(loader) / config.gradient_accumulation_steps), 1)
@@ -227,122 +215,6 @@ def _open_checked_cache(config: TrainConfig) -> tuple[CacheTable, int]:
     return cache, max_length
 
 
-def _accelerator(config: TrainConfig, out: Path, trackers: list[str], engine: Engine):
-    # accelerate keeps one global state per process; reset it (not the process group) so that several runs
-    # in one process (a sweep through the Python API) may each choose their own precision.
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
-    with accelerate_without_fsdp(engine):
-        accelerator = Accelerator(
-            cpu=use_cpu(),
-            mixed_precision=_resolve_precision(config),
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            log_with=trackers or None,
-            project_dir=str(out / "tensorboard"),
-            kwargs_handlers=[InitProcessGroupKwargs(**process_group_kwargs(config.ddp_timeout))],
-        )
-    check_process_group(accelerator)
-    if engine.deepspeed:
-        _configure_deepspeed(accelerator, config)
-    skip_model_weights_in_accelerate_state(accelerator)
-    return accelerator
-
-
-def _configure_deepspeed(accelerator, config: TrainConfig) -> None:
-    """The DeepSpeed settings the train flags own; accelerate fills what the config leaves "auto" when the model is
-    prepared (--gradient-accumulation-steps from the Accelerator, but clipping at a fixed 1.0).
-
-    bf16: float32 weights and forwards under torch.autocast (DeepSpeed's `torch_autocast`), gradients reduced in
-    float32, the regime of one process and of FSDP2. DeepSpeed's own bf16 mode would cast the weights to bf16."""
-    plugin = accelerator.state.deepspeed_plugin
-    ds = plugin.deepspeed_config
-    ds["gradient_clipping"] = config.max_grad_norm  # DeepSpeed clips inside its step; 0: no clipping
-    if accelerator.mixed_precision == "bf16":
-        ds["bf16"] = {"enabled": False}
-        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
-    # ZeRO-3: from_pretrained reads this config (through the weak reference accelerate took when the Accelerator was
-    # built) and loads the weights partitioned, in its dtype: hand it the edited one
-    plugin.set_deepspeed_weakref()
-
-
-def _init_point(config: TrainConfig, manifest: Manifest, accelerator) -> InitPoint | None:
-    """--init-from: the previous round's policy, checked to have trained against this cache's frozen reference."""
-    if config.init_from is None:
-        return None
-    init = read_init_point(config.init_from)
-    ours = manifest.reference["weights_hash"]
-    if init.reference_hash is None:
-        print0(
-            accelerator, f"note: {init.run_dir} does not record its reference; it cannot be checked against the cache's"
-        )
-    elif init.reference_hash != ours:
-        raise KTOPipelineError(
-            f"--init-from {init.run_dir} trained against another reference (weights {init.reference_hash}) than the "
-            f"cache's ({manifest.reference_model}, weights {ours}). A round continues against the same frozen "
-            "reference: use a cache precomputed with that run's reference."
-        )
-    if init.kind == "adapter" and config.lora_r is not None:
-        adapter = json.loads((init.run_dir / "adapter_config.json").read_text())
-        if (adapter.get("r"), adapter.get("lora_alpha")) != (config.lora_r, config.lora_alpha):
-            print0(
-                accelerator,
-                f"note: the adapter of {init.run_dir} trains on with its own r {adapter.get('r')} and alpha "
-                f"{adapter.get('lora_alpha')} (--lora-r {config.lora_r} --lora-alpha {config.lora_alpha} not applied)",
-            )
-    what = "LoRA adapter" if init.kind == "adapter" else "weights"
-    step = f" at step {init.global_step}" if init.global_step is not None else ""
-    print0(accelerator, f"round {init.round + 1}: starting from the {what} of {init.run_dir}{step}")
-    return init
-
-
-def _load_base(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None):
-    """The full weights training started from, as loaded: the cache's reference unless --model, or --init-from's
-    weights (an adapter's base for an adapter)."""
-    if init is not None:
-        return load_model(
-            str(init.run_dir) if init.kind == "full" else init.base, torch.float32, None, config.trust_remote_code
-        )
-    model_name = config.model or manifest.reference_model
-    revision = None if config.model else manifest.reference_revision
-    return load_model(model_name, torch.float32, revision, config.trust_remote_code)
-
-
-def _load_policy(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None):
-    """(tokenizer, policy, MoE aux-loss weight): the policy only, with the cache's tokenizer, ready to train."""
-    if init is not None:
-        model_name, revision = str(init.run_dir), None
-    else:
-        model_name = config.model or manifest.reference_model
-        revision = None if config.model else manifest.reference_revision
-    tokenizer = load_tokenizer(model_name, revision, config.trust_remote_code)
-    if tokenizer_hash(tokenizer) != manifest.tokenizer_hash:
-        raise KTOPipelineError(
-            f"the tokenizer of --model {model_name} differs from the one the cache was made with "
-            f"({manifest.tokenizer_name}): vocabulary, special tokens or chat template. Token ids "
-            "would not mean the same thing. Train a model that shares the cache's tokenizer, or precompute a "
-            "new cache with this model."
-        )
-    model = _load_base(config, manifest, init)
-    model.config.use_cache = False
-    _disable_dropout(model)  # the base model's; LoRA's own dropout (--lora-dropout) is added after
-    aux_coef = _router_aux_coef(model, config)
-    if config.gradient_checkpointing:
-        # recompute each layer's activations in the backward instead of keeping them
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
-    if init is not None and init.kind == "adapter":
-        from peft import PeftModel
-
-        # with --lora-r the previous round's adapter trains on; without, it is merged and the whole model trains
-        model = PeftModel.from_pretrained(model, init.run_dir, is_trainable=config.lora_r is not None)
-        if config.lora_r is None:
-            model = model.merge_and_unload().requires_grad_(True)  # (peft froze the base)
-        elif config.gradient_checkpointing:
-            model.enable_input_require_grads()
-    elif config.lora_r is not None:
-        model = _add_lora(model, config)
-    return tokenizer, model, aux_coef
-
-
 def _loaders(config: TrainConfig, cache, max_length: int, accelerator, tokenizer, model, padded_because):
     """(sampler, train loader, eval loader or None, eval prompt groups). Each process reads a disjoint part of
     every global batch from the memory-mapped cache."""
@@ -377,18 +249,6 @@ def _loaders(config: TrainConfig, cache, max_length: int, accelerator, tokenizer
     return sampler, loader, eval_loader, eval_rows.prompt_groups()
 
 
-def _optimizer(config: TrainConfig, model) -> torch.optim.Optimizer:
-    """transformers.Trainer's default, AdamW with its fused kernel (`adamw_torch_fused`, the update trl runs), no
-    decay on biases and norm weights: one kernel for all parameters (see benchmarks/RESULTS.md for its speed)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.learning_rate,
-        fused=True,
-    )
-
-
 def _scheduler(config: TrainConfig, optimizer, warmup_steps: int, total_steps: int):
     from transformers import get_scheduler
 
@@ -406,7 +266,7 @@ def resume(run: Run) -> TrainResult | None:
     if run.resume_dir is None:
         return None
     config, p, resume_dir = run.config, run.progress, run.resume_dir
-    state = load_checkpoint(run.accelerator, run.scorer, run.optimizer, resume_dir, run.engine)
+    state = load_checkpoint(run.engine, run.scorer, run.optimizer, resume_dir)
     _check_resume_compatible(state.run_config or {}, config, resume_dir)
     p.global_step, p.epoch, p.skip_batches = state.global_step, state.epoch_index, state.batches_in_epoch
     p.epoch_index, p.batches_in_epoch = state.epoch_index, state.batches_in_epoch
@@ -523,12 +383,10 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], last_batch: bool = Fals
         accelerator, loss, z0, batch["label"], scores.logps, rewards, scores, real
     ).items():
         p.log.add(name, value)
-    accelerator.backward(loss)
+    run.engine.backward(loss)
     if accelerator.sync_gradients and config.max_grad_norm > 0:
-        clip = clip_grad_norm if run.engine.shards else accelerator.clip_grad_norm_
-        p.grad_norm = float(clip(run.scorer.parameters(), config.max_grad_norm))
-    run.optimizer.step()
-    run.optimizer.zero_grad()
+        p.grad_norm = float(run.engine.clip_grad_norm(run.scorer, config.max_grad_norm))
+    run.engine.step(run.optimizer)
 
 
 def after_step(run: Run, micro_step: int, bar) -> None:
@@ -559,9 +417,7 @@ def after_step(run: Run, micro_step: int, bar) -> None:
     # every N steps and at the last one (as transformers' Trainer), so that a finished run can be extended
     if config.save_steps and (p.global_step % config.save_steps == 0 or last_step):
         state, limit = trainer_state(run), config.save_total_limit
-        save_checkpoint(
-            accelerator, run.engine, run.scorer, run.optimizer, run.tokenizer, run.out, state, config.to_dict(), limit
-        )
+        save_checkpoint(run.engine, run.scorer, run.optimizer, run.tokenizer, run.out, state, config.to_dict(), limit)
 
 
 def trainer_state(run: Run) -> TrainerState:
@@ -588,11 +444,9 @@ def finish(run: Run) -> TrainResult:
     accelerator.wait_for_everyone()
     if run.trackers:
         accelerator.end_training()
-    save_model(accelerator, run.engine, run.scorer, run.tokenizer, out, config.to_dict())
+    save_model(run.engine, run.scorer, run.tokenizer, out, config.to_dict())
     if config.merge:
-        save_merged(
-            accelerator, run.engine, run.scorer, run.tokenizer, out, lambda: _load_base(config, run.manifest, run.init)
-        )
+        save_merged(run.engine, run.scorer, run.tokenizer, out, lambda: load_base(config, run.manifest, run.init))
     executed, needed = (sum(gather_object([x])) for x in (p.tokens_executed, p.tokens_needed))
     state = trainer_state(run)
     state.train_seconds = round(time.perf_counter() - p.started, 3)
@@ -631,8 +485,7 @@ def finish(run: Run) -> TrainResult:
             f"/ {executed} run in forwards; batches {state.packing}, KL forward {state.kl_forward}",
             flush=True,
         )
-    if run.engine.deepspeed:
-        release_deepspeed(run.scorer)
+    run.engine.close(run.scorer)
     accelerator.wait_for_everyone()
     return TrainResult(output_dir=out, global_step=p.global_step, metrics=p.history, step_seconds=p.step_seconds)
 
@@ -683,23 +536,6 @@ def _trackers(config: TrainConfig) -> list[str]:
     return [t.strip() for t in config.report_to.split(",") if t.strip() not in ("", "none")]
 
 
-def _resolve_precision(config: TrainConfig) -> str:
-    if config.fp16:
-        if not torch.cuda.is_available():
-            raise KTOPipelineError("--fp16 needs a CUDA GPU; on CPU use --bf16 or full precision (--no-bf16).")
-        return "fp16"
-    return "bf16" if (default_bf16() if config.bf16 is None else config.bf16) else "no"
-
-
-def _check_regime(config: TrainConfig, cache: Regime, run: Regime, accelerator) -> None:
-    """The cache's reference and this run's policy should compute in one precision regime (precision.py)."""
-    mismatch = regime_mismatch(cache, run)
-    if mismatch and config.strict:
-        raise KTOPipelineError(f"--strict: {mismatch}")
-    if mismatch:
-        print0(accelerator, f"warning: {mismatch} (--strict makes this an error)")
-
-
 def _planned_steps(max_steps: int, num_train_epochs: float, steps_per_epoch: int) -> int:
     """Optimizer steps of a run: --max-steps if > 0, else --num-train-epochs passes (at least 1 step)."""
     return max_steps if max_steps > 0 else max(math.ceil(num_train_epochs * steps_per_epoch), 1)
@@ -731,46 +567,6 @@ def _check_resume_compatible(saved: dict, config: TrainConfig, path: Path) -> No
             + "\n  - ".join(diff)
             + "\nResume with the original settings, or start a new run."
         )
-
-
-def _router_aux_coef(model, config: TrainConfig) -> float:
-    """The MoE load-balancing weight (as trl): the flag's, else the model config's; 0 when not a MoE model."""
-    text_config = model.config.get_text_config()
-    is_moe = hasattr(text_config, "output_router_logits")
-    if config.router_aux_loss_coef and not is_moe:
-        raise KTOPipelineError(
-            f"--router-aux-loss-coef {config.router_aux_loss_coef}: {type(model).__name__} is not a "
-            "mixture-of-experts model that returns router logits, so there is no load-balancing loss to weight."
-        )
-    if not is_moe:
-        return 0.0
-    coef = config.router_aux_loss_coef
-    return float(getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef)
-
-
-def _add_lora(model, config: TrainConfig):
-    """Wrap the policy with fresh PEFT LoRA adapters (B = 0, so the policy starts equal to the reference)."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = config.lora_target_modules
-    lora = LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(model, lora)
-    if config.gradient_checkpointing:
-        model.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a grad path
-    return model
-
-
-def _disable_dropout(model) -> None:
-    """KTO compares log-probs with the reference's, which were computed without dropout (as trl does)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
 
 
 def _open_eval_cache(config: TrainConfig, manifest: Manifest, max_length: int) -> CacheRows | None:

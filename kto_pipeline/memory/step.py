@@ -1,0 +1,269 @@
+"""Our step's memory: the step `train_step` runs (forward, backward, clipping, AdamW), on the policy as `train`
+prepares it (`stages/train/policy.py`) and through the engine train would run (`runtime/engines`); the floor
+(what any step must hold); and the check of the simulation against a real CPU step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+from kto_pipeline.memory.simulation import (
+    StepMemory,
+    StepSettings,
+    breakdown,
+    build_model,
+    cpu_accelerator,
+    device_decisions,
+    fake_mode,
+    fake_process_group,
+    init_optimizer_state,
+    memory_tracker,
+    offload_unpinned,
+)
+
+# ------------------------------------------------------------------------------------------ our step
+
+
+def simulate_ours(
+    model_config, rows: list[dict[str, Any]], settings: StepSettings, fake=True, attribute: bool = False
+) -> StepMemory:
+    """Peak memory of one `train` step on `rows`: the step `train_step` runs (forward, backward, clipping,
+    AdamW), on fake tensors (`fake=True`) or real ones (`fake=False`, the CPU check). `attribute`: also list
+    the largest tensors alive at the peak (runs the step twice)."""
+    if settings.fsdp_world_size > 1:
+        with fake_process_group(settings.fsdp_world_size):
+            return _simulate_ours(model_config, rows, settings, fake, attribute)
+    return _simulate_ours(model_config, rows, settings, fake, attribute)
+
+
+def _simulate_ours(model_config, rows, settings: StepSettings, fake: bool, attribute: bool) -> StepMemory:
+    first = _run_ours(model_config, rows, settings, fake, None)
+    if not attribute:
+        return first
+    second = _run_ours(model_config, rows, settings, fake, first.peak_bytes)
+    assert second.peak_bytes == first.peak_bytes, "the simulated step is deterministic"
+    return second
+
+
+def _run_ours(model_config, rows, settings: StepSettings, fake: bool, attribute_at: int | None) -> StepMemory:
+    import torch
+
+    from kto_pipeline.config import TrainConfig
+    from kto_pipeline.runtime.engines.fsdp2 import FSDP2
+    from kto_pipeline.runtime.engines.single import Single
+    from kto_pipeline.runtime.precision import policy_regime
+    from kto_pipeline.scoring.attention import attention_costs
+    from kto_pipeline.stages.train.batches import Collator, PolicyScorer
+    from kto_pipeline.stages.train.kto_step import kto_forward
+
+    mode = fake_mode() if fake else None
+    config = TrainConfig(cache="-", output_dir="-", bf16=settings.bf16, per_device_train_batch_size=max(len(rows), 2))
+    sharded = settings.fsdp_world_size > 1
+    with device_decisions(settings.device_type):
+        model = build_model(model_config, settings, mode)
+        # as train.setup: the engine prepares the policy (sharded, the optimizer over the shards) and steps it
+        engine = FSDP2(settings.fsdp_world_size, offload_params=settings.cpu_offload) if sharded else Single(1)
+        engine.make_accelerator(policy_regime(config.bf16), config.max_grad_norm, config.ddp_timeout, cpu=True)
+        with offload_unpinned():
+            scorer, optimizer, _ = engine.prepare_policy(
+                PolicyScorer(model), model, lambda m: _make_optimizer(settings, config, m), move=False
+            )
+        init_optimizer_state(model, optimizer, mode)
+        pad_id = model_config.pad_token_id if model_config.pad_token_id is not None else 0
+        batch = Collator(pad_id, True, attention_costs(model, torch.device(settings.device_type)))(rows)
+        tracker = memory_tracker(scorer if sharded else None, optimizer, settings.cpu_offload, attribute_at)
+        if not sharded:
+            tracker.track_external(model, optimizer)
+        with tracker:
+            before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])
+            z0, scored, loss, _, _ = kto_forward(engine.accelerator, scorer, batch, config, with_stats=True)
+            tokens_with_grad, tokens_executed = _layout_tokens(batch), scored.tokens_executed
+            del z0, scored
+            engine.backward(loss)
+            del loss
+            engine.clip_grad_norm(scorer, config.max_grad_norm)
+            engine.step(optimizer)
+    dev = torch.device("cpu")
+    return StepMemory(
+        peak_bytes=tracker._peak_mem[dev],
+        breakdown=breakdown(tracker._peak_mem_snap[dev], settings.cpu_offload),
+        before_step_bytes=before,
+        tokens_with_grad=tokens_with_grad,
+        tokens_executed=tokens_executed,
+        top=tracker.top or [],
+    )
+
+
+def _make_optimizer(settings: StepSettings, config, model):
+    """train's optimizer (fused AdamW), or bitsandbytes' AdamW8bit over the same parameter groups (built outside
+    the fake mode: its quantization map is a real table; its moments are made from the fake parameters)."""
+    from kto_pipeline.stages.train.policy import make_optimizer
+
+    if settings.optimizer == "adamw":
+        return make_optimizer(config, model)
+    import bitsandbytes as bnb
+
+    groups = make_optimizer(config, model).param_groups
+    return bnb.optim.AdamW8bit(
+        [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups], lr=config.learning_rate
+    )
+
+
+def _layout_tokens(batch) -> int:
+    """Tokens of the forward with gradients: the layout's columns before the split, padding included."""
+    return int(batch["layout_input_ids"].shape[0] * int(batch["layout_split"]))
+
+
+# ------------------------------------------------------------------------------------------ the floor
+
+
+def floor_bytes(model_config, settings: StepSettings, tokens: int, fake: bool = True) -> dict[str, int]:
+    """What any trainer of this model must hold at its peak: the trained weights' float32 copies, their
+    gradients and AdamW's two moments (16 bytes a trained parameter; LoRA: the frozen base's 4 bytes a parameter
+    plus 16 a trained one; FSDP2: a 1/world share of each), plus the activations a backward needs for `tokens`
+    tokens with gradients.
+
+    The activations are measured, not modelled: the bare backbone's forward (causal, one unpadded sequence, no
+    LM head), with the step's autocast and checkpointing, on 256 and on 512 tokens. What it keeps grows by a
+    per-token slope; what it keeps whatever the length (autocast's bf16 copies of the weights, which the backward
+    reads) is the intercept. The floor takes intercept + slope x `tokens`."""
+    import torch
+
+    from kto_pipeline.scoring.logprobs import backbone_of
+
+    mode = fake_mode() if fake else None
+    model = build_model(model_config, dataclasses.replace(settings, fsdp_world_size=1), mode)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    world = settings.fsdp_world_size
+    kept = {}
+    for n in (256, 512):
+        tracker = memory_tracker()
+        tracker.track_external(model)
+        with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
+            out = backbone_of(model)(input_ids=torch.zeros((1, n), dtype=torch.long), use_cache=False)
+            kept[n] = breakdown(tracker.get_tracker_snapshot()[torch.device("cpu")], False)["activations"]
+        del out
+    slope = (kept[512] - kept[256]) / 256
+    intercept = kept[256] - slope * 256
+    return {
+        "parameters": (trained + frozen) * 4 // world,
+        "gradients": trained * 4 // world,
+        "optimizer": trained * 8 // world,
+        "activations": int(intercept / world + slope * tokens),
+    }
+
+
+# ------------------------------------------------------------------------------------------ the real CPU check
+
+
+def measure_cpu_step(spec: dict[str, Any]) -> dict[str, int]:
+    """One real `train` step on the CPU (float32, real seeded weights), in this process: the resident set's high
+    water mark over the step, as the check of the simulation (run it in a fresh process started with
+    MALLOC_MMAP_THRESHOLD_=65536, see `cpu_check`). `spec`: {"config": model config dict, "rows": rows}.
+
+    Returns {"rss_before": resident bytes after the model and the optimizer's moments exist,
+    "rss_peak": the high water mark during the step (the kernel's VmHWM, reset just before it),
+    "baseline": resident bytes before the model was built}."""
+    import torch
+    from transformers import AutoConfig
+
+    torch.set_num_threads(1)  # per-thread scratch of the CPU kernels would blur the comparison
+    config_dict = dict(spec["config"])
+    model_config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    settings = StepSettings(bf16=False, device_type="cpu")
+    # everything the step imports, before the baseline: the model's class (built on the meta device: no
+    # memory), accelerate's state, the stages
+    import kto_pipeline.stages.train.stage  # noqa: F401
+
+    with torch.device("meta"):
+        build_model(model_config, settings, None)
+    cpu_accelerator("no")
+    baseline = _rss("VmRSS")
+    out = _run_real(model_config, spec["rows"], settings)
+    out["baseline"] = baseline
+    return out
+
+
+def _run_real(model_config, rows, settings: StepSettings) -> dict[str, int]:
+    import gc
+
+    import torch
+
+    from kto_pipeline.config import TrainConfig
+    from kto_pipeline.runtime.engines.single import Single
+    from kto_pipeline.runtime.precision import policy_regime
+    from kto_pipeline.scoring.attention import attention_costs
+    from kto_pipeline.stages.train.batches import Collator, PolicyScorer
+    from kto_pipeline.stages.train.kto_step import kto_forward
+    from kto_pipeline.stages.train.policy import make_optimizer
+
+    config = TrainConfig(cache="-", output_dir="-", bf16=False, per_device_train_batch_size=max(len(rows), 2))
+    model = build_model(model_config, settings, None)
+    engine = Single(1)
+    engine.make_accelerator(policy_regime(False), config.max_grad_norm, config.ddp_timeout, cpu=True)
+    scorer, optimizer, _ = engine.prepare_policy(
+        PolicyScorer(model), model, lambda m: make_optimizer(config, m), move=False
+    )
+    init_optimizer_state(model, optimizer, None)
+    batch = Collator(model_config.pad_token_id or 0, True, attention_costs(model, torch.device("cpu")))(rows)
+    gc.collect()
+    before = _rss("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # reset the high water mark (Linux >= 4.0)
+        f.write("5")
+    z0, scored, loss, _, _ = kto_forward(engine.accelerator, scorer, batch, config, with_stats=True)
+    del z0, scored
+    engine.backward(loss)
+    del loss
+    engine.clip_grad_norm(scorer, config.max_grad_norm)
+    engine.step(optimizer)
+    return {"rss_before": before, "rss_peak": _rss("VmHWM")}
+
+
+def _rss(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field_name} not in /proc/self/status")
+
+
+def cpu_check(model_config, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The simulation against a real CPU step of the same model (float32, attention as the CPU runs it) and rows.
+
+    Real: `measure_cpu_step` in a fresh process, glibc told to map every allocation above 64 KiB on its own
+    (MALLOC_MMAP_THRESHOLD_), so that a freed tensor leaves the resident set at once and the high water mark is
+    the step's live tensors plus the process's own pages. Compared: what the step adds to what was resident
+    before it (gradients, activations, temporaries: the part the simulation has to get right; parameters and
+    moments are counted, not simulated), and the whole peak above the process's baseline (before the model).
+    Simulated: the same step on fake tensors (`simulate_ours`, device_type "cpu") and on real tensors under the
+    same tracker (the tracker's accounting of real allocations)."""
+    import subprocess
+
+    settings = StepSettings(bf16=False, device_type="cpu")
+    spec = {"config": model_config.to_dict(), "rows": rows}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kto_pipeline.memory", "measure-cpu-step"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the real CPU step failed:\n{proc.stderr[-3000:]}")
+    real = json.loads(proc.stdout.strip().splitlines()[-1])
+    fake = simulate_ours(model_config, rows, settings, fake=True)
+    tracked_real = simulate_ours(model_config, rows, settings, fake=False)
+    return {
+        "real_step_bytes": real["rss_peak"] - real["rss_before"],
+        "real_total_bytes": real["rss_peak"] - real["baseline"],
+        "simulated_step_bytes": fake.peak_bytes - fake.before_step_bytes,
+        "simulated_total_bytes": fake.peak_bytes,
+        "tracked_real_step_bytes": tracked_real.peak_bytes - tracked_real.before_step_bytes,
+        "tracked_real_total_bytes": tracked_real.peak_bytes,
+    }

@@ -1,0 +1,11 @@
+"""How a process runs, decided in one place; the stages ask, never decide.
+
+    launch.py     the process group from the launch environment (torchrun, `accelerate launch`), its short
+                  timeout, `print0`, and `main_decides`: the main process decides, every process follows
+    precision.py  the precision regime, resolved once from the config and the device; autocast; the mismatch check
+    engines/      one class per engine behind one interface (`engines/base.py`); `engine_for` picks one from the
+                  launch environment: one process or DDP, FSDP2, DeepSpeed ZeRO-2/3
+
+As Lightning Fabric's `Strategy` and torchtune's `training.shard_model`: a stage asks its engine to prepare the
+model, step and save; it never tests which engine runs.
+"""

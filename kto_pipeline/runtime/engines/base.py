@@ -1,0 +1,143 @@
+"""The engine interface: how the model is spread over the processes, asked by both stages and the checkpoints.
+
+An engine prepares a policy for training (`prepare_policy`) or a frozen model for scoring (`prepare_scorer`), runs
+the optimizer step's parts (`backward`, `clip_grad_norm`, `step`), gives the whole state dict, saves and loads its
+state in a checkpoint, records itself for manifest.json and trainer_state.json, and lets go of what it holds
+(`close`). The stages call these and never test which engine runs: adding one is a file in this folder and a line
+in the registry (`engines/__init__.py`).
+
+This base class is the engine of one process, and of DDP: accelerate replicates the model (its `prepare` wraps it in
+DistributedDataParallel when several processes run) and runs the forward under the regime's autocast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kto_pipeline.runtime.launch import check_process_group, process_group_kwargs, use_cpu
+from kto_pipeline.runtime.precision import Regime, autocast_forward
+
+ACCELERATE_STATE = "accelerate_state"  # a checkpoint's optimizer, scheduler and RNG states, written by accelerate
+
+
+class Engine:
+    name = "single"
+    collective_forwards = False  # every forward gathers parameters from all processes: all must run as many
+    state_holds_weights = False  # the engine's checkpoint state holds the weights (else: the HF files beside it)
+    holds_whole_model = True  # each process holds the whole model (else it is gathered to be saved or merged)
+    activation_checkpointing = False  # the launch config asks for gradient checkpointing
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.accelerator = None  # train's Accelerator, once `make_accelerator` built it
+        self.regime: Regime | None = None  # the policy's, from `make_accelerator`
+        self.device = torch.device("cpu")  # where the model computes, once prepared
+
+    # ------------------------------------------------------------------ setup
+
+    def make_accelerator(
+        self, regime: Regime, max_grad_norm: float, timeout_seconds: int, cpu: bool | None = None, **kwargs
+    ):
+        """train's Accelerator for a policy computing in `regime`, with a fresh global state (accelerate keeps one
+        per process: several runs in one process, a sweep through the Python API, may each choose their own
+        precision), the process group's timeout and the engine's settings."""
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+        from accelerate.utils import InitProcessGroupKwargs
+
+        self.regime = regime
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+        with self._building_accelerator():
+            self.accelerator = Accelerator(
+                cpu=use_cpu() if cpu is None else cpu,
+                mixed_precision=regime.mixed_precision,
+                kwargs_handlers=[InitProcessGroupKwargs(**process_group_kwargs(timeout_seconds))],
+                **kwargs,
+            )
+        check_process_group(self.accelerator)
+        self.device = self.accelerator.device
+        self._configure(max_grad_norm)
+        return self.accelerator
+
+    def _building_accelerator(self):
+        """A context around the Accelerator's construction (accelerate reads its environment then)."""
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def _configure(self, max_grad_norm: float) -> None:
+        """Settings of the engine that the train flags own, once the Accelerator exists."""
+
+    def prepare_policy(
+        self, scorer: torch.nn.Module, model, make_optimizer: Callable, loader=None, move: bool = True
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        """(scorer, optimizer, loader) ready to train: `scorer` wraps `model` (its forward is what the step calls),
+        `make_optimizer(model)` builds the optimizer over the parameters as this engine leaves them. `move=False`
+        keeps the model where it is (the memory simulation's fake tensors)."""
+        optimizer = make_optimizer(model)
+        placement = None if move else [False, False]
+        if loader is None:
+            scorer, optimizer = self.accelerator.prepare(scorer, optimizer, device_placement=placement)
+            return scorer, optimizer, None
+        placement = None if move else [False, False, False]
+        return self.accelerator.prepare(scorer, optimizer, loader, device_placement=placement)
+
+    def prepare_scorer(self, scorer: torch.nn.Module, model, regime: Regime, device: torch.device) -> torch.nn.Module:
+        """`scorer` (wrapping the frozen `model`, already on `device`) ready to score under `regime`."""
+        self.device = device
+        autocast_forward(scorer, regime)
+        return scorer
+
+    def agree_on_forwards(self, count: int) -> int:
+        """How many forwards this process runs when it has `count` to run (all processes call this together where
+        `collective_forwards`: the most any process has)."""
+        return count
+
+    # ------------------------------------------------------------------ the step
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def clip_grad_norm(self, module: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to `max_norm`; returns their norm before clipping (over every process)."""
+        return self.accelerator.clip_grad_norm_(module.parameters(), max_norm)
+
+    def step(self, optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    # ------------------------------------------------------------------ state
+
+    def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The scorer as the stage built it (without DDP's or DeepSpeed's wrapper)."""
+        return self.accelerator.unwrap_model(module)
+
+    def full_state_dict(self, module: torch.nn.Module) -> dict:
+        """The whole model's weights on the main process (others: what they hold). Every process must call this."""
+        return self.accelerator.get_state_dict(module)
+
+    def save_state(self, module: torch.nn.Module, optimizer, directory: Path) -> None:
+        """Write what resuming needs besides the HF files (optimizer, scheduler, RNG; with `state_holds_weights`
+        the weights too) into a checkpoint `directory`. Every process must call this."""
+        self.accelerator.save_state(str(directory / ACCELERATE_STATE))
+
+    def load_state(self, module: torch.nn.Module, optimizer, directory: Path) -> None:
+        """Restore what `save_state` wrote. Every process must call this."""
+        self.accelerator.load_state(str(directory / ACCELERATE_STATE))
+
+    # ------------------------------------------------------------------ records
+
+    def record(self) -> dict[str, Any]:
+        """What manifest.json and trainer_state.json record under "distributed"."""
+        return {"engine": self.name, "world_size": self.world_size}
+
+    def close(self, module: torch.nn.Module) -> None:
+        """Once a stage is done with `module`: let go of what the engine holds for it."""
+
+    def __str__(self) -> str:
+        return "one process"

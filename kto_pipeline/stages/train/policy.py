@@ -1,0 +1,158 @@
+"""The policy as stage 2 trains it: loaded, made ready to train, and its optimizer.
+
+`load_policy` loads the policy only (never a reference model) with the cache's tokenizer, starting from the cache's
+reference, from --model, or from a previous round's weights or adapter (--init-from), and makes it ready to train
+(`ready_to_train`: no KV cache, no dropout, gradient checkpointing, LoRA). `make_optimizer` builds the optimizer
+over its trainable parameters. `train` calls them, and so does `estimate-memory` (`memory.py`), so that what it
+measures is what train runs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from kto_pipeline.cache import Manifest, tokenizer_hash
+from kto_pipeline.config import TrainConfig
+from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.models import load_model, load_tokenizer
+from kto_pipeline.rundir import InitPoint, read_init_point
+from kto_pipeline.runtime.launch import print0
+from kto_pipeline.scoring.attention import checkpointing_kwargs
+
+
+def init_point(config: TrainConfig, manifest: Manifest, accelerator) -> InitPoint | None:
+    """--init-from: the previous round's policy, checked to have trained against this cache's frozen reference."""
+    if config.init_from is None:
+        return None
+    init = read_init_point(config.init_from)
+    ours = manifest.reference["weights_hash"]
+    if init.reference_hash is None:
+        print0(
+            accelerator, f"note: {init.run_dir} does not record its reference; it cannot be checked against the cache's"
+        )
+    elif init.reference_hash != ours:
+        raise KTOPipelineError(
+            f"--init-from {init.run_dir} trained against another reference (weights {init.reference_hash}) than the "
+            f"cache's ({manifest.reference_model}, weights {ours}). A round continues against the same frozen "
+            "reference: use a cache precomputed with that run's reference."
+        )
+    if init.kind == "adapter" and config.lora_r is not None:
+        adapter = json.loads((init.run_dir / "adapter_config.json").read_text())
+        if (adapter.get("r"), adapter.get("lora_alpha")) != (config.lora_r, config.lora_alpha):
+            print0(
+                accelerator,
+                f"note: the adapter of {init.run_dir} trains on with its own r {adapter.get('r')} and alpha "
+                f"{adapter.get('lora_alpha')} (--lora-r {config.lora_r} --lora-alpha {config.lora_alpha} not applied)",
+            )
+    what = "LoRA adapter" if init.kind == "adapter" else "weights"
+    step = f" at step {init.global_step}" if init.global_step is not None else ""
+    print0(accelerator, f"round {init.round + 1}: starting from the {what} of {init.run_dir}{step}")
+    return init
+
+
+def load_base(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None):
+    """The full weights training started from, as loaded: the cache's reference unless --model, or --init-from's
+    weights (an adapter's base for an adapter)."""
+    if init is not None:
+        return load_model(
+            str(init.run_dir) if init.kind == "full" else init.base, torch.float32, None, config.trust_remote_code
+        )
+    model_name = config.model or manifest.reference_model
+    revision = None if config.model else manifest.reference_revision
+    return load_model(model_name, torch.float32, revision, config.trust_remote_code)
+
+
+def load_policy(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None):
+    """(tokenizer, policy, MoE aux-loss weight): the policy only, with the cache's tokenizer, ready to train."""
+    if init is not None:
+        model_name, revision = str(init.run_dir), None
+    else:
+        model_name = config.model or manifest.reference_model
+        revision = None if config.model else manifest.reference_revision
+    tokenizer = load_tokenizer(model_name, revision, config.trust_remote_code)
+    if tokenizer_hash(tokenizer) != manifest.tokenizer_hash:
+        raise KTOPipelineError(
+            f"the tokenizer of --model {model_name} differs from the one the cache was made with "
+            f"({manifest.tokenizer_name}): vocabulary, special tokens or chat template. Token ids "
+            "would not mean the same thing. Train a model that shares the cache's tokenizer, or precompute a "
+            "new cache with this model."
+        )
+    model = load_base(config, manifest, init)
+    aux_coef = router_aux_coef(model, config)
+    return tokenizer, ready_to_train(model, config, init), aux_coef
+
+
+def ready_to_train(model, config: TrainConfig, init: InitPoint | None = None):
+    """`model` as train trains it, in this order: no KV cache, no dropout, gradient checkpointing, then the LoRA
+    adapter (fresh with --lora-r, or --init-from's), or the whole model trainable."""
+    model.config.use_cache = False
+    disable_dropout(model)  # the base model's; LoRA's own dropout (--lora-dropout) is added after
+    if config.gradient_checkpointing:
+        # recompute each layer's activations in the backward instead of keeping them
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
+    if init is not None and init.kind == "adapter":
+        from peft import PeftModel
+
+        # with --lora-r the previous round's adapter trains on; without, it is merged and the whole model trains
+        model = PeftModel.from_pretrained(model, init.run_dir, is_trainable=config.lora_r is not None)
+        if config.lora_r is None:
+            model = model.merge_and_unload().requires_grad_(True)  # (peft froze the base)
+        elif config.gradient_checkpointing:
+            model.enable_input_require_grads()
+    elif config.lora_r is not None:
+        model = add_lora(model, config)
+    return model
+
+
+def make_optimizer(config: TrainConfig, model) -> torch.optim.Optimizer:
+    """transformers.Trainer's default, AdamW with its fused kernel (`adamw_torch_fused`, the update trl runs), no
+    decay on biases and norm weights: one kernel for all parameters (see benchmarks/RESULTS.md for its speed)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.learning_rate,
+        fused=True,
+    )
+
+
+def router_aux_coef(model, config: TrainConfig) -> float:
+    """The MoE load-balancing weight (as trl): the flag's, else the model config's; 0 when not a MoE model."""
+    text_config = model.config.get_text_config()
+    is_moe = hasattr(text_config, "output_router_logits")
+    if config.router_aux_loss_coef and not is_moe:
+        raise KTOPipelineError(
+            f"--router-aux-loss-coef {config.router_aux_loss_coef}: {type(model).__name__} is not a "
+            "mixture-of-experts model that returns router logits, so there is no load-balancing loss to weight."
+        )
+    if not is_moe:
+        return 0.0
+    coef = config.router_aux_loss_coef
+    return float(getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+
+
+def add_lora(model, config: TrainConfig):
+    """Wrap the policy with fresh PEFT LoRA adapters (B = 0, so the policy starts equal to the reference)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = config.lora_target_modules
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lora)
+    if config.gradient_checkpointing:
+        model.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a grad path
+    return model
+
+
+def disable_dropout(model) -> None:
+    """KTO compares log-probs with the reference's, which were computed without dropout (as trl does)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
