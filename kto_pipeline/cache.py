@@ -43,6 +43,12 @@ SCHEMA = pa.schema(
 )
 
 
+def completion_room(prompt_ids, max_length: int) -> int:
+    """How many completion tokens a sequence keeps after `prompt_ids`: sequences are truncated on the right at
+    `max_length` (trl's rule), the prompt whole (a row whose prompt alone reaches max_length is dropped)."""
+    return max_length - len(prompt_ids)
+
+
 def token_sum(values) -> float:
     """A sequence log-prob from its per-token float32 values: summed one token after the other, in float32.
 
@@ -179,6 +185,61 @@ class Manifest(dict):
         """The segments the cache was written in (`stages/precompute/segments.py`); empty for a cache written
         before them."""
         return self.get("segments", [])
+
+    @property
+    def all_segments(self) -> list[dict[str, Any]]:
+        """The recorded segments; a cache written before segments existed is one segment without keys."""
+        if self.segments:
+            return self.segments
+        dataset, counts = self.dataset, self.counts
+        source = ("name_or_path", "config", "split", "content_hash", "source_rows")
+        return [
+            {
+                "index": 0,
+                "source": {k: dataset.get(k) for k in source},
+                "written_at": None,
+                "first_example_id": 0,
+                "normalized_rows": dataset.get("normalized_rows"),
+                "rows": counts["rows"],
+                "desirable": counts["desirable"],
+                "dropped": counts["dropped"],
+                "prompt_kind": None,
+                "matched_rows": 0,
+                "kl": {"rule": "cycle over the segment's rows", "seed": self.settings.get("kl_seed")},
+                "keys": None,
+                "shards": [s["file"] for s in self.shards],
+            }
+        ]
+
+    @property
+    def next_example_id(self) -> int:
+        """The example id the next appended row gets: after every normalized row of the cache, kept or dropped."""
+        last = self.all_segments[-1]
+        return last["first_example_id"] + last["normalized_rows"]
+
+    def start_segments(self, first: dict[str, Any]) -> None:
+        """A new cache: `first` is its one segment."""
+        self["segments"] = [first]
+
+    @property
+    def appending(self) -> dict[str, Any] | None:
+        """An append in progress: {"segment": its manifest entry, "shards": its finished shards}; None otherwise.
+        Readers never see it: the cache's shards, segments and counts stay the old cache's until it finishes."""
+        return self.get("appending")
+
+    def take_appending(self) -> dict[str, Any] | None:
+        """Remove and return the record of an interrupted append (None if there is none)."""
+        return self.pop("appending", None)
+
+    def start_append(self, segment: dict[str, Any], done_shards: list[dict[str, Any]]) -> None:
+        """Record `segment` as being appended (`done_shards`: its shards already written)."""
+        self["segments"] = self.all_segments  # (a cache of one segment may predate the list)
+        self["appending"] = {"segment": segment, "shards": done_shards}
+
+    def finish_append(self) -> None:
+        """The append's shards are all written: its segment, shards and rows join the cache."""
+        pending = self.pop("appending")
+        self.add_segment(pending["segment"], pending["shards"])
 
     def add_segment(self, segment: dict[str, Any], shards: list[dict[str, Any]]) -> None:
         """Add an appended segment and its shards, and its rows to the counts."""

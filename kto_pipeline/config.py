@@ -65,8 +65,10 @@ PANELS = (
 )
 
 
-def _help(text: str, *, panel: str, **kw: Any) -> dict[str, Any]:
-    return {"metadata": {"help": text, "panel": panel}, **kw}
+def _help(text: str, *, panel: str, formerly: str | None = None, **kw: Any) -> dict[str, Any]:
+    """A field's help text and --help panel; `formerly`: the name it had in earlier releases, still taken on the
+    command line and in recipes."""
+    return {"metadata": {"help": text, "panel": panel, "formerly": formerly}, **kw}
 
 
 def _flag(name: str) -> str:
@@ -156,7 +158,15 @@ class PrecomputeConfig(_ConfigMixin):
             panel=DATA,
         ),
     )
-    seed: int = field(default=0, **_help("Seed of the fixed KL partner assignment.", panel=DATA))
+    kl_seed: int = field(
+        default=0,
+        **_help(
+            "Seed of the KL partners: which other row's completion forms each row's KL completion. Recorded in the "
+            "manifest and kept by every append (train's --seed, the data order, is another seed). Formerly --seed.",
+            panel=DATA,
+            formerly="seed",
+        ),
+    )
     num_proc: int = field(
         default=1,
         **_help(
@@ -230,8 +240,11 @@ class PrecomputeConfig(_ConfigMixin):
             panel=PROCESSES,
         ),
     )
+    seed: dataclasses.InitVar[int | None] = None  # the former name of kl_seed (Python API; the CLI takes --seed)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, seed: int | None = None) -> None:
+        if seed is not None:  # PrecomputeConfig(seed=...) of an earlier release: the KL partners' seed
+            self.kl_seed = seed
         _check(self.max_length >= 2, "max_length", f"must be at least 2, got {self.max_length}")
         _check(not (self.append and self.overwrite), "append", "cannot be combined with --overwrite")
         _check(self.append or not self.allow_missing, "allow_missing", "only applies with --append")

@@ -46,6 +46,7 @@ class Option:
     argument: bool = False  # a positional argument (CACHE_DIR) rather than a --flag
     grid: bool = False  # sweep: one value or several (comma-separated on the command line, a list in a recipe)
     joined: bool = False  # a str holding a comma-separated list (report_to): a recipe may give a YAML list
+    formerly: str | None = None  # the option's name in earlier releases (still read from recipes)
 
     @property
     def flag(self) -> str:
@@ -160,8 +161,10 @@ def _field_option(f: dataclasses.Field, value_type: Any, grid: bool) -> tuple[Op
         option = Option(f.name, value_type, grid=True, joined=joined)
         return option, _parameter(f.name, str | None, None, info, False)
     decl = f"{flag}/--no-{flag[2:]}" if base_type(value_type)[0] is bool else flag
-    info = typer.Option(decl, help=help_text, rich_help_panel=panel)
-    option = Option(f.name, value_type, required, joined=joined)
+    formerly = f.metadata.get("formerly")
+    names = (decl, "--" + formerly.replace("_", "-")) if formerly else (decl,)  # the old flag still works
+    info = typer.Option(*names, help=help_text, rich_help_panel=panel)
+    option = Option(f.name, value_type, required, joined=joined, formerly=formerly)
     return option, _parameter(f.name, value_type, None if required else f.default, info, required)
 
 
@@ -211,10 +214,12 @@ def read_recipe(path: str | Path, specs: list[Option]) -> dict[str, Any]:
             f"{where}: must be a mapping of option names to values (`beta: 0.1`), got {_shown(data)}"
         )
     by_name = {s.name: s for s in specs}
+    formerly = {s.formerly: s.name for s in specs if s.formerly}  # a recipe of an earlier release keeps working
     recipe: dict[str, Any] = {}
     keys: dict[str, Any] = {}
     for key, value in data.items():
         name = key.replace("-", "_") if isinstance(key, str) else None
+        name = formerly.get(name, name)
         if name not in by_name:
             raise KTOPipelineError(f"{where}: unknown key {key!r}{_suggestion(key, list(by_name))}")
         if name in recipe:

@@ -419,3 +419,18 @@ def test_every_shipped_recipe_loads(recipe):
         defaults = {s.name: None for s in specs if s.required}
         config = config_class(**{**defaults, **values})
         assert all(getattr(config, k) == v for k, v in values.items())
+
+
+def test_the_kl_seed_keeps_its_former_name(tmp_path):
+    """precompute's seed of the KL partners is --kl-seed; the former --seed (command line, recipe, Python API)
+    still sets it."""
+    from kto_pipeline.recipe import read_recipe
+
+    assert PrecomputeConfig("m", "d", "o", seed=5).kl_seed == 5
+    assert "seed" not in PrecomputeConfig("m", "d", "o").to_dict()
+    specs = commands()["precompute"].callback.recipe_specs
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("seed: 7\nmax-length: 64\n")
+    assert read_recipe(recipe, list(specs)) == {"kl_seed": 7, "max_length": 64}
+    params = {p.name: p for p in commands()["precompute"].params}
+    assert params["kl_seed"].opts == ["--kl-seed", "--seed"]

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from kto_pipeline.cache import completion_room
 from kto_pipeline.errors import KTOPipelineError
 
 KTO_MIX_ROWS = 14549  # rows of the kto-mix train split (its card)
@@ -140,10 +141,10 @@ def synthetic_rows(
         )
     for i, row in enumerate(rows):
         partner = rows[i - 1]["completion_ids"] if len(rows) > 1 else row["completion_ids"]
+        room = completion_room(row["prompt_ids"], max_length)
         if lengths == "full":  # fill the row: the partner's completion, repeated if short
-            room = max_length - len(row["prompt_ids"])
-            partner = (partner * (room // len(partner) + 1))[:room]
-        row["kl_completion_ids"] = partner[: max_length - len(row["prompt_ids"])]
+            partner = partner * (room // len(partner) + 1)
+        row["kl_completion_ids"] = partner[:room]
     return rows
 
 

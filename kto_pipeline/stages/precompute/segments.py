@@ -195,40 +195,11 @@ def new_segment(
     }
 
 
-def segments_of(manifest: Manifest) -> list[dict[str, Any]]:
-    """The manifest's segments; a cache written before segments existed is one segment without keys."""
-    if manifest.get("segments"):
-        return manifest["segments"]
-    dataset, counts = manifest.dataset, manifest.counts
-    return [
-        {
-            "index": 0,
-            "source": {k: dataset.get(k) for k in ("name_or_path", "config", "split", "content_hash", "source_rows")},
-            "written_at": None,
-            "first_example_id": 0,
-            "normalized_rows": dataset.get("normalized_rows"),
-            "rows": counts["rows"],
-            "desirable": counts["desirable"],
-            "dropped": counts["dropped"],
-            "prompt_kind": None,
-            "matched_rows": 0,
-            "kl": {"rule": "cycle over the segment's rows", "seed": manifest.settings.get("kl_seed")},
-            "keys": None,
-            "shards": [s["file"] for s in manifest.shards],
-        }
-    ]
-
-
-def next_example_id(manifest: Manifest) -> int:
-    last = segments_of(manifest)[-1]
-    return last["first_example_id"] + last["normalized_rows"]
-
-
 def held_keys(cache_dir: Path, manifest: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(keys, example ids, kept) of every normalized row the cache has seen, segment after segment."""
     require_keys(cache_dir, manifest)
     keys, ids, kept = [], [], []
-    for seg in segments_of(manifest):
+    for seg in manifest.all_segments:
         table = read_keys(cache_dir, seg["keys"])
         keys.append(key_array(table.column("key")))
         ids.append(table.column("example_id").to_numpy())
@@ -238,7 +209,7 @@ def held_keys(cache_dir: Path, manifest: Manifest) -> tuple[np.ndarray, np.ndarr
 
 def require_keys(cache_dir: Path, manifest: Manifest) -> None:
     """Refuse a cache whose rows cannot be recognised: written before caches kept content keys."""
-    if any(seg.get("keys") is None for seg in segments_of(manifest)):
+    if any(seg.get("keys") is None for seg in manifest.all_segments):
         raise KTOPipelineError(
             f"cache {cache_dir} was written before caches kept content keys (kto-pipeline "
             f"{manifest.tool_version}), so its rows cannot be recognised in a new dataset. Run `kto-pipeline "

@@ -34,6 +34,7 @@ from kto_pipeline.cache import (
     SCHEMA,
     SHARD_DIR,
     Manifest,
+    completion_room,
     fingerprint_diff,
     model_weights_hash,
     new_manifest,
@@ -73,10 +74,8 @@ from kto_pipeline.stages.precompute.segments import (
     key_array,
     match_keys,
     new_segment,
-    next_example_id,
     open_keys,
     require_keys,
-    segments_of,
     write_keys,
 )
 
@@ -185,7 +184,7 @@ def open_base(run: Pass) -> Manifest:
                 "max_length": config.max_length,
                 "dtype": regime.weights,
                 "autocast": regime.autocast,
-                "kl_seed": config.seed,
+                "kl_seed": config.kl_seed,
             },
         )
         if diff:
@@ -319,7 +318,7 @@ def _preprocess(config: PrecomputeConfig, tokenizer, out: Path, base: Manifest |
         in_selected = np.isin(source_row, selected)
         answer["key_rows"] = new_rows.tolist()
         answer["positions"] = (np.cumsum(in_selected) - 1)[new_rows].tolist()
-        answer["first_example_id"] = next_example_id(base)
+        answer["first_example_id"] = base.next_example_id
         answer["conversational"] = bool(keys.column("conversational")[int(new_rows[0])].as_py())
         if len(selected) < len(source):
             source = source.select(selected)
@@ -367,8 +366,8 @@ def _kl_partners(
     is another row's KL completion exactly once. A one-row append draws its partner from the cache's rows with
     the same kind of prompt (standard or conversational), with the same seed."""
     if base is None:
-        return assign_kl_partners(n, config.seed), None
-    seed = [config.seed, len(segments_of(base))]
+        return assign_kl_partners(n, config.kl_seed), None
+    seed = [config.kl_seed, len(base.all_segments)]
     if n > 1:
         return assign_kl_partners(n, seed), None
     return np.array([-1], dtype=np.int64), _partner_from_cache(out, base, conversational, seed)
@@ -377,7 +376,7 @@ def _kl_partners(
 def _partner_from_cache(out: Path, base: Manifest, conversational: bool, seed: list[int]) -> tuple[int, list[int]]:
     kind = "conversational" if conversational else "standard"
     rows = {s["file"]: s["rows"] for s in base.shards}
-    files = [f for seg in segments_of(base) if seg.get("prompt_kind") == kind for f in seg["shards"]]
+    files = [f for seg in base.all_segments if seg.get("prompt_kind") == kind for f in seg["shards"]]
     total = sum(rows[f] for f in files)
     if not total:
         raise KTOPipelineError(
@@ -433,7 +432,7 @@ def plan_output(run: Pass) -> bool:
         "dataset_hash": prepared.data_hash,
         "max_length": config.max_length,
         **run.regime.record(),
-        "kl_seed": config.seed,
+        "kl_seed": config.kl_seed,
         "shard_size": config.shard_size,
     }
     if run.base is not None:
@@ -457,11 +456,11 @@ def plan_output(run: Pass) -> bool:
         distributed=run.engine.record(),
         shards=plan["done_shards"],
     )
-    run.written, run.first_shard = run.manifest["shards"], 0
+    run.written, run.first_shard = run.manifest.shards, 0
     if state.is_main_process:
         run.out.mkdir(parents=True, exist_ok=True)
         run.segment = _new_segment(run, 0)
-        run.manifest["segments"] = [run.segment]
+        run.manifest.start_segments(run.segment)
         write_manifest(run.out, run.manifest)
     state.wait_for_everyone()
     return True
@@ -485,7 +484,7 @@ def _plan_append(run: Pass, fingerprint: dict[str, Any]) -> bool:
                 )
             )
         manifest = Manifest(dict(base))
-        pending = manifest.pop("appending", None)
+        pending = manifest.take_appending()
         done: list[dict[str, Any]] = []
         if pending is not None:
             was = pending["segment"]
@@ -496,17 +495,15 @@ def _plan_append(run: Pass, fingerprint: dict[str, Any]) -> bool:
             else:
                 print(f"an interrupted append of other rows ({was['source']['name_or_path']}) is discarded")
         keep = {s["file"] for s in manifest.shards + done}
-        keep |= {seg["keys"]["file"] for seg in segments_of(manifest)}
+        keep |= {seg["keys"]["file"] for seg in manifest.all_segments}
         _remove_leftovers(out, keep)
-        manifest["segments"] = segments_of(manifest)  # (a cache of one segment may predate the list)
-        segment = _new_segment(run, len(manifest["segments"]))
-        manifest["appending"] = {"segment": segment, "shards": done}
+        manifest.start_append(_new_segment(run, len(manifest.all_segments)), done)
         write_manifest(out, manifest)
         return {"manifest": dict(manifest)}
 
     run.manifest = Manifest(main_decides(run.state, plan)["manifest"])
-    run.segment = run.manifest["appending"]["segment"]
-    run.written = run.manifest["appending"]["shards"]
+    run.segment = run.manifest.appending["segment"]
+    run.written = run.manifest.appending["shards"]
     run.first_shard = len(run.manifest.shards)
     return True
 
@@ -523,11 +520,11 @@ def _new_segment(run: Pass, index: int) -> dict[str, Any]:
     keys_entry = write_keys(run.out, index, first + np.arange(len(keys)), keys, kept)
     info = dict(prepared.segment)
     if index == 0:
-        kl = {"rule": "seeded cycle through the segment's rows", "seed": [run.config.seed]}
+        kl = {"rule": "seeded cycle through the segment's rows", "seed": [run.config.kl_seed]}
     elif prepared.outside_partner is None:
-        kl = {"rule": "seeded cycle through the segment's rows", "seed": [run.config.seed, index]}
+        kl = {"rule": "seeded cycle through the segment's rows", "seed": [run.config.kl_seed, index]}
     else:
-        kl = {"rule": "drawn from the cache's rows of the same prompt kind", "seed": [run.config.seed, index]}
+        kl = {"rule": "drawn from the cache's rows of the same prompt kind", "seed": [run.config.kl_seed, index]}
     return new_segment(index, **info, kl=kl, keys=keys_entry)
 
 
@@ -692,7 +689,7 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> dict:
         kl_ids, kl_completions = [prepared.outside_partner[0]], [prepared.outside_partner[1]]
     trees: list[Tree] = []
     for prompt, completion, kl_completion in zip(prompts, completions, kl_completions, strict=True):
-        room = config.max_length - len(prompt)
+        room = completion_room(prompt, config.max_length)
         trees.append((prompt, [completion[:room], kl_completion[:room]]))
     scores = _score_trees(run, trees, pad_id)
     cols: dict[str, list] = {name: [] for name in SCHEMA.names}
@@ -768,8 +765,7 @@ def finish(run: Pass) -> None:
         if run.base is None:
             manifest.mark_complete(timing)
         else:
-            del manifest["appending"]
-            manifest.add_segment(segment, run.written)
+            manifest.finish_append()
         write_manifest(run.out, manifest)
         _print_summary(manifest, segment, run.out, time.perf_counter() - run.started)
     run.engine.close(run.scorer)
@@ -785,7 +781,7 @@ def _print_summary(manifest: Manifest, segment: dict[str, Any], out: Path, secon
     rows = (
         f"{segment['rows']} appended as segment {segment['index']} ({segment['desirable']} desirable, "
         f"{segment['rows'] - segment['desirable']} undesirable); {segment['matched_rows']} of the dataset's rows "
-        f"were in the cache already; the cache now holds {counts['rows']} rows in {len(manifest['segments'])} segments"
+        f"were in the cache already; the cache now holds {counts['rows']} rows in {len(manifest.segments)} segments"
         if appended
         else f"{counts['rows']} ({counts['desirable']} desirable, {counts['undesirable']} undesirable)"
     )

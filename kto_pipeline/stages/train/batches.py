@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from kto_pipeline.cache import CacheTable, token_sum
+from kto_pipeline.cache import CacheTable, completion_room, token_sum
 from kto_pipeline.scoring.logprobs import PolicyScores, pad_sequences, score_policy, score_sequences
 from kto_pipeline.scoring.packing import AttentionCosts, Layout, layout_trees, pack_rows
 
@@ -62,7 +62,7 @@ class CacheRows(Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         row = self.table.slice(int(self.indices[i]), 1).to_pylist()[0]
         if self.truncate:
-            room = self.max_length - len(row["prompt_ids"])
+            room = completion_room(row["prompt_ids"], self.max_length)
             for ids, logps, total in (
                 ("completion_ids", "ref_token_logps", "ref_logp"),
                 ("kl_completion_ids", "ref_kl_token_logps", "ref_kl_logp"),

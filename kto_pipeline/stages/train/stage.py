@@ -45,7 +45,6 @@ from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.launch import launched_processes, print0, process_state
 from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported
-from kto_pipeline.stages.precompute.segments import segments_of
 from kto_pipeline.stages.train.batches import CacheRows, Collator, EpochSampler, PolicyScorer
 from kto_pipeline.stages.train.kto_step import MetricLog, batch_metrics, evaluate, kto_forward, real_rows
 from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
@@ -466,7 +465,7 @@ def finish(run: Run) -> TrainResult:
     state.cache_segments = [
         {k: seg[k] for k in ("index", "rows", "first_example_id", "written_at")}
         | {"source": seg["source"]["name_or_path"], "content_hash": seg["source"]["content_hash"]}
-        for seg in segments_of(run.manifest)
+        for seg in run.manifest.all_segments
     ]
     state.kl_forward = (
         "on the prompts' cached keys/values"
