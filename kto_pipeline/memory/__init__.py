@@ -2,7 +2,7 @@
 
 `kto-pipeline estimate-memory` answers "does this fit on my GPU?" in seconds, for a model of which only the
 config is known (no weights are read). It runs one real training step of the model's architecture, in which
-only the shapes exist:
+only the shapes exist.
 
     simulation.py  the fake tensors, the memory trackers, the model and the rows the step runs on
     step.py        our step: the policy as `train` prepares it (`stages/train/policy.py`) and its engine
@@ -13,7 +13,7 @@ only the shapes exist:
 - the model is built on the meta device and materialized as fake tensors (`FakeTensorMode`): every parameter,
   activation, gradient and optimizer state has its real shape and dtype, and none takes memory;
 - the step runs outside the fake mode, through the code `train` runs (`Collator` -> `PolicyScorer` ->
-  `kto_forward`, `accelerator.backward`, clipping, fused AdamW; FSDP2 through `sharding.shard_model`). An op
+  `kto_forward`, the engine's backward, clipping and step, fused AdamW; FSDP2 through the same engine). An op
   that touches a fake tensor runs under the fake mode; an op on real tensors runs for real. So the
   data-dependent host work (the packed layout, the masks' indices, `nonzero`) is computed from real token
   lists, and the model's math on fake tensors: the shapes are those of the real step;

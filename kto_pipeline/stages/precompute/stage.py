@@ -10,7 +10,8 @@ rerun resumes after the intact ones. Within a shard each row is one tree, its pr
 and its KL completion, which both attend to the prompt (`scoring/packing.py`): the prompt runs once. Trees are
 packed side by side into rows of token-budgeted forward passes, so almost no compute goes to padding. Models whose
 attention takes no packed layout run every sequence on its own, length-sorted and padded; the manifest records
-which (`cache.py` owns the manifest and the shards).
+which (`cache.py` owns the manifest and the shards). How the reference is spread over the processes is asked of
+the engine (`runtime/engines`: `prepare_scorer`), which this stage never names; a cache that grows is `segments.py`.
 """
 
 from __future__ import annotations
@@ -182,8 +183,7 @@ def open_base(run: Pass) -> Manifest:
                 "model_revision": config.revision,
                 "tokenizer_hash": tokenizer_hash(run.tokenizer),
                 "max_length": config.max_length,
-                "dtype": regime.weights,
-                "autocast": regime.autocast,
+                **regime.record(),
                 "kl_seed": config.kl_seed,
             },
         )

@@ -3,8 +3,8 @@
 `load_policy` loads the policy only (never a reference model) with the cache's tokenizer, starting from the cache's
 reference, from --model, or from a previous round's weights or adapter (--init-from), and makes it ready to train
 (`ready_to_train`: no KV cache, no dropout, gradient checkpointing, LoRA). `make_optimizer` builds the optimizer
-over its trainable parameters. `train` calls them, and so does `estimate-memory` (`memory.py`), so that what it
-measures is what train runs.
+over its trainable parameters. `train` calls them, and so does `estimate-memory` (`kto_pipeline/memory`), so
+that what it measures is what train runs.
 """
 
 from __future__ import annotations

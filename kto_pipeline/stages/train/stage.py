@@ -6,9 +6,11 @@
 
 `setup` opens and checks the cache, loads the policy (never a reference model), builds the data loaders over
 the memory-mapped cache (`batches.py`), the optimizer and the schedule. `resume` restores a checkpoint, `fit`
-is the loop, `finish` writes the final model, its card and the final trainer state (`rundir.py`). accelerate is
-used as a library (`prepare`, `accumulate`, `backward`, `gather`), so the loop is the whole algorithm: nothing
-happens in callbacks. One forward pass and its metrics are `kto_step.py`.
+is the loop, `finish` writes the final model, its card and the final trainer state (`rundir.py`). The policy
+is loaded and its optimizer built by `policy.py`; how it is spread over the processes, its backward, clipping and
+step are asked of the engine (`runtime/engines`), which this stage never names. accelerate is used as a library
+(`accumulate`, `gather`), so the loop is the whole algorithm: nothing happens in callbacks. One forward pass and
+its metrics are `kto_step.py`.
 """
 
 from __future__ import annotations
