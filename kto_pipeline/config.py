@@ -66,8 +66,8 @@ PANELS = (
 
 
 def _help(text: str, *, panel: str, formerly: str | None = None, **kw: Any) -> dict[str, Any]:
-    """A field's help text and --help panel; `formerly`: the name it had in earlier releases, still taken on the
-    command line and in recipes."""
+    """A field's help text and --help panel; `formerly`: the name it had in earlier releases, still read from
+    recipes (on the command line click names the new flag: "No such option: --seed Did you mean --kl-seed?")."""
     return {"metadata": {"help": text, "panel": panel, "formerly": formerly}, **kw}
 
 

@@ -162,8 +162,7 @@ def _field_option(f: dataclasses.Field, value_type: Any, grid: bool) -> tuple[Op
         return option, _parameter(f.name, str | None, None, info, False)
     decl = f"{flag}/--no-{flag[2:]}" if base_type(value_type)[0] is bool else flag
     formerly = f.metadata.get("formerly")
-    names = (decl, "--" + formerly.replace("_", "-")) if formerly else (decl,)  # the old flag still works
-    info = typer.Option(*names, help=help_text, rich_help_panel=panel)
+    info = typer.Option(decl, help=help_text, rich_help_panel=panel)
     option = Option(f.name, value_type, required, joined=joined, formerly=formerly)
     return option, _parameter(f.name, value_type, None if required else f.default, info, required)
 
