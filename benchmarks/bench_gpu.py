@@ -30,9 +30,7 @@ rows with its own KL completions.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import os
 import platform
 import random
@@ -44,53 +42,31 @@ import time
 from pathlib import Path
 
 from harness import (
+    GPU_PRESETS,
     HERE,
+    TRL_RUN,
     WORK_DIR,
     cpu_name,
     fresh_runs,
     median_step,
+    met,
+    ours_train_config,
     peak_rss_mib,
     print_result,
+    publish,
+    qwen2_config,
+    random_qwen2,
     run_worker,
+    script_parser,
     step_timer,
+    table_head,
     time_calls,
+    trl_trainer,
     utc_stamp,
+    versions,
+    write_jsonl,
 )
 
-PRESETS = {
-    # Qwen2-0.5B's architecture (random weights); row lengths are scaled so the longest is max_length
-    "qwen2-0.5b": dict(
-        hidden=896,
-        layers=24,
-        heads=14,
-        kv_heads=2,
-        intermediate=4864,
-        vocab=151936,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-        max_position_embeddings=32768,
-        rows=1024,
-        batch=8,
-        steps=20,
-        max_length=1024,
-    ),
-    # the same code paths at a size a 2-core CPU runs in about a minute (the tests use it)
-    "tiny": dict(
-        hidden=64,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        intermediate=128,
-        vocab=4096,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-        max_position_embeddings=2048,
-        rows=32,
-        batch=4,
-        steps=3,
-        max_length=128,
-    ),
-}
 LEARNING_RATE = 1e-6
 BETA = 0.1
 OURS_PRECOMPUTE = dict(batch_size=64, max_tokens_per_batch=16384)
@@ -107,47 +83,6 @@ ALPHABET = string.ascii_letters + string.digits + " "
 
 
 # ----------------------------------------------------------------------------------------- setup
-
-
-def build_tokenizer(vocab_size: int):
-    """kto_pipeline.demo.tiny's character tokenizer (chat template included), its vocabulary padded to `vocab_size`
-    with unused entries so that the embedding and the LM head are as wide as the real model's."""
-    from kto_pipeline.demo.tiny import build_char_tokenizer
-
-    return build_char_tokenizer(vocab_size)
-
-
-def model_config(preset: dict, tok):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=preset["vocab"],
-        hidden_size=preset["hidden"],
-        intermediate_size=preset["intermediate"],
-        num_hidden_layers=preset["layers"],
-        num_attention_heads=preset["heads"],
-        num_key_value_heads=preset["kv_heads"],
-        max_position_embeddings=preset["max_position_embeddings"],
-        rope_theta=preset["rope_theta"],
-        tie_word_embeddings=preset["tie_word_embeddings"],
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-    )
-
-
-def build_model(model_dir: Path, preset: dict) -> None:
-    """Random weights (seeded) with the preset's Qwen2 config, saved in float32 with the tokenizer."""
-    if (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists():
-        return
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    tok = build_tokenizer(preset["vocab"])
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(model_config(preset, tok)).to(torch.float32)
-    model.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
 
 
 def hh_rlhf_lengths() -> list[tuple[int, int]]:
@@ -180,19 +115,20 @@ def build_data(path: Path, preset: dict) -> dict:
     max_length = preset["max_length"]
     scale = max_length / max(p + c for p, c in real)
     rng = random.Random(0)
-    lengths = []
-    with open(path, "w") as f:
-        for i in range(preset["rows"]):
-            p, c = rng.choice(real)
-            prompt = max(1, round(p * scale))
-            completion = min(max(2, round(c * scale)), max_length - prompt)  # tokens, EOS included
-            lengths.append(prompt + completion)
-            row = {
+    lengths, rows = [], []
+    for i in range(preset["rows"]):
+        p, c = rng.choice(real)
+        prompt = max(1, round(p * scale))
+        completion = min(max(2, round(c * scale)), max_length - prompt)  # tokens, EOS included
+        lengths.append(prompt + completion)
+        rows.append(
+            {
                 "prompt": "".join(rng.choices(ALPHABET, k=prompt)),
                 "completion": "".join(rng.choices(ALPHABET, k=completion - 1)),
                 "label": i % 2 == 0,
             }
-            f.write(json.dumps(row) + "\n")
+        )
+    write_jsonl(path, rows)
     return dict(
         source_pairs=len(real) // 2,
         source_mean=statistics.mean(p + c for p, c in real),
@@ -245,42 +181,6 @@ def _lengths(prompts, completions, kls, max_length: int) -> list[list[int]]:
     return out
 
 
-def _trl_trainer(work: Path, preset: dict, device: str, out: Path, precompute: bool, liger: bool):
-    import torch
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import KTOConfig, KTOTrainer
-
-    model_dir = work / "model"
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    # float32 weights (the optimizer's master copy), bf16 autocast on CUDA: as kto-pipeline's train
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    # a disk-backed dataset, as a new user would load it (its fingerprint drives trl's reference cache)
-    dataset = load_dataset("json", data_files=str(work / "data.jsonl"), split="train")
-    args = KTOConfig(
-        output_dir=str(out),
-        beta=BETA,
-        learning_rate=LEARNING_RATE,
-        per_device_train_batch_size=preset["batch"],
-        max_steps=preset["steps"],
-        max_length=preset["max_length"],
-        precompute_ref_log_probs=precompute,
-        precompute_ref_batch_size=preset["batch"],
-        bf16=device == "cuda",
-        gradient_checkpointing=False,
-        use_liger_kernel=liger,
-        train_sampling_strategy="sequential",
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        seed=42,
-        lr_scheduler_type="linear",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    return KTOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok)
-
-
 def synchronizer(device: str):
     """What makes a wall-clock reading include the device's queued work: torch.cuda.synchronize on CUDA."""
     import torch
@@ -331,27 +231,14 @@ def ours_precompute_worker(name: str, work: Path, preset: dict, device: str, out
 
 def ours_train_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
     """kto-pipeline's training on the cache of ours_precompute: step times, peak memory, the rows it trained on."""
-    from kto_pipeline import TrainConfig, train
+    from kto_pipeline import train
     from kto_pipeline.cache import open_cache
 
     cache_dir = work / "runs" / "ours_precompute"
     table = open_cache(cache_dir).table.slice(0, preset["steps"] * preset["batch"])
     reset_peak_memory(device)
-    res = train(
-        TrainConfig(
-            cache=str(cache_dir),
-            output_dir=str(out),
-            overwrite_output_dir=True,
-            beta=BETA,
-            per_device_train_batch_size=preset["batch"],
-            max_steps=preset["steps"],
-            learning_rate=LEARNING_RATE,
-            logging_steps=1,
-            train_sampling_strategy="sequential",
-            bf16=device == "cuda",
-            gradient_checkpointing=False,
-        )
-    )
+    settings = dict(batch=preset["batch"], steps=preset["steps"], learning_rate=LEARNING_RATE, bf16=device == "cuda")
+    res = train(ours_train_config(cache_dir, out, beta=BETA, **settings))
     return dict(
         step_seconds=res.step_seconds,
         train_peak_mib=peak_memory_mib(device),
@@ -376,7 +263,23 @@ def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> d
 
     time_calls(KTOTrainer, "_precompute_ref_logps", on_pass, synchronize=sync)
     reset_peak_memory(device)
-    trainer = _trl_trainer(work, preset, device, out, precompute=name != "trl_online", liger=name == "trl_liger")
+    # float32 weights (the optimizer's master copy), bf16 autocast on CUDA: as kto-pipeline's train
+    trainer = trl_trainer(
+        work / "model",
+        work / "data.jsonl",
+        out,
+        batch=preset["batch"],
+        max_length=ml,
+        precompute=name != "trl_online",
+        bf16=device == "cuda",
+        beta=BETA,
+        learning_rate=LEARNING_RATE,
+        max_steps=preset["steps"],
+        precompute_ref_batch_size=preset["batch"],
+        use_liger_kernel=name == "trl_liger",
+        train_sampling_strategy="sequential",
+        **TRL_RUN,
+    )
     if timing:
         result.update(timing, ref_peak_mib=peak_memory_mib(device))
     ds = trainer.train_dataset
@@ -430,6 +333,9 @@ def gpu_worker(name: str, work: Path, args, must_succeed: bool = True) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["ACCELERATE_USE_CPU"] = "1"
     flags = ["--preset", args.preset, "--device", args.device]
+    for key in ("batch", "steps"):
+        if getattr(args, key) is not None:
+            flags += [f"--{key}", str(getattr(args, key))]
     return run_worker(Path(__file__), name, work, flags, env=env, must_succeed=must_succeed, width=18)
 
 
@@ -448,8 +354,10 @@ class Flops:
         import torch
         from transformers import Qwen2ForCausalLM
 
+        from kto_pipeline.demo.tiny import build_char_tokenizer
+
         with torch.device("meta"):
-            model = Qwen2ForCausalLM(model_config(preset, build_tokenizer(64)))
+            model = Qwen2ForCausalLM(qwen2_config(preset, build_char_tokenizer(64)))
         embedding = model.get_input_embeddings().weight.numel()
         # untied: the LM head is among the parameters; tied: it is the embedding, counted once more as a matmul
         all_params = sum(p.numel() for p in model.parameters())
@@ -538,12 +446,6 @@ def _liger_version() -> str:
 
 
 def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, peak: float | None, seconds) -> str:
-    import torch
-    import transformers
-    import trl
-
-    import kto_pipeline
-
     cuda = args.device == "cuda"
     mem = "peak CUDA memory allocated" if cuda else "peak RSS of the process"
     precision = (
@@ -577,8 +479,7 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
         f"- date: {utc_stamp()}; total benchmark time {seconds:.0f} s",
         f"- device: {name} ({args.device}); {platform.system()} {platform.machine()}, Python "
         f"{platform.python_version()}",
-        f"- versions: kto-pipeline {kto_pipeline.__version__}, torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, trl {trl.__version__}{liger_version}",
+        f"- versions: {versions('kto-pipeline', 'torch', 'transformers', 'trl')}{liger_version}",
         f"- model: Qwen2 with random weights, hidden {preset['hidden']}, {preset['layers']} layers, "
         f"{preset['heads']} heads ({preset['kv_heads']} KV), intermediate {preset['intermediate']}, vocab "
         f"{preset['vocab']}, tied embeddings {preset['tie_word_embeddings']}, rope_theta {preset['rope_theta']:g}: "
@@ -596,8 +497,7 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
         "default, the train batch)",
         f"- memory: {mem}" + (", reset before the phase it is reported for" if cuda else ""),
         "",
-        "| measurement | " + " | ".join(LABELS[c] for c in order) + " |",
-        "| --- | --- | --- | --- | --- |",
+        *table_head("| measurement | " + " | ".join(LABELS[c] for c in order) + " |"),
         row("reference pass, needed tokens/s", "ref_tokens_per_s", ".0f"),
         row("reference pass, MFU %", "ref_mfu", ".1f"),
         row("reference pass, peak memory (MiB)", "ref_peak_mib", ".0f"),
@@ -618,14 +518,14 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
 
 def goals(cols: dict, cuda: bool) -> list[str]:
     ours = cols["ours"]
-    lines = ["## Against the goals", "", "| goal | measured | met |", "| --- | --- | --- |"]
+    lines = ["## Against the goals", "", *table_head("| goal | measured | met |")]
     trl_steps = {c: cols[c]["step"] for c in TRL_CASES if "step" in cols[c]}
     if trl_steps:
         best = min(trl_steps, key=trl_steps.get)
         ratio = trl_steps[best] / ours["step"]
         lines.append(
             f"| train step >= {GOALS['step_speedup']}x faster than trl's best setting ({LABELS[best]}) | "
-            f"{ratio:.2f}x | {'yes' if ratio >= GOALS['step_speedup'] else 'NO'} |"
+            f"{ratio:.2f}x | {met(ratio >= GOALS['step_speedup'])} |"
         )
     else:
         lines.append(f"| train step >= {GOALS['step_speedup']}x faster than trl's best setting | no trl case ran | - |")
@@ -633,13 +533,13 @@ def goals(cols: dict, cuda: bool) -> list[str]:
         ratio = ours["train_peak_mib"] / cols["trl_online"]["train_peak_mib"]
         lines.append(
             f"| train peak memory <= {GOALS['memory_ratio']}x trl online's | {ratio:.2f}x | "
-            f"{'yes' if ratio <= GOALS['memory_ratio'] else 'NO'} |"
+            f"{met(ratio <= GOALS['memory_ratio'])} |"
         )
     else:
         lines.append(f"| train peak memory <= {GOALS['memory_ratio']}x trl online's | trl online did not run | - |")
     if ours.get("step_mfu") is not None:
         mfu = ours["step_mfu"]
-        lines.append(f"| train step MFU >= {GOALS['mfu']:.0%} | {mfu:.1%} | {'yes' if mfu >= GOALS['mfu'] else 'NO'} |")
+        lines.append(f"| train step MFU >= {GOALS['mfu']:.0%} | {mfu:.1%} | {met(mfu >= GOALS['mfu'])} |")
     else:
         lines.append(f"| train step MFU >= {GOALS['mfu']:.0%} | n/a on {'this device' if cuda else 'CPU'} | - |")
     if not cuda:
@@ -648,22 +548,22 @@ def goals(cols: dict, cuda: bool) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
-    parser.add_argument("name", nargs="?")
+    parser = script_parser(__doc__, work=None, work_help="scratch directory (default: benchmarks/.work/gpu-PRESET)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--preset", default="qwen2-0.5b", choices=sorted(PRESETS))
-    parser.add_argument("--work", default=None, help="Scratch directory (default: benchmarks/.work/gpu-PRESET)")
-    parser.add_argument("--out")
+    parser.add_argument("--preset", default="qwen2-0.5b", choices=sorted(GPU_PRESETS))
     parser.add_argument(
         "--results", default=None, help="Markdown file to write (default: RESULTS-gpu.md for qwen2-0.5b on cuda)"
     )
+    parser.add_argument("--batch", type=int, default=None, help="rows per step, every case (default: the preset's)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps, every case (default: the preset's)")
     parser.add_argument(
         "--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help="The device's peak for MFU (bf16 dense)"
     )
     args = parser.parse_args()
     args.argv0, args.argv = sys.argv[0], sys.argv[1:]
-    preset = PRESETS[args.preset]
+    preset = dict(GPU_PRESETS[args.preset])
+    preset.update({key: getattr(args, key) for key in ("batch", "steps") if getattr(args, key) is not None})
+    preset["rows"] = max(preset["rows"], preset["batch"] * preset["steps"])
     work = Path(args.work or WORK_DIR / f"gpu-{args.preset}")
     if args.mode == "worker":
         print_result(worker(args.name, work, preset, args.device, Path(args.out)))
@@ -676,7 +576,7 @@ def main() -> None:
     started = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     print(f"building the model and data in {work} ...", flush=True)
-    build_model(work / "model", preset)
+    random_qwen2(work / "model", preset)
     data = build_data(work / "data.jsonl", preset)
     # measure from scratch: no case may reuse a cache from an earlier run
     fresh_runs(work)
@@ -694,14 +594,8 @@ def main() -> None:
     peak = args.peak_tflops * 1e12 if args.device == "cuda" else None
     cols = summarize(r, preset, flops, peak)
     report = render(cols, r, preset, data, flops, args, peak, time.perf_counter() - started)
-    print("\n" + report)
-    results = args.results or (
-        HERE / "RESULTS-gpu.md" if args.device == "cuda" and args.preset == "qwen2-0.5b" else None
-    )
-    if results:
-        Path(results).parent.mkdir(parents=True, exist_ok=True)
-        Path(results).write_text(report)
-        print(f"written to {results}")
+    default = HERE / "RESULTS-gpu.md" if args.device == "cuda" and args.preset == "qwen2-0.5b" else None
+    publish(report, args.results or default)
 
 
 if __name__ == "__main__":
