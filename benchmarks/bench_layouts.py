@@ -1,4 +1,4 @@
-"""Why step 1 is not exactly zero under bf16 (issue 24, point 5): the same sequences scored in different layouts.
+"""Why step 1 is not exactly zero under bf16: the same sequences scored in different layouts.
 
 At step 1 the policy is the reference, so its rewards are the difference between two computations of the same
 log-probs: the reference pass's (packed trees, several per row, each KL completion beside its completion) and
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from harness import HERE, WORK_DIR, machine, utc_stamp
+from harness import HERE, WORK_DIR, machine, table_head, utc_stamp
 
 CACHES = WORK_DIR / "precision" / "runs" / "caches"
 
@@ -111,8 +111,7 @@ def main() -> None:
         '- "attention": as the package runs (sequence by sequence on this CPU), or forced onto the dense mask (one '
         "masked sdpa call per row, as on a GPU). The caches were written sequence by sequence.",
         "",
-        "| cache (regime) | layout | attention | completions: max abs diff | mean | KL: max | mean | s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head("| cache (regime) | layout | attention | completions: max abs diff | mean | KL: max | mean | s |"),
     ]
     print("\n".join(lines))
     for name in args.names:

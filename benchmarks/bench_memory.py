@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -39,65 +40,10 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from harness import HERE, QWEN2, SMOLLM2, WORK_DIR, cpu_name, table_head, trl_trainer, versions
+
 RESULTS = HERE / "RESULTS-memory.md"
 GIB = 1 << 30
-
-# Qwen2 configurations as published in the models' config.json (Qwen/Qwen2-0.5B, Qwen/Qwen2-7B); no weights.
-QWEN2 = {
-    "qwen2-0.5b": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=131072,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=151643,
-        eos_token_id=151643,
-        sliding_window=131072,
-        max_window_layers=24,
-        use_sliding_window=False,
-        hidden_act="silu",
-    ),
-    "qwen2-7b": dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        max_position_embeddings=131072,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=151643,
-        eos_token_id=151643,
-        sliding_window=131072,
-        max_window_layers=28,
-        use_sliding_window=False,
-        hidden_act="silu",
-    ),
-}
-# SmolLM2-135M's architecture (HuggingFaceTB/SmolLM2-135M config.json): the real CPU check's model, random weights
-SMOLLM2 = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    bos_token_id=0,
-    eos_token_id=0,
-    pad_token_id=0,
-)
 
 
 def qwen2(name: str):
@@ -123,7 +69,7 @@ def trl_on_a_cuda_device():
     import trl.kernels.chunked_logprob as kernels
     import trl.trainer.utils as utils
 
-    from kto_pipeline.memory import addmm_fp32 as _addmm_fp32
+    from kto_pipeline.memory import addmm_fp32
 
     class NoOpKernel:
         def __getitem__(self, grid):
@@ -138,7 +84,7 @@ def trl_on_a_cuda_device():
     }
     kernels._use_triton = utils._use_triton = lambda device: True
     kernels._forward_kernel = kernels._backward_kernel = NoOpKernel()
-    kernels._addmm_fp32 = _addmm_fp32
+    kernels._addmm_fp32 = addmm_fp32
     had_triton = hasattr(kernels, "triton")
     if not had_triton:
         kernels.triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))
@@ -222,40 +168,23 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
     for running ours on exactly the same tokens). `rows` give the lengths (their token ids are not used)."""
     import torch
     from datasets import Dataset
-    from trl import KTOConfig, KTOTrainer
+    from trl import KTOTrainer
     from trl.trainer import kto_trainer
 
     from kto_pipeline.demo.tiny import build_char_tokenizer
-    from kto_pipeline.memory import (
+    from kto_pipeline.memory.simulation import (
         StepMemory,
-        _breakdown,
-        _init_optimizer_state,
+        breakdown,
         build_model,
         device_decisions,
-    )
-    from kto_pipeline.memory import (
-        memory_tracker as _tracker,
+        init_optimizer_state,
+        memory_tracker,
     )
 
     tokenizer = build_char_tokenizer(model_config.vocab_size)
     mode = _trl_fake_mode()
     policy = build_model(model_config, settings, mode)
     reference = build_model(model_config, settings.__class__(bf16=settings.bf16), mode) if online else None
-    args = KTOConfig(
-        output_dir=str(work / "trl"),
-        per_device_train_batch_size=len(rows),
-        max_length=max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows),
-        bf16=settings.bf16,
-        use_cpu=True,
-        gradient_checkpointing=settings.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        precompute_ref_log_probs=not online,
-        learning_rate=1e-6,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
     given = {"ref_logps": [r["ref_logp"] for r in rows], "ref_KL_logps": [r["ref_kl_logp"] for r in rows]}
 
     def given_ref_logps(self, dataset, name, batch_size):  # the reference pass is a phase before training
@@ -267,13 +196,23 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
     try:
         with mode, models_already_placed(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer = KTOTrainer(
-                model=policy,
+            trainer = trl_trainer(
+                policy,
+                Dataset.from_list(trl_dataset_rows(rows)),
+                work / "trl",
+                tokenizer=tokenizer,
                 ref_model=reference,
-                args=args,
-                train_dataset=Dataset.from_list(trl_dataset_rows(rows)),
-                processing_class=tokenizer,
+                batch=len(rows),
+                max_length=max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows),
+                precompute=not online,
+                bf16=settings.bf16,
+                gradient_checkpointing=settings.gradient_checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False},
+                use_cpu=True,
+                learning_rate=1e-6,
+                dataloader_num_workers=0,
             )
+            args = trainer.args
             if args.gradient_checkpointing:  # what Trainer._inner_training_loop does before the first step
                 trainer.model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
@@ -284,9 +223,9 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
             trainer.current_gradient_accumulation_steps = 1  # set by Trainer._inner_training_loop
     finally:
         kto_trainer.hash_module, KTOTrainer._precompute_ref_logps = saved_hash, saved_pre
-    _init_optimizer_state(model, optimizer, mode)
+    init_optimizer_state(model, optimizer, mode)
     inputs = next(iter(trainer.get_train_dataloader()))
-    tracker = _tracker()
+    tracker = memory_tracker()
     tracker.track_external(model, optimizer)
     if trainer.ref_model is not None:
         tracker.track_external(trainer.ref_model)
@@ -301,7 +240,7 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
     width, kl_width = inputs["input_ids"].shape[1], inputs["KL_input_ids"].shape[1]
     memory = StepMemory(
         peak_bytes=tracker._peak_mem[dev],
-        breakdown=_breakdown(tracker._peak_mem_snap[dev], False),
+        breakdown=breakdown(tracker._peak_mem_snap[dev], False),
         before_step_bytes=before,
         tokens_with_grad=len(rows) * width,
         tokens_executed=len(rows) * (width + kl_width) * (2 if online else 1),
@@ -348,24 +287,14 @@ def comparison(name: str, max_length: int, gradient_checkpointing: bool, work: P
     return out
 
 
+FSDP2_LEVERS = {
+    "FSDP2 x8": dict(fsdp_world_size=8),
+    "FSDP2 x8 + activation checkpointing": dict(fsdp_world_size=8, gradient_checkpointing=True),
+    "FSDP2 x8 + AC + CPUOffloadPolicy": dict(fsdp_world_size=8, gradient_checkpointing=True, cpu_offload=True),
+}
 LEVERS = (
     # (label, model, max_length, StepSettings fields)
-    ("FSDP2 x8", "qwen2-7b", 1024, dict(fsdp_world_size=8)),
-    ("FSDP2 x8 + activation checkpointing", "qwen2-7b", 1024, dict(fsdp_world_size=8, gradient_checkpointing=True)),
-    (
-        "FSDP2 x8 + AC + CPUOffloadPolicy",
-        "qwen2-7b",
-        1024,
-        dict(fsdp_world_size=8, gradient_checkpointing=True, cpu_offload=True),
-    ),
-    ("FSDP2 x8", "qwen2-7b", 2048, dict(fsdp_world_size=8)),
-    ("FSDP2 x8 + activation checkpointing", "qwen2-7b", 2048, dict(fsdp_world_size=8, gradient_checkpointing=True)),
-    (
-        "FSDP2 x8 + AC + CPUOffloadPolicy",
-        "qwen2-7b",
-        2048,
-        dict(fsdp_world_size=8, gradient_checkpointing=True, cpu_offload=True),
-    ),
+    *((label, "qwen2-7b", max_length, fields) for max_length in (1024, 2048) for label, fields in FSDP2_LEVERS.items()),
     ("LoRA r=16 (all linear)", "qwen2-0.5b", 1024, dict(lora_r=16)),
     ("LoRA r=16 (all linear)", "qwen2-7b", 1024, dict(lora_r=16)),
     ("LoRA r=16 + activation checkpointing", "qwen2-7b", 2048, dict(lora_r=16, gradient_checkpointing=True)),
@@ -455,8 +384,7 @@ def torchao_adamw8bit() -> str:
     """torchao's AdamW8bit under the simulation: the outcome, in a line."""
     import torch
 
-    from kto_pipeline.memory import fake_mode
-    from kto_pipeline.memory import memory_tracker as _tracker
+    from kto_pipeline.memory import fake_mode, memory_tracker
 
     try:
         from torchao.optim import AdamW8bit
@@ -469,7 +397,7 @@ def torchao_adamw8bit() -> str:
         layer = layer.to_empty(device="cpu")
         optimizer = AdamW8bit(layer.parameters(), lr=1e-5)
     try:
-        with _tracker():
+        with memory_tracker():
             layer(torch.zeros(4, 1024)).sum().backward()
             optimizer.step()
     except Exception as exc:
@@ -483,22 +411,11 @@ def cpu_checks() -> list[dict]:
 
     from kto_pipeline.memory import cpu_check, synthetic_rows
 
+    tiny = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
     cases = [
-        (
-            "Llama 2 layers, hidden 64, vocab 32000",
-            LlamaConfig(
-                **{
-                    **SMOLLM2,
-                    "hidden_size": 64,
-                    "intermediate_size": 128,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "vocab_size": 32000,
-                }
-            ),
-            256,
-        ),
+        ("Llama 2 layers, hidden 64, vocab 32000", LlamaConfig(**SMOLLM2 | tiny | dict(vocab_size=32000)), 256),
         ("SmolLM2-135M architecture", smollm2_config(), 512),
     ]
     out = []
@@ -547,22 +464,17 @@ def gib(x) -> str:
     return "-" if x is None else f"{x / GIB:.2f}"
 
 
+def breakdown_text(memory: dict) -> str:
+    """GiB at the peak: parameters / gradients / optimizer / activations / temporaries."""
+    from kto_pipeline.memory import CATEGORIES
+
+    return " / ".join(gib(memory["breakdown"][k]) for k in CATEGORIES)
+
+
 def machine() -> str:
-    import os
-
-    import torch
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    """This report's machine line (its own order of harness.machine's facts)."""
     python = platform.python_version()
-    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {python}, torch {torch.__version__}"
-
-
-def versions() -> str:
-    import accelerate
-    import transformers
-    import trl
-
-    return f"transformers {transformers.__version__}, accelerate {accelerate.__version__}, trl {trl.__version__}"
+    return f"{cpu_name()}, {os.cpu_count()} cores, Linux {platform.release()}, Python {python}, {versions('torch')}"
 
 
 def render(data: dict) -> str:
@@ -586,20 +498,16 @@ def render(data: dict) -> str:
         "The floor counts the gradients and all the needed activations as alive together, which no step reaches:",
         "where the fixed part dominates (7B), ours / floor is below 1.",
         "",
-        "| model | max len | AC | ours | ours breakdown | floor | ours / floor | trl online (model) "
-        "| trl online breakdown | trl precomputed (model) | ours / trl online | ours / trl precomp. "
-        "| ours before (see below) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            "| model | max len | AC | ours | ours breakdown | floor | ours / floor | trl online (model) "
+            "| trl online breakdown | trl precomputed (model) | ours / trl online | ours / trl precomp. "
+            "| ours before (see below) |"
+        ),
     ]
     for r in data["comparisons"]:
         ours, online, pre = r["ours"], r["trl_online"], r["trl_precomputed"]
         floor = sum(r["floor"].values())
-        b = " / ".join(
-            gib(ours["breakdown"][k]) for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")
-        )
-        tb = " / ".join(
-            gib(online["breakdown"][k]) for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")
-        )
+        b, tb = breakdown_text(ours), breakdown_text(online)
         out.append(
             f"| {r['model']} | {r['max_length']} | {'yes' if r['gradient_checkpointing'] else 'no'} "
             f"| **{gib(ours['peak_bytes'])}** | {b} | {gib(floor)} | {ours['peak_bytes'] / floor:.2f} "
@@ -614,9 +522,10 @@ def render(data: dict) -> str:
         "",
         "Tokens per step (the same rows for both tools):",
         "",
-        "| model | max len | AC | needed (prompt + completion) | ours, with grad (packed) | trl, with grad (padded) "
-        "| trl online, all forwards | model / real trl online | model / real trl precomp. |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            "| model | max len | AC | needed (prompt + completion) | ours, with grad (packed) | trl, with grad "
+            "(padded) | trl online, all forwards | model / real trl online | model / real trl precomp. |"
+        ),
     ]
     for r in data["comparisons"]:
         out.append(
@@ -645,8 +554,7 @@ def render(data: dict) -> str:
             f"{gib(r['ours']['peak_bytes'])} GiB, of which (chunk, {vocab}) head transients {gib(head)} GiB "
             "(largest groups of tensors; `*` = every layer):",
             "",
-            "| GiB | count | category | module | op | shape | dtype |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            *table_head("| GiB | count | category | module | op | shape | dtype |"),
         ]
         for t in r["ours"]["top"][:14]:
             out.append(
@@ -657,17 +565,13 @@ def render(data: dict) -> str:
     out += [
         "## Levers (ours; the same kto-mix-like rows)",
         "",
-        "| lever | model | max len | peak | breakdown | floor | peak / floor |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        *table_head("| lever | model | max len | peak | breakdown | floor | peak / floor |"),
     ]
     for r in data["levers"]:
         if "failed" in r:
             out.append(f"| {r['label']} | {r['model']} | {r['max_length']} | failed: {r['failed']} | | | |")
             continue
-        b = " / ".join(
-            gib(r["ours"]["breakdown"][k])
-            for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")
-        )
+        b = breakdown_text(r["ours"])
         floor = sum(r["floor"].values())
         out.append(
             f"| {r['label']} | {r['model']} | {r['max_length']} | **{gib(r['ours']['peak_bytes'])}** | {b} "
@@ -708,9 +612,10 @@ def render(data: dict) -> str:
         'step) against the simulation. "step": what the step adds to what was resident before it (gradients, '
         'activations, temporaries); "total": the peak above the process before the model existed.',
         "",
-        "| model | tokens | step: real (MiB) | step: simulated | sim / real | total: real | total: simulated "
-        "| sim / real | tracker on real tensors, step |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            "| model | tokens | step: real (MiB) | step: simulated | sim / real | total: real | total: simulated "
+            "| sim / real | tracker on real tensors, step |"
+        ),
     ]
     mib = 1 << 20
     for c in data["cpu_checks"]:
@@ -729,9 +634,10 @@ def render(data: dict) -> str:
         "which this machine cannot reach; these are its own functions on the local config (see "
         "`accelerate_estimate`). It counts weights, gradients and Adam only.",
         "",
-        "| model | weights (float32) | accelerate: Adam, float32 | accelerate: Adam, float16 row "
-        "| estimate-memory (8 x 1024 full rows, bf16) | its trl online | bench rows: ours, no AC | ours, AC |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            "| model | weights (float32) | accelerate: Adam, float32 | accelerate: Adam, float16 row "
+            "| estimate-memory (8 x 1024 full rows, bf16) | its trl online | bench rows: ours, no AC | ours, AC |"
+        ),
     ]
     for name, a in data["accelerate"].items():
         peaks = {
@@ -825,7 +731,7 @@ def main() -> None:
         help="Run again one part of the last run (its saved data), then --render.",
     )
     args = parser.parse_args()
-    partial = HERE / ".work" / "bench_memory.json"
+    partial = WORK_DIR / "bench_memory.json"
     if args.redo:
         warnings.filterwarnings("ignore")
         data = json.loads(partial.read_text())
@@ -852,7 +758,7 @@ def main() -> None:
         "command": "python benchmarks/bench_memory.py" + (" --quick" if args.quick else ""),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": machine(),
-        "versions": versions(),
+        "versions": versions("transformers", "accelerate", "trl"),
         "comparisons": [],
         "levers": [],
         "cpu_checks": [],

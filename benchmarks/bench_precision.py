@@ -1,4 +1,4 @@
-"""Precision regimes on the real model (issue 24, point 5): how far a bf16 reference cache is from a float32 one, and
+"""Precision regimes on the real model: how far a bf16 reference cache is from a float32 one, and
 what the step-1 rewards and KL are when the cache and the policy computed in the same or in different regimes;
 then trl.KTOTrainer in the same setting.
 
@@ -34,13 +34,31 @@ import statistics
 import time
 from pathlib import Path
 
-from harness import HERE, WORK_DIR, machine, print_result, run_worker, time_calls, utc_stamp
+from harness import (
+    HERE,
+    TRL_RUN,
+    WORK_DIR,
+    machine,
+    ours_train_config,
+    print_result,
+    publish,
+    run_worker,
+    script_parser,
+    table_head,
+    time_calls,
+    token_keys,
+    trl_trainer,
+    unpaired_rows,
+    utc_stamp,
+    versions,
+    write_jsonl,
+)
 
 DEMO = Path("/tmp/fresh/.demo")
 DEFAULT_MODEL = DEMO / "models" / "SmolLM2-135M-Instruct"
 DEFAULT_DATA = DEMO / "data" / "train.jsonl"
 RESULTS = HERE / "RESULTS-precision.md"
-SEED = 42  # train and trl (data order is sequential anyway)
+SEED = TRL_RUN["seed"]  # train and trl (data order is sequential anyway)
 
 # (name, PrecomputeConfig precision settings, what it is)
 CACHES = (
@@ -76,12 +94,7 @@ def write_rows(data: Path, pairs: int, batch: int, work: Path) -> tuple[Path, Pa
         raise SystemExit(f"{data} has only {len(lines)} pairs, --pairs asks for {pairs}")
     paired, unpaired = work / "pairs.jsonl", work / "rows.jsonl"
     paired.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    rows = []
-    for line in lines:
-        pair = json.loads(line)
-        for key, label in (("chosen", True), ("rejected", False)):
-            rows.append(json.dumps({"prompt": pair["prompt"], "completion": pair[key], "label": label}))
-    unpaired.write_text("\n".join(rows[:batch]) + "\n", encoding="utf-8")
+    write_jsonl(unpaired, unpaired_rows(json.loads(line) for line in lines)[:batch])
     return paired, unpaired
 
 
@@ -117,7 +130,7 @@ def caches_worker(args: argparse.Namespace, out: Path) -> dict:
 
 def ours_train_worker(args: argparse.Namespace, out: Path, bf16: bool) -> dict:
     """(b): one step at learning rate 0 of each cache, this process's train regime; the step-1 metrics."""
-    from kto_pipeline import TrainConfig, train
+    from kto_pipeline import train
     from kto_pipeline.cache import read_manifest
     from kto_pipeline.rundir import TrainerState, read_metrics
     from kto_pipeline.runtime.precision import Regime, regime_mismatch
@@ -126,21 +139,8 @@ def ours_train_worker(args: argparse.Namespace, out: Path, bf16: bool) -> dict:
     for name, _, _ in CACHES:
         cache = args.work / "runs" / "caches" / name
         run_dir = out / name
-        res = train(
-            TrainConfig(
-                cache=str(cache),
-                output_dir=str(run_dir),
-                bf16=bf16,
-                learning_rate=0.0,
-                max_steps=1,
-                logging_steps=1,
-                per_device_train_batch_size=args.batch,
-                train_sampling_strategy="sequential",
-                seed=SEED,
-                beta=args.beta,
-                overwrite_output_dir=True,
-            )
-        )
+        settings = dict(batch=args.batch, steps=1, learning_rate=0.0, bf16=bf16, seed=SEED, beta=args.beta)
+        res = train(ours_train_config(cache, run_dir, **settings))
         records, _ = read_metrics(run_dir)
         step1 = next(r for r in records if r.get("step") == 1)
         run_regime = Regime("float32", "bfloat16" if bf16 else None)
@@ -155,40 +155,6 @@ def ours_train_worker(args: argparse.Namespace, out: Path, bf16: bool) -> dict:
     return result
 
 
-def trl_trainer(args: argparse.Namespace, out: Path, bf16: bool, use_cpu: bool, precompute: bool):
-    """trl 1.16's KTOTrainer as benchmarks/bench.py's `trl_trainer` builds it (a float32 policy instance, a
-    disk-backed dataset, sequential order, batches of `--batch`, gradient checkpointing off, dropout off), with
-    bf16 on or off and learning rate 0, one step logged. (bench.py's own fixes bf16=False and its learning rate.)"""
-    import torch
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import KTOConfig, KTOTrainer
-
-    tok = AutoTokenizer.from_pretrained(args.model)
-    policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    dataset = load_dataset("json", data_files=str(args.work / "rows.jsonl"), split="train")
-    config = KTOConfig(
-        output_dir=str(out),
-        beta=args.beta,
-        learning_rate=0.0,
-        per_device_train_batch_size=args.batch,
-        max_steps=1,
-        max_length=args.max_length,
-        precompute_ref_log_probs=precompute,
-        precompute_ref_batch_size=args.batch,
-        bf16=bf16,
-        use_cpu=use_cpu,
-        gradient_checkpointing=False,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        seed=SEED,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    return KTOTrainer(model=policy, args=config, train_dataset=dataset, processing_class=tok)
-
-
 def trl_worker(args: argparse.Namespace, out: Path, bf16: bool, use_cpu: bool, precompute: bool) -> dict:
     """(c): trl's logged step-1 metrics, how many reference forwards its precompute ran, and (precomputed) its
     per-row reference log-probs keyed by token ids."""
@@ -196,7 +162,23 @@ def trl_worker(args: argparse.Namespace, out: Path, bf16: bool, use_cpu: bool, p
 
     forwards = []
     time_calls(KTOTrainer, "compute_ref_log_probs", lambda seconds, *a, **kw: forwards.append(seconds))
-    trainer = trl_trainer(args, out, bf16, use_cpu, precompute)
+    # as bench.py's trl runs (a float32 policy instance, a disk-backed dataset, sequential order, gradient
+    # checkpointing off), with bf16 on or off, batches of --batch and learning rate 0: one step, logged
+    trainer = trl_trainer(
+        args.model,
+        args.work / "rows.jsonl",
+        out,
+        batch=args.batch,
+        max_length=args.max_length,
+        precompute=precompute,
+        bf16=bf16,
+        use_cpu=use_cpu,
+        beta=args.beta,
+        learning_rate=0.0,
+        max_steps=1,
+        precompute_ref_batch_size=args.batch,
+        **TRL_RUN,
+    )
     reference_forwards_before_training = len(forwards)
     result = dict(
         mixed_precision=str(trainer.accelerator.mixed_precision),
@@ -204,11 +186,10 @@ def trl_worker(args: argparse.Namespace, out: Path, bf16: bool, use_cpu: bool, p
     )
     if precompute:
         ds = trainer.train_dataset
+        keys = token_keys(ds["prompt_ids"], ds["completion_ids"], args.max_length)
         result["ref"] = [
-            dict(key=json.dumps((p + c)[: args.max_length]), ref_logp=r, ref_kl_logp=k)
-            for p, c, r, k in zip(
-                ds["prompt_ids"], ds["completion_ids"], ds["ref_logps"], ds["ref_KL_logps"], strict=True
-            )
+            dict(key=key, ref_logp=r, ref_kl_logp=k)
+            for key, r, k in zip(keys, ds["ref_logps"], ds["ref_KL_logps"], strict=True)
         ]
     if args.name == "trl_bf16_after_float32" and reference_forwards_before_training > 0:
         # it ran its own bf16 reference pass: its step 1 would be trl_bf16_precomputed's (an emulated-bf16 step saved)
@@ -280,15 +261,8 @@ def trl_reference_stats(trl: dict, caches: dict[str, dict], max_length: int) -> 
                 ref_kl_logp=diff_stats([r["ref_kl_logp"] for r in t["ref"]], [r["ref_kl_logp"] for r in f32]),
             )
     if f32:
-        ours = {
-            json.dumps((p + c)[:max_length]): r
-            for p, c, r in zip(
-                caches["float32"]["prompt_ids"],
-                caches["float32"]["completion_ids"],
-                caches["float32"]["ref_logp"],
-                strict=True,
-            )
-        }
+        c = caches["float32"]
+        ours = dict(zip(token_keys(c["prompt_ids"], c["completion_ids"], max_length), c["ref_logp"], strict=True))
         common = [r for r in f32 if r["key"] in ours]
         out["trl_float32_vs_ours"] = dict(
             matched=len(common),
@@ -310,12 +284,6 @@ def _signed(x: float | None) -> str:
 
 
 def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> str:
-    import torch
-    import transformers
-    import trl
-
-    import kto_pipeline
-
     caches, stats, trains = r["cache_rows"], r["cache_stats"], r["train"]
     labels = {name: what for name, _, what in CACHES}
     f32 = caches["float32"]
@@ -336,15 +304,14 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
         if value != default
     )
     lines = [
-        "# Precision regimes on SmolLM2-135M-Instruct (issue 24, point 5)",
+        "# Precision regimes on SmolLM2-135M-Instruct",
         "",
         f"- command: `{cmd}` (from the repository root, with the project's .venv)",
         f"- date: {r.get('date') or utc_stamp()}; total time {seconds:.0f} s; load average (1 min) {loads[0]:.2f} "
         f"before the first worker, {loads[1]:.2f} at the end (the workers use {os.cpu_count()} threads: a higher "
         "load means other processes shared the cores, and every time below is slower than on an idle machine)",
         f"- machine: {machine()}",
-        f"- versions: kto-pipeline {kto_pipeline.__version__}, trl {trl.__version__}, transformers "
-        f"{transformers.__version__}, torch {torch.__version__}",
+        f"- versions: {versions('kto-pipeline', 'trl', 'transformers', 'torch')}",
         f"- model: `{args.model}`",
         f"- data: the first {args.pairs} pairs of `{args.data}` (the demo's HH-RLHF harmless-base single-turn "
         f"conversational pairs, the rows `kto_pipeline/demo/run.py` trains on), each -> a desirable (chosen) and an "
@@ -360,10 +327,11 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
         f"{statistics.median(abs_logp):.3g}, max {max(abs_logp):.3g}); |ref_kl_logp| mean "
         f"{statistics.fmean(abs_kl):.3g}; per-token |log-prob| mean {statistics.fmean(abs_tok):.3g}.",
         "",
-        "| cache | ref_logp max abs diff | ref_logp mean abs diff | mean abs diff / mean abs ref_logp | "
-        "ref_kl_logp max abs diff | ref_kl_logp mean abs diff | per-token max abs diff | per-token mean abs diff | "
-        "reference pass (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            "| cache | ref_logp max abs diff | ref_logp mean abs diff | mean abs diff / mean abs ref_logp | "
+            "ref_kl_logp max abs diff | ref_kl_logp mean abs diff | per-token max abs diff | per-token mean abs diff | "
+            "reference pass (s) |"
+        ),
     ]
     for name, s in stats.items():
         lines.append(
@@ -381,9 +349,10 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
         "",
         "## (b) kto-pipeline: step-1 rewards and KL of each cache x train regime",
         "",
-        "| cache made in | train in | regimes match | train warned | rewards/chosen | rewards/rejected | "
-        "rewards/margins | kl | policy logps/chosen | step (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            "| cache made in | train in | regimes match | train warned | rewards/chosen | rewards/rejected | "
+            "rewards/margins | kl | policy logps/chosen | step (s) |"
+        ),
     ]
     for cache_name, _, what in CACHES:
         for regime_name, bf16 in TRAIN_REGIMES:
@@ -421,9 +390,10 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
             else []
         ),
         "",
-        "| trl run | KTOConfig | reference | reference forwards before training | its ref_logps vs trl's float32 "
-        "pass: max abs diff (mean) | rewards/chosen | rewards/rejected | rewards/margins | kl | train (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            "| trl run | KTOConfig | reference | reference forwards before training | its ref_logps vs trl's float32 "
+            "pass: max abs diff (mean) | rewards/chosen | rewards/rejected | rewards/margins | kl | train (s) |"
+        ),
     ]
     ts = r["trl_ref_stats"]
     for name, bf16, use_cpu, precompute, cache_dir in TRL_RUNS:
@@ -549,9 +519,7 @@ def summary_lines(r: dict) -> list[str]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
-    parser.add_argument("name", nargs="?", help=argparse.SUPPRESS)
+    parser = script_parser(__doc__, work=str(WORK_DIR / "precision"))
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="Hugging Face model directory (or hub id)")
     parser.add_argument("--data", default=str(DEFAULT_DATA), help="paired conversational rows (.jsonl), the demo's")
     parser.add_argument("--pairs", type=int, default=4, help="use the first PAIRS pairs (2 rows each)")
@@ -562,12 +530,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--reuse-trl", action="store_true", help="(c) from the last run's WORK/results.json instead of running trl"
     )
-    parser.add_argument("--work", default=str(WORK_DIR / "precision"), help="scratch directory (git-ignored)")
     parser.add_argument("--results", default=str(RESULTS), help="Markdown file to write")
     parser.add_argument(
         "--render-only", action="store_true", help="rewrite --results from the last run's WORK/results.json"
     )
-    parser.add_argument("--out", help=argparse.SUPPRESS)  # workers
     args = parser.parse_args()
     args.work = Path(args.work).resolve()
     return args
@@ -634,10 +600,7 @@ def main() -> None:
 
 
 def write_report(r: dict, args: argparse.Namespace) -> None:
-    report = render(r, args, r["seconds"], r["loads"])
-    print("\n" + report)
-    Path(args.results).write_text(report)
-    print(f"written to {args.results}")
+    publish(render(r, args, r["seconds"], r["loads"]), args.results)
 
 
 if __name__ == "__main__":

@@ -4,25 +4,8 @@ with 1 and 2 processes. The append case (`--only append`: `precompute --append` 
 precompute of a 200,000-row cache) is at the end of this file and uses the same rows and model.
 
 Every measurement runs in a fresh process (`bench.py worker scale_<tool>_<num_proc>`) with its own, empty
-HF_DATASETS_CACHE, so that nothing is read from an earlier run's cache. What each one times:
-
-- load (both tools, reported apart): `datasets.load_dataset("json")` of the .jsonl into Arrow in the datasets cache,
-  the same call in both (kto-pipeline's `load_source` makes it; trl's user makes it before building the trainer).
-- kto-pipeline, preprocessing: what `precompute` runs before it loads the model, `stages.precompute.prepare_rows`
-  (load_source again, now reading the Arrow file just built, check_source, content_hash of the file, preprocess =
-  datasets.map batched with `num_proc` into the tokenized Arrow file; opening that file, `select_rows` and
-  `assign_kl_partners`). `--num-proc 1` maps in-process.
-- trl, preprocessing: `KTOTrainer._prepare_dataset` as `KTOTrainer.__init__` calls it (the EOS map, the tokenize
-  map, the max_length filter, the KL map with batch_size=per_device_train_batch_size, the label count), each step
-  with `num_proc=args.dataset_num_proc`, timed by wrapping the method. Measured with dataset_num_proc None (its
-  default: in-process), 1 (datasets 5 runs any num_proc >= 1 in a pool, here of one worker process) and 2. The rest
-  of the constructor (Trainer and accelerate setup, loading its reference model) and the loading of the policy
-  model before it (a tiny Llama over the same tokenizer: the trainer needs one) are reported apart.
-
-rows/s = source rows / preprocessing seconds. Peak RSS: ru_maxrss of the worker (RUSAGE_SELF, for trl read as
-`_prepare_dataset` returns) and of its largest terminated child (RUSAGE_CHILDREN: the datasets.map pool's workers
-and manager; they are forked from the worker, so their RSS counts the pages they share with it).
-Before any speed is reported, the token ids of the first rows are compared across all the measurements of a size.
+HF_DATASETS_CACHE. What each one times (`_ours`, `_trl`), how the peaks are read and what is checked before any speed
+is reported are written into the section with the numbers (`render_scale`).
 """
 
 from __future__ import annotations
@@ -35,23 +18,24 @@ import time
 from pathlib import Path
 
 from harness import (
+    APPEND_SIZES,
     HERE,
+    SCALE_SIZES,
     children_peak_rss_mib,
     machine,
+    met,
     peak_rss_mib,
+    publish,
     rss_mib,
     run_worker,
+    table_head,
     time_calls,
+    trl_trainer,
     utc_stamp,
-    write_section,
+    versions,
 )
 
 SCALE_HEADING = "## Scale: preprocessing 20k / 200k / 1M rows"
-SCALE_SIZES = {
-    # rows: the sizes measured, ascending; tokenizer: "smollm2" (SmolLM2-135M-Instruct's BPE) or "char" (tiny.py)
-    "full": dict(rows=(20_000, 200_000, 1_000_000), tokenizer="smollm2", max_length=1024, batch=8),
-    "smoke": dict(rows=(500, 2_000), tokenizer="char", max_length=1024, batch=8),
-}
 # the measurements: tool -> num_proc values. kto-pipeline's --num-proc 1 maps in-process (num_proc=None); trl's
 # dataset_num_proc=1 does not: datasets 5 runs any num_proc >= 1 in a Pool, so trl's default (None) is measured too
 VARIANTS = {"ours": (1, 2), "trl": (None, 1, 2)}
@@ -59,8 +43,8 @@ LABELS = {"ours": "kto-pipeline", "trl": "trl"}
 CHECK_ROWS = 100  # rows whose token ids must agree across the tools before speed is reported
 TRL_SKIP_SECONDS = 300  # trl is not run at a size where its rate at the size below predicts more than this
 DATA_VERSION = 1  # bump when the row generator changes
-SPEEDUP_GOAL = 1.7  # issue 12: --num-proc 2 tokenizes at least 1.7x faster than 1
-GROWTH_GOAL_MB = 150  # issue 12: peak RSS at 200,000 rows at most 150 MB (10^6 bytes) above the one at 20,000
+SPEEDUP_GOAL = 1.7  # goal: --num-proc 2 tokenizes at least 1.7x faster than 1
+GROWTH_GOAL_MB = 150  # goal: peak RSS at 200,000 rows at most 150 MB (10^6 bytes) above the one at 20,000
 MIB = 1 << 20
 BENCH = HERE / "bench.py"  # the scale workers run as `bench.py worker scale_...`, as every bench worker does
 
@@ -252,7 +236,7 @@ def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import KTOConfig, KTOTrainer
+    from trl import KTOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     before = rss_mib()
@@ -272,21 +256,18 @@ def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -
         timed.update(_peaks())  # as _prepare_dataset returns
 
     time_calls(KTOTrainer, "_prepare_dataset", prepared)
-    args = KTOConfig(
-        output_dir=str(out),
-        per_device_train_batch_size=size["batch"],
+    constructor: dict = {}  # KTOTrainer.__init__ alone (its KTOConfig is built before it)
+    time_calls(KTOTrainer, "__init__", lambda seconds, *args, **kwargs: constructor.update(seconds=seconds))
+    trainer = trl_trainer(
+        policy,
+        dataset,
+        out,
+        tokenizer=tokenizer,
+        batch=size["batch"],
         max_length=size["max_length"],
+        precompute=False,
         dataset_num_proc=num_proc,
-        precompute_ref_log_probs=False,
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
     )
-    start = time.perf_counter()
-    trainer = KTOTrainer(model=policy, args=args, train_dataset=dataset, processing_class=tokenizer)
-    init_seconds = time.perf_counter() - start
     ds = trainer.train_dataset
     first = ds.select(range(min(CHECK_ROWS, len(ds))))
     return {
@@ -297,7 +278,7 @@ def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -
         "load_seconds": load_seconds,
         "model_seconds": model_seconds,
         "model_rss_mib": model_rss,
-        "init_seconds": init_seconds,
+        "init_seconds": constructor["seconds"],
         **timed,
         "end_peak_rss_mib": _peaks()["peak_rss_mib"],
         "first_rows": {col: [list(x) for x in first[col]] for col in ("prompt_ids", "completion_ids")},
@@ -363,10 +344,7 @@ def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int,
                     shutil.rmtree(cache, ignore_errors=True)
         check_tokens(measured[n], n)
         shutil.rmtree(size_dir, ignore_errors=True)
-    section = render_scale(measured, skipped, size, size_name, time.perf_counter() - started)
-    print("\n" + section)
-    if results:
-        write_section(results, SCALE_HEADING, section)
+    publish(render_scale(measured, skipped, size, size_name, time.perf_counter() - started), results, SCALE_HEADING)
 
 
 def _estimate(measured: dict[int, dict[str, dict]], n: int, name: str) -> float | None:
@@ -388,22 +366,16 @@ def _speedup(runs: dict[str, dict], tool: str, num_proc: int | None) -> str:
     return (cells[0].split(" vs ")[0] if len(cells) == 1 else ", ".join(cells)) if cells else "-"
 
 
-def _met(ok: bool) -> str:
-    return "yes" if ok else "NO"
-
-
 def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str], list[str]]:
     """(the main table: seconds, rows/s, peaks, speed-up; the details: load, trl's constructor, RSS growth)."""
-    table = [
+    table = table_head(
         "| rows | tool | num_proc | seconds | rows/s | peak RSS MiB (parent) | peak RSS MiB (children) | "
-        "speed-up 2 vs 1 proc |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    details = [
+        "speed-up 2 vs 1 proc |"
+    )
+    details = table_head(
         "| rows | tool | num_proc | load s (JSON -> Arrow) | trl: constructor s (its _prepare_dataset included) | "
-        "trl: policy model load s | post-import RSS MiB | parent RSS growth MiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+        "trl: policy model load s | post-import RSS MiB | parent RSS growth MiB |"
+    )
     for n in size["rows"]:
         runs = measured[n]
         for tool, procs in VARIANTS.items():
@@ -428,7 +400,7 @@ def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str],
 
 def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
     """(the goals table, the growth note: peak RSS from the smaller size to the larger, "" where one size ran)."""
-    goals = ["| goal | measured | met |", "| --- | --- | --- |"]
+    goals = table_head("| goal | measured | met |")
     for n in size["rows"]:
         one, two = (measured[n].get(worker_name("ours", p)) for p in (1, 2))
         if one and two:
@@ -437,7 +409,7 @@ def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
                 f"| kto-pipeline: --num-proc 2 tokenizes at least {SPEEDUP_GOAL}x faster than 1 ({n:,} rows; the "
                 f"datasets.map: {one['tokenize_seconds']:.1f} s vs {two['tokenize_seconds']:.1f} s; all of the "
                 f"preprocessing: {one['seconds'] / two['seconds']:.2f}x) | {ratio:.2f}x | "
-                f"{_met(ratio >= SPEEDUP_GOAL)} |"
+                f"{met(ratio >= SPEEDUP_GOAL)} |"
             )
     growth_notes = []
     small, big = (20_000, 200_000) if {20_000, 200_000} <= set(size["rows"]) else (size["rows"][0], size["rows"][-1])
@@ -457,7 +429,7 @@ def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
                     goals.append(
                         f"| preprocessing's peak RSS at {big:,} rows at most {GROWTH_GOAL_MB} MB above at {small:,} "
                         f"(kto-pipeline, 1 process; the issue's goal is for the whole precompute, tested in "
-                        f"tests/test_memory.py) | {parent:+.0f} MiB | {_met(parent * MIB <= GROWTH_GOAL_MB * 1e6)} |"
+                        f"tests/test_memory.py) | {parent:+.0f} MiB | {met(parent * MIB <= GROWTH_GOAL_MB * 1e6)} |"
                     )
     notes = []
     if growth_notes:
@@ -465,22 +437,15 @@ def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
     return goals, notes
 
 
+def _tokenizer_text(size: dict) -> str:
+    if size["tokenizer"] == "smollm2":
+        return "SmolLM2-135M-Instruct's (BPE, vocab 49152)"
+    return "the character-level one of `kto_pipeline.demo.tiny`"
+
+
 def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seconds: float) -> str:
-    import datasets
-    import tokenizers
-    import torch
-    import transformers
-    import trl
-
-    import kto_pipeline
-
     table, details = _scale_tables(measured, skipped, size)
     goals, notes = _scale_goals(measured, size)
-    tokenizer_text = (
-        "SmolLM2-135M-Instruct's (BPE, vocab 49152)"
-        if size["tokenizer"] == "smollm2"
-        else "the character-level one of `kto_pipeline.demo.tiny`"
-    )
     model_rss = max((r.get("model_rss_mib", 0.0) for m in measured.values() for r in m.values()), default=0.0)
     lines = [
         SCALE_HEADING,
@@ -488,12 +453,11 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
         f"- command: `python benchmarks/bench.py --size {size_name} --only scale` (in `make bench`)",
         f"- date: {utc_stamp()}; total time {seconds:.0f} s",
         f"- machine: {machine()}",
-        f"- versions: kto-pipeline {kto_pipeline.__version__}, trl {trl.__version__}, datasets {datasets.__version__}, "
-        f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, torch {torch.__version__}, "
+        f"- versions: {versions('kto-pipeline', 'trl', 'datasets', 'transformers', 'tokenizers', 'torch')}, "
         f"Python {sys.version.split()[0]}",
         "- data: short unpaired rows (prompts of 10-30 words, completions of 5-20, questions and instructions with "
         "punctuation, numbers, line breaks and about 1.5% non-ASCII words; `bench_scale.row_stream`), the first N "
-        f"rows of one stream as a .jsonl; tokenizer: {tokenizer_text}, the same for both tools; max_length "
+        f"rows of one stream as a .jsonl; tokenizer: {_tokenizer_text(size)}, the same for both tools; max_length "
         f"{size['max_length']} (no row dropped)",
         "- each measurement in a fresh process with its own empty HF_DATASETS_CACHE. Timed as preprocessing: "
         "**kto-pipeline** = what `precompute` runs before it loads the model (`prepare_rows`: load_source "
@@ -527,28 +491,12 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
 
 # ==================================================================================================== append
 #
-# The append case (`python benchmarks/bench.py --only append`): what `kto-pipeline precompute --append` costs
-# next to the full precompute of the cache it grows. For each cache size (200,000 rows; 20,000 to see whether
-# memory grows with the cache), each in a fresh process (`bench.py worker append_<form>_<rows>`) with its own empty
-# HF_DATASETS_CACHE, running the CLI's own entry point (`kto_pipeline.cli.main`) in-process:
-#
-# - append_full_N: `precompute` of the first N rows of the stream (the cache);
-# - append_log_N: `precompute --append` into a copy of that cache with the grown log, the first N + NEW rows;
-# - append_new_N: the same with a file of the NEW new rows only.
-#
-# The worker imports nothing before it starts its clock (bench.py dispatches to it first), so process start,
-# imports and exit = the process's wall time from outside - the CLI call. Inside the call, the stage's phases are
-# timed by wrapping the functions `stages/precompute/stage.py` calls (exclusive times: a timed call inside another is
-# taken out of the outer one), and sorted into what is fixed, what grows with the dataset given (the log) and what
-# grows with the new rows.
+# The append case (`python benchmarks/bench.py --only append`): what `kto-pipeline precompute --append` costs next to
+# the full precompute of the cache it grows, run through the CLI's entry point in fresh processes
+# (`bench.py worker append_<full|log|new>_N`: `append_worker`); how each run is timed and split is written into the
+# section with the numbers (`render_append`).
 
 APPEND_HEADING = "## Append: `precompute --append` of 1% new rows to a 200,000-row cache"
-APPEND_SIZES = {
-    # caches: the cache sizes (full precomputes), ascending; new: rows appended to each; tokenizer as in SCALE_SIZES;
-    # goal_cache: the size the goal is about
-    "full": dict(caches=(20_000, 200_000), new=2_000, goal_cache=200_000, tokenizer="smollm2", max_length=1024),
-    "smoke": dict(caches=(200,), new=10, goal_cache=200, tokenizer="char", max_length=1024),
-}
 # torch's threads in every run (OMP_NUM_THREADS; None: torch's default, one per core). 1: on a 2-core machine shared
 # with another torch process, 2 threads each stall at every parallel region's barrier (measured 2026-11-24: the tiny
 # model's reference pass fell from 111 rows/s to 7.5 with 2 threads; 51 rows/s with 1), which is noise, not the
@@ -831,10 +779,7 @@ def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[i
             shutil.rmtree(work / "runs" / append_worker_name(form, n), ignore_errors=True)
     seconds = time.perf_counter() - started
     (work / "runs" / "measured.json").write_text(json.dumps({"measured": measured, "checks": checks, "size": size}))
-    section = render_append(measured, checks, size, size_name, seconds)
-    print("\n" + section)
-    if results:
-        write_section(results, APPEND_HEADING, section)
+    publish(render_append(measured, checks, size, size_name, seconds), results, APPEND_HEADING)
 
 
 def append_buckets(r: dict) -> dict[str, float]:
@@ -849,15 +794,11 @@ def append_buckets(r: dict) -> dict[str, float]:
 
 def _append_tables(measured: dict, checks: dict, size: dict) -> tuple[list[str], list[str], list[str]]:
     """(the runs: times, rows, tokens, peaks; the split of each run's time; the phases that matter, seconds)."""
-    runs = [
+    runs = table_head(
         "| cache rows | run | dataset rows | rows tokenized | rows scored | tokens scored | process s (outside) | "
-        "manifest: wall s | preprocess s | reference pass s | CPU s | peak RSS MiB | vs full pass |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    split = [
-        "| cache rows | run | " + " | ".join(BUCKETS.values()) + " | total s |",
-        "| --- | --- | " + " | ".join("---" for _ in BUCKETS) + " | --- |",
-    ]
+        "manifest: wall s | preprocess s | reference pass s | CPU s | peak RSS MiB | vs full pass |"
+    )
+    split = table_head("| cache rows | run | " + " | ".join(BUCKETS.values()) + " | total s |")
     shown = (
         "load_source",
         "content_hash",
@@ -872,10 +813,7 @@ def _append_tables(measured: dict, checks: dict, size: dict) -> tuple[list[str],
         "plan_output",
         "finish",
     )
-    phases = [
-        "| cache rows | run | imports | " + " | ".join(shown) + " |",
-        "| --- | --- | --- | " + " | ".join("---" for _ in shown) + " |",
-    ]
+    phases = table_head("| cache rows | run | imports | " + " | ".join(shown) + " |")
     for n in size["caches"]:
         full = measured[n]["full"]
         for form, label in APPEND_FORMS.items():
@@ -901,7 +839,7 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
     """(the goals table, the notes that go with it)."""
     n, new = size["goal_cache"], size["new"]
     full = measured[n]["full"]
-    goals = ["| goal | measured | met |", "| --- | --- | --- |"]
+    goals = table_head("| goal | measured | met |")
     notes = []
     fixed = {}
     for form in ("log", "new"):
@@ -916,7 +854,7 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
             f"overhead X = {fixed[form]:.1f} s (measured: process start and imports, tokenizer, manifest and keys "
             f"files, matching, model load, writes) | {sum(b.values()):.1f} s in all = X + {variable:.1f} s "
             f"({variable / full['process_seconds']:.2%} of the full pass; the whole append "
-            f"{sum(b.values()) / full['process_seconds']:.2%}) | {_met(variable <= budget)} |"
+            f"{sum(b.values()) / full['process_seconds']:.2%}) | {met(variable <= budget)} |"
         )
     for form in ("log", "new"):
         r, c = measured[n][form], checks[n][form]
@@ -932,7 +870,7 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
         goals.append(
             f"| {APPEND_FORMS[form]}: peak RSS at most the full pass's | {r['peak_rss_mib']:.0f} MiB vs "
             f"{full['peak_rss_mib']:.0f} MiB ({r['peak_rss_mib'] - full['peak_rss_mib']:+.0f}) | "
-            f"{_met(r['peak_rss_mib'] <= full['peak_rss_mib'])} |"
+            f"{met(r['peak_rss_mib'] <= full['peak_rss_mib'])} |"
         )
     small = size["caches"][0]
     if small != n:
@@ -942,7 +880,7 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
             goals.append(
                 f"| {APPEND_FORMS[form]}: memory stays flat: peak RSS of the {new:,}-row append to a {n:,}-row cache "
                 f"at most {FLAT_MIB} MiB above the one to a {small:,}-row cache | {a['peak_rss_mib']:.0f} -> "
-                f"{b['peak_rss_mib']:.0f} MiB ({growth:+.0f}) | {_met(growth <= FLAT_MIB)} |"
+                f"{b['peak_rss_mib']:.0f} MiB ({growth:+.0f}) | {met(growth <= FLAT_MIB)} |"
             )
             notes.append(
                 f"- fixed overhead X of the {APPEND_FORMS[form]}: {small:,}-row cache "
@@ -992,21 +930,9 @@ def _real_model_note(measured: dict, size: dict) -> str:
 
 
 def render_append(measured: dict, checks: dict, size: dict, size_name: str, seconds: float) -> str:
-    import datasets
-    import tokenizers
-    import torch
-    import transformers
-
-    import kto_pipeline
-
     runs, split, phases = _append_tables(measured, checks, size)
     goals, notes = _append_goals(measured, checks, size)
-    new = size["new"]
-    tokenizer_text = (
-        "SmolLM2-135M-Instruct's (BPE, vocab 49152)"
-        if size["tokenizer"] == "smollm2"
-        else "the character-level one of `kto_pipeline.demo.tiny`"
-    )
+    new, tokenizer_text = size["new"], _tokenizer_text(size)
     loads = [(r["load_before"], r["load_after"]) for m in measured.values() for r in m.values()]
     threads = max(r["threads"] for m in measured.values() for r in m.values())
     lines = [
@@ -1019,8 +945,7 @@ def render_append(measured: dict, checks: dict, size: dict, size_name: str, seco
         + f" (each run keeps {threads} torch thread(s) busy: more means the machine was shared; every run "
         f"with OMP_NUM_THREADS={APPEND_THREADS}, see `APPEND_THREADS`: with torch's default of one thread per core, "
         "another torch process on the 2 cores made the reference pass ~15x slower, 7.5 rows/s instead of 111)",
-        f"- versions: kto-pipeline {kto_pipeline.__version__}, datasets {datasets.__version__}, transformers "
-        f"{transformers.__version__}, tokenizers {tokenizers.__version__}, torch {torch.__version__}, "
+        f"- versions: {versions('kto-pipeline', 'datasets', 'transformers', 'tokenizers', 'torch')}, "
         f"Python {sys.version.split()[0]}",
         f"- data: the rows of the scale case (`bench_scale.row_stream`): the cache = the first N rows; the grown log = "
         f"the first N + {new:,}; the new rows = rows N .. N + {new - 1:,} alone. Tokenizer: {tokenizer_text}; the "

@@ -1,5 +1,6 @@
 """What the benchmarks share: the worker protocol (every measurement in a fresh process that prints one `RESULT`
-line), memory and machine readings, step timing, and the sections of RESULTS.md.
+line) and the scripts' common arguments, memory and machine readings, step timing, the sections of RESULTS.md,
+the presets (model and data sizes) of every script, the random Qwen2 models, and the one builder of trl's KTOTrainer.
 
 The benchmarks are scripts run from the repository root (`python benchmarks/bench.py ...`): Python puts
 benchmarks/ on sys.path, so they `import harness` (and each other) directly.
@@ -7,6 +8,8 @@ benchmarks/ on sys.path, so they `import harness` (and each other) directly.
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import platform
@@ -71,6 +74,17 @@ def run_worker(
     return result
 
 
+def script_parser(doc: str | None, work: str | None = str(WORK_DIR), work_help: str = "") -> argparse.ArgumentParser:
+    """A benchmark script's arguments: `[run]`, or `worker NAME` with the worker's --out (how run_worker starts
+    it); --work, the scratch directory. The script adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
+    parser.add_argument("name", nargs="?", help=argparse.SUPPRESS)  # worker: what it measures
+    parser.add_argument("--work", default=work, help=work_help or f"scratch directory (git-ignored; default {work})")
+    parser.add_argument("--out", help=argparse.SUPPRESS)  # worker: its output directory
+    return parser
+
+
 def fresh_runs(work: Path) -> None:
     """Measure from scratch: no worker may reuse the outputs or the datasets cache of an earlier run."""
     shutil.rmtree(work / "runs", ignore_errors=True)
@@ -122,6 +136,11 @@ def machine() -> str:
         f"{platform.system()} {platform.machine()}, {cpu_name()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), Python {platform.python_version()}"
     )
+
+
+def versions(*packages: str) -> str:
+    """ "kto-pipeline 0.1.0, trl 1.16.0, ...": each package's `__version__`, in the order given."""
+    return ", ".join(f"{name} {importlib.import_module(name.replace('-', '_')).__version__}" for name in packages)
 
 
 def utc_stamp() -> str:
@@ -208,3 +227,311 @@ def write_section(results: Path, heading: str, section: str) -> None:
     text = results.read_text() if results.exists() else ""
     results.write_text(replace_section(text, heading, section))
     print(f"written to {results}")
+
+
+def publish(report: str, results: Path | str | None, heading: str | None = None) -> None:
+    """Print `report`, then write it to `results` where one is given: as its section under `heading`, else as the
+    whole file."""
+    print("\n" + report)
+    if results is None:
+        return
+    results = Path(results)
+    if heading is not None:
+        write_section(results, heading, report)
+        return
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(report)
+    print(f"written to {results}")
+
+
+def table_head(header: str) -> list[str]:
+    """A markdown table's first two lines: `header` ("| a | b |") and the line under it."""
+    return [header, "|" + " --- |" * len(header.strip().strip("|").split("|"))]
+
+
+def met(ok: bool | None) -> str:
+    """A goal's "met" cell."""
+    return "n/a" if ok is None else ("yes" if ok else "NO")
+
+
+# ------------------------------------------------------------------------------------------ presets
+
+# Qwen2 configurations as published in the models' config.json (Qwen/Qwen2-0.5B, Qwen/Qwen2-7B); no weights.
+# bench_memory.py simulates them as they are; bench_gpu.py's qwen2-0.5b preset is the first one's shape.
+_QWEN2 = dict(
+    max_position_embeddings=131072,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    bos_token_id=151643,
+    eos_token_id=151643,
+    sliding_window=131072,
+    use_sliding_window=False,
+    hidden_act="silu",
+)
+QWEN2 = {
+    "qwen2-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_window_layers=24,
+        **_QWEN2,
+    ),
+    "qwen2-7b": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        max_window_layers=28,
+        **_QWEN2,
+    ),
+}
+# SmolLM2-135M's architecture (HuggingFaceTB/SmolLM2-135M config.json): bench_memory.py's real CPU check, random weights
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+# A random Qwen2's shape in the presets (bench.py's --size, bench_gpu.py's --preset): preset key -> Qwen2Config field
+SHAPE = dict(
+    hidden="hidden_size",
+    layers="num_hidden_layers",
+    heads="num_attention_heads",
+    kv_heads="num_key_value_heads",
+    intermediate="intermediate_size",
+    vocab="vocab_size",
+    max_position_embeddings="max_position_embeddings",
+    tie_word_embeddings="tie_word_embeddings",
+    rope_theta="rope_theta",  # (transformers' default where a preset has none)
+)
+
+# the smallest random Qwen2 (bench.py's smoke size, bench_gpu.py's tiny preset): every code path in seconds on a CPU
+TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=4096, max_position_embeddings=2048)
+# bench.py --size: the random case, a Qwen2 with random weights on rows of random words (character tokens): model,
+# rows and their prompt / completion lengths in characters, train steps, sweep steps per run, batch
+SIZES = {
+    "full": dict(
+        hidden=256,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        intermediate=704,
+        vocab=32768,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        rows=192,
+        prompt=(96, 320),
+        completion=(48, 224),
+        steps=8,
+        sweep_steps=6,
+        batch=8,
+        max_length=512,
+        reference_batch=64,
+    ),
+    "smoke": dict(
+        TINY,
+        tie_word_embeddings=False,
+        rows=32,
+        prompt=(16, 48),
+        completion=(8, 40),
+        steps=3,
+        sweep_steps=2,
+        batch=4,
+        max_length=128,
+    ),
+}
+# bench.py --only smollm2 --size: SmolLM2-135M-Instruct on single-turn HH-RLHF harmless-base pairs (the demo's
+# selection), each pair -> a desirable and an undesirable unpaired row
+SMOLLM2_SIZES = {
+    "full": dict(pairs=160, max_turns=1, steps=8, batch=8, max_length=256),
+    "smoke": dict(pairs=8, max_turns=1, steps=2, batch=4, max_length=256),
+}
+# bench.py --only scale --size (bench_scale.py): rows, the sizes measured, ascending; tokenizer: "smollm2"
+# (SmolLM2-135M-Instruct's BPE) or "char" (kto_pipeline.demo.tiny's)
+SCALE_SIZES = {
+    "full": dict(rows=(20_000, 200_000, 1_000_000), tokenizer="smollm2", max_length=1024, batch=8),
+    "smoke": dict(rows=(500, 2_000), tokenizer="char", max_length=1024, batch=8),
+}
+# bench.py --only append --size (bench_scale.py): caches, the cache sizes (full precomputes), ascending; new, the rows
+# appended to each; tokenizer as in SCALE_SIZES; goal_cache, the size the goal is about
+APPEND_SIZES = {
+    "full": dict(caches=(20_000, 200_000), new=2_000, goal_cache=200_000, tokenizer="smollm2", max_length=1024),
+    "smoke": dict(caches=(200,), new=10, goal_cache=200, tokenizer="char", max_length=1024),
+}
+# bench_gpu.py --preset; row lengths are scaled so that the longest is max_length
+GPU_PRESETS = {
+    # Qwen2-0.5B's architecture (random weights)
+    "qwen2-0.5b": dict(
+        {short: QWEN2["qwen2-0.5b"][field] for short, field in SHAPE.items()},
+        max_position_embeddings=32768,
+        rows=1024,
+        batch=8,
+        steps=20,
+        max_length=1024,
+    ),
+    # the same code paths at a size a 2-core CPU runs in about a minute (the tests use it)
+    "tiny": dict(TINY, tie_word_embeddings=True, rope_theta=1e6, rows=32, batch=4, steps=3, max_length=128),
+}
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+def qwen2_config(preset: dict, tok):
+    """The Qwen2Config of a preset's shape (`SHAPE`), with `tok`'s special tokens."""
+    from transformers import Qwen2Config
+
+    shape = {field: preset[short] for short, field in SHAPE.items() if short in preset}
+    return Qwen2Config(**shape, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+
+
+def random_qwen2(model_dir: Path, preset: dict) -> None:
+    """A Qwen2 of the preset's shape with random weights (seeded), saved in float32 with kto_pipeline.demo.tiny's
+    character tokenizer (chat template included), its vocabulary padded to the model's with unused entries, so that
+    the embedding and the LM head are as wide as a real model's (the part that dominates its cost)."""
+    if (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists():
+        return
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from kto_pipeline.demo.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer(preset["vocab"])
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(qwen2_config(preset, tok)).to(torch.float32).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+
+
+def write_jsonl(path: Path, rows, ensure_ascii: bool = True) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=ensure_ascii) + "\n")
+    return path
+
+
+def token_keys(prompts, completions, max_length: int | None = None) -> list[str]:
+    """Each row's prompt + completion token ids (truncated at `max_length`, as both tools score them), as JSON: the
+    key under which two tools' values for the same sequence are compared."""
+    return [json.dumps((p + c)[:max_length]) for p, c in zip(prompts, completions, strict=True)]
+
+
+def unpaired_rows(pairs) -> list[dict]:
+    """Each pair ({prompt, chosen, rejected}) -> a desirable row (its chosen answer), then an undesirable one."""
+    return [
+        {"prompt": pair["prompt"], "completion": pair[key], "label": label}
+        for pair in pairs
+        for key, label in (("chosen", True), ("rejected", False))
+    ]
+
+
+# ------------------------------------------------------------------------------------------ runs
+
+
+def ours_train_config(cache: Path, out: Path, *, batch: int, steps: int, learning_rate: float, bf16=False, **extra):
+    """kto-pipeline's TrainConfig for a measured training run on `cache`, with the settings trl's runs get: sequential
+    order, gradient checkpointing off, every step logged; plus `extra`."""
+    from kto_pipeline import TrainConfig
+
+    return TrainConfig(
+        cache=str(cache),
+        output_dir=str(out),
+        overwrite_output_dir=True,
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        learning_rate=learning_rate,
+        logging_steps=1,
+        train_sampling_strategy="sequential",
+        bf16=bf16,
+        gradient_checkpointing=False,
+        **extra,
+    )
+
+
+# The KTOConfig settings of every measured trl training run: each step logged, seeded, trl's linear schedule, the
+# data loaded in the main process
+TRL_RUN = dict(logging_steps=1, seed=42, lr_scheduler_type="linear", dataloader_num_workers=0)
+
+
+def trl_trainer(
+    model,
+    dataset,
+    out: Path,
+    *,
+    batch: int,
+    max_length: int,
+    precompute: bool,
+    bf16: bool = False,
+    gradient_checkpointing: bool = False,
+    tokenizer=None,
+    ref_model=None,
+    lora: dict | None = None,
+    **settings,
+):
+    """trl 1.16's KTOTrainer, as every benchmark builds it: batches of `batch`, `max_length`, the reference log-probs
+    precomputed (`precompute`) or computed online, bf16 autocast or not, gradient checkpointing as given (trl's
+    defaults, bf16 and gradient checkpointing on, are never left to apply), no reports, no saving, no progress bars;
+    `settings`: the rest of its KTOConfig.
+
+    `model`: a model directory (its tokenizer and a float32 policy are loaded from it, as a new user loads them) or a
+    model, with `tokenizer`. `dataset`: a .jsonl file, loaded as a disk-backed dataset (its fingerprint drives trl's
+    reference cache), or a datasets.Dataset. `ref_model`: trl online's reference (None: trl loads its own, or uses
+    the policy with its adapters disabled under LoRA). `lora`: dict(r, alpha, dropout), a LoRA on all linear layers."""
+    from trl import KTOConfig, KTOTrainer
+
+    if isinstance(model, str | Path):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    if isinstance(dataset, str | Path):
+        from datasets import load_dataset
+
+        dataset = load_dataset("json", data_files=str(dataset), split="train")
+    args = KTOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=batch,
+        max_length=max_length,
+        precompute_ref_log_probs=precompute,
+        bf16=bf16,
+        gradient_checkpointing=gradient_checkpointing,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        **settings,
+    )
+    peft_config = None
+    if lora is not None:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=lora["r"],
+            lora_alpha=lora["alpha"],
+            lora_dropout=lora["dropout"],
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
+    return KTOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )

@@ -7,10 +7,9 @@ Each setting runs in its own process (`lora_memory.py worker MODE`, harness.py) 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from harness import peak_rss_mib, print_result, run_worker
+from harness import peak_rss_mib, print_result, run_worker, script_parser
 
 MODES = (("full", "full fine-tune"), ("0.05", "LoRA r=16, dropout 0.05"), ("0.0", "LoRA r=16, dropout 0"))
 
@@ -36,12 +35,9 @@ def worker(cache: str, mode: str, out: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
-    parser.add_argument("name", nargs="?", help=argparse.SUPPRESS)  # worker: the MODES entry to run
+    parser = script_parser(__doc__, work=None, work_help="unused")  # worker NAME: the MODES entry to run
     parser.add_argument("--cache", required=True)
-    parser.add_argument("--out", default="/tmp/kto-lora-memory")
-    parser.add_argument("--work", help=argparse.SUPPRESS)  # worker: passed by run_worker, unused
+    parser.set_defaults(out="/tmp/kto-lora-memory")  # run: the scratch directory
     args = parser.parse_args()
     if args.mode == "worker":
         print_result(worker(args.cache, args.name, Path(args.out)))

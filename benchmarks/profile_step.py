@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench import SIZES, SMOLLM2_SIZES, build_assets, build_smollm2_assets
-from harness import WORK_DIR
+from bench import build_assets, build_smollm2_assets
+from harness import SIZES, SMOLLM2_SIZES, WORK_DIR
 from torch.profiler import ProfilerActivity, profile, record_function
 
 

@@ -1,10 +1,14 @@
-"""Helpers shared by the tests: configs, data rows and files, running the CLI in-process, reading metrics."""
+"""Helpers shared by the tests: configs, data rows and files, running the CLI in-process, launching it in several
+processes, reading metrics."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+
+ACCELERATE_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "accelerate"
 
 
 def train_config(cache, out, **kw):
@@ -79,24 +83,83 @@ def conversational_rows(n: int = 12) -> list[dict]:
     return rows
 
 
-def torchrun_cmd(nproc: int, *args: str, log_dir: Path) -> list[str]:
-    """`torchrun --nproc_per_node N -m kto_pipeline ARGS`, every rank's output kept in `log_dir` (--log-dir --tee)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*cmd, "--log-dir", str(log_dir), "--tee", "3", "-m", "kto_pipeline", *args]
-
-
-def launch(nproc: int, *args: str, env: dict | None = None, log_dir: Path, timeout: int = 300):
-    """Run `torchrun_cmd` to the end. A failure or a hang shows each rank's log, so the rank that failed first
-    names its cause."""
+def run_script(path: Path, *args: str, timeout: int | None = None):
+    """`python PATH ARGS` in a process of its own, to the end, its output captured."""
     import subprocess
 
-    try:
-        result = subprocess.run(
-            torchrun_cmd(nproc, *args, log_dir=log_dir), env=env, capture_output=True, text=True, timeout=timeout
+    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def cli_cmd(*args: str) -> list[str]:
+    """`python -m kto_pipeline ARGS`: the CLI in a process of its own."""
+    return [sys.executable, "-m", "kto_pipeline", *args]
+
+
+def launch_env(**overrides: str | None) -> dict[str, str]:
+    """The environment of a multi-process test: this one without accelerate's launch variables (ACCELERATE_*,
+    FSDP_*: a test sets the ones it means), one thread per process, no progress bars; then `overrides` (None
+    removes a variable)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def launch_cmd(nproc: int, *args: str, log_dir: Path, accelerate_config: str | None = None) -> list[str]:
+    """`torchrun --standalone --nproc_per_node N -m kto_pipeline ARGS`, or with `accelerate_config` (a file of
+    configs/accelerate, without .yaml) `accelerate launch --config_file CONFIG --num_processes N -m kto_pipeline ARGS`,
+    as a user launches them; every rank's output kept in `log_dir` (--log-dir --tee 3; accelerate passes them on to
+    torchrun)."""
+    if accelerate_config is None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        cmd += ["--log-dir", str(log_dir), "--tee", "3"]
+    else:
+        config = ACCELERATE_CONFIGS / f"{accelerate_config}.yaml"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+        cmd += ["--num_processes", str(nproc), "--log_dir", str(log_dir), "--tee", "3"]
+    return [*cmd, "-m", "kto_pipeline", *args]
+
+
+def launch(
+    nproc: int,
+    *args: str,
+    log_dir: Path,
+    env: dict[str, str | None] | None = None,
+    accelerate_config: str | None = None,
+    ddp_timeout: int = 60,
+    timeout: int = 300,
+    fails: bool = False,
+    background: bool = False,
+):
+    """Every multi-process test's launch: `kto_pipeline ARGS --ddp-timeout DDP_TIMEOUT` in `nproc` processes
+    (`launch_cmd`), in `launch_env(**env)`. The short process-group timeout makes a rank stuck in a collective fail
+    and say where instead of waiting 30 minutes; then (or at a crash, or past `timeout` seconds) the assertion shows
+    each rank's log, so the rank that failed first names its cause. Returns the finished process, its output
+    captured; `fails`: the launch must fail instead. `background`: returns the started process at once (its output
+    discarded, the rank logs kept), for a test that kills a rank."""
+    import subprocess
+
+    cmd = launch_cmd(
+        nproc, *args, "--ddp-timeout", str(ddp_timeout), log_dir=log_dir, accelerate_config=accelerate_config
+    )
+    if background:
+        return subprocess.Popen(
+            cmd, env=launch_env(**(env or {})), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
+    try:
+        result = subprocess.run(cmd, env=launch_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"timed out after {timeout} s\n{rank_logs(log_dir)}") from None
-    assert result.returncode == 0, f"exit {result.returncode}\n{rank_logs(log_dir)}\ntorchrun: {result.stderr[-2000:]}"
+    if fails:
+        assert result.returncode != 0, f"the launch did not fail\n{rank_logs(log_dir)}"
+    else:
+        assert result.returncode == 0, (
+            f"exit {result.returncode}\n{rank_logs(log_dir)}\nlauncher: {result.stderr[-2000:]}"
+        )
     return result
 
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pyarrow as pa
 import pytest
-from helpers import run_cli, unpaired_rows, write_jsonl
+from helpers import cli_args, cli_cmd, run_cli, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute
 from kto_pipeline.cache import open_cache, read_manifest, sha256_file
@@ -148,19 +148,8 @@ def test_a_log_that_lost_rows_is_refused_unless_intended(tiny_model_dir, tmp_pat
     assert len(table(cache)) == 25
 
 
-def cli(model, data, out, **kw):
-    return [
-        "--model",
-        str(model),
-        "--dataset",
-        str(data),
-        "--output",
-        str(out),
-        "--max-length",
-        "64",
-        "--shard-size",
-        "8",
-    ]
+def cli(model, data, out):
+    return cli_args(model=model, dataset=data, output=out, max_length=64, shard_size=8)
 
 
 @pytest.mark.parametrize(
@@ -255,23 +244,13 @@ def test_sigkill_during_an_append_then_rerun_completes_it(tiny_model_dir, tmp_pa
     import os
     import signal
     import subprocess
-    import sys
     import time
 
     rows = unpaired_rows(400)
     cache = precompute(config(tiny_model_dir, write_jsonl(tmp_path / "first.jsonl", rows[:48]), tmp_path / "cache"))
     old = files(cache)
     log = write_jsonl(tmp_path / "log.jsonl", rows)
-    cmd = [
-        sys.executable,
-        "-m",
-        "kto_pipeline",
-        "precompute",
-        *cli(tiny_model_dir, log, cache),
-        "--append",
-        "--batch-size",
-        "4",
-    ]
+    cmd = cli_cmd("precompute", *cli(tiny_model_dir, log, cache), "--append", "--batch-size", "4")
     env = {**os.environ, "TQDM_DISABLE": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120

@@ -3,11 +3,10 @@ benchmarks share benchmarks/harness.py and do not import each other in a cycle."
 
 import ast
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -113,24 +112,16 @@ def test_ours_train_tokens_reads_the_trainer_state(monkeypatch, tmp_path):
     assert ours_train_tokens(tmp_path) is None
 
 
+def run_bench(tmp_path, results, *flags):
+    """`benchmarks/bench.py --size smoke FLAGS`, its scratch in tmp_path, its report in `results`."""
+    flags = ["--size", "smoke", *flags, "--work", str(tmp_path / "w"), "--results", str(results)]
+    return run_script(BENCHMARKS / "bench.py", *flags, timeout=600)
+
+
 @pytest.mark.slow
 def test_benchmark_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench.py"),
-            "--size",
-            "smoke",
-            "--work",
-            str(tmp_path / "w"),
-            "--results",
-            str(results),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_bench(tmp_path, results)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "reference log-probs agree" in proc.stdout
     text = results.read_text()
@@ -152,23 +143,7 @@ def test_benchmark_scale_smoke(tmp_path):
     heading = "## Scale: preprocessing 20k / 200k / 1M rows"
     results = tmp_path / "RESULTS.md"
     results.write_text(f"# Benchmark\n\nmain table\n\n{heading}\n\nold numbers\n\n## LoRA\n\nlora table\n")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench.py"),
-            "--size",
-            "smoke",
-            "--only",
-            "scale",
-            "--work",
-            str(tmp_path / "w"),
-            "--results",
-            str(results),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_bench(tmp_path, results, "--only", "scale")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("token ids agree on the first 100 rows") == 2
     text = results.read_text()
@@ -198,23 +173,7 @@ def test_benchmark_append_smoke(tmp_path):
     heading = "## Append: `precompute --append` of 1% new rows to a 200,000-row cache"
     results = tmp_path / "RESULTS.md"
     results.write_text(f"# Benchmark\n\nmain table\n\n{heading}\n\nold numbers\n\n## LoRA\n\nlora table\n")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench.py"),
-            "--size",
-            "smoke",
-            "--only",
-            "append",
-            "--work",
-            str(tmp_path / "w"),
-            "--results",
-            str(results),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_bench(tmp_path, results, "--only", "append")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("tokenized and scored 10 rows") == 2
     assert proc.stdout.count("inspect --verify OK (") == 2  # (the section names it too)

@@ -2,11 +2,10 @@
 
 import ast
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMBER = re.compile(r"^\d+(\.\d+)?$")
@@ -39,23 +38,8 @@ def table_rows(text: str) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_bench_gpu_tiny_on_cpu(tmp_path):
     results = tmp_path / "R.md"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_gpu.py"),
-            "--device",
-            "cpu",
-            "--preset",
-            "tiny",
-            "--work",
-            str(tmp_path / "w"),
-            "--results",
-            str(results),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    flags = ["--device", "cpu", "--preset", "tiny", "--work", str(tmp_path / "w"), "--results", str(results)]
+    proc = run_script(ROOT / "benchmarks" / "bench_gpu.py", *flags, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = results.read_text()
     rows = table_rows(text)

@@ -6,14 +6,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from helpers import unpaired_rows, write_jsonl
+from helpers import cli_args, cli_cmd, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import SCHEMA, open_cache, read_manifest, sha256_file
@@ -148,24 +147,8 @@ def test_fingerprint_names_what_differs(tmp_path, tiny_model_dir):
 
 
 def _precompute_cmd(model, data, out):
-    return [
-        sys.executable,
-        "-m",
-        "kto_pipeline",
-        "precompute",
-        "--model",
-        str(model),
-        "--dataset",
-        str(data),
-        "--output",
-        str(out),
-        "--max-length",
-        "64",
-        "--shard-size",
-        "8",
-        "--batch-size",
-        "4",
-    ]
+    args = cli_args(model=model, dataset=data, output=out, max_length=64, shard_size=8, batch_size=4)
+    return cli_cmd("precompute", *args)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_cli, unpaired_rows, write_jsonl
+from helpers import cli_args, cli_cmd, run_cli, unpaired_rows, write_jsonl
 
 
 def assert_clean_error(code, err, *fragments):
@@ -29,17 +29,8 @@ def assert_clean_error(code, err, *fragments):
 )
 def test_bad_data(tmp_path, monkeypatch, capsys, tiny_model_dir, rows, fragments):
     data = write_jsonl(tmp_path / "d.jsonl", rows)
-    code, _, err = run_cli(
-        monkeypatch,
-        capsys,
-        "precompute",
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(data),
-        "--output",
-        str(tmp_path / "c"),
-    )
+    args = cli_args(model=tiny_model_dir, dataset=data, output=tmp_path / "c")
+    code, _, err = run_cli(monkeypatch, capsys, "precompute", *args)
     assert_clean_error(code, err, *fragments)
 
 
@@ -47,49 +38,22 @@ def test_empty_dataset(tmp_path, monkeypatch, capsys, tiny_model_dir):
     from datasets import Dataset
 
     Dataset.from_dict({"prompt": [], "completion": [], "label": []}).to_parquet(str(tmp_path / "e.parquet"))
-    code, _, err = run_cli(
-        monkeypatch,
-        capsys,
-        "precompute",
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(tmp_path / "e.parquet"),
-        "--output",
-        str(tmp_path / "c"),
-    )
+    args = cli_args(model=tiny_model_dir, dataset=tmp_path / "e.parquet", output=tmp_path / "c")
+    code, _, err = run_cli(monkeypatch, capsys, "precompute", *args)
     assert_clean_error(code, err, "holds no rows")
 
 
 def test_missing_model(tmp_path, monkeypatch, capsys, unpaired_file):
-    code, _, err = run_cli(
-        monkeypatch,
-        capsys,
-        "precompute",
-        "--model",
-        str(tmp_path / "no-model"),
-        "--dataset",
-        str(unpaired_file),
-        "--output",
-        str(tmp_path / "c"),
-    )
+    args = cli_args(model=tmp_path / "no-model", dataset=unpaired_file, output=tmp_path / "c")
+    code, _, err = run_cli(monkeypatch, capsys, "precompute", *args)
     assert_clean_error(code, err, "no such directory")
 
 
 def test_output_holds_something_else(tmp_path, monkeypatch, capsys, tiny_model_dir, unpaired_file):
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "thesis.tex").write_text("x")
-    code, _, err = run_cli(
-        monkeypatch,
-        capsys,
-        "precompute",
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(unpaired_file),
-        "--output",
-        str(tmp_path / "c"),
-    )
+    args = cli_args(model=tiny_model_dir, dataset=unpaired_file, output=tmp_path / "c")
+    code, _, err = run_cli(monkeypatch, capsys, "precompute", *args)
     assert_clean_error(code, err, "not a kto-pipeline cache")
     code, _, err = run_cli(
         monkeypatch, capsys, "train", "--cache", str(tmp_path / "c"), "--output-dir", str(tmp_path / "run")
@@ -98,29 +62,10 @@ def test_output_holds_something_else(tmp_path, monkeypatch, capsys, tiny_model_d
 
 
 def test_max_length_above_cached_and_bad_flag(tmp_path, monkeypatch, capsys, small_cache):
-    code, _, err = run_cli(
-        monkeypatch,
-        capsys,
-        "train",
-        "--cache",
-        str(small_cache),
-        "--output-dir",
-        str(tmp_path / "r"),
-        "--max-length",
-        "999",
-    )
+    args = cli_args(cache=small_cache, output_dir=tmp_path / "r")
+    code, _, err = run_cli(monkeypatch, capsys, "train", *args, "--max-length", "999")
     assert_clean_error(code, err, "--max-length 999 is above the cache's max length 64")
-    code, _, err = run_cli(
-        monkeypatch,
-        capsys,
-        "train",
-        "--cache",
-        str(small_cache),
-        "--output-dir",
-        str(tmp_path / "r"),
-        "--loss-type",
-        "ipo",
-    )
+    code, _, err = run_cli(monkeypatch, capsys, "train", *args, "--loss-type", "ipo")
     assert_clean_error(code, err, "--loss-type: must be one of kto, apo_zero_unpaired")
 
 
@@ -138,67 +83,19 @@ def test_end_to_end_with_real_processes(tmp_path, tiny_model_dir):
     env = {**os.environ, "TQDM_DISABLE": "1"}
     script = shutil.which("kto-pipeline", path=str(Path(sys.executable).parent))
     assert script, "the console script is installed next to the interpreter"
-    pre = subprocess.run(
-        [
-            script,
-            "precompute",
-            "--model",
-            str(tiny_model_dir),
-            "--dataset",
-            str(data),
-            "--output",
-            str(tmp_path / "cache"),
-            "--max-length",
-            "64",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    args = cli_args(model=tiny_model_dir, dataset=data, output=tmp_path / "cache", max_length=64)
+    pre = subprocess.run([script, "precompute", *args], capture_output=True, text=True, env=env)
     assert pre.returncode == 0, pre.stderr
     assert "24 (16 desirable, 8 undesirable)" in pre.stdout
     for name, beta in (("a", "0.1"), ("b", "0.5")):
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kto_pipeline",
-                "train",
-                "--cache",
-                str(tmp_path / "cache"),
-                "--output-dir",
-                str(tmp_path / name),
-                "--beta",
-                beta,
-                "--max-steps",
-                "2",
-                "--per-device-train-batch-size",
-                "4",
-                "--logging-steps",
-                "1",
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
+        args = cli_args(cache=tmp_path / "cache", output_dir=tmp_path / name, beta=beta, max_steps=2)
+        args += cli_args(per_device_train_batch_size=4, logging_steps=1)
+        run = subprocess.run(cli_cmd("train", *args), capture_output=True, text=True, env=env)
         assert run.returncode == 0, run.stderr
         assert len((tmp_path / name / "metrics.jsonl").read_text().splitlines()) == 2
         assert json.loads((tmp_path / name / "run_config.json").read_text())["beta"] == float(beta)
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kto_pipeline",
-            "train",
-            "--cache",
-            str(tmp_path / "nope"),
-            "--output-dir",
-            str(tmp_path / "c"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    args = cli_args(cache=tmp_path / "nope", output_dir=tmp_path / "c")
+    bad = subprocess.run(cli_cmd("train", *args), capture_output=True, text=True, env=env)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr and "no such directory" in bad.stderr
 
 

@@ -7,38 +7,25 @@ DeepSpeed is an optional extra (`pip install 'kto-pipeline[deepspeed]'`, in the 
 The first DeepSpeed process group on a machine compiles a shared-memory op (about 70 s here, then cached)."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cli_args, rank_logs, read_metrics, train_config, unpaired_rows, write_jsonl
+from helpers import cli_args, launch, read_metrics, train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline import PrecomputeConfig, precompute, train
 from kto_pipeline.cache import open_cache
 
 pytest.importorskip("deepspeed")
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "accelerate"
-ENV = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
-ENV.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1")
 PRECOMPUTE = dict(max_length=64, shard_size=6)
 TRAIN = dict(max_steps=4, logging_steps=1, learning_rate=1e-3, save_steps=2, seed=3)
 
 
-def accelerate_launch(config: str, *args: str, log_dir: Path) -> None:
-    """`accelerate launch --config_file configs/accelerate/CONFIG.yaml --num_processes 2 -m kto_pipeline ARGS`, every
-    rank's log kept (accelerate passes --log-dir/--tee on to torchrun)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml")]
-    cmd += ["--num_processes", "2", "--log_dir", str(log_dir), "--tee", "3", "-m", "kto_pipeline", *args]
-    try:
-        result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"timed out\n{rank_logs(log_dir)}") from None
-    assert result.returncode == 0, f"exit {result.returncode}\n{rank_logs(log_dir)}\n{result.stderr[-2000:]}"
+def accelerate_launch(config: str, *args: str, log_dir) -> None:
+    """`accelerate launch --config_file configs/accelerate/CONFIG.yaml --num_processes 2 -m kto_pipeline ARGS`
+    (helpers.launch)."""
+    launch(2, *args, accelerate_config=config, ddp_timeout=120, timeout=400, log_dir=log_dir)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +40,7 @@ def test_zero3_both_stages_equal_one_process_and_resume(tmp_path, tiny_model_dir
     one_cache = precompute(
         PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c1"), **PRECOMPUTE)
     )
-    pre = cli_args(model=tiny_model_dir, dataset=data, output=tmp_path / "c3", ddp_timeout=120, **PRECOMPUTE)
+    pre = cli_args(model=tiny_model_dir, dataset=data, output=tmp_path / "c3", **PRECOMPUTE)
     accelerate_launch("deepspeed_zero3", "precompute", *pre, log_dir=tmp_path / "logs-pre")
     three = open_cache(tmp_path / "c3", verify=True)
     assert three.manifest["distributed"] == {"engine": "deepspeed-zero3", "world_size": 2}
@@ -63,7 +50,7 @@ def test_zero3_both_stages_equal_one_process_and_resume(tmp_path, tiny_model_dir
         np.testing.assert_allclose(a["ref_kl_token_logps"], b["ref_kl_token_logps"], atol=1e-5)
 
     train(train_config(one_cache, tmp_path / "one", per_device_train_batch_size=8, **TRAIN))
-    args = cli_args(cache=one_cache, per_device_train_batch_size=4, ddp_timeout=120, no_bf16=True, **TRAIN)
+    args = cli_args(cache=one_cache, per_device_train_batch_size=4, no_bf16=True, **TRAIN)
     accelerate_launch("deepspeed_zero3", "train", *args, "--output-dir", str(tmp_path / "z3"), log_dir=tmp_path / "l")
     one, z3 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "z3")
     assert len(z3) == 4
@@ -97,7 +84,7 @@ def test_zero2_bf16_trains_in_the_regime_of_one_process(tmp_path, tiny_model_dir
         )
     )
     train(train_config(cache, tmp_path / "one", per_device_train_batch_size=8, bf16=True, **TRAIN))
-    args = cli_args(cache=cache, per_device_train_batch_size=4, ddp_timeout=120, bf16=True, **TRAIN)
+    args = cli_args(cache=cache, per_device_train_batch_size=4, bf16=True, **TRAIN)
     accelerate_launch("deepspeed_zero2", "train", *args, "--output-dir", str(tmp_path / "z2"), log_dir=tmp_path / "l")
     state = json.loads((tmp_path / "z2" / "trainer_state.json").read_text())
     assert state["distributed"] == {"engine": "deepspeed-zero2", "world_size": 2}

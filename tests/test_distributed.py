@@ -2,27 +2,19 @@
 one process; resume reproduces an uninterrupted run exactly; checkpointing options."""
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 
-import helpers
 import numpy as np
 import pytest
-from helpers import read_metrics, unpaired_rows, write_jsonl
+from helpers import cli_args, cli_cmd, launch, launch_env, read_metrics, train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
 
-# no ACCELERATE_USE_CPU: several processes on a machine without a GPU run on the CPU (gloo) by themselves
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-ENV.pop("ACCELERATE_USE_CPU", None)
-
-
-def launch(nproc: int, *args: str, log_dir):
-    return helpers.launch(nproc, *args, "--ddp-timeout", "60", env=ENV, log_dir=log_dir)
+# (helpers.launch_env sets no ACCELERATE_USE_CPU: several processes on a machine without a GPU run on the CPU (gloo)
+# by themselves)
 
 
 @pytest.fixture(scope="module")
@@ -41,21 +33,8 @@ def cache_1proc(tmp_path_factory, tiny_model_dir, data):
 @pytest.mark.slow
 def test_precompute_two_processes_equals_one(tmp_path, tiny_model_dir, data, cache_1proc):
     out = tmp_path / "cache2"
-    result = launch(
-        2,
-        "precompute",
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(data),
-        "--output",
-        str(out),
-        "--max-length",
-        "64",
-        "--shard-size",
-        "6",
-        log_dir=tmp_path / "logs",
-    )
+    args = cli_args(model=tiny_model_dir, dataset=data, output=out, max_length=64, shard_size=6)
+    result = launch(2, "precompute", *args, log_dir=tmp_path / "logs")
     assert result.stdout.count("precompute finished") == 1  # one summary, from the main process
     two, one = open_cache(out, verify=True), open_cache(cache_1proc, verify=True)
     assert two.manifest["timing"]["processes"] == 2
@@ -69,35 +48,14 @@ def test_precompute_two_processes_equals_one(tmp_path, tiny_model_dir, data, cac
         assert a["ref_logp"] == pytest.approx(b["ref_logp"], abs=1e-4)
 
 
-TRAIN_ARGS = ["--max-steps", "4", "--logging-steps", "1", "--learning-rate", "1e-3", "--save-steps", "2", "--seed", "3"]
+TRAIN = dict(max_steps=4, logging_steps=1, learning_rate=1e-3, save_steps=2, seed=3)
 
 
 @pytest.mark.slow
 def test_train_two_by_four_equals_one_by_eight(tmp_path, cache_1proc):
-    launch(
-        2,
-        "train",
-        "--cache",
-        str(cache_1proc),
-        "--output-dir",
-        str(tmp_path / "two"),
-        "--per-device-train-batch-size",
-        "4",
-        *TRAIN_ARGS,
-        log_dir=tmp_path / "logs-two",
-    )
-    train(
-        TrainConfig(
-            cache=str(cache_1proc),
-            output_dir=str(tmp_path / "one"),
-            per_device_train_batch_size=8,
-            max_steps=4,
-            logging_steps=1,
-            learning_rate=1e-3,
-            save_steps=2,
-            seed=3,
-        )
-    )
+    args = cli_args(cache=cache_1proc, output_dir=tmp_path / "two", per_device_train_batch_size=4, **TRAIN)
+    launch(2, "train", *args, log_dir=tmp_path / "logs-two")
+    train(train_config(cache_1proc, tmp_path / "one", per_device_train_batch_size=8, **TRAIN))
     two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
     assert len(two) == len(one) == 4
     for a, b in zip(two, one, strict=True):
@@ -131,10 +89,8 @@ def test_sigkill_then_resume_reproduces_metrics_and_weights(tmp_path, cache_1pro
         seed=5,
     )
     train(TrainConfig(output_dir=str(tmp_path / "full"), **args))
-    cmd = [sys.executable, "-m", "kto_pipeline", "train", "--output-dir", str(tmp_path / "killed")]
-    for key, value in args.items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = cli_cmd("train", "--output-dir", str(tmp_path / "killed"), *cli_args(**args))
+    proc = subprocess.Popen(cmd, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and not (tmp_path / "killed" / "checkpoint-6").exists():
         time.sleep(0.005)
@@ -160,11 +116,8 @@ def test_resume_without_checkpoint_is_explained(tmp_path, small_cache):
 
 
 def test_gradient_checkpointing_gives_the_same_steps(tmp_path, small_cache):
-    base = dict(
-        cache=str(small_cache), per_device_train_batch_size=4, max_steps=3, logging_steps=1, learning_rate=1e-3, seed=0
-    )
-    train(TrainConfig(output_dir=str(tmp_path / "plain"), **base))
-    train(TrainConfig(output_dir=str(tmp_path / "ckpt"), gradient_checkpointing=True, **base))
+    train(train_config(small_cache, tmp_path / "plain"))
+    train(train_config(small_cache, tmp_path / "ckpt", gradient_checkpointing=True))
     for a, b in zip(read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "ckpt"), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"])
 

@@ -15,26 +15,17 @@ With --max-tokens-per-batch 64, a long shard takes 4 reference forwards and a sh
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cli_args, launch, rank_logs, read_metrics, torchrun_cmd, write_jsonl
+from helpers import cli_args, launch, rank_logs, read_metrics, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
 
-FSDP_ENV = {
-    **os.environ,
-    "ACCELERATE_USE_CPU": "1",
-    "ACCELERATE_USE_FSDP": "true",
-    "FSDP_VERSION": "2",
-    "FSDP_RESHARD_AFTER_FORWARD": "true",
-    "OMP_NUM_THREADS": "1",
-    "TQDM_DISABLE": "1",
-}
+FSDP_ENV = dict(ACCELERATE_USE_CPU="1", ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_RESHARD_AFTER_FORWARD="true")
 PRECOMPUTE_ARGS = ["--max-length", "64", "--shard-size", "4", "--max-tokens-per-batch", "64"]
 TRAIN = dict(
     per_device_train_batch_size=4,
@@ -83,7 +74,7 @@ def test_fsdp2_precompute_on_skewed_shards_equals_one_process(tmp_path, tiny_mod
     root, data, cache1, _ = skewed
     out = tmp_path / "cache2"
     args = ["precompute", "--model", str(tiny_model_dir), "--dataset", str(data), "--output", str(out)]
-    result = launch(2, *args, *PRECOMPUTE_ARGS, "--ddp-timeout", "60", env=FSDP_ENV, log_dir=tmp_path / "logs")
+    result = launch(2, *args, *PRECOMPUTE_ARGS, env=FSDP_ENV, log_dir=tmp_path / "logs")
     assert "sharded (FSDP2) over 2 processes" in result.stdout
     two, one = open_cache(out, verify=True), open_cache(cache1, verify=True)
     assert two.manifest["distributed"] == {"engine": "fsdp2", "world_size": 2}
@@ -108,7 +99,7 @@ def test_fsdp2_train_on_skewed_shards_equals_one_process_and_resumes_after_sigki
     single = {**config, "per_device_train_batch_size": 8, "per_device_eval_batch_size": 4}
     train(TrainConfig(output_dir=str(tmp_path / "one"), **single))
     # FSDP2, 2 processes x 4
-    args = ["train", *cli_args(**config), "--ddp-timeout", "60"]
+    args = ["train", *cli_args(**config)]
     launch(2, *args, "--output-dir", str(tmp_path / "two"), env=FSDP_ENV, log_dir=tmp_path / "logs")
 
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
@@ -134,13 +125,13 @@ def test_fsdp2_train_on_skewed_shards_equals_one_process_and_resumes_after_sigki
 
     # the same run, one rank SIGKILLed once its first checkpoint is written; then --resume
     killed = tmp_path / "killed"
-    cmd = torchrun_cmd(2, *args, "--output-dir", str(killed), log_dir=tmp_path / "logs-killed")
-    torchrun = subprocess.Popen(cmd, env=FSDP_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    logs = tmp_path / "logs-killed"
+    torchrun = launch(2, *args, "--output-dir", str(killed), env=FSDP_ENV, log_dir=logs, background=True)
     deadline = time.time() + 120
     while time.time() < deadline and not (killed / "checkpoint-2").exists() and torchrun.poll() is None:
         time.sleep(0.005)
     ranks = _ranks(torchrun.pid)
-    assert torchrun.poll() is None and len(ranks) == 2, rank_logs(tmp_path / "logs-killed")
+    assert torchrun.poll() is None and len(ranks) == 2, rank_logs(logs)
     os.kill(ranks[1], signal.SIGKILL)
     assert torchrun.wait(timeout=120) != 0
     assert not (killed / "model.safetensors").exists() and not (killed / "trainer_state.json").exists()
@@ -212,7 +203,7 @@ def test_fsdp2_lora_with_merge_equals_one_process(tmp_path, skewed):
     config.update(lora_dropout=0.0, merge=True, train_sampling_strategy="sequential")
     train(TrainConfig(output_dir=str(tmp_path / "one"), per_device_train_batch_size=8, **config))
     args = ["train", *cli_args(**config), "--per-device-train-batch-size", "4", "--output-dir", str(tmp_path / "two")]
-    launch(2, *args, "--ddp-timeout", "60", env=FSDP_ENV, log_dir=tmp_path / "logs")
+    launch(2, *args, env=FSDP_ENV, log_dir=tmp_path / "logs")
     for a, b in zip(read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one"), strict=True):
         for key in ("loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=2e-3), (a["step"], key)

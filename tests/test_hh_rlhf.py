@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_script
 
 from kto_pipeline.demo.hh_rlhf import bundled_path, convert_file, convert_pair, read_pairs, split_dialogue
 from kto_pipeline.errors import KTOPipelineError
@@ -88,28 +87,14 @@ def test_script_reports_a_bad_line_in_one_line(tmp_path):
         json.dumps({"chosen": "\n\nHuman: q\n\nAssistant: a", "rejected": "\n\nHuman: q\n\nAssistant: b"})
     )
     source.write_text(source.read_text() + "\n{not json\n")
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "convert_hh_rlhf.py"),
-            str(tmp_path / "o.jsonl"),
-            "--source",
-            str(source),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    result = run_script(ROOT / "scripts" / "convert_hh_rlhf.py", str(tmp_path / "o.jsonl"), "--source", str(source))
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("error: ") and "line 2: not valid JSON" in result.stderr
 
 
 def test_script_writes_the_single_turn_pairs(tmp_path):
     out = tmp_path / "single.jsonl"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "convert_hh_rlhf.py"), str(out), "--max-turns", "1", "--stop", "10"],
-        capture_output=True,
-        text=True,
-    )
+    result = run_script(ROOT / "scripts" / "convert_hh_rlhf.py", str(out), "--max-turns", "1", "--stop", "10")
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 10 and all(len(r["prompt"]) == 1 for r in rows)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import run_cli, train_config
+from helpers import cli_args, run_cli, train_config
 from safetensors.torch import load_file
 
 from kto_pipeline import KTOPipelineError, TrainConfig, train
@@ -84,16 +84,7 @@ def test_bad_init_from_is_refused(round_one, small_cache, tmp_path, monkeypatch,
     shutil.copytree(round_one["full"], other)
     state = json.loads((other / "trainer_state.json").read_text())
     (other / "trainer_state.json").write_text(json.dumps({**state, "reference_hash": "sha256:else"}))
-    code, _, err = run_cli(
-        monkeypatch,
-        capsys,
-        "train",
-        "--cache",
-        str(small_cache),
-        "--output-dir",
-        str(tmp_path / "d"),
-        "--init-from",
-        str(other),
-    )
+    args = cli_args(cache=small_cache, output_dir=tmp_path / "d", init_from=other)
+    code, _, err = run_cli(monkeypatch, capsys, "train", *args)
     assert code == 1 and "trained against another reference (weights sha256:else)" in err
     assert not (tmp_path / "d" / "metrics.jsonl").exists()

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import run_cli, train_config, unpaired_rows, write_jsonl
+from helpers import launch, run_cli, train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, train
 from kto_pipeline.cache import open_cache
@@ -262,10 +262,8 @@ def test_two_process_train_refused_on_every_rank(tmp_path, hold, small_cache):
     """Under torchrun only the main process takes the lock; the refusal reaches the other rank too (no hang)."""
     out = tmp_path / "run"
     holder = hold(out, "train")
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "kto_pipeline"]
-    cmd += ["train", "--cache", str(small_cache), "--output-dir", str(out), "--per-device-train-batch-size", "2"]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    args = ["train", "--cache", str(small_cache), "--output-dir", str(out), "--per-device-train-batch-size", "2"]
+    result = launch(2, *args, env=dict(ACCELERATE_USE_CPU="1"), log_dir=tmp_path / "logs", fails=True)
     assert result.returncode != 0
     refusals = [line for line in result.stderr.splitlines() if "error: " in line and "is in use by" in line]
     assert len(refusals) == 2, result.stderr[-3000:]

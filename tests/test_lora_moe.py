@@ -1,33 +1,19 @@
 """LoRA/PEFT training on the cached reference, adapters as --model, and mixture-of-experts models."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import read_metrics, unpaired_rows, write_jsonl
+from helpers import cli_args, launch, read_metrics, train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.demo.tiny import build_char_tokenizer
 
 
 def lora_cfg(cache, out, **kw):
-    base = dict(
-        cache=str(cache),
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        max_steps=3,
-        logging_steps=1,
-        learning_rate=1e-2,
-        lora_r=8,
-        lora_alpha=16,
-        lora_dropout=0.0,
-        seed=0,
-    )
-    return TrainConfig(**{**base, **kw})
+    """helpers.train_config with a LoRA (r 8, no dropout) at a learning rate it learns at in 3 steps."""
+    return train_config(cache, out, **{**dict(learning_rate=1e-2, lora_r=8, lora_alpha=16, lora_dropout=0.0), **kw})
 
 
 def test_lora_starts_at_the_reference_and_trains_only_adapters(small_cache, tmp_path):
@@ -97,35 +83,10 @@ def test_adapter_directory_as_model_for_a_second_round(small_cache, tmp_path):
 
 @pytest.mark.slow
 def test_lora_under_two_processes(small_cache, tmp_path):
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     out = tmp_path / "lora2"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "kto_pipeline",
-        "train",
-        "--cache",
-        str(small_cache),
-        "--output-dir",
-        str(out),
-        "--lora-r",
-        "8",
-        "--max-steps",
-        "3",
-        "--per-device-train-batch-size",
-        "2",
-        "--logging-steps",
-        "1",
-        "--learning-rate",
-        "1e-2",
-        "--save-steps",
-        "2",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    args = cli_args(cache=small_cache, output_dir=out, lora_r=8, max_steps=3, per_device_train_batch_size=2)
+    args += cli_args(logging_steps=1, learning_rate="1e-2", save_steps=2)
+    proc = launch(2, "train", *args, env=dict(ACCELERATE_USE_CPU="1"), log_dir=tmp_path / "logs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
     assert (out / "adapter_model.safetensors").exists() and (

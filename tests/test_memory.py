@@ -126,23 +126,19 @@ def _rss_kib(pid: int) -> dict[str, int]:
     return {k: int(fields[k].split()[0]) for k in ("VmRSS", "RssAnon", "RssFile") if k in fields}
 
 
-def measure_train(cache: Path, output_dir: Path) -> dict[str, float]:
-    """Run `train` (5 steps, batch size 4, the cache's own max length) in a child process and return
-    its peak RSS (the kernel's ru_maxrss) and, polled from outside every ~2 ms, its peak anonymous
-    and peak file-backed RSS, in MiB."""
-    args = ["train", "--cache", str(cache), "--output-dir", str(output_dir), "--max-steps", "5"]
-    args += ["--per-device-train-batch-size", "4", "--logging-steps", "5"]
-    log = output_dir.with_name(output_dir.name + ".log")
+def _run_polled(code: str, args: list[str], log: Path, timeout: float, **env: str) -> tuple[int, dict[str, int], str]:
+    """`python -c CODE ARGS` in a child, its output into `log`, its /proc status polled every ~2 ms until it exits
+    (killed after `timeout` s): (its exit code, the peaks of its anonymous and file-backed RSS in KiB, its output)."""
     peak = {"RssAnon": 0, "RssFile": 0}
     with open(log, "w+") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _MEASURE, *args],
+            [sys.executable, "-c", code, *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "TQDM_DISABLE": "1"},
+            env={**os.environ, "TQDM_DISABLE": "1", **env},
         )
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:
             for key, value in _rss_kib(proc.pid).items():
                 if key in peak:
@@ -151,9 +147,18 @@ def measure_train(cache: Path, output_dir: Path) -> dict[str, float]:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-    text = log.read_text()
+    return proc.returncode, peak, log.read_text()
+
+
+def measure_train(cache: Path, output_dir: Path) -> dict[str, float]:
+    """Run `train` (5 steps, batch size 4, the cache's own max length) in a child process and return
+    its peak RSS (the kernel's ru_maxrss) and, polled from outside every ~2 ms, its peak anonymous
+    and peak file-backed RSS, in MiB."""
+    args = ["train", "--cache", str(cache), "--output-dir", str(output_dir), "--max-steps", "5"]
+    args += ["--per-device-train-batch-size", "4", "--logging-steps", "5"]
+    returncode, peak, text = _run_polled(_MEASURE, args, output_dir.with_name(output_dir.name + ".log"), 300)
     assert peak["RssAnon"] > 0, "could not read the child's /proc/PID/status"
-    assert proc.returncode == 0, text[-3000:]
+    assert returncode == 0, text[-3000:]
     result = json.loads(text.strip().splitlines()[-1])
     assert result["code"] == 0, text[-3000:]
     assert "train finished: 5 steps" in text, text[-3000:]
@@ -229,25 +234,11 @@ def measure_precompute(data: Path, model: Path, output: Path) -> dict[str, float
     (ru_maxrss) and its peak anonymous RSS polled from outside, in MiB, and the manifest's timing."""
     args = ["precompute", "--model", str(model), "--dataset", str(data), "--output", str(output)]
     args += ["--max-length", "64", "--batch-size", "1024", "--max-tokens-per-batch", "32768"]
+    hf_cache = str(output.with_name(output.name + "-hf"))
     log = output.with_name(output.name + ".log")
-    peak_anon = 0
-    with open(log, "w+") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _MEASURE_PRECOMPUTE, *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "TQDM_DISABLE": "1", "HF_DATASETS_CACHE": str(output.with_name(output.name + "-hf"))},
-        )
-        deadline = time.monotonic() + 600
-        while proc.poll() is None and time.monotonic() < deadline:
-            peak_anon = max(peak_anon, _rss_kib(proc.pid).get("RssAnon", 0))
-            time.sleep(0.002)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    text = log.read_text()
-    assert proc.returncode == 0, text[-3000:]
+    returncode, peak, text = _run_polled(_MEASURE_PRECOMPUTE, args, log, 600, HF_DATASETS_CACHE=hf_cache)
+    peak_anon = peak["RssAnon"]
+    assert returncode == 0, text[-3000:]
     result = json.loads(text.strip().splitlines()[-1])
     assert result["code"] == 0, text[-3000:]
     timing = read_manifest(output)["timing"]
@@ -262,7 +253,7 @@ def measure_precompute(data: Path, model: Path, output: Path) -> dict[str, float
 
 @pytest.mark.slow
 def test_precompute_peak_memory_is_flat_in_rows(tmp_path, tiny_model_dir):
-    """200,000 rows may cost at most 150 MB of peak RSS more than 20,000 (issue 12): preprocessing on Arrow, the
+    """200,000 rows may cost at most 150 MB of peak RSS more than 20,000: preprocessing on Arrow, the
     rows read from the memory-mapped tokenized table a shard at a time, the KL pairing in numpy."""
     runs = {}
     for n in (20_000, 200_000):

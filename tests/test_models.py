@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
-from helpers import unpaired_rows, write_jsonl
+from helpers import cli_cmd, unpaired_rows, write_jsonl
 
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.models import load_model, load_tokenizer
 
 
 def _cli(tmp_path, *args, **env):
-    return subprocess.run(
-        [sys.executable, "-m", "kto_pipeline", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        cwd=tmp_path,
-    )
+    return subprocess.run(cli_cmd(*args), capture_output=True, text=True, env={**os.environ, **env}, cwd=tmp_path)
 
 
 def test_hub_id_without_network_fails_fast_and_says_how_to_pass_a_directory(tmp_path):

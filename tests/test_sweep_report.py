@@ -2,12 +2,9 @@
 
 import csv
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from helpers import read_metrics
+from helpers import cli_args, launch, read_metrics
 
 from kto_pipeline import KTOPipelineError, TrainConfig, train
 from kto_pipeline.report import write_report
@@ -181,35 +178,10 @@ def test_report_to_unknown_or_missing_tracker(small_cache, tmp_path):
 
 @pytest.mark.slow
 def test_sweep_under_two_processes_runs_the_grid_once(tmp_path, small_cache):
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     out = tmp_path / "sweep"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "kto_pipeline",
-        "sweep",
-        "--cache",
-        str(small_cache),
-        "--output-dir",
-        str(out),
-        "--beta",
-        "0.1,0.2",
-        "--max-steps",
-        "2",
-        "--per-device-train-batch-size",
-        "2",
-        "--logging-steps",
-        "1",
-        "--eval-cache",
-        str(small_cache),
-        "--per-device-eval-batch-size",
-        "5",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    args = cli_args(cache=small_cache, output_dir=out, beta="0.1,0.2", max_steps=2, per_device_train_batch_size=2)
+    args += cli_args(logging_steps=1, eval_cache=small_cache, per_device_eval_batch_size=5)
+    proc = launch(2, "sweep", *args, env=dict(ACCELERATE_USE_CPU="1"), log_dir=tmp_path / "logs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("sweep: 2 runs") == 1
     for name in ("beta0.1", "beta0.2"):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the one hop: benchmarks/ (bench, harness)
 
-from bench import SMOLLM2_SIZES, ours_train_config, trl_trainer  # noqa: E402
-from harness import WORK_DIR  # noqa: E402
+from bench import bench_train_config, trl_settings  # noqa: E402
+from harness import SMOLLM2_SIZES, WORK_DIR, trl_trainer  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 
@@ -35,16 +35,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         if which == "trl":
             model = fetch_smollm2(default_cache_dir())
-            trainer = trl_trainer(
-                work, size, Path(out), precompute=False, steps=steps, model=model, data=work / "data.jsonl"
-            )
+            trainer = trl_trainer(model, work / "data.jsonl", Path(out), precompute=False, **trl_settings(size, steps))
             with FlopCounterMode(display=False) as counter:
                 trainer.train()
         else:
             from kto_pipeline import train
 
             with FlopCounterMode(display=False) as counter:
-                train(ours_train_config(work, size, Path(out)))
+                train(bench_train_config(work, size, Path(out)))
     total = counter.get_total_flops()
     by_op = {str(op): round(n / 1e9, 1) for op, n in counter.get_flop_counts()["Global"].items()}
     summary = {
