@@ -37,7 +37,7 @@ docs: install
 	$(PY) -m kto_pipeline.cli_docs > docs/cli.md
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 clean:
 	rm -rf $(VENV) .demo .demo-tiny .pytest_cache .ruff_cache

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,11 +88,15 @@ def test_end_to_end_with_real_processes(tmp_path, tiny_model_dir):
     pre = subprocess.run([script, "precompute", *args], capture_output=True, text=True, env=env)
     assert pre.returncode == 0, pre.stderr
     assert "24 (16 desirable, 8 undesirable)" in pre.stdout
-    for name, beta in (("a", "0.1"), ("b", "0.5")):
+    bar = re.compile(r"\d+%\|")  # a tqdm progress bar
+    assert not bar.search(pre.stderr), "TQDM_DISABLE=1 silences the reference pass's progress bar"
+    for name, beta, quiet in (("a", "0.1", True), ("b", "0.5", False)):
         args = cli_args(cache=tmp_path / "cache", output_dir=tmp_path / name, beta=beta, max_steps=2)
         args += cli_args(per_device_train_batch_size=4, logging_steps=1)
-        run = subprocess.run(cli_cmd("train", *args), capture_output=True, text=True, env=env)
+        run_env = env if quiet else {k: v for k, v in env.items() if k != "TQDM_DISABLE"}
+        run = subprocess.run(cli_cmd("train", *args), capture_output=True, text=True, env=run_env)
         assert run.returncode == 0, run.stderr
+        assert bool(bar.search(run.stderr)) is not quiet, run.stderr  # the bar, unless TQDM_DISABLE=1
         assert len((tmp_path / name / "metrics.jsonl").read_text().splitlines()) == 2
         assert json.loads((tmp_path / name / "run_config.json").read_text())["beta"] == float(beta)
     args = cli_args(cache=tmp_path / "nope", output_dir=tmp_path / "c")

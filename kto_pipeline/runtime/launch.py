@@ -87,6 +87,12 @@ def print0(state, text: str) -> None:
         print(text, flush=True)
 
 
+def shows_progress(state) -> bool:
+    """Whether this process draws progress bars: the main process only, and none where TQDM_DISABLE is set (the
+    variable tqdm and the HF libraries honour)."""
+    return state.is_main_process and not env_flag("TQDM_DISABLE")
+
+
 def main_decides(state, decide: Callable[[], dict]) -> dict:
     """Run `decide()` (returning a picklable dict) on the main process only and hand its answer to every process.
 

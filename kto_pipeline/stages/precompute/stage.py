@@ -51,7 +51,7 @@ from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.models import load_model, load_tokenizer
 from kto_pipeline.runtime.engines import Engine, engine_for
-from kto_pipeline.runtime.launch import main_decides, print0, process_state
+from kto_pipeline.runtime.launch import main_decides, print0, process_state, shows_progress
 from kto_pipeline.runtime.precision import Regime, reference_regime
 from kto_pipeline.scoring.attention import packing_unsupported
 from kto_pipeline.scoring.logprobs import ReferenceScorer, score_shard
@@ -646,7 +646,7 @@ class ShardProgress:
     def __init__(self, total_rows: int, done_rows: int, state):
         self.started = time.perf_counter()
         self.bar = tqdm(
-            total=total_rows, initial=done_rows, unit="row", desc="reference pass", disable=not state.is_main_process
+            total=total_rows, initial=done_rows, unit="row", desc="reference pass", disable=not shows_progress(state)
         )
         self.total_rows, self.done_rows, self.processes = total_rows, done_rows, state.num_processes
         self.estimate_rows = self.estimate_tokens = 0.0

@@ -44,7 +44,7 @@ from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.model_card import write_model_card
 from kto_pipeline.rundir import InitPoint, MetricsWriter, TrainerState, finished_at, start_run
 from kto_pipeline.runtime.engines import Engine, engine_for
-from kto_pipeline.runtime.launch import launched_processes, print0, process_state
+from kto_pipeline.runtime.launch import launched_processes, print0, process_state, shows_progress
 from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported
 from kto_pipeline.stages.train.batches import CacheRows, Collator, EpochSampler, PolicyScorer
@@ -337,7 +337,7 @@ def fit(run: Run) -> None:
         initial=p.global_step,
         desc="train",
         unit="step",
-        disable=not accelerator.is_local_main_process,
+        disable=not shows_progress(accelerator),
     )
     p.started = p.step_started = time.perf_counter()
     run.scorer.train()
