@@ -25,7 +25,14 @@ from helpers import cli_args, launch, rank_logs, read_metrics, write_jsonl
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
 
-FSDP_ENV = dict(ACCELERATE_USE_CPU="1", ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_RESHARD_AFTER_FORWARD="true")
+# as configs/accelerate/fsdp.yaml exports it: the main process alone reads the weights (cpu_ram_efficient_loading)
+FSDP_ENV = dict(
+    ACCELERATE_USE_CPU="1",
+    ACCELERATE_USE_FSDP="true",
+    FSDP_VERSION="2",
+    FSDP_RESHARD_AFTER_FORWARD="true",
+    FSDP_CPU_RAM_EFFICIENT_LOADING="true",
+)
 PRECOMPUTE_ARGS = ["--max-length", "64", "--shard-size", "4", "--max-tokens-per-batch", "64"]
 TRAIN = dict(
     per_device_train_batch_size=4,
@@ -70,15 +77,20 @@ def _pre() -> dict:
 
 
 @pytest.mark.slow
-def test_fsdp2_precompute_on_skewed_shards_equals_one_process(tmp_path, tiny_model_dir, skewed):
+@pytest.mark.parametrize("one_reader", [True, False], ids=["main-reads", "every-process-reads"])
+def test_fsdp2_precompute_on_skewed_shards_equals_one_process(tmp_path, tiny_model_dir, skewed, one_reader):
     root, data, cache1, _ = skewed
     out = tmp_path / "cache2"
     args = ["precompute", "--model", str(tiny_model_dir), "--dataset", str(data), "--output", str(out)]
-    result = launch(2, *args, *PRECOMPUTE_ARGS, env=FSDP_ENV, log_dir=tmp_path / "logs")
+    env = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": str(one_reader).lower()}
+    result = launch(2, *args, *PRECOMPUTE_ARGS, env=env, log_dir=tmp_path / "logs")
     assert "sharded (FSDP2) over 2 processes" in result.stdout
+    assert ("the weights read by the main process only" in result.stdout) is one_reader
     two, one = open_cache(out, verify=True), open_cache(cache1, verify=True)
     assert two.manifest["distributed"] == {"engine": "fsdp2", "world_size": 2}
     assert two.manifest.fingerprint == one.manifest.fingerprint  # the same cache, reusable by either
+    _check_peak_memory(two.manifest["timing"]["peak_memory"])
+    assert "memory       peak private host memory: rank 0 " in result.stdout
     rows_two, rows_one = two.table.to_pylist(), one.table.to_pylist()
     assert len(rows_two) == len(rows_one) == 35
     for a, b in zip(rows_two, rows_one, strict=True):
@@ -86,6 +98,14 @@ def test_fsdp2_precompute_on_skewed_shards_equals_one_process(tmp_path, tiny_mod
             assert a[key] == b[key], key
         np.testing.assert_allclose(a["ref_token_logps"], b["ref_token_logps"], atol=1e-5)
         np.testing.assert_allclose(a["ref_kl_token_logps"], b["ref_kl_token_logps"], atol=1e-5)
+
+
+def _check_peak_memory(peaks: list[dict]) -> None:
+    """Each process's peaks, by rank: private host memory (a Python process with torch holds well over 100 MiB),
+    the kernel's peak RSS at least that, no accelerator here."""
+    assert [m["rank"] for m in peaks] == [0, 1]
+    for m in peaks:
+        assert 100 < m["host_private_mib"] <= m["host_rss_mib"] and m["accelerator_mib"] is None, m
 
 
 @pytest.mark.slow
@@ -118,6 +138,7 @@ def test_fsdp2_train_on_skewed_shards_equals_one_process_and_resumes_after_sigki
     AutoModelForCausalLM.from_pretrained(tmp_path / "two")  # the final model is whole, in HF format
     state = json.loads((tmp_path / "two" / "trainer_state.json").read_text())
     assert state["distributed"] == {"engine": "fsdp2", "world_size": 2}
+    _check_peak_memory(state["peak_memory"])
     checkpoint = tmp_path / "two" / "checkpoint-2"
     assert (checkpoint / "sharded" / ".metadata").exists() and not (checkpoint / "model.safetensors").exists()
     assert sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
@@ -167,6 +188,7 @@ def test_fsdp_settings_come_from_the_accelerate_environment(monkeypatch):
 
     for key in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_OFFLOAD_PARAMS"):
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING", raising=False)
     assert engine_from_env(1).name == "single" and engine_from_env(2).name == "ddp"
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
@@ -175,6 +197,9 @@ def test_fsdp_settings_come_from_the_accelerate_environment(monkeypatch):
     engine = engine_from_env(8)
     assert engine.record() == {"engine": "fsdp2", "world_size": 8}
     assert not engine.reshard_after_forward and engine.offload_params
+    assert not engine.ram_efficient_loading  # accelerate's default: every process reads the weights
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    assert engine_from_env(8).ram_efficient_loading
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(KTOPipelineError, match="FSDP_VERSION=1: kto-pipeline shards with FSDP2 only"):
         engine_from_env(8)

@@ -1,10 +1,10 @@
 """The engine interface: how the model is spread over the processes, asked by both stages and the checkpoints.
 
-An engine prepares a policy for training (`prepare_policy`) or a frozen model for scoring (`prepare_scorer`), runs
-the optimizer step's parts (`backward`, `clip_grad_norm`, `step`), gives the whole state dict, saves and loads its
-state in a checkpoint, records itself for manifest.json and trainer_state.json, and lets go of what it holds
-(`close`). The stages call these and never test which engine runs: adding one is a file in this folder and a line
-in the registry (`engines/__init__.py`).
+An engine loads the model (`load`), prepares a policy for training (`prepare_policy`) or a frozen model for
+scoring (`prepare_scorer`), runs the optimizer step's parts (`backward`, `clip_grad_norm`, `step`), gives the whole
+state dict, saves and loads its state in a checkpoint, records itself for manifest.json and trainer_state.json, and
+lets go of what it holds (`close`). The stages call these and never test which engine runs: adding one is a file in
+this folder and a line in the registry (`engines/__init__.py`).
 
 This base class is the engine of one process, and of DDP: accelerate replicates the model (its `prepare` wraps it in
 DistributedDataParallel when several processes run) and runs the forward under the regime's autocast.
@@ -73,6 +73,11 @@ class Engine:
     def _configure(self, max_grad_norm: float) -> None:
         """Settings of the engine that the train flags own, once the Accelerator exists."""
 
+    def load(self, read: Callable[[], torch.nn.Module], trust_remote_code: bool = False) -> torch.nn.Module:
+        """The model as this process holds it before `prepare_policy` / `prepare_scorer`: `read()` (which loads it
+        whole, on the CPU) on every process here; an engine that shards may read it once and fill the others."""
+        return read()
+
     def prepare_policy(
         self, scorer: torch.nn.Module, model, make_optimizer: Callable, loader=None, move: bool = True
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
@@ -88,8 +93,9 @@ class Engine:
         return self.accelerator.prepare(scorer, optimizer, loader, device_placement=placement)
 
     def prepare_scorer(self, scorer: torch.nn.Module, model, regime: Regime, device: torch.device) -> torch.nn.Module:
-        """`scorer` (wrapping the frozen `model`, already on `device`) ready to score under `regime`."""
+        """`scorer` (wrapping the frozen `model`) on `device`, ready to score under `regime`."""
         self.device = device
+        scorer.to(device)
         autocast_forward(scorer, regime)
         return scorer
 

@@ -30,7 +30,7 @@ import torch
 
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.runtime.engines.base import ACCELERATE_STATE, Engine
-from kto_pipeline.runtime.launch import env_flag, most_of_all
+from kto_pipeline.runtime.launch import env_flag, main_decides, most_of_all
 from kto_pipeline.runtime.precision import Regime, autocast_forward
 
 SHARDED = "sharded"  # a checkpoint's weights and optimizer state, each process's shards (torch.distributed.checkpoint)
@@ -49,8 +49,11 @@ class FSDP2(Engine):
         offload_params: bool = False,
         activation_checkpointing: bool = False,
         layer_classes: tuple[str, ...] = (),
+        ram_efficient_loading: bool = False,
     ):
         super().__init__(world_size)
+        self.ram_efficient_loading = ram_efficient_loading  # FSDP_CPU_RAM_EFFICIENT_LOADING: one process reads
+        self._fill_next = False  # `load` built the model empty here: the next `shard` fills it from the main process
         self.reshard_after_forward = reshard_after_forward
         self.offload_params = offload_params
         self.activation_checkpointing = activation_checkpointing
@@ -72,6 +75,7 @@ class FSDP2(Engine):
             offload_params=env_flag("FSDP_OFFLOAD_PARAMS"),
             activation_checkpointing=env_flag("FSDP_ACTIVATION_CHECKPOINTING"),
             layer_classes=tuple(c.strip() for c in classes.split(",") if c.strip()),
+            ram_efficient_loading=env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"),
         )
 
     @contextmanager
@@ -85,6 +89,26 @@ class FSDP2(Engine):
                 os.environ["ACCELERATE_USE_FSDP"] = saved
 
     # ------------------------------------------------------------------ setup
+
+    def load(self, read, trust_remote_code: bool = False):
+        """With `fsdp_cpu_ram_efficient_loading` (FSDP_CPU_RAM_EFFICIENT_LOADING), only the main process reads the
+        weights; the others build the model from its config with every parameter on the meta device (no memory;
+        buffers, such as the rotary tables, computed for real), and `shard` fills each process's shards from the
+        main process's weights, one tensor at a time. Without it, every process reads the whole model."""
+        if not self.ram_efficient_loading or self.world_size == 1:
+            return read()
+        from accelerate import PartialState
+
+        loaded = []
+
+        def read_on_main() -> dict:
+            loaded.append(read())
+            return {"config": loaded[0].config, "dtype": next(loaded[0].parameters()).dtype}
+
+        built = main_decides(PartialState(), read_on_main)
+        model = loaded[0] if loaded else empty_model(built["config"], built["dtype"], trust_remote_code)
+        self._fill_next = True
+        return model
 
     def prepare_policy(self, scorer, model, make_optimizer: Callable, loader=None, move: bool = True):
         """Sharded before the optimizer is built, so that it holds each process's shards only; the root's forward
@@ -118,8 +142,26 @@ class FSDP2(Engine):
             # process from the first forward to the end of the backward (4 GiB for Qwen2-7B in float32). The chunked
             # head then runs as the head's own forward (logprobs._head_logps), which gathers its weight.
             units += [embeddings, head]
+        fill, self._fill_next = self._fill_next, False
+        if fill:
+            main = torch.distributed.get_rank() == 0
+            # the main process's whole weights (its own model's, kept until they are spread), keyed as `root`'s; the
+            # buffers, real on every process, outlive the meta parameters' materialization below
+            whole = root.state_dict() if main else {}
+            buffers = {name: buffer.detach().clone() for name, buffer in root.named_buffers()}
         for unit in [*units, root]:
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
+        if fill:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            if not main:  # this process's shards, allocated (uninitialized) where they compute
+                root.to_empty(device=device if not self.offload_params else torch.device("cpu"))
+                with torch.no_grad():
+                    for name, buffer in root.named_buffers():
+                        buffer.copy_(buffers[name])
+            # rank 0 broadcasts each tensor whole, one at a time; every process copies its shard of it
+            set_model_state_dict(root, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            del whole, buffers
         return root
 
     def agree_on_forwards(self, count: int) -> int:
@@ -183,7 +225,8 @@ class FSDP2(Engine):
             self.accelerator._optimizers = saved
 
     def __str__(self) -> str:
-        return f"sharded (FSDP2) over {self.world_size} processes"
+        read = ", the weights read by the main process only" if self.ram_efficient_loading else ""
+        return f"sharded (FSDP2) over {self.world_size} processes{read}"
 
 
 def _sharded_state(module, optimizer) -> dict:
@@ -207,3 +250,12 @@ def decoder_layers(model, layer_classes: tuple[str, ...] = ()) -> list[torch.nn.
             "config (`fsdp_transformer_layer_cls_to_wrap: MyDecoderLayer`, exported as FSDP_TRANSFORMER_CLS_TO_WRAP)."
         )
     return layers
+
+
+def empty_model(config, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The causal LM of `config` with its parameters on the meta device (they take no memory) and its buffers real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)

@@ -52,6 +52,7 @@ from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.models import load_model, load_tokenizer
 from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.launch import main_decides, print0, process_state, shows_progress
+from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, reference_regime
 from kto_pipeline.scoring.attention import packing_unsupported
 from kto_pipeline.scoring.logprobs import ReferenceScorer, score_shard
@@ -123,6 +124,7 @@ class Pass:
     written: list[dict[str, Any]] | None = None  # its finished shards (manifest entries)
     first_shard: int = 0  # its first shard's file number
     progress: ShardProgress | None = None
+    peaks: PeakMemory | None = None  # each process's peak memory, sampled from the start
 
 
 def precompute(config: PrecomputeConfig) -> Path:
@@ -146,7 +148,7 @@ def precompute(config: PrecomputeConfig) -> Path:
 
 
 def setup(config: PrecomputeConfig) -> Pass:
-    started = time.perf_counter()
+    started, peaks = time.perf_counter(), PeakMemory()
     out = Path(config.output)
     _check_output(out)
     # One process, or one per device under `accelerate launch` / torchrun (without a GPU: CPU + gloo).
@@ -154,7 +156,7 @@ def setup(config: PrecomputeConfig) -> Pass:
     engine = engine_for(state.num_processes)
     print0(state, f"kto-pipeline precompute {__version__}\n{config.describe()}")
     tokenizer = load_tokenizer(config.model, config.revision, config.trust_remote_code)
-    return Pass(config, out, state, engine, started, tokenizer)
+    return Pass(config, out, state, engine, started, tokenizer, peaks=peaks)
 
 
 def open_base(run: Pass) -> Manifest:
@@ -399,8 +401,10 @@ def _partner_from_cache(out: Path, base: Manifest, conversational: bool, seed: l
 def load_reference(run: Pass) -> None:
     config = run.config
     run.regime = reference_regime(config.dtype, config.bf16, run.state.device)
-    run.model = load_model(config.model, run.regime.dtype, config.revision, config.trust_remote_code)
-    run.model.eval().to(run.state.device)
+    run.model = run.engine.load(
+        lambda: load_model(config.model, run.regime.dtype, config.revision, config.trust_remote_code),
+        config.trust_remote_code,
+    ).eval()
     run.model_hash = model_weights_hash(run.model) if run.state.is_main_process else None  # before any sharding
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(run.model)
@@ -743,6 +747,7 @@ def finish(run: Pass) -> None:
     """Record the segment's shards and this run's timing; a full precompute marks the cache complete, an append adds
     its segment to the cache (one atomic manifest write). Print the summary."""
     config, prepared, progress, manifest = run.config, run.prepared, run.progress, run.manifest
+    peak_memory = run.peaks.per_process(run.state)
     if run.state.is_main_process:
         timing = {
             "preprocess_seconds": round(prepared.seconds, 3),
@@ -758,6 +763,7 @@ def finish(run: Pass) -> None:
             "token_efficiency": round(progress.tokens_needed / max(progress.tokens_executed, 1), 4),
             "wall_seconds": round(time.perf_counter() - run.started, 3),
             "processes": run.state.num_processes,
+            "peak_memory": peak_memory,
         }
         segment = run.segment
         segment["shards"] = [s["file"] for s in run.written]
@@ -800,6 +806,7 @@ def _print_summary(manifest: Manifest, segment: dict[str, Any], out: Path, secon
         f"{timing['rows_scored'] / max(timing['reference_pass_seconds'], 1e-9):.1f} rows/s, "
         f"{timing['tokens_scored'] / max(timing['reference_pass_seconds'], 1e-9):.0f} tokens/s\n"
         f"  wall time    {seconds:.1f} s\n"
+        f"  memory       peak private host memory: {describe(timing['peak_memory'])}\n"
         f"  shards       {len(manifest.shards)}\n"
         f"  cache        {out.resolve()}",
         flush=True,

@@ -64,8 +64,9 @@ def load_base(config: TrainConfig, manifest: Manifest, init: InitPoint | None = 
     return load_model(model_name, torch.float32, revision, config.trust_remote_code)
 
 
-def load_policy(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None):
-    """(tokenizer, policy, MoE aux-loss weight): the policy only, with the cache's tokenizer, ready to train."""
+def load_policy(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None, engine=None):
+    """(tokenizer, policy, MoE aux-loss weight): the policy only, with the cache's tokenizer, ready to train. Its
+    weights are loaded as `engine` loads a model (`Engine.load`: on a sharding engine, maybe by one process only)."""
     if init is not None:
         model_name, revision = str(init.run_dir), None
     else:
@@ -79,7 +80,8 @@ def load_policy(config: TrainConfig, manifest: Manifest, init: InitPoint | None 
             "would not mean the same thing. Train a model that shares the cache's tokenizer, or precompute a "
             "new cache with this model."
         )
-    model = load_base(config, manifest, init)
+    read = lambda: load_base(config, manifest, init)  # noqa: E731
+    model = engine.load(read, config.trust_remote_code) if engine is not None else read()
     aux_coef = router_aux_coef(model, config)
     return tokenizer, ready_to_train(model, config, init), aux_coef
 

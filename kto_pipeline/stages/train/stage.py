@@ -45,6 +45,7 @@ from kto_pipeline.model_card import write_model_card
 from kto_pipeline.rundir import InitPoint, MetricsWriter, TrainerState, finished_at, start_run
 from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.launch import launched_processes, print0, process_state, shows_progress
+from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported
 from kto_pipeline.stages.train.batches import CacheRows, Collator, EpochSampler, PolicyScorer
@@ -101,6 +102,7 @@ class Run:
     aux_coef: float  # MoE load-balancing weight (0: not a MoE model)
     padded_because: str | None  # why batches are padded; None: packed
     trackers: list[str]
+    peaks: PeakMemory  # each process's peak memory, sampled from the start
     progress: Progress = field(default_factory=Progress)
     metrics: MetricsWriter | None = None
 
@@ -134,6 +136,7 @@ def train(config: TrainConfig) -> TrainResult:
 
 def setup(config: TrainConfig) -> Run:
     """Check the inputs, then load the policy and build the loaders, optimizer and schedule. Nothing is written."""
+    peaks = PeakMemory()
     out = Path(config.output_dir)
     resume_dir = resolve_resume(out, config.resume, config.resume_from)
     if resume_dir is None or resume_dir.parent.resolve() != out.resolve():
@@ -160,7 +163,7 @@ def setup(config: TrainConfig) -> Run:
         print0(accelerator, warning)
     print0(accelerator, f"policy: {regime}, {engine}")
     init = init_point(config, cache.manifest, accelerator)
-    tokenizer, model, aux_coef = load_policy(config, cache.manifest, init)
+    tokenizer, model, aux_coef = load_policy(config, cache.manifest, init, engine)
     padded_because = packing_unsupported(model)
     sampler, loader, eval_loader, eval_groups = _loaders(
         config, cache, max_length, accelerator, tokenizer, model, padded_because
@@ -198,6 +201,7 @@ def setup(config: TrainConfig) -> Run:
         aux_coef=aux_coef,
         padded_because=padded_because,
         trackers=trackers,
+        peaks=peaks,
     )
 
 
@@ -457,6 +461,7 @@ def finish(run: Run) -> TrainResult:
     state.packing = "packed" if run.padded_because is None else f"padded ({run.padded_because})"
     state.reference_hash = run.manifest.reference["weights_hash"]
     state.round = run.init.round + 1 if run.init else 1
+    state.peak_memory = run.peaks.per_process(accelerator)
     if run.init:
         state.parent_run = {
             "path": str(run.init.run_dir.resolve()),
@@ -483,7 +488,8 @@ def finish(run: Run) -> TrainResult:
             f"train finished: {p.global_step} steps in {state.train_seconds:.1f} s; model and its card "
             f"(README.md) in {out.resolve()}\n"
             f"  efficiency   {state.token_efficiency:.1%}: {needed} tokens needed (each prompt once, no padding) "
-            f"/ {executed} run in forwards; batches {state.packing}, KL forward {state.kl_forward}",
+            f"/ {executed} run in forwards; batches {state.packing}, KL forward {state.kl_forward}\n"
+            f"  memory       peak private host memory: {describe(state.peak_memory)}",
             flush=True,
         )
     run.engine.close(run.scorer)

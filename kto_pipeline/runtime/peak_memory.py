@@ -1,0 +1,73 @@
+"""Each process's peak memory, recorded by both stages (manifest.json's timing, trainer_state.json), so that a user
+sees how the memory was spread over the processes and where it was not.
+
+Per process, from the start of the stage:
+  - `host_private_mib`: the peak of its private resident memory (`RssAnon` in /proc/self/status, sampled every
+    10 ms by a daemon thread). Weights memory-mapped from the page cache (safetensors) are shared between
+    processes and not counted: this is the memory a process adds to the machine's.
+  - `host_rss_mib`: its peak resident set as the kernel tracks it (`VmHWM`), file-backed pages included.
+  - `accelerator_mib`: torch's peak allocated accelerator memory (`torch.cuda.max_memory_allocated`), None on
+    the CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+MIB = 1 << 20
+
+
+def _status_kib(*keys: str) -> dict[str, int]:
+    """Fields of /proc/self/status, in KiB ({} where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    return {key: int(fields[key].split()[0]) for key in keys if key in fields}
+
+
+class PeakMemory:
+    """Samples this process's private memory until `per_process` is called (every process calls it together)."""
+
+    def __init__(self, interval_seconds: float = 0.01):
+        self.peak_private_kib = _status_kib("RssAnon").get("RssAnon", 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(interval_seconds,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.peak_private_kib = max(self.peak_private_kib, _status_kib("RssAnon").get("RssAnon", 0))
+
+    def mine(self, rank: int) -> dict:
+        """This process's peaks so far."""
+        self.peak_private_kib = max(self.peak_private_kib, _status_kib("RssAnon").get("RssAnon", 0))
+        accelerator = torch.cuda.max_memory_allocated() / MIB if torch.cuda.is_initialized() else None
+        return {
+            "rank": rank,
+            "host_private_mib": round(self.peak_private_kib / 1024, 1),
+            "host_rss_mib": round(_status_kib("VmHWM").get("VmHWM", 0) / 1024, 1),
+            "accelerator_mib": None if accelerator is None else round(accelerator, 1),
+        }
+
+    def per_process(self, state) -> list[dict]:
+        """Every process's peaks, by rank (a collective: all processes call it); stops the sampling."""
+        from accelerate.utils import gather_object
+
+        mine = self.mine(state.process_index)
+        self._stop.set()
+        return sorted(gather_object([mine]) if state.num_processes > 1 else [mine], key=lambda m: m["rank"])
+
+
+def describe(peaks: list[dict]) -> str:
+    """ "rank 0 1234 MiB, rank 1 567 MiB" (private host memory; accelerator memory after a slash where there is one)."""
+
+    def one(m: dict) -> str:
+        accelerator = "" if m["accelerator_mib"] is None else f" / {m['accelerator_mib']:.0f} on the accelerator"
+        return f"rank {m['rank']} {m['host_private_mib']:.0f} MiB{accelerator}"
+
+    return ", ".join(one(m) for m in peaks)
