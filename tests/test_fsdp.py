@@ -238,3 +238,25 @@ def test_fsdp2_lora_with_merge_equals_one_process(tmp_path, skewed):
     assert w1.keys() == w2.keys() and not any("lora_" in k for k in w2)
     for key in w1:
         assert float((w1[key] - w2[key]).norm() / w1[key].norm().clamp(min=1e-12)) < 1e-4, key
+
+
+def test_a_model_built_empty_has_the_loaded_models_parameters(tmp_path):
+    """With the weights read by the main process only, the others build the model from its config on the meta
+    device: the same parameters (tied embeddings tied, as from_pretrained ties them), or the collectives of the
+    sharded forward would not match."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kto_pipeline.runtime.engines.fsdp2 import parameter_layout, empty_model
+
+    for tied in (True, False):
+        config = LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            tie_word_embeddings=tied,
+        )  # fmt: skip
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / str(tied))
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / str(tied))
+        empty = empty_model(loaded.config, torch.float32)
+        assert parameter_layout(empty) == parameter_layout(loaded), tied
+        assert all(p.is_meta for p in empty.parameters()) and not any(b.is_meta for b in empty.buffers())
+        assert (empty.lm_head.weight is empty.model.embed_tokens.weight) is tied

@@ -103,10 +103,19 @@ class FSDP2(Engine):
 
         def read_on_main() -> dict:
             loaded.append(read())
-            return {"config": loaded[0].config, "dtype": next(loaded[0].parameters()).dtype}
+            model = loaded[0]
+            return {"config": model.config, "dtype": next(model.parameters()).dtype, "layout": parameter_layout(model)}
 
-        built = main_decides(PartialState(), read_on_main)
+        state = PartialState()
+        built = main_decides(state, read_on_main)
         model = loaded[0] if loaded else empty_model(built["config"], built["dtype"], trust_remote_code)
+        # every process must shard the same parameters (else the collectives mismatch): all agree, or all stop
+        if most_of_all(int(parameter_layout(model) != built["layout"]), state.device):
+            raise KTOPipelineError(
+                f"FSDP2: {type(model).__name__} built from its config has other parameters than the loaded model, so "
+                "the weights cannot be read by one process and spread. Set `fsdp_cpu_ram_efficient_loading: false` "
+                "in the accelerate config (FSDP_CPU_RAM_EFFICIENT_LOADING=false): every process then reads them."
+            )
         self._fill_next = True
         return model
 
@@ -258,4 +267,11 @@ def empty_model(config, dtype: torch.dtype, trust_remote_code: bool = False) -> 
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # as from_pretrained ties them (tie_word_embeddings): one parameter, as on the main process
+    return model
+
+
+def parameter_layout(model) -> list[tuple[str, tuple[int, ...]]]:
+    """The model's parameters (tied ones once): names and shapes."""
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]

@@ -1,0 +1,162 @@
+"""Each process's peak private memory when FSDP2 loads a model, with and without `fsdp_cpu_ram_efficient_loading`.
+
+    python benchmarks/bench_loading.py            # writes its section of RESULTS.md
+    python benchmarks/bench_loading.py --quick    # a tiny model in place of the big one: checks the code path
+
+Both stages run under torchrun, 2 CPU processes on gloo, FSDP2 as `configs/accelerate/fsdp.yaml` exports it, on a
+Qwen2-architecture model with random weights (about 440M parameters, 1.7 GB in float32, saved as safetensors) and
+on a tiny one (the process's baseline: Python, torch, transformers, the process group). Each run records every
+process's peak private memory (`RssAnon`, sampled every 10 ms; memory-mapped weights are shared page cache and do
+not count) in the manifest and trainer_state.json; this script reads them there.
+
+The goal, for a process that does not read the weights: its peak at most its shard of the weights + the largest
+tensor (received whole, then cut) + the baseline, within 20%. Training adds the step's own state on top of that
+(a gradient and two AdamW moments per parameter of the shard, 3 x the shard), which the training bound includes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harness import (
+    HERE,
+    TINY,
+    machine,
+    publish,
+    random_qwen2,
+    script_parser,
+    table_head,
+    utc_stamp,
+    write_jsonl,
+)
+
+HEADING = "## Loading a sharded model: each process's peak memory"
+MIB = 1 << 20
+# about 440M parameters: hidden 1024, 24 layers, a 32,000-token vocabulary (tied)
+BIG = dict(hidden=1024, layers=24, heads=16, kv_heads=16, intermediate=4096, vocab=32000, max_position_embeddings=2048)
+PRESETS = {"big": dict(BIG, tie_word_embeddings=True, rope_theta=1e6), "tiny": dict(TINY, tie_word_embeddings=True)}
+FSDP_ENV = {
+    "ACCELERATE_USE_CPU": "1",
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_RESHARD_AFTER_FORWARD": "true",
+    "OMP_NUM_THREADS": "1",
+    "TQDM_DISABLE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+}
+GOAL = 1.2  # measured peak / bound
+
+
+def rows(n: int = 16) -> list[dict]:
+    return [
+        {"prompt": f"Question {i}: what is {i} + {i}?", "completion": f" It is {2 * i}.", "label": bool(i % 2)}
+        for i in range(n)
+    ]
+
+
+def launch(args: list[str], env: dict[str, str], log: Path) -> None:
+    """`torchrun --standalone --nproc_per_node 2 -m kto_pipeline ARGS`; its output in `log`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += ["-m", "kto_pipeline", *args]
+    with open(log, "w") as out:
+        proc = subprocess.run(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
+
+
+def weights(model_dir: Path) -> dict[str, float]:
+    """The model's float32 bytes in MiB: all of it, and its largest tensor."""
+    from safetensors import safe_open
+
+    sizes = []
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            shape = f.get_slice(key).get_shape()
+            n = 1
+            for d in shape:
+                n *= d
+            sizes.append(n * 4)
+    return {"total_mib": sum(sizes) / MIB, "largest_mib": max(sizes) / MIB, "parameters": sum(sizes) // 4}
+
+
+def measure(work: Path, model: Path, data: Path, one_reader: bool) -> dict[str, list[dict]]:
+    """Both stages, 2 processes: each process's peaks (the manifest's, trainer_state.json's)."""
+    tag = f"{model.name}-{'main-reads' if one_reader else 'all-read'}"
+    env = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": str(one_reader).lower()}
+    cache, run = work / "runs" / f"cache-{tag}", work / "runs" / f"train-{tag}"
+    pre = ["precompute", "--model", str(model), "--dataset", str(data), "--output", str(cache), "--overwrite"]
+    launch([*pre, "--max-length", "64"], env, work / f"precompute-{tag}.log")
+    train = ["train", "--cache", str(cache), "--output-dir", str(run), "--overwrite-output-dir", "--max-steps", "1"]
+    launch([*train, "--per-device-train-batch-size", "2", "--save-steps", "0"], env, work / f"train-{tag}.log")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    state = json.loads((run / "trainer_state.json").read_text())
+    return {"precompute": manifest["timing"]["peak_memory"], "train": state["peak_memory"]}
+
+
+def render(measured: dict, sizes: dict, args, seconds: float) -> str:
+    shard = sizes["total_mib"] / 2
+    lines = [
+        HEADING,
+        "",
+        f"- command: `python benchmarks/bench_loading.py{' --quick' if args.quick else ''}`; date: {utc_stamp()}; "
+        f"total {seconds:.0f} s",
+        f"- machine: {machine()}",
+        f"- model: Qwen2 architecture, random weights, {sizes['parameters'] / 1e6:.0f}M parameters, "
+        f"{sizes['total_mib']:.0f} MiB in float32 (safetensors); its largest tensor {sizes['largest_mib']:.0f} MiB; "
+        f"one process's shard {shard:.0f} MiB",
+        "- launch: torchrun, 2 CPU processes (gloo), FSDP2 as configs/accelerate/fsdp.yaml exports it; precompute "
+        "of 16 rows, then train 1 step (batch 2 x 2 processes, AdamW)",
+        "- figure: each process's peak private memory (RssAnon, MiB) as the run recorded it; the baseline is the "
+        "same launch on a tiny model (2 layers, hidden 64)",
+        "",
+        *table_head("| stage | weights read by | process | peak (MiB) | baseline (MiB) | bound (MiB) | peak / bound |"),
+    ]
+    for stage, extra in (("precompute", 0.0), ("train", 3 * shard)):
+        for one_reader in (False, True):
+            for m, base in zip(measured["big", one_reader][stage], measured["tiny", one_reader][stage], strict=True):
+                reader = one_reader and m["rank"] == 0 or not one_reader
+                bound = base["host_private_mib"] + shard + sizes["largest_mib"] + extra
+                ratio = m["host_private_mib"] / bound
+                who = "the main process only" if one_reader else "every process"
+                lines.append(
+                    f"| {stage} | {who} | {m['rank']}{' (reads)' if reader else ''} | {m['host_private_mib']:.0f} | "
+                    f"{base['host_private_mib']:.0f} | {bound:.0f} | {ratio:.2f}"
+                    f"{'' if reader else (' (goal <= 1.2: met)' if ratio <= GOAL else ' (goal <= 1.2: NOT met)')} |"
+                )
+    lines += [
+        "",
+        "bound = baseline + the shard + the largest tensor (+ 3 x the shard in training: a gradient and two AdamW "
+        "moments per parameter of the shard). The goal applies to a process that does not read the weights.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = script_parser(__doc__)
+    parser.add_argument("--quick", action="store_true", help="the tiny model in place of the big one")
+    parser.add_argument("--results", default=str(HERE / "RESULTS.md"), help="file to write the section into")
+    args = parser.parse_args()
+    work = Path(args.work) / "loading"
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    models = {name: work / f"model-{name}" for name in ("big", "tiny")}
+    for name, path in models.items():
+        random_qwen2(path, PRESETS["tiny" if args.quick else name])
+    data = write_jsonl(work / "data.jsonl", rows())
+    measured = {}
+    for name, path in models.items():
+        for one_reader in (False, True):
+            print(f"  {name} model, weights read by {'the main process' if one_reader else 'every process'} ...")
+            measured[name, one_reader] = measure(work, path, data, one_reader)
+    report = render(measured, weights(models["big"]), args, time.perf_counter() - started)
+    publish(report, None if args.quick else args.results, HEADING)
+
+
+if __name__ == "__main__":
+    main()
