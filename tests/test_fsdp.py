@@ -247,7 +247,7 @@ def test_a_model_built_empty_has_the_loaded_models_parameters(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from kto_pipeline.runtime.engines.fsdp2 import parameter_layout, empty_model
+    from kto_pipeline.runtime.engines.fsdp2 import empty_model, parameter_layout
 
     for tied in (True, False):
         config = LlamaConfig(
