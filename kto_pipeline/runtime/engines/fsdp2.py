@@ -161,15 +161,12 @@ class FSDP2(Engine):
         for unit in [*units, root]:
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
         if fill:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
             if not main:  # this process's shards, allocated (uninitialized) where they compute
                 root.to_empty(device=device if not self.offload_params else torch.device("cpu"))
                 with torch.no_grad():
                     for name, buffer in root.named_buffers():
                         buffer.copy_(buffers[name])
-            # rank 0 broadcasts each tensor whole, one at a time; every process copies its shard of it
-            set_model_state_dict(root, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            _fill_from_main(root, whole, device)
             del whole, buffers
         return root
 
@@ -275,3 +272,22 @@ def empty_model(config, dtype: torch.dtype, trust_remote_code: bool = False) -> 
 def parameter_layout(model) -> list[tuple[str, tuple[int, ...]]]:
     """The model's parameters (tied ones once): names and shapes."""
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+@torch.no_grad()
+def _fill_from_main(root: torch.nn.Module, whole: dict, device: torch.device) -> None:
+    """Copy the main process's whole weights (`whole`, empty elsewhere) into every process's shards of `root`: one
+    tensor at a time, broadcast whole, then each process keeps its part. A process holds its shards and one whole
+    tensor at most (torch's `set_model_state_dict(broadcast_from_rank0=True)` holds every received tensor until the
+    end: the whole model)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, target in root.state_dict().items():
+        local = target.to_local() if isinstance(target, DTensor) else target
+        full = whole[name].to(device) if whole else torch.empty(target.shape, dtype=target.dtype, device=device)
+        dist.broadcast(full, src=0)
+        if isinstance(target, DTensor):  # this process's part of it, cut where it is (no communication)
+            full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        local.copy_(full)
+        del full
