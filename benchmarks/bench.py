@@ -67,9 +67,6 @@ SMOLLM2_NAMES = ("ours_precompute", "trl_precompute", "ours_train", "trl_train_o
 MAIN_NAMES = (*SMOLLM2_NAMES, "ours_sweep", "trl_sweep_online", "trl_sweep_precomputed")
 
 
-# ----------------------------------------------------------------------------------------- setup
-
-
 def build_assets(work: Path, size: dict) -> None:
     """A Qwen2 model with random weights, a char tokenizer padded to the vocab size (harness.random_qwen2), and a
     dataset of random words."""
@@ -109,9 +106,6 @@ def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
     pairs = [json.loads(line) for line in paired.read_text(encoding="utf-8").splitlines()]
     write_jsonl(data, unpaired_rows(pairs), ensure_ascii=False)
     return model, data
-
-
-# ---------------------------------------------------------------------------------------- workers
 
 
 LORA = dict(r=16, alpha=32, dropout=0.05)
@@ -286,25 +280,16 @@ def trl_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, 
     for beta in SWEEP_BETAS:
         settings = trl_settings(size, size["sweep_steps"], beta)
         trl_trainer(model, data, out / f"beta{beta}", precompute=name.endswith("precomputed"), **settings).train()
-    return dict(
-        seconds=time.perf_counter() - start,
-        reference_passes=len(passes),
-        reference_pass_seconds=[round(p, 2) for p in passes],
-    )
+    seconds = time.perf_counter() - start
+    return dict(seconds=seconds, reference_passes=len(passes), reference_pass_seconds=[round(p, 2) for p in passes])
 
 
-WORKERS = {
-    "ours_precompute": ours_precompute_worker,
-    "trl_precompute": trl_precompute_worker,
-    "ours_train": ours_train_worker,
-    "ours_train_lora": ours_train_worker,
-    "trl_train_online": trl_train_worker,
-    "trl_train_precomputed": trl_train_worker,
-    "trl_train_lora": trl_train_worker,
-    "ours_sweep": ours_sweep_worker,
-    "trl_sweep_online": trl_sweep_worker,
-    "trl_sweep_precomputed": trl_sweep_worker,
-}
+WORKERS = dict(
+    ours_precompute=ours_precompute_worker, trl_precompute=trl_precompute_worker, ours_sweep=ours_sweep_worker
+)
+WORKERS |= dict.fromkeys(("ours_train", "ours_train_lora"), ours_train_worker)
+WORKERS |= dict.fromkeys(("trl_train_online", "trl_train_precomputed", "trl_train_lora"), trl_train_worker)
+WORKERS |= dict.fromkeys(("trl_sweep_online", "trl_sweep_precomputed"), trl_sweep_worker)
 
 
 def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = None, data: Path | None = None) -> dict:
@@ -334,9 +319,6 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = No
     result.update(WORKERS[name](name, work, size, out, model, data))
     result["peak_rss_mib"] = peak_rss_mib()
     return result
-
-
-# ------------------------------------------------------------------------------------------- main
 
 
 def bench_worker(name: str, work: Path, size_name: str, case="random", model=None, data=None) -> dict:
@@ -380,21 +362,12 @@ def parse_args() -> argparse.Namespace:
     parser = script_parser(__doc__)
     parser.add_argument("--size", default="full", choices=sorted(SIZES))
     parser.add_argument("--results", default=None, help="Markdown file to write (default: RESULTS.md for full)")
-    parser.add_argument(
-        "--only",
-        choices=["lora", "smollm2", "scale", "append"],
-        help="Run only these rows and update their section of --results",
-    )
-    parser.add_argument(
-        "--scale-rows",
-        help="--only scale: comma-separated row counts (default: 20000,200000,1000000 for full, 500,2000 for smoke); "
-        "--only append: the cache sizes (default: 20000,200000 for full, 50,200 for smoke)",
-    )
-    parser.add_argument(
-        "--scale-tokenizer",
-        choices=["smollm2", "char"],
-        help="--only scale or append: the tokenizer (default: smollm2 for full, char for smoke)",
-    )
+    only = ["lora", "smollm2", "scale", "append"]
+    parser.add_argument("--only", choices=only, help="Run only these rows and update their section of --results")
+    rows_help = "--only scale: comma-separated row counts; --only append: the cache sizes (default: the --size's)"
+    parser.add_argument("--scale-rows", help=rows_help)
+    tok_help = "--only scale or append: the tokenizer (default: smollm2 for full, char for smoke)"
+    parser.add_argument("--scale-tokenizer", choices=["smollm2", "char"], help=tok_help)
     parser.add_argument("--case", default="random", choices=sorted(CASES), help=argparse.SUPPRESS)  # workers
     parser.add_argument("--model", help=argparse.SUPPRESS)  # workers: model directory
     parser.add_argument("--data", help=argparse.SUPPRESS)  # workers: dataset file

@@ -58,9 +58,6 @@ def smollm2_config():
     return LlamaConfig(**SMOLLM2)
 
 
-# ------------------------------------------------------------------------------------------ real trl, fake tensors
-
-
 @contextmanager
 def trl_on_a_cuda_device():
     """trl's fused LM head as it runs on a CUDA device, under fake CPU tensors: only the scored positions
@@ -261,9 +258,6 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
     return memory.to_dict(), ours
 
 
-# ------------------------------------------------------------------------------------------ the cases
-
-
 def comparison(name: str, max_length: int, gradient_checkpointing: bool, work: Path) -> dict:
     """One table row: ours, trl online and trl precomputed (real trl and this package's model of it), the floor,
     on 8 kto-mix-like rows of at most `max_length` tokens, bf16 autocast, AdamW."""
@@ -455,9 +449,6 @@ def accelerate_estimate(name: str) -> dict:
         "adam_float32_bytes": max(estimate_training_usage(total, "float32").values()),
         "adam_float16_bytes": max(estimate_training_usage(total, "float16").values()),
     }
-
-
-# ------------------------------------------------------------------------------------------ the report
 
 
 def gib(x) -> str:

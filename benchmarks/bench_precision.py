@@ -81,9 +81,6 @@ TRL_RUNS = (
 STEP1_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "logps/chosen", "logps/rejected", "loss")
 
 
-# ------------------------------------------------------------------------------------------- data
-
-
 def write_rows(data: Path, pairs: int, batch: int, work: Path) -> tuple[Path, Path]:
     """(the first `pairs` paired rows, as the demo feeds precompute; the first `batch` of the same rows unpaired,
     for trl: pair i -> its chosen answer as a desirable row, then its rejected one as an undesirable row, the order
@@ -96,9 +93,6 @@ def write_rows(data: Path, pairs: int, batch: int, work: Path) -> tuple[Path, Pa
     paired.write_text("\n".join(lines) + "\n", encoding="utf-8")
     write_jsonl(unpaired, unpaired_rows(json.loads(line) for line in lines)[:batch])
     return paired, unpaired
-
-
-# ---------------------------------------------------------------------------------------- workers
 
 
 def caches_worker(args: argparse.Namespace, out: Path) -> dict:
@@ -214,9 +208,6 @@ def worker(args: argparse.Namespace) -> dict:
     raise SystemExit(f"unknown worker {args.name}")
 
 
-# ------------------------------------------------------------------------------------------ stats
-
-
 def read_cache(path: Path) -> dict:
     from kto_pipeline.cache import open_cache
 
@@ -270,9 +261,6 @@ def trl_reference_stats(trl: dict, caches: dict[str, dict], max_length: int) -> 
             **(diff_stats([r["ref_logp"] for r in common], [ours[r["key"]] for r in common]) if common else {}),
         )
     return out
-
-
-# ------------------------------------------------------------------------------------------ report
 
 
 def _g(x: float | None) -> str:
@@ -513,9 +501,6 @@ def summary_lines(r: dict) -> list[str]:
     for name, error in failed.items():
         out.append(f"- {name} failed: `{error}`")
     return out
-
-
-# ------------------------------------------------------------------------------------------- main
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,11 +1,9 @@
-"""The scale case of the benchmark (`python benchmarks/bench.py --only scale`, part of `make bench`): preprocessing
-rows/s and peak RSS at 20,000 / 200,000 / 1,000,000 short unpaired rows, kto-pipeline against trl.KTOTrainer 1.16,
-with 1 and 2 processes. The append case (`--only append`: `precompute --append` of 1% new rows next to the full
-precompute of a 200,000-row cache) is at the end of this file and uses the same rows and model.
-
-Every measurement runs in a fresh process (`bench.py worker scale_<tool>_<num_proc>`) with its own, empty
-HF_DATASETS_CACHE. What each one times (`_ours`, `_trl`), how the peaks are read and what is checked before any speed
-is reported are written into the section with the numbers (`render_scale`).
+"""Preprocessing rows/s and peak RSS at 20,000 / 200,000 / 1,000,000 short unpaired rows, kto-pipeline against
+trl.KTOTrainer 1.16, with 1 and 2 processes (`python benchmarks/bench.py --only scale`, part of `make bench`); and
+at the end, the append case (`--only append`: `precompute --append` of 1% new rows next to the full precompute of a
+200,000-row cache) on the same rows and model. Every measurement runs in a fresh process (`bench.py worker
+scale_<tool>_<num_proc>` or `append_<form>_<rows>`) with its own, empty HF_DATASETS_CACHE; what each one times and
+checks is written into the section with the numbers (`render_scale`, `render_append`).
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from harness import (
     machine,
     met,
     peak_rss_mib,
+    provenance,
     publish,
     rss_mib,
     run_worker,
@@ -56,8 +55,6 @@ def worker_name(tool: str, num_proc: int | None) -> str:
 def _proc_label(num_proc: int | None) -> str:
     return "default (None)" if num_proc is None else str(num_proc)
 
-
-# ------------------------------------------------------------------------------------------------ data
 
 _WORDS = (
     "the a an and or but if then so because while when where what which who how why is are was were be been "
@@ -172,9 +169,6 @@ def build_model(work: Path, tokenizer: str) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------------------------- workers
-
-
 def _peaks() -> dict:
     return {"peak_rss_mib": peak_rss_mib(), "children_peak_rss_mib": children_peak_rss_mib()}
 
@@ -218,18 +212,11 @@ def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict
         raise SystemExit("kto-pipeline read its tokenized rows from a cache: the measurement is void")
     rows = prepared.rows
     first = np.arange(min(CHECK_ROWS, len(rows)))
-    return {
-        "tool": "ours",
-        "num_proc": num_proc,
-        "source_rows": source_rows,
-        "kept_rows": len(rows),
-        "load_seconds": load_seconds,
-        "seconds": seconds,
-        "tokenize_seconds": prepared.tokenize_seconds,  # the datasets.map part of `seconds`
-        "kl_partners": len(prepared.partners),
-        "first_rows": {col: rows.take(first, col) for col in ("prompt_ids", "completion_ids")},
-        **peaks,
-    }
+    first_rows = {col: rows.take(first, col) for col in ("prompt_ids", "completion_ids")}
+    run = dict(tool="ours", num_proc=num_proc, source_rows=source_rows, kept_rows=len(rows), load_seconds=load_seconds)
+    # tokenize_seconds: the datasets.map part of `seconds`
+    run |= dict(seconds=seconds, tokenize_seconds=prepared.tokenize_seconds, kl_partners=len(prepared.partners))
+    return dict(run, first_rows=first_rows, **peaks)
 
 
 def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -258,34 +245,13 @@ def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -
     time_calls(KTOTrainer, "_prepare_dataset", prepared)
     constructor: dict = {}  # KTOTrainer.__init__ alone (its KTOConfig is built before it)
     time_calls(KTOTrainer, "__init__", lambda seconds, *args, **kwargs: constructor.update(seconds=seconds))
-    trainer = trl_trainer(
-        policy,
-        dataset,
-        out,
-        tokenizer=tokenizer,
-        batch=size["batch"],
-        max_length=size["max_length"],
-        precompute=False,
-        dataset_num_proc=num_proc,
-    )
-    ds = trainer.train_dataset
+    run = dict(tokenizer=tokenizer, batch=size["batch"], max_length=size["max_length"], dataset_num_proc=num_proc)
+    ds = trl_trainer(policy, dataset, out, precompute=False, **run).train_dataset
     first = ds.select(range(min(CHECK_ROWS, len(ds))))
-    return {
-        "tool": "trl",
-        "num_proc": num_proc,
-        "source_rows": len(dataset),
-        "kept_rows": len(ds),
-        "load_seconds": load_seconds,
-        "model_seconds": model_seconds,
-        "model_rss_mib": model_rss,
-        "init_seconds": constructor["seconds"],
-        **timed,
-        "end_peak_rss_mib": _peaks()["peak_rss_mib"],
-        "first_rows": {col: [list(x) for x in first[col]] for col in ("prompt_ids", "completion_ids")},
-    }
-
-
-# ------------------------------------------------------------------------------------------------ main
+    run = dict(tool="trl", num_proc=num_proc, source_rows=len(dataset), kept_rows=len(ds), load_seconds=load_seconds)
+    run |= dict(model_seconds=model_seconds, model_rss_mib=model_rss, init_seconds=constructor["seconds"], **timed)
+    first_rows = {col: [list(x) for x in first[col]] for col in ("prompt_ids", "completion_ids")}
+    return dict(run, end_peak_rss_mib=_peaks()["peak_rss_mib"], first_rows=first_rows)
 
 
 def check_tokens(results: dict[str, dict], rows: int) -> None:
@@ -447,14 +413,11 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
     table, details = _scale_tables(measured, skipped, size)
     goals, notes = _scale_goals(measured, size)
     model_rss = max((r.get("model_rss_mib", 0.0) for m in measured.values() for r in m.values()), default=0.0)
+    command = f"`python benchmarks/bench.py --size {size_name} --only scale` (in `make bench`)"
     lines = [
         SCALE_HEADING,
         "",
-        f"- command: `python benchmarks/bench.py --size {size_name} --only scale` (in `make bench`)",
-        f"- date: {utc_stamp()}; total time {seconds:.0f} s",
-        f"- machine: {machine()}",
-        f"- versions: {versions('kto-pipeline', 'trl', 'datasets', 'transformers', 'tokenizers', 'torch')}, "
-        f"Python {sys.version.split()[0]}",
+        *provenance(command, seconds, "kto-pipeline", "trl", "datasets", "transformers", "tokenizers", "torch"),
         "- data: short unpaired rows (prompts of 10-30 words, completions of 5-20, questions and instructions with "
         "punctuation, numbers, line breaks and about 1.5% non-ASCII words; `bench_scale.row_stream`), the first N "
         f"rows of one stream as a .jsonl; tokenizer: {_tokenizer_text(size)}, the same for both tools; max_length "
@@ -489,8 +452,6 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
     return "\n".join(lines)
 
 
-# ==================================================================================================== append
-#
 # The append case (`python benchmarks/bench.py --only append`): what `kto-pipeline precompute --append` costs next to
 # the full precompute of the cache it grows, run through the CLI's entry point in fresh processes
 # (`bench.py worker append_<full|log|new>_N`: `append_worker`); how each run is timed and split is written into the
@@ -509,26 +470,16 @@ FLAT_MIB = 50  # "memory stays flat": an append's peak RSS grows at most this mu
 # The functions of kto_pipeline.stages.precompute.stage that are timed, by the part of an append's cost they are:
 # fixed (does not grow with the dataset or the new rows; reading the cache's keys and matching grow with the cache,
 # a few bytes a row), proportional to the dataset given (the grown log, or the new rows alone), or to the new rows.
-PHASES = {
-    "precompute": "fixed",  # its own time: process group, the --output lock
-    "setup": "fixed",  # load the tokenizer, check --output
-    "open_base": "fixed",  # read the manifest, check the keys files, hash the tokenizer
-    "held_keys": "fixed",  # read the cache's keys files
-    "match_keys": "fixed",  # match the dataset's keys against them
-    "load_reference": "fixed",  # load the model, hash its weights
-    "plan_output": "fixed",  # write the segment's keys file and the manifest
-    "finish": "fixed",  # the manifest
-    "load_source": "data",  # JSON -> Arrow in the datasets cache
-    "check_source": "data",
-    "content_hash": "data",  # sha256 of the file
-    "content_keys": "data",  # a key per row: datasets.map, normalize + sha256
-    "open_keys": "data",
-    "prepare_rows": "other",  # its own time: select the new rows, open the tokenized file
-    "preprocess": "rows",  # tokenize (datasets.map)
-    "select_rows": "rows",
-    "_kl_partners": "rows",
-    "score_shards": "rows",  # the reference pass
-}
+# fixed: precompute's own time (process group, the --output lock), setup (tokenizer, --output), open_base (manifest,
+# keys files, tokenizer hash), held_keys (the cache's keys files), match_keys, load_reference (model, weights hash),
+# plan_output (the segment's keys file, manifest), finish. data: load_source (JSON -> Arrow), check_source,
+# content_hash (sha256 of the file), content_keys (a key per row: datasets.map, normalize + sha256), open_keys.
+# other: prepare_rows' own time (select the new rows, open the tokenized file). rows: preprocess (tokenize),
+# select_rows, _kl_partners, score_shards (the reference pass).
+_FIXED = ("precompute", "setup", "open_base", "held_keys", "match_keys", "load_reference", "plan_output", "finish")
+PHASES = dict.fromkeys(_FIXED, "fixed") | dict.fromkeys(("load_source", "check_source", "content_hash"), "data")
+PHASES |= dict.fromkeys(("content_keys", "open_keys"), "data") | {"prepare_rows": "other"}
+PHASES |= dict.fromkeys(("preprocess", "select_rows", "_kl_partners", "score_shards"), "rows")
 BUCKETS = {
     "start": "process start, imports, exit",
     "fixed": "fixed (tokenizer, manifest + keys files, matching, model load, writes)",
@@ -631,26 +582,16 @@ def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> 
     for call in calls:
         exclusive[call["name"]] = exclusive.get(call["name"], 0.0) + call["exclusive"]
     tokenized = [c["rows"] for c in calls if c["name"] == "preprocess"]
-    return {
-        "form": form,
-        "argv": argv,
-        "imports_seconds": imports_seconds,
-        "cli_seconds": cli_seconds,
-        "cpu_seconds": usage.ru_utime + usage.ru_stime,
-        "phases": exclusive,
-        "calls": {c["name"]: c["seconds"] for c in calls},  # inclusive, the last call of each
-        "source_rows": next((c["rows"] for c in calls if c["name"] == "load_source"), None),
-        "keyed_rows": sum(c["rows"] for c in calls if c["name"] == "content_keys"),
-        "tokenized_rows": sum(tokenized),
-        "tokenize_calls": len(tokenized),
-        "segment": {k: segment[k] for k in ("index", "rows", "normalized_rows", "matched_rows", "timing", "shards")},
-        "cache_rows": manifest.counts["rows"],
-        "segments": len(manifest["segments"]),
-        "baseline_rss_mib": baseline,
-        "threads": torch.get_num_threads(),
-        "pid": os.getpid(),
-        **peaks,
-    }
+    run = dict(form=form, argv=argv, imports_seconds=imports_seconds, cli_seconds=cli_seconds, phases=exclusive)
+    run |= dict(
+        cpu_seconds=usage.ru_utime + usage.ru_stime, calls={c["name"]: c["seconds"] for c in calls}
+    )  # inclusive
+    run |= dict(source_rows=next((c["rows"] for c in calls if c["name"] == "load_source"), None))
+    run |= dict(keyed_rows=sum(c["rows"] for c in calls if c["name"] == "content_keys"))
+    run |= dict(tokenized_rows=sum(tokenized), tokenize_calls=len(tokenized), cache_rows=manifest.counts["rows"])
+    keys = ("index", "rows", "normalized_rows", "matched_rows", "timing", "shards")
+    run |= dict(segment={k: segment[k] for k in keys}, segments=len(manifest["segments"]), baseline_rss_mib=baseline)
+    return dict(run, threads=torch.get_num_threads(), pid=os.getpid(), **peaks)
 
 
 def _file_hashes(cache: Path) -> dict[str, str]:
@@ -799,20 +740,8 @@ def _append_tables(measured: dict, checks: dict, size: dict) -> tuple[list[str],
         "manifest: wall s | preprocess s | reference pass s | CPU s | peak RSS MiB | vs full pass |"
     )
     split = table_head("| cache rows | run | " + " | ".join(BUCKETS.values()) + " | total s |")
-    shown = (
-        "load_source",
-        "content_hash",
-        "content_keys",
-        "preprocess",
-        "score_shards",
-        "load_reference",
-        "setup",
-        "open_base",
-        "held_keys",
-        "match_keys",
-        "plan_output",
-        "finish",
-    )
+    shown = ("load_source", "content_hash", "content_keys", "preprocess", "score_shards", "load_reference", "setup")
+    shown += ("open_base", "held_keys", "match_keys", "plan_output", "finish")
     phases = table_head("| cache rows | run | imports | " + " | ".join(shown) + " |")
     for n in size["caches"]:
         full = measured[n]["full"]

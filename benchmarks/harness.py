@@ -27,8 +27,6 @@ HERE = Path(__file__).resolve().parent  # benchmarks/
 WORK_DIR = HERE / ".work"  # scratch: models, data, runs (git-ignored)
 RESULT_PREFIX = "RESULT "
 
-# ------------------------------------------------------------------------------------------- workers
-
 
 def print_result(result: dict) -> None:
     """A worker's answer: its one `RESULT {json}` line on stdout, read back by `run_worker`."""
@@ -91,9 +89,6 @@ def fresh_runs(work: Path) -> None:
     shutil.rmtree(work / "hf-datasets-cache", ignore_errors=True)
 
 
-# ------------------------------------------------------------------------------------ memory, machine
-
-
 def proc_status(pid: int | str = "self") -> dict[str, int]:
     """The kB fields of /proc/PID/status (VmRSS, RssAnon, RssFile, ...)."""
     fields = {}
@@ -148,9 +143,6 @@ def utc_stamp() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-# ------------------------------------------------------------------------------------------ timing
-
-
 def median_step(times: list[float]) -> float:
     """Median over the steps after the first (the first pays one-off warm-up costs)."""
     return statistics.median(times[1:] if len(times) > 1 else times)
@@ -192,9 +184,6 @@ def time_calls(cls, attr: str, record: Callable, synchronize: Callable[[], None]
         return out
 
     setattr(cls, attr, timed)
-
-
-# ------------------------------------------------------------------------------------ RESULTS.md
 
 
 def _heading_span(lines: list[str], heading: str) -> tuple[int, int] | None:
@@ -262,8 +251,6 @@ def provenance(command: str, seconds: float, *packages: str) -> list[str]:
     return [f"- command: {command}", stamp, f"- machine: {machine()}", f"- versions: {versions(*packages)}"]
 
 
-# ------------------------------------------------------------------------------------------ presets
-
 # Qwen2 configurations as published in the models' config.json (Qwen/Qwen2-0.5B, Qwen/Qwen2-7B); no weights.
 # bench_memory.py simulates them as they are; bench_gpu.py's qwen2-0.5b preset is the first one's shape.
 _QWEN2 = dict(max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=151643)
@@ -324,9 +311,6 @@ GPU_PRESETS = {
 }
 
 
-# ------------------------------------------------------------------------------------------ models
-
-
 def qwen2_config(preset: dict, tok):
     """The Qwen2Config of a preset's shape (`SHAPE`), with `tok`'s special tokens."""
     from transformers import Qwen2Config
@@ -372,9 +356,6 @@ def unpaired_rows(pairs) -> list[dict]:
         for pair in pairs
         for key, label in (("chosen", True), ("rejected", False))
     ]
-
-
-# ------------------------------------------------------------------------------------------ runs
 
 
 def ours_train_config(cache: Path, out: Path, *, batch: int, steps: int, learning_rate: float, bf16=False, **extra):
