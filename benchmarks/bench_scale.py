@@ -38,6 +38,7 @@ SCALE_HEADING = "## Scale: preprocessing 20k / 200k / 1M rows"
 # the measurements: tool -> num_proc values. kto-pipeline's --num-proc 1 maps in-process (num_proc=None); trl's
 # dataset_num_proc=1 does not: datasets 5 runs any num_proc >= 1 in a Pool, so trl's default (None) is measured too
 VARIANTS = {"ours": (1, 2), "trl": (None, 1, 2)}
+RUNS = [(tool, num_proc) for tool, procs in VARIANTS.items() for num_proc in procs]
 LABELS = {"ours": "kto-pipeline", "trl": "trl"}
 CHECK_ROWS = 100  # rows whose token ids must agree across the tools before speed is reported
 TRL_SKIP_SECONDS = 300  # trl is not run at a size where its rate at the size below predicts more than this
@@ -264,16 +265,13 @@ def check_tokens(results: dict[str, dict], rows: int) -> None:
         if results[name]["kept_rows"] != ref_kept:
             raise SystemExit(f"{rows} rows: {name} kept {results[name]['kept_rows']} rows, {ref_name} {ref_kept}")
         for col in ("prompt_ids", "completion_ids"):
-            if len(got[col]) != len(ref[col]):
+            a, b = [list(x) for x in ref[col]], [list(x) for x in got[col]]
+            if a != b:
+                i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
                 raise SystemExit(
-                    f"{rows} rows: {name} returned {len(got[col])} rows of {col}, {ref_name} {len(ref[col])}"
+                    f"{rows} rows: {col} of {name} ({len(b)} rows) differ from {ref_name}'s ({len(a)}) at row {i}: "
+                    "not reporting speed"
                 )
-            for i, (a, b) in enumerate(zip(ref[col], got[col], strict=True)):
-                if list(a) != list(b):
-                    raise SystemExit(
-                        f"{rows} rows: row {i} {col} differ between {ref_name} and {name}: {a[:20]}... vs "
-                        f"{b[:20]}...: not reporting speed"
-                    )
     n = len(ref["prompt_ids"])
     print(f"  token ids agree on the first {n} rows across {', '.join(named)} ({ref_kept} rows kept)", flush=True)
 
@@ -294,20 +292,19 @@ def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int,
         size_dir = work / f"rows{n}"
         shutil.rmtree(size_dir, ignore_errors=True)
         measured[n], skipped[n] = {}, {}
-        for tool, procs in VARIANTS.items():
-            for num_proc in procs:
-                name = worker_name(tool, num_proc)
-                estimate = _estimate(measured, n, name)
-                if tool == "trl" and estimate is not None and estimate > TRL_SKIP_SECONDS:
-                    skipped[n][name] = f"skipped: {estimate:.0f} s expected (> {TRL_SKIP_SECONDS} s)"
-                    print(f"  {name:<24} {skipped[n][name]}", flush=True)
-                    continue
-                cache = size_dir / f"hf-datasets-cache-{name}"  # fresh and its own: nothing read from a cache
-                try:
-                    flags = ["--size", size_name, "--case", "scale", "--model", str(model), "--data", str(data[n])]
-                    measured[n][name] = run_worker(BENCH, name, size_dir, flags, env={"HF_DATASETS_CACHE": str(cache)})
-                finally:  # trl's copies of a million rows take GBs
-                    shutil.rmtree(cache, ignore_errors=True)
+        for tool, num_proc in RUNS:
+            name = worker_name(tool, num_proc)
+            estimate = _estimate(measured, n, name)
+            if tool == "trl" and estimate is not None and estimate > TRL_SKIP_SECONDS:
+                skipped[n][name] = f"skipped: {estimate:.0f} s expected (> {TRL_SKIP_SECONDS} s)"
+                print(f"  {name:<24} {skipped[n][name]}", flush=True)
+                continue
+            cache = size_dir / f"hf-datasets-cache-{name}"  # fresh and its own: nothing read from a cache
+            try:
+                flags = ["--size", size_name, "--case", "scale", "--model", str(model), "--data", str(data[n])]
+                measured[n][name] = run_worker(BENCH, name, size_dir, flags, env={"HF_DATASETS_CACHE": str(cache)})
+            finally:  # trl's copies of a million rows take GBs
+                shutil.rmtree(cache, ignore_errors=True)
         check_tokens(measured[n], n)
         shutil.rmtree(size_dir, ignore_errors=True)
     publish(render_scale(measured, skipped, size, size_name, time.perf_counter() - started), results, SCALE_HEADING)
@@ -344,23 +341,22 @@ def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str],
     )
     for n in size["rows"]:
         runs = measured[n]
-        for tool, procs in VARIANTS.items():
-            for num_proc in procs:
-                name = worker_name(tool, num_proc)
-                head = f"| {n:,} | {LABELS[tool]} | {_proc_label(num_proc)} |"
-                if name not in runs:
-                    table.append(f"{head} {skipped[n].get(name, 'not run')} | - | - | - | - |")
-                    continue
-                r = runs[name]
-                table.append(
-                    f"{head} {r['seconds']:.2f} | {r['source_rows'] / r['seconds']:,.0f} | {r['peak_rss_mib']:.0f} | "
-                    f"{r['children_peak_rss_mib']:.0f} | {_speedup(runs, tool, num_proc)} |"
-                )
-                trl_cells = f"{r['init_seconds']:.2f} | {r['model_seconds']:.2f}" if tool == "trl" else "- | -"
-                details.append(
-                    f"{head} {r['load_seconds']:.2f} | {trl_cells} | {r['baseline_rss_mib']:.0f} | "
-                    f"{r['peak_rss_mib'] - r['baseline_rss_mib']:.0f} |"
-                )
+        for tool, num_proc in RUNS:
+            name = worker_name(tool, num_proc)
+            head = f"| {n:,} | {LABELS[tool]} | {_proc_label(num_proc)} |"
+            if name not in runs:
+                table.append(f"{head} {skipped[n].get(name, 'not run')} | - | - | - | - |")
+                continue
+            r = runs[name]
+            table.append(
+                f"{head} {r['seconds']:.2f} | {r['source_rows'] / r['seconds']:,.0f} | {r['peak_rss_mib']:.0f} | "
+                f"{r['children_peak_rss_mib']:.0f} | {_speedup(runs, tool, num_proc)} |"
+            )
+            trl_cells = f"{r['init_seconds']:.2f} | {r['model_seconds']:.2f}" if tool == "trl" else "- | -"
+            details.append(
+                f"{head} {r['load_seconds']:.2f} | {trl_cells} | {r['baseline_rss_mib']:.0f} | "
+                f"{r['peak_rss_mib'] - r['baseline_rss_mib']:.0f} |"
+            )
     return table, details
 
 
@@ -380,23 +376,22 @@ def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
     growth_notes = []
     small, big = (20_000, 200_000) if {20_000, 200_000} <= set(size["rows"]) else (size["rows"][0], size["rows"][-1])
     if small != big:
-        for tool, procs in VARIANTS.items():
-            for num_proc in procs:
-                name = worker_name(tool, num_proc)
-                a, b = measured[small].get(name), measured[big].get(name)
-                if not (a and b):
-                    continue
-                parent = b["peak_rss_mib"] - a["peak_rss_mib"]
-                children = b["children_peak_rss_mib"] - a["children_peak_rss_mib"]
-                pooled = a["children_peak_rss_mib"] > 0
-                text = f"{parent:+.0f} MiB parent" + (f", {children:+.0f} MiB children" if pooled else "")
-                growth_notes.append(f"{LABELS[tool]} num_proc {_proc_label(num_proc)}: {text}")
-                if tool == "ours" and num_proc == 1:
-                    goals.append(
-                        f"| preprocessing's peak RSS at {big:,} rows at most {GROWTH_GOAL_MB} MB above at {small:,} "
-                        f"(kto-pipeline, 1 process; the issue's goal is for the whole precompute, tested in "
-                        f"tests/test_memory.py) | {parent:+.0f} MiB | {met(parent * MIB <= GROWTH_GOAL_MB * 1e6)} |"
-                    )
+        for tool, num_proc in RUNS:
+            name = worker_name(tool, num_proc)
+            a, b = measured[small].get(name), measured[big].get(name)
+            if not (a and b):
+                continue
+            parent = b["peak_rss_mib"] - a["peak_rss_mib"]
+            children = b["children_peak_rss_mib"] - a["children_peak_rss_mib"]
+            pooled = a["children_peak_rss_mib"] > 0
+            text = f"{parent:+.0f} MiB parent" + (f", {children:+.0f} MiB children" if pooled else "")
+            growth_notes.append(f"{LABELS[tool]} num_proc {_proc_label(num_proc)}: {text}")
+            if tool == "ours" and num_proc == 1:
+                goals.append(
+                    f"| preprocessing's peak RSS at {big:,} rows at most {GROWTH_GOAL_MB} MB above at {small:,} "
+                    f"(kto-pipeline, 1 process; the issue's goal is for the whole precompute, tested in "
+                    f"tests/test_memory.py) | {parent:+.0f} MiB | {met(parent * MIB <= GROWTH_GOAL_MB * 1e6)} |"
+                )
     notes = []
     if growth_notes:
         notes = [f"- preprocessing peak RSS growth {small:,} -> {big:,} rows: " + "; ".join(growth_notes) + ".", ""]
@@ -451,11 +446,6 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
     ]
     return "\n".join(lines)
 
-
-# The append case (`python benchmarks/bench.py --only append`): what `kto-pipeline precompute --append` costs next to
-# the full precompute of the cache it grows, run through the CLI's entry point in fresh processes
-# (`bench.py worker append_<full|log|new>_N`: `append_worker`); how each run is timed and split is written into the
-# section with the numbers (`render_append`).
 
 APPEND_HEADING = "## Append: `precompute --append` of 1% new rows to a 200,000-row cache"
 # torch's threads in every run (OMP_NUM_THREADS; None: torch's default, one per core). 1: on a 2-core machine shared
