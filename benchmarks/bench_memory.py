@@ -551,23 +551,19 @@ def render(data: dict) -> str:
     fsdp_ratios = f"{min(fsdp):.2f}-{max(fsdp):.2f}x" if fsdp else "(no FSDP2 row)"
     out += [
         "",
-        "Reading the levers. The floor assumes the gradients and all the activations alive at once, which no "
-        "step reaches (activations are freed as gradients arrive): rows whose peak is the fixed part come out "
-        f"below 1. FSDP2 rows sit at {fsdp_ratios} their floor (not attributed tensor by tensor in this run): "
-        "sharding divides the fixed part by the world size and leaves each device its own batch's activations; "
-        "CPU offload moves the shards, the moments and the gradients to the host. Since the first run, autocast "
-        "no longer keeps bf16 casts of the gathered weights (`precision.autocast_forward`), and untied embeddings "
-        "and LM head are FSDP units of their own instead of the root's (`FSDP2.shard`). LoRA with "
-        "dropout (train's default 0.05) keeps each adapted layer's dropped-out input for the backward: more "
-        "activations than full fine-tuning, fewer gradients and moments.",
+        "Reading the levers. Rows whose peak is the fixed part come out below their floor (activations are freed as "
+        f"gradients arrive). FSDP2 rows sit at {fsdp_ratios} their floor (not attributed tensor by tensor): sharding "
+        "divides the fixed part by the world size, each device keeps its own batch's activations; CPU offload moves "
+        "shards, moments and gradients to the host. Since the first run, autocast keeps no bf16 casts of the gathered "
+        "weights (`precision.autocast_forward`) and untied embeddings and LM head are FSDP units of their own "
+        "(`FSDP2.shard`). LoRA with dropout (train's default 0.05) keeps each adapted layer's dropped-out input for "
+        "the backward: more activations than full fine-tuning, fewer gradients and moments.",
         "",
-        f"torchao's AdamW8bit under the simulation, this run: {data.get('torchao', 'not run')}. Tried on 2026-11-23 "
-        "with torchao 0.18.0 installed (it installs beside torch 2.13.0): its step is compiled with torch.compile, "
-        "and Dynamo refuses to trace the tracker: `torch._dynamo.exc.Unsupported: Attempted to call function "
-        "marked as skipped ... MemTracker.__torch_dispatch__` (torchao/optim/adam.py, `step`). It was uninstalled "
-        "again: transformers imports torchao at start-up when present and prints warnings in every process. "
-        "bitsandbytes 0.50.2 (CPU backend, installs beside torch 2.13.0; not a dependency of this package) runs: "
-        "its optimizer is built outside the fake mode (its quantization map is a real table).",
+        f"torchao's AdamW8bit under the simulation, this run: {data.get('torchao', 'not run')}. With torchao 0.18.0 "
+        "(2026-11-23, beside torch 2.13.0) its torch.compile'd step fails: Dynamo refuses to trace the tracker "
+        "(`Unsupported: Attempted to call function marked as skipped ... MemTracker.__torch_dispatch__`); it was "
+        "uninstalled again (transformers imports it at start-up and warns in every process). bitsandbytes 0.50.2 (CPU "
+        "backend, not a dependency) runs: its optimizer is built outside the fake mode (its quantization map is real).",
         "",
     ]
     out += [
@@ -647,15 +643,13 @@ def findings(data: dict) -> list[str]:
     if before:
         changes = [f"{gib(r['ours_before']['peak_bytes'])} -> {gib(r['ours']['peak_bytes'])}" for r in before]
         out += [
-            '**Pushed down since the first run** (`--redo ours`, column "ours before"), in `scoring/logprobs.py` '
-            "and `scoring/attention.py`: the LM head casts each chunk's bf16 logits into its reused float32 buffer "
-            "instead of a fresh float32 copy; a chunk is `CHUNK_LOGITS_BYTES` (128 MiB) of float32 logits (220 "
-            "tokens of Qwen2's vocabulary) instead of 1024 tokens; the head casts its weight to bf16 inside its "
-            "forward and again in its backward instead of keeping a bf16 copy from one to the other, and adds its "
-            "weight gradient into float32 a vocabulary slice at a time; the packed forwards hand sdpa one additive "
-            "mask in the compute dtype, read by every layer, instead of a bool mask that each layer's sdpa call "
-            "converted and its backward kept. Same values (the parity tests pass). GiB per row: "
-            f"{', '.join(changes)}.",
+            '**Pushed down since the first run** (`--redo ours`, column "ours before"; `scoring/logprobs.py`, '
+            "`scoring/attention.py`): the LM head casts each chunk's bf16 logits into a reused float32 buffer; a chunk "
+            "is `CHUNK_LOGITS_BYTES` (128 MiB) of float32 logits (220 tokens of Qwen2's vocabulary), not 1024 tokens; "
+            "the head casts its weight to bf16 in its forward and again in its backward instead of keeping a copy, and "
+            "adds its weight gradient into float32 a vocabulary slice at a time; packed forwards give sdpa an additive "
+            "mask in the compute dtype for all layers, not a bool mask each layer converted and kept. Same values (the "
+            f"parity tests pass). GiB per row: {', '.join(changes)}.",
             "",
         ]
     floor_ok = [r for r in rows if r["ours"]["peak_bytes"] <= 1.1 * sum(r["floor"].values())]

@@ -29,6 +29,7 @@ from harness import (
     TRL_RUN,
     WORK_DIR,
     machine,
+    md_row,
     ours_train_config,
     print_result,
     publish,
@@ -241,6 +242,11 @@ def _signed(x: float | None) -> str:
     return "n/a" if x is None else f"{x:+.3g}"
 
 
+def _rewards(step1: dict) -> list[str]:
+    """The rewards/chosen, rewards/rejected, rewards/margins and kl cells of a run's step 1."""
+    return [*(_signed(step1[f"rewards/{k}"]) for k in ("chosen", "rejected", "margins")), _g(step1["kl"])]
+
+
 def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> str:
     caches, stats, trains = r["cache_rows"], r["cache_stats"], r["train"]
     labels = {name: what for name, _, what in CACHES}
@@ -306,14 +312,10 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
             run = trains.get(regime_name, {}).get(cache_name)
             if run is None:
                 continue
-            m = run["step1"]
             match = r["caches"][cache_name]["precision"] == ["float32", "bfloat16" if bf16 else None]
-            lines.append(
-                f"| {what} | `train --{regime_name}` ({run['precision']}) | {'yes' if match else 'no'} | "
-                f"{'yes' if run['warned'] else 'no'} | {_signed(m['rewards/chosen'])} | "
-                f"{_signed(m['rewards/rejected'])} | {_signed(m['rewards/margins'])} | {_g(m['kl'])} | "
-                f"{m['logps/chosen']:.7g} | {run['step_seconds'][0]:.0f} |"
-            )
+            regime, yes = f"`train --{regime_name}` ({run['precision']})", {True: "yes", False: "no"}
+            seconds = f"{run['step_seconds'][0]:.0f}"
+            lines.append(md_row(what, regime, yes[match], yes[run["warned"]], *_rewards(run["step1"]), seconds))
     lines += [
         "",
         "- rewards/chosen, rewards/rejected: the mean over the batch's desirable / undesirable rows of beta x (policy "
@@ -358,20 +360,13 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
         versus = "n/a (online)" if d is None else f"{_g(d['ref_logp']['max'])} ({_g(d['ref_logp']['mean'])})"
         if name == "trl_float32_precomputed":
             versus = "(itself)"
+        head = [name, f"{config} (accelerate: {t['mixed_precision']})", reference]
+        head += [t["reference_forwards_before_training"], versus]
         if t.get("skipped"):
-            lines.append(
-                f"| {name} | {config} (accelerate: {t['mixed_precision']}) | {reference} | "
-                f"{t['reference_forwards_before_training']} | {versus} | not trained: it ran its own reference pass, "
-                "so its step 1 is trl_bf16_precomputed's | | | | |"
-            )
-            continue
-        m = t["step1"]
-        lines.append(
-            f"| {name} | {config} (accelerate: {t['mixed_precision']}) | {reference} | "
-            f"{t['reference_forwards_before_training']} | {versus} | {_signed(m['rewards/chosen'])} | "
-            f"{_signed(m['rewards/rejected'])} | {_signed(m['rewards/margins'])} | {_g(m['kl'])} | "
-            f"{t['train_seconds']:.0f} |"
-        )
+            skipped = "not trained: it ran its own reference pass, so its step 1 is trl_bf16_precomputed's"
+            lines.append(md_row(*head, skipped, "", "", "", ""))
+        else:
+            lines.append(md_row(*head, *_rewards(t["step1"]), f"{t['train_seconds']:.0f}"))
     lines += [""]
     d = ts.get("vs_trl_float32", {}).get("trl_bf16_precomputed")
     if d is not None:
