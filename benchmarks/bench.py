@@ -85,11 +85,8 @@ def build_assets(work: Path, size: dict) -> None:
                 out += rng.choice(words) + " "
             return out[:target]
 
-        rows = [
-            {"prompt": text(*size["prompt"]), "completion": text(*size["completion"]), "label": i % 2 == 0}
-            for i in range(size["rows"])
-        ]
-        write_jsonl(data, rows)
+        rows = [dict(prompt=text(*size["prompt"]), completion=text(*size["completion"])) for _ in range(size["rows"])]
+        write_jsonl(data, [dict(row, label=i % 2 == 0) for i, row in enumerate(rows)])
 
 
 def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:

@@ -94,12 +94,11 @@ def hh_rlhf_lengths() -> list[tuple[int, int]]:
 
 def build_data(path: Path, preset: dict) -> dict:
     """Unpaired rows whose (prompt, completion) lengths are drawn from HH-RLHF's, scaled by one factor so that
-    the longest prompt + completion of the whole sample is max_length tokens. Labels alternate (balanced).
-
-    The text is random characters: one character is one token, and both tools append EOS to the completion."""
-    real = hh_rlhf_lengths()
-    max_length = preset["max_length"]
-    scale = max_length / max(p + c for p, c in real)
+    the longest prompt + completion of the whole sample is max_length tokens; labels alternate (balanced). The text
+    is random characters: one character is one token, and both tools append EOS to the completion."""
+    real, max_length = hh_rlhf_lengths(), preset["max_length"]
+    totals = [p + c for p, c in real]
+    scale = max_length / max(totals)
     rng = random.Random(0)
     lengths, rows = [], []
     for i in range(preset["rows"]):
@@ -107,23 +106,11 @@ def build_data(path: Path, preset: dict) -> dict:
         prompt = max(1, round(p * scale))
         completion = min(max(2, round(c * scale)), max_length - prompt)  # tokens, EOS included
         lengths.append(prompt + completion)
-        rows.append(
-            {
-                "prompt": "".join(rng.choices(ALPHABET, k=prompt)),
-                "completion": "".join(rng.choices(ALPHABET, k=completion - 1)),
-                "label": i % 2 == 0,
-            }
-        )
+        text = "".join(rng.choices(ALPHABET, k=prompt))
+        rows.append(dict(prompt=text, completion="".join(rng.choices(ALPHABET, k=completion - 1)), label=i % 2 == 0))
     write_jsonl(path, rows)
-    return dict(
-        source_pairs=len(real) // 2,
-        source_mean=statistics.mean(p + c for p, c in real),
-        source_max=max(p + c for p, c in real),
-        scale=scale,
-        mean=statistics.mean(lengths),
-        median=statistics.median(lengths),
-        max=max(lengths),
-    )
+    source = dict(source_pairs=len(real) // 2, source_mean=statistics.mean(totals), source_max=max(totals))
+    return dict(source, scale=scale, mean=statistics.mean(lengths), median=statistics.median(lengths), max=max(lengths))
 
 
 def peak_memory_mib(device: str) -> float:
@@ -332,12 +319,9 @@ def summarize(r: dict, preset: dict, flops: Flops, peak: float | None) -> dict:
     """Per column: ref tokens/s and MFU, step seconds and MFU, peak memory (None where not applicable)."""
     batch = preset["batch"]
     cols = {}
-    for col, train_case, ref_case in (
-        ("ours", "ours_train", "ours_precompute"),
-        ("trl_online", "trl_online", None),
-        ("trl_precomputed", "trl_precomputed", "trl_precomputed"),
-        ("trl_liger", "trl_liger", "trl_liger"),
-    ):
+    cases = {"ours": ("ours_train", "ours_precompute"), "trl_online": ("trl_online", None)}
+    cases |= {name: (name, name) for name in ("trl_precomputed", "trl_liger")}
+    for col, (train_case, ref_case) in cases.items():
         res = r.get(train_case)
         if res is None or "skipped" in res or "failed" in res:
             cols[col] = {"note": (res or {}).get("skipped") or f"failed: {(res or {}).get('failed')}"}

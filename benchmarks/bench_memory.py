@@ -169,28 +169,16 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
     def given_ref_logps(self, dataset, name, batch_size):  # the reference pass is a phase before training
         return dataset.add_column("ref_logps", given["ref_logps"]).add_column("ref_KL_logps", given["ref_KL_logps"])
 
-    patches = {"hash_module": lambda module: "fake", "_precompute": given_ref_logps}
+    max_length = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+    run = dict(tokenizer=tokenizer, ref_model=reference, batch=len(rows), max_length=max_length, precompute=not online)
+    run |= dict(bf16=settings.bf16, gradient_checkpointing=settings.gradient_checkpointing, use_cpu=True)
+    run |= dict(gradient_checkpointing_kwargs={"use_reentrant": False}, learning_rate=1e-6, dataloader_num_workers=0)
     saved_hash, saved_pre = kto_trainer.hash_module, KTOTrainer._precompute_ref_logps
-    kto_trainer.hash_module, KTOTrainer._precompute_ref_logps = patches["hash_module"], patches["_precompute"]
+    kto_trainer.hash_module, KTOTrainer._precompute_ref_logps = (lambda module: "fake"), given_ref_logps
     try:
         with mode, models_already_placed(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer = trl_trainer(
-                policy,
-                Dataset.from_list(trl_dataset_rows(rows)),
-                work / "trl",
-                tokenizer=tokenizer,
-                ref_model=reference,
-                batch=len(rows),
-                max_length=max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows),
-                precompute=not online,
-                bf16=settings.bf16,
-                gradient_checkpointing=settings.gradient_checkpointing,
-                gradient_checkpointing_kwargs={"use_reentrant": False},
-                use_cpu=True,
-                learning_rate=1e-6,
-                dataloader_num_workers=0,
-            )
+            trainer = trl_trainer(policy, Dataset.from_list(trl_dataset_rows(rows)), work / "trl", **run)
             args = trainer.args
             if args.gradient_checkpointing:  # what Trainer._inner_training_loop does before the first step
                 trainer.model.gradient_checkpointing_enable(
@@ -378,11 +366,9 @@ def cpu_checks() -> list[dict]:
 
     from kto_pipeline.memory import cpu_check, synthetic_rows
 
-    tiny = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    )
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=32000)
     cases = [
-        ("Llama 2 layers, hidden 64, vocab 32000", LlamaConfig(**SMOLLM2 | tiny | dict(vocab_size=32000)), 256),
+        ("Llama 2 layers, hidden 64, vocab 32000", LlamaConfig(**SMOLLM2 | tiny | dict(num_key_value_heads=2)), 256),
         ("SmolLM2-135M architecture", LlamaConfig(**SMOLLM2), 512),
     ]
     out = []
@@ -416,12 +402,10 @@ def accelerate_estimate(name: str) -> dict:
         model = AutoModelForCausalLM.from_config(qwen2(name))
     total, (largest, _) = calculate_maximum_sizes(model)
     # the table's "Training using Adam" column is the largest of the estimate's entries, per dtype row
-    return {
-        "model_bytes": total,
-        "largest_layer_bytes": largest,
-        "adam_float32_bytes": max(estimate_training_usage(total, "float32").values()),
-        "adam_float16_bytes": max(estimate_training_usage(total, "float16").values()),
+    adam = {
+        f"adam_{dtype}_bytes": max(estimate_training_usage(total, dtype).values()) for dtype in ("float32", "float16")
     }
+    return dict(model_bytes=total, largest_layer_bytes=largest, **adam)
 
 
 def gib(x) -> str:

@@ -20,7 +20,9 @@ from harness import (
     HERE,
     SCALE_SIZES,
     children_peak_rss_mib,
+    goals_table,
     machine,
+    md_row,
     met,
     peak_rss_mib,
     provenance,
@@ -362,17 +364,17 @@ def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str],
 
 def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
     """(the goals table, the growth note: peak RSS from the smaller size to the larger, "" where one size ran)."""
-    goals = table_head("| goal | measured | met |")
+    goals = []
     for n in size["rows"]:
         one, two = (measured[n].get(worker_name("ours", p)) for p in (1, 2))
         if one and two:
             ratio = one["tokenize_seconds"] / two["tokenize_seconds"]
-            goals.append(
-                f"| kto-pipeline: --num-proc 2 tokenizes at least {SPEEDUP_GOAL}x faster than 1 ({n:,} rows; the "
+            goal = (
+                f"kto-pipeline: --num-proc 2 tokenizes at least {SPEEDUP_GOAL}x faster than 1 ({n:,} rows; the "
                 f"datasets.map: {one['tokenize_seconds']:.1f} s vs {two['tokenize_seconds']:.1f} s; all of the "
-                f"preprocessing: {one['seconds'] / two['seconds']:.2f}x) | {ratio:.2f}x | "
-                f"{met(ratio >= SPEEDUP_GOAL)} |"
+                f"preprocessing: {one['seconds'] / two['seconds']:.2f}x)"
             )
+            goals.append((goal, f"{ratio:.2f}x", ratio >= SPEEDUP_GOAL))
     growth_notes = []
     small, big = (20_000, 200_000) if {20_000, 200_000} <= set(size["rows"]) else (size["rows"][0], size["rows"][-1])
     if small != big:
@@ -387,15 +389,15 @@ def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
             text = f"{parent:+.0f} MiB parent" + (f", {children:+.0f} MiB children" if pooled else "")
             growth_notes.append(f"{LABELS[tool]} num_proc {_proc_label(num_proc)}: {text}")
             if tool == "ours" and num_proc == 1:
-                goals.append(
-                    f"| preprocessing's peak RSS at {big:,} rows at most {GROWTH_GOAL_MB} MB above at {small:,} "
-                    f"(kto-pipeline, 1 process; the issue's goal is for the whole precompute, tested in "
-                    f"tests/test_memory.py) | {parent:+.0f} MiB | {met(parent * MIB <= GROWTH_GOAL_MB * 1e6)} |"
+                goal = (
+                    f"preprocessing's peak RSS at {big:,} rows at most {GROWTH_GOAL_MB} MB above at {small:,} "
+                    "(kto-pipeline, 1 process; the goal for the whole precompute is tested in tests/test_memory.py)"
                 )
+                goals.append((goal, f"{parent:+.0f} MiB", parent * MIB <= GROWTH_GOAL_MB * 1e6))
     notes = []
     if growth_notes:
         notes = [f"- preprocessing peak RSS growth {small:,} -> {big:,} rows: " + "; ".join(growth_notes) + ".", ""]
-    return goals, notes
+    return goals_table(*goals), notes
 
 
 def _tokenizer_text(size: dict) -> str:
@@ -418,20 +420,18 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
         f"rows of one stream as a .jsonl; tokenizer: {_tokenizer_text(size)}, the same for both tools; max_length "
         f"{size['max_length']} (no row dropped)",
         "- each measurement in a fresh process with its own empty HF_DATASETS_CACHE. Timed as preprocessing: "
-        "**kto-pipeline** = what `precompute` runs before it loads the model (`prepare_rows`: load_source "
-        "of the Arrow file already built, check_source, content_hash of the file, preprocess = datasets.map batched "
-        "into the tokenized Arrow file; then opening that file, select_rows, assign_kl_partners); `--num-proc 1` maps "
-        "in-process. **trl** = `KTOTrainer._prepare_dataset` as `KTOTrainer.__init__` calls it (EOS map, tokenize "
-        "map, max_length filter, KL map with batch_size=per_device_train_batch_size "
-        f"({size['batch']}), label count), every step with `num_proc=args.dataset_num_proc`: its default None maps "
-        "in-process; 1 runs each step in a pool of one worker process (datasets 5 pools any num_proc >= 1). Timed "
-        "apart: the JSON -> Arrow load (`datasets.load_dataset('json')`, the same call for both), the rest of trl's "
-        "constructor, and the tiny Llama policy over the same tokenizer that it needs (loaded before it, so in its "
-        f"parent RSS: {model_rss:.0f} MiB at most).",
-        "- rows/s = source rows / preprocessing seconds. peak RSS (parent) = ru_maxrss of the worker process (for trl "
-        "read as `_prepare_dataset` returns); (children) = RUSAGE_CHILDREN's ru_maxrss, the largest of its "
-        "terminated child processes (the datasets.map pool and its manager; forked from the worker, so the pages "
-        "they share with it count in both); 0 where nothing ran in a child.",
+        "**kto-pipeline** = what `precompute` runs before it loads the model (`prepare_rows`: load_source of the "
+        "Arrow file already built, check_source, content_hash, preprocess = a batched datasets.map into the tokenized "
+        "Arrow file, then select_rows, assign_kl_partners); `--num-proc 1` maps in-process. **trl** = "
+        "`KTOTrainer._prepare_dataset` as its `__init__` calls it (EOS map, tokenize map, max_length filter, KL map "
+        f"with batch_size=per_device_train_batch_size ({size['batch']}), label count), each step with "
+        "`num_proc=args.dataset_num_proc`: None maps in-process, 1 in a pool of one process (datasets 5 pools any "
+        "num_proc >= 1). Timed apart: the JSON -> Arrow load (`datasets.load_dataset('json')`, both alike), the rest "
+        "of trl's constructor, and the tiny Llama policy it needs (loaded before it, so in its parent RSS: "
+        f"{model_rss:.0f} MiB at most).",
+        "- rows/s = source rows / preprocessing seconds. peak RSS (parent) = the worker's ru_maxrss (trl: as "
+        "`_prepare_dataset` returns); (children) = RUSAGE_CHILDREN's, the largest terminated child (the datasets.map "
+        "pool and its manager; forked, so pages shared with the worker count in both); 0 where no child ran.",
         f"- correctness: at every size all the measurements kept the same rows and produced identical prompt_ids and "
         f"completion_ids for the first {CHECK_ROWS} rows (checked before this section was written).",
         f"- trl is not run at a size where its rate at the size below predicts more than {TRL_SKIP_SECONDS} s.",
@@ -739,18 +739,14 @@ def _append_tables(measured: dict, checks: dict, size: dict) -> tuple[list[str],
             r = measured[n][form]
             t = r["segment"]["timing"]
             ratio = "-" if form == "full" else f"{r['process_seconds'] / full['process_seconds']:.2%}"
-            runs.append(
-                f"| {n:,} | {label} | {r['source_rows']:,} | {r['tokenized_rows']:,} | {t['rows_scored']:,} | "
-                f"{t['tokens_scored']:,} | {r['process_seconds']:.1f} | {t['wall_seconds']:.1f} | "
-                f"{t['preprocess_seconds']:.1f} | {t['reference_pass_seconds']:.1f} | {r['cpu_seconds']:.0f} | "
-                f"{r['peak_rss_mib']:.0f} | {ratio} |"
-            )
+            counts = (f"{x:,}" for x in (r["source_rows"], r["tokenized_rows"], t["rows_scored"], t["tokens_scored"]))
+            times = (r["process_seconds"], t["wall_seconds"], t["preprocess_seconds"], t["reference_pass_seconds"])
+            cpu_rss = (f"{r['cpu_seconds']:.0f}", f"{r['peak_rss_mib']:.0f}")
+            runs.append(md_row(f"{n:,}", label, *counts, *(f"{x:.1f}" for x in times), *cpu_rss, ratio))
             b = append_buckets(r)
-            split.append(
-                f"| {n:,} | {label} | " + " | ".join(f"{b[k]:.2f}" for k in BUCKETS) + f" | {sum(b.values()):.1f} |"
-            )
+            split.append(md_row(f"{n:,}", label, *(f"{b[k]:.2f}" for k in BUCKETS), f"{sum(b.values()):.1f}"))
             cells = [f"{r['phases'].get(p, 0.0):.2f}" for p in shown]
-            phases.append(f"| {n:,} | {label} | {r['imports_seconds']:.2f} | " + " | ".join(cells) + " |")
+            phases.append(md_row(f"{n:,}", label, f"{r['imports_seconds']:.2f}", *cells))
     return runs, split, phases
 
 
@@ -861,9 +857,8 @@ def render_append(measured: dict, checks: dict, size: dict, size_name: str, seco
         f"- date: {utc_stamp()}; total time {seconds:.0f} s",
         f"- machine: {machine()}; 1-minute load average before / after each run: "
         + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in loads)
-        + f" (each run keeps {threads} torch thread(s) busy: more means the machine was shared; every run "
-        f"with OMP_NUM_THREADS={APPEND_THREADS}, see `APPEND_THREADS`: with torch's default of one thread per core, "
-        "another torch process on the 2 cores made the reference pass ~15x slower, 7.5 rows/s instead of 111)",
+        + f" (each run keeps {threads} torch thread(s) busy: more means a shared machine; OMP_NUM_THREADS="
+        f"{APPEND_THREADS} in every run, see `APPEND_THREADS`)",
         f"- versions: {versions('kto-pipeline', 'datasets', 'transformers', 'tokenizers', 'torch')}, "
         f"Python {sys.version.split()[0]}",
         f"- data: the rows of the scale case (`bench_scale.row_stream`): the cache = the first N rows; the grown log = "
@@ -876,14 +871,12 @@ def render_append(measured: dict, checks: dict, size: dict, size_name: str, seco
         "a copy of the full precompute's cache. process s = the process from start to exit, from outside; "
         "manifest = the segment's `timing` (wall from the stage's setup: no imports). CPU s = user + system of "
         "the process. Peak RSS = its ru_maxrss.",
-        "- split: stage functions timed by wrapping them (exclusive times); 'process start, imports, exit' = "
-        "process s - the CLI call; 'fixed' = setup (tokenizer), open_base (manifest, keys files present, "
-        "tokenizer hash), held_keys + match_keys (the cache's keys, matching: a few bytes a row of the cache), "
-        "load_reference (model load, weights hash), plan_output (the segment's keys file, manifest), finish, and "
-        "the stage's own time (lock); 'dataset' = load_source, check_source, content_hash, content_keys, "
-        "open_keys; 'new rows' = preprocess (tokenize), select_rows, KL partners, score_shards; 'other' = what "
-        "prepare_rows and the CLI do between them (selecting the new rows, opening the tokenized file). "
-        "The goal counts 'other' against the 2%, not as fixed.",
+        "- split: stage functions timed by wrapping them (exclusive times, `PHASES`); 'process start, imports, "
+        "exit' = process s - the CLI call; 'fixed' = setup, open_base, held_keys + match_keys (a few bytes a row "
+        "of the cache), load_reference, plan_output, finish and the stage's own time (lock); 'dataset' = "
+        "load_source, check_source, content_hash, content_keys, open_keys; 'new rows' = preprocess (tokenize), "
+        "select_rows, KL partners, score_shards; 'other' = prepare_rows' and the CLI's own (selecting the new rows, "
+        "opening the tokenized file), counted against the 2%, not as fixed.",
         f"- checked before any number was written: each append tokenized exactly {new:,} rows (one tokenize map "
         f"over {new:,} rows), scored {new:,}, recorded them as segment 1; every shard and keys file of the cache "
         "kept its sha256; `kto-pipeline inspect CACHE --verify` passed; and the two appends (grown log, new rows "

@@ -47,15 +47,8 @@ def run_worker(
     (offline, no progress bars, HF_DATASETS_CACHE in `work`). A failed worker ends the benchmark, or with
     `must_succeed=False` returns {"failed": its last line of stderr}. `width`: of the name in the progress line."""
     out = work / "runs" / name
-    env = {
-        **os.environ,
-        "TQDM_DISABLE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_CACHE": str(work / "hf-datasets-cache"),
-        **(env or {}),
-    }
+    quiet = dict(TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    env = {**os.environ, **quiet, "HF_DATASETS_CACHE": str(work / "hf-datasets-cache"), **(env or {})}
     cmd = [sys.executable, str(Path(script).resolve()), "worker", name, "--work", str(work), "--out", str(out)]
     start = time.perf_counter()
     proc = subprocess.run([*cmd, *flags], env=env, capture_output=True, text=True)
