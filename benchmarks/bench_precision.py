@@ -314,8 +314,8 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
                 continue
             match = r["caches"][cache_name]["precision"] == ["float32", "bfloat16" if bf16 else None]
             regime, yes = f"`train --{regime_name}` ({run['precision']})", {True: "yes", False: "no"}
-            seconds = f"{run['step_seconds'][0]:.0f}"
-            lines.append(md_row(what, regime, yes[match], yes[run["warned"]], *_rewards(run["step1"]), seconds))
+            policy, seconds = f"{run['step1']['logps/chosen']:.7g}", f"{run['step_seconds'][0]:.0f}"
+            lines.append(md_row(what, regime, yes[match], yes[run["warned"]], *_rewards(run["step1"]), policy, seconds))
     lines += [
         "",
         "- rewards/chosen, rewards/rejected: the mean over the batch's desirable / undesirable rows of beta x (policy "
