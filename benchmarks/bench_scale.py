@@ -1,11 +1,9 @@
-"""The scale case of the benchmark (`python benchmarks/bench.py --only scale`, part of `make bench`): preprocessing
-rows/s and peak RSS at 20,000 / 200,000 / 1,000,000 short unpaired rows, kto-pipeline against trl.KTOTrainer 1.16,
-with 1 and 2 processes. The append case (`--only append`: `precompute --append` of 1% new rows next to the full
-precompute of a 200,000-row cache) is at the end of this file and uses the same rows and model.
-
-Every measurement runs in a fresh process (`bench.py worker scale_<tool>_<num_proc>`) with its own, empty
-HF_DATASETS_CACHE. What each one times (`_ours`, `_trl`), how the peaks are read and what is checked before any speed
-is reported are written into the section with the numbers (`render_scale`).
+"""Preprocessing rows/s and peak RSS at 20,000 / 200,000 / 1,000,000 short unpaired rows, kto-pipeline against
+trl.KTOTrainer 1.16, with 1 and 2 processes (`python benchmarks/bench.py --only scale`, part of `make bench`); and
+at the end, the append case (`--only append`: `precompute --append` of 1% new rows next to the full precompute of a
+200,000-row cache) on the same rows and model. Every measurement runs in a fresh process (`bench.py worker
+scale_<tool>_<num_proc>` or `append_<form>_<rows>`) with its own, empty HF_DATASETS_CACHE; what each one times and
+checks is written into the section with the numbers (`render_scale`, `render_append`).
 """
 
 from __future__ import annotations
@@ -22,9 +20,12 @@ from harness import (
     HERE,
     SCALE_SIZES,
     children_peak_rss_mib,
+    goals_table,
     machine,
+    md_row,
     met,
     peak_rss_mib,
+    provenance,
     publish,
     rss_mib,
     run_worker,
@@ -39,6 +40,7 @@ SCALE_HEADING = "## Scale: preprocessing 20k / 200k / 1M rows"
 # the measurements: tool -> num_proc values. kto-pipeline's --num-proc 1 maps in-process (num_proc=None); trl's
 # dataset_num_proc=1 does not: datasets 5 runs any num_proc >= 1 in a Pool, so trl's default (None) is measured too
 VARIANTS = {"ours": (1, 2), "trl": (None, 1, 2)}
+RUNS = [(tool, num_proc) for tool, procs in VARIANTS.items() for num_proc in procs]
 LABELS = {"ours": "kto-pipeline", "trl": "trl"}
 CHECK_ROWS = 100  # rows whose token ids must agree across the tools before speed is reported
 TRL_SKIP_SECONDS = 300  # trl is not run at a size where its rate at the size below predicts more than this
@@ -56,8 +58,6 @@ def worker_name(tool: str, num_proc: int | None) -> str:
 def _proc_label(num_proc: int | None) -> str:
     return "default (None)" if num_proc is None else str(num_proc)
 
-
-# ------------------------------------------------------------------------------------------------ data
 
 _WORDS = (
     "the a an and or but if then so because while when where what which who how why is are was were be been "
@@ -172,9 +172,6 @@ def build_model(work: Path, tokenizer: str) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------------------------- workers
-
-
 def _peaks() -> dict:
     return {"peak_rss_mib": peak_rss_mib(), "children_peak_rss_mib": children_peak_rss_mib()}
 
@@ -218,18 +215,11 @@ def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict
         raise SystemExit("kto-pipeline read its tokenized rows from a cache: the measurement is void")
     rows = prepared.rows
     first = np.arange(min(CHECK_ROWS, len(rows)))
-    return {
-        "tool": "ours",
-        "num_proc": num_proc,
-        "source_rows": source_rows,
-        "kept_rows": len(rows),
-        "load_seconds": load_seconds,
-        "seconds": seconds,
-        "tokenize_seconds": prepared.tokenize_seconds,  # the datasets.map part of `seconds`
-        "kl_partners": len(prepared.partners),
-        "first_rows": {col: rows.take(first, col) for col in ("prompt_ids", "completion_ids")},
-        **peaks,
-    }
+    first_rows = {col: rows.take(first, col) for col in ("prompt_ids", "completion_ids")}
+    run = dict(tool="ours", num_proc=num_proc, source_rows=source_rows, kept_rows=len(rows), load_seconds=load_seconds)
+    # tokenize_seconds: the datasets.map part of `seconds`
+    run |= dict(seconds=seconds, tokenize_seconds=prepared.tokenize_seconds, kl_partners=len(prepared.partners))
+    return dict(run, first_rows=first_rows, **peaks)
 
 
 def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -258,34 +248,13 @@ def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -
     time_calls(KTOTrainer, "_prepare_dataset", prepared)
     constructor: dict = {}  # KTOTrainer.__init__ alone (its KTOConfig is built before it)
     time_calls(KTOTrainer, "__init__", lambda seconds, *args, **kwargs: constructor.update(seconds=seconds))
-    trainer = trl_trainer(
-        policy,
-        dataset,
-        out,
-        tokenizer=tokenizer,
-        batch=size["batch"],
-        max_length=size["max_length"],
-        precompute=False,
-        dataset_num_proc=num_proc,
-    )
-    ds = trainer.train_dataset
+    run = dict(tokenizer=tokenizer, batch=size["batch"], max_length=size["max_length"], dataset_num_proc=num_proc)
+    ds = trl_trainer(policy, dataset, out, precompute=False, **run).train_dataset
     first = ds.select(range(min(CHECK_ROWS, len(ds))))
-    return {
-        "tool": "trl",
-        "num_proc": num_proc,
-        "source_rows": len(dataset),
-        "kept_rows": len(ds),
-        "load_seconds": load_seconds,
-        "model_seconds": model_seconds,
-        "model_rss_mib": model_rss,
-        "init_seconds": constructor["seconds"],
-        **timed,
-        "end_peak_rss_mib": _peaks()["peak_rss_mib"],
-        "first_rows": {col: [list(x) for x in first[col]] for col in ("prompt_ids", "completion_ids")},
-    }
-
-
-# ------------------------------------------------------------------------------------------------ main
+    run = dict(tool="trl", num_proc=num_proc, source_rows=len(dataset), kept_rows=len(ds), load_seconds=load_seconds)
+    run |= dict(model_seconds=model_seconds, model_rss_mib=model_rss, init_seconds=constructor["seconds"], **timed)
+    first_rows = {col: [list(x) for x in first[col]] for col in ("prompt_ids", "completion_ids")}
+    return dict(run, end_peak_rss_mib=_peaks()["peak_rss_mib"], first_rows=first_rows)
 
 
 def check_tokens(results: dict[str, dict], rows: int) -> None:
@@ -298,16 +267,13 @@ def check_tokens(results: dict[str, dict], rows: int) -> None:
         if results[name]["kept_rows"] != ref_kept:
             raise SystemExit(f"{rows} rows: {name} kept {results[name]['kept_rows']} rows, {ref_name} {ref_kept}")
         for col in ("prompt_ids", "completion_ids"):
-            if len(got[col]) != len(ref[col]):
+            a, b = [list(x) for x in ref[col]], [list(x) for x in got[col]]
+            if a != b:
+                i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
                 raise SystemExit(
-                    f"{rows} rows: {name} returned {len(got[col])} rows of {col}, {ref_name} {len(ref[col])}"
+                    f"{rows} rows: {col} of {name} ({len(b)} rows) differ from {ref_name}'s ({len(a)}) at row {i}: "
+                    "not reporting speed"
                 )
-            for i, (a, b) in enumerate(zip(ref[col], got[col], strict=True)):
-                if list(a) != list(b):
-                    raise SystemExit(
-                        f"{rows} rows: row {i} {col} differ between {ref_name} and {name}: {a[:20]}... vs "
-                        f"{b[:20]}...: not reporting speed"
-                    )
     n = len(ref["prompt_ids"])
     print(f"  token ids agree on the first {n} rows across {', '.join(named)} ({ref_kept} rows kept)", flush=True)
 
@@ -328,20 +294,19 @@ def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int,
         size_dir = work / f"rows{n}"
         shutil.rmtree(size_dir, ignore_errors=True)
         measured[n], skipped[n] = {}, {}
-        for tool, procs in VARIANTS.items():
-            for num_proc in procs:
-                name = worker_name(tool, num_proc)
-                estimate = _estimate(measured, n, name)
-                if tool == "trl" and estimate is not None and estimate > TRL_SKIP_SECONDS:
-                    skipped[n][name] = f"skipped: {estimate:.0f} s expected (> {TRL_SKIP_SECONDS} s)"
-                    print(f"  {name:<24} {skipped[n][name]}", flush=True)
-                    continue
-                cache = size_dir / f"hf-datasets-cache-{name}"  # fresh and its own: nothing read from a cache
-                try:
-                    flags = ["--size", size_name, "--case", "scale", "--model", str(model), "--data", str(data[n])]
-                    measured[n][name] = run_worker(BENCH, name, size_dir, flags, env={"HF_DATASETS_CACHE": str(cache)})
-                finally:  # trl's copies of a million rows take GBs
-                    shutil.rmtree(cache, ignore_errors=True)
+        for tool, num_proc in RUNS:
+            name = worker_name(tool, num_proc)
+            estimate = _estimate(measured, n, name)
+            if tool == "trl" and estimate is not None and estimate > TRL_SKIP_SECONDS:
+                skipped[n][name] = f"skipped: {estimate:.0f} s expected (> {TRL_SKIP_SECONDS} s)"
+                print(f"  {name:<24} {skipped[n][name]}", flush=True)
+                continue
+            cache = size_dir / f"hf-datasets-cache-{name}"  # fresh and its own: nothing read from a cache
+            try:
+                flags = ["--size", size_name, "--case", "scale", "--model", str(model), "--data", str(data[n])]
+                measured[n][name] = run_worker(BENCH, name, size_dir, flags, env={"HF_DATASETS_CACHE": str(cache)})
+            finally:  # trl's copies of a million rows take GBs
+                shutil.rmtree(cache, ignore_errors=True)
         check_tokens(measured[n], n)
         shutil.rmtree(size_dir, ignore_errors=True)
     publish(render_scale(measured, skipped, size, size_name, time.perf_counter() - started), results, SCALE_HEADING)
@@ -378,63 +343,61 @@ def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str],
     )
     for n in size["rows"]:
         runs = measured[n]
-        for tool, procs in VARIANTS.items():
-            for num_proc in procs:
-                name = worker_name(tool, num_proc)
-                head = f"| {n:,} | {LABELS[tool]} | {_proc_label(num_proc)} |"
-                if name not in runs:
-                    table.append(f"{head} {skipped[n].get(name, 'not run')} | - | - | - | - |")
-                    continue
-                r = runs[name]
-                table.append(
-                    f"{head} {r['seconds']:.2f} | {r['source_rows'] / r['seconds']:,.0f} | {r['peak_rss_mib']:.0f} | "
-                    f"{r['children_peak_rss_mib']:.0f} | {_speedup(runs, tool, num_proc)} |"
-                )
-                trl_cells = f"{r['init_seconds']:.2f} | {r['model_seconds']:.2f}" if tool == "trl" else "- | -"
-                details.append(
-                    f"{head} {r['load_seconds']:.2f} | {trl_cells} | {r['baseline_rss_mib']:.0f} | "
-                    f"{r['peak_rss_mib'] - r['baseline_rss_mib']:.0f} |"
-                )
+        for tool, num_proc in RUNS:
+            name = worker_name(tool, num_proc)
+            head = f"| {n:,} | {LABELS[tool]} | {_proc_label(num_proc)} |"
+            if name not in runs:
+                table.append(f"{head} {skipped[n].get(name, 'not run')} | - | - | - | - |")
+                continue
+            r = runs[name]
+            table.append(
+                f"{head} {r['seconds']:.2f} | {r['source_rows'] / r['seconds']:,.0f} | {r['peak_rss_mib']:.0f} | "
+                f"{r['children_peak_rss_mib']:.0f} | {_speedup(runs, tool, num_proc)} |"
+            )
+            trl_cells = f"{r['init_seconds']:.2f} | {r['model_seconds']:.2f}" if tool == "trl" else "- | -"
+            details.append(
+                f"{head} {r['load_seconds']:.2f} | {trl_cells} | {r['baseline_rss_mib']:.0f} | "
+                f"{r['peak_rss_mib'] - r['baseline_rss_mib']:.0f} |"
+            )
     return table, details
 
 
 def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
     """(the goals table, the growth note: peak RSS from the smaller size to the larger, "" where one size ran)."""
-    goals = table_head("| goal | measured | met |")
+    goals = []
     for n in size["rows"]:
         one, two = (measured[n].get(worker_name("ours", p)) for p in (1, 2))
         if one and two:
             ratio = one["tokenize_seconds"] / two["tokenize_seconds"]
-            goals.append(
-                f"| kto-pipeline: --num-proc 2 tokenizes at least {SPEEDUP_GOAL}x faster than 1 ({n:,} rows; the "
+            goal = (
+                f"kto-pipeline: --num-proc 2 tokenizes at least {SPEEDUP_GOAL}x faster than 1 ({n:,} rows; the "
                 f"datasets.map: {one['tokenize_seconds']:.1f} s vs {two['tokenize_seconds']:.1f} s; all of the "
-                f"preprocessing: {one['seconds'] / two['seconds']:.2f}x) | {ratio:.2f}x | "
-                f"{met(ratio >= SPEEDUP_GOAL)} |"
+                f"preprocessing: {one['seconds'] / two['seconds']:.2f}x)"
             )
+            goals.append((goal, f"{ratio:.2f}x", ratio >= SPEEDUP_GOAL))
     growth_notes = []
     small, big = (20_000, 200_000) if {20_000, 200_000} <= set(size["rows"]) else (size["rows"][0], size["rows"][-1])
     if small != big:
-        for tool, procs in VARIANTS.items():
-            for num_proc in procs:
-                name = worker_name(tool, num_proc)
-                a, b = measured[small].get(name), measured[big].get(name)
-                if not (a and b):
-                    continue
-                parent = b["peak_rss_mib"] - a["peak_rss_mib"]
-                children = b["children_peak_rss_mib"] - a["children_peak_rss_mib"]
-                pooled = a["children_peak_rss_mib"] > 0
-                text = f"{parent:+.0f} MiB parent" + (f", {children:+.0f} MiB children" if pooled else "")
-                growth_notes.append(f"{LABELS[tool]} num_proc {_proc_label(num_proc)}: {text}")
-                if tool == "ours" and num_proc == 1:
-                    goals.append(
-                        f"| preprocessing's peak RSS at {big:,} rows at most {GROWTH_GOAL_MB} MB above at {small:,} "
-                        f"(kto-pipeline, 1 process; the issue's goal is for the whole precompute, tested in "
-                        f"tests/test_memory.py) | {parent:+.0f} MiB | {met(parent * MIB <= GROWTH_GOAL_MB * 1e6)} |"
-                    )
+        for tool, num_proc in RUNS:
+            name = worker_name(tool, num_proc)
+            a, b = measured[small].get(name), measured[big].get(name)
+            if not (a and b):
+                continue
+            parent = b["peak_rss_mib"] - a["peak_rss_mib"]
+            children = b["children_peak_rss_mib"] - a["children_peak_rss_mib"]
+            pooled = a["children_peak_rss_mib"] > 0
+            text = f"{parent:+.0f} MiB parent" + (f", {children:+.0f} MiB children" if pooled else "")
+            growth_notes.append(f"{LABELS[tool]} num_proc {_proc_label(num_proc)}: {text}")
+            if tool == "ours" and num_proc == 1:
+                goal = (
+                    f"preprocessing's peak RSS at {big:,} rows at most {GROWTH_GOAL_MB} MB above at {small:,} "
+                    "(kto-pipeline, 1 process; the goal for the whole precompute is tested in tests/test_memory.py)"
+                )
+                goals.append((goal, f"{parent:+.0f} MiB", parent * MIB <= GROWTH_GOAL_MB * 1e6))
     notes = []
     if growth_notes:
         notes = [f"- preprocessing peak RSS growth {small:,} -> {big:,} rows: " + "; ".join(growth_notes) + ".", ""]
-    return goals, notes
+    return goals_table(*goals), notes
 
 
 def _tokenizer_text(size: dict) -> str:
@@ -447,33 +410,28 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
     table, details = _scale_tables(measured, skipped, size)
     goals, notes = _scale_goals(measured, size)
     model_rss = max((r.get("model_rss_mib", 0.0) for m in measured.values() for r in m.values()), default=0.0)
+    command = f"`python benchmarks/bench.py --size {size_name} --only scale` (in `make bench`)"
     lines = [
         SCALE_HEADING,
         "",
-        f"- command: `python benchmarks/bench.py --size {size_name} --only scale` (in `make bench`)",
-        f"- date: {utc_stamp()}; total time {seconds:.0f} s",
-        f"- machine: {machine()}",
-        f"- versions: {versions('kto-pipeline', 'trl', 'datasets', 'transformers', 'tokenizers', 'torch')}, "
-        f"Python {sys.version.split()[0]}",
+        *provenance(command, seconds, "kto-pipeline", "trl", "datasets", "transformers", "tokenizers", "torch"),
         "- data: short unpaired rows (prompts of 10-30 words, completions of 5-20, questions and instructions with "
         "punctuation, numbers, line breaks and about 1.5% non-ASCII words; `bench_scale.row_stream`), the first N "
         f"rows of one stream as a .jsonl; tokenizer: {_tokenizer_text(size)}, the same for both tools; max_length "
         f"{size['max_length']} (no row dropped)",
         "- each measurement in a fresh process with its own empty HF_DATASETS_CACHE. Timed as preprocessing: "
-        "**kto-pipeline** = what `precompute` runs before it loads the model (`prepare_rows`: load_source "
-        "of the Arrow file already built, check_source, content_hash of the file, preprocess = datasets.map batched "
-        "into the tokenized Arrow file; then opening that file, select_rows, assign_kl_partners); `--num-proc 1` maps "
-        "in-process. **trl** = `KTOTrainer._prepare_dataset` as `KTOTrainer.__init__` calls it (EOS map, tokenize "
-        "map, max_length filter, KL map with batch_size=per_device_train_batch_size "
-        f"({size['batch']}), label count), every step with `num_proc=args.dataset_num_proc`: its default None maps "
-        "in-process; 1 runs each step in a pool of one worker process (datasets 5 pools any num_proc >= 1). Timed "
-        "apart: the JSON -> Arrow load (`datasets.load_dataset('json')`, the same call for both), the rest of trl's "
-        "constructor, and the tiny Llama policy over the same tokenizer that it needs (loaded before it, so in its "
-        f"parent RSS: {model_rss:.0f} MiB at most).",
-        "- rows/s = source rows / preprocessing seconds. peak RSS (parent) = ru_maxrss of the worker process (for trl "
-        "read as `_prepare_dataset` returns); (children) = RUSAGE_CHILDREN's ru_maxrss, the largest of its "
-        "terminated child processes (the datasets.map pool and its manager; forked from the worker, so the pages "
-        "they share with it count in both); 0 where nothing ran in a child.",
+        "**kto-pipeline** = what `precompute` runs before it loads the model (`prepare_rows`: load_source of the "
+        "Arrow file already built, check_source, content_hash, preprocess = a batched datasets.map into the tokenized "
+        "Arrow file, then select_rows, assign_kl_partners); `--num-proc 1` maps in-process. **trl** = "
+        "`KTOTrainer._prepare_dataset` as its `__init__` calls it (EOS map, tokenize map, max_length filter, KL map "
+        f"with batch_size=per_device_train_batch_size ({size['batch']}), label count), each step with "
+        "`num_proc=args.dataset_num_proc`: None maps in-process, 1 in a pool of one process (datasets 5 pools any "
+        "num_proc >= 1). Timed apart: the JSON -> Arrow load (`datasets.load_dataset('json')`, both alike), the rest "
+        "of trl's constructor, and the tiny Llama policy it needs (loaded before it, so in its parent RSS: "
+        f"{model_rss:.0f} MiB at most).",
+        "- rows/s = source rows / preprocessing seconds. peak RSS (parent) = the worker's ru_maxrss (trl: as "
+        "`_prepare_dataset` returns); (children) = RUSAGE_CHILDREN's, the largest terminated child (the datasets.map "
+        "pool and its manager; forked, so pages shared with the worker count in both); 0 where no child ran.",
         f"- correctness: at every size all the measurements kept the same rows and produced identical prompt_ids and "
         f"completion_ids for the first {CHECK_ROWS} rows (checked before this section was written).",
         f"- trl is not run at a size where its rate at the size below predicts more than {TRL_SKIP_SECONDS} s.",
@@ -489,13 +447,6 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
     return "\n".join(lines)
 
 
-# ==================================================================================================== append
-#
-# The append case (`python benchmarks/bench.py --only append`): what `kto-pipeline precompute --append` costs next to
-# the full precompute of the cache it grows, run through the CLI's entry point in fresh processes
-# (`bench.py worker append_<full|log|new>_N`: `append_worker`); how each run is timed and split is written into the
-# section with the numbers (`render_append`).
-
 APPEND_HEADING = "## Append: `precompute --append` of 1% new rows to a 200,000-row cache"
 # torch's threads in every run (OMP_NUM_THREADS; None: torch's default, one per core). 1: on a 2-core machine shared
 # with another torch process, 2 threads each stall at every parallel region's barrier (measured 2026-11-24: the tiny
@@ -509,26 +460,16 @@ FLAT_MIB = 50  # "memory stays flat": an append's peak RSS grows at most this mu
 # The functions of kto_pipeline.stages.precompute.stage that are timed, by the part of an append's cost they are:
 # fixed (does not grow with the dataset or the new rows; reading the cache's keys and matching grow with the cache,
 # a few bytes a row), proportional to the dataset given (the grown log, or the new rows alone), or to the new rows.
-PHASES = {
-    "precompute": "fixed",  # its own time: process group, the --output lock
-    "setup": "fixed",  # load the tokenizer, check --output
-    "open_base": "fixed",  # read the manifest, check the keys files, hash the tokenizer
-    "held_keys": "fixed",  # read the cache's keys files
-    "match_keys": "fixed",  # match the dataset's keys against them
-    "load_reference": "fixed",  # load the model, hash its weights
-    "plan_output": "fixed",  # write the segment's keys file and the manifest
-    "finish": "fixed",  # the manifest
-    "load_source": "data",  # JSON -> Arrow in the datasets cache
-    "check_source": "data",
-    "content_hash": "data",  # sha256 of the file
-    "content_keys": "data",  # a key per row: datasets.map, normalize + sha256
-    "open_keys": "data",
-    "prepare_rows": "other",  # its own time: select the new rows, open the tokenized file
-    "preprocess": "rows",  # tokenize (datasets.map)
-    "select_rows": "rows",
-    "_kl_partners": "rows",
-    "score_shards": "rows",  # the reference pass
-}
+# fixed: precompute's own time (process group, the --output lock), setup (tokenizer, --output), open_base (manifest,
+# keys files, tokenizer hash), held_keys (the cache's keys files), match_keys, load_reference (model, weights hash),
+# plan_output (the segment's keys file, manifest), finish. data: load_source (JSON -> Arrow), check_source,
+# content_hash (sha256 of the file), content_keys (a key per row: datasets.map, normalize + sha256), open_keys.
+# other: prepare_rows' own time (select the new rows, open the tokenized file). rows: preprocess (tokenize),
+# select_rows, _kl_partners, score_shards (the reference pass).
+_FIXED = ("precompute", "setup", "open_base", "held_keys", "match_keys", "load_reference", "plan_output", "finish")
+PHASES = dict.fromkeys(_FIXED, "fixed") | dict.fromkeys(("load_source", "check_source", "content_hash"), "data")
+PHASES |= dict.fromkeys(("content_keys", "open_keys"), "data") | {"prepare_rows": "other"}
+PHASES |= dict.fromkeys(("preprocess", "select_rows", "_kl_partners", "score_shards"), "rows")
 BUCKETS = {
     "start": "process start, imports, exit",
     "fixed": "fixed (tokenizer, manifest + keys files, matching, model load, writes)",
@@ -631,26 +572,16 @@ def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> 
     for call in calls:
         exclusive[call["name"]] = exclusive.get(call["name"], 0.0) + call["exclusive"]
     tokenized = [c["rows"] for c in calls if c["name"] == "preprocess"]
-    return {
-        "form": form,
-        "argv": argv,
-        "imports_seconds": imports_seconds,
-        "cli_seconds": cli_seconds,
-        "cpu_seconds": usage.ru_utime + usage.ru_stime,
-        "phases": exclusive,
-        "calls": {c["name"]: c["seconds"] for c in calls},  # inclusive, the last call of each
-        "source_rows": next((c["rows"] for c in calls if c["name"] == "load_source"), None),
-        "keyed_rows": sum(c["rows"] for c in calls if c["name"] == "content_keys"),
-        "tokenized_rows": sum(tokenized),
-        "tokenize_calls": len(tokenized),
-        "segment": {k: segment[k] for k in ("index", "rows", "normalized_rows", "matched_rows", "timing", "shards")},
-        "cache_rows": manifest.counts["rows"],
-        "segments": len(manifest["segments"]),
-        "baseline_rss_mib": baseline,
-        "threads": torch.get_num_threads(),
-        "pid": os.getpid(),
-        **peaks,
-    }
+    run = dict(form=form, argv=argv, imports_seconds=imports_seconds, cli_seconds=cli_seconds, phases=exclusive)
+    run |= dict(
+        cpu_seconds=usage.ru_utime + usage.ru_stime, calls={c["name"]: c["seconds"] for c in calls}
+    )  # inclusive
+    run |= dict(source_rows=next((c["rows"] for c in calls if c["name"] == "load_source"), None))
+    run |= dict(keyed_rows=sum(c["rows"] for c in calls if c["name"] == "content_keys"))
+    run |= dict(tokenized_rows=sum(tokenized), tokenize_calls=len(tokenized), cache_rows=manifest.counts["rows"])
+    keys = ("index", "rows", "normalized_rows", "matched_rows", "timing", "shards")
+    run |= dict(segment={k: segment[k] for k in keys}, segments=len(manifest["segments"]), baseline_rss_mib=baseline)
+    return dict(run, threads=torch.get_num_threads(), pid=os.getpid(), **peaks)
 
 
 def _file_hashes(cache: Path) -> dict[str, str]:
@@ -799,20 +730,8 @@ def _append_tables(measured: dict, checks: dict, size: dict) -> tuple[list[str],
         "manifest: wall s | preprocess s | reference pass s | CPU s | peak RSS MiB | vs full pass |"
     )
     split = table_head("| cache rows | run | " + " | ".join(BUCKETS.values()) + " | total s |")
-    shown = (
-        "load_source",
-        "content_hash",
-        "content_keys",
-        "preprocess",
-        "score_shards",
-        "load_reference",
-        "setup",
-        "open_base",
-        "held_keys",
-        "match_keys",
-        "plan_output",
-        "finish",
-    )
+    shown = ("load_source", "content_hash", "content_keys", "preprocess", "score_shards", "load_reference", "setup")
+    shown += ("open_base", "held_keys", "match_keys", "plan_output", "finish")
     phases = table_head("| cache rows | run | imports | " + " | ".join(shown) + " |")
     for n in size["caches"]:
         full = measured[n]["full"]
@@ -820,18 +739,14 @@ def _append_tables(measured: dict, checks: dict, size: dict) -> tuple[list[str],
             r = measured[n][form]
             t = r["segment"]["timing"]
             ratio = "-" if form == "full" else f"{r['process_seconds'] / full['process_seconds']:.2%}"
-            runs.append(
-                f"| {n:,} | {label} | {r['source_rows']:,} | {r['tokenized_rows']:,} | {t['rows_scored']:,} | "
-                f"{t['tokens_scored']:,} | {r['process_seconds']:.1f} | {t['wall_seconds']:.1f} | "
-                f"{t['preprocess_seconds']:.1f} | {t['reference_pass_seconds']:.1f} | {r['cpu_seconds']:.0f} | "
-                f"{r['peak_rss_mib']:.0f} | {ratio} |"
-            )
+            counts = (f"{x:,}" for x in (r["source_rows"], r["tokenized_rows"], t["rows_scored"], t["tokens_scored"]))
+            times = (r["process_seconds"], t["wall_seconds"], t["preprocess_seconds"], t["reference_pass_seconds"])
+            cpu_rss = (f"{r['cpu_seconds']:.0f}", f"{r['peak_rss_mib']:.0f}")
+            runs.append(md_row(f"{n:,}", label, *counts, *(f"{x:.1f}" for x in times), *cpu_rss, ratio))
             b = append_buckets(r)
-            split.append(
-                f"| {n:,} | {label} | " + " | ".join(f"{b[k]:.2f}" for k in BUCKETS) + f" | {sum(b.values()):.1f} |"
-            )
+            split.append(md_row(f"{n:,}", label, *(f"{b[k]:.2f}" for k in BUCKETS), f"{sum(b.values()):.1f}"))
             cells = [f"{r['phases'].get(p, 0.0):.2f}" for p in shown]
-            phases.append(f"| {n:,} | {label} | {r['imports_seconds']:.2f} | " + " | ".join(cells) + " |")
+            phases.append(md_row(f"{n:,}", label, f"{r['imports_seconds']:.2f}", *cells))
     return runs, split, phases
 
 
@@ -942,9 +857,8 @@ def render_append(measured: dict, checks: dict, size: dict, size_name: str, seco
         f"- date: {utc_stamp()}; total time {seconds:.0f} s",
         f"- machine: {machine()}; 1-minute load average before / after each run: "
         + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in loads)
-        + f" (each run keeps {threads} torch thread(s) busy: more means the machine was shared; every run "
-        f"with OMP_NUM_THREADS={APPEND_THREADS}, see `APPEND_THREADS`: with torch's default of one thread per core, "
-        "another torch process on the 2 cores made the reference pass ~15x slower, 7.5 rows/s instead of 111)",
+        + f" (each run keeps {threads} torch thread(s) busy: more means a shared machine; OMP_NUM_THREADS="
+        f"{APPEND_THREADS} in every run, see `APPEND_THREADS`)",
         f"- versions: {versions('kto-pipeline', 'datasets', 'transformers', 'tokenizers', 'torch')}, "
         f"Python {sys.version.split()[0]}",
         f"- data: the rows of the scale case (`bench_scale.row_stream`): the cache = the first N rows; the grown log = "
@@ -957,14 +871,12 @@ def render_append(measured: dict, checks: dict, size: dict, size_name: str, seco
         "a copy of the full precompute's cache. process s = the process from start to exit, from outside; "
         "manifest = the segment's `timing` (wall from the stage's setup: no imports). CPU s = user + system of "
         "the process. Peak RSS = its ru_maxrss.",
-        "- split: stage functions timed by wrapping them (exclusive times); 'process start, imports, exit' = "
-        "process s - the CLI call; 'fixed' = setup (tokenizer), open_base (manifest, keys files present, "
-        "tokenizer hash), held_keys + match_keys (the cache's keys, matching: a few bytes a row of the cache), "
-        "load_reference (model load, weights hash), plan_output (the segment's keys file, manifest), finish, and "
-        "the stage's own time (lock); 'dataset' = load_source, check_source, content_hash, content_keys, "
-        "open_keys; 'new rows' = preprocess (tokenize), select_rows, KL partners, score_shards; 'other' = what "
-        "prepare_rows and the CLI do between them (selecting the new rows, opening the tokenized file). "
-        "The goal counts 'other' against the 2%, not as fixed.",
+        "- split: stage functions timed by wrapping them (exclusive times, `PHASES`); 'process start, imports, "
+        "exit' = process s - the CLI call; 'fixed' = setup, open_base, held_keys + match_keys (a few bytes a row "
+        "of the cache), load_reference, plan_output, finish and the stage's own time (lock); 'dataset' = "
+        "load_source, check_source, content_hash, content_keys, open_keys; 'new rows' = preprocess (tokenize), "
+        "select_rows, KL partners, score_shards; 'other' = prepare_rows' and the CLI's own (selecting the new rows, "
+        "opening the tokenized file), counted against the 2%, not as fixed.",
         f"- checked before any number was written: each append tokenized exactly {new:,} rows (one tokenize map "
         f"over {new:,} rows), scored {new:,}, recorded them as segment 1; every shard and keys file of the cache "
         "kept its sha256; `kto-pipeline inspect CACHE --verify` passed; and the two appends (grown log, new rows "

@@ -27,8 +27,6 @@ HERE = Path(__file__).resolve().parent  # benchmarks/
 WORK_DIR = HERE / ".work"  # scratch: models, data, runs (git-ignored)
 RESULT_PREFIX = "RESULT "
 
-# ------------------------------------------------------------------------------------------- workers
-
 
 def print_result(result: dict) -> None:
     """A worker's answer: its one `RESULT {json}` line on stdout, read back by `run_worker`."""
@@ -49,15 +47,8 @@ def run_worker(
     (offline, no progress bars, HF_DATASETS_CACHE in `work`). A failed worker ends the benchmark, or with
     `must_succeed=False` returns {"failed": its last line of stderr}. `width`: of the name in the progress line."""
     out = work / "runs" / name
-    env = {
-        **os.environ,
-        "TQDM_DISABLE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_CACHE": str(work / "hf-datasets-cache"),
-        **(env or {}),
-    }
+    quiet = dict(TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    env = {**os.environ, **quiet, "HF_DATASETS_CACHE": str(work / "hf-datasets-cache"), **(env or {})}
     cmd = [sys.executable, str(Path(script).resolve()), "worker", name, "--work", str(work), "--out", str(out)]
     start = time.perf_counter()
     proc = subprocess.run([*cmd, *flags], env=env, capture_output=True, text=True)
@@ -89,9 +80,6 @@ def fresh_runs(work: Path) -> None:
     """Measure from scratch: no worker may reuse the outputs or the datasets cache of an earlier run."""
     shutil.rmtree(work / "runs", ignore_errors=True)
     shutil.rmtree(work / "hf-datasets-cache", ignore_errors=True)
-
-
-# ------------------------------------------------------------------------------------ memory, machine
 
 
 def proc_status(pid: int | str = "self") -> dict[str, int]:
@@ -148,9 +136,6 @@ def utc_stamp() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-# ------------------------------------------------------------------------------------------ timing
-
-
 def median_step(times: list[float]) -> float:
     """Median over the steps after the first (the first pays one-off warm-up costs)."""
     return statistics.median(times[1:] if len(times) > 1 else times)
@@ -194,9 +179,6 @@ def time_calls(cls, attr: str, record: Callable, synchronize: Callable[[], None]
     setattr(cls, attr, timed)
 
 
-# ------------------------------------------------------------------------------------ RESULTS.md
-
-
 def _heading_span(lines: list[str], heading: str) -> tuple[int, int] | None:
     """[start, end) lines of the section under `heading` (a line of its own) up to the next `## ` heading."""
     if heading not in lines:
@@ -223,12 +205,6 @@ def replace_section(text: str, heading: str, section: str) -> str:
     return "\n".join([*lines[: span[0]], *new, *([""] if after else []), *after]).rstrip() + "\n"
 
 
-def write_section(results: Path, heading: str, section: str) -> None:
-    text = results.read_text() if results.exists() else ""
-    results.write_text(replace_section(text, heading, section))
-    print(f"written to {results}")
-
-
 def publish(report: str, results: Path | str | None, heading: str | None = None) -> None:
     """Print `report`, then write it to `results` where one is given: as its section under `heading`, else as the
     whole file."""
@@ -236,11 +212,9 @@ def publish(report: str, results: Path | str | None, heading: str | None = None)
     if results is None:
         return
     results = Path(results)
-    if heading is not None:
-        write_section(results, heading, report)
-        return
     results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(report)
+    old = results.read_text() if results.exists() else ""
+    results.write_text(report if heading is None else replace_section(old, heading, report))
     print(f"written to {results}")
 
 
@@ -249,112 +223,59 @@ def table_head(header: str) -> list[str]:
     return [header, "|" + " --- |" * len(header.strip().strip("|").split("|"))]
 
 
-def met(ok: bool | None) -> str:
-    """A goal's "met" cell."""
-    return "n/a" if ok is None else ("yes" if ok else "NO")
+def met(ok: bool | None | str) -> str:
+    """A goal's "met" cell (a string is the cell itself)."""
+    return ok if isinstance(ok, str) else "n/a" if ok is None else ("yes" if ok else "NO")
 
 
-# ------------------------------------------------------------------------------------------ presets
+def md_row(*cells) -> str:
+    """A markdown table row of `cells`."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def goals_table(*rows: tuple[str, str, bool | None | str]) -> list[str]:
+    """A `| goal | measured | met |` table of (goal, measured, ok) rows."""
+    return [*table_head("| goal | measured | met |"), *(md_row(g, m, met(ok)) for g, m, ok in rows)]
+
+
+def provenance(command: str, seconds: float, *packages: str) -> list[str]:
+    """A report's first lines: `command` (Markdown), date and total time, machine, versions of `packages`."""
+    stamp = f"- date: {utc_stamp()}; total time {seconds:.0f} s"
+    return [f"- command: {command}", stamp, f"- machine: {machine()}", f"- versions: {versions(*packages)}"]
+
 
 # Qwen2 configurations as published in the models' config.json (Qwen/Qwen2-0.5B, Qwen/Qwen2-7B); no weights.
 # bench_memory.py simulates them as they are; bench_gpu.py's qwen2-0.5b preset is the first one's shape.
-_QWEN2 = dict(
-    max_position_embeddings=131072,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    bos_token_id=151643,
-    eos_token_id=151643,
-    sliding_window=131072,
-    use_sliding_window=False,
-    hidden_act="silu",
-)
+_QWEN2 = dict(max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=151643)
+_QWEN2 |= dict(eos_token_id=151643, sliding_window=131072, use_sliding_window=False, hidden_act="silu")
 QWEN2 = {
-    "qwen2-0.5b": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_window_layers=24,
-        **_QWEN2,
-    ),
-    "qwen2-7b": dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-        max_window_layers=28,
-        **_QWEN2,
-    ),
+    "qwen2-0.5b": _QWEN2
+    | dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24)
+    | dict(num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=24),
+    "qwen2-7b": _QWEN2
+    | dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28)
+    | dict(num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, max_window_layers=28),
 }
 # SmolLM2-135M's architecture (HuggingFaceTB/SmolLM2-135M config.json): bench_memory.py's real CPU check, random weights
-SMOLLM2 = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    bos_token_id=0,
-    eos_token_id=0,
-    pad_token_id=0,
-)
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9)
+SMOLLM2 |= dict(num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5)
+SMOLLM2 |= dict(tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 # A random Qwen2's shape in the presets (bench.py's --size, bench_gpu.py's --preset): preset key -> Qwen2Config field
-SHAPE = dict(
-    hidden="hidden_size",
-    layers="num_hidden_layers",
-    heads="num_attention_heads",
-    kv_heads="num_key_value_heads",
-    intermediate="intermediate_size",
-    vocab="vocab_size",
-    max_position_embeddings="max_position_embeddings",
-    tie_word_embeddings="tie_word_embeddings",
-    rope_theta="rope_theta",  # (transformers' default where a preset has none)
-)
+# (rope_theta: transformers' default where a preset has none)
+SHAPE = dict(hidden="hidden_size", layers="num_hidden_layers", heads="num_attention_heads")
+SHAPE |= dict(kv_heads="num_key_value_heads", intermediate="intermediate_size", vocab="vocab_size")
+SHAPE |= {k: k for k in ("max_position_embeddings", "tie_word_embeddings", "rope_theta")}
 
 # the smallest random Qwen2 (bench.py's smoke size, bench_gpu.py's tiny preset): every code path in seconds on a CPU
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=4096, max_position_embeddings=2048)
 # bench.py --size: the random case, a Qwen2 with random weights on rows of random words (character tokens): model,
 # rows and their prompt / completion lengths in characters, train steps, sweep steps per run, batch
 SIZES = {
-    "full": dict(
-        hidden=256,
-        layers=4,
-        heads=4,
-        kv_heads=2,
-        intermediate=704,
-        vocab=32768,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        rows=192,
-        prompt=(96, 320),
-        completion=(48, 224),
-        steps=8,
-        sweep_steps=6,
-        batch=8,
-        max_length=512,
-        reference_batch=64,
-    ),
-    "smoke": dict(
-        TINY,
-        tie_word_embeddings=False,
-        rows=32,
-        prompt=(16, 48),
-        completion=(8, 40),
-        steps=3,
-        sweep_steps=2,
-        batch=4,
-        max_length=128,
-    ),
+    "full": dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=32768, max_position_embeddings=2048)
+    | dict(tie_word_embeddings=False, rows=192, prompt=(96, 320), completion=(48, 224), steps=8, sweep_steps=6)
+    | dict(batch=8, max_length=512, reference_batch=64),
+    "smoke": dict(TINY, tie_word_embeddings=False, rows=32, prompt=(16, 48), completion=(8, 40), steps=3)
+    | dict(sweep_steps=2, batch=4, max_length=128),
 }
 # bench.py --only smollm2 --size: SmolLM2-135M-Instruct on single-turn HH-RLHF harmless-base pairs (the demo's
 # selection), each pair -> a desirable and an undesirable unpaired row
@@ -374,23 +295,13 @@ APPEND_SIZES = {
     "full": dict(caches=(20_000, 200_000), new=2_000, goal_cache=200_000, tokenizer="smollm2", max_length=1024),
     "smoke": dict(caches=(200,), new=10, goal_cache=200, tokenizer="char", max_length=1024),
 }
-# bench_gpu.py --preset; row lengths are scaled so that the longest is max_length
+# bench_gpu.py --preset; row lengths are scaled so that the longest is max_length. qwen2-0.5b: its architecture
+# (random weights); tiny: the same code paths at a size a 2-core CPU runs in about a minute (the tests use it)
 GPU_PRESETS = {
-    # Qwen2-0.5B's architecture (random weights)
-    "qwen2-0.5b": dict(
-        {short: QWEN2["qwen2-0.5b"][field] for short, field in SHAPE.items()},
-        max_position_embeddings=32768,
-        rows=1024,
-        batch=8,
-        steps=20,
-        max_length=1024,
-    ),
-    # the same code paths at a size a 2-core CPU runs in about a minute (the tests use it)
+    "qwen2-0.5b": {short: QWEN2["qwen2-0.5b"][field] for short, field in SHAPE.items()}
+    | dict(max_position_embeddings=32768, rows=1024, batch=8, steps=20, max_length=1024),
     "tiny": dict(TINY, tie_word_embeddings=True, rope_theta=1e6, rows=32, batch=4, steps=3, max_length=128),
 }
-
-
-# ------------------------------------------------------------------------------------------ models
 
 
 def qwen2_config(preset: dict, tok):
@@ -440,27 +351,14 @@ def unpaired_rows(pairs) -> list[dict]:
     ]
 
 
-# ------------------------------------------------------------------------------------------ runs
-
-
 def ours_train_config(cache: Path, out: Path, *, batch: int, steps: int, learning_rate: float, bf16=False, **extra):
     """kto-pipeline's TrainConfig for a measured training run on `cache`, with the settings trl's runs get: sequential
     order, gradient checkpointing off, every step logged; plus `extra`."""
     from kto_pipeline import TrainConfig
 
-    return TrainConfig(
-        cache=str(cache),
-        output_dir=str(out),
-        overwrite_output_dir=True,
-        per_device_train_batch_size=batch,
-        max_steps=steps,
-        learning_rate=learning_rate,
-        logging_steps=1,
-        train_sampling_strategy="sequential",
-        bf16=bf16,
-        gradient_checkpointing=False,
-        **extra,
-    )
+    run = dict(output_dir=str(out), overwrite_output_dir=True, max_steps=steps, learning_rate=learning_rate)
+    run |= dict(per_device_train_batch_size=batch, logging_steps=1, train_sampling_strategy="sequential")
+    return TrainConfig(cache=str(cache), **run, bf16=bf16, gradient_checkpointing=False, **extra)
 
 
 # The KTOConfig settings of every measured trl training run: each step logged, seeded, trl's linear schedule, the
@@ -483,15 +381,12 @@ def trl_trainer(
     lora: dict | None = None,
     **settings,
 ):
-    """trl 1.16's KTOTrainer, as every benchmark builds it: batches of `batch`, `max_length`, the reference log-probs
-    precomputed (`precompute`) or computed online, bf16 autocast or not, gradient checkpointing as given (trl's
-    defaults, bf16 and gradient checkpointing on, are never left to apply), no reports, no saving, no progress bars;
-    `settings`: the rest of its KTOConfig.
-
-    `model`: a model directory (its tokenizer and a float32 policy are loaded from it, as a new user loads them) or a
-    model, with `tokenizer`. `dataset`: a .jsonl file, loaded as a disk-backed dataset (its fingerprint drives trl's
-    reference cache), or a datasets.Dataset. `ref_model`: trl online's reference (None: trl loads its own, or uses
-    the policy with its adapters disabled under LoRA). `lora`: dict(r, alpha, dropout), a LoRA on all linear layers."""
+    """trl 1.16's KTOTrainer, as every benchmark builds it: batches of `batch`, `max_length`, reference log-probs
+    precomputed or online, bf16 autocast and gradient checkpointing as given (never trl's defaults, both on), no
+    reports, saving or progress bars; `settings`: the rest of its KTOConfig. `model`: a directory (its tokenizer and
+    a float32 policy loaded from it) or a model, with `tokenizer`. `dataset`: a .jsonl file (loaded disk-backed: its
+    fingerprint keys trl's reference cache) or a Dataset. `ref_model`: trl online's reference (None: trl loads its
+    own, or disables the adapters under LoRA). `lora`: dict(r, alpha, dropout), a LoRA on all linear layers."""
     from trl import KTOConfig, KTOTrainer
 
     if isinstance(model, str | Path):
@@ -504,29 +399,15 @@ def trl_trainer(
         from datasets import load_dataset
 
         dataset = load_dataset("json", data_files=str(dataset), split="train")
-    args = KTOConfig(
-        output_dir=str(out),
-        per_device_train_batch_size=batch,
-        max_length=max_length,
-        precompute_ref_log_probs=precompute,
-        bf16=bf16,
-        gradient_checkpointing=gradient_checkpointing,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        **settings,
-    )
+    run = dict(output_dir=str(out), per_device_train_batch_size=batch, max_length=max_length, report_to=[])
+    run |= dict(precompute_ref_log_probs=precompute, bf16=bf16, gradient_checkpointing=gradient_checkpointing)
+    args = KTOConfig(**run, save_strategy="no", disable_tqdm=True, **settings)
     peft_config = None
     if lora is not None:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(
-            r=lora["r"],
-            lora_alpha=lora["alpha"],
-            lora_dropout=lora["dropout"],
-            target_modules="all-linear",
-            task_type="CAUSAL_LM",
-        )
+        lora_kw = dict(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"])
+        peft_config = LoraConfig(**lora_kw, target_modules="all-linear", task_type="CAUSAL_LM")
     return KTOTrainer(
         model=model,
         ref_model=ref_model,

@@ -18,16 +18,8 @@ def worker(cache: str, mode: str, out: Path) -> dict:
     """`train` on `cache` with full fine-tuning (`mode` "full") or LoRA r=16 with dropout `mode`."""
     from kto_pipeline import TrainConfig, train
 
-    kw = dict(
-        cache=cache,
-        output_dir=str(out),
-        overwrite_output_dir=True,
-        per_device_train_batch_size=8,
-        max_steps=4,
-        learning_rate=1e-5,
-        train_sampling_strategy="sequential",
-        bf16=False,
-    )
+    kw = dict(cache=cache, output_dir=str(out), overwrite_output_dir=True, per_device_train_batch_size=8, max_steps=4)
+    kw |= dict(learning_rate=1e-5, train_sampling_strategy="sequential", bf16=False)
     if mode != "full":
         kw.update(lora_r=16, lora_alpha=32, lora_dropout=float(mode))
     train(TrainConfig(**kw))

@@ -44,21 +44,10 @@ def first_batch(tok, data_path: Path, size: dict) -> list[dict]:
     first = np.arange(size["batch"])
     prompts, completions = rows.take(first, "prompt_ids"), rows.take(first, "completion_ids")
     partners = rows.take((first + 1) % len(rows), "completion_ids")
-    for i in range(size["batch"]):
-        prompt = prompts[i]
+    for i, (prompt, completion, partner) in enumerate(zip(prompts, completions, partners, strict=True)):
         room = size["max_length"] - len(prompt)
-        partner = partners[i]
-        batch_rows.append(
-            {
-                "prompt_ids": prompt,
-                "completion_ids": completions[i][:room],
-                "kl_completion_ids": partner[:room],
-                "label": i % 2 == 0,
-                "ref_logp": 0.0,
-                "ref_kl_logp": 0.0,
-                "example_id": i,
-            }
-        )
+        row = dict(prompt_ids=prompt, completion_ids=completion[:room], kl_completion_ids=partner[:room])
+        batch_rows.append(dict(row, label=i % 2 == 0, ref_logp=0.0, ref_kl_logp=0.0, example_id=i))
     return batch_rows
 
 
