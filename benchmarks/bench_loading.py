@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -95,7 +96,9 @@ def measure(work: Path, model: Path, data: Path, one_reader: bool) -> dict[str, 
     tag = f"{model.name}-{'main-reads' if one_reader else 'all-read'}"
     env = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": str(one_reader).lower()}
     cache, run = work / "runs" / f"cache-{tag}", work / "runs" / f"train-{tag}"
-    pre = ["precompute", "--model", str(model), "--dataset", str(data), "--output", str(cache), "--overwrite"]
+    for old in (cache, run):  # measured from scratch (an existing cache of the same settings is not recomputed)
+        shutil.rmtree(old, ignore_errors=True)
+    pre = ["precompute", "--model", str(model), "--dataset", str(data), "--output", str(cache)]
     launch([*pre, "--max-length", "64"], env, work / f"precompute-{tag}.log")
     train = ["train", "--cache", str(cache), "--output-dir", str(run), "--overwrite-output-dir", "--max-steps", "1"]
     launch([*train, "--per-device-train-batch-size", "2", "--save-steps", "0"], env, work / f"train-{tag}.log")
