@@ -15,6 +15,7 @@ _EXPORTS = {
     "PrecomputeConfig": "kto_pipeline.config",
     "TrainConfig": "kto_pipeline.config",
     "KTOPipelineError": "kto_pipeline.errors",
+    "Preempted": "kto_pipeline.errors",
     "generate_completions": "kto_pipeline.generate",
     "generate_samples": "kto_pipeline.generate",
     "label_file": "kto_pipeline.label",

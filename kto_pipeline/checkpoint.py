@@ -122,7 +122,13 @@ def list_checkpoints(out: Path) -> list[Path]:
     return [p for _, p in sorted(found) if (p / STATE_FILE).exists()]
 
 
-def resolve_resume(out: Path, resume: bool, resume_from: str | None) -> Path | None:
+def resolve_resume(out: Path, resume: bool, resume_from: str | None, autoresume: bool = False) -> Path | None:
+    """The checkpoint a run restarts from, or None to start: --autoresume's newest complete checkpoint in OUT
+    (falling back to --resume-from, then to a start), --resume-from's, or --resume's newest."""
+    if autoresume:
+        found = list_checkpoints(out)
+        if found:
+            return found[-1]
     if resume_from:
         path = Path(resume_from)
         if not (path / STATE_FILE).exists():

@@ -21,7 +21,7 @@ from kto_pipeline.config import (
     field_help,
     field_panel,
 )
-from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.errors import KTOPipelineError, Preempted
 from kto_pipeline.recipe import RecipeCommand, options
 from kto_pipeline.sweep import FIXED_FIELDS
 
@@ -226,6 +226,10 @@ def main() -> None:
     except SystemExit as exc:  # typer ends a command that ran to its end with SystemExit(0)
         finished = exc.code in (0, None)
         raise
+    except Preempted as exc:  # every process stopped at the same step boundary, its work written
+        finished = True
+        typer.secho(f"stopped: {exc}", fg=typer.colors.YELLOW, err=True)
+        sys.exit(exc.exit_code)
     except KTOPipelineError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(1)

@@ -385,6 +385,16 @@ class TrainConfig(_ConfigMixin):
         default=False, **_help("Resume from the newest checkpoint in --output-dir.", panel=CHECKPOINTS)
     )
     resume_from: str | None = field(default=None, **_help("Resume from this checkpoint directory.", panel=CHECKPOINTS))
+    autoresume: bool = field(
+        default=False,
+        **_help(
+            "Resume from the newest complete checkpoint in --output-dir if there is one (else from --resume-from, "
+            "else start): the same command starts a run and continues it after a preemption or a crash, so "
+            "`torchrun --max-restarts N` brings a run back by itself. A run stopped by SIGTERM or SIGUSR1 writes a "
+            "checkpoint and exits with status 75.",
+            panel=CHECKPOINTS,
+        ),
+    )
     lora_r: int | None = field(
         default=None, **_help("Train LoRA adapters of this rank instead of all weights.", panel=LORA)
     )
@@ -460,6 +470,7 @@ class TrainConfig(_ConfigMixin):
         _check(self.max_length is None or self.max_length >= 2, "max_length", "must be at least 2")
         _check(self.logging_steps >= 1, "logging_steps", f"must be at least 1, got {self.logging_steps}")
         _check(self.save_steps >= 0, "save_steps", f"must be >= 0, got {self.save_steps}")
+        _check(not (self.resume and self.autoresume), "autoresume", "choose one of --resume and --autoresume")
         _check(not (self.fp16 and self.bf16), "fp16", "choose one of --fp16 and --bf16")
         _check(self.lora_r is None or self.lora_r >= 1, "lora_r", "must be >= 1")
         _check(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")

@@ -106,6 +106,15 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
+    def gradient_sync(self, module: torch.nn.Module, sync: bool):
+        """The context of one micro-step's forward and backward: `sync` is False on the micro-steps before an
+        optimizer step (--gradient-accumulation-steps), whose gradients stay on their process and add up, so that
+        the processes exchange gradients once per optimizer step. Here nothing: accelerate's `accumulate` already
+        runs DDP's micro-steps under `no_sync`."""
+        from contextlib import nullcontext
+
+        return nullcontext()
+
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)
 

@@ -175,6 +175,16 @@ class FSDP2(Engine):
 
     # ------------------------------------------------------------------ the step
 
+    def gradient_sync(self, module, sync: bool):
+        """Micro-steps before the optimizer step skip the gradient reduce-scatter (FSDP2's
+        `set_requires_gradient_sync`, as accelerate's `no_sync` for FSDP2): each process adds its micro-batches'
+        gradients up unsharded, and the last micro-step reduce-scatters the sum. The cost: while accumulating, each
+        process holds the gradients of the whole model unsharded (as accelerate's FSDP2 does)."""
+        from contextlib import nullcontext
+
+        module.set_requires_gradient_sync(sync)
+        return nullcontext()
+
     def clip_grad_norm(self, module, max_norm: float) -> torch.Tensor:
         """torch's clip_grad_norm_ for sharded gradients: the norm over every process's shards."""
         from torch.distributed.tensor import DTensor

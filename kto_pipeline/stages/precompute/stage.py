@@ -47,13 +47,14 @@ from kto_pipeline.cache import (
     write_shard,
 )
 from kto_pipeline.config import PrecomputeConfig
-from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.errors import KTOPipelineError, Preempted
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.models import load_model, load_tokenizer
 from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.launch import main_decides, print0, process_state, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, reference_regime
+from kto_pipeline.runtime.preemption import StopRequests, continue_command
 from kto_pipeline.scoring.attention import packing_unsupported
 from kto_pipeline.scoring.logprobs import ReferenceScorer, score_shard
 from kto_pipeline.scoring.packing import Tree
@@ -610,30 +611,23 @@ def score_shards(run: Pass) -> None:
     shard layout (which rows go where) does not depend on the number of processes. An append's shards are
     numbered after the cache's and recorded under `appending` until `finish`."""
 
-    config, state, manifest = run.config, run.state, run.manifest
+    config, state = run.config, run.state
     n = len(run.prepared.rows)
     pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
     num_shards = (n + config.shard_size - 1) // config.shard_size
     run.progress = progress = ShardProgress(n, sum(s["rows"] for s in run.written), state)
     try:
-        for first in range(len(run.written), num_shards, state.num_processes):
-            shard_index = first + state.process_index
-            entry, stats = None, dict.fromkeys(("rows", "scored", "executed", "needed"), 0)
-            progress.executed_here = 0
-            if shard_index < num_shards:
-                positions = np.arange(shard_index * config.shard_size, min(n, (shard_index + 1) * config.shard_size))
-                shard = _score_rows(run, positions, pad_id)
-                entry = write_shard(run.out, run.first_shard + shard_index, shard)
-                needed = _needed_tokens(shard)
-                scored = needed + sum(len(p) for p in shard["prompt_ids"])  # as separate sequences: prompts twice
-                stats = {"rows": len(positions), "scored": scored, "executed": progress.executed_here, "needed": needed}
-            elif run.engine.collective_forwards:  # no shard left for this process: it still runs the others' forwards
-                _score_trees(run, [], pad_id)
-            entries = gather_object([(entry, stats)]) if state.num_processes > 1 else [(entry, stats)]
-            if state.is_main_process:
-                run.written.extend(sorted((e for e, _ in entries if e is not None), key=lambda e: e["file"]))
-                write_manifest(run.out, manifest)
-            progress.end_round([s for _, s in entries])
+        with StopRequests() as stop:
+            for first in range(len(run.written), num_shards, state.num_processes):
+                _score_round(run, first, num_shards, pad_id)
+                signal_name = stop.agreed(state.device)  # one small collective per round
+                if signal_name and len(run.written) < num_shards:
+                    progress.bar.close()
+                    run.engine.close(run.scorer)
+                    raise Preempted(
+                        f"{signal_name} received: stopped after the shards in flight, {len(run.written)}/{num_shards} "
+                        f"shards written in {run.out}. Continue with {continue_command()}: it resumes after them."
+                    )
     except KeyboardInterrupt:
         progress.bar.close()
         raise KTOPipelineError(
@@ -641,6 +635,29 @@ def score_shards(run: Pass) -> None:
             "Run the same command again to resume from there."
         ) from None
     progress.bar.close()
+
+
+def _score_round(run: Pass, first: int, num_shards: int, pad_id: int) -> None:
+    """One round: process k scores shard `first + k` and writes it; the main process records the finished ones."""
+    state, progress = run.state, run.progress
+    shard_index = first + state.process_index
+    entry, stats = None, dict.fromkeys(("rows", "scored", "executed", "needed"), 0)
+    progress.executed_here = 0
+    if shard_index < num_shards:
+        size, n = run.config.shard_size, len(run.prepared.rows)
+        positions = np.arange(shard_index * size, min(n, (shard_index + 1) * size))
+        shard = _score_rows(run, positions, pad_id)
+        entry = write_shard(run.out, run.first_shard + shard_index, shard)
+        needed = _needed_tokens(shard)
+        scored = needed + sum(len(p) for p in shard["prompt_ids"])  # as separate sequences: prompts twice
+        stats = {"rows": len(positions), "scored": scored, "executed": progress.executed_here, "needed": needed}
+    elif run.engine.collective_forwards:  # no shard left for this process: it still runs the others' forwards
+        _score_trees(run, [], pad_id)
+    entries = gather_object([(entry, stats)]) if state.num_processes > 1 else [(entry, stats)]
+    if state.is_main_process:
+        run.written.extend(sorted((e for e, _ in entries if e is not None), key=lambda e: e["file"]))
+        write_manifest(run.out, run.manifest)
+    progress.end_round([s for _, s in entries])
 
 
 class ShardProgress:

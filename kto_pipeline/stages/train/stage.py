@@ -39,14 +39,15 @@ from kto_pipeline.checkpoint import (
     skip_model_weights_in_accelerate_state,
 )
 from kto_pipeline.config import TrainConfig
-from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.errors import KTOPipelineError, Preempted
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.model_card import write_model_card
-from kto_pipeline.rundir import InitPoint, MetricsWriter, TrainerState, finished_at, start_run
+from kto_pipeline.rundir import InitPoint, MetricsWriter, TrainerState, finished_at, run_config, start_run
 from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.launch import launched_processes, print0, process_state, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
+from kto_pipeline.runtime.preemption import StopRequests, continue_command
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported
 from kto_pipeline.stages.train.batches import CacheRows, Collator, EpochSampler, PolicyScorer
 from kto_pipeline.stages.train.kto_step import MetricLog, batch_metrics, evaluate, kto_forward, real_rows
@@ -138,9 +139,9 @@ def setup(config: TrainConfig) -> Run:
     """Check the inputs, then load the policy and build the loaders, optimizer and schedule. Nothing is written."""
     peaks = PeakMemory()
     out = Path(config.output_dir)
-    resume_dir = resolve_resume(out, config.resume, config.resume_from)
+    resume_dir = resolve_resume(out, config.resume, config.resume_from, config.autoresume)
     if resume_dir is None or resume_dir.parent.resolve() != out.resolve():
-        _check_output_dir(out, config.overwrite_output_dir)  # a checkpoint of this same dir may continue it
+        _check_output_dir(out, config)  # a checkpoint of this same dir may continue it
     cache, max_length = _open_checked_cache(config)
     trackers = _trackers(config)
     regime = policy_regime(config.bf16, config.fp16)  # the policy loads in float32
@@ -334,7 +335,8 @@ def prepare_output_dir(run: Run) -> None:
 
 
 def fit(run: Run) -> None:
-    """The loop: micro-batches accumulate into optimizer steps until the run's last step."""
+    """The loop: micro-batches accumulate into optimizer steps until the run's last step. A stop request (SIGTERM,
+    SIGUSR1: a scheduler preempting the run) is acted on at the next step boundary, all processes together."""
     accelerator, p = run.accelerator, run.progress
     bar = tqdm(
         total=run.total_steps,
@@ -345,19 +347,24 @@ def fit(run: Run) -> None:
     )
     p.started = p.step_started = time.perf_counter()
     run.scorer.train()
-    while p.global_step < run.total_steps:
-        run.sampler.use_epoch(p.epoch)
-        batches = accelerator.skip_first_batches(run.loader, p.skip_batches) if p.skip_batches else run.loader
-        for micro_step, batch in enumerate(batches, start=p.skip_batches):
-            with accelerator.accumulate(run.scorer):
-                train_step(run, batch, last_batch=micro_step + 1 == len(run.loader))
-            if not accelerator.sync_gradients:
-                continue
-            after_step(run, micro_step, bar)
-            if p.global_step >= run.total_steps:
-                break
-        p.skip_batches = 0
-        p.epoch += 1
+    with StopRequests() as stop:
+        while p.global_step < run.total_steps:
+            run.sampler.use_epoch(p.epoch)
+            batches = accelerator.skip_first_batches(run.loader, p.skip_batches) if p.skip_batches else run.loader
+            for micro_step, batch in enumerate(batches, start=p.skip_batches):
+                with accelerator.accumulate(run.scorer):  # decides whether this micro-step ends an optimizer step
+                    with run.engine.gradient_sync(run.scorer, accelerator.sync_gradients):
+                        train_step(run, batch, last_batch=micro_step + 1 == len(run.loader))
+                if not accelerator.sync_gradients:
+                    continue
+                after_step(run, micro_step, bar)
+                if p.global_step >= run.total_steps:
+                    break
+                if signal_name := stop.agreed(accelerator.device):  # one small collective per step
+                    bar.close()
+                    stop_here(run, signal_name)
+            p.skip_batches = 0
+            p.epoch += 1
     bar.close()
 
 
@@ -420,9 +427,36 @@ def after_step(run: Run, micro_step: int, bar) -> None:
     if run.eval_loader is not None and (last_step or (config.eval_steps and p.global_step % config.eval_steps == 0)):
         run.metrics({**evaluate(accelerator, run.scorer, run.eval_loader, config, run.eval_groups), **stamp})
     # every N steps and at the last one (as transformers' Trainer), so that a finished run can be extended
-    if config.save_steps and (p.global_step % config.save_steps == 0 or last_step):
-        state, limit = trainer_state(run), config.save_total_limit
-        save_checkpoint(run.engine, run.scorer, run.optimizer, run.tokenizer, run.out, state, config.to_dict(), limit)
+    if _checkpoint_due(config, p.global_step, last_step):
+        write_checkpoint(run)
+
+
+def _checkpoint_due(config: TrainConfig, step: int, last_step: bool) -> bool:
+    """Every --save-steps steps and at the last one (as transformers' Trainer), so that a finished run can be
+    extended."""
+    return bool(config.save_steps) and (step % config.save_steps == 0 or last_step)
+
+
+def write_checkpoint(run: Run) -> Path:
+    """This step's checkpoint, OUT/checkpoint-STEP (every process)."""
+    state, settings, limit = trainer_state(run), run.config.to_dict(), run.config.save_total_limit
+    return save_checkpoint(run.engine, run.scorer, run.optimizer, run.tokenizer, run.out, state, settings, limit)
+
+
+def stop_here(run: Run, signal_name: str) -> None:
+    """Every process received a stop request at this step boundary: write this step's checkpoint (unless it was
+    just written), let go of what the run holds, and end with `Preempted` (the command line's exit status 75)."""
+    p = run.progress
+    path = run.out / f"checkpoint-{p.global_step}"
+    if not _checkpoint_due(run.config, p.global_step, last_step=False):
+        path = write_checkpoint(run)
+    if run.trackers:
+        run.accelerator.end_training()
+    run.engine.close(run.scorer)
+    raise Preempted(
+        f"{signal_name} received: stopped at step {p.global_step} of {run.total_steps}, its checkpoint written "
+        f"({path}). Continue with {continue_command('--autoresume', unless=('--resume',))}."
+    )
 
 
 def trainer_state(run: Run) -> TrainerState:
@@ -531,12 +565,30 @@ def imbalance_warning(num_desirable: int, num_undesirable: int, desirable_weight
     )
 
 
-def _check_output_dir(out: Path, overwrite: bool) -> None:
+def _check_output_dir(out: Path, config: TrainConfig) -> None:
+    """A run starts in an empty directory, or with --overwrite-output-dir; with --autoresume also in the directory
+    of an unfinished run of the same settings that wrote no checkpoint yet (it starts that run again)."""
     # (a file at --output-dir is refused by the lock, taken before this check)
-    if out.is_dir() and holds_files(out) and not overwrite:  # our own lock file does not count
-        raise KTOPipelineError(
-            f"--output-dir {out} is not empty. Choose a new directory, or pass --overwrite-output-dir to write into it."
+    if not out.is_dir() or not holds_files(out) or config.overwrite_output_dir:  # our own lock does not count
+        return
+    if config.autoresume and _same_unfinished_run(out, config):
+        return
+    raise KTOPipelineError(
+        f"--output-dir {out} is not empty. Choose a new directory, or pass --overwrite-output-dir to write into it."
+        + (
+            " (--autoresume found no checkpoint in it, and it is not an unfinished run of these settings.)"
+            if config.autoresume
+            else ""
         )
+    )
+
+
+def _same_unfinished_run(out: Path, config: TrainConfig) -> bool:
+    """`out` holds a run that started with the settings that fix its steps (`RESUME_INVARIANTS`) and did not finish."""
+    saved = run_config(out)
+    if not saved or finished_at(out) is not None:
+        return False
+    return all(saved.get(k) == getattr(config, k) for k in RESUME_INVARIANTS)
 
 
 def _trackers(config: TrainConfig) -> list[str]:
