@@ -109,19 +109,27 @@ def launch_env(**overrides: str | None) -> dict[str, str]:
     return env
 
 
-def launch_cmd(nproc: int, *args: str, log_dir: Path, accelerate_config: str | None = None) -> list[str]:
+def launch_cmd(
+    nproc: int,
+    *args: str,
+    log_dir: Path,
+    accelerate_config: str | None = None,
+    max_restarts: int = 0,
+    script: Path | None = None,
+) -> list[str]:
     """`torchrun --standalone --nproc_per_node N -m kto_pipeline ARGS`, or with `accelerate_config` (a file of
     configs/accelerate, without .yaml) `accelerate launch --config_file CONFIG --num_processes N -m kto_pipeline ARGS`,
     as a user launches them; every rank's output kept in `log_dir` (--log-dir --tee 3; accelerate passes them on to
-    torchrun)."""
+    torchrun). `max_restarts`: torchrun restarts the workers that many times when one fails. `script`: a Python file
+    that runs the command line (ARGS) itself, in place of `-m kto_pipeline`."""
     if accelerate_config is None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        cmd += ["--log-dir", str(log_dir), "--tee", "3"]
+        cmd += ["--log-dir", str(log_dir), "--tee", "3", f"--max-restarts={max_restarts}"]
     else:
         config = ACCELERATE_CONFIGS / f"{accelerate_config}.yaml"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
         cmd += ["--num_processes", str(nproc), "--log_dir", str(log_dir), "--tee", "3"]
-    return [*cmd, "-m", "kto_pipeline", *args]
+    return [*cmd, *([str(script)] if script else ["-m", "kto_pipeline"]), *args]
 
 
 def launch(
@@ -134,6 +142,8 @@ def launch(
     timeout: int = 300,
     fails: bool = False,
     background: bool = False,
+    max_restarts: int = 0,
+    script: Path | None = None,
 ):
     """Every multi-process test's launch: `kto_pipeline ARGS --ddp-timeout DDP_TIMEOUT` in `nproc` processes
     (`launch_cmd`), in `launch_env(**env)`. The short process-group timeout makes a rank stuck in a collective fail
@@ -144,7 +154,14 @@ def launch(
     import subprocess
 
     cmd = launch_cmd(
-        nproc, *args, "--ddp-timeout", str(ddp_timeout), log_dir=log_dir, accelerate_config=accelerate_config
+        nproc,
+        *args,
+        "--ddp-timeout",
+        str(ddp_timeout),
+        log_dir=log_dir,
+        accelerate_config=accelerate_config,
+        max_restarts=max_restarts,
+        script=script,
     )
     if background:
         return subprocess.Popen(

@@ -1,6 +1,7 @@
 """Both stages under FSDP2 (torch's fully_shard, 2 CPU processes on gloo via torchrun), on deliberately skewed
-shards, give the 1-process numbers, save sharded checkpoints, resume after a rank is SIGKILLed, and refuse what
-they cannot do with a message that says what to change.
+shards, give the 1-process numbers, save sharded checkpoints, come back by themselves after a rank is SIGKILLed
+(torchrun --max-restarts, --autoresume), stop at a step boundary on SIGTERM, and refuse what they cannot do with a
+message that says what to change.
 
 The skew (rows in blocks of 4; one block is one process's micro-batch and one precompute shard):
   - even blocks (process 0): long prompts, desirable only (one class on one process);
@@ -109,7 +110,7 @@ def _check_peak_memory(peaks: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp2_train_on_skewed_shards_equals_one_process_and_resumes_after_sigkill(tmp_path, skewed):
+def test_fsdp2_train_equals_one_process_and_survives_sigkill_and_sigterm(tmp_path, skewed):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -144,27 +145,61 @@ def test_fsdp2_train_on_skewed_shards_equals_one_process_and_resumes_after_sigki
     assert sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert not (checkpoint / "accelerate_state" / "optimizer.bin").exists()  # the optimizer is in the shards
 
-    # the same run, one rank SIGKILLed once its first checkpoint is written; then --resume
-    killed = tmp_path / "killed"
-    logs = tmp_path / "logs-killed"
-    torchrun = launch(2, *args, "--output-dir", str(killed), env=FSDP_ENV, log_dir=logs, background=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (killed / "checkpoint-2").exists() and torchrun.poll() is None:
-        time.sleep(0.005)
-    ranks = _ranks(torchrun.pid)
-    assert torchrun.poll() is None and len(ranks) == 2, rank_logs(logs)
-    os.kill(ranks[1], signal.SIGKILL)
+    # the same run, one rank SIGKILLed once its first checkpoint is written, under torchrun --max-restarts 1 with
+    # --autoresume: torchrun starts both again, and they continue from that checkpoint by themselves
+    killed, logs = tmp_path / "killed", tmp_path / "logs-killed"
+    torchrun = launch(
+        2,
+        *args,
+        "--output-dir",
+        str(killed),
+        "--autoresume",
+        env=FSDP_ENV,
+        log_dir=logs,
+        background=True,
+        max_restarts=1,
+    )
+    os.kill(_ranks_once(torchrun, killed / "checkpoint-2", logs)[1], signal.SIGKILL)
+    assert torchrun.wait(timeout=240) == 0, rank_logs(logs)
+    assert "resuming from" in rank_logs(logs)
+    _check_equal_runs(killed, tmp_path / "two")
+
+    # SIGTERM to one rank: both stop at the next step boundary with a checkpoint; then --autoresume continues it
+    stopped, logs = tmp_path / "stopped", tmp_path / "logs-stopped"
+    torchrun = launch(2, *args, "--output-dir", str(stopped), env=FSDP_ENV, log_dir=logs, background=True)
+    os.kill(_ranks_once(torchrun, stopped / "checkpoint-2", logs)[0], signal.SIGTERM)
     assert torchrun.wait(timeout=120) != 0
-    assert not (killed / "model.safetensors").exists() and not (killed / "trainer_state.json").exists()
-    launch(2, *args, "--output-dir", str(killed), "--resume", env=FSDP_ENV, log_dir=tmp_path / "logs-resume")
-    assert read_metrics(killed) == two
-    w3 = load_file(killed / "model.safetensors")
-    assert all(bool((w2[k] == w3[k]).all()) for k in w2)
-    assert not list(killed.glob(".checkpoint-*")), "a half-written checkpoint was left behind"
+    for rank in ("0", "1"):  # every rank stopped, at the same step, and says how to continue
+        (log,) = logs.glob(f"*/attempt_0/{rank}/stderr.log")
+        assert "stopped: SIGTERM received: stopped at step" in log.read_text() and "--autoresume" in log.read_text()
+    assert not (stopped / "model.safetensors").exists() and len(list(stopped.glob("checkpoint-*"))) >= 2
+    launch(2, *args, "--output-dir", str(stopped), "--autoresume", env=FSDP_ENV, log_dir=tmp_path / "logs-resume")
+    _check_equal_runs(stopped, tmp_path / "two")
 
     # another world size cannot resume it: refused before anything is loaded
     with pytest.raises(KTOPipelineError, match=r"written by 2 process\(es\) \(fsdp2\).*this run has 1 \(single\)"):
         train(TrainConfig(output_dir=str(killed), resume=True, **config))
+
+
+def _ranks_once(torchrun, path: Path, logs: Path) -> list[int]:
+    """The worker pids of a background torchrun, by rank, once `path` exists (the run still going)."""
+    deadline = time.time() + 120
+    while time.time() < deadline and not path.exists() and torchrun.poll() is None:
+        time.sleep(0.005)
+    ranks = _ranks(torchrun.pid)
+    assert torchrun.poll() is None and len(ranks) == 2, rank_logs(logs)
+    return ranks
+
+
+def _check_equal_runs(run: Path, uninterrupted: Path) -> None:
+    """An interrupted and continued run equals the uninterrupted one: the metrics log (each step once) and the
+    final weights, bit for bit; no half-written checkpoint left."""
+    from safetensors.torch import load_file
+
+    assert read_metrics(run) == read_metrics(uninterrupted)
+    a, b = load_file(uninterrupted / "model.safetensors"), load_file(run / "model.safetensors")
+    assert all(bool((a[k] == b[k]).all()) for k in a)
+    assert not list(run.glob(".checkpoint-*")), "a half-written checkpoint was left behind"
 
 
 def _ranks(parent: int) -> list[int]:

@@ -64,9 +64,42 @@ def process_state(timeout_seconds: int = 1800):
     A launch whose processes do not see each other is refused."""
     from accelerate import PartialState
 
+    _join_restarted_group(timeout_seconds)
     state = PartialState(cpu=use_cpu(), **process_group_kwargs(timeout_seconds))
     check_process_group(state)
     return state
+
+
+def _join_restarted_group(timeout_seconds: int) -> None:
+    """Workers that torchrun restarted (`--max-restarts`) set their process group up in a key space of their own.
+
+    torchrun's agent serves one key-value store to its workers and keeps it across restarts
+    (`DynamicRendezvousHandler` shares its TCPStore; `torch.distributed.rendezvous` then connects the workers to it
+    without a per-attempt prefix), so a restarted worker that asks for a peer's address before that peer has
+    registered again reads the address the peer had in the failed attempt, and waits on a dead port until the
+    group's timeout (measured here: gloo "Connect timeout" after 5 minutes, in one restart of two). Here the
+    restarted workers build the group themselves on the same store under the prefix of their attempt, before
+    accelerate, which then uses it."""
+    import torch.distributed as dist
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=timeout_seconds)
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    backend = "gloo" if deepspeed_launch() and not torch.cuda.is_available() else None  # None: gloo, + nccl on GPUs
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"kto-pipeline/attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=world_size,
+        timeout=timeout,
+    )
 
 
 def check_process_group(state) -> None:
