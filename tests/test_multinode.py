@@ -4,8 +4,11 @@ rendezvous (gloo, CPU), as `srun torchrun` starts one launcher per node: under D
 comparisons). A machine that does not see the output directory stops the run at once, every process with it, and
 names itself."""
 
+import os
 import socket
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import test_distributed
@@ -110,3 +113,47 @@ def test_a_machine_that_does_not_see_the_output_directory_stops_every_process(
     ) in logs[first]
     assert seconds < 60, f"{seconds:.0f} s: a process waited for a collective\n{rank_logs(tmp_path / 'logs')}"
     assert not (local[first] / SHARED_CHECK_FILE).exists()
+
+
+SBATCH = Path(__file__).resolve().parent.parent / "examples" / "slurm" / "kto.sbatch"
+# stand-ins: srun runs its command once per node, here, in parallel, with that node's SLURM_NODEID; scontrol names
+# the allocation's hosts; torchrun records what it was asked to run
+STAND_INS = {
+    "srun": """while [[ "$1" == --* ]]; do shift; done
+for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" & done
+wait""",
+    "scontrol": """[[ "$1 $2" == "show hostnames" ]] && printf 'gpu-a\\ngpu-b\\n'""",
+    "torchrun": """echo "node$SLURM_NODEID $*" >> "$RECORD" """,
+}
+
+
+def test_the_slurm_example_starts_one_torchrun_per_node_for_each_stage(tmp_path):
+    """examples/slurm/kto.sbatch (never run under SLURM here) under stand-ins for srun, scontrol and torchrun: one
+    torchrun per node and stage, meeting on the first host, each node logging apart; a requeued job resumes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in STAND_INS.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    record, out = tmp_path / "torchrun.txt", tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "MAIN_PORT", "GPUS_PER_NODE")}  # its defaults
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(record), SLURM_JOB_ID="7", SLURM_NNODES="2")
+    env.update(SLURM_JOB_NODELIST="gpu-[a-b]", DATA="d.jsonl", CACHE="c", OUT=str(out), LOGS="l")
+
+    def run() -> list[str]:
+        record.unlink(missing_ok=True)
+        result = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return sorted(record.read_text().splitlines())
+
+    launcher = "--nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu-a:29500 --rdzv-id 7"
+    precompute = "precompute --model Qwen/Qwen2-0.5B-Instruct --dataset d.jsonl --output c"
+    train = f"train --cache c --output-dir {out} --per-device-train-batch-size 8 --save-steps 200"
+    expected = [
+        f"node{n} {launcher} --log-dir l/7/node{n} --tee 3 -m kto_pipeline {stage}"
+        for n in (0, 1)
+        for stage in (precompute, train)
+    ]
+    assert run() == sorted(expected)
+    (out / "checkpoint-200").mkdir(parents=True)  # preempted after its first checkpoint, then requeued
+    assert run() == sorted(line + " --resume" if " train " in line else line for line in expected)
