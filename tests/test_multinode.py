@@ -157,3 +157,12 @@ def test_the_slurm_example_starts_one_torchrun_per_node_for_each_stage(tmp_path)
     assert run() == sorted(expected)
     (out / "checkpoint-200").mkdir(parents=True)  # preempted after its first checkpoint, then requeued
     assert run() == sorted(line + " --resume" if " train " in line else line for line in expected)
+
+
+def test_a_check_file_left_by_a_killed_run_does_not_make_the_directory_taken(tmp_path, small_cache):
+    """A run killed between writing the check file and deleting it leaves the file behind: the next run into the
+    directory starts as in an empty one (the file is the tool's own, as the lock file is)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / SHARED_CHECK_FILE).write_text("0123")
+    train(train_config(small_cache, tmp_path / "run", max_steps=1))
+    assert (tmp_path / "run" / "trainer_state.json").exists()
