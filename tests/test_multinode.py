@@ -7,7 +7,6 @@ names itself."""
 import os
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -87,15 +86,14 @@ def test_a_machine_that_does_not_see_the_output_directory_stops_every_process(
 ):
     """Each launcher is given its own directory, as a path on each node's local disk would be: the machine that
     is not the main process's says that it does not see the main process's directory, names itself and its path,
-    and every process stops at once (well before the 60 s process-group timeout a waiting process would hit)."""
+    and every process stops with it. The main process's own message comes after the gather in which every process
+    answered, so no process waited for a peer that had gone (that would end in the process group's timeout)."""
     if stage == "precompute":
         flag, args = "--output", cli_args(model=tiny_model_dir, dataset=small_cache.parent / "data.jsonl")
     else:
         flag, args = "--output-dir", cli_args(cache=small_cache)
     local = [tmp_path / "node0-local", tmp_path / "node1-local"]
-    started = time.monotonic()
     launch_nodes(2, stage, *args, node_args=[[flag, str(p)] for p in local], log_dir=tmp_path / "logs", fails=True)
-    seconds = time.monotonic() - started
     logs = [rank_logs(tmp_path / "logs" / f"node{r}") for r in (0, 1)]
     # c10d numbered the machines: find the launcher that became node rank 1
     second = next(r for r in (0, 1) if "this process (rank 1, node rank 1" in logs[r])
@@ -111,7 +109,7 @@ def test_a_machine_that_does_not_see_the_output_directory_stops_every_process(
         f"error: {flag} {local[first]}: 1 process(es) do not see this directory, which the main process (rank 0, "
         f"node rank 0, host {host}) writes into: rank 1, node rank 1, host {host}"
     ) in logs[first]
-    assert seconds < 60, f"{seconds:.0f} s: a process waited for a collective\n{rank_logs(tmp_path / 'logs')}"
+    assert not any("timed out" in log.lower() for log in logs)
     assert not (local[first] / SHARED_CHECK_FILE).exists()
 
 
