@@ -2,7 +2,7 @@
 rendezvous (gloo, CPU), as `srun torchrun` starts one launcher per node: under DDP and under FSDP2 they give the
 1-process cache and training run of tests/test_distributed.py and tests/test_fsdp.py (their fixtures, settings and
 comparisons). A machine that does not see the output directory stops the run at once, every process with it, and
-names itself."""
+names itself. The SLURM example starts its launchers this way."""
 
 import os
 import socket

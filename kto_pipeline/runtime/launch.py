@@ -184,19 +184,22 @@ def check_same_directory(state, path: str | Path, label: str) -> None:
         )
     raise KTOPipelineError(
         f"{label} {mark['path']}: {len(missing)} process(es) do not see this directory, which the main process "
-        f"({mark['where']}) writes into: {'; '.join(missing)} (its log names the path it sees). {shared}"
+        f"({mark['where']}) writes into: {'; '.join(missing)} (each one's log names the path it sees). {shared}"
     )
 
 
 def _read_token(check_file: Path, token: str, wait_seconds: float = 2.0) -> str:
-    """What this process finds at `check_file`: "the token", "missing" or "another run's" (read again for a short
-    while: a network filesystem may show a new file to another machine with a delay)."""
+    """What this process finds at `check_file`: "the token", "missing", "another run's" or "unreadable (why)" (read
+    again for a short while: a network filesystem may show a new file to another machine with a delay). Never
+    raises: every process must reach the gather that follows."""
     deadline = time.monotonic() + wait_seconds
     while True:
         try:
             found = "the token" if check_file.read_text() == token else "another run's"
         except (FileNotFoundError, NotADirectoryError):
             found = "missing"
+        except (OSError, UnicodeDecodeError) as exc:
+            found = f"unreadable ({getattr(exc, 'strerror', None) or exc})"
         if found == "the token" or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
