@@ -30,6 +30,7 @@ from typing import Any
 from kto_pipeline.errors import KTOPipelineError
 
 LOCK_FILE = ".kto-pipeline.lock"
+OWN_FILES = ".kto-pipeline."  # the lock's and runtime.launch.check_same_directory's files, never a run's
 
 # flock errors that mean "this filesystem does not do flock" (not "someone else holds it")
 _FLOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
@@ -47,8 +48,9 @@ class DirectoryLock:
 
 
 def holds_files(path: str | Path) -> bool:
-    """Whether directory `path` holds anything besides the lock file (for "is the output dir empty?")."""
-    return any(p.name != LOCK_FILE for p in Path(path).iterdir())
+    """Whether directory `path` holds anything besides the lock file and the shared-storage check's file (for "is
+    the output dir empty?")."""
+    return any(not p.name.startswith(OWN_FILES) for p in Path(path).iterdir())
 
 
 @contextmanager
@@ -90,10 +92,12 @@ def directory_lock(
 def main_process_lock(path: str | Path, what: str, *, label: str | None = None) -> Iterator[DirectoryLock | None]:
     """`directory_lock` for a run of one or several processes (`accelerate launch`, torchrun).
 
-    The main process takes the lock; the outcome is broadcast, so that when it is refused every process
-    raises the same KTOPipelineError. The lock is released when the main process leaves the block.
+    The main process takes the lock (creating the directory); the outcome is broadcast, so that when it is refused
+    every process raises the same KTOPipelineError. Then every process checks that it sees the directory the main
+    process locked (`runtime.launch.check_same_directory`: on several machines it must be shared storage). The lock
+    is released when the main process leaves the block.
     """
-    from kto_pipeline.runtime.launch import main_decides, process_state
+    from kto_pipeline.runtime.launch import check_same_directory, main_decides, process_state
 
     state = process_state()  # the stage's, if it set the process group up first (with its timeout)
     with ExitStack() as stack:
@@ -104,6 +108,7 @@ def main_process_lock(path: str | Path, what: str, *, label: str | None = None) 
             return {}
 
         main_decides(state, take)
+        check_same_directory(state, path, label or "the output directory")  # a lock no other node sees guards nothing
         yield taken[0]
 
 

@@ -116,16 +116,24 @@ def launch_cmd(
     accelerate_config: str | None = None,
     max_restarts: int = 0,
     script: Path | None = None,
+    nodes: tuple[int, int] | None = None,
 ) -> list[str]:
     """`torchrun --standalone --nproc_per_node N -m kto_pipeline ARGS`, or with `accelerate_config` (a file of
     configs/accelerate, without .yaml) `accelerate launch --config_file CONFIG --num_processes N -m kto_pipeline ARGS`,
     as a user launches them; every rank's output kept in `log_dir` (--log-dir --tee 3; accelerate passes them on to
     torchrun). `max_restarts`: torchrun restarts the workers that many times when one fails. `script`: a Python file
-    that runs the command line (ARGS) itself, in place of `-m kto_pipeline`."""
+    that runs the command line (ARGS) itself, in place of `-m kto_pipeline`. `nodes` (node count, port): torchrun as
+    one of several machines, meeting the others at a c10d rendezvous on 127.0.0.1:PORT instead of --standalone (no
+    --node-rank: c10d ignores it and numbers the nodes itself)."""
     if accelerate_config is None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        cmd += ["--log-dir", str(log_dir), "--tee", "3", f"--max-restarts={max_restarts}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run"]
+        if nodes is None:
+            cmd += ["--standalone"]
+        else:
+            cmd += ["--nnodes", str(nodes[0]), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{nodes[1]}"]
+        cmd += [f"--nproc_per_node={nproc}", "--log-dir", str(log_dir), "--tee", "3", f"--max-restarts={max_restarts}"]
     else:
+        assert nodes is None, "several machines: torchrun only"
         config = ACCELERATE_CONFIGS / f"{accelerate_config}.yaml"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
         cmd += ["--num_processes", str(nproc), "--log_dir", str(log_dir), "--tee", "3"]
@@ -171,13 +179,74 @@ def launch(
         result = subprocess.run(cmd, env=launch_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"timed out after {timeout} s\n{rank_logs(log_dir)}") from None
+    _check_exit(result, log_dir, fails)
+    return result
+
+
+def _check_exit(result, log_dir: Path, fails: bool) -> None:
     if fails:
         assert result.returncode != 0, f"the launch did not fail\n{rank_logs(log_dir)}"
     else:
         assert result.returncode == 0, (
             f"exit {result.returncode}\n{rank_logs(log_dir)}\nlauncher: {result.stderr[-2000:]}"
         )
-    return result
+
+
+def launch_nodes(
+    nnodes: int,
+    *args: str,
+    log_dir: Path,
+    node_args: list[list[str]] | None = None,
+    env: dict[str, str | None] | None = None,
+    ddp_timeout: int = 60,
+    timeout: int = 300,
+    fails: bool = False,
+):
+    """`launch` on `nnodes` machines, played on this one by as many torchrun launchers of one process each, started
+    together and meeting at a c10d rendezvous on a free port, as `srun torchrun` starts one per node. Node R's
+    ranks log to LOG_DIR/nodeR (its launcher's own output to LOG_DIR/nodeR.out, .err); `node_args[R]` is added to
+    node R's arguments. Returns the finished launchers, their output captured; with `fails`, every launcher must
+    fail. (c10d numbers the nodes itself, in the order of their launchers' pids: a test that gives one node other
+    arguments reads which node rank it became in its log.)"""
+    import subprocess
+    import time
+
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = []
+    for r in range(nnodes):
+        extra = node_args[r] if node_args else []
+        cmd = launch_cmd(
+            1, *args, *extra, "--ddp-timeout", str(ddp_timeout), log_dir=log_dir / f"node{r}", nodes=(nnodes, port)
+        )
+        with open(log_dir / f"node{r}.out", "w") as out, open(log_dir / f"node{r}.err", "w") as err:
+            started.append(subprocess.Popen(cmd, env=launch_env(**(env or {})), stdout=out, stderr=err))
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in started:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"timed out after {timeout} s\n{rank_logs(log_dir)}") from None
+    finally:
+        for proc in started:
+            if proc.poll() is None:  # torchrun passes SIGTERM on to its workers
+                proc.terminate()
+                proc.wait(timeout=60)
+    results = []
+    for r, proc in enumerate(started):
+        out, err = ((log_dir / f"node{r}.{kind}").read_text(errors="replace") for kind in ("out", "err"))
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        _check_exit(results[-1], log_dir, fails)
+    return results
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the launchers' rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cli_args(**options) -> list[str]:
@@ -190,9 +259,54 @@ def cli_args(**options) -> list[str]:
 
 
 def rank_logs(log_dir: Path, tail: int = 3000) -> str:
-    """The end of every rank's stdout and stderr under a torchrun --log-dir."""
+    """The end of every rank's stdout and stderr under a torchrun --log-dir (or under launch_nodes' LOG_DIR/nodeR)."""
     parts = []
-    for path in sorted(Path(log_dir).glob("*/attempt_*/*/std*.log")):
+    for path in sorted(Path(log_dir).glob("**/attempt_*/*/std*.log")):
         text = path.read_text(errors="replace")
-        parts.append(f"--- rank {path.parent.name} {path.name} ---\n{text[-tail:]}")
+        where = path.relative_to(log_dir).parts[0]
+        node = f"{where} " if where.startswith("node") else ""  # launch_nodes: LOG_DIR/nodeR/...
+        parts.append(f"--- {node}rank {path.parent.name} {path.name} ---\n{text[-tail:]}")
     return "\n".join(parts) or f"(no rank logs in {log_dir})"
+
+
+# ----------------------------------------------------------------------- several processes vs one
+
+# how far a run's step metrics under several processes may be from one process's: replicated (DDP), sharded (FSDP2)
+REPLICATED_REL, SHARDED_REL = 1e-4, 2e-3
+
+
+def assert_same_rows(two: list[dict], one: list[dict]) -> None:
+    """The rows of a cache written by several processes are one process's: the same ids, tokens and KL partners,
+    per-token reference log-probs within 1e-5, their sums within 1e-4."""
+    import numpy as np
+    import pytest
+
+    assert len(two) == len(one)
+    for a, b in zip(two, one, strict=True):
+        for key in ("example_id", "label", "prompt_ids", "completion_ids", "kl_example_id", "kl_completion_ids"):
+            assert a[key] == b[key], key
+        np.testing.assert_allclose(a["ref_token_logps"], b["ref_token_logps"], atol=1e-5)
+        np.testing.assert_allclose(a["ref_kl_token_logps"], b["ref_kl_token_logps"], atol=1e-5)
+        assert a["ref_logp"] == pytest.approx(b["ref_logp"], abs=1e-4)
+
+
+def assert_same_steps(two: list[dict], one: list[dict], rel: float, keys: tuple[str, ...] | None = None) -> None:
+    """The metrics records of a run under several processes are one process's, step by step: `keys` (default:
+    every metric but the schedule's) within `rel` (and 1e-5 absolute)."""
+    import pytest
+
+    assert len(two) == len(one)
+    for a, b in zip(two, one, strict=True):
+        assert a.keys() == b.keys()
+        for key in keys or sorted(a.keys() - {"learning_rate", "epoch", "step"}):
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-5), (a["step"], key)
+
+
+def assert_same_weights(two: Path, one: Path, rel: float = 1e-4) -> None:
+    """Two model.safetensors hold the same tensors, each within `rel` of its norm."""
+    from safetensors.torch import load_file
+
+    w2, w1 = load_file(two), load_file(one)
+    assert w1.keys() == w2.keys()
+    for key in w1:
+        assert float((w1[key] - w2[key]).norm() / w1[key].norm().clamp(min=1e-12)) < rel, key

@@ -5,13 +5,17 @@ process group from the launcher's environment (WORLD_SIZE, RANK, LOCAL_RANK, MAS
 timeout, so that a process whose peers died stops instead of waiting for half an hour. Without a GPU the group
 runs on the CPU over gloo. `print0` prints from the main process only (nanochat's `print0`); `main_decides` lets
 the main process make a decision (take a lock, read the data, plan the output directory) and hands its answer, or
-its refusal, to every process.
+its refusal, to every process. `check_same_directory` stops a run on several machines whose output directory is not
+on storage they all see.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -148,6 +152,90 @@ def main_decides(state, decide: Callable[[], dict]) -> dict:
     if "error" in answer[0]:
         raise KTOPipelineError(answer[0]["error"])
     return answer[0]
+
+
+SHARED_CHECK_FILE = ".kto-pipeline.shared-check"
+
+
+def where_this_runs() -> str:
+    """This process as a multi-machine launch knows it: its rank, its node's rank (GROUP_RANK, which torchrun and
+    accelerate launch set) and its host."""
+    node = os.environ.get("GROUP_RANK")
+    return ", ".join(
+        [f"rank {os.environ.get('RANK', 0)}", *([f"node rank {node}"] if node is not None else [])]
+        + [f"host {socket.gethostname()}"]
+    )
+
+
+def check_same_directory(state, path: str | Path, label: str) -> None:
+    """Stop every process together unless each one sees the directory the main process has just prepared at `path`
+    (`label`: the flag that names it, for the message).
+
+    Every process writes into a stage's output directory (its cache shards, its part of a sharded checkpoint) and
+    relies on what the main process wrote there, so on several machines it must be storage they all see, at the
+    same path. A node-local path would give a cache or a checkpoint in pieces across machines, found out late or
+    never. The main process writes a random token into PATH/.kto-pipeline.shared-check and broadcasts it; every
+    other process reads that file at its own PATH; a gather tells every process who did not find the token, so
+    all stop at once, the process that does not see the directory naming its node and path, the others naming it.
+    The file is deleted again before anything else is written."""
+    if state.num_processes == 1:
+        return
+    from accelerate.utils import gather_object
+
+    path = Path(path)
+    check_file = path / SHARED_CHECK_FILE
+
+    def write_token() -> dict:
+        import secrets
+
+        token = secrets.token_hex(16)
+        with open(check_file, "w") as f:
+            f.write(token)
+            f.flush()
+            os.fsync(f.fileno())  # so that another NFS client reads it (close-to-open)
+        return {"token": token, "path": str(path.resolve()), "where": where_this_runs()}
+
+    try:
+        mark = main_decides(state, write_token)
+        found = "the token" if state.is_main_process else _read_token(check_file, mark["token"])
+        missing = [where for where in gather_object([None if found == "the token" else where_this_runs()]) if where]
+    finally:
+        if state.is_main_process:
+            check_file.unlink(missing_ok=True)
+    if not missing:
+        return
+    shared = (
+        f"Every process writes into {label}, so on several machines it must be on storage every node sees, at the "
+        f"same path: a shared filesystem (NFS, Lustre, GPFS, ...), not a node-local disk such as /tmp. Point {label} "
+        "at such a path on every node."
+    )
+    if found != "the token":
+        raise KTOPipelineError(
+            f"{label} {path}: this process ({where_this_runs()}) does not see the directory the main process "
+            f"({mark['where']}) writes into, {mark['path']}: the file it has just written there is {found} at "
+            f"{check_file.resolve()} on this node. {shared}"
+        )
+    raise KTOPipelineError(
+        f"{label} {mark['path']}: {len(missing)} process(es) do not see this directory, which the main process "
+        f"({mark['where']}) writes into: {'; '.join(missing)} (each one's log names the path it sees). {shared}"
+    )
+
+
+def _read_token(check_file: Path, token: str, wait_seconds: float = 2.0) -> str:
+    """What this process finds at `check_file`: "the token", "missing", "another run's" or "unreadable (why)" (read
+    again for a short while: a network filesystem may show a new file to another machine with a delay). Never
+    raises: every process must reach the gather that follows."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            found = "the token" if check_file.read_text() == token else "another run's"
+        except (FileNotFoundError, NotADirectoryError):
+            found = "missing"
+        except (OSError, UnicodeDecodeError) as exc:
+            found = f"unreadable ({getattr(exc, 'strerror', None) or exc})"
+        if found == "the token" or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 def most_of_all(count: int, device: torch.device) -> int:
