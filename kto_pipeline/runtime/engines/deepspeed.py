@@ -151,9 +151,16 @@ class DeepSpeed(Engine):
 
         self.device = device
         autocast_forward(scorer, regime, cache=False)  # weights stay in their dtype; bf16 compute from autocast
-        engine, *_ = deepspeed.initialize(model=scorer, config=scorer_config(regime))
+        config = scorer_config(regime)
+        fill_gathering(config["zero_optimization"], model)
+        engine, *_ = deepspeed.initialize(model=scorer, config=config)
         engine.eval()  # (returns None)
         return engine
+
+    def prepare_policy(self, scorer, model, make_optimizer, loader=None, move: bool = True):
+        if self.zero_stage == 3:
+            fill_gathering(self.accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"], model)
+        return super().prepare_policy(scorer, model, make_optimizer, loader, move)
 
     def agree_on_forwards(self, count: int) -> int:
         return most_of_all(count, self.device) if self.collective_forwards else count
@@ -182,6 +189,27 @@ def scorer_config(regime: Regime) -> dict:
         "bf16": {"enabled": regime.weights == "bfloat16"},
         "fp16": {"enabled": regime.weights == "float16"},
     }
+
+
+def fill_gathering(zero: dict, model) -> None:
+    """ZeRO-3's gathering settings that the config `zero` (its "zero_optimization") leaves unset or "auto", by the
+    model's hidden size h. DeepSpeed's defaults keep the whole model gathered: a parameter is released only if its
+    next use is further than `stage3_max_reuse_distance` (1e9 parameters) away, and the next forward, or the
+    backward, always uses it again within the model's size; and gradients are reduced through a bucket of 5e8
+    (2 GB in float32). Here nothing is kept gathered for reuse, only the next h^2 parameters are gathered ahead, and
+    gradients are reduced by h^2 (accelerate's "auto" rule for the prefetch and reduce buckets, which it cannot apply
+    to a scorer wrapping the model), so that a process holds its partition and about one layer."""
+    from kto_pipeline.models import text_config
+
+    h = text_config(model).hidden_size
+    for key, value in {
+        "reduce_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_max_live_parameters": h * h,
+        "stage3_max_reuse_distance": 0,
+    }.items():
+        if zero.get(key, "auto") == "auto":
+            zero[key] = value
 
 
 @contextmanager
