@@ -1,17 +1,21 @@
-"""Each process's peak private memory when FSDP2 loads a model, with and without `fsdp_cpu_ram_efficient_loading`.
+"""Each process's peak private memory when a sharding engine loads a model: FSDP2 with and without
+`fsdp_cpu_ram_efficient_loading`, or DeepSpeed ZeRO-3 with and without `zero3_init_flag`.
 
-    python benchmarks/bench_loading.py            # writes its section of RESULTS.md
-    python benchmarks/bench_loading.py --quick    # a tiny model in place of the big one: checks the code path
+    python benchmarks/bench_loading.py                       # FSDP2; writes its section of RESULTS.md
+    python benchmarks/bench_loading.py --engine deepspeed    # DeepSpeed ZeRO-3; writes its own section
+    python benchmarks/bench_loading.py --quick               # the tiny model for the big one: checks the code path
 
-Both stages run under torchrun, 2 CPU processes on gloo, FSDP2 as `configs/accelerate/fsdp.yaml` exports it, on a
-Qwen2-architecture model with random weights (about 440M parameters, 1.7 GB in float32, saved as safetensors) and
-on a tiny one (the process's baseline: Python, torch, transformers, the process group). Each run records every
-process's peak private memory (`RssAnon`, sampled every 10 ms; memory-mapped weights are shared page cache and do
-not count) in the manifest and trainer_state.json; this script reads them there.
+Both stages run in 2 CPU processes on gloo: FSDP2 under torchrun as `configs/accelerate/fsdp.yaml` exports it,
+DeepSpeed under `accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml --zero3_init_flag
+true|false`, on a Qwen2-architecture model with random weights (about 440M parameters, 1.7 GB in float32, saved as
+safetensors) and on a tiny one (the process's baseline: Python, torch, transformers, the process group, DeepSpeed).
+Each run records every process's peak private memory (`RssAnon`, sampled every 10 ms; memory-mapped weights are
+shared page cache and do not count) in the manifest and trainer_state.json; this script reads them there.
 
 The goal, for a process that does not read the weights: its peak at most its shard of the weights + the largest
-tensor (received whole, then cut) + the baseline, within 20%. Training adds the step's own state on top of that
-(a gradient and two AdamW moments per parameter of the shard, 3 x the shard), which the training bound includes.
+tensor (received whole, then cut; under zero.Init, the largest module gathered whole) + the baseline, within 20%.
+Training adds the step's own state on top of that (a gradient and two AdamW moments per parameter of the shard,
+3 x the shard), which the training bound includes.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from harness import (
 )
 
 HEADING = "## Loading a sharded model: each process's peak memory"
+HEADINGS = {"fsdp2": HEADING, "deepspeed": "## Loading a model under DeepSpeed ZeRO-3: each process's peak memory"}
+DEEPSPEED_CONFIG = HERE.parent / "configs" / "accelerate" / "deepspeed_zero3.yaml"
 MIB = 1 << 20
 # about 440M parameters: hidden 1024, 24 layers, a 32,000-token vocabulary (tied)
 BIG = dict(hidden=1024, layers=24, heads=16, kv_heads=16, intermediate=4096, vocab=32000, max_position_embeddings=2048)
@@ -56,6 +62,8 @@ FSDP_ENV = {
     # GPU's caching allocator does for device memory; the figure is then what the process holds.
     "MALLOC_MMAP_THRESHOLD_": "131072",
 }
+# DeepSpeed runs on its own CPU accelerator (accelerate's CPU mode would drop it); the rest as FSDP2's
+DEEPSPEED_ENV = {k: v for k, v in FSDP_ENV.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
 GOAL = 1.2  # measured peak / bound
 
 
@@ -66,14 +74,26 @@ def rows(n: int = 16) -> list[dict]:
     ]
 
 
-def launch(args: list[str], env: dict[str, str], log: Path) -> None:
-    """`torchrun --standalone --nproc_per_node 2 -m kto_pipeline ARGS`; its output in `log`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += ["-m", "kto_pipeline", *args]
+def launch(args: list[str], env: dict[str, str], log: Path, launcher: list[str] | None = None) -> None:
+    """`torchrun --standalone --nproc_per_node 2 -m kto_pipeline ARGS` (or `launcher` in place of torchrun's
+    arguments); its output in `log`. The launch variables of this shell are left out: `env` sets the ones meant."""
+    launcher = launcher or ["torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd = [sys.executable, "-m", *launcher, "-m", "kto_pipeline", *args]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
     with open(log, "w") as out:
-        proc = subprocess.run(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, env={**clean, **env}, stdout=out, stderr=subprocess.STDOUT)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
+
+
+def launch_variant(engine: str, one_reader: bool) -> tuple[dict[str, str], list[str] | None, list[str]]:
+    """(environment, launcher, extra flags of both stages) of a run in which the weights are read by the main
+    process only (`one_reader`) or by every process."""
+    if engine == "fsdp2":
+        return {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": str(one_reader).lower()}, None, []
+    launcher = ["accelerate.commands.launch", "--config_file", str(DEEPSPEED_CONFIG), "--num_processes", "2"]
+    launcher += ["--zero3_init_flag", str(one_reader).lower()]
+    return DEEPSPEED_ENV, launcher, ["--no-bf16"]  # float32 compute on the CPU, as FSDP2's runs (bf16 is off there)
 
 
 def weights(model_dir: Path) -> dict[str, float]:
@@ -91,36 +111,47 @@ def weights(model_dir: Path) -> dict[str, float]:
     return {"total_mib": sum(sizes) / MIB, "largest_mib": max(sizes) / MIB, "parameters": sum(sizes) // 4}
 
 
-def measure(work: Path, model: Path, data: Path, one_reader: bool) -> dict[str, list[dict]]:
+def measure(work: Path, model: Path, data: Path, engine: str, one_reader: bool) -> dict[str, list[dict]]:
     """Both stages, 2 processes: each process's peaks (the manifest's, trainer_state.json's)."""
-    tag = f"{model.name}-{'main-reads' if one_reader else 'all-read'}"
-    env = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": str(one_reader).lower()}
+    tag = f"{engine}-{model.name}-{'main-reads' if one_reader else 'all-read'}"
+    env, launcher, flags = launch_variant(engine, one_reader)
     cache, run = work / "runs" / f"cache-{tag}", work / "runs" / f"train-{tag}"
     for old in (cache, run):  # measured from scratch (an existing cache of the same settings is not recomputed)
         shutil.rmtree(old, ignore_errors=True)
-    pre = ["precompute", "--model", str(model), "--dataset", str(data), "--output", str(cache)]
-    launch([*pre, "--max-length", "64"], env, work / f"precompute-{tag}.log")
+    pre = ["precompute", "--model", str(model), "--dataset", str(data), "--output", str(cache), *flags]
+    launch([*pre, "--max-length", "64"], env, work / f"precompute-{tag}.log", launcher)
     train = ["train", "--cache", str(cache), "--output-dir", str(run), "--overwrite-output-dir", "--max-steps", "1"]
-    launch([*train, "--per-device-train-batch-size", "2", "--save-steps", "0"], env, work / f"train-{tag}.log")
+    train += ["--per-device-train-batch-size", "2", "--save-steps", "0", *flags]
+    launch(train, env, work / f"train-{tag}.log", launcher)
     manifest = json.loads((cache / "manifest.json").read_text())
     state = json.loads((run / "trainer_state.json").read_text())
     return {"precompute": manifest["timing"]["peak_memory"], "train": state["peak_memory"]}
 
 
+LAUNCHES = {
+    "fsdp2": "torchrun, 2 CPU processes (gloo), FSDP2 as configs/accelerate/fsdp.yaml exports it",
+    "deepspeed": "accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml --zero3_init_flag "
+    "true|false, 2 CPU processes (gloo, DeepSpeed's CPU accelerator), float32 (--no-bf16)",
+}
+READERS = {  # who reads the weights, without and with the engine's one-reader loading
+    "fsdp2": ("every process", "the main process only"),
+    "deepspeed": ("every process (zero3_init_flag false)", "the main process only (zero3_init_flag true)"),
+}
+
+
 def render(measured: dict, sizes: dict, args, seconds: float) -> str:
     shard = sizes["total_mib"] / 2
+    options = (" --engine deepspeed" if args.engine == "deepspeed" else "") + (" --quick" if args.quick else "")
     lines = [
-        HEADING,
+        HEADINGS[args.engine],
         "",
-        f"- command: `python benchmarks/bench_loading.py{' --quick' if args.quick else ''}`; date: {utc_stamp()}; "
-        f"total {seconds:.0f} s",
+        f"- command: `python benchmarks/bench_loading.py{options}`; date: {utc_stamp()}; total {seconds:.0f} s",
         f"- machine: {machine()}",
         f"- model: Qwen2 architecture, random weights, {sizes['parameters'] / 1e6:.0f}M parameters, "
         f"{sizes['total_mib']:.0f} MiB in float32 (safetensors); its largest tensor {sizes['largest_mib']:.0f} MiB; "
         f"one process's shard {shard:.0f} MiB",
-        "- launch: torchrun, 2 CPU processes (gloo), FSDP2 as configs/accelerate/fsdp.yaml exports it, "
-        "MALLOC_MMAP_THRESHOLD_=131072 (glibc returns freed buffers; see the script); precompute of 16 rows, then "
-        "train 1 step (batch 2 x 2 processes, AdamW)",
+        f"- launch: {LAUNCHES[args.engine]}, MALLOC_MMAP_THRESHOLD_=131072 (glibc returns freed buffers; see the "
+        "script); precompute of 16 rows, then train 1 step (batch 2 x 2 processes, AdamW)",
         "- figure: each process's peak private memory (RssAnon, MiB) as the run recorded it; the baseline is the "
         "same launch on a tiny model (2 layers, hidden 64)",
         "",
@@ -132,7 +163,7 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
                 reader = one_reader and m["rank"] == 0 or not one_reader
                 bound = base["host_private_mib"] + shard + sizes["largest_mib"] + extra
                 ratio = m["host_private_mib"] / bound
-                who = "the main process only" if one_reader else "every process"
+                who = READERS[args.engine][one_reader]
                 lines.append(
                     f"| {stage} | {who} | {m['rank']}{' (reads)' if reader else ''} | {m['host_private_mib']:.0f} | "
                     f"{base['host_private_mib']:.0f} | {bound:.0f} | {ratio:.2f}"
@@ -149,6 +180,9 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
 def main() -> None:
     parser = script_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="the tiny model in place of the big one")
+    parser.add_argument(
+        "--engine", choices=sorted(HEADINGS), default="fsdp2", help="FSDP2 (torchrun) or DeepSpeed ZeRO-3"
+    )
     parser.add_argument("--results", default=str(HERE / "RESULTS.md"), help="file to write the section into")
     args = parser.parse_args()
     work = Path(args.work) / "loading"
@@ -162,9 +196,9 @@ def main() -> None:
     for name, path in models.items():
         for one_reader in (False, True):
             print(f"  {name} model, weights read by {'the main process' if one_reader else 'every process'} ...")
-            measured[name, one_reader] = measure(work, path, data, one_reader)
+            measured[name, one_reader] = measure(work, path, data, args.engine, one_reader)
     report = render(measured, weights(models["big"]), args, time.perf_counter() - started)
-    publish(report, None if args.quick else args.results, HEADING)
+    publish(report, None if args.quick else args.results, HEADINGS[args.engine])
 
 
 if __name__ == "__main__":

@@ -82,12 +82,13 @@ def tokenizer_hash(tokenizer) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def model_weights_hash(model) -> str:
-    """Hash of the weights as loaded (names, dtypes, shapes and bytes), streamed tensor by tensor."""
+def model_weights_hash(tensors) -> str:
+    """Hash of the weights as loaded (names, dtypes, shapes and bytes), streamed tensor by tensor: `tensors`, the
+    (name, tensor) pairs of the model's state dict in name order (`Engine.weights_hash` gives them)."""
     import torch
 
     h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in tensors:
         t = tensor.detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")

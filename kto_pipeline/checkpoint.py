@@ -65,7 +65,8 @@ def save_merged(engine, module, tokenizer, out: Path, load_base) -> None:
         else:
             from peft import PeftModel
 
-            merged = PeftModel.from_pretrained(load_base(), out).merge_and_unload()
+            with engine.whole_models():  # by this process alone: the others wait below
+                merged = PeftModel.from_pretrained(load_base(), out).merge_and_unload()
         merged.save_pretrained(out / "merged")
         tokenizer.save_pretrained(out / "merged")
     accelerator.wait_for_everyone()

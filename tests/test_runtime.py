@@ -103,6 +103,7 @@ def clean_launch_env(monkeypatch):
         "ACCELERATE_USE_FSDP",
         "ACCELERATE_USE_DEEPSPEED",
         "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+        "ACCELERATE_DEEPSPEED_ZERO3_INIT",
         "FSDP_VERSION",
         "FSDP_ACTIVATION_CHECKPOINTING",
     ):
@@ -125,6 +126,11 @@ def test_the_registry_picks_the_engine_the_launch_asks_for(clean_launch_env):
         engine = engine_for(2)
         assert engine.record() == {"engine": f"deepspeed-zero{stage}", "world_size": 2}
         assert engine.collective_forwards is collective and engine.state_holds_weights
+        assert engine.zero3_init is (stage == 3)  # zero3_init_flag unset: on under ZeRO-3, as accelerate's default
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false")
+    assert not engine_for(2).zero3_init and "partitioned as it loads" not in str(engine_for(2))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")
+    assert str(engine_for(2)) == "DeepSpeed ZeRO-3 over 2 processes, the model partitioned as it loads (zero.Init)"
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")
     with pytest.raises(KTOPipelineError, match="ZeRO-1: kto-pipeline runs ZeRO-2 and ZeRO-3"):
         engine_for(2)

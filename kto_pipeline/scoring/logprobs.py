@@ -21,7 +21,7 @@ prompts' cached keys/values: training). Layouts and masks are built in `packing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -226,10 +226,13 @@ def chunked_token_logps(
         )
 
 
-@dataclass
-class Scores:
+class Scores(NamedTuple):
     """Scores of a batch of sequences, token by token: one entry per scored (completion) token, ordered by
-    sequence, then position."""
+    sequence, then position.
+
+    A named tuple (as `PolicyScores`), because they are the scoring modules' outputs: the hooks of a sharding
+    engine find the tensors of an output in tuples and dicts (DeepSpeed ZeRO-3 attaches its backward hooks to
+    them; a dataclass hides them, and it warns that its hooks may not be triggered)."""
 
     logps: torch.Tensor  # (S,) sum over each sequence's completion tokens: the sequence log-prob KTO uses
     token_logps: torch.Tensor  # (N,) log-prob of each completion token
@@ -402,8 +405,9 @@ def score_layout(model, layout: Layout, chunk_size: int | None = DEFAULT_CHUNK_S
     return _scores(logps, layout.sequence, layout.num_trees * layout.branches, mean_logits, entropy)
 
 
-@dataclass
-class PolicyScores:
+class PolicyScores(NamedTuple):
+    """What the policy's forward returns (`score_policy`, `PolicyScorer`): a named tuple, as `Scores`."""
+
     completions: Scores  # with gradients
     kl: Scores | None  # without gradients; None when not asked for
     tokens_executed: int  # tokens the forwards ran

@@ -73,10 +73,27 @@ class Engine:
     def _configure(self, max_grad_norm: float) -> None:
         """Settings of the engine that the train flags own, once the Accelerator exists."""
 
-    def load(self, read: Callable[[], torch.nn.Module], trust_remote_code: bool = False) -> torch.nn.Module:
+    def load(
+        self, read: Callable[[], torch.nn.Module], trust_remote_code: bool = False, regime: Regime | None = None
+    ) -> torch.nn.Module:
         """The model as this process holds it before `prepare_policy` / `prepare_scorer`: `read()` (which loads it
-        whole, on the CPU) on every process here; an engine that shards may read it once and fill the others."""
+        whole, on the CPU) on every process here; an engine that shards may read it once and fill the others, or
+        build it partitioned (in `regime`'s weights dtype: the reference's; train's policy is its Accelerator's)."""
         return read()
+
+    def whole_models(self):
+        """A context in which models are built whole on this process, by it alone (--merge's base model, on the
+        main process while the others wait), where the engine would otherwise build them partitioned."""
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def weights_hash(self, model: torch.nn.Module, main: bool) -> str | None:
+        """`cache.model_weights_hash` of `model` as loaded, on the main process (`main`), None on the others. Every
+        process must call this (a partitioned model is gathered a tensor at a time)."""
+        from kto_pipeline.cache import model_weights_hash
+
+        return model_weights_hash(sorted(model.state_dict().items())) if main else None
 
     def prepare_policy(
         self, scorer: torch.nn.Module, model, make_optimizer: Callable, loader=None, move: bool = True

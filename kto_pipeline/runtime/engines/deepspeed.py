@@ -11,16 +11,30 @@ and transformers do for a frozen model under ZeRO-3); its forward gathers each m
 process runs as many forwards. Under ZeRO-2 (which partitions optimizer state and gradients only) the reference is
 whole on every process.
 
+Loading under ZeRO-3 with `zero3_init_flag` (exported as ACCELERATE_DEEPSPEED_ZERO3_INIT; on in
+configs/accelerate/deepspeed_zero3.yaml): the model, the policy and the reference alike, is built inside DeepSpeed's
+`zero.Init`, each parameter partitioned as it is created, and the main process alone reads the weights, one module
+at a time, into the module gathered whole, then partitioned again. transformers does both whenever an
+`HfDeepSpeedConfig` of a ZeRO-3 config is alive (`is_deepspeed_zero3_enabled`); `load` keeps the right one alive
+for the read, and none where a model must be built whole (the flag off; `whole_models`: --merge's base model). What
+reads the whole weights of a partitioned model gathers them a tensor at a time (`weights_hash`), or the whole state
+dict on the main process (`full_state_dict`, the final model: accelerate's `zero3_save_16bit_model`).
+
 A checkpoint's weights and optimizer state are DeepSpeed's own checkpoint, which accelerate writes into its state.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import torch
+
+from kto_pipeline.cache import model_weights_hash
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.runtime.engines.base import Engine
-from kto_pipeline.runtime.launch import most_of_all
+from kto_pipeline.runtime.launch import env_flag, most_of_all
 from kto_pipeline.runtime.precision import Regime, autocast_forward
 
 
@@ -28,22 +42,25 @@ class DeepSpeed(Engine):
     name = "deepspeed"
     state_holds_weights = True
 
-    def __init__(self, world_size: int, zero_stage: int = 2):
+    def __init__(self, world_size: int, zero_stage: int = 2, zero3_init: bool = False):
         super().__init__(world_size)
         self.zero_stage = zero_stage
         self.collective_forwards = zero_stage == 3  # ZeRO-3 gathers each module's parameters in its forward
         self.holds_whole_model = zero_stage != 3
+        self.zero3_init = zero3_init and zero_stage == 3  # the model is partitioned as it loads (`load`)
+        self.loaded: list[int] | None = None  # after a partitioned load: the parameters each process holds, by rank
 
     @classmethod
     def from_env(cls, world_size: int) -> DeepSpeed:
-        """The ZeRO stage `accelerate launch` exports from a DeepSpeed config."""
+        """The ZeRO stage and the `zero3_init_flag` that `accelerate launch` exports from a DeepSpeed config (unset,
+        the flag is on under ZeRO-3, as accelerate's own default)."""
         stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
         if stage not in (2, 3):
             raise KTOPipelineError(
                 f"DeepSpeed ZeRO-{stage}: kto-pipeline runs ZeRO-2 and ZeRO-3 "
                 "(configs/accelerate/deepspeed_zero2.yaml, deepspeed_zero3.yaml)."
             )
-        return cls(world_size, zero_stage=stage)
+        return cls(world_size, zero_stage=stage, zero3_init=env_flag("ACCELERATE_DEEPSPEED_ZERO3_INIT", stage == 3))
 
     def _configure(self, max_grad_norm: float) -> None:
         """The DeepSpeed settings the train flags own; accelerate fills what the config leaves "auto" when the model
@@ -58,6 +75,75 @@ class DeepSpeed(Engine):
         # was built) and loads the weights partitioned, in its dtype: hand it the edited one
         plugin.set_deepspeed_weakref()
 
+    # ------------------------------------------------------------------ loading
+
+    def load(self, read, trust_remote_code: bool = False, regime: Regime | None = None):
+        """Under ZeRO-3 with `zero3_init_flag`: `read()` inside `zero.Init` (module docstring), with train's DeepSpeed
+        config (accelerate keeps it alive once the Accelerator is built), or without an Accelerator (precompute)
+        with the scorer's, whose weights dtype is `regime`'s. Otherwise every process reads the whole model (ZeRO-3
+        partitions it when its engine is built)."""
+        if self.zero_stage != 3:
+            return read()
+        if not self.zero3_init:
+            with self.whole_models():  # accelerate keeps a ZeRO-3 config alive whatever the flag says
+                return read()
+        # zero.Init has the main process initialize every module before its weights are read (transformers'
+        # `initialize_weights_zero3`), which draws random numbers that one process's load does not: a fresh LoRA
+        # adapter drawn after would differ from one process's
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            if self.accelerator is not None:  # train: accelerate's config of the policy, kept alive by accelerate
+                model = read()
+            else:
+                with _transformers_zero3(scorer_config(regime or Regime("float32"))):
+                    model = read()
+        self._record_partitions(model)
+        return model
+
+    def _record_partitions(self, model) -> None:
+        """What each process holds of `model` after a partitioned load, printed by the main process: the measure
+        that it loaded partitioned."""
+        import torch.distributed as dist
+
+        parameters = list(model.parameters())
+        if not all(hasattr(p, "ds_tensor") for p in parameters):
+            raise KTOPipelineError(
+                f"DeepSpeed ZeRO-3 with zero3_init_flag: {type(model).__name__} was not built partitioned (it has "
+                "parameters outside zero.Init). Set `zero3_init_flag: false` in the accelerate config "
+                "(ACCELERATE_DEEPSPEED_ZERO3_INIT=false): every process then reads the whole model."
+            )
+        held = [0] * self.world_size
+        dist.all_gather_object(held, sum(p.ds_tensor.numel() for p in parameters))
+        self.loaded = held
+        if dist.get_rank() == 0:
+            total = sum(p.ds_numel for p in parameters)
+            each = ", ".join(f"process {rank} {n:,}" for rank, n in enumerate(held))
+            print(
+                f"DeepSpeed ZeRO-3: {type(model).__name__} partitioned as it loaded (zero.Init), the weights read by "
+                f"the main process only: {total:,} parameters, held {each}",
+                flush=True,
+            )
+
+    @contextmanager
+    def whole_models(self):
+        """Outside `zero.Init` (whose partitioning is a collective of every process): accelerate's DeepSpeed config
+        is alive again after."""
+        try:
+            with _transformers_zero3(None):
+                yield
+        finally:
+            if self.accelerator is not None:
+                self.accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+
+    def weights_hash(self, model, main: bool) -> str | None:
+        """A partitioned model's tensors gathered one at a time on every process, hashed by the main one."""
+        tensors = _whole_tensors(model)
+        if main:
+            return model_weights_hash(tensors)
+        for _ in tensors:  # the others take part in each gather
+            pass
+        return None
+
     def prepare_scorer(self, scorer, model, regime: Regime, device):
         if self.zero_stage != 3:
             return super().prepare_scorer(scorer, model, regime, device)
@@ -65,15 +151,16 @@ class DeepSpeed(Engine):
 
         self.device = device
         autocast_forward(scorer, regime, cache=False)  # weights stay in their dtype; bf16 compute from autocast
-        config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-            "bf16": {"enabled": regime.weights == "bfloat16"},
-            "fp16": {"enabled": regime.weights == "float16"},
-        }
+        config = scorer_config(regime)
+        fill_gathering(config["zero_optimization"], model)
         engine, *_ = deepspeed.initialize(model=scorer, config=config)
         engine.eval()  # (returns None)
         return engine
+
+    def prepare_policy(self, scorer, model, make_optimizer, loader=None, move: bool = True):
+        if self.zero_stage == 3:
+            fill_gathering(self.accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"], model)
+        return super().prepare_policy(scorer, model, make_optimizer, loader, move)
 
     def agree_on_forwards(self, count: int) -> int:
         return most_of_all(count, self.device) if self.collective_forwards else count
@@ -89,4 +176,67 @@ class DeepSpeed(Engine):
         return {"engine": f"deepspeed-zero{self.zero_stage}", "world_size": self.world_size}
 
     def __str__(self) -> str:
-        return f"DeepSpeed ZeRO-{self.zero_stage} over {self.world_size} processes"
+        loading = ", the model partitioned as it loads (zero.Init)" if self.zero3_init else ""
+        return f"DeepSpeed ZeRO-{self.zero_stage} over {self.world_size} processes{loading}"
+
+
+def scorer_config(regime: Regime) -> dict:
+    """The DeepSpeed config of the frozen reference under ZeRO-3 (no optimizer; every parameter partitioned, none
+    kept whole): its weights in the regime's dtype, as `zero.Init` creates them and the engine keeps them."""
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": regime.weights == "bfloat16"},
+        "fp16": {"enabled": regime.weights == "float16"},
+    }
+
+
+def fill_gathering(zero: dict, model) -> None:
+    """ZeRO-3's gathering settings that the config `zero` (its "zero_optimization") leaves unset or "auto", by the
+    model's hidden size h. DeepSpeed's defaults keep the whole model gathered: a parameter is released only if its
+    next use is further than `stage3_max_reuse_distance` (1e9 parameters) away, and the next forward, or the
+    backward, always uses it again within the model's size; and gradients are reduced through a bucket of 5e8
+    (2 GB in float32). Here nothing is kept gathered for reuse, only the next h^2 parameters are gathered ahead, and
+    gradients are reduced by h^2 (accelerate's "auto" rule for the prefetch and reduce buckets, which it cannot apply
+    to a scorer wrapping the model), so that a process holds its partition and about one layer."""
+    from kto_pipeline.models import text_config
+
+    h = text_config(model).hidden_size
+    for key, value in {
+        "reduce_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_max_live_parameters": h * h,
+        "stage3_max_reuse_distance": 0,
+    }.items():
+        if zero.get(key, "auto") == "auto":
+            zero[key] = value
+
+
+@contextmanager
+def _transformers_zero3(config: dict | None):
+    """transformers builds every model inside `zero.Init` and loads its weights partitioned while an HfDeepSpeedConfig
+    of a ZeRO-3 config is alive (it holds a weak reference to it): `config`'s for the context, or none (None)."""
+    from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    alive = HfDeepSpeedConfig(config) if config is not None else None
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del alive
+
+
+def _whole_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of `model`'s state dict in name order, each partitioned parameter gathered whole for its turn
+    (every process must go through them together)."""
+    import deepspeed
+
+    parameters = dict(model.named_parameters(remove_duplicate=False))  # tied ones under each name, as state_dict
+    for name, tensor in sorted(model.state_dict().items()):
+        parameter = parameters.get(name)
+        if parameter is None or not hasattr(parameter, "ds_id"):
+            yield name, tensor
+            continue
+        with deepspeed.zero.GatheredParameters([parameter]):
+            yield name, parameter.data

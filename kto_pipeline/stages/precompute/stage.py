@@ -37,7 +37,6 @@ from kto_pipeline.cache import (
     Manifest,
     completion_room,
     fingerprint_diff,
-    model_weights_hash,
     new_manifest,
     read_manifest,
     sha256_file,
@@ -405,8 +404,9 @@ def load_reference(run: Pass) -> None:
     run.model = run.engine.load(
         lambda: load_model(config.model, run.regime.dtype, config.revision, config.trust_remote_code),
         config.trust_remote_code,
+        run.regime,
     ).eval()
-    run.model_hash = model_weights_hash(run.model) if run.state.is_main_process else None  # before any sharding
+    run.model_hash = run.engine.weights_hash(run.model, run.state.is_main_process)  # the whole weights, as loaded
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(run.model)
     run.scorer = run.engine.prepare_scorer(ReferenceScorer(run.model), run.model, run.regime, run.state.device)
