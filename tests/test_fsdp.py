@@ -29,6 +29,7 @@ from helpers import (
     launch,
     rank_logs,
     read_metrics,
+    unpaired_rows,
     write_jsonl,
 )
 
@@ -291,3 +292,27 @@ def test_a_model_built_empty_has_the_loaded_models_parameters(tmp_path):
         assert parameter_layout(empty) == parameter_layout(loaded), tied
         assert all(p.is_meta for p in empty.parameters()) and not any(b.is_meta for b in empty.buffers())
         assert (empty.lm_head.weight is empty.model.embed_tokens.weight) is tied
+
+
+@pytest.mark.slow
+def test_fsdp2_append_equals_one_process(tmp_path, tiny_model_dir):
+    """`precompute --append` of a grown log under FSDP2 (the weights read by the main process only): the new rows,
+    their KL partners and (within the sharded pass's tolerance) their values are one process's append's. 16 new
+    rows in shards of 6: in the second round one process has no shard and runs filler forwards."""
+    import shutil
+
+    rows = unpaired_rows(40)
+    first, log = write_jsonl(tmp_path / "first.jsonl", rows[:24]), write_jsonl(tmp_path / "log.jsonl", rows)
+    settings = dict(model=str(tiny_model_dir), max_length=64, shard_size=6)
+    one = precompute(PrecomputeConfig(dataset=str(first), output=str(tmp_path / "one"), **settings))
+    two = tmp_path / "two"
+    shutil.copytree(one, two)
+    precompute(PrecomputeConfig(dataset=str(log), output=str(one), append=True, **settings))
+    args = cli_args(dataset=log, output=two, append=True, **settings)
+    launch(2, "precompute", *args, env=FSDP_ENV, log_dir=tmp_path / "logs")
+    ones, twos = open_cache(one, verify=True), open_cache(two, verify=True)
+    for key in ("rows", "matched_rows", "first_example_id", "shards", "kl"):
+        assert twos.manifest.segments[1][key] == ones.manifest.segments[1][key], key
+    assert twos.manifest.segments[1]["timing"]["processes"] == 2
+    assert len(twos.table) == 40
+    assert_same_rows(twos.table.to_pylist(), ones.table.to_pylist())

@@ -90,7 +90,7 @@ class FSDP2(Engine):
 
     # ------------------------------------------------------------------ setup
 
-    def load(self, read, trust_remote_code: bool = False):
+    def load(self, read, trust_remote_code: bool = False, regime: Regime | None = None):
         """With `fsdp_cpu_ram_efficient_loading` (FSDP_CPU_RAM_EFFICIENT_LOADING), only the main process reads the
         weights; the others build the model from its config with every parameter on the meta device (no memory;
         buffers, such as the rotary tables, computed for real), and `shard` fills each process's shards from the
