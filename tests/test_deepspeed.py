@@ -164,8 +164,8 @@ def test_the_scorers_outputs_are_seen_by_zero3_hooks():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "config, max_grad_norm",
-    [("deepspeed_zero3", 0.3), ("deepspeed_zero3", 0.0), ("deepspeed_zero2", 0.3)],
-    ids=["zero3-0.3", "zero3-off", "zero2-0.3"],
+    [("deepspeed_zero3", 0.3), ("deepspeed_zero2", 0.0)],  # both stages share the setting; a value, and off
+    ids=["zero3-0.3", "zero2-off"],
 )
 def test_max_grad_norm_reaches_deepspeeds_clipping(tmp_path, tiny_model_dir, data, config, max_grad_norm):
     """DeepSpeed clips inside its own step, at --max-grad-norm (0: not at all): the weights are one process's with
@@ -228,8 +228,7 @@ def test_zero3_lora_with_merge_equals_one_process(tmp_path, tiny_model_dir, data
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["deepspeed_zero3", "deepspeed_zero2"])
-def test_append_equals_one_process(tmp_path, tiny_model_dir, config):
+def test_append_equals_one_process(tmp_path, tiny_model_dir):
     """`precompute --append` of a grown log under DeepSpeed: the rows, their KL partners and (within the sharded
     pass's tolerance) their values are one process's append's. 16 new rows in shards of 6: in the second round one
     process has no shard (under ZeRO-3 it runs filler forwards); the weights' hash, gathered a tensor at a time
@@ -244,7 +243,9 @@ def test_append_equals_one_process(tmp_path, tiny_model_dir, config):
     grown = PrecomputeConfig(model=str(tiny_model_dir), dataset=str(log), output=str(one), append=True, **PRECOMPUTE)
     precompute(grown)
     args = cli_args(model=tiny_model_dir, dataset=log, output=two, append=True, **PRECOMPUTE)
-    accelerate_launch(config, "precompute", *args, log_dir=tmp_path / "logs")
+    # ZeRO-3 only: under ZeRO-2 the reference is whole on every process and scores as under DDP (measured once,
+    # when the test also ran under ZeRO-2: the same rows and values)
+    accelerate_launch("deepspeed_zero3", "precompute", *args, log_dir=tmp_path / "logs")
     ones, twos = open_cache(one, verify=True), open_cache(two, verify=True)
     segment_one, segment_two = ones.manifest.segments[1], twos.manifest.segments[1]
     for key in ("rows", "matched_rows", "first_example_id", "shards", "kl"):
