@@ -1,5 +1,5 @@
-"""Both stages under several processes (CPU, gloo, 2 processes via torchrun) give the results of
-one process; resume reproduces an uninterrupted run exactly; checkpointing options."""
+"""Resume reproduces an uninterrupted run exactly (after a SIGKILL); checkpointing options; the 1-process cache
+and settings that the 2-process DDP tests (tests/test_multinode.py) compare with."""
 
 import json
 import signal
@@ -8,9 +8,6 @@ import time
 
 import pytest
 from helpers import (
-    REPLICATED_REL,
-    assert_same_rows,
-    assert_same_steps,
     cli_args,
     cli_cmd,
     launch,
@@ -41,41 +38,11 @@ def cache_1proc(tmp_path_factory, tiny_model_dir, data):
     )
 
 
-@pytest.mark.slow
-def test_precompute_two_processes_equals_one(tmp_path, tiny_model_dir, data, cache_1proc):
-    out = tmp_path / "cache2"
-    args = cli_args(model=tiny_model_dir, dataset=data, output=out, max_length=64, shard_size=6)
-    result = launch(2, "precompute", *args, log_dir=tmp_path / "logs")
-    assert result.stdout.count("precompute finished") == 1  # one summary, from the main process
-    two, one = open_cache(out, verify=True), open_cache(cache_1proc, verify=True)
-    assert two.manifest["timing"]["processes"] == 2
-    assert two.manifest["distributed"] == {"engine": "ddp", "world_size": 2}
-    assert [s["rows"] for s in two.manifest["shards"]] == [s["rows"] for s in one.manifest["shards"]]
-    assert_same_rows(two.table.to_pylist(), one.table.to_pylist())
-
-
 TRAIN = dict(max_steps=4, logging_steps=1, learning_rate=1e-3, save_steps=2, seed=3)
 STEP_KEYS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "grad_norm")
 
 
-@pytest.mark.slow
-def test_train_two_by_four_equals_one_by_eight(tmp_path, cache_1proc):
-    args = cli_args(cache=cache_1proc, output_dir=tmp_path / "two", per_device_train_batch_size=4, **TRAIN)
-    launch(2, "train", *args, log_dir=tmp_path / "logs-two")
-    train(train_config(cache_1proc, tmp_path / "one", per_device_train_batch_size=8, **TRAIN))
-    two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
-    assert len(two) == 4
-    assert_same_steps(two, one, REPLICATED_REL, STEP_KEYS)
-    assert abs(one[-1]["loss"] - one[0]["loss"]) > 1e-3  # the runs actually trained
-    # only the main process wrote: one metrics file, one checkpoint, one final model
-    assert (tmp_path / "two" / "checkpoint-2" / "model.safetensors").exists()
-    assert sorted(p.name for p in (tmp_path / "two" / "checkpoint-2" / "accelerate_state").iterdir()) == [
-        "custom_checkpoint_0.pkl",
-        "optimizer.bin",
-        "random_states_0.pkl",
-        "random_states_1.pkl",
-    ]
-    # (resume under several processes: tests/test_fsdp.py and tests/test_deepspeed.py)
+# (2 processes equal to one, DDP, both stages: tests/test_multinode.py, with the processes on two launchers)
 
 
 @pytest.mark.slow

@@ -37,9 +37,11 @@ data, cache_1proc, skewed = test_distributed.data, test_distributed.cache_1proc,
 def test_ddp_on_two_machines_equals_one_process(tmp_path, tiny_model_dir, data, cache_1proc):
     out = tmp_path / "cache"
     args = cli_args(model=tiny_model_dir, dataset=data, output=out, max_length=64, shard_size=6)
-    launch_nodes(2, "precompute", *args, log_dir=tmp_path / "logs-precompute")
+    launchers = launch_nodes(2, "precompute", *args, log_dir=tmp_path / "logs-precompute")
+    assert sum(r.stdout.count("precompute finished") for r in launchers) == 1  # one summary, from the main process
     two, one = open_cache(out, verify=True), open_cache(cache_1proc, verify=True)
     assert two.manifest["distributed"] == {"engine": "ddp", "world_size": 2}
+    assert two.manifest["timing"]["processes"] == 2
     assert [s["rows"] for s in two.manifest["shards"]] == [s["rows"] for s in one.manifest["shards"]]
     assert_same_rows(two.table.to_pylist(), one.table.to_pylist())
 
@@ -47,10 +49,18 @@ def test_ddp_on_two_machines_equals_one_process(tmp_path, tiny_model_dir, data, 
     config = dict(per_device_train_batch_size=4, **test_distributed.TRAIN)
     launch_nodes(2, "train", *cli_args(cache=out, output_dir=tmp_path / "two", **config), log_dir=tmp_path / "logs")
     train(train_config(cache_1proc, tmp_path / "one", **{**config, "per_device_train_batch_size": 8}))
-    two_steps = read_metrics(tmp_path / "two")
+    two_steps, one_steps = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
     assert len(two_steps) == 4
-    assert_same_steps(two_steps, read_metrics(tmp_path / "one"), REPLICATED_REL, test_distributed.STEP_KEYS)
-    assert (tmp_path / "two" / "checkpoint-2" / "accelerate_state" / "random_states_1.pkl").exists()  # node 1's
+    assert_same_steps(two_steps, one_steps, REPLICATED_REL, test_distributed.STEP_KEYS)
+    assert abs(one_steps[-1]["loss"] - one_steps[0]["loss"]) > 1e-3  # the runs actually trained
+    # only the main process wrote the model, the optimizer and the schedule; each process its RNG state (node 1's)
+    assert (tmp_path / "two" / "checkpoint-2" / "model.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoint-2" / "accelerate_state").iterdir()) == [
+        "custom_checkpoint_0.pkl",
+        "optimizer.bin",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    ]
     assert not (out / SHARED_CHECK_FILE).exists() and not (tmp_path / "two" / SHARED_CHECK_FILE).exists()
 
 
