@@ -58,7 +58,8 @@ class TrainerState:
     # the final state only: where the run started and what it saw
     reference_hash: str | None = None  # the frozen reference's weights hash (the cache's): --init-from checks it
     round: int | None = None  # 1, or the --init-from run's round + 1
-    # each process's peak memory: [{"rank", "host_private_mib", "host_rss_mib", "accelerator_mib"}]
+    # each process's peak memory:
+    # [{"rank", "host_private_mib", "loaded_host_private_mib", "host_rss_mib", "accelerator_mib"}]
     peak_memory: list[dict[str, Any]] | None = None
     parent_run: dict[str, Any] | None = None  # the --init-from run: path, global_step, round, kind (full / adapter)
     cache_segments: list[dict[str, Any]] | None = None  # the cache segments trained on: index, rows, source, hash

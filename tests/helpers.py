@@ -311,3 +311,13 @@ def assert_same_weights(two: Path, one: Path, rel: float = 1e-4) -> None:
     assert w1.keys() == w2.keys()
     for key in w1:
         assert float((w1[key] - w2[key]).norm() / w1[key].norm().clamp(min=1e-12)) < rel, key
+
+
+def check_peak_memory(peaks: list[dict]) -> None:
+    """Each process's peaks, by rank, as runtime/peak_memory.py records them: private host memory (a Python process
+    with torch holds well over 100 MiB), loading's peak within the stage's, the kernel's peak RSS at least that, no
+    accelerator here."""
+    assert [m["rank"] for m in peaks] == [0, 1]
+    for m in peaks:
+        assert 100 < m["loaded_host_private_mib"] <= m["host_private_mib"] <= m["host_rss_mib"], m
+        assert m["accelerator_mib"] is None, m

@@ -15,7 +15,16 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import cli_args, launch, rank_logs, read_metrics, train_config, unpaired_rows, write_jsonl
+from helpers import (
+    check_peak_memory,
+    cli_args,
+    launch,
+    rank_logs,
+    read_metrics,
+    train_config,
+    unpaired_rows,
+    write_jsonl,
+)
 
 from kto_pipeline import PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
@@ -42,13 +51,6 @@ def loaded_partitioned(output: str) -> list[int]:
     total, *held = (int(n.replace(",", "")) for n in found.groups())
     assert all(total / 2 <= n < total / 2 + 2000 for n in held), (total, held)  # padding: < 2 a tensor
     return held
-
-
-def check_peak_memory(peaks: list[dict]) -> None:
-    """Each process's peaks, by rank, as runtime/peak_memory.py records them (no accelerator here)."""
-    assert [m["rank"] for m in peaks] == [0, 1]
-    for m in peaks:
-        assert 100 < m["host_private_mib"] <= m["host_rss_mib"] and m["accelerator_mib"] is None, m
 
 
 HOOKS_WARNING = "unknown inputs or outputs type"  # DeepSpeed ZeRO-3: an output whose tensors its hooks cannot see

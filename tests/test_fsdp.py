@@ -25,6 +25,7 @@ from helpers import (
     assert_same_rows,
     assert_same_steps,
     assert_same_weights,
+    check_peak_memory,
     cli_args,
     launch,
     rank_logs,
@@ -100,18 +101,10 @@ def test_fsdp2_precompute_on_skewed_shards_equals_one_process(tmp_path, tiny_mod
     two, one = open_cache(out, verify=True), open_cache(cache1, verify=True)
     assert two.manifest["distributed"] == {"engine": "fsdp2", "world_size": 2}
     assert two.manifest.fingerprint == one.manifest.fingerprint  # the same cache, reusable by either
-    _check_peak_memory(two.manifest["timing"]["peak_memory"])
+    check_peak_memory(two.manifest["timing"]["peak_memory"])
     assert "memory       peak private host memory: rank 0 " in result.stdout
     assert len(one.table) == 35
     assert_same_rows(two.table.to_pylist(), one.table.to_pylist())
-
-
-def _check_peak_memory(peaks: list[dict]) -> None:
-    """Each process's peaks, by rank: private host memory (a Python process with torch holds well over 100 MiB),
-    the kernel's peak RSS at least that, no accelerator here."""
-    assert [m["rank"] for m in peaks] == [0, 1]
-    for m in peaks:
-        assert 100 < m["host_private_mib"] <= m["host_rss_mib"] and m["accelerator_mib"] is None, m
 
 
 @pytest.mark.slow
@@ -137,7 +130,7 @@ def test_fsdp2_train_equals_one_process_and_survives_sigkill_and_sigterm(tmp_pat
     AutoModelForCausalLM.from_pretrained(tmp_path / "two")  # the final model is whole, in HF format
     state = json.loads((tmp_path / "two" / "trainer_state.json").read_text())
     assert state["distributed"] == {"engine": "fsdp2", "world_size": 2}
-    _check_peak_memory(state["peak_memory"])
+    check_peak_memory(state["peak_memory"])
     checkpoint = tmp_path / "two" / "checkpoint-2"
     assert (checkpoint / "sharded" / ".metadata").exists() and not (checkpoint / "model.safetensors").exists()
     assert sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

@@ -5,6 +5,9 @@ Per process, from the start of the stage:
   - `host_private_mib`: the peak of its private resident memory (`RssAnon` in /proc/self/status, sampled every
     10 ms by a daemon thread). Weights memory-mapped from the page cache (safetensors) are shared between
     processes and not counted: this is the memory a process adds to the machine's.
+  - `loaded_host_private_mib`: the same peak up to the moment the model was loaded (and, on a sharding engine that
+    loads it so, sharded or partitioned), before any batch ran: what loading alone cost, apart from the stage's
+    own work (a pass's gathered layers and activations, a step's gradients and optimizer state).
   - `host_rss_mib`: its peak resident set as the kernel tracks it (`VmHWM`), file-backed pages included.
   - `accelerator_mib`: torch's peak allocated accelerator memory (`torch.cuda.max_memory_allocated`), None on
     the CPU.
@@ -35,6 +38,7 @@ class PeakMemory:
 
     def __init__(self, interval_seconds: float = 0.01):
         self.peak_private_kib = _status_kib("RssAnon").get("RssAnon", 0)
+        self.loaded_private_kib: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, args=(interval_seconds,), daemon=True)
         self._thread.start()
@@ -43,13 +47,23 @@ class PeakMemory:
         while not self._stop.wait(interval):
             self.peak_private_kib = max(self.peak_private_kib, _status_kib("RssAnon").get("RssAnon", 0))
 
+    def _now(self) -> int:
+        self.peak_private_kib = max(self.peak_private_kib, _status_kib("RssAnon").get("RssAnon", 0))
+        return self.peak_private_kib
+
+    def loaded(self) -> None:
+        """The model is loaded: the peak so far is loading's."""
+        self.loaded_private_kib = self._now()
+
     def mine(self, rank: int) -> dict:
         """This process's peaks so far."""
-        self.peak_private_kib = max(self.peak_private_kib, _status_kib("RssAnon").get("RssAnon", 0))
+        self._now()
+        loaded = self.loaded_private_kib
         accelerator = torch.cuda.max_memory_allocated() / MIB if torch.cuda.is_initialized() else None
         return {
             "rank": rank,
             "host_private_mib": round(self.peak_private_kib / 1024, 1),
+            "loaded_host_private_mib": None if loaded is None else round(loaded / 1024, 1),
             "host_rss_mib": round(_status_kib("VmHWM").get("VmHWM", 0) / 1024, 1),
             "accelerator_mib": None if accelerator is None else round(accelerator, 1),
         }
@@ -64,10 +78,12 @@ class PeakMemory:
 
 
 def describe(peaks: list[dict]) -> str:
-    """ "rank 0 1234 MiB, rank 1 567 MiB" (private host memory; accelerator memory after a slash where there is one)."""
+    """ "rank 0 1234 MiB (loading 1100), rank 1 567 MiB (loading 500)" (private host memory; accelerator memory
+    after a slash where there is one)."""
 
     def one(m: dict) -> str:
         accelerator = "" if m["accelerator_mib"] is None else f" / {m['accelerator_mib']:.0f} on the accelerator"
-        return f"rank {m['rank']} {m['host_private_mib']:.0f} MiB{accelerator}"
+        loading = "" if m.get("loaded_host_private_mib") is None else f" (loading {m['loaded_host_private_mib']:.0f})"
+        return f"rank {m['rank']} {m['host_private_mib']:.0f} MiB{loading}{accelerator}"
 
     return ", ".join(one(m) for m in peaks)

@@ -165,6 +165,7 @@ def setup(config: TrainConfig) -> Run:
     print0(accelerator, f"policy: {regime}, {engine}")
     init = init_point(config, cache.manifest, accelerator)
     tokenizer, model, aux_coef = load_policy(config, cache.manifest, init, engine)
+    peaks.loaded()
     padded_because = packing_unsupported(model)
     sampler, loader, eval_loader, eval_groups = _loaders(
         config, cache, max_length, accelerator, tokenizer, model, padded_because
