@@ -66,6 +66,12 @@ FSDP_ENV = {
 # DeepSpeed runs on its own CPU accelerator (accelerate's CPU mode would drop it); the rest as FSDP2's
 DEEPSPEED_ENV = {k: v for k, v in FSDP_ENV.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
 GOAL = 1.2  # measured peak / bound
+# Training's state beyond the weights' shard, in shards: (allocated when the engine is prepared, before the first
+# batch; alive at the optimizer step). FSDP2 with torch's AdamW: nothing up front; a gradient and two AdamW moments at
+# the step. DeepSpeed ZeRO-3 (0.19), as benchmarks/checks/deepspeed_step_memory.py reads its buffers: a float32 master
+# copy of the shard and the gradient partition up front; at the step also the gradient flattened anew in float32 and
+# the two moments.
+TRAIN_STATE = {"fsdp2": (0, 3), "deepspeed": (2, 5)}
 
 
 def rows(n: int = 16) -> list[dict]:
@@ -153,34 +159,44 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
         f"one process's shard {shard:.0f} MiB",
         f"- launch: {LAUNCHES[args.engine]}, MALLOC_MMAP_THRESHOLD_=131072 (glibc returns freed buffers; see the "
         "script); precompute of 16 rows, then train 1 step (batch 2 x 2 processes, AdamW)",
-        "- figure: each process's peak private memory (RssAnon, MiB) as the run recorded it; the baseline is the "
-        "same launch on a tiny model (2 layers, hidden 64)",
+        "- figure: each process's peak private memory (RssAnon, MiB) as the run recorded it, through loading and "
+        "through the whole stage; the baselines are the same launch's on a tiny model (2 layers, hidden 64)",
         "",
         *table_head(
-            "| stage | weights read by | process | baseline (MiB) | loaded (MiB) | loading bound (MiB) | "
-            "loaded / bound | stage peak (MiB) | stage bound (MiB) | peak / bound |"
+            "| stage | weights read by | process | loading: baseline (MiB) | loaded (MiB) | bound (MiB) | "
+            "loaded / bound | stage: baseline (MiB) | peak (MiB) | bound (MiB) | peak / bound |"
         ),
     ]
-    for stage, extra in (("precompute", 0.0), ("train", 3 * shard)):
+    for stage in ("precompute", "train"):
+        upfront, extra = (n * shard for n in TRAIN_STATE[args.engine]) if stage == "train" else (0.0, 0.0)
         for one_reader in (False, True):
             for m, base in zip(measured["big", one_reader][stage], measured["tiny", one_reader][stage], strict=True):
                 reader = one_reader and m["rank"] == 0 or not one_reader
-                bound = base["host_private_mib"] + shard + sizes["largest_mib"]
-                loaded = m["loaded_host_private_mib"] / bound
+                loading_bound = base["loaded_host_private_mib"] + shard + sizes["largest_mib"] + upfront
+                stage_bound = base["host_private_mib"] + shard + sizes["largest_mib"] + extra
+                loaded = m["loaded_host_private_mib"] / loading_bound
                 goal = "" if reader else (" (goal <= 1.2: met)" if loaded <= GOAL else " (goal <= 1.2: NOT met)")
                 lines.append(
                     f"| {stage} | {READERS[args.engine][one_reader]} | {m['rank']}{' (reads)' if reader else ''} | "
-                    f"{base['host_private_mib']:.0f} | {m['loaded_host_private_mib']:.0f} | {bound:.0f} | "
-                    f"{loaded:.2f}{goal} | {m['host_private_mib']:.0f} | {bound + extra:.0f} | "
-                    f"{m['host_private_mib'] / (bound + extra):.2f} |"
+                    f"{base['loaded_host_private_mib']:.0f} | {m['loaded_host_private_mib']:.0f} | "
+                    f"{loading_bound:.0f} | {loaded:.2f}{goal} | {base['host_private_mib']:.0f} | "
+                    f"{m['host_private_mib']:.0f} | {stage_bound:.0f} | {m['host_private_mib'] / stage_bound:.2f} |"
                 )
+    upfront, step = TRAIN_STATE[args.engine]
+    state = {
+        "fsdp2": "3 x the shard in training: a gradient and two AdamW moments per parameter of the shard",
+        "deepspeed": "in training 2 x the shard up front, DeepSpeed's float32 master copy of the shard and its "
+        "gradient partition, and 5 x at the step, with the gradient flattened anew and two AdamW moments "
+        "(benchmarks/checks/deepspeed_step_memory.py)",
+    }[args.engine]
     lines += [
         "",
-        "loaded: the peak up to the moment the model was loaded (and sharded or partitioned), before any batch; "
-        "loading bound = baseline + the shard + the largest tensor. The goal applies to loading, on a process that "
-        "does not read the weights. stage peak: the peak of the whole stage; its bound adds, in training, 3 x the "
-        "shard (a gradient and two AdamW moments per parameter of the shard); what the stage itself adds beyond "
-        "that (a pass's gathered layers and activations, an engine's own buffers) is read below the table.",
+        "loaded: the peak up to the moment the model was loaded and placed by the engine (read, then sharded or "
+        "partitioned), before any batch; its bound = the baseline at that point + the shard + the largest tensor"
+        f"{f' (+ {upfront} x the shard in training)' if upfront else ''}. The goal applies to loading, on a process "
+        "that does not read the weights. stage peak: the peak of the whole stage; its bound = the stage's baseline "
+        f"+ the shard + the largest tensor (+ {state}); what a stage adds beyond that (a pass's gathered layers and "
+        f"activations) is read below the table.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -5,8 +5,9 @@ Per process, from the start of the stage:
   - `host_private_mib`: the peak of its private resident memory (`RssAnon` in /proc/self/status, sampled every
     10 ms by a daemon thread). Weights memory-mapped from the page cache (safetensors) are shared between
     processes and not counted: this is the memory a process adds to the machine's.
-  - `loaded_host_private_mib`: the same peak up to the moment the model was loaded (and, on a sharding engine that
-    loads it so, sharded or partitioned), before any batch ran: what loading alone cost, apart from the stage's
+  - `loaded_host_private_mib`: the same peak up to the moment the model was loaded and placed by the engine (read,
+    then sharded or partitioned, with what the engine allocates for it up front: DeepSpeed builds its optimizer
+    state there, torch's AdamW at the first step), before any batch ran: what loading cost, apart from the stage's
     own work (a pass's gathered layers and activations, a step's gradients and optimizer state).
   - `host_rss_mib`: its peak resident set as the kernel tracks it (`VmHWM`), file-backed pages included.
   - `accelerator_mib`: torch's peak allocated accelerator memory (`torch.cuda.max_memory_allocated`), None on

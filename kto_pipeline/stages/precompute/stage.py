@@ -407,10 +407,10 @@ def load_reference(run: Pass) -> None:
         run.regime,
     ).eval()
     run.model_hash = run.engine.weights_hash(run.model, run.state.is_main_process)  # the whole weights, as loaded
-    run.peaks.loaded()
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(run.model)
     run.scorer = run.engine.prepare_scorer(ReferenceScorer(run.model), run.model, run.regime, run.state.device)
+    run.peaks.loaded()  # the model read, then sharded or partitioned: loading's peak
     print0(run.state, f"reference: {run.regime}, {run.engine}")
     if run.padded_because:
         print0(

@@ -165,7 +165,6 @@ def setup(config: TrainConfig) -> Run:
     print0(accelerator, f"policy: {regime}, {engine}")
     init = init_point(config, cache.manifest, accelerator)
     tokenizer, model, aux_coef = load_policy(config, cache.manifest, init, engine)
-    peaks.loaded()
     padded_because = packing_unsupported(model)
     sampler, loader, eval_loader, eval_groups = _loaders(
         config, cache, max_length, accelerator, tokenizer, model, padded_because
@@ -173,6 +172,7 @@ def setup(config: TrainConfig) -> Run:
     scorer, optimizer, loader = engine.prepare_policy(
         PolicyScorer(model), model, lambda m: make_optimizer(config, m), loader
     )
+    peaks.loaded()  # the policy read, then sharded or partitioned, with what its engine allocates up front
     if eval_loader is not None:
         eval_loader = accelerator.prepare_data_loader(eval_loader)
     steps_per_epoch = max(math.ceil(len(loader) / config.gradient_accumulation_steps), 1)
