@@ -82,17 +82,35 @@ def tokenizer_hash(tokenizer) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
+class WeightsHash:
+    """sha256 over each tensor's name, dtype, shape and bytes, in the order they are added (`model_weights_hash`).
+    A tensor's bytes may come in pieces (`add_bytes` again), as a partitioned parameter's partitions do."""
+
+    def __init__(self):
+        self._sha = hashlib.sha256()
+
+    def add_header(self, name: str, dtype, shape) -> None:
+        self._sha.update(f"{name}|{dtype}|{tuple(shape)}".encode())
+
+    def add_bytes(self, tensor) -> None:
+        import torch
+
+        t = tensor.detach().to("cpu").contiguous()
+        if t.numel():
+            self._sha.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no copy of the bytes
+
+    def hexdigest(self) -> str:
+        return "sha256:" + self._sha.hexdigest()
+
+
 def model_weights_hash(tensors) -> str:
     """Hash of the weights as loaded (names, dtypes, shapes and bytes), streamed tensor by tensor: `tensors`, the
     (name, tensor) pairs of the model's state dict in name order (`Engine.weights_hash` gives them)."""
-    import torch
-
-    h = hashlib.sha256()
+    h = WeightsHash()
     for name, tensor in tensors:
-        t = tensor.detach().to("cpu").contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return "sha256:" + h.hexdigest()
+        h.add_header(name, tensor.dtype, tensor.shape)
+        h.add_bytes(tensor)
+    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------ manifest
