@@ -99,6 +99,11 @@ class WeightsHash:
         if t.numel():
             self._sha.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no copy of the bytes
 
+    def add(self, name: str, tensor) -> None:
+        """A whole tensor: its header, then its bytes."""
+        self.add_header(name, tensor.dtype, tensor.shape)
+        self.add_bytes(tensor)
+
     def hexdigest(self) -> str:
         return "sha256:" + self._sha.hexdigest()
 
@@ -108,8 +113,7 @@ def model_weights_hash(tensors) -> str:
     (name, tensor) pairs of the model's state dict in name order (`Engine.weights_hash` gives them)."""
     h = WeightsHash()
     for name, tensor in tensors:
-        h.add_header(name, tensor.dtype, tensor.shape)
-        h.add_bytes(tensor)
+        h.add(name, tensor)
     return h.hexdigest()
 
 

@@ -46,9 +46,10 @@ class PeakMemory:
 
     def _sample(self, interval: float) -> None:
         while not self._stop.wait(interval):
-            self.peak_private_kib = max(self.peak_private_kib, _status_kib("RssAnon").get("RssAnon", 0))
+            self._now()
 
     def _now(self) -> int:
+        """The peak so far, this moment included."""
         self.peak_private_kib = max(self.peak_private_kib, _status_kib("RssAnon").get("RssAnon", 0))
         return self.peak_private_kib
 

@@ -149,8 +149,7 @@ class DeepSpeed(Engine):
             parameter = parameters.get(name)
             if parameter is None or not hasattr(parameter, "ds_id"):  # whole on every process (buffers)
                 if main:
-                    h.add_header(name, tensor.dtype, tensor.shape)
-                    h.add_bytes(tensor)
+                    h.add(name, tensor)
                 continue
             if main:
                 h.add_header(name, parameter.ds_tensor.dtype, parameter.ds_shape)
