@@ -139,6 +139,7 @@ def test_the_phases_of_train_called_one_by_one(small_cache, tmp_path):
     `train` gives, and each leaves the run directory as its contract says: setup writes nothing, an extension
     has no finished mark (trainer_state.json) until `finish` writes the state it ended in."""
     from kto_pipeline.rundir import TrainerState, finished_at
+    from kto_pipeline.runtime.peak_memory import PeakMemory
     from kto_pipeline.stages.train import stage as stage
 
     out, whole = tmp_path / "run", tmp_path / "whole"
@@ -146,15 +147,18 @@ def test_the_phases_of_train_called_one_by_one(small_cache, tmp_path):
     train(cfg(small_cache, out, max_steps=4, save_steps=2, lr_scheduler_type="constant"))
     assert finished_at(out) == 4
 
-    run = stage.setup(cfg(small_cache, out, max_steps=6, save_steps=2, resume=True, lr_scheduler_type="constant"))
-    assert run.total_steps == 6 and run.resume_dir == out / "checkpoint-4" and finished_at(out) == 4
-    assert stage.resume(run) is None  # restored, with steps left to train
-    assert run.progress.global_step == 4 and len(run.progress.history) == 4
-    stage.prepare_output_dir(run)
-    assert finished_at(out) is None and not (out / "trainer_state.json").exists()
-    stage.fit(run)
-    assert run.progress.global_step == 6 and finished_at(out) is None
-    result = stage.finish(run)
+    with PeakMemory() as peaks:  # as the stage holds it
+        run = stage.setup(
+            cfg(small_cache, out, max_steps=6, save_steps=2, resume=True, lr_scheduler_type="constant"), peaks
+        )
+        assert run.total_steps == 6 and run.resume_dir == out / "checkpoint-4" and finished_at(out) == 4
+        assert stage.resume(run) is None  # restored, with steps left to train
+        assert run.progress.global_step == 4 and len(run.progress.history) == 4
+        stage.prepare_output_dir(run)
+        assert finished_at(out) is None and not (out / "trainer_state.json").exists()
+        stage.fit(run)
+        assert run.progress.global_step == 6 and finished_at(out) is None
+        result = stage.finish(run)
     state = TrainerState.read(out)
     assert result.global_step == state.global_step == finished_at(out) == 6
     assert (state.max_steps, state.epoch_index, state.batches_in_epoch) == (6, 1, 0)  # 6 batches an epoch

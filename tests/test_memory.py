@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from helpers import unpaired_rows, write_jsonl
+from helpers import train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline.cache import MANIFEST, check_cache, open_cache, read_manifest, write_manifest, write_shard
 from kto_pipeline.demo.tiny import ensure_tiny_model
@@ -282,3 +282,34 @@ def test_precompute_peak_memory_is_flat_in_rows(tmp_path):
     )
     print("\n" + report)
     assert growth * MIB <= 75e6, report
+
+
+def _sampling_threads() -> list:
+    import threading
+
+    from kto_pipeline.runtime.peak_memory import PeakMemory
+
+    return [
+        t for t in threading.enumerate() if getattr(getattr(t, "_target", None), "__func__", None) is PeakMemory._sample
+    ]
+
+
+def test_no_memory_sampling_thread_outlives_its_stage(tmp_path, tiny_model_dir, small_cache):
+    """Each stage samples its memory from a thread while it runs: the thread stops when the stage ends, whichever way
+    (finished, refused, an append with no new rows). One left behind per run would take the interpreter's lock every
+    10 ms for good: a notebook or a test session that ran many stages slowed down with each."""
+    from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute, train
+    from kto_pipeline.runtime.peak_memory import PeakMemory
+
+    before = len(_sampling_threads())
+    with PeakMemory() as peaks:
+        assert len(_sampling_threads()) == before + 1 and peaks.mine(0)["host_private_mib"] > 0
+    assert len(_sampling_threads()) == before
+    data = small_cache.parent / "data.jsonl"
+    args = dict(model=str(tiny_model_dir), dataset=str(data), max_length=64)
+    precompute(PrecomputeConfig(output=str(tmp_path / "cache"), **args))  # finished
+    precompute(PrecomputeConfig(output=str(tmp_path / "cache"), append=True, **args))  # no new rows
+    train(train_config(small_cache, tmp_path / "run", max_steps=1))  # finished
+    with pytest.raises(KTOPipelineError, match="above the cache's max length"):
+        train(train_config(small_cache, tmp_path / "bad", max_length=999))  # refused in its setup
+    assert len(_sampling_threads()) == before

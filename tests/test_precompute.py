@@ -259,18 +259,20 @@ def test_padded_fallback_gives_the_same_cache(tmp_path, tiny_model_dir, unpaired
     """A model whose attention takes no packed layout runs every sequence on its own; the values are the same
     and the manifest says which path ran. The padded run calls the stage's phases one by one, saying after
     `load_reference` that this model takes no packed layout."""
+    from kto_pipeline.runtime.peak_memory import PeakMemory
     from kto_pipeline.stages.precompute import stage as stage
 
     packed = open_cache(precompute(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "a"))))
     assert packed.manifest["reference_pass"] == {"prefix_shared": True}
-    run = stage.setup(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "b")))
-    run.prepared = stage.prepare_rows(run.config, run.tokenizer, run.state)
-    stage.load_reference(run)
-    assert run.padded_because is None
-    run.padded_because = "attention implementation 'x'"
-    assert stage.plan_output(run)
-    stage.score_shards(run)
-    stage.finish(run)
+    with PeakMemory() as peaks:  # as the stage holds it
+        run = stage.setup(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "b")), peaks)
+        run.prepared = stage.prepare_rows(run.config, run.tokenizer, run.state)
+        stage.load_reference(run)
+        assert run.padded_because is None
+        run.padded_because = "attention implementation 'x'"
+        assert stage.plan_output(run)
+        stage.score_shards(run)
+        stage.finish(run)
     padded = open_cache(tmp_path / "b")
     assert padded.manifest["reference_pass"] == {
         "prefix_shared": False,

@@ -35,7 +35,8 @@ def _status_kib(*keys: str) -> dict[str, int]:
 
 
 class PeakMemory:
-    """Samples this process's private memory until `per_process` is called (every process calls it together)."""
+    """Samples this process's private memory while the `with` block runs: a stage holds one from its first check to
+    its end, whichever way it ends (an error, an append with no new rows), so no sampling thread outlives it."""
 
     def __init__(self, interval_seconds: float = 0.01):
         self.peak_private_kib = _status_kib("RssAnon").get("RssAnon", 0)
@@ -43,6 +44,13 @@ class PeakMemory:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, args=(interval_seconds,), daemon=True)
         self._thread.start()
+
+    def __enter__(self) -> PeakMemory:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
     def _sample(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -71,11 +79,10 @@ class PeakMemory:
         }
 
     def per_process(self, state) -> list[dict]:
-        """Every process's peaks, by rank (a collective: all processes call it); stops the sampling."""
+        """Every process's peaks, by rank (a collective: all processes call it)."""
         from accelerate.utils import gather_object
 
         mine = self.mine(state.process_index)
-        self._stop.set()
         return sorted(gather_object([mine]) if state.num_processes > 1 else [mine], key=lambda m: m["rank"])
 
 

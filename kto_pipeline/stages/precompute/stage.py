@@ -133,8 +133,8 @@ def precompute(config: PrecomputeConfig) -> Path:
     An advisory lock on `config.output` is held from the first check to the last write: a second precompute
     into the same directory is refused while this one lives."""
     process_state(config.ddp_timeout)  # the process group first: the lock's broadcast runs in it
-    with main_process_lock(config.output, "precompute", label="--output"):
-        run = setup(config)
+    with main_process_lock(config.output, "precompute", label="--output"), PeakMemory() as peaks:
+        run = setup(config, peaks)
         if config.append:
             run.base = open_base(run)
         run.prepared = prepare_rows(config, run.tokenizer, run.state, run.base)
@@ -147,8 +147,8 @@ def precompute(config: PrecomputeConfig) -> Path:
         return run.out
 
 
-def setup(config: PrecomputeConfig) -> Pass:
-    started, peaks = time.perf_counter(), PeakMemory()
+def setup(config: PrecomputeConfig, peaks: PeakMemory) -> Pass:
+    started = time.perf_counter()
     out = Path(config.output)
     _check_output(out)
     # One process, or one per device under `accelerate launch` / torchrun (without a GPU: CPU + gloo).

@@ -122,8 +122,8 @@ def train(config: TrainConfig) -> TrainResult:
     The output directory's lock is taken before any work starts and held until the run ends: a second `train`
     into the same directory refuses at once, naming this one. Only the main process holds it."""
     process_state(config.ddp_timeout)  # the process group first: the lock's broadcast runs in it
-    with main_process_lock(config.output_dir, "train", label="--output-dir"):
-        run = setup(config)
+    with main_process_lock(config.output_dir, "train", label="--output-dir"), PeakMemory() as peaks:
+        run = setup(config, peaks)
         done = resume(run)
         if done is not None:
             return done
@@ -135,9 +135,8 @@ def train(config: TrainConfig) -> TrainResult:
 # ------------------------------------------------------------------------------------------- setup
 
 
-def setup(config: TrainConfig) -> Run:
+def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     """Check the inputs, then load the policy and build the loaders, optimizer and schedule. Nothing is written."""
-    peaks = PeakMemory()
     out = Path(config.output_dir)
     resume_dir = resolve_resume(out, config.resume, config.resume_from, config.autoresume)
     if resume_dir is None or resume_dir.parent.resolve() != out.resolve():
