@@ -290,11 +290,9 @@ def test_precompute_peak_memory_is_flat_in_rows(tmp_path):
 def _sampling_threads() -> list:
     import threading
 
-    from kto_pipeline.runtime.peak_memory import PeakMemory
+    from kto_pipeline.runtime.peak_memory import THREAD_NAME
 
-    return [
-        t for t in threading.enumerate() if getattr(getattr(t, "_target", None), "__func__", None) is PeakMemory._sample
-    ]
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
 
 
 def test_no_memory_sampling_thread_outlives_its_stage(tmp_path, tiny_model_dir, small_cache):

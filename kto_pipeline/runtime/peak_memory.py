@@ -21,6 +21,7 @@ import threading
 import torch
 
 MIB = 1 << 20
+THREAD_NAME = "kto-pipeline peak memory"  # the sampling thread's
 
 
 def _status_kib(*keys: str) -> dict[str, int]:
@@ -42,10 +43,10 @@ class PeakMemory:
         self.peak_private_kib = _status_kib("RssAnon").get("RssAnon", 0)
         self.loaded_private_kib: int | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, args=(interval_seconds,), daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._sample, args=(interval_seconds,), name=THREAD_NAME, daemon=True)
 
     def __enter__(self) -> PeakMemory:
+        self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:

@@ -112,6 +112,7 @@ class Pass:
     engine: Engine  # how the reference is spread over the processes (runtime/engines)
     started: float
     tokenizer: Any
+    peaks: PeakMemory  # each process's peak memory, sampled from the start
     prepared: PreparedRows | None = None
     model: Any = None
     model_hash: str | None = None  # of the weights as loaded (main process)
@@ -124,7 +125,6 @@ class Pass:
     written: list[dict[str, Any]] | None = None  # its finished shards (manifest entries)
     first_shard: int = 0  # its first shard's file number
     progress: ShardProgress | None = None
-    peaks: PeakMemory | None = None  # each process's peak memory, sampled from the start
 
 
 def precompute(config: PrecomputeConfig) -> Path:
@@ -156,7 +156,7 @@ def setup(config: PrecomputeConfig, peaks: PeakMemory) -> Pass:
     engine = engine_for(state.num_processes)
     print0(state, f"kto-pipeline precompute {__version__}\n{config.describe()}")
     tokenizer = load_tokenizer(config.model, config.revision, config.trust_remote_code)
-    return Pass(config, out, state, engine, started, tokenizer, peaks=peaks)
+    return Pass(config, out, state, engine, started, tokenizer, peaks)
 
 
 def open_base(run: Pass) -> Manifest:
