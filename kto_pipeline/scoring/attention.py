@@ -77,31 +77,44 @@ class RowBlocks:
     is_tree: list[bool]  # False: a run of padding, whose outputs are zeros (no real token attends to padding)
     keys: torch.Tensor  # the key columns of each sequence run, run after run
     widths: list[int]  # how many of `keys` belong to each sequence run
-    masks: list[torch.Tensor]  # (1, 1, length, width) bool for each sequence run: its part of the row's mask
+    masks: list[torch.Tensor | None]  # (1, 1, length, width) bool for each sequence run: its part of the row's mask;
+    # None where that part is exactly causal (the run's queries are its keys): sdpa's causal kernel skips the
+    # masked half instead of computing it
 
 
 def tree_blocks(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> list[RowBlocks]:
     """The `RowBlocks` of each row n of `queries` (N, Q) attending to `keys` (N, K) under the mask `visible`
     (N, 1, Q, K): runs of queries of one (tree, branch), each with the keys of its tree's prompt and, for a
-    continuation, its own branch, in the keys' order."""
+    continuation, its own branch, in the keys' order. A prompt runs in one call with the continuation that
+    follows it (its first): the prompt's queries see only the prompt there too, and a tree costs one call
+    fewer."""
     t, b = layout.tree.reshape(-1), layout.branch.reshape(-1)
     tq, bq, tk, bk = t[queries], b[queries], t[keys], b[keys]
     out = []
     for n in range(queries.shape[0]):
-        # one id per (tree, branch); padding (tree -1) gets negative ids
-        ids, counts = torch.unique_consecutive(tq[n] * (int(b.max()) + 2) + bq[n] + 1, return_counts=True)
+        # one id per (tree, branch), the prompt counted as its first continuation; padding (tree -1) gets
+        # negative ids
+        first = torch.where(bq[n] == BRANCH_PROMPT, BRANCH_PROMPT + 1, bq[n])
+        ids, counts = torch.unique_consecutive(tq[n] * (int(b.max()) + 2) + first + 1, return_counts=True)
         lengths, is_tree, cols, masks, start = counts.tolist(), [], [], [], 0
         for length in lengths:
-            tree, branch = int(tq[n, start]), int(bq[n, start])
+            tree, branch = int(tq[n, start]), int(bq[n, start + length - 1])  # a prompt's run ends in its branch
             is_tree.append(tree >= 0)
             if tree >= 0:
                 own = (tk[n] == tree) & ((bk[n] == BRANCH_PROMPT) | (bk[n] == branch))
                 cols.append(own.nonzero()[:, 0])
-                masks.append(visible[n : n + 1, :, start : start + length].index_select(3, cols[-1]))
+                mask = visible[n : n + 1, :, start : start + length].index_select(3, cols[-1])
+                causal = length == len(cols[-1]) and bool(mask[0, 0].equal(_lower_triangle(length, mask.device)))
+                masks.append(None if causal else mask)
             start += length
         every = torch.cat(cols) if cols else tk.new_zeros(0)
         out.append(RowBlocks(lengths, is_tree, every, [len(c) for c in cols], masks))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _lower_triangle(n: int, device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
 # One sdpa call costs about as much on the CPU as 10 MFLOP of attention, whatever its size (the measurement is in
