@@ -56,9 +56,10 @@ def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window:
 #
 # Under the dense mask every query of a row meets every key of the row, so a row of 8 trees of 120 tokens runs
 # 8x the (query, key) pairs it needs. `tree_attention` (registered with transformers as TREE_ATTENTION) runs
-# transformers' own sdpa attention once per run of one sequence's tokens instead: a tree's prompt, or one of its
-# continuations, meeting exactly the keys it may see (its prompt, then its own continuation). Only the needed
-# pairs run, and a sequence's attention is the same computation however the trees are laid out: in the
+# transformers' own sdpa attention once per run of one sequence's tokens instead: a tree's prompt with its first
+# continuation (one causal call: sdpa's causal kernel, no mask), then each further continuation meeting exactly
+# the keys it may see (its prompt, then itself). Only the needed pairs run (the causal kernel skips the masked
+# half), and a sequence's attention is the same computation however the trees are laid out: in the
 # reference pass's rows, or in training's, where the KL completions run apart on the prompts' cached keys. The
 # masked keys a dense call would also take change sdpa's result on the CPU under bf16 (about 4e-3 per value,
 # 0.66 nats on a SmolLM2 sequence log-prob: benchmarks/RESULTS-precision.md), so this path is what makes a
