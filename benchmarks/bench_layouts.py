@@ -48,20 +48,17 @@ def load(cache_dir: Path):
 
 
 @contextmanager
-def dense_attention(on: bool):
-    """Within the block (`on`), packed forwards attend on the dense mask, one masked sdpa call per row, as the
-    package did where attending sequence by sequence did not pay, and does on a GPU."""
-    from kto_pipeline.scoring import logprobs
+def dense_attention(model, on: bool):
+    """Within the block (`on`), packed forwards of `model` attend on the dense mask, one masked sdpa call per row, as
+    the package did where attending sequence by sequence did not pay (`--attention-kernel dense`)."""
+    from kto_pipeline.scoring.attention import request_attention_kernel
 
-    if not on:
-        yield
-        return
-    saved = logprobs.sequence_blocks
-    logprobs.sequence_blocks = lambda *a, **k: None
+    if on:
+        request_attention_kernel(model, "dense")
     try:
         yield
     finally:
-        logprobs.sequence_blocks = saved
+        request_attention_kernel(model, "auto")
 
 
 def stage1(model, rows, pad_id, batch_size, max_tokens, packed=True) -> list[tuple[float, float]]:

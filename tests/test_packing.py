@@ -12,9 +12,10 @@ import torch.nn.functional as F
 
 from kto_pipeline.scoring import attention
 from kto_pipeline.scoring.attention import (
+    attention_kernel,
     checkpointing_kwargs,
     packing_unsupported,
-    tree_blocks_on,
+    request_attention_kernel,
 )
 from kto_pipeline.scoring.logprobs import score_layout, score_policy, score_sequences
 from kto_pipeline.scoring.packing import MAX_ROW_TOKENS, AttentionCosts, layout_trees, pack_rows
@@ -228,13 +229,16 @@ def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
     mask's, for the reference pass's layout and for training's two forwards (KL in rows and gathered)."""
 
     model = make_model(kind)
-    assert tree_blocks_on(model, "cpu") and not tree_blocks_on(model, "cuda")
-    assert not tree_blocks_on(make_model(kind, attn_implementation="eager"), "cpu")
+    assert attention_kernel(model, "cpu") == "by-tree"
+    assert attention_kernel(make_model(kind, attn_implementation="eager"), "cpu") == "dense"
     trees = random_trees(6, seed=5)
     calls = []
 
     def run(by_tree: bool):
-        monkeypatch.setattr(attention, "tree_blocks_on", lambda m, d: by_tree)
+        assert request_attention_kernel(model, "by-tree" if by_tree else "dense") == (
+            ("by-tree" if by_tree else "dense"),
+            None,
+        )
         with torch.no_grad():
             reference = score_layout(model, layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5))
         results = [reference.token_logps]
@@ -314,7 +318,7 @@ def test_gradient_checkpointing_recomputes_with_the_forwards_attention(monkeypat
             if checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
             model.train()
-            assert tree_blocks_on(model, "cpu")
+            assert attention_kernel(model, "cpu") == "by-tree"
             calls.clear()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 scores = score_policy(model, layout_trees(trees, [[0, 1, 2, 3, 4]], split_last=True))

@@ -262,17 +262,17 @@ def breakdown(snap: dict, offload: bool) -> dict[str, int]:
 
 @contextmanager
 def device_decisions(device_type: str):
-    """Within the block, the scoring decides as it would on `device_type`: on a GPU attention runs on the dense
-    mask (`attention.tree_blocks_on` says no), whatever device the simulation's tensors are on."""
+    """Within the block, the scoring decides as it would on `device_type`, whatever device the simulation's tensors
+    are on: the attention kernel (`attention.attention_kernel`: on a GPU, FlexAttention under a block mask) and the
+    packing that follows from it."""
     from kto_pipeline.scoring import attention
 
-    original = attention.tree_blocks_on
-    if device_type != "cpu":
-        attention.tree_blocks_on = lambda model, device: original(model, device_type)
+    original = attention.attention_kernel
+    attention.attention_kernel = lambda model, device: original(model, device_type)
     try:
         yield
     finally:
-        attention.tree_blocks_on = original
+        attention.attention_kernel = original
 
 
 def fake_mode():

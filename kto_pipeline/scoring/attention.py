@@ -9,16 +9,25 @@ attention mask lets each token see exactly what it would see in its own unpadded
 only on the tokens it sees and their positions, so the values equal the padded computation (one sequence a row) up
 to float rounding; the tests hold them to 1e-5.
 
-Under the dense mask every query of a row meets every key of the row. On the CPU attention runs sequence by
-sequence instead (`tree_attention`), each run of one sequence's queries meeting only the keys it may see, so a row's
-width costs nothing and a sequence computes alike in every layout. `packing_unsupported` names the models that
-take no packed layout at all (they run padded).
+How that mask reaches the attention is the *kernel* (`attention_kernel`), one of `KERNELS`:
+
+- "by-tree" (the default on the CPU): attention runs sequence by sequence (`tree_attention`), each run of one
+  sequence's queries meeting only the keys it may see, so a row's width costs nothing and a sequence computes alike
+  in every layout;
+- "block-mask" (the default on accelerators): torch's FlexAttention under a `BlockMask` (`block_mask`), one fused
+  kernel per layer that skips every (query block, key block) tile the mask leaves empty: a row's trees attend to
+  themselves, not to the whole row;
+- "dense": sdpa (or eager attention) under the whole (Q, K) mask, every query meeting every key of its row.
+
+A kernel the model or device cannot take falls back to the next that it can, and says why once. `packing_unsupported`
+names the models that take no packed layout at all (they run padded).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -27,14 +36,67 @@ import torch
 from kto_pipeline.models import text_config
 from kto_pipeline.scoring.packing import BRANCH_PROMPT, AttentionCosts, Layout
 
+logger = logging.getLogger(__name__)
+
+KERNELS = ("auto", "by-tree", "block-mask", "dense")  # what `--attention-kernel` takes
+BLOCK_SIZE = 128  # FlexAttention's tile: (query, key) blocks of 128 x 128 pairs
+_KERNEL_ATTRIBUTE = "kto_attention_kernel"  # the kernel asked for, kept on the model (`request_attention_kernel`)
+
+
+def request_attention_kernel(model, kernel: str) -> tuple[str, str | None]:
+    """Ask `model`'s packed forwards to attend with `kernel` (one of `KERNELS`). Returns the kernel they will run
+    on the model's device and why it is not the one asked for (None when it is). Forwards read the request back
+    through `attention_kernel`."""
+    if kernel not in KERNELS:
+        raise ValueError(f"attention kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
+    setattr(_unwrapped(model), _KERNEL_ATTRIBUTE, kernel)
+    device = next(iter(_unwrapped(model).parameters())).device
+    return _choose(model, device)
+
+
+def attention_kernel(model, device) -> str:
+    """The kernel the packed forwards of `model` on `device` run: "by-tree", "block-mask" or "dense" (see the module
+    docstring). "auto" (the default): by-tree on the CPU, block-mask elsewhere; a kernel the model or the device
+    cannot take falls back (block-mask -> by-tree on the CPU, dense elsewhere; by-tree -> dense), with the reason
+    logged once."""
+    kernel, why = _choose(model, torch.device(device))
+    if why is not None and why not in _TOLD:
+        _TOLD.add(why)
+        logger.warning("attention: %s", why)
+    return kernel
+
+
+_TOLD: set[str] = set()
+
+
+def _choose(model, device) -> tuple[str, str | None]:
+    device = torch.device(device)
+    asked = getattr(_unwrapped(model), _KERNEL_ATTRIBUTE, "auto")
+    kernel = asked if asked != "auto" else ("by-tree" if device.type == "cpu" else "block-mask")
+    reasons = []
+    if kernel == "block-mask" and (why := block_mask_unsupported(model, device)) is not None:
+        reasons.append(f"no block mask ({why})")
+        kernel = "by-tree" if device.type == "cpu" else "dense"
+    if kernel == "by-tree" and (why := _by_tree_unsupported(model)) is not None:
+        reasons.append(f"no attention by tree ({why})")
+        kernel = "dense"
+    return kernel, f"{'; '.join(reasons)}: the {kernel} kernel runs" if reasons else None
+
+
+def _unwrapped(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
 
 def attention_costs(model, device) -> AttentionCosts:
-    """The `AttentionCosts` of a model's packed rows on `device`."""
+    """The `AttentionCosts` of a model's packed rows on `device`, for the kernel they run there."""
     config = text_config(model)
     pair = 1.0 / (6 * config.hidden_size)
-    if not tree_blocks_on(model, device):
-        return AttentionCosts(pair)
-    return AttentionCosts(pair, pair * TREE_CALL_FLOPS / (4 * _attention_width(config)))
+    kernel = attention_kernel(model, device)
+    if kernel == "by-tree":
+        return AttentionCosts(pair, pair * TREE_CALL_FLOPS / (4 * _attention_width(config)))
+    if kernel == "block-mask":
+        return AttentionCosts(pair, block=BLOCK_SIZE)
+    return AttentionCosts(pair)
 
 
 def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -63,7 +125,7 @@ def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window:
 # reference pass's rows, or in training's, where the KL completions run apart on the prompts' cached keys. The
 # masked keys a dense call would also take change sdpa's result on the CPU under bf16 (about 4e-3 per value,
 # 0.66 nats on a SmolLM2 sequence log-prob: benchmarks/RESULTS-precision.md), so this path is what makes a
-# policy equal to its reference score exactly its cached values. Where it is available (`tree_blocks_on`) it
+# policy equal to its reference score exactly its cached values. Where it runs (`attention_kernel`: by-tree) it
 # always runs, gradient checkpointing included (`checkpointing_kwargs`).
 
 TREE_ATTENTION = "kto_tree_sdpa"
@@ -113,24 +175,15 @@ def tree_blocks(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visib
     return out
 
 
-@functools.lru_cache(maxsize=64)
 def _lower_triangle(n: int, device) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    # made anew each time (n^2 bytes, once a forward): a cached one would outlive the step that made it, and
+    # `estimate-memory`'s check that a real step allocates what its simulation does would see it once only
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()
 
 
 # One sdpa call costs about as much on the CPU as 10 MFLOP of attention, whatever its size (the measurement is in
 # benchmarks/RESULTS.md, "The price of an attention call"). `pack_rows` weighs it when it lays trees out.
 TREE_CALL_FLOPS = 10e6
-
-
-def sequence_blocks(
-    model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
-) -> list[RowBlocks] | None:
-    """The blocks a forward hands to `tree_attention`, or None where it attends on the dense mask: the model or
-    device cannot go sequence by sequence (`tree_blocks_on`)."""
-    if not tree_blocks_on(model, queries.device):
-        return None
-    return tree_blocks(layout, queries, keys, visible)
 
 
 def _attention_width(config) -> int:
@@ -163,28 +216,20 @@ def tree_attention(module, query, key, value, attention_mask, tree_blocks=None, 
     return torch.cat(rows), None
 
 
-def _register_tree_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(TREE_ATTENTION, tree_attention)
-    AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)  # masks built by transformers stay sdpa's
-
-
-def tree_blocks_on(model, device) -> bool:
-    """Whether packed forwards of this model on `device` run attention sequence by sequence: sdpa models whose
-    backbone passes extra keyword arguments down to the attention, on the CPU. There, attention's FLOPs are dear and a
-    call is cheap; on a GPU one dense masked kernel beats a launch per tree and layer (not measured yet: the
-    dense path stays there). Under gradient checkpointing the backward recomputes each layer with the attention
-    its forward used (`checkpointing_kwargs`)."""
-    if torch.device(device).type != "cpu":
-        return False
-    if hasattr(model, "get_base_model"):  # peft
-        model = model.get_base_model()
-    if getattr(text_config(model), "_attn_implementation", None) != "sdpa":
-        return False
+def _by_tree_unsupported(model) -> str | None:
+    """Why `model` cannot attend sequence by sequence (`tree_attention`), or None: it takes sdpa models whose backbone
+    passes extra keyword arguments (the runs) down to the attention. On the CPU attention's FLOPs are dear and a
+    call is cheap, hence its default there; on a GPU a launch per tree and layer is not (never measured here).
+    Under gradient checkpointing the backward recomputes each layer with the attention its forward used
+    (`checkpointing_kwargs`)."""
+    model = _unwrapped(model)
+    impl = getattr(text_config(model), "_attn_implementation", None)
+    if impl != "sdpa":
+        return f"{impl} attention, not sdpa"
     body = getattr(model, "base_model", None)
-    return body is not None and _takes_any_keyword(type(body))
+    if body is None or not _takes_any_keyword(type(body)):
+        return f"{type(model).__name__}'s backbone passes no keyword arguments to its attention"
+    return None
 
 
 @functools.cache
@@ -204,7 +249,7 @@ def _attention_implementation(config, implementation: str):
 
 def checkpointing_kwargs(model) -> dict:
     """`gradient_checkpointing_kwargs` for `model.gradient_checkpointing_enable`: non-reentrant checkpoints whose
-    recomputation in the backward attends as the forward did. The forward may run inside `attention_by_tree`
+    recomputation in the backward attends as the forward did. The forward may run inside `attending_with`
     (sequence by sequence), which has exited by the time the backward recomputes the layer: without this, the
     recomputation would attend on the dense mask and save other tensors than the forward."""
     config = text_config(model)
@@ -216,18 +261,202 @@ def checkpointing_kwargs(model) -> dict:
 
 
 @contextmanager
-def attention_by_tree(model, on: bool):
-    """Within the block, `model` (an sdpa model) attends with `tree_attention`; restored on exit."""
-    config = text_config(model)
-    if not on:
+def attending_with(model, kernel: str):
+    """Within the block, `model` attends with the implementation of `kernel` ("dense": its own); restored on exit."""
+    implementation = {"by-tree": TREE_ATTENTION, "block-mask": BLOCK_MASK_ATTENTION}.get(kernel)
+    if implementation is None:
         yield
         return
-    _register_tree_attention()
-    config._attn_implementation = TREE_ATTENTION
-    try:
+    _register_attention()
+    with _attention_implementation(text_config(model), implementation):
         yield
-    finally:
-        config._attn_implementation = "sdpa"
+
+
+def attention_inputs(
+    model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, window: int | None
+):
+    """What a packed forward hands its backbone for the kernel it runs (`attention_kernel`): (kernel, the attention
+    mask, extra keyword arguments). `visible` (N, 1, Q, K) is `tree_mask(..., window)`'s."""
+    kernel = attention_kernel(model, queries.device)
+    if kernel == "by-tree":  # each run takes its part of `visible`: the dense mask itself goes unread
+        return kernel, visible, {"tree_blocks": tree_blocks(layout, queries, keys, visible)}
+    if kernel == "block-mask":
+        return kernel, block_mask(layout, queries, keys, visible, window), {}
+    dtype = _unwrapped(model).get_input_embeddings().weight.dtype
+    return kernel, attention_mask_for(model, visible, dtype), {}
+
+
+# ------------------------------------------------------------------------------ FlexAttention under a block mask
+#
+# On an accelerator a launch per tree and layer is dear, and one dense masked kernel computes every (query, key)
+# pair of a row: a row of 8 trees of ~500 tokens computes 8x the pairs it needs. FlexAttention takes the mask as
+# tiles of BLOCK_SIZE x BLOCK_SIZE pairs: tiles the mask leaves empty are skipped, full ones run without reading
+# the mask, and only the partial ones (a tree's diagonal and its edges) call `mask_mod`. The forward is torch.compile'd
+# on accelerators (a fused Triton kernel); on the CPU FlexAttention runs its unfused reference implementation, forward
+# only (torch has no FlexAttention backward on the CPU), which is what the tests compare with the other kernels.
+
+BLOCK_MASK_ATTENTION = "kto_block_mask_flex"
+
+
+def block_mask_unsupported(model, device) -> str | None:
+    """Why `model` on `device` cannot attend with FlexAttention under a block mask, or None."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no FlexAttention"
+    model = _unwrapped(model)
+    if not getattr(model, "_supports_flex_attn", False):
+        return f"{type(model).__name__} does not take transformers' flex_attention"
+    body = getattr(model, "base_model", None)
+    if body is None or not _takes_any_keyword(type(body)):
+        return f"{type(model).__name__}'s backbone passes no keyword arguments to its attention"
+    config = text_config(model)
+    if model.training and getattr(config, "attention_dropout", 0.0):
+        return "FlexAttention takes no attention dropout"
+    device = torch.device(device)
+    if torch.device(device).type == "cpu" and model.training:
+        return f"torch {torch.__version__} has no FlexAttention backward on the CPU"
+    return None
+
+
+def block_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, window: int | None):
+    """`visible` (N, 1, Q, K) as FlexAttention's `BlockMask`: for each block of BLOCK_SIZE queries, the key blocks
+    that hold a visible pair (partial, where `mask_mod` decides pair by pair, or full), and `mask_mod`: the rule of
+    `tree_mask`, read from per-token vectors (tree, branch, position, flat index) instead of the (Q, K) matrix."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n, _, q_len, k_len = visible.shape
+    counts = block_counts(visible)  # (N, QB, KB)
+    full = counts == BLOCK_SIZE * BLOCK_SIZE
+    partial = (counts > 0) & ~full
+    qb, kb = counts.shape[1:]
+    t, b, p = (x.reshape(-1) for x in (layout.tree, layout.branch, layout.position_ids))
+
+    def padded(x, width, fill):  # (N, L) -> (N, width): FlexAttention may read indices up to its tiles' edges
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=fill)
+
+    # padding of the tiles: trees and flat indices that match nothing (never visible)
+    tq, bq, iq = padded(t[queries], qb * BLOCK_SIZE, -2), padded(b[queries], qb * BLOCK_SIZE, -2), queries
+    tk, bk, ik = padded(t[keys], kb * BLOCK_SIZE, -3), padded(b[keys], kb * BLOCK_SIZE, -3), keys
+    iq, ik = padded(iq, qb * BLOCK_SIZE, -1), padded(ik, kb * BLOCK_SIZE, 1 << 62)
+    pq, pk = padded(p[queries], qb * BLOCK_SIZE, 0), padded(p[keys], kb * BLOCK_SIZE, 0)
+
+    def mask_mod(batch, head, q, k):
+        ok = (tq[batch, q] == tk[batch, k]) & (ik[batch, k] <= iq[batch, q])
+        ok = ok & ((bk[batch, k] == BRANCH_PROMPT) | (bk[batch, k] == bq[batch, q]))
+        if window is not None:
+            ok = ok & (pq[batch, q] - pk[batch, k] < window)
+        return ok
+
+    def ordered(selected):  # (N, QB, KB) bool -> (N, 1, QB) counts, (N, 1, QB, KB) block indices, selected first
+        order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)
+        return selected.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    return BlockMask.from_kv_blocks(
+        *ordered(partial), *ordered(full), BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=(q_len, k_len)
+    )
+
+
+def block_counts(visible: torch.Tensor) -> torch.Tensor:
+    """(N, 1, Q, K) bool -> (N, QB, KB): the visible pairs in each BLOCK_SIZE x BLOCK_SIZE tile (edges zero-padded)."""
+    n, _, q_len, k_len = visible.shape
+    qb, kb = -(-q_len // BLOCK_SIZE), -(-k_len // BLOCK_SIZE)
+    tiles = visible.new_zeros(n, qb * BLOCK_SIZE, kb * BLOCK_SIZE)
+    tiles[:, :q_len, :k_len] = visible[:, 0]
+    return tiles.view(n, qb, BLOCK_SIZE, kb, BLOCK_SIZE).sum((2, 4), dtype=torch.int32)
+
+
+@dataclass
+class AttentionPairs:
+    """(query, key) pairs of a forward: `needed` (the mask's visible pairs), what the dense mask computes (every pair
+    of every row) and what the block mask computes (its non-empty tiles, BLOCK_SIZE^2 pairs each)."""
+
+    needed: int = 0
+    dense: int = 0
+    block_mask: int = 0
+
+    def add(self, visible: torch.Tensor) -> AttentionPairs:
+        self.needed += int(visible.sum())
+        self.dense += visible.numel()
+        self.block_mask += int((block_counts(visible) > 0).sum()) * BLOCK_SIZE * BLOCK_SIZE
+        return self
+
+
+def block_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """FlexAttention under the `BlockMask` a packed forward brings (`block_mask`). query (N, H, Q, D), key/value
+    (N, Hkv, K, D); returns (N, Q, H, D), as transformers' attention functions."""
+    if dropout:
+        raise ValueError("FlexAttention takes no attention dropout")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("FlexAttention under a block mask takes no attention sinks")
+    score_mod = None
+    if softcap is not None:
+
+        def score_mod(score, batch, head, q, k):
+            return softcap * torch.tanh(score / softcap)
+
+    out = _flex(query)(
+        query,
+        key,
+        value,
+        score_mod=score_mod,
+        block_mask=attention_mask,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _flex(query):
+    """FlexAttention: compiled on accelerators (one fused kernel; shapes vary by batch, so dynamic), as it is on the
+    CPU, and `_FusedFlexMemory` on fake tensors (`estimate-memory`'s simulation)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if isinstance(query, FakeTensor):
+        return _FusedFlexMemory.run
+    if query.device.type == "cpu":
+        return flex_attention
+    return _compiled_flex()
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
+class _FusedFlexMemory(torch.autograd.Function):
+    """What the fused FlexAttention kernel allocates, for the memory simulation's fake tensors (torch runs no
+    FlexAttention on fake CPU tensors that need gradients): the output and its float32 log-sum-exp, kept with the
+    inputs for the backward (torch's FlexAttention autograd saves exactly these), and one gradient per input."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        out = query.new_empty(*query.shape[:-1], value.shape[-1])
+        logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, logsumexp)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+    @staticmethod
+    def run(query, key, value, **kwargs):
+        return _FusedFlexMemory.apply(query, key, value)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask, sdpa_mask
+
+    AttentionInterface.register(TREE_ATTENTION, tree_attention)
+    AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)  # masks built by transformers stay sdpa's
+    AttentionInterface.register(BLOCK_MASK_ATTENTION, block_mask_attention)
+    AttentionMaskInterface.register(BLOCK_MASK_ATTENTION, flex_attention_mask)
 
 
 def packing_unsupported(model) -> str | None:

@@ -28,13 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kto_pipeline.models import checkpointing, sliding_window, text_config
-from kto_pipeline.scoring.attention import (
-    attention_by_tree,
-    attention_costs,
-    attention_mask_for,
-    sequence_blocks,
-    tree_mask,
-)
+from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs, tree_mask
 from kto_pipeline.scoring.packing import Layout, ScoredSequence, Tree, layout_trees, pack_batches, pack_trees
 
 # A chunk is as many scored tokens as make this many bytes of float32 logits (Qwen2's 152k vocabulary: 220 tokens;
@@ -362,15 +356,10 @@ def _forward(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | 
     """The backbone's outputs for the tokens `queries` (N, Q), flat indices into the layout, which attend (tree
     mask) to the tokens `keys` (N, K): themselves (default), or, with a `cache`, the cached tokens then themselves."""
     keys = queries if keys is None else keys
-    visible = tree_mask(layout, queries, keys, sliding_window(model))
-    dtype = model.get_input_embeddings().weight.dtype
-    blocks = sequence_blocks(model, layout, queries, keys, visible)
-    if blocks is not None:
-        extra["tree_blocks"] = blocks
-    # sequence by sequence, each run's attention takes its part of `visible`: the dense mask goes unread, so the
-    # bool one (already built) is handed over rather than a float copy of it
-    mask = visible if blocks is not None else attention_mask_for(model, visible, dtype)
-    with attention_by_tree(model, blocks is not None):
+    window = sliding_window(model)
+    visible = tree_mask(layout, queries, keys, window)
+    kernel, mask, more = attention_inputs(model, layout, queries, keys, visible, window)
+    with attending_with(model, kernel):
         return backbone_of(model)(
             input_ids=layout.input_ids.reshape(-1)[queries],
             position_ids=layout.position_ids.reshape(-1)[queries],
@@ -378,6 +367,7 @@ def _forward(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | 
             past_key_values=cache,
             use_cache=cache is not None,
             **extra,
+            **more,
         )
 
 

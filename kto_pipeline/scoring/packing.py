@@ -8,8 +8,8 @@ mask (`attention.tree_mask`) lets each token see exactly what it would see in it
 
 Trees are spread over rows (`pack_rows`), as many rows as balance the padding of narrow rows against the
 attention of wide ones: under the dense mask every query meets every key of its row. Where attention runs
-tree by tree (`attention.tree_attention`), a row's width costs nothing and a batch packs into as few rows
-as the mask's memory allows, without padding.
+tree by tree (`attention.tree_attention`) or under a block mask (`attention.block_mask`), a row's width costs
+(almost) nothing and a batch packs into as few rows as the mask's memory allows, without padding.
 
 The layout also splits into two forwards: training runs the prompts and completions with gradients,
 keeps their keys/values (a `DynamicCache`), and then runs only the KL completions, without gradients,
@@ -66,10 +66,13 @@ class AttentionCosts:
     pair: per (query, key) pair the dense mask runs: 4 * hidden * layers FLOPs against 2 * ~12 * hidden^2 *
         layers for the weights, i.e. 1 / (6 * hidden);
     tree_call: per tree when attention runs tree by tree (`tree_attention`), the price of its calls
-        (TREE_CALL_FLOPS a layer); None where it cannot run that way."""
+        (TREE_CALL_FLOPS a layer); None where it does not run that way;
+    block: the tile size when attention runs under a block mask (`attention.block_mask`): the pairs of every tile
+        a row's trees touch run, whatever the row's width; None where it does not run that way."""
 
     pair: float = 0.0
     tree_call: float | None = None
+    block: int | None = None
 
 
 def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCosts | None = None) -> list[list[int]]:
@@ -78,7 +81,7 @@ def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCo
     A row's tokens all run, padding included: R rows of width W cost R * W token-forwards, plus attention (see
     `AttentionCosts`): under the dense mask every token attends to the whole row, costs.pair * R * W^2, so few
     wide rows pad less and many narrow rows attend less; tree by tree, each tree attends to itself whatever the
-    row, at a price per tree. For each R, trees go largest first to the emptiest row (which keeps the rows'
+    row, at a price per tree; under a block mask, the tiles its trees touch (`block_pairs`). For each R, trees go largest first to the emptiest row (which keeps the rows'
     widths within one tree of each other). At most `max_trees` trees a row, and rows of about MAX_ROW_TOKENS at
     most (the row's (W, W) mask takes W^2 bytes however attention runs)."""
     costs = costs or AttentionCosts()
@@ -106,10 +109,29 @@ def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCo
             if max_trees is None or len(rows[r]) < max_trees:
                 heapq.heappush(heap, (fill + sizes[i], r))
         width = max(sum(sizes[i] for i in row) for row in rows)
-        cost = num_rows * width + min(costs.pair * num_rows * width * width, by_tree)
+        if costs.block is not None:
+            cost = num_rows * width + costs.pair * block_pairs(rows, sizes, costs.block)
+        else:
+            cost = num_rows * width + min(costs.pair * num_rows * width * width, by_tree)
         if cost < best_cost:
             best, best_cost = rows, cost
     return best
+
+
+def block_pairs(rows: list[list[int]], sizes: list[int], block: int) -> int:
+    """The (query, key) pairs a block mask computes over `rows` of trees laid end to end (`sizes[i]` tokens): every
+    causal tile (query block, key block) that one tree spans both sides of, block^2 pairs each. A tree spanning m
+    blocks touches m (m + 1) / 2 tiles; a tree that starts in the block where the previous one ends shares that
+    diagonal tile with it."""
+    tiles = 0
+    for row in rows:
+        start, last = 0, -1
+        for i in row:
+            first, end = start // block, (start + sizes[i] - 1) // block
+            span = end - first + 1
+            tiles += span * (span + 1) // 2 - (first == last)
+            start, last = start + sizes[i], end
+    return tiles * block * block
 
 
 def layout_trees(
