@@ -81,9 +81,10 @@ def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCo
     A row's tokens all run, padding included: R rows of width W cost R * W token-forwards, plus attention (see
     `AttentionCosts`): under the dense mask every token attends to the whole row, costs.pair * R * W^2, so few
     wide rows pad less and many narrow rows attend less; tree by tree, each tree attends to itself whatever the
-    row, at a price per tree; under a block mask, the tiles its trees touch (`block_pairs`). For each R, trees go largest first to the emptiest row (which keeps the rows'
-    widths within one tree of each other). At most `max_trees` trees a row, and rows of about MAX_ROW_TOKENS at
-    most (the row's (W, W) mask takes W^2 bytes however attention runs)."""
+    row, at a price per tree; under a block mask, the tiles its trees touch (`block_pairs`). For each R, trees go
+    largest first to the emptiest row (which keeps the rows' widths within one tree of each other). At most
+    `max_trees` trees a row, and rows of about MAX_ROW_TOKENS at most (the row's (W, W) mask takes W^2 bytes
+    however attention runs)."""
     costs = costs or AttentionCosts()
     if not sizes:
         return []
