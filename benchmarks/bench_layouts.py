@@ -54,11 +54,11 @@ def dense_attention(model, on: bool):
     from kto_pipeline.scoring.attention import request_attention_kernel
 
     if on:
-        request_attention_kernel(model, "dense")
+        request_attention_kernel(model, "dense", "cpu")
     try:
         yield
     finally:
-        request_attention_kernel(model, "auto")
+        request_attention_kernel(model, "auto", "cpu")
 
 
 def stage1(model, rows, pad_id, batch_size, max_tokens, packed=True) -> list[tuple[float, float]]:

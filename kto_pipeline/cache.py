@@ -295,6 +295,7 @@ def new_manifest(
     dropped: dict[str, int],
     padded_because: str | None,
     distributed: dict[str, Any],
+    attention_kernel: str | None = None,
     shards: list[dict[str, Any]],
 ) -> Manifest:
     """The manifest of a cache being written (`complete` False until its last shard is recorded).
@@ -302,6 +303,7 @@ def new_manifest(
     `fingerprint`: what shapes the values (model, revision, weights hash, tokenizer hash, dataset, config, split,
     content hash, max_length, dtype and autocast, kl_seed, shard_size); a cache is reused only when it matches.
     `padded_because`: why the reference pass ran every sequence on its own, padded; None when it ran packed.
+    `attention_kernel`: how its packed rows attended (`attention.attention_kernel`).
     `distributed`: how the reference ran, e.g. {"engine": "fsdp2", "world_size": 2} (not in the fingerprint: the
     values do not depend on it)."""
     return Manifest(
@@ -341,6 +343,7 @@ def new_manifest(
             "reference_pass": {
                 "prefix_shared": padded_because is None,
                 **({"unshared_because": padded_because} if padded_because else {}),
+                **({"attention_kernel": attention_kernel} if attention_kernel and not padded_because else {}),
             },
             "distributed": distributed,
             "shards": shards,

@@ -17,6 +17,13 @@ from kto_pipeline.errors import KTOPipelineError
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_KERNELS = ("auto", "by-tree", "block-mask", "dense")  # kto_pipeline.scoring.attention.KERNELS
+_ATTENTION_KERNEL_HELP = (
+    "How packed rows attend: by-tree (sequence by sequence, sdpa), block-mask (torch's FlexAttention under a "
+    "block mask: only the (query, key) tiles each row's trees need), dense (sdpa under the whole row's mask). "
+    "auto: by-tree on the CPU, block-mask on accelerators; a kernel the model or device cannot take falls back, "
+    "and the run says why."
+)
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -125,6 +132,14 @@ class _ConfigMixin:
         return "\n".join(f"  {f.name:<{width}}  {getattr(self, f.name)}" for f in dataclasses.fields(self))
 
 
+def _check_kernel(kernel: str) -> None:
+    _check(
+        kernel in ATTENTION_KERNELS,
+        "attention_kernel",
+        f"must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}",
+    )
+
+
 def field_help(cls: type, name: str) -> str:
     """The help text of a config field (used by the CLI)."""
     return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
@@ -205,6 +220,7 @@ class PrecomputeConfig(_ConfigMixin):
             panel=REFERENCE_PASS,
         ),
     )
+    attention_kernel: str = field(default="auto", **_help(_ATTENTION_KERNEL_HELP, panel=REFERENCE_PASS))
     shard_size: int = field(default=2048, **_help("Rows per Arrow shard.", panel=OUTPUT))
     revision: str | None = field(
         default=None, **_help("Model revision (branch, tag or commit) on the hub.", panel=MODEL)
@@ -250,6 +266,7 @@ class PrecomputeConfig(_ConfigMixin):
         _check(self.append or not self.allow_missing, "allow_missing", "only applies with --append")
         _check(self.ddp_timeout >= 1, "ddp_timeout", f"must be at least 1 second, got {self.ddp_timeout}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check_kernel(self.attention_kernel)
         _check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
         _check(self.num_proc >= 1, "num_proc", f"must be at least 1, got {self.num_proc}")
         _check(
@@ -378,6 +395,7 @@ class TrainConfig(_ConfigMixin):
         default=False,
         **_help("Recompute activations in the backward pass: less memory, about 30% more compute.", panel=OPTIMISATION),
     )
+    attention_kernel: str = field(default="auto", **_help(_ATTENTION_KERNEL_HELP, panel=OPTIMISATION))
     save_total_limit: int | None = field(
         default=None, **_help("Keep only the newest N checkpoints.", panel=CHECKPOINTS)
     )
@@ -437,6 +455,7 @@ class TrainConfig(_ConfigMixin):
         _check(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
         _check(not (self.init_from and self.model), "init_from", "cannot be combined with --model (choose one start)")
         _check(self.loss_type in LOSS_TYPES, "loss_type", f"must be one of {', '.join(LOSS_TYPES)}")
+        _check_kernel(self.attention_kernel)
         _check(self.desirable_weight > 0, "desirable_weight", f"must be > 0, got {self.desirable_weight}")
         _check(self.undesirable_weight > 0, "undesirable_weight", f"must be > 0, got {self.undesirable_weight}")
         _check(self.learning_rate >= 0, "learning_rate", f"must be >= 0, got {self.learning_rate}")

@@ -235,7 +235,7 @@ def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
     calls = []
 
     def run(by_tree: bool):
-        assert request_attention_kernel(model, "by-tree" if by_tree else "dense") == (
+        assert request_attention_kernel(model, "by-tree" if by_tree else "dense", "cpu") == (
             ("by-tree" if by_tree else "dense"),
             None,
         )

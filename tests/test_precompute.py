@@ -263,7 +263,7 @@ def test_padded_fallback_gives_the_same_cache(tmp_path, tiny_model_dir, unpaired
     from kto_pipeline.stages.precompute import stage as stage
 
     packed = open_cache(precompute(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "a"))))
-    assert packed.manifest["reference_pass"] == {"prefix_shared": True}
+    assert packed.manifest["reference_pass"] == {"prefix_shared": True, "attention_kernel": "by-tree"}
     with PeakMemory() as peaks:  # as the stage holds it
         run = stage.setup(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "b")), peaks)
         run.prepared = stage.prepare_rows(run.config, run.tokenizer, run.state)

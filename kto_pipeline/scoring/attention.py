@@ -43,15 +43,17 @@ BLOCK_SIZE = 128  # FlexAttention's tile: (query, key) blocks of 128 x 128 pairs
 _KERNEL_ATTRIBUTE = "kto_attention_kernel"  # the kernel asked for, kept on the model (`request_attention_kernel`)
 
 
-def request_attention_kernel(model, kernel: str) -> tuple[str, str | None]:
-    """Ask `model`'s packed forwards to attend with `kernel` (one of `KERNELS`). Returns the kernel they will run
-    on the model's device and why it is not the one asked for (None when it is). Forwards read the request back
-    through `attention_kernel`."""
+def request_attention_kernel(model, kernel: str, device) -> tuple[str, str | None]:
+    """Ask `model`'s packed forwards to attend with `kernel` (one of `KERNELS`). Returns the kernel they will run on
+    `device` and why it is not the one asked for (None when it is): the caller says it, the forwards then do not
+    say it again. Forwards read the request back through `attention_kernel`."""
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
     setattr(_unwrapped(model), _KERNEL_ATTRIBUTE, kernel)
-    device = next(iter(_unwrapped(model).parameters())).device
-    return _choose(model, device)
+    chosen, why = _choose(model, device)
+    if why is not None:
+        _TOLD.add(why)
+    return chosen, why
 
 
 def attention_kernel(model, device) -> str:

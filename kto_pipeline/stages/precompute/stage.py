@@ -54,7 +54,7 @@ from kto_pipeline.runtime.launch import main_decides, print0, process_state, sho
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, reference_regime
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
-from kto_pipeline.scoring.attention import packing_unsupported
+from kto_pipeline.scoring.attention import packing_unsupported, request_attention_kernel
 from kto_pipeline.scoring.logprobs import ReferenceScorer, score_shard
 from kto_pipeline.scoring.packing import Tree
 from kto_pipeline.stages.precompute.data import (
@@ -119,6 +119,7 @@ class Pass:
     scorer: Any = None  # the scoring forward: a ReferenceScorer (the FSDP2 root when sharded), or ZeRO-3's engine
     regime: Regime | None = None  # weights dtype and autocast
     padded_because: str | None = None  # why every sequence runs on its own, padded; None: packed
+    attention_kernel: str | None = None  # how packed rows attend (`attention.attention_kernel`)
     manifest: Manifest | None = None
     base: Manifest | None = None  # with --append: the cache's manifest as this run found it
     segment: dict[str, Any] | None = None  # the manifest entry of the segment this run writes
@@ -409,10 +410,13 @@ def load_reference(run: Pass) -> None:
     run.model_hash = run.engine.weights_hash(run.model, run.state.is_main_process)  # the whole weights, as loaded
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(run.model)
+    run.attention_kernel, kernel_note = request_attention_kernel(run.model, config.attention_kernel, run.state.device)
     run.scorer = run.engine.prepare_scorer(ReferenceScorer(run.model), run.model, run.regime, run.state.device)
     run.peaks.loaded()  # the model read, then sharded or partitioned: loading's peak
     print0(run.state, f"reference: {run.regime}, {run.engine}")
-    if run.padded_because:
+    if run.padded_because is None:
+        print0(run.state, f"attention: {run.attention_kernel}" + (f" ({kernel_note})" if kernel_note else ""))
+    else:
         print0(
             run.state,
             f"note: {type(run.model).__name__}: {run.padded_because}; each sequence runs on its own, padded",
@@ -459,6 +463,7 @@ def plan_output(run: Pass) -> bool:
         rows=len(rows),
         dropped=dict(rows.dropped),
         padded_because=run.padded_because,
+        attention_kernel=run.attention_kernel,
         distributed=run.engine.record(),
         shards=plan["done_shards"],
     )

@@ -48,7 +48,7 @@ from kto_pipeline.runtime.launch import launched_processes, print0, process_stat
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
-from kto_pipeline.scoring.attention import attention_costs, packing_unsupported
+from kto_pipeline.scoring.attention import attention_costs, packing_unsupported, request_attention_kernel
 from kto_pipeline.stages.train.batches import CacheRows, Collator, EpochSampler, PolicyScorer
 from kto_pipeline.stages.train.kto_step import MetricLog, batch_metrics, evaluate, kto_forward, real_rows
 from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
@@ -165,6 +165,9 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     init = init_point(config, cache.manifest, accelerator)
     tokenizer, model, aux_coef = load_policy(config, cache.manifest, init, engine)
     padded_because = packing_unsupported(model)
+    if padded_because is None:  # (asked of the model in training mode, as its steps will run)
+        kernel, kernel_note = request_attention_kernel(model.train(), config.attention_kernel, accelerator.device)
+        print0(accelerator, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
     sampler, loader, eval_loader, eval_groups = _loaders(
         config, cache, max_length, accelerator, tokenizer, model, padded_because
     )
