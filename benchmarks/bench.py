@@ -467,8 +467,28 @@ def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
     # a 30-layer model sums ~100 token log-probs per row: relative tolerance as tests/test_real_model.py, plus the
     # absolute one of the random-model case
     r, n_common, max_diff = measure(SMOLLM2_NAMES, work, size_name, "smollm2", model, data, rtol=1e-4)
-    section = render_smollm2(r, size, size_name, max_diff, n_common, time.perf_counter() - started)
+    pairs = attention_pairs_section(work / "runs" / "ours_precompute", size)
+    print("\n".join(pairs), flush=True)
+    section = render_smollm2(r, size, size_name, max_diff, n_common, time.perf_counter() - started, pairs)
     publish(section, results, SMOLLM2_HEADING)
+
+
+def attention_pairs_section(cache: Path, size: dict) -> list[str]:
+    """The (query, key) pairs of the case's batches under the dense mask and under the block mask
+    (attention_pairs.py): what an accelerator would compute; nothing runs."""
+    from attention_pairs import count_pairs, table
+
+    from kto_pipeline import PrecomputeConfig
+
+    reference_batch = size.get("reference_batch", PrecomputeConfig.batch_size)
+    counts = count_pairs(cache, size["batch"], size["steps"], reference_batch, PrecomputeConfig.max_tokens_per_batch)
+    return [
+        "Attention on an accelerator, counted (`benchmarks/attention_pairs.py` on the cache above; millions of "
+        "(query, key) pairs; each kernel packs the rows as it would run them; the block mask runs every tile it "
+        "touches whole, 128 x 128 pairs):",
+        "",
+        *table(counts),
+    ]
 
 
 def _efficiency(counts: dict | None) -> tuple[str, float | None]:
@@ -542,7 +562,9 @@ def _smollm2_rows(r: dict, steps_text: str) -> list[str]:
     return rows
 
 
-def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float) -> str:
+def render_smollm2(
+    r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float, pairs: list[str]
+) -> str:
     from kto_pipeline import PrecomputeConfig
 
     ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
@@ -587,6 +609,8 @@ def render_smollm2(r: dict, size: dict, size_name: str, max_diff: float, n_commo
         "policy passes alone).",
         f"- raw step times (s): ours {_raw(ot)}, trl online {_raw(tto)}, trl precomputed {_raw(ttp)}",
         "- peak RSS above the post-import baseline (MiB): ours {}, trl online {}, trl precomputed {}".format(*growth),
+        "",
+        *pairs,
         "",
     ]
     return "\n".join(lines)

@@ -8,6 +8,7 @@ and under bf16 autocast. The compiled GPU kernel never ran here.
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +209,21 @@ def test_precompute_under_a_block_mask_equals_the_default_cache(tmp_path, tiny_m
         assert x["example_id"] == y["example_id"] and x["kl_example_id"] == y["kl_example_id"]
         np.testing.assert_allclose(x["ref_token_logps"], y["ref_token_logps"], atol=1e-5)
         np.testing.assert_allclose(x["ref_kl_token_logps"], y["ref_kl_token_logps"], atol=1e-5)
+
+
+def test_attention_pairs_of_the_benchmark(small_cache):
+    """benchmarks/attention_pairs.py (printed by `make bench` for the real case) on a tiny cache: per training batch
+    and for the reference pass, the dense mask's pairs are the layout's rows squared, the block mask's are whole
+    tiles, and both cover the needed pairs."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from attention_pairs import count_pairs, table
+
+    counts = count_pairs(small_cache, batch=8, steps=2, reference_batch=16, max_tokens=16384)
+    assert len(counts["train"]) == 2
+    for pairs in [*counts["train"], counts["reference"]]:
+        for p in pairs.values():
+            assert 0 < p.needed <= min(p.dense, p.block_mask) and p.block_mask % (BLOCK_SIZE * BLOCK_SIZE) == 0
+    lines = table(counts)
+    assert len(lines) == 2 + 2 + 2 and lines[-1].startswith("| **reference pass** |")

@@ -451,9 +451,8 @@ def score_policy(
         # The KL completions run either as they lie, each row's after its own prompts (padded to the row with the
         # most), or gathered from all rows into one unpadded row that attends to all rows' cached tokens (the
         # mask is dense): whichever costs less (see packing.pack_rows).
-        cost, n_kl = attention_costs(model, device).pair, len(kl_tokens)
-        gathered = n_kl * (1 + cost * (rows * split + n_kl)) < rows * (width - split) * (1 + cost * width)
-        gathered = gathered if gather_kl is None else gather_kl
+        n_kl = len(kl_tokens)
+        gathered = kl_gathered(layout, attention_costs(model, device).pair) if gather_kl is None else gather_kl
         if on_cache and gathered:
             for layer in cache.layers:  # (R, heads, S, d) -> (1, heads, R * S, d), detached: read, never trained
                 layer.keys, layer.values = (
@@ -478,6 +477,26 @@ def score_policy(
             executed += rows * width
         kl = _score_branch(model, layout, hidden, where, 2, chunk_size, with_stats=False)
     return PolicyScores(completions, kl, executed, on_cache)
+
+
+def kl_gathered(layout: Layout, pair_cost: float) -> bool:
+    """Whether training's KL forward on the cached prompts runs gathered into one unpadded row (else in its rows,
+    padded to the row with the most): whichever costs less, `pair_cost` a (query, key) pair of the dense mask."""
+    rows, width, split = *layout.input_ids.shape, layout.split
+    n_kl = int((layout.branch == 2).sum())
+    return n_kl * (1 + pair_cost * (rows * split + n_kl)) < rows * (width - split) * (1 + pair_cost * width)
+
+
+def policy_attention(layout: Layout, pair_cost: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(queries, keys) of each forward `score_policy` runs over a layout when it keeps the prompts' keys/values: the
+    prompts and completions, then the KL completions on the cached prompts (gathered or in rows, `kl_gathered`).
+    For counting attention pairs (`attention.AttentionPairs`)."""
+    rows, width, split = *layout.input_ids.shape, layout.split
+    grid = torch.arange(rows * width).reshape(rows, width)
+    main, kl_tokens = grid[:, :split], (layout.branch.reshape(-1) == 2).nonzero()[:, 0]
+    if kl_gathered(layout, pair_cost):
+        return [(main, main), (kl_tokens[None], torch.cat([main.reshape(-1), kl_tokens])[None])]
+    return [(main, main), (grid[:, split:], grid)]
 
 
 class ReferenceScorer(torch.nn.Module):
