@@ -155,34 +155,51 @@ def row_lengths(rows, max_length: int, kl: str = "kl_completion_ids") -> list[li
 # Each case measures one thing in this fresh process: (name, work, preset, device, out) -> its numbers.
 
 
+def _kernel_asked(name: str) -> str:
+    """The attention kernel a case of ours asks for: `..._dense` cases the dense mask, the others the default (on a
+    GPU the block mask)."""
+    return "dense" if name.endswith("_dense") else "auto"
+
+
 def ours_precompute_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
-    """kto-pipeline's reference pass: its time (from the manifest), row lengths and peak memory."""
+    """kto-pipeline's reference pass: its time (from the manifest), row lengths, peak memory, the kernel that ran."""
     from kto_pipeline import PrecomputeConfig, precompute
     from kto_pipeline.cache import open_cache
 
     reset_peak_memory(device)
     paths = dict(model=str(work / "model"), dataset=str(work / "data.jsonl"), output=str(out), overwrite=True)
     dtype = "bfloat16" if device == "cuda" else "float32"
-    config = PrecomputeConfig(**paths, max_length=preset["max_length"], dtype=dtype, **OURS_PRECOMPUTE)
+    config = PrecomputeConfig(
+        **paths, max_length=preset["max_length"], dtype=dtype, attention_kernel=_kernel_asked(name), **OURS_PRECOMPUTE
+    )
     cache = open_cache(precompute(config))
     t, lengths = cache.manifest.timing, row_lengths(cache.table, preset["max_length"])
     return dict(
-        ref_seconds=t["reference_pass_seconds"], ref_lengths=lengths, ref_peak_mib=peak_memory_mib(device), timing=t
+        ref_seconds=t["reference_pass_seconds"],
+        ref_lengths=lengths,
+        ref_peak_mib=peak_memory_mib(device),
+        timing=t,
+        kernel=cache.manifest["reference_pass"].get("attention_kernel"),
     )
 
 
 def ours_train_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
-    """kto-pipeline's training on the cache of ours_precompute: step times, peak memory, the rows it trained on."""
+    """kto-pipeline's training on the cache of ours_precompute: step times, peak memory, the rows it trained on, the
+    kernel that ran."""
     from kto_pipeline import train
     from kto_pipeline.cache import open_cache
+    from kto_pipeline.rundir import TrainerState
 
     cache_dir = work / "runs" / "ours_precompute"
     table = open_cache(cache_dir).table.slice(0, preset["steps"] * preset["batch"])
     reset_peak_memory(device)
     settings = dict(batch=preset["batch"], steps=preset["steps"], learning_rate=LEARNING_RATE, bf16=device == "cuda")
-    res = train(ours_train_config(cache_dir, out, beta=BETA, **settings))
+    res = train(ours_train_config(cache_dir, out, beta=BETA, attention_kernel=_kernel_asked(name), **settings))
     lengths = row_lengths(table, preset["max_length"])
-    return dict(step_seconds=res.step_seconds, train_peak_mib=peak_memory_mib(device), train_lengths=lengths)
+    kernel = TrainerState.read(out).attention_kernel
+    return dict(
+        step_seconds=res.step_seconds, train_peak_mib=peak_memory_mib(device), train_lengths=lengths, kernel=kernel
+    )
 
 
 def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
@@ -220,6 +237,7 @@ def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> d
 WORKERS = {"ours_precompute": ours_precompute_worker, "ours_train": ours_train_worker} | dict.fromkeys(
     TRL_CASES, trl_worker
 )
+WORKERS |= {"ours_precompute_dense": ours_precompute_worker, "ours_train_dense": ours_train_worker}
 
 
 def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
@@ -421,11 +439,56 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
         "Needed tokens count each prompt once (P + C + K a row), for every tool alike.",
         "",
     ]
+    lines += kernels_table(r, preset)
     lines += goals(cols, cuda)
     lines += ["", "## Formula", ""] + flops.formula(peak)
     raw = [f"{LABELS[c]} {[round(x, 4) for x in cols[c]['step_seconds']]}" for c in order if "step_seconds" in cols[c]]
     lines += ["", f"- raw step times (s): {'; '.join(raw)}", ""]
     return "\n".join(lines)
+
+
+def kernels_table(r: dict, preset: dict) -> list[str]:
+    """kto-pipeline under its default attention kernel (on a GPU, FlexAttention under the block mask) against the
+    dense mask (`--attention-kernel dense`): the same data, settings and steps."""
+    header = "| measurement | kto-pipeline, default kernel | kto-pipeline, dense mask | dense / default |"
+    cases = {"default": ("ours_precompute", "ours_train"), "dense": ("ours_precompute_dense", "ours_train_dense")}
+    got = {k: (r[ref], r[tr]) for k, (ref, tr) in cases.items()}
+
+    def tokens_per_s(ref: dict) -> float:
+        return sum(p + c + k for p, c, k in ref["ref_lengths"]) / ref["ref_seconds"]
+
+    measured = [
+        ("reference pass, needed tokens/s", lambda ref, tr: tokens_per_s(ref), ".0f", True),
+        ("reference pass, peak memory (MiB)", lambda ref, tr: ref["ref_peak_mib"], ".0f", False),
+        (
+            f"train step (s), median of steps 2..{preset['steps']}",
+            lambda ref, tr: median_step(tr["step_seconds"]),
+            ".4f",
+            False,
+        ),
+        ("train, peak memory (MiB)", lambda ref, tr: tr["train_peak_mib"], ".0f", False),
+    ]
+    lines = [
+        "",
+        "## Attention kernel: block mask vs dense mask (kto-pipeline)",
+        "",
+        *table_head(header),
+        md_row(
+            "kernel that ran (reference pass / train)",
+            *(f"{ref['kernel']} / {tr['kernel']}" for ref, tr in got.values()),
+            "",
+        ),
+    ]
+    for label, value, fmt, higher_is_better in measured:
+        default, dense = (value(*got[k]) for k in ("default", "dense"))
+        ratio = default / dense if higher_is_better else dense / default
+        lines.append(md_row(label, format(default, fmt), format(dense, fmt), f"{ratio:.2f}x"))
+    lines += [
+        "",
+        "`x` > 1 favours the default kernel. On a CPU the default is attention by tree (FlexAttention has no backward "
+        "there), so this table compares by-tree with the dense mask.",
+    ]
+    return lines
 
 
 def goals(cols: dict, cuda: bool) -> list[str]:
@@ -480,6 +543,7 @@ def main() -> None:
     # measure from scratch: no case may reuse a cache from an earlier run
     fresh_runs(work)
     r = {name: gpu_worker(name, work, args) for name in ("ours_precompute", "ours_train")}
+    r |= {name: gpu_worker(name, work, args) for name in ("ours_precompute_dense", "ours_train_dense")}
     for name in TRL_CASES:
         skip = liger_unavailable(args.device) if name == "trl_liger" else None
         if skip:

@@ -58,6 +58,11 @@ def test_bench_gpu_tiny_on_cpu(tmp_path):
     positive("train, peak memory (MiB)", ours, online, precomputed)
     assert rows["reference pass, needed tokens/s"][online] == "-"  # its reference runs inside each step
     assert rows["train step, MFU %"][ours] == "n/a"  # no peak to compare with on CPU
+    # the attention kernels' table: on the CPU the default is attention by tree
+    kernels = table_rows(text.split("## Attention kernel: block mask vs dense mask (kto-pipeline)")[1])
+    assert kernels["kernel that ran (reference pass / train)"][:2] == ["by-tree / by-tree", "dense / dense"]
+    for label in ("reference pass, needed tokens/s", "train step (s), median of steps 2..3"):
+        assert all(NUMBER.match(c) and float(c) > 0 for c in kernels[label][:2]), kernels[label]
     assert rows["train step (s), median of steps 2..3"][liger].startswith("skipped:")
     # the goals, the formula and the run's provenance are written beside the numbers
     for needle in ("## Against the goals", "faster than trl's best setting", "<= 0.6x trl online", "MFU >= 40%"):

@@ -163,4 +163,5 @@ def test_the_phases_of_train_called_one_by_one(small_cache, tmp_path):
     assert result.global_step == state.global_step == finished_at(out) == 6
     assert (state.max_steps, state.epoch_index, state.batches_in_epoch) == (6, 1, 0)  # 6 batches an epoch
     assert state.tokens_executed >= state.tokens_needed > 0 and state.packing == "packed"
+    assert state.attention_kernel == "by-tree"  # the CPU's default
     assert read_metrics(out) == read_metrics(whole)  # a constant rate: the records of the uninterrupted run

@@ -102,6 +102,7 @@ class Run:
     warmup_steps: int
     aux_coef: float  # MoE load-balancing weight (0: not a MoE model)
     padded_because: str | None  # why batches are padded; None: packed
+    attention_kernel: str | None  # how packed rows attend (`attention.attention_kernel`); None: padded
     trackers: list[str]
     peaks: PeakMemory  # each process's peak memory, sampled from the start
     progress: Progress = field(default_factory=Progress)
@@ -164,7 +165,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     print0(accelerator, f"policy: {regime}, {engine}")
     init = init_point(config, cache.manifest, accelerator)
     tokenizer, model, aux_coef = load_policy(config, cache.manifest, init, engine)
-    padded_because = packing_unsupported(model)
+    padded_because, kernel = packing_unsupported(model), None
     if padded_because is None:  # (asked of the model in training mode, as its steps will run)
         kernel, kernel_note = request_attention_kernel(model.train(), config.attention_kernel, accelerator.device)
         print0(accelerator, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
@@ -204,6 +205,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
         warmup_steps=warmup_steps,
         aux_coef=aux_coef,
         padded_because=padded_because,
+        attention_kernel=kernel,
         trackers=trackers,
         peaks=peaks,
     )
@@ -496,6 +498,7 @@ def finish(run: Run) -> TrainResult:
     state.token_efficiency = round(needed / max(executed, 1), 4)
     state.precision = str(run.regime)
     state.packing = "packed" if run.padded_because is None else f"padded ({run.padded_because})"
+    state.attention_kernel = run.attention_kernel
     state.reference_hash = run.manifest.reference["weights_hash"]
     state.round = run.init.round + 1 if run.init else 1
     state.peak_memory = run.peaks.per_process(accelerator)
