@@ -100,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     counts = count_pairs(args.cache, args.batch, args.steps, args.reference_batch, args.max_tokens)
     if args.json:
-        print(json.dumps({k: v if k != "train" else v for k, v in _plain(counts).items()}, indent=2))
+        print(json.dumps(_plain(counts), indent=2))
     else:
         print("(million (query, key) pairs per forward set)")
         print("\n".join(table(counts)))

@@ -17,7 +17,7 @@ from kto_pipeline.errors import KTOPipelineError
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_KERNELS = ("auto", "by-tree", "block-mask", "dense")  # kto_pipeline.scoring.attention.KERNELS
+ATTENTION_KERNELS = ("auto", "by-tree", "block-mask", "dense")  # see kto_pipeline/scoring/attention.py
 _ATTENTION_KERNEL_HELP = (
     "How packed rows attend: by-tree (sequence by sequence, sdpa), block-mask (torch's FlexAttention under a "
     "block mask: only the (query, key) tiles each row's trees need), dense (sdpa under the whole row's mask). "

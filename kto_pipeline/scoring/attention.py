@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kto_pipeline.config import ATTENTION_KERNELS as KERNELS  # what `--attention-kernel` takes
 from kto_pipeline.models import text_config
 from kto_pipeline.scoring.packing import BRANCH_PROMPT, AttentionCosts, Layout
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("auto", "by-tree", "block-mask", "dense")  # what `--attention-kernel` takes
 BLOCK_SIZE = 128  # FlexAttention's tile: (query, key) blocks of 128 x 128 pairs
 _KERNEL_ATTRIBUTE = "kto_attention_kernel"  # the kernel asked for, kept on the model (`request_attention_kernel`)
 
@@ -228,6 +228,12 @@ def _by_tree_unsupported(model) -> str | None:
     impl = getattr(text_config(model), "_attn_implementation", None)
     if impl != "sdpa":
         return f"{impl} attention, not sdpa"
+    return _no_keywords_to_attention(model)
+
+
+def _no_keywords_to_attention(model) -> str | None:
+    """Why `model`'s backbone cannot hand a kernel its inputs (the runs, the block mask), or None: it must pass extra
+    keyword arguments down to the attention."""
     body = getattr(model, "base_model", None)
     if body is None or not _takes_any_keyword(type(body)):
         return f"{type(model).__name__}'s backbone passes no keyword arguments to its attention"
@@ -309,13 +315,10 @@ def block_mask_unsupported(model, device) -> str | None:
     model = _unwrapped(model)
     if not getattr(model, "_supports_flex_attn", False):
         return f"{type(model).__name__} does not take transformers' flex_attention"
-    body = getattr(model, "base_model", None)
-    if body is None or not _takes_any_keyword(type(body)):
-        return f"{type(model).__name__}'s backbone passes no keyword arguments to its attention"
-    config = text_config(model)
-    if model.training and getattr(config, "attention_dropout", 0.0):
+    if (why := _no_keywords_to_attention(model)) is not None:
+        return why
+    if model.training and getattr(text_config(model), "attention_dropout", 0.0):
         return "FlexAttention takes no attention dropout"
-    device = torch.device(device)
     if torch.device(device).type == "cpu" and model.training:
         return f"torch {torch.__version__} has no FlexAttention backward on the CPU"
     return None
@@ -337,11 +340,15 @@ def block_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visibl
     def padded(x, width, fill):  # (N, L) -> (N, width): FlexAttention may read indices up to its tiles' edges
         return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=fill)
 
-    # padding of the tiles: trees and flat indices that match nothing (never visible)
-    tq, bq, iq = padded(t[queries], qb * BLOCK_SIZE, -2), padded(b[queries], qb * BLOCK_SIZE, -2), queries
-    tk, bk, ik = padded(t[keys], kb * BLOCK_SIZE, -3), padded(b[keys], kb * BLOCK_SIZE, -3), keys
-    iq, ik = padded(iq, qb * BLOCK_SIZE, -1), padded(ik, kb * BLOCK_SIZE, 1 << 62)
-    pq, pk = padded(p[queries], qb * BLOCK_SIZE, 0), padded(p[keys], kb * BLOCK_SIZE, 0)
+    # the tiles' padding: trees, branches and flat indices that match nothing (never visible)
+    qw, kw = qb * BLOCK_SIZE, kb * BLOCK_SIZE
+    tq, bq, iq, pq = (
+        padded(t[queries], qw, -2),
+        padded(b[queries], qw, -2),
+        padded(queries, qw, -1),
+        padded(p[queries], qw, 0),
+    )
+    tk, bk, ik, pk = padded(t[keys], kw, -3), padded(b[keys], kw, -3), padded(keys, kw, 1 << 62), padded(p[keys], kw, 0)
 
     def mask_mod(batch, head, q, k):
         ok = (tq[batch, q] == tk[batch, k]) & (ik[batch, k] <= iq[batch, q])

@@ -452,7 +452,7 @@ def score_policy(
         # most), or gathered from all rows into one unpadded row that attends to all rows' cached tokens (the
         # mask is dense): whichever costs less (see packing.pack_rows).
         n_kl = len(kl_tokens)
-        gathered = kl_gathered(layout, attention_costs(model, device).pair) if gather_kl is None else gather_kl
+        gathered = kl_gathered(layout, n_kl, attention_costs(model, device).pair) if gather_kl is None else gather_kl
         if on_cache and gathered:
             for layer in cache.layers:  # (R, heads, S, d) -> (1, heads, R * S, d), detached: read, never trained
                 layer.keys, layer.values = (
@@ -479,11 +479,11 @@ def score_policy(
     return PolicyScores(completions, kl, executed, on_cache)
 
 
-def kl_gathered(layout: Layout, pair_cost: float) -> bool:
-    """Whether training's KL forward on the cached prompts runs gathered into one unpadded row (else in its rows,
-    padded to the row with the most): whichever costs less, `pair_cost` a (query, key) pair of the dense mask."""
+def kl_gathered(layout: Layout, n_kl: int, pair_cost: float) -> bool:
+    """Whether training's KL forward on the cached prompts (`n_kl` tokens) runs gathered into one unpadded row (else
+    in its rows, padded to the row with the most): whichever costs less, `pair_cost` a (query, key) pair of the
+    dense mask."""
     rows, width, split = *layout.input_ids.shape, layout.split
-    n_kl = int((layout.branch == 2).sum())
     return n_kl * (1 + pair_cost * (rows * split + n_kl)) < rows * (width - split) * (1 + pair_cost * width)
 
 
@@ -494,7 +494,7 @@ def policy_attention(layout: Layout, pair_cost: float) -> list[tuple[torch.Tenso
     rows, width, split = *layout.input_ids.shape, layout.split
     grid = torch.arange(rows * width).reshape(rows, width)
     main, kl_tokens = grid[:, :split], (layout.branch.reshape(-1) == 2).nonzero()[:, 0]
-    if kl_gathered(layout, pair_cost):
+    if kl_gathered(layout, len(kl_tokens), pair_cost):
         return [(main, main), (kl_tokens[None], torch.cat([main.reshape(-1), kl_tokens])[None])]
     return [(main, main), (grid[:, split:], grid)]
 
