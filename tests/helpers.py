@@ -121,11 +121,12 @@ def launch_cmd(
 ) -> list[str]:
     """`torchrun --standalone --nproc_per_node N -m kto_pipeline ARGS`, or with `accelerate_config` (a file of
     configs/accelerate, without .yaml) `accelerate launch --config_file CONFIG --num_processes N -m kto_pipeline ARGS`,
-    as a user launches them; every rank's output kept in `log_dir` (--log-dir --tee 3; accelerate passes them on to
-    torchrun). `max_restarts`: torchrun restarts the workers that many times when one fails. `script`: a Python file
-    that runs the command line (ARGS) itself, in place of `-m kto_pipeline`. `nodes` (node count, port): torchrun as
-    one of several machines, meeting the others at a c10d rendezvous on 127.0.0.1:PORT instead of --standalone (no
-    --node-rank: c10d ignores it and numbers the nodes itself)."""
+    as a user launches them (accelerate on a free --main_process_port); every rank's output kept in `log_dir`
+    (--log-dir --tee 3; accelerate passes them on to torchrun). `max_restarts`: torchrun restarts the workers that
+    many times when one fails. `script`: a Python file that runs the command line (ARGS) itself, in place of
+    `-m kto_pipeline`. `nodes` (node count, port): torchrun as one of several machines, meeting the others at a c10d
+    rendezvous on 127.0.0.1:PORT instead of --standalone (no --node-rank: c10d ignores it and numbers the nodes
+    itself)."""
     if accelerate_config is None:
         cmd = [sys.executable, "-m", "torch.distributed.run"]
         if nodes is None:
@@ -138,6 +139,8 @@ def launch_cmd(
         config = ACCELERATE_CONFIGS / f"{accelerate_config}.yaml"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
         cmd += ["--num_processes", str(nproc), "--log_dir", str(log_dir), "--tee", "3"]
+        # a free port, not accelerate's default 29500: the suite's workers may launch at the same time
+        cmd += ["--main_process_port", str(free_port())]
     return [*cmd, *([str(script)] if script else ["-m", "kto_pipeline"]), *args]
 
 
