@@ -59,7 +59,10 @@ def profiled_run(which: str, steps: int, work: Path) -> dict:
     for e in events:
         seconds[kind(e.key)] += e.self_cpu_time_total / 1e6
     top = {e.key: e.self_cpu_time_total / 1e6 for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]}
-    return {"wall": wall, "ops": sum(seconds.values()), **seconds, "top": top}
+    threads: dict[int, float] = {}
+    for e in prof.events():  # which threads ran the ops (a thread that builds batches runs beside the step)
+        threads[e.thread] = threads.get(e.thread, 0.0) + e.self_cpu_time_total / 1e6
+    return {"wall": wall, "ops": sum(seconds.values()), **seconds, "top": top, "threads": threads}
 
 
 def main() -> None:
@@ -98,6 +101,9 @@ def main() -> None:
                 "per_step_seconds": {k: round(v, 3) for k, v in per_step.items()},
                 "outside_torch_ops": round(1 - per_step["ops"] / per_step["wall"], 3),
                 "share_of_ops": {k: round(per_step[k] / per_step["ops"], 3) for k in KINDS},
+                "ops_per_step_by_thread": {
+                    str(t): round((v - short["threads"].get(t, 0.0)) / n, 3) for t, v in long["threads"].items()
+                },
                 "top_per_step_seconds": top,
             }
         )
