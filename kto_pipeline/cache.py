@@ -23,11 +23,12 @@ import pyarrow as pa
 
 from kto_pipeline.errors import KTOPipelineError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this version writes
+READABLE_VERSIONS = (1, 2)  # what it reads: version 1 is version 2 without the pairs
 MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
 
-SCHEMA = pa.schema(
+SCHEMA_V1 = pa.schema(
     [
         ("example_id", pa.int64()),
         ("label", pa.bool_()),
@@ -41,6 +42,16 @@ SCHEMA = pa.schema(
         ("ref_kl_token_logps", pa.list_(pa.float32())),
     ]
 )
+# pair_example_id: the example id of the other row of the (chosen, rejected) pair this row came from; -1 when the row
+# came from unpaired data or its partner is not in the cache (dropped by the max_length rules, or in the cache
+# before the append that added this row)
+SCHEMA = SCHEMA_V1.append(pa.field("pair_example_id", pa.int64()))
+NO_PAIR = -1
+
+
+def shard_schema(version: int | None) -> pa.Schema:
+    """The schema of a cache's shards: a cache keeps the format version it was written in, appends included."""
+    return SCHEMA_V1 if version == 1 else SCHEMA
 
 
 def completion_room(prompt_ids, max_length: int) -> int:
@@ -191,6 +202,18 @@ class Manifest(dict):
         return self["counts"]
 
     @property
+    def pairs(self) -> dict[str, int]:
+        """complete: pairs with both rows in the cache; rows_without_partner: rows of paired data whose other row
+        is not (dropped, or held before an append). Zeros for unpaired data and for format version 1, which did
+        not record pairs."""
+        return self["counts"].get("pairs") or {"complete": 0, "rows_without_partner": 0}
+
+    @property
+    def paired(self) -> bool:
+        """Whether pair losses (DPO and its family) can train on this cache: it holds at least one whole pair."""
+        return self.pairs["complete"] > 0
+
+    @property
     def fingerprint(self) -> dict[str, Any]:
         return self.get("fingerprint", {})
 
@@ -274,6 +297,8 @@ class Manifest(dict):
         counts["undesirable"] = counts["rows"] - counts["desirable"]
         for reason, rows in segment["dropped"].items():
             counts["dropped"][reason] = counts["dropped"].get(reason, 0) + rows
+        if "pairs" in counts and segment.get("pairs"):
+            counts["pairs"] = {k: counts["pairs"][k] + segment["pairs"][k] for k in counts["pairs"]}
 
     def mark_complete(self, timing: dict[str, Any]) -> None:
         """Every shard is written: the cache may be trained on. `timing`: of the run that completed it."""
@@ -293,6 +318,7 @@ def new_manifest(
     desirable: int,
     rows: int,
     dropped: dict[str, int],
+    pairs: dict[str, int],
     padded_because: str | None,
     distributed: dict[str, Any],
     attention_kernel: str | None = None,
@@ -303,6 +329,7 @@ def new_manifest(
     `fingerprint`: what shapes the values (model, revision, weights hash, tokenizer hash, dataset, config, split,
     content hash, max_length, dtype and autocast, kl_seed, shard_size); a cache is reused only when it matches.
     `padded_because`: why the reference pass ran every sequence on its own, padded; None when it ran packed.
+    `pairs`: {complete, rows_without_partner} (`Manifest.pairs`).
     `attention_kernel`: how its packed rows attended (`attention.attention_kernel`).
     `distributed`: how the reference ran, e.g. {"engine": "fsdp2", "world_size": 2} (not in the fingerprint: the
     values do not depend on it)."""
@@ -337,7 +364,13 @@ def new_manifest(
                 "autocast": fingerprint["autocast"],
                 "kl_seed": fingerprint["kl_seed"],
             },
-            "counts": {"rows": rows, "desirable": desirable, "undesirable": rows - desirable, "dropped": dropped},
+            "counts": {
+                "rows": rows,
+                "desirable": desirable,
+                "undesirable": rows - desirable,
+                "dropped": dropped,
+                "pairs": pairs,
+            },
             "fingerprint": fingerprint,
             # (the cache format's names for packed / padded)
             "reference_pass": {
@@ -381,9 +414,12 @@ def shard_name(index: int) -> str:
     return f"{SHARD_DIR}/shard-{index:05d}.arrow"
 
 
-def write_shard(cache_dir: Path, index: int, rows: dict[str, list]) -> dict[str, Any]:
-    """Write one shard atomically; returns its manifest entry (file, rows, bytes, sha256)."""
-    return write_table(cache_dir, shard_name(index), pa.Table.from_pydict(rows, schema=SCHEMA))
+def write_shard(cache_dir: Path, index: int, rows: dict[str, list], version: int = FORMAT_VERSION) -> dict[str, Any]:
+    """Write one shard atomically in the cache's format `version` (its columns, of `rows`); returns its manifest
+    entry (file, rows, bytes, sha256)."""
+    schema = shard_schema(version)
+    table = pa.Table.from_pydict({name: rows[name] for name in schema.names}, schema=schema)
+    return write_table(cache_dir, shard_name(index), table)
 
 
 def write_table(cache_dir: Path, name: str, table: pa.Table) -> dict[str, Any]:
@@ -423,9 +459,10 @@ def read_manifest(cache_dir: str | Path) -> Manifest:
     except json.JSONDecodeError as exc:
         raise KTOPipelineError(f"cache {cache_dir}: {MANIFEST} is not valid JSON ({exc}).") from exc
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
+        readable = " and ".join(str(v) for v in READABLE_VERSIONS)
         raise KTOPipelineError(
-            f"cache {cache_dir}: format version {version!r}, this kto-pipeline reads version {FORMAT_VERSION}. "
+            f"cache {cache_dir}: format version {version!r}, this kto-pipeline reads versions {readable}. "
             "Re-run `kto-pipeline precompute` with this version, or use the version that wrote it."
         )
     return Manifest(manifest)
@@ -449,7 +486,7 @@ def check_cache(cache_dir: str | Path, manifest: Manifest, full: bool = False) -
         try:
             with pa.memory_map(str(path)) as source:
                 reader = pa.ipc.open_stream(source)
-                if not reader.schema.equals(SCHEMA):
+                if not reader.schema.equals(shard_schema(manifest.format_version)):
                     problems.append(f"{shard['file']}: schema differs from the cache format")
                     continue
                 rows = sum(batch.num_rows for batch in reader)
@@ -464,6 +501,8 @@ def check_cache(cache_dir: str | Path, manifest: Manifest, full: bool = False) -
         problems += check_segments(cache_dir, manifest, full)
     if full and not problems:
         problems += _check_kl_partners(cache_dir, manifest)
+    if full and not problems and manifest.format_version != 1:
+        problems += _check_pairs(cache_dir, manifest)
     return problems
 
 
@@ -551,6 +590,45 @@ def _check_kl_partners(cache_dir: Path, manifest: Manifest) -> list[str]:
     return problems
 
 
+def _check_pairs(cache_dir: Path, manifest: Manifest) -> list[str]:
+    """Every pair_example_id names a row of the cache that names this row back, with the other label and the same
+    prompt; the manifest counts as many pairs."""
+    import numpy as np
+
+    columns = ["example_id", "label", "prompt_ids", "pair_example_id"]
+    tables = []
+    for shard in manifest.shards:
+        with pa.memory_map(str(cache_dir / shard["file"])) as source:
+            tables.append(pa.ipc.open_stream(source).read_all().select(columns))
+    if not tables:
+        return []
+    table = pa.concat_tables(tables)
+    ids, partners = table.column("example_id").to_numpy(), table.column("pair_example_id").to_numpy()
+    paired = np.flatnonzero(partners != NO_PAIR)
+    where = {int(i): k for k, i in enumerate(ids)}
+    unknown = [int(partners[k]) for k in paired if int(partners[k]) not in where]
+    if unknown:
+        return [f"{len(unknown)} pair_example_id values name no row of the cache (e.g. {unknown[:3]})"]
+    other = np.array([where[int(partners[k])] for k in paired], dtype=np.int64)
+    labels = table.column("label").to_numpy(zero_copy_only=False)
+    problems = []
+    bad = paired[(partners[other] != ids[paired]) | (labels[other] == labels[paired])]
+    if len(bad):
+        example = ids[bad[:3]].tolist()
+        problems.append(
+            f"{len(bad)} rows are not their partner's partner, or have its label (e.g. example_id {example})"
+        )
+    prompts = table.column("prompt_ids")
+    differ = [int(ids[k]) for k, o in zip(paired, other, strict=True) if prompts[int(k)] != prompts[int(o)]]
+    if differ:
+        problems.append(f"{len(differ)} rows do not share their pair partner's prompt (e.g. example_id {differ[:3]})")
+    if len(paired) != 2 * manifest.pairs["complete"]:
+        problems.append(
+            f"{len(paired)} rows have a pair partner, the manifest counts {manifest.pairs['complete']} pairs"
+        )
+    return problems
+
+
 @dataclass
 class CacheTable:
     """All shards of a cache as one memory-mapped Arrow table (no row is copied until it is read)."""
@@ -577,5 +655,5 @@ def open_cache(cache_dir: str | Path, verify: bool = False) -> CacheTable:
     for shard in manifest.shards:
         source = pa.memory_map(str(cache_dir / shard["file"]))
         tables.append(pa.ipc.open_stream(source).read_all())
-    table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+    table = pa.concat_tables(tables) if tables else shard_schema(manifest.format_version).empty_table()
     return CacheTable(table=table, manifest=manifest)

@@ -19,6 +19,16 @@ def _kv_table(title: str, items: dict) -> Table:
     return table
 
 
+def pairs_text(m) -> str:
+    """The counts table's pairs line: whether DPO-family losses can train on the cache."""
+    if m.format_version == 1:
+        return "not recorded (format version 1: precompute again to train pair losses)"
+    pairs = m.pairs
+    if not pairs["complete"] and not pairs["rows_without_partner"]:
+        return "none (unpaired data: KTO only)"
+    return f"{pairs['complete']} complete, {pairs['rows_without_partner']} rows without their partner in the cache"
+
+
 def inspect_cache(cache_dir: str | Path, verify: bool = False, console: Console | None = None) -> list[str]:
     """Print the manifest of a cache as tables (its segments too) and return its problems (cheap checks, or all with
     `verify`: every shard's and keys file's sha256)."""
@@ -34,6 +44,7 @@ def inspect_cache(cache_dir: str | Path, verify: bool = False, console: Console 
     counts = dict(m.counts)
     dropped = counts.pop("dropped")
     counts["dropped"] = ", ".join(f"{c} ({r})" for r, c in dropped.items()) or "none"
+    counts["pairs"] = pairs_text(m)
     console.print(_kv_table("counts", counts))
     shards = Table(title="shards", title_justify="left")
     for col in ("file", "rows", "bytes", "sha256"):
@@ -46,6 +57,9 @@ def inspect_cache(cache_dir: str | Path, verify: bool = False, console: Console 
         for seg in m.segments:
             first, count, files = seg["first_example_id"], seg["normalized_rows"], seg["shards"]
             held = f", {seg['matched_rows']} rows of its data already held" if seg["index"] else ""
+            pairs = seg.get("pairs") or {}
+            if pairs.get("complete") or pairs.get("rows_without_partner"):
+                held += f", {pairs['complete']} pairs ({pairs['rows_without_partner']} rows without their partner)"
             console.print(
                 f"  {seg['index']}  {seg['rows']} rows{held}  example ids {first}..{first + count - 1}  "
                 f"{files[0]}..{Path(files[-1]).name}  written {seg.get('written_at') or '-'}\n"

@@ -280,8 +280,8 @@ REPLICATED_REL, SHARDED_REL = 1e-4, 2e-3
 
 
 def assert_same_rows(two: list[dict], one: list[dict]) -> None:
-    """The rows of a cache written by several processes are one process's: the same ids, tokens and KL partners,
-    per-token reference log-probs within 1e-5, their sums within 1e-4."""
+    """The rows of a cache written by several processes are one process's: the same ids, tokens, KL and pair
+    partners, per-token reference log-probs within 1e-5, their sums within 1e-4."""
     import numpy as np
     import pytest
 
@@ -289,6 +289,7 @@ def assert_same_rows(two: list[dict], one: list[dict]) -> None:
     for a, b in zip(two, one, strict=True):
         for key in ("example_id", "label", "prompt_ids", "completion_ids", "kl_example_id", "kl_completion_ids"):
             assert a[key] == b[key], key
+        assert a.get("pair_example_id") == b.get("pair_example_id")
         np.testing.assert_allclose(a["ref_token_logps"], b["ref_token_logps"], atol=1e-5)
         np.testing.assert_allclose(a["ref_kl_token_logps"], b["ref_kl_token_logps"], atol=1e-5)
         assert a["ref_logp"] == pytest.approx(b["ref_logp"], abs=1e-4)

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pytest
 from helpers import train_config, unpaired_rows, write_jsonl
 
-from kto_pipeline.cache import MANIFEST, check_cache, open_cache, read_manifest, write_manifest, write_shard
+from kto_pipeline.cache import MANIFEST, NO_PAIR, check_cache, open_cache, read_manifest, write_manifest, write_shard
 from kto_pipeline.demo.tiny import ensure_tiny_model
 
 MAX_LENGTH = 512  # every synthesized row fills it exactly: len(prompt) + len(completion) == MAX_LENGTH
@@ -103,6 +103,7 @@ def synthesize_cache(real: Path, out: Path, n_rows: int) -> int:
             "ref_kl_logp": np.array([x.sum(dtype=np.float32) for x in kl_logps], dtype=np.float32),
             "ref_token_logps": _list_array([logps[s] for s in src], np.float32),
             "ref_kl_token_logps": _list_array(kl_logps, np.float32),
+            "pair_example_id": np.full(len(ids), NO_PAIR, dtype=np.int64),
         }
         shards.append(write_shard(out, index, rows))
         del rows, kl_ids, kl_logps
@@ -110,7 +111,13 @@ def synthesize_cache(real: Path, out: Path, n_rows: int) -> int:
     manifest.update(
         complete=True,
         shards=shards,
-        counts={"rows": n_rows, "desirable": desirable, "undesirable": n_rows - desirable, "dropped": {}},
+        counts={
+            "rows": n_rows,
+            "desirable": desirable,
+            "undesirable": n_rows - desirable,
+            "dropped": {},
+            "pairs": {"complete": 0, "rows_without_partner": 0},
+        },
     )
     write_manifest(out, manifest)
     return sum(s["bytes"] for s in shards)

@@ -68,8 +68,14 @@ def test_truncation_at_max_length(tmp_path, tiny_model_dir):
 
 def test_schema_manifest_and_readers(small_cache):
     manifest = json.loads((small_cache / "manifest.json").read_text())
-    assert manifest["complete"] is True and manifest["format_version"] == 1
-    assert manifest["counts"] == {"rows": 24, "desirable": 16, "undesirable": 8, "dropped": {}}
+    assert manifest["complete"] is True and manifest["format_version"] == 2
+    assert manifest["counts"] == {
+        "rows": 24,
+        "desirable": 16,
+        "undesirable": 8,
+        "dropped": {},
+        "pairs": {"complete": 0, "rows_without_partner": 0},
+    }
     assert manifest["settings"] == {"max_length": 64, "dtype": "float32", "autocast": None, "kl_seed": 0}
     assert manifest["distributed"] == {"engine": "single", "world_size": 1}
     for key in ("weights_hash", "name_or_path", "revision"):

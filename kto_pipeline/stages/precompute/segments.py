@@ -170,6 +170,7 @@ def new_segment(
     dropped: dict[str, int],
     conversational: bool,
     matched_rows: int,
+    pairs: dict[str, int] | None,
     kl: dict[str, Any],
     keys: dict[str, Any],
 ) -> dict[str, Any]:
@@ -177,7 +178,9 @@ def new_segment(
 
     `source`: name_or_path, config, split, content_hash, source_rows of the dataset it came from. Example ids
     `first_example_id` .. + `normalized_rows` - 1 are its normalized rows (kept or dropped). `matched_rows`: rows of
-    that dataset the cache already held (not scored again). `kl`: how its rows' KL partners were drawn."""
+    that dataset the cache already held (not scored again). `pairs`: {complete, rows_without_partner} of its rows
+    (`Manifest.pairs`; None in a cache of format version 1, which does not record pairs). `kl`: how its rows' KL
+    partners were drawn."""
     return {
         "index": index,
         "source": source,
@@ -189,6 +192,7 @@ def new_segment(
         "dropped": dropped,
         "prompt_kind": "conversational" if conversational else "standard",
         "matched_rows": matched_rows,
+        **({"pairs": pairs} if pairs is not None else {}),
         "kl": kl,
         "keys": keys,
         "shards": [],

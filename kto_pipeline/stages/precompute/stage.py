@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from kto_pipeline import __version__
 from kto_pipeline.cache import (
     MANIFEST,
+    NO_PAIR,
     SCHEMA,
     SHARD_DIR,
     Manifest,
@@ -90,6 +91,7 @@ class PreparedRows:
     rows: TokenizedRows  # numpy indices into the memory-mapped tokenized table
     example_ids: np.ndarray  # (n,) each kept row's example id in the cache
     partners: np.ndarray  # (n,) each kept row's KL partner, as a position among the kept rows
+    pair_ids: np.ndarray  # (n,) the example id of each kept row's pair partner (NO_PAIR: none in these rows)
     segment: dict[str, Any]  # what the cache records of these rows: segments.new_segment's keywords
     key_files: list[str]  # the content keys of every normalized row of the dataset (segments.content_keys)
     key_rows: np.ndarray | None  # which of them these rows are (None: all)
@@ -247,6 +249,8 @@ def prepare_rows(config: PrecomputeConfig, tokenizer, state=None, base: Manifest
     first = prepared["first_example_id"]
     # a row's example id: its place among the normalized rows of the cache, kept or dropped
     example_ids = first + (rows.example_ids if among is None else np.searchsorted(among, rows.example_ids))
+    pair_ids = pair_partners(rows.example_ids, example_ids) if prepared["paired"] else np.full(len(rows), NO_PAIR)
+    complete = int((pair_ids != NO_PAIR).sum())
     segment = {
         "source": prepared["source"],
         "first_example_id": first,
@@ -256,6 +260,7 @@ def prepare_rows(config: PrecomputeConfig, tokenizer, state=None, base: Manifest
         "dropped": dict(rows.dropped),
         "conversational": prepared["conversational"],
         "matched_rows": prepared["matched_rows"],
+        "pairs": {"complete": complete // 2, "rows_without_partner": len(rows) - complete if prepared["paired"] else 0},
     }
     partners, outside = _kl_partners(config, out, base, len(rows), prepared["conversational"])
     if state is None or state.is_main_process:
@@ -270,6 +275,7 @@ def prepare_rows(config: PrecomputeConfig, tokenizer, state=None, base: Manifest
         rows=rows,
         example_ids=example_ids.astype(np.int64),
         partners=partners,
+        pair_ids=pair_ids.astype(np.int64),
         segment=segment,
         key_files=prepared["key_files"],
         key_rows=None if prepared["key_rows"] is None else np.asarray(prepared["key_rows"], dtype=np.int64),
@@ -281,6 +287,17 @@ def prepare_rows(config: PrecomputeConfig, tokenizer, state=None, base: Manifest
         seconds=seconds,
         outside_partner=outside,
     )
+
+
+def pair_partners(positions: np.ndarray, example_ids: np.ndarray) -> np.ndarray:
+    """Each kept row's pair partner, as an example id (NO_PAIR where the partner is not among the kept rows).
+
+    `positions`: the kept rows' places in the tokenized table (ascending), where a paired source row's two rows
+    are 2i and 2i+1 (an append tokenizes whole source rows, so this holds there too); `example_ids`: theirs."""
+    partner = positions ^ 1
+    at = np.minimum(np.searchsorted(positions, partner), max(len(positions) - 1, 0))
+    found = positions[at] == partner if len(positions) else np.zeros(0, dtype=bool)
+    return np.where(found, example_ids[at], NO_PAIR)
 
 
 def _preprocess(config: PrecomputeConfig, tokenizer, out: Path, base: Manifest | None) -> dict[str, Any]:
@@ -308,6 +325,7 @@ def _preprocess(config: PrecomputeConfig, tokenizer, out: Path, base: Manifest |
         "matched_rows": 0,
         "first_example_id": 0,
         "conversational": bool(len(keys) and keys.column("conversational")[0].as_py()),
+        "paired": layout != "unpaired",  # normalized rows 2i and 2i+1 are source row i's (chosen, rejected)
     }
     selection = ""
     if base is not None:
@@ -462,6 +480,7 @@ def plan_output(run: Pass) -> bool:
         desirable=int(rows.labels.sum()),
         rows=len(rows),
         dropped=dict(rows.dropped),
+        pairs=prepared.segment["pairs"],
         padded_because=run.padded_because,
         attention_kernel=run.attention_kernel,
         distributed=run.engine.record(),
@@ -530,6 +549,8 @@ def _new_segment(run: Pass, index: int) -> dict[str, Any]:
     kept[prepared.example_ids - first] = True
     keys_entry = write_keys(run.out, index, first + np.arange(len(keys)), keys, kept)
     info = dict(prepared.segment)
+    if (run.base or run.manifest).format_version == 1:  # an append to a version-1 cache keeps its format: no pairs
+        info["pairs"] = None
     if index == 0:
         kl = {"rule": "seeded cycle through the segment's rows", "seed": [run.config.kl_seed]}
     elif prepared.outside_partner is None:
@@ -653,7 +674,7 @@ def _score_round(run: Pass, first: int, num_shards: int, pad_id: int) -> None:
         size, n = run.config.shard_size, len(run.prepared.rows)
         positions = np.arange(shard_index * size, min(n, (shard_index + 1) * size))
         shard = _score_rows(run, positions, pad_id)
-        entry = write_shard(run.out, run.first_shard + shard_index, shard)
+        entry = write_shard(run.out, run.first_shard + shard_index, shard, run.manifest.format_version)
         needed = _needed_tokens(shard)
         scored = needed + sum(len(p) for p in shard["prompt_ids"])  # as separate sequences: prompts twice
         stats = {"rows": len(positions), "scored": scored, "executed": progress.executed_here, "needed": needed}
@@ -740,6 +761,7 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> dict:
         cols["ref_kl_logp"].append(token_sum(kl))
         cols["ref_token_logps"].append(main)
         cols["ref_kl_token_logps"].append(kl)
+        cols["pair_example_id"].append(int(prepared.pair_ids[pos]))
     return cols
 
 

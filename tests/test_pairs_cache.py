@@ -1,0 +1,165 @@
+"""Pairs in the cache: a cache made from paired data records, for each row, the other row of the (chosen, rejected)
+pair it came from (`pair_example_id`), robust to dropped rows and appends; the manifest counts the pairs; caches of
+format version 1 (before pairs) still open, train KTO, and grow in their own format."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from helpers import unpaired_rows, write_jsonl
+from rich.console import Console
+
+from kto_pipeline import PrecomputeConfig, precompute
+from kto_pipeline.cache import NO_PAIR, SCHEMA_V1, check_cache, open_cache, read_manifest, sha256_file
+from kto_pipeline.inspect_cache import inspect_cache
+
+
+def pairs(n: int, long_prompts: tuple[int, ...] = (), start: int = 0) -> list[dict]:
+    """n (prompt, chosen, rejected) rows; the prompts of `long_prompts` reach max_length 64 (trl drops both rows)."""
+    return [
+        {
+            "prompt": f"Question {i}: what is {i} plus {i}?" * (3 if i in long_prompts else 1),
+            "chosen": f" It is {2 * i}.",
+            "rejected": " no idea",
+        }
+        for i in range(start, start + n)
+    ]
+
+
+def config(model, data, out, **kw) -> PrecomputeConfig:
+    return PrecomputeConfig(model=str(model), dataset=str(data), output=str(out), max_length=64, shard_size=4, **kw)
+
+
+def rows_by_id(cache) -> dict[int, dict]:
+    return {r["example_id"]: r for r in open_cache(cache, verify=True).table.to_pylist()}
+
+
+def test_paired_data_records_each_rows_pair_and_the_manifest_counts_them(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs(6, long_prompts=(2,)))
+    cache = precompute(config(tiny_model_dir, data, tmp_path / "cache"))
+    rows = rows_by_id(cache)
+    # source row i -> example ids 2i (chosen) and 2i+1 (rejected); pair 2 is dropped (its prompt is too long), and
+    # the pairs after it keep their partners
+    assert sorted(rows) == [0, 1, 2, 3, 6, 7, 8, 9, 10, 11]
+    for i in (0, 1, 3, 4, 5):
+        chosen, rejected = rows[2 * i], rows[2 * i + 1]
+        assert (chosen["label"], rejected["label"]) == (True, False)
+        assert (chosen["pair_example_id"], rejected["pair_example_id"]) == (2 * i + 1, 2 * i)
+        assert chosen["prompt_ids"] == rejected["prompt_ids"]
+    manifest = read_manifest(cache)
+    assert manifest.format_version == 2 and manifest.paired
+    assert manifest["counts"]["dropped"] == {"prompt >= max_length (64)": 2}
+    assert manifest["counts"]["pairs"] == {"complete": 5, "rows_without_partner": 0}
+    assert manifest["segments"][0]["pairs"] == {"complete": 5, "rows_without_partner": 0}
+    console = Console(record=True, width=200)
+    assert inspect_cache(cache, verify=True, console=console) == []
+    assert "5 complete, 0 rows without their partner in the cache" in console.export_text()
+
+
+def test_implicit_prompt_pairs_are_recorded_too(tmp_path, tiny_model_dir):
+    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in pairs(3)]
+    cache = precompute(config(tiny_model_dir, write_jsonl(tmp_path / "implicit.jsonl", implicit), tmp_path / "c"))
+    rows = rows_by_id(cache)
+    assert [rows[i]["pair_example_id"] for i in range(6)] == [1, 0, 3, 2, 5, 4]
+    assert read_manifest(cache).pairs == {"complete": 3, "rows_without_partner": 0}
+
+
+def test_unpaired_data_has_no_pairs(small_cache):
+    table = open_cache(small_cache, verify=True).table
+    assert set(table.column("pair_example_id").to_pylist()) == {NO_PAIR}
+    manifest = read_manifest(small_cache)
+    assert not manifest.paired and manifest.pairs == {"complete": 0, "rows_without_partner": 0}
+    console = Console(record=True, width=200)
+    inspect_cache(small_cache, console=console)
+    assert "none (unpaired data: KTO only)" in console.export_text()
+
+
+def test_an_append_pairs_its_whole_new_pairs_only(tmp_path, tiny_model_dir):
+    """An append of new rows (--allow-missing): its new pairs are recorded; a pair whose chosen row repeats a row
+    of the cache (held, not appended again) but whose rejected row is new keeps the new row without a partner."""
+    first = pairs(4)
+    cache = precompute(config(tiny_model_dir, write_jsonl(tmp_path / "first.jsonl", first), tmp_path / "cache"))
+    again = dict(first[3], rejected=" something else entirely")  # pair 3's chosen again (held), a new rejected
+    new_rows = write_jsonl(tmp_path / "new.jsonl", [again] + pairs(2, start=4))
+    precompute(config(tiny_model_dir, new_rows, cache, append=True, allow_missing=True))
+    rows = rows_by_id(cache)
+    manifest = read_manifest(cache)
+    new = manifest["segments"][1]
+    assert new["pairs"] == {"complete": 2, "rows_without_partner": 1}
+    assert manifest.pairs == {"complete": 6, "rows_without_partner": 1}
+    new_ids = sorted(i for i in rows if i >= new["first_example_id"])
+    assert len(new_ids) == 5
+    lone = [i for i in new_ids if rows[i]["pair_example_id"] == NO_PAIR]
+    assert len(lone) == 1 and rows[lone[0]]["label"] is False
+    for i in set(new_ids) - set(lone):
+        partner = rows[rows[i]["pair_example_id"]]
+        assert partner["pair_example_id"] == i and partner["label"] != rows[i]["label"]
+    assert check_cache(cache, manifest, full=True) == []
+
+
+def rewrite_shard(cache, shard: dict, table: pa.Table) -> None:
+    """Replace a shard's file by `table` (written beside it, then renamed: `table` may be mapped from the old file)
+    and record its new size and sha256 in the manifest."""
+    path = cache / shard["file"]
+    tmp = path.with_name(path.name + ".new")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    tmp.replace(path)
+    shard["bytes"], shard["sha256"] = path.stat().st_size, sha256_file(path)
+
+
+def test_verify_finds_broken_pairs(tmp_path, tiny_model_dir):
+    cache = precompute(config(tiny_model_dir, write_jsonl(tmp_path / "p.jsonl", pairs(4)), tmp_path / "c"))
+    manifest = json.loads((cache / "manifest.json").read_text())
+    shard = manifest["shards"][0]
+    with pa.memory_map(str(cache / shard["file"])) as source:
+        table = pa.ipc.open_stream(source).read_all()
+    ids = table.column("pair_example_id").to_numpy().copy()
+    ids[0] = ids[2]  # row 0 names row 3 (a rejected row that names row 2 back)
+    table = table.set_column(table.schema.get_field_index("pair_example_id"), "pair_example_id", pa.array(ids))
+    rewrite_shard(cache, shard, table)
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    problems = check_cache(cache, read_manifest(cache), full=True)
+    assert problems == [  # row 0 names row 3 (pair 1's rejected row), which names row 2; row 1 names row 0
+        "2 rows are not their partner's partner, or have its label (e.g. example_id [0, 1])",
+        "1 rows do not share their pair partner's prompt (e.g. example_id [0])",
+    ]
+
+
+def as_version_1(cache) -> None:
+    """Turn a cache into one written before pairs: shards without pair_example_id, format_version 1, no pair counts."""
+    manifest = json.loads((cache / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        with pa.memory_map(str(cache / shard["file"])) as source:
+            table = pa.ipc.open_stream(source).read_all()
+        rewrite_shard(cache, shard, table.select(SCHEMA_V1.names))
+    manifest["format_version"] = 1
+    del manifest["counts"]["pairs"]
+    for segment in manifest["segments"]:
+        del segment["pairs"]
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("data", ["unpaired", "paired"])
+def test_a_version_1_cache_opens_and_grows_in_version_1(tmp_path, tiny_model_dir, data):
+    rows = unpaired_rows(12) if data == "unpaired" else pairs(6)
+    first = write_jsonl(tmp_path / "first.jsonl", rows[: len(rows) * 2 // 3])
+    cache = precompute(config(tiny_model_dir, first, tmp_path / "c"))
+    before = open_cache(cache).table
+    as_version_1(cache)
+    old = open_cache(cache, verify=True)
+    assert old.table.schema.equals(SCHEMA_V1) and old.table == before.select(SCHEMA_V1.names)
+    manifest = read_manifest(cache)
+    assert not manifest.paired
+    console = Console(record=True, width=200)
+    inspect_cache(cache, console=console)
+    assert "not recorded (format version 1: precompute again to train pair losses)" in console.export_text()
+    # an append writes version-1 shards, so the cache stays one format
+    precompute(config(tiny_model_dir, write_jsonl(tmp_path / "log.jsonl", rows), cache, append=True))
+    grown = open_cache(cache, verify=True)
+    manifest = read_manifest(cache)
+    assert manifest.format_version == 1 and "pairs" not in manifest["counts"]
+    assert "pairs" not in manifest["segments"][1] and grown.table.schema.equals(SCHEMA_V1)
+    assert grown.table.num_rows == len(rows) * (1 if data == "unpaired" else 2)
+    assert np.array_equal(grown.table.column("example_id").to_numpy(), np.arange(grown.table.num_rows))
