@@ -35,9 +35,10 @@ def rows_by_id(cache) -> dict[int, dict]:
     return {r["example_id"]: r for r in open_cache(cache, verify=True).table.to_pylist()}
 
 
-def test_paired_data_records_each_rows_pair_and_the_manifest_counts_them(tmp_path, tiny_model_dir):
+def test_paired_data_records_each_rows_pair_and_the_manifest_counts_them(tmp_path, tiny_model_dir, capsys):
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs(6, long_prompts=(2,)))
     cache = precompute(config(tiny_model_dir, data, tmp_path / "cache"))
+    assert "  pairs        5 (chosen, rejected) pairs, 0 rows without their partner\n" in capsys.readouterr().out
     rows = rows_by_id(cache)
     # source row i -> example ids 2i (chosen) and 2i+1 (rejected); pair 2 is dropped (its prompt is too long), and
     # the pairs after it keep their partners

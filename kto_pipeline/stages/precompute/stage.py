@@ -836,9 +836,17 @@ def _print_summary(manifest: Manifest, segment: dict[str, Any], out: Path, secon
         if appended
         else f"{counts['rows']} ({counts['desirable']} desirable, {counts['undesirable']} undesirable)"
     )
+    pairs = segment.get("pairs") or {}
+    pairs_line = (
+        f"  pairs        {pairs['complete']} (chosen, rejected) pairs, {pairs['rows_without_partner']} rows without "
+        "their partner\n"
+        if pairs.get("complete") or pairs.get("rows_without_partner")
+        else ""
+    )
     print(
         f"\n{'append' if appended else 'precompute'} finished\n"
         f"  rows         {rows}\n"
+        f"{pairs_line}"
         f"  dropped      {sum(dropped.values())}: {dropped_text}\n"
         f"  tokens       {timing['tokens_scored']} scored (completions + KL completions, with their prompts)\n"
         f"  efficiency   {timing['token_efficiency']:.1%}: {timing['tokens_needed']} tokens needed (each prompt once, "
