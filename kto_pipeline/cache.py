@@ -202,6 +202,11 @@ class Manifest(dict):
         return self["counts"]
 
     @property
+    def has_kl(self) -> bool:
+        """Whether the rows hold KL completions and their reference log-probs (False: `precompute --pairs-only`)."""
+        return self["settings"].get("kl_completions", True)
+
+    @property
     def pairs(self) -> dict[str, int]:
         """complete: pairs with both rows in the cache; rows_without_partner: rows of paired data whose other row
         is not (dropped, or held before an append). Zeros for unpaired data and for format version 1, which did
@@ -363,6 +368,7 @@ def new_manifest(
                 "dtype": fingerprint["dtype"],
                 "autocast": fingerprint["autocast"],
                 "kl_seed": fingerprint["kl_seed"],
+                **({"kl_completions": False} if fingerprint.get("kl_completions") is False else {}),
             },
             "counts": {
                 "rows": rows,
@@ -499,7 +505,7 @@ def check_cache(cache_dir: str | Path, manifest: Manifest, full: bool = False) -
             problems.append(f"{shard['file']}: sha256 differs from the manifest (the file was altered or corrupted)")
     if not problems:
         problems += check_segments(cache_dir, manifest, full)
-    if full and not problems:
+    if full and not problems and manifest.has_kl:
         problems += _check_kl_partners(cache_dir, manifest)
     if full and not problems and manifest.format_version != 1:
         problems += _check_pairs(cache_dir, manifest)

@@ -182,6 +182,15 @@ class PrecomputeConfig(_ConfigMixin):
             formerly="seed",
         ),
     )
+    pairs_only: bool = field(
+        default=False,
+        **_help(
+            "Paired data only, for DPO-family losses: score each (chosen, rejected) pair as one tree, its prompt "
+            "once, and skip the KL completions (KTO's loss needs them, so KTO cannot train on such a cache). "
+            "Rows without their pair partner are dropped.",
+            panel=DATA,
+        ),
+    )
     num_proc: int = field(
         default=1,
         **_help(
@@ -275,6 +284,11 @@ class PrecomputeConfig(_ConfigMixin):
             f"must be at least --max-length ({self.max_length}) so any sequence fits, got {self.max_tokens_per_batch}",
         )
         _check(self.shard_size >= 1, "shard_size", f"must be at least 1, got {self.shard_size}")
+        _check(
+            not (self.pairs_only and self.shard_size % 2),
+            "shard_size",
+            f"must be even with --pairs-only (a pair's two rows stay in one shard), got {self.shard_size}",
+        )
 
 
 @dataclass

@@ -45,6 +45,7 @@ def inspect_cache(cache_dir: str | Path, verify: bool = False, console: Console 
     dropped = counts.pop("dropped")
     counts["dropped"] = ", ".join(f"{c} ({r})" for r, c in dropped.items()) or "none"
     counts["pairs"] = pairs_text(m)
+    counts["KL completions"] = "yes" if m.has_kl else "none (precompute --pairs-only: pair losses only, not KTO)"
     console.print(_kv_table("counts", counts))
     shards = Table(title="shards", title_justify="left")
     for col in ("file", "rows", "bytes", "sha256"):

@@ -164,3 +164,53 @@ def test_a_version_1_cache_opens_and_grows_in_version_1(tmp_path, tiny_model_dir
     assert "pairs" not in manifest["segments"][1] and grown.table.schema.equals(SCHEMA_V1)
     assert grown.table.num_rows == len(rows) * (1 if data == "unpaired" else 2)
     assert np.array_equal(grown.table.column("example_id").to_numpy(), np.arange(grown.table.num_rows))
+
+
+def test_pairs_only_scores_each_pair_as_one_tree_without_kl(tmp_path, tiny_model_dir, capsys):
+    """--pairs-only: the same completions' reference values as the full cache, no KL completions; KTO refuses it,
+    unpaired data and an odd shard size are refused, and it never appends to a cache with KL completions."""
+    from kto_pipeline import KTOPipelineError, TrainConfig, train
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs(6, long_prompts=(2,)))
+    full = rows_by_id(precompute(config(tiny_model_dir, data, tmp_path / "full")))
+    cache = precompute(config(tiny_model_dir, data, tmp_path / "pairs", pairs_only=True))
+    rows = rows_by_id(cache)
+    assert sorted(rows) == sorted(full)
+    for i, row in rows.items():
+        for key in ("label", "prompt_ids", "completion_ids", "pair_example_id"):
+            assert row[key] == full[i][key], key
+        np.testing.assert_allclose(row["ref_token_logps"], full[i]["ref_token_logps"], atol=1e-5)
+        assert row["ref_logp"] == pytest.approx(full[i]["ref_logp"], abs=1e-4)
+        assert (row["kl_example_id"], row["kl_completion_ids"], row["ref_kl_token_logps"]) == (-1, [], [])
+    manifest = read_manifest(cache)
+    assert not manifest.has_kl and manifest.settings["kl_completions"] is False and manifest.paired
+    assert manifest.fingerprint["kl_completions"] is False and read_manifest(tmp_path / "full").has_kl
+    # the reference pass ran one tree per pair: each prompt once for both answers
+    needed = manifest.timing["tokens_needed"]
+    assert needed == sum(len(r["prompt_ids"]) for r in rows.values()) // 2 + sum(
+        len(r["completion_ids"]) for r in rows.values()
+    )
+    console = Console(record=True, width=200)
+    assert inspect_cache(cache, verify=True, console=console) == []
+    assert "none (precompute --pairs-only: pair losses only, not KTO)" in console.export_text()
+    with pytest.raises(KTOPipelineError, match="written by `precompute --pairs-only`: it holds no KL completions"):
+        train(TrainConfig(cache=str(cache), output_dir=str(tmp_path / "run"), max_steps=1))
+    with pytest.raises(KTOPipelineError, match="--pairs-only needs paired data"):
+        precompute(
+            config(tiny_model_dir, write_jsonl(tmp_path / "u.jsonl", unpaired_rows(4)), tmp_path / "u", pairs_only=True)
+        )
+    with pytest.raises(KTOPipelineError, match="must be even with --pairs-only"):
+        PrecomputeConfig(
+            model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "o"), pairs_only=True, shard_size=3
+        )
+    more = write_jsonl(tmp_path / "more.jsonl", pairs(8, long_prompts=(2,)))
+    with pytest.raises(KTOPipelineError, match="kl_completions: cache has None, this run has False"):
+        precompute(config(tiny_model_dir, more, tmp_path / "full", append=True, pairs_only=True))
+    # an append keeps whole new pairs only: a repeated chosen row with a new rejected one is dropped
+    again = dict(pairs(6)[3], rejected=" another answer")
+    new_rows = write_jsonl(tmp_path / "new.jsonl", [again] + pairs(2, start=6))
+    precompute(config(tiny_model_dir, new_rows, cache, append=True, allow_missing=True, pairs_only=True))
+    manifest = read_manifest(cache)
+    assert manifest["segments"][1]["dropped"] == {"no pair partner": 1}
+    assert manifest.pairs == {"complete": 7, "rows_without_partner": 0}
+    assert check_cache(cache, manifest, full=True) == []

@@ -514,8 +514,8 @@ class ReferenceScorer(torch.nn.Module):
         return score_sequences(self.model, *padded, with_stats=False)
 
 
-def _filler_tree(pad_id: int) -> Tree:
-    return ([pad_id], [[pad_id], [pad_id]])
+def _filler_tree(pad_id: int, branches: int) -> Tree:
+    return ([pad_id], [[pad_id]] * branches)
 
 
 @torch.inference_mode()
@@ -529,9 +529,10 @@ def score_shard(
     on_batch=None,
     packed=True,
     agree_on_forwards=None,
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per-token reference log-probs of each tree's completion and KL completion. `scorer`: a `ReferenceScorer`
-    (sharded or not), or a causal LM.
+) -> list[tuple[np.ndarray, ...]]:
+    """Per-token reference log-probs of each tree's continuations (a row's completion and KL completion, or a
+    pair's chosen and rejected answers; every tree has as many). `scorer`: a `ReferenceScorer` (sharded or not), or
+    a causal LM.
 
     `packed=True`: each prompt runs once, its completion and KL completion both attending to it
     (`packing.layout_trees`), several trees side by side in each tensor row. `packed=False`: every sequence
@@ -544,7 +545,8 @@ def score_shard(
     ones on a one-token filler tree whose scores are dropped, so that none waits for the others forever."""
     # (a DeepSpeed engine around a ReferenceScorer is used as it is)
     scorer = scorer if isinstance(getattr(scorer, "module", scorer), ReferenceScorer) else ReferenceScorer(scorer)
-    out: list[list[np.ndarray]] = [[np.empty(0, np.float32)] * 2 for _ in trees]
+    branches = len(trees[0][1]) if trees else 2
+    out: list[list[np.ndarray]] = [[np.empty(0, np.float32)] * branches for _ in trees]
     if packed:
         sizes = [len(p) + sum(map(len, conts)) for p, conts in trees]
         model = getattr(scorer, "module", scorer).model  # (DeepSpeed's engine keeps the scorer in .module)
@@ -564,9 +566,9 @@ def score_shard(
             layout = layout_trees([trees[t] for t in members], [[local[t] for t in row] for row in batch], pad_id)
             per_sequence = scorer(layout=layout.to(device)).per_sequence()
             for i, t in enumerate(members):
-                out[t] = [v.float().cpu().numpy() for v in per_sequence[2 * i : 2 * i + 2]]
+                out[t] = [v.float().cpu().numpy() for v in per_sequence[branches * i : branches * (i + 1)]]
             if on_batch is not None:
-                on_batch(2 * len(members), sum(sizes[t] for t in members), layout.input_ids.numel())
+                on_batch(branches * len(members), sum(sizes[t] for t in members), layout.input_ids.numel())
             continue
         ids, attn, comp = (
             t.to(device) for t in pad_sequences([s.ids for s in batch], [s.prompt_len for s in batch], pad_id)
@@ -577,7 +579,7 @@ def score_shard(
         if on_batch is not None:
             on_batch(len(batch), sum(len(s.ids) for s in batch), ids.numel())
     for _ in range(total - len(passes)):
-        filler = _filler_tree(pad_id)
+        filler = _filler_tree(pad_id, branches)
         if packed:
             scorer(layout=layout_trees([filler], [[0]], pad_id).to(device))
         else:

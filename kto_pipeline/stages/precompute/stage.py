@@ -20,6 +20,7 @@ import hashlib
 import json
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,7 @@ def open_base(run: Pass) -> Manifest:
                 "max_length": config.max_length,
                 **regime.record(),
                 "kl_seed": config.kl_seed,
+                "kl_completions": False if config.pairs_only else None,
             },
         )
         if diff:
@@ -203,7 +205,16 @@ def open_base(run: Pass) -> Manifest:
 # the reference (name, revision; its weights' hash is checked after loading), the tokenizer (vocabulary, special
 # tokens, chat template), max_length, the precision regime, and the KL seed.
 DATASET_FIELDS = ("dataset", "dataset_config", "split", "dataset_hash")
-APPEND_MUST_MATCH = ("model", "model_revision", "tokenizer_hash", "max_length", "dtype", "autocast", "kl_seed")
+APPEND_MUST_MATCH = (
+    "model",
+    "model_revision",
+    "tokenizer_hash",
+    "max_length",
+    "dtype",
+    "autocast",
+    "kl_seed",
+    "kl_completions",  # (recorded as False by --pairs-only only: absent, None, means with KL completions)
+)
 
 
 def _append_refused(out: Path, diff: list[str]) -> str:
@@ -250,6 +261,13 @@ def prepare_rows(config: PrecomputeConfig, tokenizer, state=None, base: Manifest
     # a row's example id: its place among the normalized rows of the cache, kept or dropped
     example_ids = first + (rows.example_ids if among is None else np.searchsorted(among, rows.example_ids))
     pair_ids = pair_partners(rows.example_ids, example_ids) if prepared["paired"] else np.full(len(rows), NO_PAIR)
+    if config.pairs_only:  # only whole pairs: the rows without their partner are dropped
+        keep = pair_ids != NO_PAIR
+        dropped = rows.dropped + Counter({"no pair partner": int((~keep).sum())} if not keep.all() else {})
+        rows = TokenizedRows(rows.table, rows.example_ids[keep], rows.labels[keep], dropped, rows.prefix_mismatches)
+        example_ids, pair_ids = example_ids[keep], pair_ids[keep]
+        if len(rows) == 0:
+            raise KTOPipelineError(f"--pairs-only: no {which} has its pair partner: nothing to score.")
     complete = int((pair_ids != NO_PAIR).sum())
     segment = {
         "source": prepared["source"],
@@ -306,6 +324,11 @@ def _preprocess(config: PrecomputeConfig, tokenizer, out: Path, base: Manifest |
     tokenized."""
     source = load_source(config.dataset, config.split, config.dataset_config)
     layout = check_source(source)  # seconds, even for millions of rows: columns, types, nulls, labels
+    if config.pairs_only and layout == "unpaired":
+        raise KTOPipelineError(
+            f"--pairs-only needs paired data (prompt/chosen/rejected, or chosen/rejected): {config.dataset} holds "
+            "unpaired rows (prompt/completion/label), which only KTO trains on. Drop --pairs-only."
+        )
     data_hash = content_hash(config.dataset, source)
     key_files = content_keys(source, layout, data_hash, config.num_proc)
     keys = open_keys(key_files)
@@ -386,6 +409,8 @@ def _kl_partners(
     whole dataset, seed --seed; an append: its new rows, seed (--seed, segment number)), so that each completion
     is another row's KL completion exactly once. A one-row append draws its partner from the cache's rows with
     the same kind of prompt (standard or conversational), with the same seed."""
+    if config.pairs_only:  # no KL completions
+        return np.full(n, -1, dtype=np.int64), None
     if base is None:
         return assign_kl_partners(n, config.kl_seed), None
     seed = [config.kl_seed, len(base.all_segments)]
@@ -462,6 +487,7 @@ def plan_output(run: Pass) -> bool:
         **run.regime.record(),
         "kl_seed": config.kl_seed,
         "shard_size": config.shard_size,
+        **({"kl_completions": False} if config.pairs_only else {}),
     }
     if run.base is not None:
         return _plan_append(run, fingerprint)
@@ -675,8 +701,7 @@ def _score_round(run: Pass, first: int, num_shards: int, pad_id: int) -> None:
         positions = np.arange(shard_index * size, min(n, (shard_index + 1) * size))
         shard = _score_rows(run, positions, pad_id)
         entry = write_shard(run.out, run.first_shard + shard_index, shard, run.manifest.format_version)
-        needed = _needed_tokens(shard)
-        scored = needed + sum(len(p) for p in shard["prompt_ids"])  # as separate sequences: prompts twice
+        needed, scored = _needed_tokens(shard, run.config.pairs_only)
         stats = {"rows": len(positions), "scored": scored, "executed": progress.executed_here, "needed": needed}
     elif run.engine.collective_forwards:  # no shard left for this process: it still runs the others' forwards
         _score_trees(run, [], pad_id)
@@ -731,6 +756,8 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> dict:
     config, prepared = run.config, run.prepared
     tok, partner_pos, ids = prepared.rows, prepared.partners, prepared.example_ids
     prompts, completions = tok.take(positions, "prompt_ids"), tok.take(positions, "completion_ids")
+    if run.config.pairs_only:
+        return _score_pairs(run, positions, prompts, completions, pad_id)
     if prepared.outside_partner is None:
         kl_ids, kl_completions = ids[partner_pos[positions]], tok.take(partner_pos[positions], "completion_ids")
     else:  # a one-row append: its partner is a row of the cache
@@ -765,7 +792,43 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> dict:
     return cols
 
 
-def _score_trees(run: Pass, trees: list[Tree], pad_id: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def _score_pairs(run: Pass, positions: np.ndarray, prompts: list, completions: list, pad_id: int) -> dict:
+    """--pairs-only: the rows at `positions` are whole pairs, each (chosen, rejected) next to each other; each pair
+    is one tree, its prompt run once for both answers, and the rows get no KL completion."""
+    config, prepared = run.config, run.prepared
+    ids = prepared.example_ids[positions]
+    trees: list[Tree] = []
+    for j in range(0, len(positions), 2):
+        if prepared.pair_ids[positions[j]] != ids[j + 1] or prompts[j] != prompts[j + 1]:
+            raise AssertionError(f"rows {ids[j]} and {ids[j + 1]} are not one pair")  # (shards hold whole pairs)
+        room = completion_room(prompts[j], config.max_length)
+        trees.append((prompts[j], [completions[j][:room], completions[j + 1][:room]]))
+    scores = _score_trees(run, trees, pad_id)
+    cols: dict[str, list] = {name: [] for name in SCHEMA.names}
+    for row, pos in enumerate(positions):
+        prompt, answers = trees[row // 2]
+        values = scores[row // 2][row % 2]
+        if not np.isfinite(values).all():
+            raise KTOPipelineError(
+                f"example {int(ids[row])}: the reference model gave a non-finite log-prob for its completion "
+                f"(values {values[~np.isfinite(values)][:3]}). The model or its dtype is broken "
+                "(try --dtype float32); nothing of this row was written."
+            )
+        cols["example_id"].append(int(ids[row]))
+        cols["label"].append(bool(prepared.rows.labels[pos]))
+        cols["prompt_ids"].append(prompt)
+        cols["completion_ids"].append(answers[row % 2])
+        cols["kl_example_id"].append(-1)  # no KL completion (manifest settings.kl_completions: false)
+        cols["kl_completion_ids"].append([])
+        cols["ref_logp"].append(token_sum(values))
+        cols["ref_kl_logp"].append(0.0)
+        cols["ref_token_logps"].append(values)
+        cols["ref_kl_token_logps"].append([])
+        cols["pair_example_id"].append(int(prepared.pair_ids[pos]))
+    return cols
+
+
+def _score_trees(run: Pass, trees: list[Tree], pad_id: int) -> list[tuple[np.ndarray, ...]]:
     """score_shard with this pass's settings. Sharded, every process runs as many forwards as the busiest."""
     return score_shard(
         run.scorer,
@@ -780,9 +843,15 @@ def _score_trees(run: Pass, trees: list[Tree], pad_id: int) -> list[tuple[np.nda
     )
 
 
-def _needed_tokens(shard: dict) -> int:
-    """The minimal work for a shard: each prompt once, then its completion and its KL completion, no padding."""
-    return sum(len(c) for key in ("prompt_ids", "completion_ids", "kl_completion_ids") for c in shard[key])
+def _needed_tokens(shard: dict, pairs_only: bool = False) -> tuple[int, int]:
+    """(needed, scored) tokens of a shard. Needed, the minimal work: each prompt once, then its completion and its
+    KL completion, no padding (--pairs-only: each pair's prompt once, then its two answers). Scored: as separate
+    sequences, each prompt with each of its continuations."""
+    prompts = sum(len(p) for p in shard["prompt_ids"])
+    answers = sum(len(c) for key in ("completion_ids", "kl_completion_ids") for c in shard[key])
+    if pairs_only:
+        return prompts // 2 + answers, prompts + answers
+    return prompts + answers, 2 * prompts + answers
 
 
 # ------------------------------------------------------------------------------------------- finish

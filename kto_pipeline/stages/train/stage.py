@@ -215,6 +215,7 @@ def _open_checked_cache(config: TrainConfig) -> tuple[CacheTable, int]:
     """The cache (cheap checks always: complete, files, sizes, row counts, schema; sha256 with --verify) and the
     max length to train at."""
     cache = open_cache(config.cache, verify=config.verify)
+    _require_kl("--cache", config.cache, cache.manifest)
     cached_max = cache.manifest.max_length
     max_length = config.max_length or cached_max
     if max_length > cached_max:
@@ -224,6 +225,15 @@ def _open_checked_cache(config: TrainConfig) -> tuple[CacheTable, int]:
             f"cache with --max-length {max_length}."
         )
     return cache, max_length
+
+
+def _require_kl(flag: str, path: str, manifest: Manifest) -> None:
+    """KTO's loss needs each row's KL completion; a `precompute --pairs-only` cache has none."""
+    if not manifest.has_kl:
+        raise KTOPipelineError(
+            f"{flag} {path} was written by `precompute --pairs-only`: it holds no KL completions, which KTO's loss "
+            "needs. Precompute the data again without --pairs-only (another --output)."
+        )
 
 
 def _loaders(config: TrainConfig, cache, max_length: int, accelerator, tokenizer, model, padded_because):
@@ -638,6 +648,7 @@ def _open_eval_cache(config: TrainConfig, manifest: Manifest, max_length: int) -
     if config.eval_cache is None:
         return None
     eval_cache = open_cache(config.eval_cache, verify=config.verify)
+    _require_kl("--eval-cache", config.eval_cache, eval_cache.manifest)
     if eval_cache.manifest.tokenizer_hash != manifest.tokenizer_hash:
         raise KTOPipelineError(
             f"--eval-cache {config.eval_cache} was made with another tokenizer than --cache {config.cache}. "
