@@ -215,7 +215,7 @@ class Manifest(dict):
 
     @property
     def paired(self) -> bool:
-        """Whether pair losses (DPO and its family) can train on this cache: it holds at least one whole pair."""
+        """Whether the cache holds at least one whole (chosen, rejected) pair, what a pair loss trains on."""
         return self.pairs["complete"] > 0
 
     @property

@@ -185,9 +185,9 @@ class PrecomputeConfig(_ConfigMixin):
     pairs_only: bool = field(
         default=False,
         **_help(
-            "Paired data only, for DPO-family losses: score each (chosen, rejected) pair as one tree, its prompt "
-            "once, and skip the KL completions (KTO's loss needs them, so KTO cannot train on such a cache). "
-            "Rows without their pair partner are dropped.",
+            "Paired data only, for pair losses (DPO and its family): score each (chosen, rejected) pair as one "
+            "tree, its prompt once, and skip the KL completions (KTO's loss needs them: train refuses such a "
+            "cache). Rows without their pair partner are dropped.",
             panel=DATA,
         ),
     )
