@@ -173,7 +173,9 @@ def test_pairs_only_scores_each_pair_as_one_tree_without_kl(tmp_path, tiny_model
 
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs(6, long_prompts=(2,)))
     full = rows_by_id(precompute(config(tiny_model_dir, data, tmp_path / "full")))
+    capsys.readouterr()
     cache = precompute(config(tiny_model_dir, data, tmp_path / "pairs", pairs_only=True))
+    assert " scored (chosen + rejected completions, no KL, with their prompts)\n" in capsys.readouterr().out
     rows = rows_by_id(cache)
     assert sorted(rows) == sorted(full)
     for i, row in rows.items():

@@ -905,6 +905,7 @@ def _print_summary(manifest: Manifest, segment: dict[str, Any], out: Path, secon
         if appended
         else f"{counts['rows']} ({counts['desirable']} desirable, {counts['undesirable']} undesirable)"
     )
+    scored_what = "completions + KL completions" if manifest.has_kl else "chosen + rejected completions, no KL"
     pairs = segment.get("pairs") or {}
     pairs_line = (
         f"  pairs        {pairs['complete']} (chosen, rejected) pairs, {pairs['rows_without_partner']} rows without "
@@ -917,7 +918,7 @@ def _print_summary(manifest: Manifest, segment: dict[str, Any], out: Path, secon
         f"  rows         {rows}\n"
         f"{pairs_line}"
         f"  dropped      {sum(dropped.values())}: {dropped_text}\n"
-        f"  tokens       {timing['tokens_scored']} scored (completions + KL completions, with their prompts)\n"
+        f"  tokens       {timing['tokens_scored']} scored ({scored_what}, with their prompts)\n"
         f"  efficiency   {timing['token_efficiency']:.1%}: {timing['tokens_needed']} tokens needed (each prompt once, "
         f"no padding) / {timing['tokens_executed']} executed\n"
         f"  tokenizing   {segment['normalized_rows']} rows of {segment['source']['source_rows']} source rows in "
