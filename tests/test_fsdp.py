@@ -109,6 +109,28 @@ def test_fsdp2_precompute_on_skewed_shards_equals_one_process(tmp_path, tiny_mod
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("pairs_only", [False, True], ids=["with-kl", "pairs-only"])
+def test_fsdp2_precompute_of_pairs_equals_one_process(tmp_path, tiny_model_dir, pairs_only):
+    """Paired data under FSDP2: the same rows, pair partners and values as one process, with KL completions or
+    with --pairs-only (each pair one tree)."""
+    rows = [
+        {"prompt": f"Question {i}?" + " Why?" * (i % 3), "chosen": f" It is {i}.", "rejected": " No."} for i in range(9)
+    ]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    config = PrecomputeConfig(str(tiny_model_dir), str(data), str(tmp_path / "one"), pairs_only=pairs_only, **_pre())
+    one = open_cache(precompute(config), verify=True)
+    args = ["precompute", "--model", str(tiny_model_dir), "--dataset", str(data), "--output", str(tmp_path / "two")]
+    launch(
+        2, *args, *PRECOMPUTE_ARGS, *(["--pairs-only"] if pairs_only else []), env=FSDP_ENV, log_dir=tmp_path / "logs"
+    )
+    two = open_cache(tmp_path / "two", verify=True)
+    assert two.manifest["distributed"] == {"engine": "fsdp2", "world_size": 2}
+    assert two.manifest.pairs == one.manifest.pairs == {"complete": 9, "rows_without_partner": 0}
+    assert two.manifest.has_kl == one.manifest.has_kl == (not pairs_only)
+    assert_same_rows(two.table.to_pylist(), one.table.to_pylist())
+
+
+@pytest.mark.slow
 def test_fsdp2_train_equals_one_process_and_survives_sigkill_and_sigterm(tmp_path, skewed):
     from transformers import AutoModelForCausalLM
 
