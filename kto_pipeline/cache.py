@@ -573,19 +573,21 @@ def _file_problem(cache_dir: Path, entry: dict[str, Any]) -> str | None:
     return None
 
 
-def _check_kl_partners(cache_dir: Path, manifest: Manifest) -> list[str]:
-    """Every kl_example_id must name a row of the cache, and never the row itself."""
-    import numpy as np
-
-    ids, partners = [], []
+def _shard_columns(cache_dir: Path, manifest: Manifest, columns: list[str]) -> pa.Table | None:
+    """`columns` of every shard of the cache, as one table (None: no shard)."""
+    tables = []
     for shard in manifest.shards:
         with pa.memory_map(str(cache_dir / shard["file"])) as source:
-            table = pa.ipc.open_stream(source).read_all()
-            ids.append(table.column("example_id").to_numpy())
-            partners.append(table.column("kl_example_id").to_numpy())
-    if not ids:
+            tables.append(pa.ipc.open_stream(source).read_all().select(columns))
+    return pa.concat_tables(tables) if tables else None
+
+
+def _check_kl_partners(cache_dir: Path, manifest: Manifest) -> list[str]:
+    """Every kl_example_id must name a row of the cache, and never the row itself."""
+    table = _shard_columns(cache_dir, manifest, ["example_id", "kl_example_id"])
+    if table is None:
         return []
-    ids, partners = np.concatenate(ids), np.concatenate(partners)
+    ids, partners = table.column("example_id").to_numpy(), table.column("kl_example_id").to_numpy()
     problems = []
     unknown = partners[~np.isin(partners, ids)]
     if len(unknown):
@@ -599,16 +601,9 @@ def _check_kl_partners(cache_dir: Path, manifest: Manifest) -> list[str]:
 def _check_pairs(cache_dir: Path, manifest: Manifest) -> list[str]:
     """Every pair_example_id names a row of the cache that names this row back, with the other label and the same
     prompt; the manifest counts as many pairs."""
-    import numpy as np
-
-    columns = ["example_id", "label", "prompt_ids", "pair_example_id"]
-    tables = []
-    for shard in manifest.shards:
-        with pa.memory_map(str(cache_dir / shard["file"])) as source:
-            tables.append(pa.ipc.open_stream(source).read_all().select(columns))
-    if not tables:
+    table = _shard_columns(cache_dir, manifest, ["example_id", "label", "prompt_ids", "pair_example_id"])
+    if table is None:
         return []
-    table = pa.concat_tables(tables)
     ids, partners = table.column("example_id").to_numpy(), table.column("pair_example_id").to_numpy()
     paired = np.flatnonzero(partners != NO_PAIR)
     where = {int(i): k for k, i in enumerate(ids)}

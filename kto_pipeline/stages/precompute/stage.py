@@ -769,27 +769,48 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> dict:
     scores = _score_trees(run, trees, pad_id)
     cols: dict[str, list] = {name: [] for name in SCHEMA.names}
     for row, pos in enumerate(positions):
+        prompt, (completion, kl_completion) = trees[row]
         main, kl = scores[row]
-        example_id = int(ids[pos])
-        for what, values in (("completion", main), ("KL completion", kl)):
-            if not np.isfinite(values).all():
-                raise KTOPipelineError(
-                    f"example {example_id}: the reference model gave a non-finite log-prob for its {what} "
-                    f"(values {values[~np.isfinite(values)][:3]}). The model or its dtype is broken "
-                    "(try --dtype float32); nothing of this row was written."
-                )
-        cols["example_id"].append(example_id)
-        cols["label"].append(bool(tok.labels[pos]))
-        cols["prompt_ids"].append(trees[row][0])
-        cols["completion_ids"].append(trees[row][1][0])
-        cols["kl_example_id"].append(int(kl_ids[row]))
-        cols["kl_completion_ids"].append(trees[row][1][1])
-        cols["ref_logp"].append(token_sum(main))
-        cols["ref_kl_logp"].append(token_sum(kl))
-        cols["ref_token_logps"].append(main)
-        cols["ref_kl_token_logps"].append(kl)
-        cols["pair_example_id"].append(int(prepared.pair_ids[pos]))
+        pair = int(prepared.pair_ids[pos])
+        _add_row(
+            cols, int(ids[pos]), bool(tok.labels[pos]), prompt, completion, main, pair, kl_ids[row], kl_completion, kl
+        )
     return cols
+
+
+def _add_row(
+    cols: dict[str, list],
+    example_id: int,
+    label: bool,
+    prompt,
+    completion,
+    values,
+    pair_id: int,
+    kl_id: int = -1,
+    kl_completion=(),
+    kl_values=(),
+) -> None:
+    """Append one row to a shard's columns, after checking its reference values are finite. Without a KL
+    completion (--pairs-only) its KL partner is -1 and its KL columns are empty (their sum 0)."""
+    for what, got in (("completion", values), ("KL completion", kl_values)):
+        got = np.asarray(got, dtype=np.float32)
+        if not np.isfinite(got).all():
+            raise KTOPipelineError(
+                f"example {example_id}: the reference model gave a non-finite log-prob for its {what} "
+                f"(values {got[~np.isfinite(got)][:3]}). The model or its dtype is broken "
+                "(try --dtype float32); nothing of this row was written."
+            )
+    cols["example_id"].append(example_id)
+    cols["label"].append(label)
+    cols["prompt_ids"].append(prompt)
+    cols["completion_ids"].append(completion)
+    cols["kl_example_id"].append(int(kl_id))
+    cols["kl_completion_ids"].append(list(kl_completion))
+    cols["ref_logp"].append(token_sum(values))
+    cols["ref_kl_logp"].append(token_sum(kl_values))
+    cols["ref_token_logps"].append(values)
+    cols["ref_kl_token_logps"].append(kl_values if len(kl_values) else [])
+    cols["pair_example_id"].append(pair_id)
 
 
 def _score_pairs(run: Pass, positions: np.ndarray, prompts: list, completions: list, pad_id: int) -> dict:
@@ -805,26 +826,10 @@ def _score_pairs(run: Pass, positions: np.ndarray, prompts: list, completions: l
         trees.append((prompts[j], [completions[j][:room], completions[j + 1][:room]]))
     scores = _score_trees(run, trees, pad_id)
     cols: dict[str, list] = {name: [] for name in SCHEMA.names}
-    for row, pos in enumerate(positions):
+    for row, pos in enumerate(positions):  # no KL completion (manifest settings.kl_completions: false)
         prompt, answers = trees[row // 2]
-        values = scores[row // 2][row % 2]
-        if not np.isfinite(values).all():
-            raise KTOPipelineError(
-                f"example {int(ids[row])}: the reference model gave a non-finite log-prob for its completion "
-                f"(values {values[~np.isfinite(values)][:3]}). The model or its dtype is broken "
-                "(try --dtype float32); nothing of this row was written."
-            )
-        cols["example_id"].append(int(ids[row]))
-        cols["label"].append(bool(prepared.rows.labels[pos]))
-        cols["prompt_ids"].append(prompt)
-        cols["completion_ids"].append(answers[row % 2])
-        cols["kl_example_id"].append(-1)  # no KL completion (manifest settings.kl_completions: false)
-        cols["kl_completion_ids"].append([])
-        cols["ref_logp"].append(token_sum(values))
-        cols["ref_kl_logp"].append(0.0)
-        cols["ref_token_logps"].append(values)
-        cols["ref_kl_token_logps"].append([])
-        cols["pair_example_id"].append(int(prepared.pair_ids[pos]))
+        label, pair = bool(prepared.rows.labels[pos]), int(prepared.pair_ids[pos])
+        _add_row(cols, int(ids[row]), label, prompt, answers[row % 2], scores[row // 2][row % 2], pair)
     return cols
 
 
