@@ -15,7 +15,28 @@ from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError
 
-LOSS_TYPES = ("kto", "apo_zero_unpaired")
+LOSS_TYPES = ("kto", "apo_zero_unpaired")  # KTO's: each row alone, desirable or undesirable
+# trl.DPOTrainer's (1.16): each (prompt, chosen, rejected) pair (see loss.pair_loss); several joined with "+"
+PAIR_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+)
+F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+# the pair losses that take another f-divergence than reverse KL (trl: the others have no valid generalization)
+F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_KERNELS = ("auto", "by-tree", "block-mask", "dense")  # see kto_pipeline/scoring/attention.py
 _ATTENTION_KERNEL_HELP = (
@@ -89,7 +110,8 @@ def _check(cond: bool, name: str, message: str) -> None:
 
 # ------------------------------------------------------------------------------------------ typed values
 
-LIST_FIELDS = ("lora_target_modules", "report_to")  # str fields whose value is a comma-separated list itself
+# str fields whose value is a comma-separated list itself
+LIST_FIELDS = ("lora_target_modules", "report_to", "loss_weights")
 
 
 def base_type(value_type: Any) -> tuple[type, bool]:
@@ -313,10 +335,58 @@ class TrainConfig(_ConfigMixin):
     )
     beta: float = field(
         default=0.1,
-        **_help("KTO beta: higher stays closer to the reference, lower cares less about it.", panel=OPTIMISATION),
+        **_help(
+            "The loss's beta (KTO's, DPO's): higher stays closer to the reference, lower cares less about it.",
+            panel=OPTIMISATION,
+        ),
     )
     loss_type: str = field(
-        default="kto", **_help("kto (with the KL reference point) or apo_zero_unpaired.", panel=OPTIMISATION)
+        default="kto",
+        **_help(
+            "KTO's, on rows: kto (with the KL reference point) or apo_zero_unpaired. Or trl.DPOTrainer's, on "
+            f"(chosen, rejected) pairs of a paired cache: {', '.join(PAIR_LOSS_TYPES)}; several joined with + "
+            "(sigmoid+bco_pair+sft: MPO) are summed, weighted by --loss-weights.",
+            panel=OPTIMISATION,
+        ),
+    )
+    loss_weights: str | None = field(
+        default=None,
+        **_help(
+            "Pair losses: comma-separated weights of the --loss-type terms joined with + (trl's loss_weights). "
+            "Default: 1 each.",
+            panel=OPTIMISATION,
+        ),
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        **_help(
+            "Pair losses: the probability that a pair's preference is flipped (robust, exo_pair, aot, aot_unpaired; "
+            "exo_pair needs > 0, the EXO paper uses 1e-3).",
+            panel=OPTIMISATION,
+        ),
+    )
+    f_divergence_type: str = field(
+        default="reverse_kl",
+        **_help(
+            f"Pair losses: the divergence DPO's rewards come from: {', '.join(F_DIVERGENCE_TYPES)} (f-DPO). Other "
+            f"than reverse_kl only with {', '.join(F_DIVERGENCE_LOSS_TYPES)}.",
+            panel=OPTIMISATION,
+        ),
+    )
+    f_alpha_divergence_coef: float = field(
+        default=0.5, **_help("Pair losses: alpha of --f-divergence-type alpha_divergence.", panel=OPTIMISATION)
+    )
+    discopop_tau: float = field(
+        default=0.05,
+        **_help("Pair losses: the temperature of --loss-type discopop (the paper's 0.05).", panel=OPTIMISATION),
+    )
+    ld_alpha: float | None = field(
+        default=None,
+        **_help(
+            "Pair losses: LD-DPO's length desensitization. The tokens of the longer answer beyond the shorter one's "
+            "length count alpha times in both log-probs (policy and reference). Default: off.",
+            panel=OPTIMISATION,
+        ),
     )
     desirable_weight: float = field(default=1.0, **_help("Weight of desirable examples' losses.", panel=OPTIMISATION))
     undesirable_weight: float = field(
@@ -327,7 +397,11 @@ class TrainConfig(_ConfigMixin):
     )
     per_device_train_batch_size: int = field(
         default=8,
-        **_help("Rows per forward pass and process; KTO needs >= 4 for a useful KL estimate.", panel=OPTIMISATION),
+        **_help(
+            "Rows per forward pass and process (KTO needs >= 4 for a useful KL estimate); with a pair loss, pairs "
+            "(as trl.DPOTrainer).",
+            panel=OPTIMISATION,
+        ),
     )
     gradient_accumulation_steps: int = field(
         default=1, **_help("Forward passes per optimizer step.", panel=OPTIMISATION)
@@ -468,7 +542,7 @@ class TrainConfig(_ConfigMixin):
     def __post_init__(self) -> None:
         _check(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
         _check(not (self.init_from and self.model), "init_from", "cannot be combined with --model (choose one start)")
-        _check(self.loss_type in LOSS_TYPES, "loss_type", f"must be one of {', '.join(LOSS_TYPES)}")
+        self._check_loss()
         _check_kernel(self.attention_kernel)
         _check(self.desirable_weight > 0, "desirable_weight", f"must be > 0, got {self.desirable_weight}")
         _check(self.undesirable_weight > 0, "undesirable_weight", f"must be > 0, got {self.undesirable_weight}")
@@ -533,6 +607,99 @@ class TrainConfig(_ConfigMixin):
             "train_sampling_strategy",
             f"must be one of {', '.join(SAMPLING)}",
         )
+
+    @property
+    def loss_types(self) -> tuple[str, ...]:
+        """The --loss-type terms (one, or several joined with +)."""
+        return tuple(t.strip() for t in self.loss_type.split("+"))
+
+    @property
+    def pair_loss(self) -> bool:
+        """Whether the run trains a pair loss (trl.DPOTrainer's, on (chosen, rejected) pairs), not KTO's."""
+        return self.loss_types[0] in PAIR_LOSS_TYPES
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """The weight of each --loss-type term (--loss-weights; 1 each by default)."""
+        if self.loss_weights is None:
+            return (1.0,) * len(self.loss_types)
+        return tuple(float(w) for w in self.loss_weights.split(","))
+
+    def _check_loss(self) -> None:
+        names = f"{', '.join(LOSS_TYPES)} (KTO), or of {', '.join(PAIR_LOSS_TYPES)} (pairs)"
+        _check(
+            "," not in self.loss_type,
+            "loss_type",
+            f"{self.loss_type!r}: join the terms of a combination with + (sigmoid+bco_pair+sft); commas separate "
+            "a sweep's values",
+        )
+        types = self.loss_types
+        unknown = [t for t in types if t not in LOSS_TYPES + PAIR_LOSS_TYPES]
+        _check(not unknown, "loss_type", f"unknown {', '.join(map(repr, unknown))}: each term must be one of {names}")
+        _check(
+            len(types) == 1 or all(t in PAIR_LOSS_TYPES for t in types),
+            "loss_type",
+            f"{self.loss_type!r}: only pair losses combine (KTO's {', '.join(LOSS_TYPES)} train alone)",
+        )
+        _check(len(set(types)) == len(types), "loss_type", f"{self.loss_type!r} names a term twice")
+        if self.loss_weights is not None:
+            _check(self.pair_loss, "loss_weights", "weights the terms of a pair loss (--loss-type a+b)")
+            try:
+                weights = self.weights
+            except ValueError:
+                raise KTOPipelineError(
+                    f"--loss-weights: cannot read {self.loss_weights!r} as comma-separated numbers"
+                ) from None
+            _check(
+                len(weights) == len(types),
+                "loss_weights",
+                f"{len(weights)} weights for the {len(types)} terms of --loss-type {self.loss_type}",
+            )
+        if not self.pair_loss:
+            for name, default in PAIR_OPTIONS.items():
+                _check(
+                    getattr(self, name) == default,
+                    name,
+                    f"applies to pair losses only, not to --loss-type {self.loss_type}",
+                )
+            return
+        for name in ("desirable_weight", "undesirable_weight"):
+            _check(getattr(self, name) == 1.0, name, f"applies to KTO only, not to --loss-type {self.loss_type}")
+        _check(
+            self.f_divergence_type in F_DIVERGENCE_TYPES,
+            "f_divergence_type",
+            f"must be one of {', '.join(F_DIVERGENCE_TYPES)}",
+        )
+        _check(
+            self.f_divergence_type == "reverse_kl" or set(types) <= set(F_DIVERGENCE_LOSS_TYPES),
+            "f_divergence_type",
+            f"{self.f_divergence_type} applies to {', '.join(F_DIVERGENCE_LOSS_TYPES)} only (the other losses have "
+            f"no valid f-divergence generalization); --loss-type {self.loss_type} needs reverse_kl",
+        )
+        _check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
+        _check(
+            "exo_pair" not in types or self.label_smoothing > 0,
+            "label_smoothing",
+            "must be > 0 with exo_pair (the EXO paper uses 1e-3)",
+        )
+        _check(
+            "robust" not in types or self.label_smoothing < 0.5,
+            "label_smoothing",
+            f"must be in [0, 0.5) with robust, got {self.label_smoothing}",
+        )
+        _check(self.discopop_tau > 0, "discopop_tau", f"must be > 0, got {self.discopop_tau}")
+        _check(self.ld_alpha is None or 0 <= self.ld_alpha <= 1, "ld_alpha", f"must be in [0, 1], got {self.ld_alpha}")
+
+
+# the pair losses' options and their defaults (refused with KTO's losses)
+PAIR_OPTIONS = {
+    "loss_weights": None,
+    "label_smoothing": 0.0,
+    "f_divergence_type": "reverse_kl",
+    "f_alpha_divergence_coef": 0.5,
+    "discopop_tau": 0.05,
+    "ld_alpha": None,
+}
 
 
 @dataclass

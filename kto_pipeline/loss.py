@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kto_pipeline.config import LOSS_TYPES
+from kto_pipeline.config import F_DIVERGENCE_TYPES, LOSS_TYPES, PAIR_LOSS_TYPES
 
 
 def kto_loss(
@@ -72,25 +72,6 @@ def kto_loss(
 # The losses of trl.DPOTrainer (1.16), for (prompt, chosen, rejected) pairs, with trl's names, defaults and
 # formulas (its `_compute_loss`). Each pair's sequence log-probs under the policy and the reference give the log
 # ratios; an f-divergence turns them into scores (reverse KL: the log ratios themselves, standard DPO).
-
-PAIR_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-)
-F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 
 
 def f_divergence_scores(logratios: torch.Tensor, f_divergence_type: str, alpha: float = 0.5) -> torch.Tensor:
@@ -240,3 +221,18 @@ def _one_pair_loss(
         tokens = _need(chosen_token_logps, loss_type, "the chosen completions' token log-probs")
         return (-tokens.mean()).expand(delta.shape[0])
     raise ValueError(f"unknown pair loss type {loss_type!r}; expected one of {', '.join(PAIR_LOSS_TYPES)}")
+
+
+def length_desensitized(
+    token_logps: torch.Tensor, sequence: torch.Tensor, num_sequences: int, shared: torch.Tensor, ld_alpha: float
+) -> torch.Tensor:
+    """LD-DPO's sequence log-probs (trl's `ld_alpha`): each sequence's first `shared` tokens (the shorter answer's
+    length, of its pair) count once, the tokens beyond them `ld_alpha` times.
+
+    token_logps, sequence: (N,) log-probs of the completion tokens, ordered by sequence then position;
+    shared: (num_sequences,) the tokens that count whole. Returns (num_sequences,)."""
+    counts = torch.bincount(sequence, minlength=num_sequences)
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(len(sequence), device=sequence.device) - starts[sequence]
+    weight = torch.where(position < shared.to(sequence.device)[sequence], 1.0, ld_alpha).to(token_logps.dtype)
+    return token_logps.new_zeros(num_sequences).index_add(0, sequence, token_logps * weight)

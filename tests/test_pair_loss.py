@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kto_pipeline.loss import F_DIVERGENCE_TYPES, PAIR_LOSS_TYPES, pair_loss
+from kto_pipeline.config import F_DIVERGENCE_TYPES, PAIR_LOSS_TYPES
+from kto_pipeline.loss import pair_loss
 
 PAIRS, WIDTH = 6, 12
 

@@ -382,17 +382,29 @@ def _score_branch(model, layout: Layout, hidden, where, branch: int, chunk_size:
     return _scores(logps, layout.sequence[sel] // layout.branches, layout.num_trees, mean_logits, entropy, **extra)
 
 
-def score_layout(model, layout: Layout, chunk_size: int | None = DEFAULT_CHUNK_SIZE, with_stats: bool = True) -> Scores:
+def score_layout(
+    model,
+    layout: Layout,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+    with_stats: bool = True,
+    output_router_logits: bool = False,
+) -> Scores:
     """Score every continuation of a packed layout in one forward over its rows: each prompt runs once.
-    The reference pass scores `(prompt, [completion, KL completion])` trees with it, without gradients.
+    The reference pass scores `(prompt, [completion, KL completion])` trees with it, without gradients; a pair
+    loss trains on `(prompt, [chosen, rejected])` trees with it, with gradients.
     Sequences are numbered tree * branches + continuation."""
     model = _scorable(model)
     rows, width = layout.input_ids.shape
     tokens = torch.arange(rows * width, device=layout.input_ids.device).reshape(rows, width)
-    hidden = _forward(model, layout, tokens).last_hidden_state.reshape(rows * width, -1)
+    extra = {"output_router_logits": True} if output_router_logits else {}
+    outputs = _forward(model, layout, tokens, **extra)
+    hidden = outputs.last_hidden_state.reshape(rows * width, -1)
     targets = layout.input_ids.reshape(-1)[layout.target]
     logps, mean_logits, entropy = _head_logps(model, hidden[layout.predictor], targets, chunk_size, with_stats)
-    return _scores(logps, layout.sequence, layout.num_trees * layout.branches, mean_logits, entropy)
+    aux_loss = None
+    if output_router_logits:  # padding excluded, as in the padded path
+        aux_loss = _load_balancing_loss(model, outputs.router_logits, (layout.branch >= 0).long())
+    return _scores(logps, layout.sequence, layout.num_trees * layout.branches, mean_logits, entropy, aux_loss)
 
 
 class PolicyScores(NamedTuple):

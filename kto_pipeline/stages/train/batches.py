@@ -1,10 +1,11 @@
 """Stage 2's data: cache rows -> micro-batches -> the policy's scores.
 
-`CacheRows` reads rows of the memory-mapped cache (truncated to the train-time max length), `EpochSampler`
-orders them reproducibly from (seed, epoch), `Collator` lays a micro-batch out packed (`scoring/packing.py`:
-each row's prompt, completion and KL completion as one tree, no padding) or padded for models that take no
-packed layout, and `PolicyScorer` scores a batch through the model's `forward`, so that DDP and FSDP wrappers
-see the call.
+`CacheRows` reads rows of the memory-mapped cache (truncated to the train-time max length), or, for a pair
+loss, `CachePairs` reads its (chosen, rejected) pairs; `EpochSampler` orders them reproducibly from (seed,
+epoch); `Collator` (`PairCollator`) lays a micro-batch out packed (`scoring/packing.py`: each row's prompt,
+completion and KL completion as one tree, or each pair's prompt, chosen and rejected answers, no padding) or
+padded for models that take no packed layout; and `PolicyScorer` scores a batch through the model's `forward`,
+so that DDP and FSDP wrappers see the call.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from kto_pipeline.cache import CacheTable, completion_room, token_sum
-from kto_pipeline.scoring.logprobs import PolicyScores, pad_sequences, score_policy, score_sequences
+from kto_pipeline.cache import NO_PAIR, CacheTable, completion_room, token_sum
+from kto_pipeline.loss import length_desensitized
+from kto_pipeline.scoring.logprobs import PolicyScores, pad_sequences, score_layout, score_policy, score_sequences
 from kto_pipeline.scoring.packing import AttentionCosts, Layout, layout_trees, pack_rows
 
 
@@ -72,6 +74,63 @@ class CacheRows(Dataset):
                     row[logps] = row[logps][:room]
                     row[total] = token_sum(row[logps])
         return row
+
+
+class CachePairs(Dataset):
+    """The (chosen, rejected) pairs of a paired cache (format version 2 records each row's partner), what a pair
+    loss trains on: one item a pair, in the order of the source rows, each answer truncated to a train-time
+    `max_length` as `CacheRows` truncates a row (trl.DPOTrainer's `keep_start`). Pairs whose prompt reaches
+    `max_length` are dropped, as trl drops them."""
+
+    def __init__(self, cache: CacheTable, max_length: int):
+        self.table = cache.table
+        self.max_length = max_length
+        self.truncate = max_length < cache.manifest.max_length
+        ids = self.table.column("example_id").to_numpy()
+        partner = self.table.column("pair_example_id").to_numpy()
+        label = self.table.column("label").to_numpy(zero_copy_only=False)
+        prompt_lens = pc.list_value_length(self.table.column("prompt_ids")).to_numpy()
+        order = np.argsort(ids, kind="stable")
+        chosen = np.flatnonzero((partner != NO_PAIR) & label & (prompt_lens < max_length))
+        rejected = order[np.searchsorted(ids, partner[chosen], sorter=order)]
+        first = np.argsort(np.minimum(ids[chosen], ids[rejected]), kind="stable")  # the source rows' order
+        self.chosen, self.rejected = chosen[first], rejected[first]
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    def lengths(self) -> np.ndarray:
+        """Tokens of each pair's longer sequence, prompt + answer (truncated at max_length): for grouping by
+        length on the padded path."""
+
+        def total(rows):
+            take = self.table.select(["prompt_ids", "completion_ids"]).take(rows)
+            return sum(pc.list_value_length(take.column(c)).to_numpy().astype(np.int64) for c in take.column_names)
+
+        return np.minimum(np.maximum(total(self.chosen), total(self.rejected)), self.max_length)
+
+    def _row(self, index: int) -> dict[str, Any]:
+        row = self.table.slice(int(index), 1).to_pylist()[0]
+        room = completion_room(row["prompt_ids"], self.max_length)
+        if self.truncate and len(row["completion_ids"]) > room:
+            row["completion_ids"] = row["completion_ids"][:room]
+            row["ref_token_logps"] = row["ref_token_logps"][:room]
+            row["ref_logp"] = token_sum(row["ref_token_logps"])
+        return row
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        chosen, rejected = self._row(self.chosen[i]), self._row(self.rejected[i])
+        return {
+            "prompt_ids": chosen["prompt_ids"],
+            "chosen_ids": chosen["completion_ids"],
+            "rejected_ids": rejected["completion_ids"],
+            "ref_chosen_token_logps": chosen["ref_token_logps"],
+            "ref_rejected_token_logps": rejected["ref_token_logps"],
+            "ref_chosen_logp": chosen["ref_logp"],
+            "ref_rejected_logp": rejected["ref_logp"],
+            "chosen_id": chosen["example_id"],
+            "rejected_id": rejected["example_id"],
+        }
 
 
 class EpochSampler(Sampler[int]):
@@ -143,13 +202,73 @@ class Collator:
         }
 
 
+@dataclass
+class PairCollator:
+    """Pairs -> one micro-batch of a pair loss. `packed`: each pair one tree, its prompt then its chosen and its
+    rejected answer, both continuing the prompt (`layout_trees`), trees side by side in rows (`pack_rows`); else
+    padded sequences, prompt + chosen and prompt + rejected, pair by pair (trl.DPOTrainer runs the prompt twice
+    so). Sequence 2i is pair i's chosen answer, 2i + 1 its rejected one, in both layouts.
+
+    `ld_alpha` (LD-DPO): the reference log-probs are recomputed from the cached per-token values as the policy's
+    will be (`loss.length_desensitized`), so that a policy equal to the reference still gives rewards of 0."""
+
+    pad_id: int
+    packed: bool = True
+    attention: AttentionCosts | None = None
+    ld_alpha: float | None = None
+
+    def __call__(self, pairs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch: dict[str, torch.Tensor] = {}
+        if self.packed:
+            trees = [(p["prompt_ids"], [p["chosen_ids"], p["rejected_ids"]]) for p in pairs]
+            sizes = [len(prompt) + sum(map(len, answers)) for prompt, answers in trees]
+            layout = layout_trees(trees, pack_rows(sizes, None, self.attention), self.pad_id)
+            batch.update({LAYOUT_KEY + k: v for k, v in vars(layout).items() if isinstance(v, torch.Tensor)})
+            batch[LAYOUT_KEY + "split"] = torch.tensor(layout.split)
+        else:
+            seqs = [p["prompt_ids"] + p[key] for p in pairs for key in ("chosen_ids", "rejected_ids")]
+            prompt_lens = [len(p["prompt_ids"]) for p in pairs for _ in range(2)]
+            padded = pad_sequences(seqs, prompt_lens, self.pad_id)
+            batch.update(zip(("input_ids", "attention_mask", "completion_mask"), padded, strict=True))
+        chosen_lengths = torch.tensor([len(p["chosen_ids"]) for p in pairs])
+        rejected_lengths = torch.tensor([len(p["rejected_ids"]) for p in pairs])
+        ref = {
+            side: torch.tensor([p[f"ref_{side}_logp"] for p in pairs], dtype=torch.float32)
+            for side in ("chosen", "rejected")
+        }
+        if self.ld_alpha is not None:
+            shared = torch.minimum(chosen_lengths, rejected_lengths).repeat_interleave(2)
+            tokens = [p[f"ref_{k}_token_logps"] for p in pairs for k in ("chosen", "rejected")]
+            sequence = torch.arange(len(tokens)).repeat_interleave(torch.tensor([len(t) for t in tokens]))
+            values = torch.tensor([v for t in tokens for v in t], dtype=torch.float32)
+            weighted = length_desensitized(values, sequence, len(tokens), shared, self.ld_alpha)
+            ref = {"chosen": weighted[0::2], "rejected": weighted[1::2]}
+        needed = sum(len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
+        return {
+            **batch,
+            "ref_chosen_logp": ref["chosen"],
+            "ref_rejected_logp": ref["rejected"],
+            "chosen_length": chosen_lengths,
+            "rejected_length": rejected_lengths,
+            "chosen_id": torch.tensor([p["chosen_id"] for p in pairs], dtype=torch.long),
+            "rejected_id": torch.tensor([p["rejected_id"] for p in pairs], dtype=torch.long),
+            "tokens_needed": torch.tensor(needed),  # each prompt once, no padding
+        }
+
+
+def is_pair_batch(batch: dict[str, torch.Tensor]) -> bool:
+    """Whether a micro-batch holds (chosen, rejected) pairs (`PairCollator`), not rows (`Collator`)."""
+    return "chosen_id" in batch
+
+
 def batch_layout(batch: dict[str, torch.Tensor]) -> Layout | None:
-    """The packed layout a `Collator(packed=True)` batch carries (None for a padded batch)."""
+    """The packed layout a packed `Collator` or `PairCollator` batch carries (None for a padded batch)."""
     if LAYOUT_KEY + "input_ids" not in batch:
         return None
     fields = {k.removeprefix(LAYOUT_KEY): v for k, v in batch.items() if k.startswith(LAYOUT_KEY)}
     fields["split"] = int(fields["split"])
-    return Layout(**fields, num_trees=len(batch["label"]), branches=2)
+    num_trees = len(batch["chosen_id"] if is_pair_batch(batch) else batch["label"])
+    return Layout(**fields, num_trees=num_trees, branches=2)
 
 
 class PolicyScorer(torch.nn.Module):
@@ -162,8 +281,24 @@ class PolicyScorer(torch.nn.Module):
         self._no_split_modules = getattr(model, "_no_split_modules", None)
 
     def forward(self, batch, with_kl: bool = True, with_stats: bool = True, output_router_logits: bool = False):
-        """Completion scores (with grad) and, with `with_kl`, KL completion scores (no grad): `PolicyScores`."""
+        """Completion scores (with grad) and, with `with_kl`, KL completion scores (no grad): `PolicyScores`. For a
+        batch of pairs, the scores of both answers (with grad), sequence 2i pair i's chosen, 2i + 1 its rejected."""
         layout = batch_layout(batch)
+        if is_pair_batch(batch):
+            if layout is not None:  # one forward over the pairs' trees: each prompt once
+                scores = score_layout(
+                    self.model, layout, with_stats=with_stats, output_router_logits=output_router_logits
+                )
+                return PolicyScores(scores, None, layout.input_ids.numel(), kl_on_cached_prompt=False)
+            scores = score_sequences(
+                self.model,
+                batch["input_ids"],
+                batch["attention_mask"],
+                batch["completion_mask"],
+                with_stats=with_stats,
+                output_router_logits=output_router_logits,
+            )
+            return PolicyScores(scores, None, batch["input_ids"].numel(), kl_on_cached_prompt=False)
         if layout is not None:
             return score_policy(
                 self.model, layout, with_kl, with_stats=with_stats, output_router_logits=output_router_logits

@@ -10,7 +10,8 @@ is the loop, `finish` writes the final model, its card and the final trainer sta
 is loaded and its optimizer built by `policy.py`; how it is spread over the processes, its backward, clipping and
 step are asked of the engine (`runtime/engines`), which this stage never names. accelerate is used as a library
 (`accumulate`, `gather`), so the loop is the whole algorithm: nothing happens in callbacks. One forward pass and
-its metrics are `kto_step.py`.
+its metrics are `kto_step.py` for KTO's losses (rows), `pair_step.py` for a pair loss (DPO and its variants, on
+the (chosen, rejected) pairs of a paired cache).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from kto_pipeline.checkpoint import (
     save_model,
     skip_model_weights_in_accelerate_state,
 )
-from kto_pipeline.config import TrainConfig
+from kto_pipeline.config import PAIR_LOSS_TYPES, TrainConfig
 from kto_pipeline.errors import KTOPipelineError, Preempted
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.model_card import write_model_card
@@ -49,8 +50,9 @@ from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported, request_attention_kernel
-from kto_pipeline.stages.train.batches import CacheRows, Collator, EpochSampler, PolicyScorer
+from kto_pipeline.stages.train.batches import CachePairs, CacheRows, Collator, EpochSampler, PairCollator, PolicyScorer
 from kto_pipeline.stages.train.kto_step import MetricLog, batch_metrics, evaluate, kto_forward, real_rows
+from kto_pipeline.stages.train.pair_step import evaluate_pairs, pair_forward, pair_metrics
 from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
 
 
@@ -215,7 +217,7 @@ def _open_checked_cache(config: TrainConfig) -> tuple[CacheTable, int]:
     """The cache (cheap checks always: complete, files, sizes, row counts, schema; sha256 with --verify) and the
     max length to train at."""
     cache = open_cache(config.cache, verify=config.verify)
-    _require_kl("--cache", config.cache, cache.manifest)
+    _require_data_for_loss(config, "--cache", config.cache, cache.manifest)
     cached_max = cache.manifest.max_length
     max_length = config.max_length or cached_max
     if max_length > cached_max:
@@ -227,31 +229,49 @@ def _open_checked_cache(config: TrainConfig) -> tuple[CacheTable, int]:
     return cache, max_length
 
 
-def _require_kl(flag: str, path: str, manifest: Manifest) -> None:
-    """KTO's loss needs each row's KL completion; a `precompute --pairs-only` cache has none."""
-    if not manifest.has_kl:
+def _require_data_for_loss(config: TrainConfig, flag: str, path: str, manifest: Manifest) -> None:
+    """KTO's loss needs each row's KL completion (a `precompute --pairs-only` cache has none); a pair loss needs
+    (chosen, rejected) pairs, which a cache records from paired data since format version 2."""
+    if config.pair_loss and not manifest.paired:
+        if manifest.format_version < 2:
+            why = (
+                f"it was written in cache format version {manifest.format_version}, which does not record which rows "
+                "form a pair"
+            )
+        else:
+            why = "its rows come from unpaired data (prompt/completion/label), so no row has a pair partner"
+        raise KTOPipelineError(
+            f"--loss-type {config.loss_type} trains on (chosen, rejected) pairs, and {flag} {path} holds none: "
+            f"{why}. Precompute paired data (prompt/chosen/rejected, or chosen/rejected) with this version into a "
+            "new --output (add --pairs-only to skip the KL completions only KTO needs), or train KTO on this cache "
+            "(--loss-type kto)."
+        )
+    if not config.pair_loss and not manifest.has_kl:
         raise KTOPipelineError(
             f"{flag} {path} was written by `precompute --pairs-only`: it holds no KL completions, which KTO's loss "
-            "needs. Precompute the data again without --pairs-only (another --output)."
+            "needs. Precompute the data again without --pairs-only (another --output), or train a pair loss on it "
+            f"(--loss-type {' or '.join(PAIR_LOSS_TYPES[:2])} ...)."
         )
 
 
 def _loaders(config: TrainConfig, cache, max_length: int, accelerator, tokenizer, model, padded_because):
     """(sampler, train loader, eval loader or None, eval prompt groups). Each process reads a disjoint part of
     every global batch from the memory-mapped cache."""
-    rows = CacheRows(cache, max_length)
+    rows = CachePairs(cache, max_length) if config.pair_loss else CacheRows(cache, max_length)
+    unit = "pairs" if config.pair_loss else "rows"
     if len(rows) < config.per_device_train_batch_size * accelerator.num_processes:
         raise KTOPipelineError(
-            f"the cache has {len(rows)} rows at max length {max_length}, fewer than one batch "
+            f"the cache has {len(rows)} {unit} at max length {max_length}, fewer than one batch "
             f"({config.per_device_train_batch_size} x {accelerator.num_processes} processes). Lower "
             "--per-device-train-batch-size or use more data."
         )
-    n_desirable = int(rows.labels.sum())
-    warning = imbalance_warning(
-        n_desirable, len(rows) - n_desirable, config.desirable_weight, config.undesirable_weight
-    )
-    if warning:
-        print0(accelerator, f"warning: {warning}")
+    if not config.pair_loss:
+        n_desirable = int(rows.labels.sum())
+        warning = imbalance_warning(
+            n_desirable, len(rows) - n_desirable, config.desirable_weight, config.undesirable_weight
+        )
+        if warning:
+            print0(accelerator, f"warning: {warning}")
     # Micro-batches are packed (no padding) where the model's attention takes a packed layout; otherwise padded,
     # and the shuffled rows grouped by length (runs of 50 global batches sorted longest first) to pad less.
     shuffle = config.train_sampling_strategy == "random"
@@ -261,13 +281,17 @@ def _loaders(config: TrainConfig, cache, max_length: int, accelerator, tokenizer
     else:
         sampler = EpochSampler(len(rows), config.seed, shuffle, lengths=rows.lengths(), group=50 * global_batch)
         print0(accelerator, f"note: {padded_because}: batches are padded, rows grouped by length")
-    collator = Collator(tokenizer.pad_token_id, padded_because is None, attention_costs(model, accelerator.device))
+    costs = attention_costs(model, accelerator.device)
+    if config.pair_loss:
+        collator = PairCollator(tokenizer.pad_token_id, padded_because is None, costs, config.ld_alpha)
+    else:
+        collator = Collator(tokenizer.pad_token_id, padded_because is None, costs)
     loader = DataLoader(rows, batch_size=config.per_device_train_batch_size, sampler=sampler, collate_fn=collator)
     eval_rows = _open_eval_cache(config, cache.manifest, max_length)
     if eval_rows is None:
         return sampler, loader, None, {}
     eval_loader = DataLoader(eval_rows, batch_size=config.per_device_eval_batch_size, collate_fn=collator)
-    return sampler, loader, eval_loader, eval_rows.prompt_groups()
+    return sampler, loader, eval_loader, {} if config.pair_loss else eval_rows.prompt_groups()
 
 
 def _scheduler(config: TrainConfig, optimizer, warmup_steps: int, total_steps: int):
@@ -388,27 +412,38 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], last_batch: bool = Fals
     `last_batch`: the epoch's last, which may hold rows repeated to even it out across processes."""
     config, accelerator, p = run.config, run.accelerator, run.progress
     real = real_rows(accelerator, config.per_device_train_batch_size, len(run.sampler), last_batch)
-    z0, scored, loss, _, rewards = kto_forward(
-        accelerator, run.scorer, batch, config, with_stats=True, output_router_logits=run.aux_coef != 0, real=real
-    )
+    routed = run.aux_coef != 0
+    if config.pair_loss:
+        out = pair_forward(
+            accelerator, run.scorer, batch, config, with_stats=True, output_router_logits=routed, real=real
+        )
+        scored, loss, ids = out.scored, out.loss, batch["chosen_id"]
+    else:
+        z0, scored, loss, _, rewards = kto_forward(
+            accelerator, run.scorer, batch, config, with_stats=True, output_router_logits=routed, real=real
+        )
+        ids = batch["example_id"]
     scores = scored.completions
     p.tokens_executed += scored.tokens_executed
     p.tokens_needed += int(batch["tokens_needed"])
-    p.rows_seen += len(batch["label"])
+    p.rows_seen += len(ids)
     p.kl_on_cached_prompt = scored.kl_on_cached_prompt
     if scores.aux_loss is not None:  # MoE: keep the experts' load balanced, as the model's own loss does
         loss = loss + run.aux_coef * scores.aux_loss
         p.log.add("aux_loss", accelerator.gather(scores.aux_loss.detach().reshape(1)).mean().item())
     # every process must take the same branch, or the others would wait forever in a collective
     if not torch.isfinite(accelerator.gather(loss.detach().reshape(1))).all():
-        ids = sorted(gather_object(batch["example_id"].tolist()))
+        which = "of the chosen answers " if config.pair_loss else ""
+        ids = sorted(gather_object(ids.tolist()))
         raise KTOPipelineError(
-            f"non-finite loss at step {p.global_step + 1}, batch example ids {ids}. Lower "
+            f"non-finite loss at step {p.global_step + 1}, batch example ids {which}{ids}. Lower "
             "--learning-rate or check these rows; the last checkpoint is intact."
         )
-    for name, value in batch_metrics(
-        accelerator, loss, z0, batch["label"], scores.logps, rewards, scores, real
-    ).items():
+    if config.pair_loss:
+        metrics = pair_metrics(accelerator, out, real)
+    else:
+        metrics = batch_metrics(accelerator, loss, z0, batch["label"], scores.logps, rewards, scores, real)
+    for name, value in metrics.items():
         p.log.add(name, value)
     run.engine.backward(loss)
     if accelerator.sync_gradients and config.max_grad_norm > 0:
@@ -440,7 +475,11 @@ def after_step(run: Run, micro_step: int, bar) -> None:
         grad_norm = {"grad_norm": p.grad_norm} if p.grad_norm is not None else {}
         run.metrics({**p.log.flush(), "learning_rate": learning_rate, **grad_norm, **stamp})
     if run.eval_loader is not None and (last_step or (config.eval_steps and p.global_step % config.eval_steps == 0)):
-        run.metrics({**evaluate(accelerator, run.scorer, run.eval_loader, config, run.eval_groups), **stamp})
+        if config.pair_loss:
+            results = evaluate_pairs(accelerator, run.scorer, run.eval_loader, config)
+        else:
+            results = evaluate(accelerator, run.scorer, run.eval_loader, config, run.eval_groups)
+        run.metrics({**results, **stamp})
     # every N steps and at the last one (as transformers' Trainer), so that a finished run can be extended
     if _checkpoint_due(config, p.global_step, last_step):
         write_checkpoint(run)
@@ -529,6 +568,8 @@ def finish(run: Run) -> TrainResult:
         if p.kl_on_cached_prompt
         else "with the prompts run again"
         if config.loss_type == "kto"
+        else "none (pair loss: each pair one tree, prompt once)"
+        if config.pair_loss
         else "none (loss without KL)"
     )
     if accelerator.is_main_process:
@@ -636,6 +677,9 @@ def _check_resume_compatible(saved: dict, config: TrainConfig, path: Path) -> No
         for k in RESUME_INVARIANTS
         if k in saved and saved[k] != getattr(config, k)
     ]
+    saved_pairs = saved.get("loss_type", "kto").split("+")[0] in PAIR_LOSS_TYPES
+    if saved_pairs != config.pair_loss:  # a pair loss's batches count pairs, KTO's rows: another data position
+        diff.append(f"--loss-type: checkpoint {saved['loss_type']!r}, now {config.loss_type!r} (pairs vs rows)")
     if diff:
         raise KTOPipelineError(
             f"cannot resume from {path}: it was trained with other settings:\n  - "
@@ -648,13 +692,14 @@ def _open_eval_cache(config: TrainConfig, manifest: Manifest, max_length: int) -
     if config.eval_cache is None:
         return None
     eval_cache = open_cache(config.eval_cache, verify=config.verify)
-    _require_kl("--eval-cache", config.eval_cache, eval_cache.manifest)
+    _require_data_for_loss(config, "--eval-cache", config.eval_cache, eval_cache.manifest)
     if eval_cache.manifest.tokenizer_hash != manifest.tokenizer_hash:
         raise KTOPipelineError(
             f"--eval-cache {config.eval_cache} was made with another tokenizer than --cache {config.cache}. "
             "Precompute the eval split with the same reference model."
         )
-    rows = CacheRows(eval_cache, min(max_length, eval_cache.manifest.max_length))
+    reader = CachePairs if config.pair_loss else CacheRows
+    rows = reader(eval_cache, min(max_length, eval_cache.manifest.max_length))
     if len(rows) == 0:
         raise KTOPipelineError(
             f"--eval-cache {config.eval_cache}: no row fits --max-length {max_length} (every prompt is at least "
