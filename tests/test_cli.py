@@ -66,8 +66,8 @@ def test_max_length_above_cached_and_bad_flag(tmp_path, monkeypatch, capsys, sma
     args = cli_args(cache=small_cache, output_dir=tmp_path / "r")
     code, _, err = run_cli(monkeypatch, capsys, "train", *args, "--max-length", "999")
     assert_clean_error(code, err, "--max-length 999 is above the cache's max length 64")
-    code, _, err = run_cli(monkeypatch, capsys, "train", *args, "--loss-type", "ipo")
-    assert_clean_error(code, err, "--loss-type: must be one of kto, apo_zero_unpaired")
+    code, _, err = run_cli(monkeypatch, capsys, "train", *args, "--loss-type", "dpo")
+    assert_clean_error(code, err, "--loss-type: unknown 'dpo': each term must be one of kto, apo_zero_unpaired (KTO)")
 
 
 def test_inspect(monkeypatch, capsys, small_cache):

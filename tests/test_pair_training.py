@@ -1,0 +1,182 @@
+"""Stage 2 with a pair loss (DPO and its variants): each pair one tree, packed = padded, the step-1 invariant, the
+flags' checks, and the refusals of caches a loss cannot train on."""
+
+import json
+
+import pytest
+import torch
+from helpers import read_metrics, train_config, write_jsonl
+
+from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
+from kto_pipeline.cache import open_cache
+from kto_pipeline.stages.train import stage as train_module
+from kto_pipeline.stages.train.batches import CachePairs, PairCollator, PolicyScorer
+
+
+def pairs(n: int = 12) -> list[dict]:
+    return [
+        {
+            "prompt": f"Q{i}: what is {i} plus {i}?\nA:",
+            "chosen": f" It is {2 * i}" + "!" * (i % 3),
+            "rejected": " No idea" + "." * (i % 4),
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def pair_cache(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair-cache")
+    data = write_jsonl(root / "pairs.jsonl", pairs())
+    return precompute(
+        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(root / "cache"), max_length=48)
+    )
+
+
+def cfg(cache, out, **kw):
+    kw.setdefault("loss_type", "sigmoid")
+    kw.setdefault("per_device_train_batch_size", 4)
+    return train_config(cache, out, **kw)
+
+
+@pytest.mark.parametrize("ld_alpha", [None, 0.5])
+@pytest.mark.parametrize("packed", [True, False])
+def test_policy_equals_reference_at_step_one(pair_cache, tiny_model_dir, packed, ld_alpha):
+    """With the policy = the reference, both answers' log-probs equal the cached ones exactly (rewards 0), packed
+    (each pair one tree: its prompt once) and padded, with and without LD-DPO's weighting."""
+    from transformers import AutoModelForCausalLM
+
+    from kto_pipeline.loss import length_desensitized
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    items = CachePairs(open_cache(pair_cache), 48)
+    assert len(items) == 12
+    batch = PairCollator(pad_id=0, packed=packed, ld_alpha=ld_alpha)([items[i] for i in range(len(items))])
+    with torch.no_grad():
+        scores = PolicyScorer(model)(batch).completions
+    logps = scores.logps
+    if ld_alpha is not None:
+        shared = torch.minimum(batch["chosen_length"], batch["rejected_length"]).repeat_interleave(2)
+        logps = length_desensitized(scores.token_logps, scores.sequence, 24, shared, ld_alpha)
+    assert (logps[0::2] - batch["ref_chosen_logp"]).abs().max() < 1e-4
+    assert (logps[1::2] - batch["ref_rejected_logp"]).abs().max() < 1e-4
+    counts = torch.bincount(scores.sequence, minlength=24)
+    assert counts[0::2].tolist() == batch["chosen_length"].tolist()
+    assert counts[1::2].tolist() == batch["rejected_length"].tolist()
+    needed = sum(len(i["prompt_ids"]) + len(i["chosen_ids"]) + len(i["rejected_ids"]) for i in items)
+    assert int(batch["tokens_needed"]) == needed  # each prompt once
+
+
+def test_first_step_rewards_are_exactly_zero(pair_cache, tmp_path):
+    (first, *_) = read_metrics(train(cfg(pair_cache, tmp_path / "run", max_steps=2)).output_dir)
+    assert first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0 and first["rewards/margins"] == 0.0
+    assert first["loss"] == pytest.approx(0.6931472, abs=1e-6)  # -log sigmoid(0)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo+sft"])
+def test_packed_training_equals_padded_training(pair_cache, tmp_path, monkeypatch, loss_type):
+    """Packed pairs (each pair one tree) and padded pairs (prompt + chosen, prompt + rejected) give the same losses,
+    metrics and weights; the packed run executes fewer tokens, and runs each prompt once."""
+    from transformers import AutoModelForCausalLM
+
+    settings = dict(loss_type=loss_type, train_sampling_strategy="sequential", max_steps=3, learning_rate=1e-3)
+    packed = train(cfg(pair_cache, tmp_path / "packed", **settings))
+    with monkeypatch.context() as mp:
+        mp.setattr(train_module, "packing_unsupported", lambda model: "attention implementation 'x'")
+        padded = train(cfg(pair_cache, tmp_path / "padded", **settings))
+    assert len(packed.metrics) == len(padded.metrics) == 3
+    for a, b in zip(packed.metrics, padded.metrics, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+    assert packed.metrics[-1]["rewards/margins"] != 0.0
+    wa = AutoModelForCausalLM.from_pretrained(tmp_path / "packed").state_dict()
+    wb = AutoModelForCausalLM.from_pretrained(tmp_path / "padded").state_dict()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=1e-4, msg=name)
+    state_a = json.loads((tmp_path / "packed" / "trainer_state.json").read_text())
+    state_b = json.loads((tmp_path / "padded" / "trainer_state.json").read_text())
+    assert state_a["packing"] == "packed" and state_a["kl_forward"].startswith("none (pair loss")
+    assert state_b["packing"].startswith("padded")
+    assert state_a["tokens_needed"] == state_b["tokens_needed"]
+    assert state_a["tokens_executed"] < state_b["tokens_executed"]
+
+
+def test_batches_count_pairs_and_eval_reports_pair_metrics(pair_cache, tmp_path):
+    result = train(cfg(pair_cache, tmp_path / "run", eval_cache=str(pair_cache), max_steps=3))
+    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
+    assert result.metrics[-2]["epoch"] == 1.0  # 12 pairs / 4 a batch = 3 steps an epoch
+    assert state["tokens_needed"] > 0
+    (final,) = [m for m in result.metrics if "eval_loss" in m]
+    assert final["eval_pairs"] == 12 and final["eval_rows"] == 24
+    assert final["eval_pair_accuracy"] == final["eval_rewards/accuracies"]
+    for name in ("chosen", "rejected"):
+        assert f"eval_rewards/{name}" in final and f"eval_logps/{name}" in final
+    assert final["eval_rewards/margins"] == pytest.approx(
+        final["eval_rewards/chosen"] - final["eval_rewards/rejected"], abs=1e-6
+    )
+
+
+def test_a_pair_loss_refuses_caches_without_pairs(small_cache, tmp_path):
+    with pytest.raises(KTOPipelineError, match="holds none: its rows come from unpaired data.*--pairs-only"):
+        train(cfg(small_cache, tmp_path / "a"))
+    cache = open_cache(small_cache)
+    assert not cache.manifest.paired
+
+
+def test_a_pairs_only_cache_trains_pair_losses_and_refuses_kto(tiny_model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs(8))
+    cache = precompute(
+        PrecomputeConfig(
+            model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c"), max_length=48, pairs_only=True
+        )
+    )
+    result = train(cfg(cache, tmp_path / "dpo", max_steps=1))
+    assert result.metrics[0]["rewards/chosen"] == 0.0
+    with pytest.raises(KTOPipelineError, match="--pairs-only.*no KL completions.*or train a pair loss"):
+        train(train_config(cache, tmp_path / "kto", max_steps=1))
+
+
+def test_a_version_1_cache_is_refused_with_how_to_make_a_paired_one(tiny_model_dir, tmp_path):
+    from test_pairs_cache import as_version_1
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs(8))
+    cache = precompute(
+        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c"), max_length=48)
+    )
+    as_version_1(cache)
+    with pytest.raises(KTOPipelineError, match="cache format version 1, which does not record.*Precompute paired"):
+        train(cfg(cache, tmp_path / "dpo", max_steps=1))
+    train(train_config(cache, tmp_path / "kto", max_steps=1))  # KTO still trains on it
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(loss_type="sigmoid,ipo"), "join the terms of a combination with \\+"),
+        (dict(loss_type="dpo"), "unknown 'dpo'"),
+        (dict(loss_type="kto+sigmoid"), "only pair losses combine"),
+        (dict(loss_type="sigmoid+sigmoid"), "names a term twice"),
+        (dict(loss_type="sigmoid+sft", loss_weights="1"), "1 weights for the 2 terms"),
+        (dict(loss_type="sigmoid", loss_weights="a"), "cannot read 'a'"),
+        (dict(loss_type="kto", loss_weights="1"), "--loss-weights: weights the terms of a pair loss"),
+        (dict(loss_type="kto", label_smoothing=0.1), "--label-smoothing: applies to pair losses only"),
+        (dict(loss_type="apo_zero_unpaired", ld_alpha=0.5), "--ld-alpha: applies to pair losses only"),
+        (dict(loss_type="sigmoid", desirable_weight=2.0), "--desirable-weight: applies to KTO only"),
+        (dict(loss_type="exo_pair"), "must be > 0 with exo_pair"),
+        (dict(loss_type="robust", label_smoothing=0.5), "in \\[0, 0.5\\) with robust"),
+        (dict(loss_type="bco_pair", f_divergence_type="js_divergence"), "needs reverse_kl"),
+        (dict(loss_type="sigmoid", f_divergence_type="kl"), "must be one of reverse_kl"),
+        (dict(loss_type="sigmoid", ld_alpha=1.5), "--ld-alpha: must be in \\[0, 1\\]"),
+        (dict(loss_type="discopop", discopop_tau=0.0), "--discopop-tau: must be > 0"),
+    ],
+)
+def test_loss_flags_are_checked(options, message):
+    with pytest.raises(KTOPipelineError, match=message):
+        TrainConfig(cache="c", output_dir="o", **options)
+
+
+def test_a_checkpoint_of_a_pair_loss_does_not_resume_as_kto(pair_cache, tmp_path):
+    train(cfg(pair_cache, tmp_path / "run", max_steps=1, save_steps=1))
+    with pytest.raises(KTOPipelineError, match="--loss-type: checkpoint 'sigmoid', now 'kto' \\(pairs vs rows\\)"):
+        train(train_config(pair_cache, tmp_path / "run", max_steps=2, resume=True))
