@@ -121,6 +121,73 @@ def test_tokens_and_reference_logps_match_trl(smollm2, real_data, real_cache, tm
     assert np.ptp(expected) > 10  # real, varied values
 
 
+def test_dpo_on_the_real_pairs_matches_trl(smollm2, real_data, real_cache, tmp_path):
+    """DPO (sigmoid) on the same cache: its pairs and reference log-probs are trl.DPOTrainer's
+    (precompute_ref_log_probs=True), and 3 steps give trl's losses, grad norms and metrics."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from kto_pipeline.stages.train.batches import CachePairs
+
+    settings = dict(learning_rate=1e-5, max_steps=3, logging_steps=1, lr_scheduler_type="linear", max_grad_norm=1.0)
+    dataset = datasets.load_dataset("json", data_files=str(real_data), split="train", cache_dir=str(tmp_path / "hf"))
+    trainer = DPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32),
+        args=DPOConfig(
+            output_dir=str(tmp_path / "trl"),
+            precompute_ref_log_probs=True,
+            max_length=MAX_LENGTH,
+            bf16=False,
+            per_device_train_batch_size=2,
+            train_sampling_strategy="sequential",
+            warmup_steps=0,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            **settings,
+        ),
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(smollm2),
+    )
+    theirs = trainer.train_dataset.to_list()
+    ours = CachePairs(open_cache(real_cache), MAX_LENGTH)
+    assert len(ours) == len(theirs) == PAIRS - 1  # both drop the pair whose prompt reaches max_length
+    for i, t in enumerate(theirs):
+        room = MAX_LENGTH - len(t["prompt_ids"])
+        mine = ours[i]
+        assert (mine["prompt_ids"], mine["chosen_ids"], mine["rejected_ids"]) == (
+            t["prompt_ids"],
+            t["chosen_ids"][:room],
+            t["rejected_ids"][:room],
+        )
+        assert mine["ref_chosen_logp"] == pytest.approx(t["ref_chosen_logps"], rel=RTOL)
+        assert mine["ref_rejected_logp"] == pytest.approx(t["ref_rejected_logps"], rel=RTOL)
+    trainer.train()
+    expected = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+
+    out = tmp_path / "ours"
+    train(
+        TrainConfig(
+            cache=str(real_cache),
+            output_dir=str(out),
+            loss_type="sigmoid",
+            per_device_train_batch_size=2,
+            train_sampling_strategy="sequential",
+            warmup_ratio=0.0,
+            bf16=False,
+            **settings,
+        )
+    )
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [h["step"] for h in expected] == [1, 2, 3]
+    for mine, want in zip(metrics, expected, strict=True):
+        for name in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen"):
+            assert mine[name] == pytest.approx(want[name], rel=2e-3, abs=1e-5), (mine["step"], name, mine, want)
+    # step 1 starts at the reference (the cache's pass laid the answers out in other trees: float32 rounding apart)
+    assert abs(metrics[0]["rewards/margins"]) < 1e-4 and abs(expected[-1]["rewards/margins"]) > 1e-3
+
+
 def test_two_train_steps_start_at_the_reference_and_generate(smollm2, real_cache, tmp_path):
     out = tmp_path / "run"
     train(
