@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kto_pipeline.cache import Manifest
+from kto_pipeline.config import PAIR_LOSS_TYPES, PAIR_OPTIONS
 
 CARD_FILE = "README.md"
 KTO_PAPER = {
@@ -38,12 +39,44 @@ KTO_PAPER = {
         "}"
     ),
 }
+DPO_PAPER = {
+    "title": "Direct Preference Optimization: Your Language Model is Secretly a Reward Model",
+    "id": "2305.18290",
+    "citation": (
+        "@inproceedings{rafailov2023direct,\n"
+        "    title        = {{Direct Preference Optimization: Your Language Model is Secretly a Reward Model}},\n"
+        "    author       = {Rafael Rafailov and Archit Sharma and Eric Mitchell and Christopher D. Manning and "
+        "Stefano Ermon and Chelsea Finn},\n"
+        "    year         = 2023,\n"
+        "    booktitle    = {Advances in Neural Information Processing Systems 36 (NeurIPS 2023)},\n"
+        "}"
+    ),
+}
+# what each pair loss is called where it was published (trl.DPOTrainer's loss_type names)
+PAIR_LOSS_NAMES = {
+    "sigmoid": "DPO",
+    "hinge": "SLiC (hinge)",
+    "ipo": "IPO",
+    "exo_pair": "EXO",
+    "nca_pair": "NCA",
+    "robust": "robust DPO",
+    "bco_pair": "BCO",
+    "sppo_hard": "SPPO (hard)",
+    "aot": "AOT",
+    "aot_unpaired": "AOT (unpaired)",
+    "apo_zero": "APO-zero",
+    "apo_down": "APO-down",
+    "discopop": "DiscoPOP",
+    "sft": "SFT (NLL of the chosen answers)",
+    "sigmoid_norm": "length-normalized DPO",
+}
 QUESTION = "If you could visit any place in the world for one day, where would you go and why?"
 TRAIN_METRICS = (
     "loss",
     "rewards/chosen",
     "rewards/rejected",
     "rewards/margins",
+    "rewards/accuracies",
     "kl",
     "logps/chosen",
     "logps/rejected",
@@ -53,6 +86,7 @@ EVAL_METRICS = (
     "eval_rewards/chosen",
     "eval_rewards/rejected",
     "eval_rewards/margins",
+    "eval_rewards/accuracies",
     "eval_kl",
     "eval_logps/chosen",
     "eval_logps/rejected",
@@ -200,21 +234,30 @@ def _settings_rows(
     config: dict[str, Any], cached_max: int, steps_run: int | None, num_processes: int | None, precision: str | None
 ):
     per_device, accumulation = config["per_device_train_batch_size"], config["gradient_accumulation_steps"]
+    unit = "pairs" if _is_pair_loss(config) else "rows"
     if num_processes:
-        batch = f"{per_device} x {accumulation} x {num_processes} = {per_device * accumulation * num_processes} rows"
+        batch = f"{per_device} x {accumulation} x {num_processes} = {per_device * accumulation * num_processes} {unit}"
         batch_name = "batch (per device x accumulation x processes)"
     else:
-        batch, batch_name = f"{per_device} x {accumulation} = {per_device * accumulation} rows per process", "batch"
+        batch, batch_name = f"{per_device} x {accumulation} = {per_device * accumulation} {unit} per process", "batch"
     if precision is None:
         precision = "fp16" if config.get("fp16") else {True: "bf16", False: "fp32"}.get(config.get("bf16"), "auto")
     length = config.get("max_length")
     duration = "max_steps" if config["max_steps"] > 0 else "num_train_epochs"
     weights = f"{_num(config['desirable_weight'])} / {_num(config['undesirable_weight'])}"
     optimizer = f"AdamW, weight_decay {_num(config['weight_decay'])}, max_grad_norm {_num(config['max_grad_norm'])}"
+    if _is_pair_loss(config):
+        options = [
+            (name, _code(config.get(name)) if isinstance(config.get(name), str) else _num(config.get(name)))
+            for name, default in PAIR_OPTIONS.items()
+            if config.get(name, default) != default
+        ]
+    else:
+        options = [("desirable_weight / undesirable_weight", weights)]
     rows = [
         ("loss_type", _code(config["loss_type"])),
         ("beta", _num(config["beta"])),
-        ("desirable_weight / undesirable_weight", weights),
+        *options,
         ("learning_rate", f"{config['learning_rate']:g}"),
         ("lr_scheduler_type", _code(config["lr_scheduler_type"])),
         ("warmup_ratio", _num(config["warmup_ratio"])),
@@ -237,6 +280,18 @@ def _settings_rows(
     return rows
 
 
+def _is_pair_loss(config: dict[str, Any]) -> bool:
+    return str(config.get("loss_type", "kto")).split("+")[0] in PAIR_LOSS_TYPES
+
+
+def _loss_name(config: dict[str, Any]) -> str:
+    """ "DPO (`sigmoid`)", "DPO + BCO + SFT (`sigmoid+bco_pair+sft`, weights 0.8, 0.2, 1.0)"."""
+    loss_type = config["loss_type"]
+    name = " + ".join(PAIR_LOSS_NAMES[t] for t in loss_type.split("+"))
+    weights = f", weights {config['loss_weights'].replace(',', ', ')}" if config.get("loss_weights") else ""
+    return f"{name} ({_code(loss_type)}{weights})"
+
+
 def _cache_rows(config: dict[str, Any], manifest: Manifest) -> list[tuple[str, str]]:
     ref, tok, data = manifest.reference, manifest.tokenizer, manifest.dataset
     settings, counts = manifest.settings, manifest.counts
@@ -255,6 +310,7 @@ def _cache_rows(config: dict[str, Any], manifest: Manifest) -> list[tuple[str, s
         ("split", _code(data.get("split"))),
         ("dataset content hash", _code(data.get("content_hash"))),
         ("rows (desirable / undesirable)", f"{counts['rows']} ({counts['desirable']} / {counts['undesirable']})"),
+        *([("(chosen, rejected) pairs", _num(manifest.pairs["complete"]))] if manifest.paired else []),
         ("rows dropped", f"{n_dropped} ({', '.join(f'{k}: {v}' for k, v in dropped.items())})" if n_dropped else "0"),
         ("cached max_length", _num(settings["max_length"])),
         ("reference dtype", _code(settings.get("dtype"))),
@@ -288,7 +344,8 @@ def _results(config: dict[str, Any], history: list[dict[str, Any]]) -> str:
         parts.append(
             f"Training metrics logged at the last step ({final.get('step', '?')}, epoch {_num(final.get('epoch'))}),"
             f" averaged over its logging interval (`logging_steps` {config.get('logging_steps')}). Rewards are "
-            "beta x (policy - reference) log-prob of the completion; the full history is in `metrics.jsonl` and "
+            "beta x (policy - reference) log-prob of the completion (for a pair loss, of the chosen and of the "
+            "rejected answer of each pair); the full history is in `metrics.jsonl` and "
             "`trainer_state.json` in the run's output folder.\n\n"
             + _table(("metric", "value"), [(k, _num(final[k])) for k in TRAIN_METRICS if k in final])
         )
@@ -362,6 +419,7 @@ def build_model_card(
     # the weights this run's LoRA adapters sit on: a full-weights parent's, else the reference (or --model)
     base = parent["path"] if parent and parent["kind"] == "full" else config.get("model") or manifest.reference_model
     dataset = manifest.dataset["name_or_path"]
+    pairs = _is_pair_loss(config)
     model_name = model_name or Path(config["output_dir"]).name
     steps = [r["step"] for r in history if "step" in r]
     data = ModelCardData(
@@ -370,7 +428,7 @@ def build_model_card(
         # peft's own cards use library_name peft for adapter folders (the Hub then shows peft's loading code)
         library_name="peft" if adapter else "transformers",
         model_name=model_name,
-        tags=["kto", "kto-pipeline", *(["lora", "peft"] if adapter else [])],
+        tags=["dpo" if pairs else "kto", "kto-pipeline", *(["lora", "peft"] if adapter else [])],
     )
 
     if adapter:
@@ -380,10 +438,21 @@ def build_model_card(
     else:
         what = f"This model is a fine-tuned version of {_link(base)}"
     split = manifest.dataset.get("split")
+    source = f"{_link(dataset, 'datasets/')}{f' (split {_code(split)})' if split else ''}"
+    if pairs:
+        trained = (
+            f"{what}, trained with the pair loss {_loss_name(config)} (trl.DPOTrainer's; after DPO, "
+            f"[{DPO_PAPER['title']}](https://huggingface.co/papers/{DPO_PAPER['id']})) on (chosen, rejected) answer "
+            f"pairs from {source}."
+        )
+    else:
+        trained = (
+            f"{what}, trained with KTO ([{KTO_PAPER['title']}](https://huggingface.co/papers/{KTO_PAPER['id']})), "
+            f"loss {_code(config['loss_type'])}, on binary feedback (each completion marked desirable or undesirable) "
+            f"from {source}."
+        )
     intro = (
-        f"{what}, trained with KTO ([{KTO_PAPER['title']}]"
-        f"(https://huggingface.co/papers/{KTO_PAPER['id']})) on binary feedback (each completion marked desirable "
-        f"or undesirable) from {_link(dataset, 'datasets/')}{f' (split {_code(split)})' if split else ''}.\n"
+        f"{trained}\n"
         "It was trained with kto-pipeline's two-stage pipeline: `kto-pipeline precompute` scored the data once "
         f"with the frozen reference model {_link(manifest.reference_model)} into a cache of "
         "log-probabilities, and `kto-pipeline train` trained the policy alone against that cache."
@@ -424,7 +493,9 @@ def build_model_card(
         "### Framework versions",
         "\n".join(f"- {name}: {version}" for name, version in versions.items()),
         "## Citations",
-        f"Cite KTO as:\n\n```bibtex\n{KTO_PAPER['citation']}\n```",
+        f"Cite DPO as:\n\n```bibtex\n{DPO_PAPER['citation']}\n```"
+        if pairs
+        else f"Cite KTO as:\n\n```bibtex\n{KTO_PAPER['citation']}\n```",
     ]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
 

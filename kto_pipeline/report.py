@@ -27,8 +27,8 @@ from kto_pipeline.rundir import (
     run_config,
 )
 
-TRAIN_SERIES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "kl")
-EVAL_SERIES = ("eval_reward_accuracy", "eval_pair_accuracy")
+TRAIN_SERIES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "kl")
+EVAL_SERIES = ("eval_reward_accuracy", "eval_pair_accuracy", "eval_rewards/margins")
 
 
 def _plot(
@@ -85,8 +85,9 @@ def summary_rows(runs: dict[str, Path], settings: Iterable[str] = ()) -> list[di
                 "final_loss": last.get("loss"),
                 "final_margin": last.get("rewards/margins"),
                 "final_kl": last.get("kl"),
-                "eval_reward_accuracy": last_eval.get("eval_reward_accuracy"),
                 "eval_pair_accuracy": last_eval.get("eval_pair_accuracy"),
+                "eval_margin": last_eval.get("eval_rewards/margins"),
+                "eval_reward_accuracy": last_eval.get("eval_reward_accuracy"),
             }
         )
         rows[-1].update({k: config.get(k) for k in settings})
@@ -117,12 +118,14 @@ def _lineage(runs: dict[str, Path]) -> dict[str, dict[str, Any]]:
 
 
 def rank(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Best first: by eval reward accuracy where there is one, then by final reward margin."""
+    """Best first: by held-out pair accuracy where the eval set has pairs (every loss reports it alike, KTO's and the
+    pair losses'), else by eval reward accuracy, then by the held-out reward margin, then the final training one."""
 
     def key(row):
-        acc = row.get("eval_reward_accuracy")
-        margin = row.get("final_margin")
-        return (acc is not None, acc or 0.0, margin if margin is not None else float("-inf"))
+        pair, acc = row.get("eval_pair_accuracy"), row.get("eval_reward_accuracy")
+        margin = row.get("eval_margin")
+        margin = row.get("final_margin") if margin is None else margin
+        return (pair is not None, pair or 0.0, acc is not None, acc or 0.0, margin if margin is not None else -1e300)
 
     return sorted(rows, key=key, reverse=True)
 

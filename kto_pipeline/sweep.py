@@ -1,6 +1,9 @@
 """`kto-pipeline sweep`: a grid of training runs on one cache (never a second reference pass).
 
-Any train flag takes comma-separated values; the grid is their product. Each run trains into
+Any train flag takes comma-separated values; the grid is their product. `--loss-type kto,sigmoid,ipo` puts KTO
+and pair losses in one grid (on a paired cache): each run takes the options of its own loss (the pair losses'
+--label-smoothing ... are left out of KTO's runs, KTO's --desirable-weight / --undesirable-weight out of the pair
+losses'), and runs that come out the same are trained once. Each run trains into
 SWEEP/<name>/ where the name lists only what varies (`beta0.05-lr5e-07`). Finished runs are
 skipped when the sweep is run again, so an interrupted sweep resumes. Under `accelerate launch`
 every run is one distributed run across all processes (the grid is walked once, together), and
@@ -17,7 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from kto_pipeline.config import LIST_FIELDS, TrainConfig, parse_value
+from kto_pipeline.config import LIST_FIELDS, PAIR_LOSS_TYPES, PAIR_OPTIONS, TrainConfig, parse_value
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.report import markdown_table
 from kto_pipeline.rundir import finished_at, run_config
@@ -63,8 +66,18 @@ def expand_grid(values: dict[str, str | None]) -> tuple[list[dict[str, Any]], li
         parsed = [parse_value(types[name], part, name) for part in parts]
         options[name] = list(dict.fromkeys(parsed))  # drop repeats, keep order
     varied = [name for name, vals in options.items() if len(vals) > 1]
-    grid = [dict(zip(options, combo, strict=True)) for combo in itertools.product(*options.values())]
-    return grid, varied
+    grid = [_for_its_loss(dict(zip(options, combo, strict=True))) for combo in itertools.product(*options.values())]
+    return [dict(t) for t in dict.fromkeys(tuple(g.items()) for g in grid)], varied  # each run once
+
+
+KTO_OPTIONS = ("desirable_weight", "undesirable_weight")
+
+
+def _for_its_loss(settings: dict[str, Any]) -> dict[str, Any]:
+    """A run's settings without the options of the other loss family (a grid of KTO and pair losses)."""
+    pair = str(settings.get("loss_type", "kto")).split("+")[0] in PAIR_LOSS_TYPES
+    other = KTO_OPTIONS if pair else tuple(PAIR_OPTIONS)
+    return {k: v for k, v in settings.items() if k not in other}
 
 
 def run_name(settings: dict[str, Any], varied: list[str]) -> str:
@@ -72,6 +85,8 @@ def run_name(settings: dict[str, Any], varied: list[str]) -> str:
         return "run"
     parts = []
     for name in varied:
+        if name not in settings:  # an option of the other loss family (`_for_its_loss`)
+            continue
         value = settings[name]
         text = f"{value:g}" if isinstance(value, float) else str(value)
         parts.append(f"{SHORT_NAMES.get(name, name)}{text}")

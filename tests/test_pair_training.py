@@ -180,3 +180,35 @@ def test_a_checkpoint_of_a_pair_loss_does_not_resume_as_kto(pair_cache, tmp_path
     train(cfg(pair_cache, tmp_path / "run", max_steps=1, save_steps=1))
     with pytest.raises(KTOPipelineError, match="--loss-type: checkpoint 'sigmoid', now 'kto' \\(pairs vs rows\\)"):
         train(train_config(pair_cache, tmp_path / "run", max_steps=2, resume=True))
+
+
+def test_one_sweep_over_kto_and_pair_losses_on_one_paired_cache(pair_cache, tmp_path):
+    """KTO and pair losses in one grid: each run takes its own loss's options, the summary and the model cards name
+    the loss, and every run reports the held-out pair accuracy and reward margin alike."""
+    from kto_pipeline.sweep import expand_grid, sweep
+
+    values = {
+        "loss_type": "kto,sigmoid,exo_pair",
+        "label_smoothing": "0.001",
+        "desirable_weight": "1.5",
+        "per_device_train_batch_size": "4",
+        "max_steps": "2",
+        "learning_rate": "1e-3",
+        "eval_cache": str(pair_cache),
+    }
+    grid, varied = expand_grid(values)
+    assert varied == ["loss_type"]
+    by_loss = {g["loss_type"]: g for g in grid}
+    assert "label_smoothing" not in by_loss["kto"] and by_loss["kto"]["desirable_weight"] == 1.5
+    assert by_loss["exo_pair"]["label_smoothing"] == 0.001 and "desirable_weight" not in by_loss["exo_pair"]
+    rows = sweep(str(pair_cache), str(tmp_path / "sweep"), values)
+    assert sorted(r["run"] for r in rows) == ["exo_pair", "kto", "sigmoid"]
+    for row in rows:
+        assert row["loss_type"] == row["run"]
+        assert 0.0 <= row["eval_pair_accuracy"] <= 1.0 and row["eval_margin"] is not None
+    keys = [(r["eval_pair_accuracy"], r["eval_margin"]) for r in rows]
+    assert keys == sorted(keys, reverse=True)  # best first: pair accuracy, then margin
+    summary = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "eval_pair_accuracy" in summary and "eval_margin" in summary
+    assert "pair loss DPO (`sigmoid`)" in (tmp_path / "sweep" / "sigmoid" / "README.md").read_text()
+    assert "trained with KTO" in (tmp_path / "sweep" / "kto" / "README.md").read_text()

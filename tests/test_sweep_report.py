@@ -120,13 +120,14 @@ def test_sweep_runs_grid_skips_finished_and_reports(small_cache, tmp_path, capsy
 
     html = write_report(out)
     plots = json.loads((out / "report" / "plots.json").read_text())
-    for series in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "eval_reward_accuracy"):
+    series_plotted = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "eval_reward_accuracy")
+    for series in (*series_plotted, "eval_rewards/margins"):
         png = out / "report" / (series.replace("/", "_") + ".png")
         assert png.exists() and png.stat().st_size > 1000, series
         assert set(plots[series]) == {"beta0.05", "beta0.3"}  # both runs overlaid
     assert plots["loss"]["beta0.05"] == 3 and plots["eval_reward_accuracy"]["beta0.3"] == 1
     text = html.read_text()
-    assert text.count("data:image/png;base64,") == 6 and "beta0.05" in text and "<table>" in text
+    assert text.count("data:image/png;base64,") == 7 and "beta0.05" in text and "<table>" in text
 
 
 def test_report_on_a_single_run(small_cache, tmp_path):
