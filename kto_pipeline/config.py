@@ -891,8 +891,19 @@ class MemoryEstimateConfig(_ConfigMixin):
     model: str = field(
         **_help("Model: a local directory with config.json, or a hub id (only its config is read).", panel=MODEL)
     )
-    per_device_train_batch_size: int = field(default=8, **_help("Rows per forward pass and device.", panel=DATA))
+    per_device_train_batch_size: int = field(
+        default=8, **_help("Rows per forward pass and device; with a pair loss, pairs.", panel=DATA)
+    )
     max_length: int = field(default=1024, **_help("Tokens of prompt + completion per row, at most.", panel=DATA))
+    loss_type: str = field(
+        default="kto",
+        **_help(
+            "As train's: KTO's (each row's completion with grad, then its KL completion without) or a pair loss "
+            "(sigmoid, ipo, ...: each pair's prompt once and both answers with grad; the chosen answer is a row's "
+            "completion, the rejected one the completion of another row, as --lengths draws them).",
+            panel=OPTIMISATION,
+        ),
+    )
     lengths: str = field(
         default="full",
         **_help(
@@ -947,3 +958,19 @@ class MemoryEstimateConfig(_ConfigMixin):
             "against_trl",
             "compares on one device only; drop --fsdp-world-size",
         )
+        terms = self.loss_type.split("+")
+        _check(
+            all(t in LOSS_TYPES + PAIR_LOSS_TYPES for t in terms) and len({t in LOSS_TYPES for t in terms}) == 1,
+            "loss_type",
+            f"{self.loss_type!r}: one of {', '.join(LOSS_TYPES)}, or pair losses ({', '.join(PAIR_LOSS_TYPES)}) "
+            "joined with +",
+        )
+        _check(
+            not (self.against_trl and self.pair_loss),
+            "against_trl",
+            "simulates trl.KTOTrainer's step: use it with --loss-type kto or apo_zero_unpaired",
+        )
+
+    @property
+    def pair_loss(self) -> bool:
+        return self.loss_type.split("+")[0] in PAIR_LOSS_TYPES

@@ -83,6 +83,26 @@ def test_checkpointing_and_table(monkeypatch, capsys, answer):
     assert "peak per device" in out and "(kto-mix)" in out and "activations" in out
 
 
+def test_a_pair_loss_step(monkeypatch, capsys, answer):
+    """A pair loss runs each pair's prompt once and both answers with gradients: at full lengths (a quarter of
+    each sequence prompt) 4 pairs need 4 x (16 + 48 + 48) tokens with gradients, more activations than KTO's 4 x 64
+    (whose KL completions run without); the weights and AdamW are the same."""
+    code, out, err = estimate(monkeypatch, capsys, *answer["flags"], "--loss-type", "sigmoid+sft", "--json")
+    assert code == 0, err
+    pairs = json.loads(out)
+    assert pairs["tokens_needed"] == pairs["tokens_with_grad"] == 4 * (16 + 48 + 48)
+    assert pairs["breakdown"]["activations"] > answer["breakdown"]["activations"]
+    for name in ("parameters", "optimizer"):
+        assert pairs["breakdown"][name] == answer["breakdown"][name]
+    assert answer["floor_bytes"] < pairs["floor_bytes"] <= pairs["peak_bytes"]
+    code, out, err = estimate(monkeypatch, capsys, *answer["flags"], "--loss-type", "exo_pair")
+    assert code == 0 and "4 pairs x 2 answers of 64 tokens, exo_pair" in out, err
+    code, _, err = estimate(monkeypatch, capsys, *answer["flags"], "--loss-type", "ipo", "--against-trl")
+    assert code == 1 and "--against-trl: simulates trl.KTOTrainer's step" in err, err
+    code, _, err = estimate(monkeypatch, capsys, *answer["flags"], "--loss-type", "kto+ipo")
+    assert code == 1 and "--loss-type: 'kto+ipo'" in err, err
+
+
 class _Capture:
     """capsys for a module-scoped fixture: stdout and stderr of the block."""
 

@@ -25,8 +25,10 @@ def estimate(config: MemoryEstimateConfig) -> dict[str, Any]:
         fsdp_world_size=config.fsdp_world_size,
         cpu_offload=config.cpu_offload,
     )
-    ours = simulate_ours(model_config, rows, settings)
-    needed = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+    ours = simulate_ours(model_config, rows, settings, loss_type=config.loss_type)
+    # the tokens with gradients: each row's prompt and completion, or each pair's prompt and both answers
+    answers = ("completion_ids", "kl_completion_ids") if config.pair_loss else ("completion_ids",)
+    needed = sum(len(r["prompt_ids"]) + sum(len(r[a]) for a in answers) for r in rows)
     floor = floor_bytes(model_config, settings, needed)
     if config.cpu_offload:  # the device holds no sharded weights, gradients or moments
         floor.update(parameters=0, gradients=0, optimizer=0)
@@ -56,8 +58,13 @@ def describe(result: dict[str, Any]) -> str:
 
     s = result["settings"]
     lines = [
-        f"{result['model']}: one training step, {s['per_device_train_batch_size']} rows x {s['max_length']} tokens "
-        f"({s['lengths']}), {'bf16 autocast' if s['bf16'] else 'float32'}"
+        f"{result['model']}: one training step, "
+        + (
+            f"{s['per_device_train_batch_size']} rows x {s['max_length']} tokens"
+            if s["loss_type"].split("+")[0] in ("kto", "apo_zero_unpaired")
+            else f"{s['per_device_train_batch_size']} pairs x 2 answers of {s['max_length']} tokens, {s['loss_type']}"
+        )
+        + f" ({s['lengths']}), {'bf16 autocast' if s['bf16'] else 'float32'}"
         + (", gradient checkpointing" if s["gradient_checkpointing"] else "")
         + (f", LoRA r={s['lora_r']}" if s["lora_r"] else "")
         + (f", FSDP2 x{s['fsdp_world_size']}" if s["fsdp_world_size"] > 1 else "")

@@ -29,27 +29,53 @@ from kto_pipeline.memory.simulation import (
 
 
 def simulate_ours(
-    model_config, rows: list[dict[str, Any]], settings: StepSettings, fake=True, attribute: bool = False
+    model_config,
+    rows: list[dict[str, Any]],
+    settings: StepSettings,
+    fake=True,
+    attribute: bool = False,
+    loss_type: str = "kto",
 ) -> StepMemory:
     """Peak memory of one `train` step on `rows`: the step `train_step` runs (forward, backward, clipping,
     AdamW), on fake tensors (`fake=True`) or real ones (`fake=False`, the CPU check). `attribute`: also list
-    the largest tensors alive at the peak (runs the step twice)."""
+    the largest tensors alive at the peak (runs the step twice). With a pair loss (`loss_type`), each row is a
+    pair: its prompt, its completion as the chosen answer and its KL completion as the rejected one."""
     if settings.fsdp_world_size > 1:
         with fake_process_group(settings.fsdp_world_size):
-            return _simulate_ours(model_config, rows, settings, fake, attribute)
-    return _simulate_ours(model_config, rows, settings, fake, attribute)
+            return _simulate_ours(model_config, rows, settings, fake, attribute, loss_type)
+    return _simulate_ours(model_config, rows, settings, fake, attribute, loss_type)
 
 
-def _simulate_ours(model_config, rows, settings: StepSettings, fake: bool, attribute: bool) -> StepMemory:
-    first = _run_ours(model_config, rows, settings, fake, None)
+def _simulate_ours(model_config, rows, settings: StepSettings, fake: bool, attribute: bool, loss_type) -> StepMemory:
+    first = _run_ours(model_config, rows, settings, fake, None, loss_type)
     if not attribute:
         return first
-    second = _run_ours(model_config, rows, settings, fake, first.peak_bytes)
+    second = _run_ours(model_config, rows, settings, fake, first.peak_bytes, loss_type)
     assert second.peak_bytes == first.peak_bytes, "the simulated step is deterministic"
     return second
 
 
-def _run_ours(model_config, rows, settings: StepSettings, fake: bool, attribute_at: int | None) -> StepMemory:
+def as_pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows as the pairs `CachePairs` yields: the completion chosen, the KL completion (another row's) rejected."""
+    return [
+        {
+            "prompt_ids": r["prompt_ids"],
+            "chosen_ids": r["completion_ids"],
+            "rejected_ids": r["kl_completion_ids"],
+            "ref_chosen_token_logps": [],
+            "ref_rejected_token_logps": [],
+            "ref_chosen_logp": r["ref_logp"],
+            "ref_rejected_logp": r["ref_kl_logp"],
+            "chosen_id": 2 * i,
+            "rejected_id": 2 * i + 1,
+        }
+        for i, r in enumerate(rows)
+    ]
+
+
+def _run_ours(
+    model_config, rows, settings: StepSettings, fake: bool, attribute_at: int | None, loss_type: str = "kto"
+) -> StepMemory:
     import torch
 
     from kto_pipeline.config import TrainConfig
@@ -57,11 +83,21 @@ def _run_ours(model_config, rows, settings: StepSettings, fake: bool, attribute_
     from kto_pipeline.runtime.engines.single import Single
     from kto_pipeline.runtime.precision import policy_regime
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.train.batches import Collator, PolicyScorer
+    from kto_pipeline.stages.train.batches import Collator, PairCollator, PolicyScorer
     from kto_pipeline.stages.train.kto_step import kto_forward
+    from kto_pipeline.stages.train.pair_step import pair_forward
 
     mode = fake_mode() if fake else None
-    config = TrainConfig(cache="-", output_dir="-", bf16=settings.bf16, per_device_train_batch_size=max(len(rows), 2))
+    batch_size = max(len(rows), 2)
+    smoothing = 1e-3 if "exo_pair" in loss_type.split("+") else 0.0  # (exo_pair needs one; memory does not)
+    config = TrainConfig(
+        cache="-",
+        output_dir="-",
+        bf16=settings.bf16,
+        per_device_train_batch_size=batch_size,
+        loss_type=loss_type,
+        label_smoothing=smoothing,
+    )
     sharded = settings.fsdp_world_size > 1
     with device_decisions(settings.device_type):
         model = build_model(model_config, settings, mode)
@@ -74,15 +110,22 @@ def _run_ours(model_config, rows, settings: StepSettings, fake: bool, attribute_
             )
         init_optimizer_state(model, optimizer, mode)
         pad_id = model_config.pad_token_id if model_config.pad_token_id is not None else 0
-        batch = Collator(pad_id, True, attention_costs(model, torch.device(settings.device_type)))(rows)
+        costs = attention_costs(model, torch.device(settings.device_type))
+        if config.pair_loss:
+            batch = PairCollator(pad_id, True, costs)(as_pairs(rows))
+        else:
+            batch = Collator(pad_id, True, costs)(rows)
         tracker = memory_tracker(scorer if sharded else None, optimizer, settings.cpu_offload, attribute_at)
         if not sharded:
             tracker.track_external(model, optimizer)
         with tracker:
             before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])
-            z0, scored, loss, _, _ = kto_forward(engine.accelerator, scorer, batch, config, with_stats=True)
+            if config.pair_loss:
+                scored, loss = pair_forward(engine.accelerator, scorer, batch, config, with_stats=True)[:2]
+            else:
+                scored, loss = kto_forward(engine.accelerator, scorer, batch, config, with_stats=True)[1:3]
             tokens_with_grad, tokens_executed = _layout_tokens(batch), scored.tokens_executed
-            del z0, scored
+            del scored
             engine.backward(loss)
             del loss
             engine.clip_grad_norm(scorer, config.max_grad_norm)
