@@ -212,3 +212,44 @@ def test_one_sweep_over_kto_and_pair_losses_on_one_paired_cache(pair_cache, tmp_
     assert "eval_pair_accuracy" in summary and "eval_margin" in summary
     assert "pair loss DPO (`sigmoid`)" in (tmp_path / "sweep" / "sigmoid" / "README.md").read_text()
     assert "trained with KTO" in (tmp_path / "sweep" / "kto" / "README.md").read_text()
+
+
+def test_resume_lora_init_from_and_append_with_a_pair_loss(pair_cache, tiny_model_dir, tmp_path):
+    """The paths a pair loss inherits from train: resuming a checkpoint gives the uninterrupted run's steps and
+    weights bit for bit; LoRA (and --merge) starts at the reference; --init-from trains a second round; a paired
+    cache grown by `precompute --append` trains on its new pairs too."""
+    from safetensors.torch import load_file
+
+    settings = dict(max_steps=4, save_steps=2, learning_rate=1e-3, train_sampling_strategy="random", seed=7)
+    whole = train(cfg(pair_cache, tmp_path / "whole", **settings))
+    train(cfg(pair_cache, tmp_path / "resumed", resume_from=str(tmp_path / "whole" / "checkpoint-2"), **settings))
+    assert read_metrics(tmp_path / "resumed")[-2:] == whole.metrics[-2:]
+    a, b = (load_file(tmp_path / run / "model.safetensors") for run in ("whole", "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    lora = train(cfg(pair_cache, tmp_path / "lora", lora_r=4, merge=True, max_steps=2, learning_rate=1e-3))
+    assert lora.metrics[0]["rewards/margins"] == 0.0 and lora.metrics[-1]["rewards/margins"] != 0.0
+    assert (tmp_path / "lora" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "lora" / "merged" / "model.safetensors").exists()
+
+    second = train(cfg(pair_cache, tmp_path / "round2", init_from=str(tmp_path / "whole"), max_steps=1))
+    state = json.loads((tmp_path / "round2" / "trainer_state.json").read_text())
+    assert state["round"] == 2 and state["parent_run"]["global_step"] == 4
+    assert second.metrics[0]["rewards/margins"] != 0.0  # it starts from the trained policy, not the reference
+
+    root = tmp_path / "grown"
+    root.mkdir()
+    first = write_jsonl(root / "first.jsonl", pairs(8))
+    cache = precompute(
+        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(first), output=str(root / "cache"), max_length=48)
+    )
+    more = write_jsonl(root / "more.jsonl", pairs(12))  # the first 8 again, then 4 new pairs
+    precompute(
+        PrecomputeConfig(
+            model=str(tiny_model_dir), dataset=str(more), output=str(root / "cache"), max_length=48, append=True
+        )
+    )
+    grown = open_cache(cache, verify=True)
+    assert grown.manifest.pairs["complete"] == 12 and len(CachePairs(grown, 48)) == 12
+    result = train(cfg(cache, root / "run", num_train_epochs=1))
+    assert [m["step"] for m in result.metrics] == [1, 2, 3] and result.metrics[0]["rewards/margins"] == 0.0
