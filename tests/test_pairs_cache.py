@@ -216,3 +216,16 @@ def test_pairs_only_scores_each_pair_as_one_tree_without_kl(tmp_path, tiny_model
     assert manifest["segments"][1]["dropped"] == {"no pair partner": 1}
     assert manifest.pairs == {"complete": 7, "rows_without_partner": 0}
     assert check_cache(cache, manifest, full=True) == []
+
+
+def test_rows_whose_prompts_tokenized_differently_are_not_a_pair():
+    """A pair is one prompt and two answers: where a tokenizer merged the prompt's end into one answer and not the
+    other, the two rows stay unpaired (KTO trains on them; a pair loss cannot run them as one tree)."""
+    from kto_pipeline.stages.precompute.stage import pair_partners, same_prompts
+
+    prompts = [[1, 2, 3], [1, 2, 3], [1, 2], [1, 2, 4], [5], [5], [7, 8], [7, 9]]
+    table = pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int32()))})
+    a, b = np.array([0, 2, 4, 6]), np.array([1, 3, 5, 7])
+    assert same_prompts(table, a, b, chunk=3).tolist() == [True, False, True, False]  # across chunk edges too
+    positions = np.array([0, 1, 3, 4, 5, 6, 7])  # row 2 dropped: row 3 has no partner
+    assert pair_partners(positions, positions + 100, table).tolist() == [101, 100, NO_PAIR, 105, 104, NO_PAIR, NO_PAIR]

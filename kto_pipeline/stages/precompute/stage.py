@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
@@ -260,7 +261,10 @@ def prepare_rows(config: PrecomputeConfig, tokenizer, state=None, base: Manifest
     first = prepared["first_example_id"]
     # a row's example id: its place among the normalized rows of the cache, kept or dropped
     example_ids = first + (rows.example_ids if among is None else np.searchsorted(among, rows.example_ids))
-    pair_ids = pair_partners(rows.example_ids, example_ids) if prepared["paired"] else np.full(len(rows), NO_PAIR)
+    if prepared["paired"]:
+        pair_ids = pair_partners(rows.example_ids, example_ids, rows.table)
+    else:
+        pair_ids = np.full(len(rows), NO_PAIR)
     if config.pairs_only:  # only whole pairs: the rows without their partner are dropped
         keep = pair_ids != NO_PAIR
         dropped = rows.dropped + Counter({"no pair partner": int((~keep).sum())} if not keep.all() else {})
@@ -307,15 +311,39 @@ def prepare_rows(config: PrecomputeConfig, tokenizer, state=None, base: Manifest
     )
 
 
-def pair_partners(positions: np.ndarray, example_ids: np.ndarray) -> np.ndarray:
+def pair_partners(positions: np.ndarray, example_ids: np.ndarray, table: pa.Table | None = None) -> np.ndarray:
     """Each kept row's pair partner, as an example id (NO_PAIR where the partner is not among the kept rows).
 
     `positions`: the kept rows' places in the tokenized table (ascending), where a paired source row's two rows
-    are 2i and 2i+1 (an append tokenizes whole source rows, so this holds there too); `example_ids`: theirs."""
+    are 2i and 2i+1 (an append tokenizes whole source rows, so this holds there too); `example_ids`: theirs.
+    With the tokenized `table`, two rows pair only if their prompts tokenized alike (a tokenizer may merge the
+    prompt's last tokens with one answer's first ones and not the other's): a pair is one prompt and two answers.
+    """
     partner = positions ^ 1
     at = np.minimum(np.searchsorted(positions, partner), max(len(positions) - 1, 0))
     found = positions[at] == partner if len(positions) else np.zeros(0, dtype=bool)
+    if table is not None and found.any():
+        where = np.flatnonzero(found)
+        found[where] = same_prompts(table, positions[where], partner[where])
     return np.where(found, example_ids[at], NO_PAIR)
+
+
+def same_prompts(table: pa.Table, a: np.ndarray, b: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
+    """Whether the tokenized rows at positions a[i] and b[i] have the same prompt_ids, chunk by chunk (token ids
+    compared in numpy, never as Python lists)."""
+    column, out = table.column("prompt_ids"), np.zeros(len(a), dtype=bool)
+    for start in range(0, len(a), chunk):
+        ia, ib = (pa.array(x[start : start + chunk]) for x in (a, b))
+        la, lb = (column.take(i).combine_chunks() for i in (ia, ib))
+        lengths = pc.list_value_length(la).to_numpy()
+        same = lengths == pc.list_value_length(lb).to_numpy()
+        if same.any():
+            keep = pa.array(same)
+            fa, fb = (x.filter(keep).flatten().to_numpy() for x in (la, lb))
+            row = np.repeat(np.arange(int(same.sum())), lengths[same])
+            same[np.flatnonzero(same)[np.unique(row[fa != fb])]] = False
+        out[start : start + chunk] = same
+    return out
 
 
 def _preprocess(config: PrecomputeConfig, tokenizer, out: Path, base: Manifest | None) -> dict[str, Any]:
