@@ -283,26 +283,15 @@ class PolicyScorer(torch.nn.Module):
     def forward(self, batch, with_kl: bool = True, with_stats: bool = True, output_router_logits: bool = False):
         """Completion scores (with grad) and, with `with_kl`, KL completion scores (no grad): `PolicyScores`. For a
         batch of pairs, the scores of both answers (with grad), sequence 2i pair i's chosen, 2i + 1 its rejected."""
-        layout = batch_layout(batch)
-        if is_pair_batch(batch):
-            if layout is not None:  # one forward over the pairs' trees: each prompt once
-                scores = score_layout(
-                    self.model, layout, with_stats=with_stats, output_router_logits=output_router_logits
-                )
-                return PolicyScores(scores, None, layout.input_ids.numel(), kl_on_cached_prompt=False)
-            scores = score_sequences(
-                self.model,
-                batch["input_ids"],
-                batch["attention_mask"],
-                batch["completion_mask"],
-                with_stats=with_stats,
-                output_router_logits=output_router_logits,
-            )
-            return PolicyScores(scores, None, batch["input_ids"].numel(), kl_on_cached_prompt=False)
+        layout, pairs = batch_layout(batch), is_pair_batch(batch)
+        if layout is not None and pairs:  # one forward over the pairs' trees: each prompt once
+            scores = score_layout(self.model, layout, with_stats=with_stats, output_router_logits=output_router_logits)
+            return PolicyScores(scores, None, layout.input_ids.numel(), kl_on_cached_prompt=False)
         if layout is not None:
             return score_policy(
                 self.model, layout, with_kl, with_stats=with_stats, output_router_logits=output_router_logits
             )
+        # padded: the rows' completions, or both answers of each pair
         completions = score_sequences(
             self.model,
             batch["input_ids"],
@@ -312,7 +301,7 @@ class PolicyScorer(torch.nn.Module):
             output_router_logits=output_router_logits,
         )
         kl, executed = None, batch["input_ids"].numel()
-        if with_kl:
+        if with_kl and not pairs:
             with torch.no_grad():
                 kl = score_sequences(
                     self.model,
