@@ -21,6 +21,7 @@ prompts' cached keys/values: training). Layouts and masks are built in `packing.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -359,16 +360,26 @@ def _forward(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | 
     window = sliding_window(model)
     visible = tree_mask(layout, queries, keys, window)
     kernel, mask, more = attention_inputs(model, layout, queries, keys, visible, window)
+    backbone = backbone_of(model)
     with attending_with(model, kernel):
-        return backbone_of(model)(
+        return backbone(
             input_ids=layout.input_ids.reshape(-1)[queries],
             position_ids=layout.position_ids.reshape(-1)[queries],
             attention_mask=mask,
-            past_key_values=cache,
+            **{_cache_keyword(type(backbone)): cache},
             use_cache=cache is not None,
             **extra,
             **more,
         )
+
+
+@functools.cache
+def _cache_keyword(backbone_class) -> str:
+    """The name a backbone's forward takes its key/value cache by: `cache` (transformers >= 5.24, where
+    `past_key_values` is deprecated and warns), else `past_key_values`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(backbone_class.forward).parameters else "past_key_values"
 
 
 def _score_branch(model, layout: Layout, hidden, where, branch: int, chunk_size: int | None, with_stats: bool, **extra):
