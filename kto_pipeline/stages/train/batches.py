@@ -5,7 +5,7 @@ loss, `CachePairs` reads its (chosen, rejected) pairs; `EpochSampler` orders the
 epoch); `Collator` (`PairCollator`) lays a micro-batch out packed (`scoring/packing.py`: each row's prompt,
 completion and KL completion as one tree, or each pair's prompt, chosen and rejected answers, no padding) or
 padded for models that take no packed layout; and `PolicyScorer` scores a batch through the model's `forward`,
-so that DDP and FSDP wrappers see the call.
+so that DDP and FSDP wrappers see the call. `real_rows` tells which rows of an uneven last batch are real.
 """
 
 from __future__ import annotations
@@ -312,3 +312,16 @@ class PolicyScorer(torch.nn.Module):
                 )
             executed += batch["kl_input_ids"].numel()
         return PolicyScores(completions, kl, executed, kl_on_cached_prompt=False)
+
+
+def real_rows(accelerator, batch_size: int, dataset_rows: int, last_batch: bool) -> torch.Tensor | None:
+    """(B,) 1.0 for this process's real rows (pairs, for a pair loss), 0.0 for the rows accelerate repeats so that
+    every process gets a full last batch (`even_batches`); None when the global batch has no repeated row.
+    `batch_size`: the loader's per-process batch size. The same on every process, so that all take the same
+    collectives. (Computed here: accelerate's own remainder is lost in a loader resumed with skip_first_batches.)"""
+    remainder = dataset_rows % (batch_size * accelerator.num_processes)
+    if accelerator.num_processes == 1 or not last_batch or remainder == 0:
+        return None
+    first = accelerator.process_index * batch_size  # the gathered global batch: process 0's rows, then 1's, ...
+    positions = torch.arange(first, first + batch_size, device=accelerator.device)
+    return (positions < remainder).float()

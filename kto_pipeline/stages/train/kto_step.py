@@ -1,4 +1,5 @@
-"""One KTO forward pass and its metrics, shared by training and evaluation.
+"""One KTO forward pass and its metrics, shared by training and evaluation (`pair_step.py` is its counterpart for
+the pair losses).
 
 Per forward pass, with trl.KTOTrainer's numbers:
   1. score the completions with grad: the micro-batch's prompts and completions packed side by side in
@@ -17,6 +18,7 @@ import torch
 
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.loss import kto_loss
+from kto_pipeline.stages.train.batches import real_rows
 
 
 def kto_forward(
@@ -24,7 +26,7 @@ def kto_forward(
 ):
     """One KTO forward pass, shared by training and evaluation: the completions scored (policy, with grad),
     z0 from the KL completions (policy, no grad, averaged over the global batch before the clamp), `kto_loss`.
-    `real`: see `real_rows` (None: every row of the global batch is real).
+    `real`: see `batches.real_rows` (None: every row of the global batch is real).
 
     Returns (z0, scored: PolicyScores, loss, losses, rewards)."""
     with_kl = config.loss_type == "kto"
@@ -56,19 +58,6 @@ def kto_forward(
     return z0, scored, loss, losses, rewards
 
 
-def real_rows(accelerator, batch_size: int, dataset_rows: int, last_batch: bool) -> torch.Tensor | None:
-    """(B,) 1.0 for this process's real rows, 0.0 for the rows accelerate repeats so that every process gets a
-    full last batch (`even_batches`); None when the global batch has no repeated row. `batch_size`: the loader's
-    per-process batch size. The same on every process, so that all take the same collectives. (Computed here:
-    accelerate's own remainder is lost in a loader resumed with skip_first_batches.)"""
-    remainder = dataset_rows % (batch_size * accelerator.num_processes)
-    if accelerator.num_processes == 1 or not last_batch or remainder == 0:
-        return None
-    first = accelerator.process_index * batch_size  # the gathered global batch: process 0's rows, then 1's, ...
-    positions = torch.arange(first, first + batch_size, device=accelerator.device)
-    return (positions < remainder).float()
-
-
 class MetricLog:
     """Per-forward-pass metric values, averaged over the forward passes of each logging interval (as trl)."""
 
@@ -85,7 +74,7 @@ class MetricLog:
 
 
 def batch_metrics(accelerator, loss, z0, labels, logps, rewards, scores, real=None) -> dict[str, float]:
-    """TRL's metrics for one forward pass, summed across processes before dividing. `real`: see `real_rows`
+    """TRL's metrics for one forward pass, summed across processes before dividing. `real`: see `batches.real_rows`
     (the repeated rows of an uneven last batch are left out)."""
     labels = labels.bool()
     token_labels = labels[scores.sequence]  # each scored token's row label

@@ -17,7 +17,7 @@ import torch
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.loss import length_desensitized, pair_loss
 from kto_pipeline.scoring.logprobs import PolicyScores
-from kto_pipeline.stages.train.kto_step import real_rows
+from kto_pipeline.stages.train.batches import real_rows
 
 
 class PairForward(NamedTuple):
@@ -34,7 +34,7 @@ def pair_forward(
     accelerator, scorer, batch, config: TrainConfig, with_stats: bool, output_router_logits: bool = False, real=None
 ) -> PairForward:
     """Both answers of each pair scored by the policy (with grad), then `pair_loss`. `real`: see
-    `kto_step.real_rows` (None: every pair of the global batch is real)."""
+    `batches.real_rows` (None: every pair of the global batch is real)."""
     scored = scorer(batch, False, with_stats, output_router_logits)
     scores = scored.completions
     n = len(batch["chosen_id"])

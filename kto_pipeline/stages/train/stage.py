@@ -50,8 +50,16 @@ from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported, request_attention_kernel
-from kto_pipeline.stages.train.batches import CachePairs, CacheRows, Collator, EpochSampler, PairCollator, PolicyScorer
-from kto_pipeline.stages.train.kto_step import MetricLog, batch_metrics, evaluate, kto_forward, real_rows
+from kto_pipeline.stages.train.batches import (
+    CachePairs,
+    CacheRows,
+    Collator,
+    EpochSampler,
+    PairCollator,
+    PolicyScorer,
+    real_rows,
+)
+from kto_pipeline.stages.train.kto_step import MetricLog, batch_metrics, evaluate, kto_forward
 from kto_pipeline.stages.train.pair_step import evaluate_pairs, pair_forward, pair_metrics
 from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
 
