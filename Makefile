@@ -54,6 +54,7 @@ bench: install
 	$(PY) benchmarks/bench.py --size full --only lora
 	$(PY) benchmarks/bench.py --size full --only smollm2
 	$(PY) benchmarks/bench.py --size full --only scale
+	$(PY) benchmarks/bench_dpo.py --size full
 
 # On a CUDA GPU (H100): Qwen2-0.5B-sized model, bf16, vs trl; writes benchmarks/RESULTS-gpu.md
 bench-gpu: install
