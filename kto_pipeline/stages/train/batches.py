@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from kto_pipeline.cache import NO_PAIR, CacheTable, completion_room, token_sum
+from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.loss import length_desensitized
 from kto_pipeline.scoring.logprobs import PolicyScores, pad_sequences, score_layout, score_policy, score_sequences
 from kto_pipeline.scoring.packing import AttentionCosts, Layout, layout_trees, pack_rows
@@ -120,6 +121,11 @@ class CachePairs(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         chosen, rejected = self._row(self.chosen[i]), self._row(self.rejected[i])
+        if chosen["prompt_ids"] != rejected["prompt_ids"]:  # (precompute pairs only rows whose prompts tokenized alike)
+            raise KTOPipelineError(
+                f"examples {chosen['example_id']} and {rejected['example_id']} are recorded as a pair but their "
+                "prompts tokenized differently. Precompute the data again with this version."
+            )
         return {
             "prompt_ids": chosen["prompt_ids"],
             "chosen_ids": chosen["completion_ids"],

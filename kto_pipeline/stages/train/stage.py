@@ -83,7 +83,7 @@ class Progress:
     # work counters of this run, this process: tokens the forwards ran vs the tokens the rows need (P + C + K)
     tokens_executed: int = 0
     tokens_needed: int = 0
-    rows_seen: int = 0
+    rows_seen: int = 0  # rows, or pairs with a pair loss
     kl_on_cached_prompt: bool = False
 
 
@@ -258,7 +258,7 @@ def _require_data_for_loss(config: TrainConfig, flag: str, path: str, manifest: 
         raise KTOPipelineError(
             f"{flag} {path} was written by `precompute --pairs-only`: it holds no KL completions, which KTO's loss "
             "needs. Precompute the data again without --pairs-only (another --output), or train a pair loss on it "
-            f"(--loss-type {' or '.join(PAIR_LOSS_TYPES[:2])} ...)."
+            "(--loss-type sigmoid for DPO, or another of trl.DPOTrainer's)."
         )
 
 
@@ -471,7 +471,7 @@ def after_step(run: Run, micro_step: int, bar) -> None:
     bar.update(1)
     elapsed = max(now - p.started, 1e-9)
     bar.set_postfix_str(
-        f"{p.rows_seen * accelerator.num_processes / elapsed:.1f} rows/s, "
+        f"{p.rows_seen * accelerator.num_processes / elapsed:.1f} {'pairs' if config.pair_loss else 'rows'}/s, "
         f"{p.tokens_needed * accelerator.num_processes / elapsed:.0f} tokens/s"
     )
     p.fractional_epoch = p.epoch + (micro_step + 1) / len(run.loader)
