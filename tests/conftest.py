@@ -56,3 +56,27 @@ def small_cache(tmp_path_factory, tiny_model_dir) -> Path:
     return precompute(
         PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(root / "cache"), max_length=64)
     )
+
+
+# The longest test files first (their times in `make test`'s --durations): `make test` runs files whole in two
+# pytest-xdist workers (--dist loadfile), handed out in collection order, so a long file collected last would leave
+# one worker idle while the other finishes it.
+LONGEST_FIRST = (
+    "test_bench.py",
+    "test_real_model.py",
+    "test_fsdp.py",
+    "test_deepspeed.py",
+    "test_pair_engines.py",
+    "test_multinode.py",
+    "test_cli.py",
+    "test_bench_dpo.py",
+    "test_bench_gpu.py",
+    "test_memory.py",
+    "test_accumulation.py",
+    "test_recipe.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
