@@ -37,6 +37,13 @@ PAIR_LOSS_TYPES = (
 F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 # the pair losses that take another f-divergence than reverse KL (trl: the others have no valid generalization)
 F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+
+
+def is_pair_loss(loss_type: str) -> bool:
+    """Whether a --loss-type (one term, or several joined with +) is a pair loss (trl.DPOTrainer's), not KTO's."""
+    return loss_type.split("+")[0].strip() in PAIR_LOSS_TYPES
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_KERNELS = ("auto", "by-tree", "block-mask", "dense")  # see kto_pipeline/scoring/attention.py
 _ATTENTION_KERNEL_HELP = (
@@ -616,7 +623,7 @@ class TrainConfig(_ConfigMixin):
     @property
     def pair_loss(self) -> bool:
         """Whether the run trains a pair loss (trl.DPOTrainer's, on (chosen, rejected) pairs), not KTO's."""
-        return self.loss_types[0] in PAIR_LOSS_TYPES
+        return is_pair_loss(self.loss_type)
 
     @property
     def weights(self) -> tuple[float, ...]:
@@ -626,22 +633,8 @@ class TrainConfig(_ConfigMixin):
         return tuple(float(w) for w in self.loss_weights.split(","))
 
     def _check_loss(self) -> None:
-        names = f"{', '.join(LOSS_TYPES)} (KTO), or of {', '.join(PAIR_LOSS_TYPES)} (pairs)"
-        _check(
-            "," not in self.loss_type,
-            "loss_type",
-            f"{self.loss_type!r}: join the terms of a combination with + (sigmoid+bco_pair+sft); commas separate "
-            "a sweep's values",
-        )
+        check_loss_names(self.loss_type)
         types = self.loss_types
-        unknown = [t for t in types if t not in LOSS_TYPES + PAIR_LOSS_TYPES]
-        _check(not unknown, "loss_type", f"unknown {', '.join(map(repr, unknown))}: each term must be one of {names}")
-        _check(
-            len(types) == 1 or all(t in PAIR_LOSS_TYPES for t in types),
-            "loss_type",
-            f"{self.loss_type!r}: only pair losses combine (KTO's {', '.join(LOSS_TYPES)} train alone)",
-        )
-        _check(len(set(types)) == len(types), "loss_type", f"{self.loss_type!r} names a term twice")
         if self.loss_weights is not None:
             _check(self.pair_loss, "loss_weights", "weights the terms of a pair loss (--loss-type a+b)")
             try:
@@ -663,8 +656,8 @@ class TrainConfig(_ConfigMixin):
                     f"applies to pair losses only, not to --loss-type {self.loss_type}",
                 )
             return
-        for name in ("desirable_weight", "undesirable_weight"):
-            _check(getattr(self, name) == 1.0, name, f"applies to KTO only, not to --loss-type {self.loss_type}")
+        for name, default in KTO_OPTIONS.items():
+            _check(getattr(self, name) == default, name, f"applies to KTO only, not to --loss-type {self.loss_type}")
         _check(
             self.f_divergence_type in F_DIVERGENCE_TYPES,
             "f_divergence_type",
@@ -691,7 +684,28 @@ class TrainConfig(_ConfigMixin):
         _check(self.ld_alpha is None or 0 <= self.ld_alpha <= 1, "ld_alpha", f"must be in [0, 1], got {self.ld_alpha}")
 
 
-# the pair losses' options and their defaults (refused with KTO's losses)
+def check_loss_names(loss_type: str) -> None:
+    """A --loss-type names known losses: one of KTO's, or pair losses joined with + (each once)."""
+    names = f"{', '.join(LOSS_TYPES)} (KTO), or of {', '.join(PAIR_LOSS_TYPES)} (pairs)"
+    _check(
+        "," not in loss_type,
+        "loss_type",
+        f"{loss_type!r}: join the terms of a combination with + (sigmoid+bco_pair+sft); commas separate "
+        "a sweep's values",
+    )
+    types = [t.strip() for t in loss_type.split("+")]
+    unknown = [t for t in types if t not in LOSS_TYPES + PAIR_LOSS_TYPES]
+    _check(not unknown, "loss_type", f"unknown {', '.join(map(repr, unknown))}: each term must be one of {names}")
+    _check(
+        len(types) == 1 or all(t in PAIR_LOSS_TYPES for t in types),
+        "loss_type",
+        f"{loss_type!r}: only pair losses combine (KTO's {', '.join(LOSS_TYPES)} train alone)",
+    )
+    _check(len(set(types)) == len(types), "loss_type", f"{loss_type!r} names a term twice")
+
+
+# each family's own options and their defaults (refused with the other family's losses; a sweep leaves them out
+# of the other family's runs)
 PAIR_OPTIONS = {
     "loss_weights": None,
     "label_smoothing": 0.0,
@@ -700,6 +714,7 @@ PAIR_OPTIONS = {
     "discopop_tau": 0.05,
     "ld_alpha": None,
 }
+KTO_OPTIONS = {"desirable_weight": 1.0, "undesirable_weight": 1.0}
 
 
 @dataclass
@@ -958,13 +973,7 @@ class MemoryEstimateConfig(_ConfigMixin):
             "against_trl",
             "compares on one device only; drop --fsdp-world-size",
         )
-        terms = self.loss_type.split("+")
-        _check(
-            all(t in LOSS_TYPES + PAIR_LOSS_TYPES for t in terms) and len({t in LOSS_TYPES for t in terms}) == 1,
-            "loss_type",
-            f"{self.loss_type!r}: one of {', '.join(LOSS_TYPES)}, or pair losses ({', '.join(PAIR_LOSS_TYPES)}) "
-            "joined with +",
-        )
+        check_loss_names(self.loss_type)
         _check(
             not (self.against_trl and self.pair_loss),
             "against_trl",
@@ -973,4 +982,4 @@ class MemoryEstimateConfig(_ConfigMixin):
 
     @property
     def pair_loss(self) -> bool:
-        return self.loss_type.split("+")[0] in PAIR_LOSS_TYPES
+        return is_pair_loss(self.loss_type)

@@ -224,13 +224,20 @@ def _one_pair_loss(
 
 
 def length_desensitized(
-    token_logps: torch.Tensor, sequence: torch.Tensor, num_sequences: int, shared: torch.Tensor, ld_alpha: float
+    token_logps: torch.Tensor,
+    sequence: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    ld_alpha: float,
 ) -> torch.Tensor:
-    """LD-DPO's sequence log-probs (trl's `ld_alpha`): each sequence's first `shared` tokens (the shorter answer's
-    length, of its pair) count once, the tokens beyond them `ld_alpha` times.
+    """LD-DPO's sequence log-probs (trl's `ld_alpha`) of P pairs' answers: each answer's first tokens, as many as
+    its pair's shorter answer has, count once, the tokens beyond them `ld_alpha` times.
 
-    token_logps, sequence: (N,) log-probs of the completion tokens, ordered by sequence then position;
-    shared: (num_sequences,) the tokens that count whole. Returns (num_sequences,)."""
+    token_logps, sequence: (N,) log-probs of the answers' tokens, ordered by sequence then position, sequence 2i
+    pair i's chosen answer and 2i + 1 its rejected one; chosen_lengths, rejected_lengths: (P,) their tokens.
+    Returns (2P,), in the same order."""
+    num_sequences = 2 * len(chosen_lengths)
+    shared = torch.minimum(chosen_lengths, rejected_lengths).repeat_interleave(2)
     counts = torch.bincount(sequence, minlength=num_sequences)
     starts = torch.cumsum(counts, 0) - counts
     position = torch.arange(len(sequence), device=sequence.device) - starts[sequence]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kto_pipeline.cache import Manifest
-from kto_pipeline.config import PAIR_LOSS_TYPES, PAIR_OPTIONS
+from kto_pipeline.config import PAIR_OPTIONS, is_pair_loss
 
 CARD_FILE = "README.md"
 KTO_PAPER = {
@@ -234,7 +234,7 @@ def _settings_rows(
     config: dict[str, Any], cached_max: int, steps_run: int | None, num_processes: int | None, precision: str | None
 ):
     per_device, accumulation = config["per_device_train_batch_size"], config["gradient_accumulation_steps"]
-    unit = "pairs" if _is_pair_loss(config) else "rows"
+    unit = "pairs" if is_pair_loss(config["loss_type"]) else "rows"
     if num_processes:
         batch = f"{per_device} x {accumulation} x {num_processes} = {per_device * accumulation * num_processes} {unit}"
         batch_name = "batch (per device x accumulation x processes)"
@@ -246,7 +246,7 @@ def _settings_rows(
     duration = "max_steps" if config["max_steps"] > 0 else "num_train_epochs"
     weights = f"{_num(config['desirable_weight'])} / {_num(config['undesirable_weight'])}"
     optimizer = f"AdamW, weight_decay {_num(config['weight_decay'])}, max_grad_norm {_num(config['max_grad_norm'])}"
-    if _is_pair_loss(config):
+    if is_pair_loss(config["loss_type"]):
         options = [
             (name, _code(config.get(name)) if isinstance(config.get(name), str) else _num(config.get(name)))
             for name, default in PAIR_OPTIONS.items()
@@ -278,10 +278,6 @@ def _settings_rows(
         )
     rows += [("train_sampling_strategy", _code(config["train_sampling_strategy"])), ("seed", _num(config["seed"]))]
     return rows
-
-
-def _is_pair_loss(config: dict[str, Any]) -> bool:
-    return str(config.get("loss_type", "kto")).split("+")[0] in PAIR_LOSS_TYPES
 
 
 def _loss_name(config: dict[str, Any]) -> str:
@@ -419,7 +415,7 @@ def build_model_card(
     # the weights this run's LoRA adapters sit on: a full-weights parent's, else the reference (or --model)
     base = parent["path"] if parent and parent["kind"] == "full" else config.get("model") or manifest.reference_model
     dataset = manifest.dataset["name_or_path"]
-    pairs = _is_pair_loss(config)
+    pairs = is_pair_loss(config["loss_type"])
     model_name = model_name or Path(config["output_dir"]).name
     steps = [r["step"] for r in history if "step" in r]
     data = ModelCardData(

@@ -20,7 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from kto_pipeline.config import LIST_FIELDS, PAIR_LOSS_TYPES, PAIR_OPTIONS, TrainConfig, parse_value
+from kto_pipeline.config import KTO_OPTIONS, LIST_FIELDS, PAIR_OPTIONS, TrainConfig, is_pair_loss, parse_value
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.report import markdown_table
 from kto_pipeline.rundir import finished_at, run_config
@@ -70,13 +70,9 @@ def expand_grid(values: dict[str, str | None]) -> tuple[list[dict[str, Any]], li
     return [dict(t) for t in dict.fromkeys(tuple(g.items()) for g in grid)], varied  # each run once
 
 
-KTO_OPTIONS = ("desirable_weight", "undesirable_weight")
-
-
 def _for_its_loss(settings: dict[str, Any]) -> dict[str, Any]:
     """A run's settings without the options of the other loss family (a grid of KTO and pair losses)."""
-    pair = str(settings.get("loss_type", "kto")).split("+")[0] in PAIR_LOSS_TYPES
-    other = KTO_OPTIONS if pair else tuple(PAIR_OPTIONS)
+    other = KTO_OPTIONS if is_pair_loss(str(settings.get("loss_type", "kto"))) else PAIR_OPTIONS
     return {k: v for k, v in settings.items() if k not in other}
 
 

@@ -6,6 +6,7 @@ the 3 eval pairs are fewer than one global eval batch. Every rank's log is kept.
 import json
 
 import pytest
+import test_fsdp  # its FSDP2 launch environment (as configs/accelerate/fsdp.yaml exports it)
 from helpers import (
     REPLICATED_REL,
     SHARDED_REL,
@@ -19,13 +20,6 @@ from helpers import (
 
 from kto_pipeline import PrecomputeConfig, TrainConfig, precompute, train
 
-FSDP_ENV = dict(
-    ACCELERATE_USE_CPU="1",
-    ACCELERATE_USE_FSDP="true",
-    FSDP_VERSION="2",
-    FSDP_RESHARD_AFTER_FORWARD="true",
-    FSDP_CPU_RAM_EFFICIENT_LOADING="true",
-)
 TRAIN = dict(
     loss_type="sigmoid",
     num_train_epochs=2,
@@ -74,7 +68,7 @@ def one_process(caches, tmp_path_factory):
     "engine, launch_kw, rel",
     [
         ("ddp", {}, REPLICATED_REL),
-        ("fsdp2", {"env": FSDP_ENV}, SHARDED_REL),
+        ("fsdp2", {"env": test_fsdp.FSDP_ENV}, SHARDED_REL),
         ("deepspeed-zero3", {"accelerate_config": "deepspeed_zero3", "timeout": 400}, SHARDED_REL),
     ],
 )

@@ -56,8 +56,8 @@ def test_policy_equals_reference_at_step_one(pair_cache, tiny_model_dir, packed,
         scores = PolicyScorer(model)(batch).completions
     logps = scores.logps
     if ld_alpha is not None:
-        shared = torch.minimum(batch["chosen_length"], batch["rejected_length"]).repeat_interleave(2)
-        logps = length_desensitized(scores.token_logps, scores.sequence, 24, shared, ld_alpha)
+        lengths = (batch["chosen_length"], batch["rejected_length"])
+        logps = length_desensitized(scores.token_logps, scores.sequence, *lengths, ld_alpha)
     assert (logps[0::2] - batch["ref_chosen_logp"]).abs().max() < 1e-4
     assert (logps[1::2] - batch["ref_rejected_logp"]).abs().max() < 1e-4
     counts = torch.bincount(scores.sequence, minlength=24)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kto_pipeline.config import LOSS_TYPES, MemoryEstimateConfig
+from kto_pipeline.config import MemoryEstimateConfig, is_pair_loss
 from kto_pipeline.memory.simulation import CATEGORIES, GIB, StepSettings, load_model_config, synthetic_rows
 from kto_pipeline.memory.step import floor_bytes, simulate_ours
 from kto_pipeline.memory.trl_step import simulate_trl
@@ -61,7 +61,7 @@ def describe(result: dict[str, Any]) -> str:
         f"{result['model']}: one training step, "
         + (
             f"{s['per_device_train_batch_size']} rows x {s['max_length']} tokens"
-            if s["loss_type"] in LOSS_TYPES
+            if not is_pair_loss(s["loss_type"])
             else f"{s['per_device_train_batch_size']} pairs x 2 answers of {s['max_length']} tokens, {s['loss_type']}"
         )
         + f" ({s['lengths']}), {'bf16 autocast' if s['bf16'] else 'float32'}"

@@ -311,18 +311,18 @@ def prepare_rows(config: PrecomputeConfig, tokenizer, state=None, base: Manifest
     )
 
 
-def pair_partners(positions: np.ndarray, example_ids: np.ndarray, table: pa.Table | None = None) -> np.ndarray:
+def pair_partners(positions: np.ndarray, example_ids: np.ndarray, table: pa.Table) -> np.ndarray:
     """Each kept row's pair partner, as an example id (NO_PAIR where the partner is not among the kept rows).
 
     `positions`: the kept rows' places in the tokenized table (ascending), where a paired source row's two rows
     are 2i and 2i+1 (an append tokenizes whole source rows, so this holds there too); `example_ids`: theirs.
-    With the tokenized `table`, two rows pair only if their prompts tokenized alike (a tokenizer may merge the
-    prompt's last tokens with one answer's first ones and not the other's): a pair is one prompt and two answers.
+    Two rows pair only if their prompts in the tokenized `table` are alike (a tokenizer may merge the prompt's last
+    tokens with one answer's first ones and not the other's): a pair is one prompt and two answers.
     """
     partner = positions ^ 1
     at = np.minimum(np.searchsorted(positions, partner), max(len(positions) - 1, 0))
     found = positions[at] == partner if len(positions) else np.zeros(0, dtype=bool)
-    if table is not None and found.any():
+    if found.any():
         where = np.flatnonzero(found)
         found[where] = same_prompts(table, positions[where], partner[where])
     return np.where(found, example_ids[at], NO_PAIR)

@@ -64,17 +64,24 @@ class CacheRows(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         row = self.table.slice(int(self.indices[i]), 1).to_pylist()[0]
-        if self.truncate:
-            room = completion_room(row["prompt_ids"], self.max_length)
-            for ids, logps, total in (
-                ("completion_ids", "ref_token_logps", "ref_logp"),
-                ("kl_completion_ids", "ref_kl_token_logps", "ref_kl_logp"),
-            ):
-                if len(row[ids]) > room:
-                    row[ids] = row[ids][:room]
-                    row[logps] = row[logps][:room]
-                    row[total] = token_sum(row[logps])
-        return row
+        return truncated(row, self.max_length, with_kl=True) if self.truncate else row
+
+
+# a cache row's sequences after its prompt: (token ids, per-token reference log-probs, their sum)
+COMPLETION = ("completion_ids", "ref_token_logps", "ref_logp")
+KL_COMPLETION = ("kl_completion_ids", "ref_kl_token_logps", "ref_kl_logp")
+
+
+def truncated(row: dict[str, Any], max_length: int, with_kl: bool) -> dict[str, Any]:
+    """A cache row cut at a train-time `max_length`: each sequence after the prompt keeps the room the prompt leaves,
+    its reference log-prob the sum of the kept tokens' cached values (what precomputing at that length gives)."""
+    room = completion_room(row["prompt_ids"], max_length)
+    for ids, logps, total in (COMPLETION, KL_COMPLETION) if with_kl else (COMPLETION,):
+        if len(row[ids]) > room:
+            row[ids] = row[ids][:room]
+            row[logps] = row[logps][:room]
+            row[total] = token_sum(row[logps])
+    return row
 
 
 class CachePairs(Dataset):
@@ -84,7 +91,8 @@ class CachePairs(Dataset):
     `max_length` are dropped, as trl drops them."""
 
     def __init__(self, cache: CacheTable, max_length: int):
-        self.table = cache.table
+        # the columns a pair needs (not the KL completions', which a pair loss never reads)
+        self.table = cache.table.select(["example_id", "label", "prompt_ids", "pair_example_id", *COMPLETION])
         self.max_length = max_length
         self.truncate = max_length < cache.manifest.max_length
         ids = self.table.column("example_id").to_numpy()
@@ -112,12 +120,7 @@ class CachePairs(Dataset):
 
     def _row(self, index: int) -> dict[str, Any]:
         row = self.table.slice(int(index), 1).to_pylist()[0]
-        room = completion_room(row["prompt_ids"], self.max_length)
-        if self.truncate and len(row["completion_ids"]) > room:
-            row["completion_ids"] = row["completion_ids"][:room]
-            row["ref_token_logps"] = row["ref_token_logps"][:room]
-            row["ref_logp"] = token_sum(row["ref_token_logps"])
-        return row
+        return truncated(row, self.max_length, with_kl=False) if self.truncate else row
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         chosen, rejected = self._row(self.chosen[i]), self._row(self.rejected[i])
@@ -243,11 +246,10 @@ class PairCollator:
             for side in ("chosen", "rejected")
         }
         if self.ld_alpha is not None:
-            shared = torch.minimum(chosen_lengths, rejected_lengths).repeat_interleave(2)
             tokens = [p[f"ref_{k}_token_logps"] for p in pairs for k in ("chosen", "rejected")]
             sequence = torch.arange(len(tokens)).repeat_interleave(torch.tensor([len(t) for t in tokens]))
             values = torch.tensor([v for t in tokens for v in t], dtype=torch.float32)
-            weighted = length_desensitized(values, sequence, len(tokens), shared, self.ld_alpha)
+            weighted = length_desensitized(values, sequence, chosen_lengths, rejected_lengths, self.ld_alpha)
             ref = {"chosen": weighted[0::2], "rejected": weighted[1::2]}
         needed = sum(len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
         return {

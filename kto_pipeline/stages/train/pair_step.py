@@ -37,13 +37,10 @@ def pair_forward(
     `batches.real_rows` (None: every pair of the global batch is real)."""
     scored = scorer(batch, False, with_stats, output_router_logits)
     scores = scored.completions
-    n = len(batch["chosen_id"])
     logps = scores.logps
     if config.ld_alpha is not None:
-        lengths = torch.stack([batch["chosen_length"], batch["rejected_length"]], 1).reshape(-1)
-        shared = torch.minimum(batch["chosen_length"], batch["rejected_length"]).repeat_interleave(2)
-        assert int(lengths.sum()) == len(scores.sequence)
-        logps = length_desensitized(scores.token_logps, scores.sequence, 2 * n, shared, config.ld_alpha)
+        lengths = (batch["chosen_length"], batch["rejected_length"])
+        logps = length_desensitized(scores.token_logps, scores.sequence, *lengths, config.ld_alpha)
     chosen, rejected = logps[0::2], logps[1::2]
     loss, losses, chosen_rewards, rejected_rewards = pair_loss(
         chosen,

@@ -39,7 +39,7 @@ from kto_pipeline.checkpoint import (
     save_model,
     skip_model_weights_in_accelerate_state,
 )
-from kto_pipeline.config import PAIR_LOSS_TYPES, TrainConfig
+from kto_pipeline.config import TrainConfig, is_pair_loss
 from kto_pipeline.errors import KTOPipelineError, Preempted
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.model_card import write_model_card
@@ -685,8 +685,8 @@ def _check_resume_compatible(saved: dict, config: TrainConfig, path: Path) -> No
         for k in RESUME_INVARIANTS
         if k in saved and saved[k] != getattr(config, k)
     ]
-    saved_pairs = saved.get("loss_type", "kto").split("+")[0] in PAIR_LOSS_TYPES
-    if saved_pairs != config.pair_loss:  # a pair loss's batches count pairs, KTO's rows: another data position
+    # a pair loss's batches count pairs, KTO's rows: another data position
+    if is_pair_loss(saved.get("loss_type", "kto")) != config.pair_loss:
         diff.append(f"--loss-type: checkpoint {saved['loss_type']!r}, now {config.loss_type!r} (pairs vs rows)")
     if diff:
         raise KTOPipelineError(
