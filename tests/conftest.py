@@ -41,6 +41,24 @@ def other_tokenizer_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def scaled_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model with its weight matrices scaled x4, so that precision shows: a random tiny model's nearly
+    uniform outputs hide the difference between bf16 and float32 (about 1e-4 there, 2e-3 here)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("models") / "scaled"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def unpaired_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "unpaired.jsonl", unpaired_rows())

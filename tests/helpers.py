@@ -325,3 +325,17 @@ def check_peak_memory(peaks: list[dict]) -> None:
     for m in peaks:
         assert 100 < m["loaded_host_private_mib"] <= m["host_private_mib"] <= m["host_rss_mib"], m
         assert m["accelerator_mib"] is None, m
+
+
+def paired_conversational_rows(n: int = 12) -> list[dict]:
+    """Conversational (prompt, chosen, rejected) rows of varied lengths, up to about 400 characters (the tiny
+    model's tokens): the answers are longer or shorter than each other, so that which answer comes first changes the
+    layout, and runs cross the lengths at which the CPU's attention kernel splits its work differently."""
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"Tell me about topic {i}" + ", please" * (4 + 5 * (i % 4)) + "."}],
+            "chosen": [{"role": "assistant", "content": f"Topic {i} is interesting" + ", truly" * (3 + 7 * (i % 3))}],
+            "rejected": [{"role": "assistant", "content": "I will not" + " say it" * (2 + 9 * (i % 5)) + "."}],
+        }
+        for i in range(n)
+    ]

@@ -6,13 +6,11 @@ Exact zeros need the same computation in both stages: on the CPU attention runs 
 meeting only its own keys however the trees are laid out (`scoring/attention.py`; tests/test_packing.py checks it
 layout by layout), and a sequence's log-prob is the float32 sum of its tokens in order in both (`cache.token_sum`).
 
-The tiny model's weights are scaled up (x4) so that precision shows: a random tiny model's nearly uniform outputs
-hide the difference between bf16 and float32 (about 1e-4 there, 2e-3 here)."""
+The tiny model's weights are scaled up (x4, conftest's `scaled_model_dir`) so that precision shows."""
 
 import json
 
 import pytest
-import torch
 from helpers import launch, read_metrics, train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute, train
@@ -23,22 +21,13 @@ MISMATCH = 1e-3  # bf16 vs float32 on the scaled model: about 2e-3 (rewards), 1.
 
 
 @pytest.fixture(scope="module")
-def caches(tmp_path_factory, tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def caches(tmp_path_factory, scaled_model_dir):
     root = tmp_path_factory.mktemp("precision")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.mul_(4.0)
-    model.save_pretrained(root / "scaled")
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(root / "scaled")
     data = write_jsonl(root / "d.jsonl", unpaired_rows(16))
     made = {}
     for name, bf16 in (("float32", False), ("bf16", True)):
         config = PrecomputeConfig(
-            model=str(root / "scaled"), dataset=str(data), output=str(root / name), max_length=64, bf16=bf16
+            model=str(scaled_model_dir), dataset=str(data), output=str(root / name), max_length=64, bf16=bf16
         )
         made[name] = precompute(config)
     return made

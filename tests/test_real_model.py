@@ -243,3 +243,31 @@ def test_greedy_answer_of_the_converted_model(smollm2):
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_step_one_is_exactly_the_reference_in_bf16_for_every_family(smollm2, real_data, tmp_path):
+    """Both stages under bf16 autocast: KTO on the paired cache, DPO on the same cache (made with KL completions)
+    and DPO on a `--pairs-only` cache start exactly at the reference (rewards 0, trl's accuracy 0 at step 1). Where
+    a sequence computes differently in the reference pass's layout and in training's, bf16 shows it here (the tiny
+    model's tests hid such a slip once)."""
+    caches = {
+        name: precompute(
+            PrecomputeConfig(
+                model=str(smollm2),
+                dataset=str(real_data),
+                output=str(tmp_path / name),
+                max_length=MAX_LENGTH,
+                bf16=True,
+                pairs_only=name == "pairs-only",
+            )
+        )
+        for name in ("with-kl", "pairs-only")
+    }
+    for cache, loss_type, batch in (("with-kl", "kto", 8), ("with-kl", "sigmoid", 4), ("pairs-only", "sigmoid", 4)):
+        out = tmp_path / f"{cache}-{loss_type}"
+        settings = dict(max_steps=1, per_device_train_batch_size=batch, learning_rate=1e-6, logging_steps=1)
+        train(TrainConfig(cache=str(caches[cache]), output_dir=str(out), loss_type=loss_type, bf16=True, **settings))
+        first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert first[key] == 0.0, (cache, loss_type, key, first)
+        assert first["kl"] == 0.0 if loss_type == "kto" else first["rewards/accuracies"] == 0.0, (cache, first)

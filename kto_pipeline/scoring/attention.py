@@ -120,10 +120,10 @@ def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window:
 #
 # Under the dense mask every query of a row meets every key of the row, so a row of 8 trees of 120 tokens runs
 # 8x the (query, key) pairs it needs. `tree_attention` (registered with transformers as TREE_ATTENTION) runs
-# transformers' own sdpa attention once per run of one sequence's tokens instead: a tree's prompt with its first
-# continuation (one causal call: sdpa's causal kernel, no mask), then each further continuation meeting exactly
-# the keys it may see (its prompt, then itself). Only the needed pairs run (the causal kernel skips the masked
-# half), and a sequence's attention is the same computation however the trees are laid out: in the
+# transformers' own sdpa attention once per run of one sequence's tokens instead: a tree's prompt alone (one causal
+# call: sdpa's causal kernel, no mask), then each continuation meeting exactly the keys it may see (its prompt,
+# then itself). Only the needed pairs run (the causal kernel skips the masked half), and a sequence's attention is
+# the same computation however the trees are laid out, whichever continuation comes first: in the
 # reference pass's rows, or in training's, where the KL completions run apart on the prompts' cached keys. The
 # masked keys a dense call would also take change sdpa's result on the CPU under bf16 (about 4e-3 per value,
 # 0.66 nats on a SmolLM2 sequence log-prob: benchmarks/RESULTS-precision.md), so this path is what makes a
@@ -150,20 +150,19 @@ class RowBlocks:
 def tree_blocks(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> list[RowBlocks]:
     """The `RowBlocks` of each row n of `queries` (N, Q) attending to `keys` (N, K) under the mask `visible`
     (N, 1, Q, K): runs of queries of one (tree, branch), each with the keys of its tree's prompt and, for a
-    continuation, its own branch, in the keys' order. A prompt runs in one call with the continuation that
-    follows it (its first): the prompt's queries see only the prompt there too, and a tree costs one call
-    fewer."""
+    continuation, its own branch, in the keys' order. A prompt runs alone, never in one call with a continuation:
+    which continuation follows a prompt depends on the layout (the reference pass lays a row's completion and its
+    KL completion after its prompt, training a pair's two answers), and a sequence must compute alike in every
+    layout, so that a policy equal to its reference scores exactly the cached values."""
     t, b = layout.tree.reshape(-1), layout.branch.reshape(-1)
     tq, bq, tk, bk = t[queries], b[queries], t[keys], b[keys]
     out = []
     for n in range(queries.shape[0]):
-        # one id per (tree, branch), the prompt counted as its first continuation; padding (tree -1) gets
-        # negative ids
-        first = torch.where(bq[n] == BRANCH_PROMPT, BRANCH_PROMPT + 1, bq[n])
-        ids, counts = torch.unique_consecutive(tq[n] * (int(b.max()) + 2) + first + 1, return_counts=True)
+        # one id per (tree, branch); padding (tree -1) gets negative ids
+        ids, counts = torch.unique_consecutive(tq[n] * (int(b.max()) + 2) + bq[n] + 1, return_counts=True)
         lengths, is_tree, cols, masks, start = counts.tolist(), [], [], [], 0
         for length in lengths:
-            tree, branch = int(tq[n, start]), int(bq[n, start + length - 1])  # a prompt's run ends in its branch
+            tree, branch = int(tq[n, start]), int(bq[n, start])
             is_tree.append(tree >= 0)
             if tree >= 0:
                 own = (tk[n] == tree) & ((bk[n] == BRANCH_PROMPT) | (bk[n] == branch))

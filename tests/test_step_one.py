@@ -1,0 +1,55 @@
+"""Step 1 (policy = reference) starts exactly at the reference for every loss family on every cache a user can make:
+KTO on a cache of paired data, a pair loss on the same cache (precomputed with KL completions), and a pair loss on a
+`--pairs-only` cache, in float32 and under bf16 autocast. The rewards are exactly 0 and `rewards/accuracies` is
+trl's at step 1 (0: no margin is above 0).
+
+This holds only if a sequence computes alike whatever the layout around it: the reference pass lays a row's
+completion and its KL completion after its prompt, a pair loss's training lays a pair's two answers after theirs
+(`scoring/attention.py`). The tiny model's weights are scaled (conftest's `scaled_model_dir`) so that precision
+shows; tests/test_real_model.py checks the same on SmolLM2 in bf16."""
+
+import pytest
+from helpers import paired_conversational_rows, read_metrics, train_config, write_jsonl
+
+from kto_pipeline import PrecomputeConfig, precompute, train
+
+CACHES = ("with-kl", "pairs-only")
+CASES = [("with-kl", "kto"), ("with-kl", "sigmoid"), ("with-kl", "sppo_hard"), ("pairs-only", "sigmoid")]
+CASES += [("pairs-only", "sppo_hard")]
+
+
+@pytest.fixture(scope="module", params=["float32", "bf16"])
+def caches(request, tmp_path_factory, scaled_model_dir):
+    root = tmp_path_factory.mktemp(f"step-one-{request.param}")
+    data = write_jsonl(root / "pairs.jsonl", paired_conversational_rows(12))
+    bf16 = request.param == "bf16"
+    made = {
+        name: precompute(
+            PrecomputeConfig(
+                model=str(scaled_model_dir),
+                dataset=str(data),
+                output=str(root / name),
+                max_length=512,
+                bf16=bf16,
+                pairs_only=name == "pairs-only",
+            )
+        )
+        for name in CACHES
+    }
+    return made, bf16
+
+
+@pytest.mark.parametrize("cache, loss_type", CASES)
+def test_step_one_is_exactly_the_reference(tmp_path, caches, cache, loss_type):
+    made, bf16 = caches
+    batch = 8 if loss_type == "kto" else 4  # rows or pairs; KTO's batch holds both answers of some prompts
+    settings = dict(loss_type=loss_type, per_device_train_batch_size=batch, max_steps=1, bf16=bf16, learning_rate=1e-6)
+    train(train_config(made[cache], tmp_path / "run", **settings))
+    first = read_metrics(tmp_path / "run")[0]
+    assert first["step"] == 1
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert first[key] == 0.0, (key, first)
+    if loss_type == "kto":
+        assert first["kl"] == 0.0, first
+    else:
+        assert first["rewards/accuracies"] == 0.0, first  # trl's at step 1: no margin is above 0
