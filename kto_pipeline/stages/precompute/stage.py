@@ -10,7 +10,7 @@ rerun resumes after the intact ones. Within a shard each row is one tree, its pr
 and its KL completion, which both attend to the prompt (`scoring/packing.py`): the prompt runs once. Trees are
 packed side by side into rows of token-budgeted forward passes, so almost no compute goes to padding. Models whose
 attention takes no packed layout run every sequence on its own, length-sorted and padded; the manifest records
-which (`cache.py` owns the manifest and the shards). How the reference is spread over the processes is asked of
+which (`cache.py` writes the manifest and the shards). How the reference is spread over the processes is asked of
 the engine (`runtime/engines`: `prepare_scorer`), which this stage never names; a cache that grows is `segments.py`.
 """
 
@@ -39,8 +39,6 @@ from kto_pipeline.cache import (
     SHARD_DIR,
     Manifest,
     completion_room,
-    fingerprint_diff,
-    new_manifest,
     read_manifest,
     sha256_file,
     token_sum,
@@ -51,6 +49,7 @@ from kto_pipeline.cache import (
 from kto_pipeline.config import PrecomputeConfig
 from kto_pipeline.errors import KTOPipelineError, Preempted
 from kto_pipeline.lock import holds_files, main_process_lock
+from kto_pipeline.manifest import fingerprint_diff, new_manifest
 from kto_pipeline.models import load_model, load_tokenizer
 from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.launch import main_decides, print0, process_state, shows_progress
