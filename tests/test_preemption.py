@@ -15,7 +15,7 @@ from helpers import cli_args, cli_cmd, launch_env, read_metrics, train_config, u
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, Preempted, precompute, train
 from kto_pipeline.cache import open_cache, read_manifest
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
-from kto_pipeline.stages.precompute import stage as precompute_stage
+from kto_pipeline.stages.precompute import shards as precompute_stage
 from kto_pipeline.stages.train import stage as train_stage
 
 RUN = dict(max_steps=6, save_steps=4, per_device_train_batch_size=4)

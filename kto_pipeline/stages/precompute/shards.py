@@ -1,0 +1,302 @@
+"""The files a precompute writes: its segment's keys file, the shards the reference pass scores, the manifest.
+
+Rows are scored a shard at a time (`shard_size` kept rows, in example-id order), so that a crash loses at most one
+shard of work and a rerun resumes after the intact ones (`finished_shards`; `remove_leftovers` deletes the rest).
+Within a shard each row is one tree, its prompt followed by its completion and its KL completion, which both
+attend to the prompt (`scoring/packing.py`); with --pairs-only each pair is one tree, its prompt followed by its
+two answers. Either way the prompt runs once and every tree has two continuations: one path builds, scores and
+lays out both (`_score_rows`, `_columns`). Shards are written in rounds, one per process, and after each round
+the main process records the finished ones, so the manifest always lists a complete prefix of them; `finish`
+records the segment and the timing in one atomic manifest write.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from accelerate.utils import gather_object
+
+from kto_pipeline.cache import SCHEMA, SHARD_DIR, completion_room, sha256_file, token_sum, write_manifest, write_shard
+from kto_pipeline.errors import KTOPipelineError, Preempted
+from kto_pipeline.manifest import Manifest
+from kto_pipeline.runtime.peak_memory import describe
+from kto_pipeline.runtime.preemption import StopRequests, continue_command
+from kto_pipeline.scoring.logprobs import score_shard
+from kto_pipeline.scoring.packing import Tree
+from kto_pipeline.stages.precompute.phases import Pass, PreparedRows, ShardProgress, ShardStats
+from kto_pipeline.stages.precompute.segments import KEY_DIR, key_array, new_segment, open_keys, write_keys
+
+# ------------------------------------------------------------------------------------ what --output holds
+
+
+def finished_shards(out: Path, shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading shards of an interrupted run that are intact (present, same sha256): resume after them."""
+    good = []
+    for shard in shards:
+        path = out / shard["file"]
+        if not path.exists() or sha256_file(path) != shard["sha256"]:
+            print(f"{shard['file']} is missing or altered: it and the shards after it are computed again")
+            break
+        good.append(shard)
+    return good
+
+
+def remove_leftovers(out: Path, keep: set[str]) -> None:
+    """Delete the files under shards/ and keys/ that are not part of the cache: half-written files of a killed
+    run, and finished files that no manifest entry lists."""
+    for folder in (SHARD_DIR, KEY_DIR):
+        for leftover in out.glob(f"{folder}/*"):
+            if f"{folder}/{leftover.name}" not in keep:
+                leftover.unlink()
+
+
+def segment_entry(run: Pass, index: int, format_version: int | None) -> dict[str, Any]:
+    """Write the keys file of the segment this run writes (main process) and return its manifest entry.
+    `format_version`: the cache's (an append to a version-1 cache keeps its format: no pairs)."""
+    prepared, kl_seed = run.prepared, run.config.kl_seed
+    keys = key_array(open_keys(prepared.key_files).column("key"))
+    if prepared.key_rows is not None:
+        keys = keys[prepared.key_rows]
+    first = prepared.segment.first_example_id
+    kept = np.zeros(len(keys), dtype=bool)
+    kept[prepared.example_ids - first] = True
+    keys_entry = write_keys(run.out, index, first + np.arange(len(keys)), keys, kept)
+    rows = replace(prepared.segment, pairs=None) if format_version == 1 else prepared.segment
+    if prepared.outside_partner is None:
+        kl = {"rule": "seeded cycle through the segment's rows", "seed": [kl_seed, index] if index else [kl_seed]}
+    else:
+        kl = {"rule": "drawn from the cache's rows of the same prompt kind", "seed": [kl_seed, index]}
+    return new_segment(index, **asdict(rows), kl=kl, keys=keys_entry)
+
+
+# ------------------------------------------------------------------------------------------ scoring
+
+
+def score_shards(run: Pass) -> None:
+    """Score the shards not yet written, in rounds: in round r, process k scores shard r * N + k. After each round
+    the main process records the finished shards, so the manifest always lists a complete prefix of them and the
+    shard layout (which rows go where) does not depend on the number of processes. An append's shards are
+    numbered after the cache's and recorded under `appending` until `finish`."""
+    config, state, written = run.config, run.state, run.output.written
+    n = len(run.prepared.rows)
+    pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+    num_shards = (n + config.shard_size - 1) // config.shard_size
+    run.progress = progress = ShardProgress(n, sum(s["rows"] for s in written), state)
+    try:
+        with StopRequests() as stop:
+            for first in range(len(written), num_shards, state.num_processes):
+                _score_round(run, first, num_shards, pad_id)
+                signal_name = stop.agreed(state.device)  # one small collective per round
+                if signal_name and len(written) < num_shards:
+                    progress.bar.close()
+                    run.engine.close(run.reference.scorer)
+                    raise Preempted(
+                        f"{signal_name} received: stopped after the shards in flight, {len(written)}/{num_shards} "
+                        f"shards written in {run.out}. Continue with {continue_command()}: it resumes after them."
+                    )
+    except KeyboardInterrupt:
+        progress.bar.close()
+        raise KTOPipelineError(
+            f"interrupted: {len(written)}/{num_shards} shards are safely written in {run.out}. "
+            "Run the same command again to resume from there."
+        ) from None
+    progress.bar.close()
+
+
+def _score_round(run: Pass, first: int, num_shards: int, pad_id: int) -> None:
+    """One round: process k scores shard `first + k` and writes it; the main process records the finished ones."""
+    state, progress, output = run.state, run.progress, run.output
+    shard_index = first + state.process_index
+    entry, stats = None, ShardStats()
+    progress.executed_here = 0
+    if shard_index < num_shards:
+        size, n = run.config.shard_size, len(run.prepared.rows)
+        positions = np.arange(shard_index * size, min(n, (shard_index + 1) * size))
+        columns, trees = _score_rows(run, positions, pad_id)
+        entry = write_shard(run.out, output.first_shard + shard_index, columns, output.manifest.format_version)
+        needed, scored = _tree_tokens(trees)
+        stats = ShardStats(rows=len(positions), scored=scored, executed=progress.executed_here, needed=needed)
+    elif run.engine.collective_forwards:  # no shard left for this process: it still runs the others' forwards
+        _score_trees(run, [], pad_id)
+    entries = gather_object([(entry, stats)]) if state.num_processes > 1 else [(entry, stats)]
+    if state.is_main_process:
+        output.written.extend(sorted((e for e, _ in entries if e is not None), key=lambda e: e["file"]))
+        write_manifest(run.out, output.manifest)
+    progress.end_round([s for _, s in entries])
+
+
+def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> tuple[dict[str, list], list[Tree]]:
+    """Build and score the trees of the kept rows at `positions`; returns their shard's columns and the trees.
+
+    Each row is one tree: its prompt, then its completion and its KL completion. With --pairs-only the rows are
+    whole pairs, each (chosen, rejected) next to each other, and each pair is one tree: its prompt, then both
+    answers (its rows get no KL completion)."""
+    prepared, max_length = run.prepared, run.config.max_length
+    ids, pair_ids = prepared.example_ids[positions], prepared.pair_ids[positions]
+    prompts, completions = prepared.rows.take(positions, "prompt_ids"), prepared.rows.take(positions, "completion_ids")
+    if run.config.pairs_only:
+        trees, kl_ids = [], None
+        for j in range(0, len(positions), 2):
+            if pair_ids[j] != ids[j + 1] or prompts[j] != prompts[j + 1]:
+                raise AssertionError(f"rows {ids[j]} and {ids[j + 1]} are not one pair")  # (shards hold whole pairs)
+            trees.append(_tree(prompts[j], completions[j], completions[j + 1], max_length))
+    else:
+        kl_ids, kl_completions = _kl_completions(prepared, positions)
+        trees = [_tree(*row, max_length) for row in zip(prompts, completions, kl_completions, strict=True)]
+    scores = _score_trees(run, trees, pad_id)
+    return _columns(ids, prepared.rows.labels[positions], pair_ids, trees, scores, kl_ids), trees
+
+
+def _tree(prompt: list[int], first: list[int], second: list[int], max_length: int) -> Tree:
+    """A prompt and its two continuations, each cut to the room the prompt leaves (`completion_room`)."""
+    room = completion_room(prompt, max_length)
+    return prompt, [first[:room], second[:room]]
+
+
+def _kl_completions(prepared: PreparedRows, positions: np.ndarray) -> tuple[Any, list[list[int]]]:
+    """The KL partners' example ids and completions of the kept rows at `positions`."""
+    if prepared.outside_partner is None:
+        partners = prepared.partners[positions]
+        return prepared.example_ids[partners], prepared.rows.take(partners, "completion_ids")
+    return [prepared.outside_partner[0]], [prepared.outside_partner[1]]  # a one-row append: a row of the cache
+
+
+def _columns(ids, labels, pair_ids, trees: list[Tree], scores: list[tuple[np.ndarray, ...]], kl_ids) -> dict:
+    """A shard's columns, one row at a time after checking its reference values are finite. With `kl_ids`, row i
+    is tree i's first continuation, its KL completion the second (of row kl_ids[i]). Without (--pairs-only), row i
+    is continuation i % 2 of tree i // 2, its KL partner -1 and its KL columns empty (their sum 0)."""
+    cols: dict[str, list] = {name: [] for name in SCHEMA.names}
+    per_tree = 1 if kl_ids is not None else 2
+    for row, example_id in enumerate(ids):
+        (prompt, answers), values = trees[row // per_tree], scores[row // per_tree]
+        answer = row % per_tree
+        kl_id, kl_completion, kl_values = (kl_ids[row], answers[1], values[1]) if kl_ids is not None else (-1, (), ())
+        for what, got in (("completion", values[answer]), ("KL completion", kl_values)):
+            got = np.asarray(got, dtype=np.float32)
+            if not np.isfinite(got).all():
+                raise KTOPipelineError(
+                    f"example {int(example_id)}: the reference model gave a non-finite log-prob for its {what} "
+                    f"(values {got[~np.isfinite(got)][:3]}). The model or its dtype is broken "
+                    "(try --dtype float32); nothing of this row was written."
+                )
+        cols["example_id"].append(int(example_id))
+        cols["label"].append(bool(labels[row]))
+        cols["prompt_ids"].append(prompt)
+        cols["completion_ids"].append(answers[answer])
+        cols["kl_example_id"].append(int(kl_id))
+        cols["kl_completion_ids"].append(list(kl_completion))
+        cols["ref_logp"].append(token_sum(values[answer]))
+        cols["ref_kl_logp"].append(token_sum(kl_values))
+        cols["ref_token_logps"].append(values[answer])
+        cols["ref_kl_token_logps"].append(kl_values if len(kl_values) else [])
+        cols["pair_example_id"].append(int(pair_ids[row]))
+    return cols
+
+
+def _score_trees(run: Pass, trees: list[Tree], pad_id: int) -> list[tuple[np.ndarray, ...]]:
+    """score_shard with this pass's settings. Sharded, every process runs as many forwards as the busiest."""
+    return score_shard(
+        run.reference.scorer,
+        trees,
+        pad_id,
+        run.config.batch_size,
+        run.config.max_tokens_per_batch,
+        run.state.device,
+        run.progress.on_batch,
+        packed=run.padded_because is None,
+        agree_on_forwards=run.engine.agree_on_forwards if run.engine.collective_forwards else None,
+    )
+
+
+def _tree_tokens(trees: list[Tree]) -> tuple[int, int]:
+    """(needed, scored) tokens of a shard's trees. Needed, the minimal work: each prompt once, then its two
+    continuations, no padding. Scored: as separate sequences, the prompt with each continuation."""
+    prompts = sum(len(prompt) for prompt, _ in trees)
+    answers = sum(len(answer) for _, continuations in trees for answer in continuations)
+    return prompts + answers, 2 * prompts + answers
+
+
+# ------------------------------------------------------------------------------------------- finish
+
+
+def finish(run: Pass) -> None:
+    """Record the segment's shards and this run's timing; a full precompute marks the cache complete, an append adds
+    its segment to the cache (one atomic manifest write). Print the summary."""
+    config, prepared, progress, output = run.config, run.prepared, run.progress, run.output
+    peak_memory = run.peaks.per_process(run.state)
+    if run.state.is_main_process:
+        timing = {
+            "preprocess_seconds": round(prepared.seconds, 3),
+            "preprocess_cached": prepared.cached,
+            "preprocess_rows_per_second": round(prepared.source_rows / max(prepared.seconds, 1e-9), 1),
+            "tokenize_seconds": round(prepared.tokenize_seconds, 3),
+            "num_proc": config.num_proc,
+            "reference_pass_seconds": round(time.perf_counter() - progress.started, 3),
+            "rows_scored": progress.rows_scored,
+            "tokens_scored": progress.tokens_scored,
+            "tokens_executed": progress.tokens_executed,
+            "tokens_needed": progress.tokens_needed,
+            "token_efficiency": round(progress.tokens_needed / max(progress.tokens_executed, 1), 4),
+            "wall_seconds": round(time.perf_counter() - run.started, 3),
+            "processes": run.state.num_processes,
+            "peak_memory": peak_memory,
+        }
+        segment = output.segment
+        segment["shards"] = [s["file"] for s in output.written]
+        segment["timing"] = timing
+        if run.base is None:
+            output.manifest.mark_complete(timing)
+        else:
+            output.manifest.finish_append()
+        write_manifest(run.out, output.manifest)
+        _print_summary(output.manifest, segment, run.out, time.perf_counter() - run.started)
+    run.engine.close(run.reference.scorer)
+    run.state.wait_for_everyone()
+
+
+def _print_summary(manifest: Manifest, segment: dict[str, Any], out: Path, seconds: float) -> None:
+    timing, dropped = segment["timing"], segment["dropped"]
+    dropped_text = ", ".join(f"{c} ({r})" for r, c in dropped.items()) if dropped else "none"
+    cached = " (read from the datasets cache)" if timing["preprocess_cached"] else ""
+    counts = manifest.counts
+    appended = segment["index"] > 0
+    rows = (
+        f"{segment['rows']} appended as segment {segment['index']} ({segment['desirable']} desirable, "
+        f"{segment['rows'] - segment['desirable']} undesirable); {segment['matched_rows']} of the dataset's rows "
+        f"were in the cache already; the cache now holds {counts['rows']} rows in {len(manifest.segments)} segments"
+        if appended
+        else f"{counts['rows']} ({counts['desirable']} desirable, {counts['undesirable']} undesirable)"
+    )
+    scored_what = "completions + KL completions" if manifest.has_kl else "chosen + rejected completions, no KL"
+    pairs = segment.get("pairs") or {}
+    pairs_line = (
+        f"  pairs        {pairs['complete']} (chosen, rejected) pairs, {pairs['rows_without_partner']} rows without "
+        "their partner\n"
+        if pairs.get("complete") or pairs.get("rows_without_partner")
+        else ""
+    )
+    print(
+        f"\n{'append' if appended else 'precompute'} finished\n"
+        f"  rows         {rows}\n"
+        f"{pairs_line}"
+        f"  dropped      {sum(dropped.values())}: {dropped_text}\n"
+        f"  tokens       {timing['tokens_scored']} scored ({scored_what}, with their prompts)\n"
+        f"  efficiency   {timing['token_efficiency']:.1%}: {timing['tokens_needed']} tokens needed (each prompt once, "
+        f"no padding) / {timing['tokens_executed']} executed\n"
+        f"  tokenizing   {segment['normalized_rows']} rows of {segment['source']['source_rows']} source rows in "
+        f"{timing['preprocess_seconds']:.1f} s: {timing['preprocess_rows_per_second']:.0f} source rows/s (load, "
+        f"check, key, tokenize; datasets.map {timing['tokenize_seconds']:.1f} s with --num-proc "
+        f"{timing['num_proc']}){cached}\n"
+        f"  reference    {timing['rows_scored']} rows in {timing['reference_pass_seconds']:.1f} s: "
+        f"{timing['rows_scored'] / max(timing['reference_pass_seconds'], 1e-9):.1f} rows/s, "
+        f"{timing['tokens_scored'] / max(timing['reference_pass_seconds'], 1e-9):.0f} tokens/s\n"
+        f"  wall time    {seconds:.1f} s\n"
+        f"  memory       peak private host memory: {describe(timing['peak_memory'])}\n"
+        f"  shards       {len(manifest.shards)}\n"
+        f"  cache        {out.resolve()}",
+        flush=True,
+    )
