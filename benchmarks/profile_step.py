@@ -74,7 +74,8 @@ def packed_step(model, layout, timed: Phases) -> None:
 
 
 def padded_step(model, padded: dict, timed: Phases) -> None:
-    from kto_pipeline.scoring.logprobs import backbone_of, chunked_token_logps, score_sequences
+    from kto_pipeline.models import backbone_of
+    from kto_pipeline.scoring.logprobs import chunked_token_logps, score_sequences
 
     with torch.no_grad():
         timed(
@@ -111,8 +112,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kto_pipeline.objectives.kto import Collator
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.train.batches import Collator, batch_layout
+    from kto_pipeline.stages.train.batches import batch_layout
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

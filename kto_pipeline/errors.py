@@ -13,3 +13,9 @@ class Preempted(KTOPipelineError):
     continue. The command line exits with `PREEMPTED_EXIT`."""
 
     exit_code = PREEMPTED_EXIT
+
+
+def check_option(cond: bool, name: str, message: str) -> None:
+    """Refuse a setting: `--NAME: MESSAGE` (a config field's name, as its flag)."""
+    if not cond:
+        raise KTOPipelineError(f"--{name.replace('_', '-')}: {message}")

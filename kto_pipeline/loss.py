@@ -1,4 +1,4 @@
-"""The KTO loss as a pure function of tensors.
+"""The losses as pure functions of tensors: KTO's, and trl.DPOTrainer's pair losses (below).
 
 KTO (Ethayarajh et al. 2024, https://arxiv.org/abs/2402.01306, eq. 7) scores each completion by its
 implicit reward r = beta * (log pi(y|x) - log pi_ref(y|x)) relative to a reference point z0, an
@@ -22,8 +22,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from kto_pipeline.config import F_DIVERGENCE_TYPES, LOSS_TYPES, PAIR_LOSS_TYPES
 
 
 def kto_loss(
@@ -50,8 +48,8 @@ def kto_loss(
         losses: (B,) weighted per-example losses;
         rewards: (B,) detached implicit rewards beta * (policy_logps - ref_logps).
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+    if loss_type not in ("kto", "apo_zero_unpaired"):
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected kto or apo_zero_unpaired")
     if policy_logps.shape[0] == 0:
         raise ValueError("kto_loss needs at least one example")
     labels = labels.to(device=policy_logps.device, dtype=torch.bool)
@@ -88,7 +86,7 @@ def f_divergence_scores(logratios: torch.Tensor, f_divergence_type: str, alpha: 
         t = (alpha - 1.0) * logratios
         clamp = {torch.float16: 11.0}.get(t.dtype, 80.0)  # exp(.) representable after the cast back
         return (torch.exp(torch.clamp(t.float(), max=clamp)) - 1.0).to(t.dtype) / (alpha - 1.0)
-    raise ValueError(f"unknown f_divergence_type {f_divergence_type!r}; expected one of {F_DIVERGENCE_TYPES}")
+    raise ValueError(f"unknown f_divergence_type {f_divergence_type!r}")
 
 
 def pair_loss(
@@ -175,7 +173,7 @@ def _one_pair_loss(
     rejected_lengths,
     chosen_token_logps,
 ) -> torch.Tensor:
-    """(P,) losses of one of `PAIR_LOSS_TYPES`, as trl.DPOTrainer 1.16 computes them."""
+    """(P,) losses of one of trl.DPOTrainer 1.16's loss types, as it computes them."""
     if loss_type == "sigmoid":  # DPO
         return -F.logsigmoid(beta * delta)
     if loss_type == "hinge":  # SLiC
@@ -220,7 +218,7 @@ def _one_pair_loss(
     if loss_type == "sft":  # the chosen completions' mean token NLL, the same for every pair
         tokens = _need(chosen_token_logps, loss_type, "the chosen completions' token log-probs")
         return (-tokens.mean()).expand(delta.shape[0])
-    raise ValueError(f"unknown pair loss type {loss_type!r}; expected one of {', '.join(PAIR_LOSS_TYPES)}")
+    raise ValueError(f"unknown pair loss type {loss_type!r}")
 
 
 def length_desensitized(

@@ -24,52 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from kto_pipeline.cache import Manifest
-from kto_pipeline.config import PAIR_OPTIONS, is_pair_loss
+from kto_pipeline.markdown import code as _code
+from kto_pipeline.markdown import num as _num
+from kto_pipeline.objectives import objective_for
 
 CARD_FILE = "README.md"
-KTO_PAPER = {
-    "title": "KTO: Model Alignment as Prospect Theoretic Optimization",
-    "id": "2402.01306",
-    "citation": (
-        "@article{ethayarajh2024kto,\n"
-        "    title        = {{KTO: Model Alignment as Prospect Theoretic Optimization}},\n"
-        "    author       = {Kawin Ethayarajh and Winnie Xu and Niklas Muennighoff and Dan Jurafsky and Douwe Kiela},\n"
-        "    year         = 2024,\n"
-        "    eprint       = {arXiv:2402.01306},\n"
-        "}"
-    ),
-}
-DPO_PAPER = {
-    "title": "Direct Preference Optimization: Your Language Model is Secretly a Reward Model",
-    "id": "2305.18290",
-    "citation": (
-        "@inproceedings{rafailov2023direct,\n"
-        "    title        = {{Direct Preference Optimization: Your Language Model is Secretly a Reward Model}},\n"
-        "    author       = {Rafael Rafailov and Archit Sharma and Eric Mitchell and Christopher D. Manning and "
-        "Stefano Ermon and Chelsea Finn},\n"
-        "    year         = 2023,\n"
-        "    booktitle    = {Advances in Neural Information Processing Systems 36 (NeurIPS 2023)},\n"
-        "}"
-    ),
-}
-# what each pair loss is called where it was published (trl.DPOTrainer's loss_type names)
-PAIR_LOSS_NAMES = {
-    "sigmoid": "DPO",
-    "hinge": "SLiC (hinge)",
-    "ipo": "IPO",
-    "exo_pair": "EXO",
-    "nca_pair": "NCA",
-    "robust": "robust DPO",
-    "bco_pair": "BCO",
-    "sppo_hard": "SPPO (hard)",
-    "aot": "AOT",
-    "aot_unpaired": "AOT (unpaired)",
-    "apo_zero": "APO-zero",
-    "apo_down": "APO-down",
-    "discopop": "DiscoPOP",
-    "sft": "SFT (NLL of the chosen answers)",
-    "sigmoid_norm": "length-normalized DPO",
-}
 QUESTION = "If you could visit any place in the world for one day, where would you go and why?"
 TRAIN_METRICS = (
     "loss",
@@ -149,18 +108,6 @@ def framework_versions(peft: bool) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------ formatting
 
 
-def _num(value: Any) -> str:
-    if isinstance(value, bool) or value is None:
-        return str(value)
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _code(value: Any) -> str:
-    return f"`{value}`" if value not in (None, "") else "-"
-
-
 def _table(header: tuple[str, str], rows: list[tuple[str, str]]) -> str:
     def cell(text: str) -> str:
         return str(text).replace("|", "\\|").replace("\n", " ")
@@ -234,7 +181,8 @@ def _settings_rows(
     config: dict[str, Any], cached_max: int, steps_run: int | None, num_processes: int | None, precision: str | None
 ):
     per_device, accumulation = config["per_device_train_batch_size"], config["gradient_accumulation_steps"]
-    unit = "pairs" if is_pair_loss(config["loss_type"]) else "rows"
+    objective = objective_for(config["loss_type"])
+    unit = objective.unit
     if num_processes:
         batch = f"{per_device} x {accumulation} x {num_processes} = {per_device * accumulation * num_processes} {unit}"
         batch_name = "batch (per device x accumulation x processes)"
@@ -244,16 +192,8 @@ def _settings_rows(
         precision = "fp16" if config.get("fp16") else {True: "bf16", False: "fp32"}.get(config.get("bf16"), "auto")
     length = config.get("max_length")
     duration = "max_steps" if config["max_steps"] > 0 else "num_train_epochs"
-    weights = f"{_num(config['desirable_weight'])} / {_num(config['undesirable_weight'])}"
     optimizer = f"AdamW, weight_decay {_num(config['weight_decay'])}, max_grad_norm {_num(config['max_grad_norm'])}"
-    if is_pair_loss(config["loss_type"]):
-        options = [
-            (name, _code(config.get(name)) if isinstance(config.get(name), str) else _num(config.get(name)))
-            for name, default in PAIR_OPTIONS.items()
-            if config.get(name, default) != default
-        ]
-    else:
-        options = [("desirable_weight / undesirable_weight", weights)]
+    options = objective.card_options(config)
     rows = [
         ("loss_type", _code(config["loss_type"])),
         ("beta", _num(config["beta"])),
@@ -278,14 +218,6 @@ def _settings_rows(
         )
     rows += [("train_sampling_strategy", _code(config["train_sampling_strategy"])), ("seed", _num(config["seed"]))]
     return rows
-
-
-def _loss_name(config: dict[str, Any]) -> str:
-    """ "DPO (`sigmoid`)", "DPO + BCO + SFT (`sigmoid+bco_pair+sft`, weights 0.8, 0.2, 1.0)"."""
-    loss_type = config["loss_type"]
-    name = " + ".join(PAIR_LOSS_NAMES[t] for t in loss_type.split("+"))
-    weights = f", weights {config['loss_weights'].replace(',', ', ')}" if config.get("loss_weights") else ""
-    return f"{name} ({_code(loss_type)}{weights})"
 
 
 def _cache_rows(config: dict[str, Any], manifest: Manifest) -> list[tuple[str, str]]:
@@ -415,7 +347,7 @@ def build_model_card(
     # the weights this run's LoRA adapters sit on: a full-weights parent's, else the reference (or --model)
     base = parent["path"] if parent and parent["kind"] == "full" else config.get("model") or manifest.reference_model
     dataset = manifest.dataset["name_or_path"]
-    pairs = is_pair_loss(config["loss_type"])
+    objective = objective_for(config["loss_type"])
     model_name = model_name or Path(config["output_dir"]).name
     steps = [r["step"] for r in history if "step" in r]
     data = ModelCardData(
@@ -424,7 +356,7 @@ def build_model_card(
         # peft's own cards use library_name peft for adapter folders (the Hub then shows peft's loading code)
         library_name="peft" if adapter else "transformers",
         model_name=model_name,
-        tags=["dpo" if pairs else "kto", "kto-pipeline", *(["lora", "peft"] if adapter else [])],
+        tags=[objective.tag, "kto-pipeline", *(["lora", "peft"] if adapter else [])],
     )
 
     if adapter:
@@ -435,18 +367,7 @@ def build_model_card(
         what = f"This model is a fine-tuned version of {_link(base)}"
     split = manifest.dataset.get("split")
     source = f"{_link(dataset, 'datasets/')}{f' (split {_code(split)})' if split else ''}"
-    if pairs:
-        trained = (
-            f"{what}, trained with the pair loss {_loss_name(config)} (trl.DPOTrainer's; after DPO, "
-            f"[{DPO_PAPER['title']}](https://huggingface.co/papers/{DPO_PAPER['id']})) on (chosen, rejected) answer "
-            f"pairs from {source}."
-        )
-    else:
-        trained = (
-            f"{what}, trained with KTO ([{KTO_PAPER['title']}](https://huggingface.co/papers/{KTO_PAPER['id']})), "
-            f"loss {_code(config['loss_type'])}, on binary feedback (each completion marked desirable or undesirable) "
-            f"from {source}."
-        )
+    trained = objective.card_loss(config, what, source)
     intro = (
         f"{trained}\n"
         "It was trained with kto-pipeline's two-stage pipeline: `kto-pipeline precompute` scored the data once "
@@ -489,9 +410,7 @@ def build_model_card(
         "### Framework versions",
         "\n".join(f"- {name}: {version}" for name, version in versions.items()),
         "## Citations",
-        f"Cite DPO as:\n\n```bibtex\n{DPO_PAPER['citation']}\n```"
-        if pairs
-        else f"Cite KTO as:\n\n```bibtex\n{KTO_PAPER['citation']}\n```",
+        f"Cite {objective.paper['short']} as:\n\n```bibtex\n{objective.paper['citation']}\n```",
     ]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
 

@@ -186,3 +186,29 @@ def sliding_window(model) -> int | None:
     if window is None or getattr(config, "use_sliding_window", True) is False:
         return None
     return int(window)
+
+
+def lm_head_settings(model) -> tuple[float, float | None]:
+    """(logit_scale, softcap) a model applies to its logits, read from its config."""
+    config = text_config(model)
+    scale = getattr(config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(config, "output_multiplier", None)
+    if scale is None and getattr(config, "logits_scaling", None):
+        scale = 1.0 / config.logits_scaling  # Granite divides its logits
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return (1.0 if scale is None else float(scale)), softcap
+
+
+def backbone_of(model):
+    """The transformer body (everything before the LM head) of a causal LM."""
+    body = getattr(model, "base_model", None)
+    if body is None or body is model:
+        raise ValueError(f"{type(model).__name__} exposes no backbone (`base_model`); cannot score it in chunks.")
+    return body
+
+
+def scorable(model):
+    """The causal LM whose backbone and head we call: a PEFT model is scored through its base model, whose
+    layers carry the adapters."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -19,6 +19,7 @@ and the metrics writer: `train`, `report`, `generate` and `sweep` all go through
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -209,3 +210,18 @@ def read_init_point(path: str | Path) -> InitPoint:
         round=(state.round or 1) if state else 1,
         reference_hash=state.reference_hash if state else None,
     )
+
+
+class MetricLog:
+    """Per-forward-pass metric values, averaged over the forward passes of each logging interval (as trl)."""
+
+    def __init__(self):
+        self.values: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, name: str, value: float) -> None:
+        self.values[name].append(value)
+
+    def flush(self) -> dict[str, float]:
+        out = {k: sum(v) / len(v) for k, v in self.values.items() if v}
+        self.values.clear()
+        return out

@@ -20,8 +20,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from kto_pipeline.config import KTO_OPTIONS, LIST_FIELDS, PAIR_OPTIONS, TrainConfig, is_pair_loss, parse_value
+from kto_pipeline.config import LIST_FIELDS, TrainConfig, parse_value
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.objectives import foreign_options
 from kto_pipeline.report import markdown_table
 from kto_pipeline.rundir import finished_at, run_config
 
@@ -71,8 +72,8 @@ def expand_grid(values: dict[str, str | None]) -> tuple[list[dict[str, Any]], li
 
 
 def _for_its_loss(settings: dict[str, Any]) -> dict[str, Any]:
-    """A run's settings without the options of the other loss family (a grid of KTO and pair losses)."""
-    other = KTO_OPTIONS if is_pair_loss(str(settings.get("loss_type", "kto"))) else PAIR_OPTIONS
+    """A run's settings without the options of the other loss families (a grid of KTO and pair losses)."""
+    other = foreign_options(str(settings.get("loss_type", "kto")))
     return {k: v for k, v in settings.items() if k not in other}
 
 

@@ -286,15 +286,16 @@ def test_train_uses_every_row_of_a_grown_cache(grown, tmp_path, monkeypatch):
     from helpers import train_config
 
     from kto_pipeline import train
-    from kto_pipeline.stages.train import stage as train_module
+    from kto_pipeline.objectives import objective_for
 
     seen = []
-    forward = train_module.kto_forward
+    kto = objective_for("kto")
+    forward = kto.forward
 
     def recording(accelerator, scorer, batch, *args, **kw):
         seen.extend(batch["example_id"].tolist())
         return forward(accelerator, scorer, batch, *args, **kw)
 
-    monkeypatch.setattr(train_module, "kto_forward", recording)
+    monkeypatch.setattr(kto, "forward", recording)
     train(train_config(grown["cache"], tmp_path / "run", max_steps=-1, num_train_epochs=1, logging_steps=3))
     assert sorted(seen) == list(range(24))

@@ -20,8 +20,7 @@ from helpers import write_jsonl
 
 from kto_pipeline import PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
-from kto_pipeline.config import PAIR_LOSS_TYPES
-from kto_pipeline.stages.train.batches import CachePairs
+from kto_pipeline.objectives.pairs import PAIR_LOSS_TYPES, CachePairs
 
 BATCH_SIZE = 4
 MAX_LENGTH = 48  # truncates some chosen answers, drops the long-prompt pair

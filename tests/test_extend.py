@@ -7,6 +7,7 @@ import pytest
 from helpers import read_metrics, run_cli, train_config
 
 from kto_pipeline import KTOPipelineError, train
+from kto_pipeline.objectives import objective_for
 from kto_pipeline.stages.train import stage as train_module
 
 cfg = train_config
@@ -15,13 +16,14 @@ cfg = train_config
 def record_forwards(monkeypatch, out):
     """Per training forward pass: the batch's example ids, and whether OUT looked finished (trainer_state.json)."""
     seen = []
-    forward = train_module.kto_forward
+    kto = objective_for("kto")
+    forward = kto.forward
 
     def recording(accelerator, scorer, batch, *args, **kw):
         seen.append((batch["example_id"].tolist(), (out / "trainer_state.json").exists()))
         return forward(accelerator, scorer, batch, *args, **kw)
 
-    monkeypatch.setattr(train_module, "kto_forward", recording)
+    monkeypatch.setattr(kto, "forward", recording)
     return seen
 
 

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kto_pipeline.config import F_DIVERGENCE_TYPES, PAIR_LOSS_TYPES
 from kto_pipeline.loss import pair_loss
+from kto_pipeline.objectives.pairs import F_DIVERGENCE_TYPES, PAIR_LOSS_TYPES
 
 PAIRS, WIDTH = 6, 12
 

@@ -9,8 +9,9 @@ from helpers import read_metrics, train_config, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
+from kto_pipeline.objectives.pairs import CachePairs, PairCollator
 from kto_pipeline.stages.train import stage as train_module
-from kto_pipeline.stages.train.batches import CachePairs, PairCollator, PolicyScorer
+from kto_pipeline.stages.train.batches import PolicyScorer
 
 
 def pairs(n: int = 12) -> list[dict]:

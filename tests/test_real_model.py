@@ -128,7 +128,7 @@ def test_dpo_on_the_real_pairs_matches_trl(smollm2, real_data, real_cache, tmp_p
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from kto_pipeline.stages.train.batches import CachePairs
+    from kto_pipeline.objectives.pairs import CachePairs
 
     settings = dict(learning_rate=1e-5, max_steps=2, logging_steps=1, lr_scheduler_type="linear", max_grad_norm=1.0)
     dataset = datasets.load_dataset("json", data_files=str(real_data), split="train", cache_dir=str(tmp_path / "hf"))

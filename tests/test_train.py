@@ -9,10 +9,9 @@ from helpers import read_metrics, train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute, train
 from kto_pipeline.cache import open_cache, sha256_file
+from kto_pipeline.objectives.kto import CacheRows, Collator, imbalance_warning, pair_accuracy
 from kto_pipeline.stages.train import stage as train_module
-from kto_pipeline.stages.train.batches import CacheRows, Collator, EpochSampler, PolicyScorer
-from kto_pipeline.stages.train.kto_step import pair_accuracy
-from kto_pipeline.stages.train.stage import imbalance_warning
+from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer
 
 cfg = train_config
 

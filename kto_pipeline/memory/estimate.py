@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kto_pipeline.config import MemoryEstimateConfig, is_pair_loss
+from kto_pipeline.config import MemoryEstimateConfig
 from kto_pipeline.memory.simulation import CATEGORIES, GIB, StepSettings, load_model_config, synthetic_rows
 from kto_pipeline.memory.step import floor_bytes, simulate_ours
 from kto_pipeline.memory.trl_step import simulate_trl
+from kto_pipeline.objectives import objective_for
 
 # ------------------------------------------------------------------------------------------ the command
 
@@ -27,8 +28,8 @@ def estimate(config: MemoryEstimateConfig) -> dict[str, Any]:
     )
     ours = simulate_ours(model_config, rows, settings, loss_type=config.loss_type)
     # the tokens with gradients: each row's prompt and completion, or each pair's prompt and both answers
-    answers = ("completion_ids", "kl_completion_ids") if config.pair_loss else ("completion_ids",)
-    needed = sum(len(r["prompt_ids"]) + sum(len(r[a]) for a in answers) for r in rows)
+    objective = objective_for(config.loss_type)
+    needed = sum(objective.tokens_with_grad(item) for item in objective.items_from_rows(rows))
     floor = floor_bytes(model_config, settings, needed)
     if config.cpu_offload:  # the device holds no sharded weights, gradients or moments
         floor.update(parameters=0, gradients=0, optimizer=0)
@@ -61,7 +62,7 @@ def describe(result: dict[str, Any]) -> str:
         f"{result['model']}: one training step, "
         + (
             f"{s['per_device_train_batch_size']} rows x {s['max_length']} tokens"
-            if not is_pair_loss(s["loss_type"])
+            if objective_for(s["loss_type"]).unit == "rows"
             else f"{s['per_device_train_batch_size']} pairs x 2 answers of {s['max_length']} tokens, {s['loss_type']}"
         )
         + f" ({s['lengths']}), {'bf16 autocast' if s['bf16'] else 'float32'}"

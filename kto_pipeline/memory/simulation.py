@@ -98,7 +98,7 @@ def load_model_config(name: str):
 def synthetic_rows(
     batch_size: int, max_length: int, lengths: str, vocab_size: int, seed: int = 0
 ) -> list[dict[str, Any]]:
-    """One micro-batch of cache rows (what `CacheRows` yields) with random token ids.
+    """One micro-batch of cache rows (what a cache's rows read as) with random token ids.
 
     `full`: every prompt + completion fills `max_length`, a quarter of it prompt, and every KL completion (another
     row's completion) fills it too: the largest batch a run can meet.

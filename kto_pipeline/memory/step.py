@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import sys
+from contextlib import contextmanager
 from typing import Any
 
 from kto_pipeline.memory.simulation import (
@@ -55,22 +56,21 @@ def _simulate_ours(model_config, rows, settings: StepSettings, fake: bool, attri
     return second
 
 
-def as_pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows as the pairs `CachePairs` yields: the completion chosen, the KL completion (another row's) rejected."""
-    return [
-        {
-            "prompt_ids": r["prompt_ids"],
-            "chosen_ids": r["completion_ids"],
-            "rejected_ids": r["kl_completion_ids"],
-            "ref_chosen_token_logps": [],
-            "ref_rejected_token_logps": [],
-            "ref_chosen_logp": r["ref_logp"],
-            "ref_rejected_logp": r["ref_kl_logp"],
-            "chosen_id": 2 * i,
-            "rejected_id": 2 * i + 1,
-        }
-        for i, r in enumerate(rows)
-    ]
+@contextmanager
+def launched_as(settings: StepSettings):
+    """The environment `accelerate launch` gives the step simulated (FSDP2 over `fsdp_world_size` processes, with
+    or without CPU offload; else one process), so that `engine_for` picks its engine as train would."""
+    keys = [k for k in os.environ if k.startswith("FSDP_") or k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")]
+    saved = {k: os.environ.pop(k) for k in keys}
+    if settings.fsdp_world_size > 1:
+        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
+        os.environ["FSDP_OFFLOAD_PARAMS"] = "true" if settings.cpu_offload else "false"
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP"]:
+            del os.environ[k]
+        os.environ.update(saved)
 
 
 def _run_ours(
@@ -79,13 +79,11 @@ def _run_ours(
     import torch
 
     from kto_pipeline.config import TrainConfig
-    from kto_pipeline.runtime.engines.fsdp2 import FSDP2
-    from kto_pipeline.runtime.engines.single import Single
+    from kto_pipeline.objectives import objective_for
+    from kto_pipeline.runtime.engines import engine_for
     from kto_pipeline.runtime.precision import policy_regime
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.train.batches import Collator, PairCollator, PolicyScorer
-    from kto_pipeline.stages.train.kto_step import kto_forward
-    from kto_pipeline.stages.train.pair_step import pair_forward
+    from kto_pipeline.stages.train.batches import PolicyScorer
 
     mode = fake_mode() if fake else None
     batch_size = max(len(rows), 2)
@@ -98,11 +96,13 @@ def _run_ours(
         loss_type=loss_type,
         label_smoothing=smoothing,
     )
+    objective = objective_for(loss_type)
     sharded = settings.fsdp_world_size > 1
     with device_decisions(settings.device_type):
         model = build_model(model_config, settings, mode)
         # as train.setup: the engine prepares the policy (sharded, the optimizer over the shards) and steps it
-        engine = FSDP2(settings.fsdp_world_size, offload_params=settings.cpu_offload) if sharded else Single(1)
+        with launched_as(settings):
+            engine = engine_for(settings.fsdp_world_size)
         engine.make_accelerator(policy_regime(config.bf16), config.max_grad_norm, config.ddp_timeout, cpu=True)
         with offload_unpinned():
             scorer, optimizer, _ = engine.prepare_policy(
@@ -111,21 +111,16 @@ def _run_ours(
         init_optimizer_state(model, optimizer, mode)
         pad_id = model_config.pad_token_id if model_config.pad_token_id is not None else 0
         costs = attention_costs(model, torch.device(settings.device_type))
-        if config.pair_loss:
-            batch = PairCollator(pad_id, True, costs)(as_pairs(rows))
-        else:
-            batch = Collator(pad_id, True, costs)(rows)
+        batch = objective.collator(pad_id, True, costs, config)(objective.items_from_rows(rows))
         tracker = memory_tracker(scorer if sharded else None, optimizer, settings.cpu_offload, attribute_at)
         if not sharded:
             tracker.track_external(model, optimizer)
         with tracker:
             before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])
-            if config.pair_loss:
-                scored, loss = pair_forward(engine.accelerator, scorer, batch, config, with_stats=True)[:2]
-            else:
-                scored, loss = kto_forward(engine.accelerator, scorer, batch, config, with_stats=True)[1:3]
-            tokens_with_grad, tokens_executed = _layout_tokens(batch), scored.tokens_executed
-            del scored
+            out = objective.forward(engine.accelerator, scorer, batch, config, with_stats=True)
+            tokens_with_grad, tokens_executed = _layout_tokens(batch), out.scored.tokens_executed
+            loss = out.loss
+            del out
             engine.backward(loss)
             del loss
             engine.clip_grad_norm(scorer, config.max_grad_norm)
@@ -158,7 +153,10 @@ def _make_optimizer(settings: StepSettings, config, model):
 
 def _layout_tokens(batch) -> int:
     """Tokens of the forward with gradients: the layout's columns before the split, padding included."""
-    return int(batch["layout_input_ids"].shape[0] * int(batch["layout_split"]))
+    from kto_pipeline.stages.train.batches import batch_layout
+
+    layout = batch_layout(batch)
+    return int(layout.input_ids.shape[0] * layout.split)
 
 
 # ------------------------------------------------------------------------------------------ the floor
@@ -176,7 +174,7 @@ def floor_bytes(model_config, settings: StepSettings, tokens: int, fake: bool = 
     reads) is the intercept. The floor takes intercept + slope x `tokens`."""
     import torch
 
-    from kto_pipeline.scoring.logprobs import backbone_of
+    from kto_pipeline.models import backbone_of
 
     mode = fake_mode() if fake else None
     model = build_model(model_config, dataclasses.replace(settings, fsdp_world_size=1), mode)
@@ -238,28 +236,30 @@ def _run_real(model_config, rows, settings: StepSettings) -> dict[str, int]:
     import torch
 
     from kto_pipeline.config import TrainConfig
-    from kto_pipeline.runtime.engines.single import Single
+    from kto_pipeline.objectives import objective_for
+    from kto_pipeline.runtime.engines import engine_for
     from kto_pipeline.runtime.precision import policy_regime
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.train.batches import Collator, PolicyScorer
-    from kto_pipeline.stages.train.kto_step import kto_forward
+    from kto_pipeline.stages.train.batches import PolicyScorer
     from kto_pipeline.stages.train.policy import make_optimizer
 
     config = TrainConfig(cache="-", output_dir="-", bf16=False, per_device_train_batch_size=max(len(rows), 2))
     model = build_model(model_config, settings, None)
-    engine = Single(1)
+    objective = objective_for(config.loss_type)
+    with launched_as(settings):
+        engine = engine_for(1)
     engine.make_accelerator(policy_regime(False), config.max_grad_norm, config.ddp_timeout, cpu=True)
     scorer, optimizer, _ = engine.prepare_policy(
         PolicyScorer(model), model, lambda m: make_optimizer(config, m), move=False
     )
     init_optimizer_state(model, optimizer, None)
-    batch = Collator(model_config.pad_token_id or 0, True, attention_costs(model, torch.device("cpu")))(rows)
+    costs = attention_costs(model, torch.device("cpu"))
+    batch = objective.collator(model_config.pad_token_id or 0, True, costs, config)(objective.items_from_rows(rows))
     gc.collect()
     before = _rss("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # reset the high water mark (Linux >= 4.0)
         f.write("5")
-    z0, scored, loss, _, _ = kto_forward(engine.accelerator, scorer, batch, config, with_stats=True)
-    del z0, scored
+    loss = objective.forward(engine.accelerator, scorer, batch, config, with_stats=True).loss
     engine.backward(loss)
     del loss
     engine.clip_grad_norm(scorer, config.max_grad_norm)

@@ -161,7 +161,7 @@ def _trl_head(model, input_ids, attention_mask, completion_mask, with_stats: boo
     the positions whose label is not -100 (compact), scattered back to (B, T-1). Returns the (B,) sums."""
     import torch
 
-    from kto_pipeline.scoring.logprobs import backbone_of
+    from kto_pipeline.models import backbone_of
 
     labels = input_ids.masked_fill(completion_mask == 0, -100)
     hidden = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kto_pipeline.config import ATTENTION_KERNELS as KERNELS  # what `--attention-kernel` takes
 from kto_pipeline.models import text_config
+from kto_pipeline.scoring import ATTENTION_KERNELS as KERNELS  # what `--attention-kernel` takes
 from kto_pipeline.scoring.packing import BRANCH_PROMPT, AttentionCosts, Layout
 
 logger = logging.getLogger(__name__)
@@ -125,10 +125,10 @@ def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window:
 # then itself). Only the needed pairs run (the causal kernel skips the masked half), and a sequence's attention is
 # the same computation however the trees are laid out, whichever continuation comes first: in the
 # reference pass's rows, or in training's, where the KL completions run apart on the prompts' cached keys. The
-# masked keys a dense call would also take change sdpa's result on the CPU under bf16 (about 4e-3 per value,
-# 0.66 nats on a SmolLM2 sequence log-prob: benchmarks/RESULTS-precision.md), so this path is what makes a
-# policy equal to its reference score exactly its cached values. Where it runs (`attention_kernel`: by-tree) it
-# always runs, gradient checkpointing included (`checkpointing_kwargs`).
+# masked keys a dense call would also take change sdpa's result on the CPU under bf16 (about 4e-3 per value, up to
+# 0.754 nats on a SmolLM2 completion's log-prob and 1.17 on a KL completion's: benchmarks/RESULTS-layouts.md), so
+# this path is what makes a policy equal to its reference score exactly its cached values. Where it runs
+# (`attention_kernel`: by-tree) it always runs, gradient checkpointing included (`checkpointing_kwargs`).
 
 TREE_ATTENTION = "kto_tree_sdpa"
 

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kto_pipeline.models import checkpointing, sliding_window, text_config
+from kto_pipeline.models import backbone_of, checkpointing, lm_head_settings, scorable, sliding_window
+from kto_pipeline.runtime.engines.base import Engine
 from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs, tree_mask
 from kto_pipeline.scoring.packing import Layout, ScoredSequence, Tree, layout_trees, pack_batches, pack_trees
 
@@ -258,40 +259,6 @@ def pad_sequences(
     return ids, attn, comp
 
 
-def lm_head_settings(model) -> tuple[float, float | None]:
-    """(logit_scale, softcap) a model applies to its logits, read from its config."""
-    config = text_config(model)
-    scale = getattr(config, "logit_scale", None)
-    if scale is None:
-        scale = getattr(config, "output_multiplier", None)
-    if scale is None and getattr(config, "logits_scaling", None):
-        scale = 1.0 / config.logits_scaling  # Granite divides its logits
-    softcap = getattr(config, "final_logit_softcapping", None)
-    return (1.0 if scale is None else float(scale)), softcap
-
-
-def backbone_of(model):
-    """The transformer body (everything before the LM head) of a causal LM."""
-    body = getattr(model, "base_model", None)
-    if body is None or body is model:
-        raise ValueError(f"{type(model).__name__} exposes no backbone (`base_model`); cannot score it in chunks.")
-    return body
-
-
-def _scorable(model):
-    """The causal LM whose backbone and head we call: a PEFT model is scored through its base model, whose
-    layers carry the adapters."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _gathered_by_hooks(module) -> bool:
-    """Whether `module`'s parameters are whole only within its own forward and backward: DeepSpeed ZeRO-3 (its
-    parameters carry a `ds_id`) or an FSDP2 unit of its own (`fully_shard` makes it an FSDPModule)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return hasattr(module.weight, "ds_id") or isinstance(module, FSDPModule)
-
-
 def _head_logps(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int | None, with_stats: bool):
     """(logps, mean_logits, entropy) of `targets` (N,) predicted from `hidden` (N, H) through the LM head."""
     head = model.get_output_embeddings()
@@ -302,7 +269,7 @@ def _head_logps(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: 
             hidden, head.weight, targets, head.bias, chunk_size, logit_scale, softcap, with_stats
         )
 
-    if not _gathered_by_hooks(head):
+    if not Engine.gathers_in_forward(head):
         return head_logps(hidden, targets)
     # Sharded head (DeepSpeed ZeRO-3, or an FSDP2 unit of its own): each process holds a slice of its weight,
     # gathered only around the head module's own forward and backward (its hooks). Run the chunked scoring as that
@@ -336,7 +303,7 @@ def score_sequences(
 
     `with_stats=False` skips the metric-only mean logits and entropy (left as zeros).
     `output_router_logits=True` (mixture-of-experts models) also returns the load-balancing loss."""
-    model = _scorable(model)
+    model = scorable(model)
     extra = {"output_router_logits": True} if output_router_logits else {}
     outputs = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
     hidden = outputs.last_hidden_state[:, :-1]  # (B, T-1, H): position t predicts token t+1
@@ -404,7 +371,7 @@ def score_layout(
     The reference pass scores `(prompt, [completion, KL completion])` trees with it, without gradients; a pair
     loss trains on `(prompt, [chosen, rejected])` trees with it, with gradients.
     Sequences are numbered tree * branches + continuation."""
-    model = _scorable(model)
+    model = scorable(model)
     rows, width = layout.input_ids.shape
     tokens = torch.arange(rows * width, device=layout.input_ids.device).reshape(rows, width)
     extra = {"output_router_logits": True} if output_router_logits else {}
@@ -448,7 +415,7 @@ def score_policy(
        layers) runs the whole layout again without gradients instead."""
     from transformers import DynamicCache
 
-    model = _scorable(model)
+    model = scorable(model)
     assert layout.branches == 2, "(prompt, [completion, KL completion]) trees"
     rows, width, split, device = *layout.input_ids.shape, layout.split, layout.input_ids.device
     grid = torch.arange(rows * width, device=device).reshape(rows, width)

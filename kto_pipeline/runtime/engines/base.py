@@ -22,6 +22,7 @@ from kto_pipeline.runtime.launch import check_process_group, process_group_kwarg
 from kto_pipeline.runtime.precision import Regime, autocast_forward
 
 ACCELERATE_STATE = "accelerate_state"  # a checkpoint's optimizer, scheduler and RNG states, written by accelerate
+GATHERED_IN_FORWARD = "kto_gathered_in_forward"  # set on a module whose parameters are whole only in its own forward
 
 
 class Engine:
@@ -30,6 +31,18 @@ class Engine:
     state_holds_weights = False  # the engine's checkpoint state holds the weights (else: the HF files beside it)
     holds_whole_model = True  # each process holds the whole model (else it is gathered to be saved or merged)
     activation_checkpointing = False  # the launch config asks for gradient checkpointing
+
+    @staticmethod
+    def gathers_in_forward(module: torch.nn.Module) -> bool:
+        """Whether `module`'s parameters are whole only within its own forward and backward (an engine that shards
+        them so, DeepSpeed ZeRO-3 or an FSDP2 unit, marked the module when it prepared the model): the scoring then
+        runs a chunked computation on its weight as that module's forward."""
+        return getattr(module, GATHERED_IN_FORWARD, False)
+
+    @staticmethod
+    def _gathered_in_forward(*modules: torch.nn.Module) -> None:
+        for module in modules:
+            setattr(module, GATHERED_IN_FORWARD, True)
 
     def __init__(self, world_size: int):
         self.world_size = world_size

@@ -182,12 +182,16 @@ class DeepSpeed(Engine):
         fill_gathering(config["zero_optimization"], model)
         engine, *_ = deepspeed.initialize(model=scorer, config=config)
         engine.eval()  # (returns None)
+        self._gathered_in_forward(*model.modules())  # every module's parameters, gathered around its forward
         return engine
 
     def prepare_policy(self, scorer, model, make_optimizer, loader=None, move: bool = True):
-        if self.zero_stage == 3:
-            fill_gathering(self.accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"], model)
-        return super().prepare_policy(scorer, model, make_optimizer, loader, move)
+        if self.zero_stage != 3:
+            return super().prepare_policy(scorer, model, make_optimizer, loader, move)
+        fill_gathering(self.accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"], model)
+        prepared = super().prepare_policy(scorer, model, make_optimizer, loader, move)
+        self._gathered_in_forward(*model.modules())  # every module's parameters, gathered around its forward
+        return prepared
 
     def agree_on_forwards(self, count: int) -> int:
         return most_of_all(count, self.device) if self.collective_forwards else count

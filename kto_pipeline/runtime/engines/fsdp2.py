@@ -160,6 +160,7 @@ class FSDP2(Engine):
             buffers = {name: buffer.detach().clone() for name, buffer in root.named_buffers()}
         for unit in [*units, root]:
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
+        self._gathered_in_forward(*units, root)
         if fill:
             if not main:  # this process's shards, allocated (uninitialized) where they compute
                 root.to_empty(device=device if not self.offload_params else torch.device("cpu"))

@@ -9,9 +9,9 @@ the memory-mapped cache (`batches.py`), the optimizer and the schedule. `resume`
 is the loop, `finish` writes the final model, its card and the final trainer state (`rundir.py`). The policy
 is loaded and its optimizer built by `policy.py`; how it is spread over the processes, its backward, clipping and
 step are asked of the engine (`runtime/engines`), which this stage never names. accelerate is used as a library
-(`accumulate`, `gather`), so the loop is the whole algorithm: nothing happens in callbacks. One forward pass and
-its metrics are `kto_step.py` for KTO's losses (rows), `pair_step.py` for a pair loss (DPO and its variants, on
-the (chosen, rejected) pairs of a paired cache).
+(`accumulate`, `gather`), so the loop is the whole algorithm: nothing happens in callbacks. What depends on the
+loss family (its cache, items, forward pass, metrics and evaluation) is asked of the run's objective
+(`kto_pipeline/objectives`), chosen once in `setup`.
 """
 
 from __future__ import annotations
@@ -39,28 +39,27 @@ from kto_pipeline.checkpoint import (
     save_model,
     skip_model_weights_in_accelerate_state,
 )
-from kto_pipeline.config import TrainConfig, is_pair_loss
+from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError, Preempted
-from kto_pipeline.lock import holds_files, main_process_lock
+from kto_pipeline.lock import main_process_lock
 from kto_pipeline.model_card import write_model_card
-from kto_pipeline.rundir import InitPoint, MetricsWriter, TrainerState, finished_at, run_config, start_run
+from kto_pipeline.objectives import Objective, objective_for
+from kto_pipeline.rundir import (
+    InitPoint,
+    MetricLog,
+    MetricsWriter,
+    TrainerState,
+    finished_at,
+    start_run,
+)
 from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.launch import launched_processes, print0, process_state, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported, request_attention_kernel
-from kto_pipeline.stages.train.batches import (
-    CachePairs,
-    CacheRows,
-    Collator,
-    EpochSampler,
-    PairCollator,
-    PolicyScorer,
-    real_rows,
-)
-from kto_pipeline.stages.train.kto_step import MetricLog, batch_metrics, evaluate, kto_forward
-from kto_pipeline.stages.train.pair_step import evaluate_pairs, pair_forward, pair_metrics
+from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer, real_rows
+from kto_pipeline.stages.train.checks import check_output_dir, check_resume_compatible
 from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
 
 
@@ -83,7 +82,7 @@ class Progress:
     # work counters of this run, this process: tokens the forwards ran vs the tokens the rows need (P + C + K)
     tokens_executed: int = 0
     tokens_needed: int = 0
-    rows_seen: int = 0  # rows, or pairs with a pair loss
+    items_seen: int = 0  # rows, or pairs (the objective's unit)
     kl_on_cached_prompt: bool = False
 
 
@@ -92,6 +91,7 @@ class Run:
     """Everything the phases share."""
 
     config: TrainConfig
+    objective: Objective  # the loss family: what it needs of the cache, its items, forward, metrics, evaluation
     out: Path
     resume_dir: Path | None
     accelerator: Any
@@ -106,7 +106,6 @@ class Run:
     sampler: EpochSampler
     loader: DataLoader
     eval_loader: DataLoader | None
-    eval_groups: dict[int, int]  # example_id -> prompt number, for pairwise eval metrics
     steps_per_epoch: int
     total_steps: int
     warmup_steps: int
@@ -151,8 +150,9 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     out = Path(config.output_dir)
     resume_dir = resolve_resume(out, config.resume, config.resume_from, config.autoresume)
     if resume_dir is None or resume_dir.parent.resolve() != out.resolve():
-        _check_output_dir(out, config)  # a checkpoint of this same dir may continue it
-    cache, max_length = _open_checked_cache(config)
+        check_output_dir(out, config)  # a checkpoint of this same dir may continue it
+    objective = objective_for(config.loss_type)
+    cache, max_length = _open_checked_cache(config, objective)
     trackers = _trackers(config)
     regime = policy_regime(config.bf16, config.fp16)  # the policy loads in float32
     engine = engine_for(launched_processes())
@@ -179,8 +179,8 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     if padded_because is None:  # (asked of the model in training mode, as its steps will run)
         kernel, kernel_note = request_attention_kernel(model.train(), config.attention_kernel, accelerator.device)
         print0(accelerator, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
-    sampler, loader, eval_loader, eval_groups = _loaders(
-        config, cache, max_length, accelerator, tokenizer, model, padded_because
+    sampler, loader, eval_loader = _loaders(
+        config, objective, cache, max_length, accelerator, tokenizer, model, padded_because
     )
     scorer, optimizer, loader = engine.prepare_policy(
         PolicyScorer(model), model, lambda m: make_optimizer(config, m), loader
@@ -195,6 +195,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     accelerator.register_for_checkpointing(scheduler)  # stepped by hand once per optimizer step, saved with its state
     return Run(
         config=config,
+        objective=objective,
         out=out,
         resume_dir=resume_dir,
         accelerator=accelerator,
@@ -209,7 +210,6 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
         sampler=sampler,
         loader=loader,
         eval_loader=eval_loader,
-        eval_groups=eval_groups,
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         warmup_steps=warmup_steps,
@@ -221,11 +221,10 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     )
 
 
-def _open_checked_cache(config: TrainConfig) -> tuple[CacheTable, int]:
+def _open_checked_cache(config: TrainConfig, objective: Objective) -> tuple[CacheTable, int]:
     """The cache (cheap checks always: complete, files, sizes, row counts, schema; sha256 with --verify) and the
     max length to train at."""
-    cache = open_cache(config.cache, verify=config.verify)
-    _require_data_for_loss(config, "--cache", config.cache, cache.manifest)
+    cache = _open_for(config, objective, "--cache", config.cache)
     cached_max = cache.manifest.max_length
     max_length = config.max_length or cached_max
     if max_length > cached_max:
@@ -237,69 +236,48 @@ def _open_checked_cache(config: TrainConfig) -> tuple[CacheTable, int]:
     return cache, max_length
 
 
-def _require_data_for_loss(config: TrainConfig, flag: str, path: str, manifest: Manifest) -> None:
-    """KTO's loss needs each row's KL completion (a `precompute --pairs-only` cache has none); a pair loss needs
-    (chosen, rejected) pairs, which a cache records from paired data since format version 2."""
-    if config.pair_loss and not manifest.paired:
-        if manifest.format_version < 2:
-            why = (
-                f"it was written in cache format version {manifest.format_version}, which does not record which rows "
-                "form a pair"
-            )
-        else:
-            why = "its rows come from unpaired data (prompt/completion/label), so no row has a pair partner"
-        raise KTOPipelineError(
-            f"--loss-type {config.loss_type} trains on (chosen, rejected) pairs, and {flag} {path} holds none: "
-            f"{why}. Precompute paired data (prompt/chosen/rejected, or chosen/rejected) with this version into a "
-            "new --output (add --pairs-only to skip the KL completions only KTO needs), or train KTO on this cache "
-            "(--loss-type kto)."
-        )
-    if not config.pair_loss and not manifest.has_kl:
-        raise KTOPipelineError(
-            f"{flag} {path} was written by `precompute --pairs-only`: it holds no KL completions, which KTO's loss "
-            "needs. Precompute the data again without --pairs-only (another --output), or train a pair loss on it "
-            "(--loss-type sigmoid for DPO, or another of trl.DPOTrainer's)."
-        )
+def _open_for(config: TrainConfig, objective: Objective, flag: str, path: str) -> CacheTable:
+    """The cache at `path`, refused where it lacks what the loss family trains on (a pair loss's pairs, KTO's KL
+    completions)."""
+    cache = open_cache(path, verify=config.verify)
+    why = objective.requires(cache.manifest, config.loss_type, flag, path)
+    if why:
+        raise KTOPipelineError(why)
+    return cache
 
 
-def _loaders(config: TrainConfig, cache, max_length: int, accelerator, tokenizer, model, padded_because):
-    """(sampler, train loader, eval loader or None, eval prompt groups). Each process reads a disjoint part of
-    every global batch from the memory-mapped cache."""
-    rows = CachePairs(cache, max_length) if config.pair_loss else CacheRows(cache, max_length)
-    unit = "pairs" if config.pair_loss else "rows"
-    if len(rows) < config.per_device_train_batch_size * accelerator.num_processes:
+def _loaders(
+    config: TrainConfig, objective: Objective, cache, max_length: int, accelerator, tokenizer, model, padded_because
+):
+    """(sampler, train loader, eval loader or None). Each process reads a disjoint part of every global batch from
+    the memory-mapped cache."""
+    items, unit = objective.dataset(cache, max_length), objective.unit
+    if len(items) < config.per_device_train_batch_size * accelerator.num_processes:
         raise KTOPipelineError(
-            f"the cache has {len(rows)} {unit} at max length {max_length}, fewer than one batch "
+            f"the cache has {len(items)} {unit} at max length {max_length}, fewer than one batch "
             f"({config.per_device_train_batch_size} x {accelerator.num_processes} processes). Lower "
             "--per-device-train-batch-size or use more data."
         )
-    if not config.pair_loss:
-        n_desirable = int(rows.labels.sum())
-        warning = imbalance_warning(
-            n_desirable, len(rows) - n_desirable, config.desirable_weight, config.undesirable_weight
-        )
-        if warning:
-            print0(accelerator, f"warning: {warning}")
+    warning = objective.data_warning(items, config)
+    if warning:
+        print0(accelerator, f"warning: {warning}")
     # Micro-batches are packed (no padding) where the model's attention takes a packed layout; otherwise padded,
-    # and the shuffled rows grouped by length (runs of 50 global batches sorted longest first) to pad less.
+    # and the shuffled items grouped by length (runs of 50 global batches sorted longest first) to pad less.
     shuffle = config.train_sampling_strategy == "random"
     global_batch = config.per_device_train_batch_size * accelerator.num_processes
     if padded_because is None:
-        sampler = EpochSampler(len(rows), config.seed, shuffle)
+        sampler = EpochSampler(len(items), config.seed, shuffle)
     else:
-        sampler = EpochSampler(len(rows), config.seed, shuffle, lengths=rows.lengths(), group=50 * global_batch)
-        print0(accelerator, f"note: {padded_because}: batches are padded, rows grouped by length")
-    costs = attention_costs(model, accelerator.device)
-    if config.pair_loss:
-        collator = PairCollator(tokenizer.pad_token_id, padded_because is None, costs, config.ld_alpha)
-    else:
-        collator = Collator(tokenizer.pad_token_id, padded_because is None, costs)
-    loader = DataLoader(rows, batch_size=config.per_device_train_batch_size, sampler=sampler, collate_fn=collator)
-    eval_rows = _open_eval_cache(config, cache.manifest, max_length)
-    if eval_rows is None:
-        return sampler, loader, None, {}
-    eval_loader = DataLoader(eval_rows, batch_size=config.per_device_eval_batch_size, collate_fn=collator)
-    return sampler, loader, eval_loader, {} if config.pair_loss else eval_rows.prompt_groups()
+        sampler = EpochSampler(len(items), config.seed, shuffle, lengths=items.lengths(), group=50 * global_batch)
+        print0(accelerator, f"note: {padded_because}: batches are padded, {unit} grouped by length")
+    collator = objective.collator(
+        tokenizer.pad_token_id, padded_because is None, attention_costs(model, accelerator.device), config
+    )
+    loader = DataLoader(items, batch_size=config.per_device_train_batch_size, sampler=sampler, collate_fn=collator)
+    eval_items = _open_eval_cache(config, objective, cache.manifest, max_length)
+    if eval_items is None:
+        return sampler, loader, None
+    return sampler, loader, DataLoader(eval_items, batch_size=config.per_device_eval_batch_size, collate_fn=collator)
 
 
 def _scheduler(config: TrainConfig, optimizer, warmup_steps: int, total_steps: int):
@@ -320,7 +298,7 @@ def resume(run: Run) -> TrainResult | None:
         return None
     config, p, resume_dir = run.config, run.progress, run.resume_dir
     state = load_checkpoint(run.engine, run.scorer, run.optimizer, resume_dir)
-    _check_resume_compatible(state.run_config or {}, config, resume_dir)
+    check_resume_compatible(state.run_config or {}, config, resume_dir)
     p.global_step, p.epoch, p.skip_batches = state.global_step, state.epoch_index, state.batches_in_epoch
     p.epoch_index, p.batches_in_epoch = state.epoch_index, state.batches_in_epoch
     p.fractional_epoch, p.history = state.epoch, state.log_history
@@ -417,41 +395,30 @@ def fit(run: Run) -> None:
 
 def train_step(run: Run, batch: dict[str, torch.Tensor], last_batch: bool = False) -> None:
     """Forward, metrics and backward of one micro-batch; the optimizer steps where accelerate syncs gradients.
-    `last_batch`: the epoch's last, which may hold rows repeated to even it out across processes."""
-    config, accelerator, p = run.config, run.accelerator, run.progress
+    `last_batch`: the epoch's last, which may hold items repeated to even it out across processes."""
+    config, accelerator, p, objective = run.config, run.accelerator, run.progress, run.objective
     real = real_rows(accelerator, config.per_device_train_batch_size, len(run.sampler), last_batch)
     routed = run.aux_coef != 0
-    if config.pair_loss:
-        out = pair_forward(
-            accelerator, run.scorer, batch, config, with_stats=True, output_router_logits=routed, real=real
-        )
-        scored, loss, ids = out.scored, out.loss, batch["chosen_id"]
-    else:
-        z0, scored, loss, _, rewards = kto_forward(
-            accelerator, run.scorer, batch, config, with_stats=True, output_router_logits=routed, real=real
-        )
-        ids = batch["example_id"]
+    out = objective.forward(
+        accelerator, run.scorer, batch, config, with_stats=True, output_router_logits=routed, real=real
+    )
+    scored, loss = out.scored, out.loss
     scores = scored.completions
     p.tokens_executed += scored.tokens_executed
     p.tokens_needed += int(batch["tokens_needed"])
-    p.rows_seen += len(ids)
+    p.items_seen += len(out.ids)
     p.kl_on_cached_prompt = scored.kl_on_cached_prompt
     if scores.aux_loss is not None:  # MoE: keep the experts' load balanced, as the model's own loss does
-        loss = loss + run.aux_coef * scores.aux_loss
+        loss = out.loss = loss + run.aux_coef * scores.aux_loss  # (the loss logged, as trl's)
         p.log.add("aux_loss", accelerator.gather(scores.aux_loss.detach().reshape(1)).mean().item())
     # every process must take the same branch, or the others would wait forever in a collective
     if not torch.isfinite(accelerator.gather(loss.detach().reshape(1))).all():
-        which = "of the chosen answers " if config.pair_loss else ""
-        ids = sorted(gather_object(ids.tolist()))
+        ids = sorted(gather_object(out.ids.tolist()))
         raise KTOPipelineError(
-            f"non-finite loss at step {p.global_step + 1}, batch example ids {which}{ids}. Lower "
+            f"non-finite loss at step {p.global_step + 1}, batch example ids {objective.ids_are}{ids}. Lower "
             "--learning-rate or check these rows; the last checkpoint is intact."
         )
-    if config.pair_loss:
-        metrics = pair_metrics(accelerator, out, real)
-    else:
-        metrics = batch_metrics(accelerator, loss, z0, batch["label"], scores.logps, rewards, scores, real)
-    for name, value in metrics.items():
+    for name, value in objective.metrics(accelerator, out, real).items():
         p.log.add(name, value)
     run.engine.backward(loss)
     if accelerator.sync_gradients and config.max_grad_norm > 0:
@@ -471,7 +438,7 @@ def after_step(run: Run, micro_step: int, bar) -> None:
     bar.update(1)
     elapsed = max(now - p.started, 1e-9)
     bar.set_postfix_str(
-        f"{p.rows_seen * accelerator.num_processes / elapsed:.1f} {'pairs' if config.pair_loss else 'rows'}/s, "
+        f"{p.items_seen * accelerator.num_processes / elapsed:.1f} {run.objective.unit}/s, "
         f"{p.tokens_needed * accelerator.num_processes / elapsed:.0f} tokens/s"
     )
     p.fractional_epoch = p.epoch + (micro_step + 1) / len(run.loader)
@@ -483,11 +450,7 @@ def after_step(run: Run, micro_step: int, bar) -> None:
         grad_norm = {"grad_norm": p.grad_norm} if p.grad_norm is not None else {}
         run.metrics({**p.log.flush(), "learning_rate": learning_rate, **grad_norm, **stamp})
     if run.eval_loader is not None and (last_step or (config.eval_steps and p.global_step % config.eval_steps == 0)):
-        if config.pair_loss:
-            results = evaluate_pairs(accelerator, run.scorer, run.eval_loader, config)
-        else:
-            results = evaluate(accelerator, run.scorer, run.eval_loader, config, run.eval_groups)
-        run.metrics({**results, **stamp})
+        run.metrics({**run.objective.evaluate(accelerator, run.scorer, run.eval_loader, config), **stamp})
     # every N steps and at the last one (as transformers' Trainer), so that a finished run can be extended
     if _checkpoint_due(config, p.global_step, last_step):
         write_checkpoint(run)
@@ -571,15 +534,7 @@ def finish(run: Run) -> TrainResult:
         | {"source": seg["source"]["name_or_path"], "content_hash": seg["source"]["content_hash"]}
         for seg in run.manifest.all_segments
     ]
-    state.kl_forward = (
-        "on the prompts' cached keys/values"
-        if p.kl_on_cached_prompt
-        else "with the prompts run again"
-        if config.loss_type == "kto"
-        else "none (pair loss: each pair one tree, prompt once)"
-        if config.pair_loss
-        else "none (loss without KL)"
-    )
+    state.kl_forward = run.objective.kl_forward(config, p.kl_on_cached_prompt)
     if accelerator.is_main_process:
         state.write(out)
         _write_cards(run, {"round": state.round, "parent_run": state.parent_run})
@@ -609,53 +564,6 @@ def _write_cards(run: Run, lineage: dict[str, Any]) -> None:
         write_model_card(run.out / "merged", config, run.manifest, history, adapter=False, **card)
 
 
-# ------------------------------------------------------------------------------------------- checks
-
-
-def imbalance_warning(num_desirable: int, num_undesirable: int, desirable_weight: float, undesirable_weight: float):
-    """trl's advice (KTO paper eq. 8): desirable_weight * n_D / (undesirable_weight * n_U) in [1, 4/3]."""
-    n_d, n_u = max(num_desirable, 1), max(num_undesirable, 1)
-    if n_d == n_u:
-        return None
-    d_lo = round(n_u * undesirable_weight / n_d, 2)
-    d_hi = round(n_u * undesirable_weight / n_d * 1.33, 2)
-    u_lo = round(n_d * desirable_weight / n_u / 1.33, 2)
-    u_hi = round(n_d * desirable_weight / n_u, 2)
-    if d_lo <= desirable_weight <= d_hi or u_lo <= undesirable_weight <= u_hi:
-        return None
-    return (
-        f"the data has {num_desirable} desirable and {num_undesirable} undesirable rows, and the weights are "
-        f"outside the recommended 1:1 to 4:3 range. Use EITHER --desirable-weight in [{d_lo}, {d_hi}] OR "
-        f"--undesirable-weight in [{u_lo}, {u_hi}] (not both)."
-    )
-
-
-def _check_output_dir(out: Path, config: TrainConfig) -> None:
-    """A run starts in an empty directory, or with --overwrite-output-dir; with --autoresume also in the directory
-    of an unfinished run of the same settings that wrote no checkpoint yet (it starts that run again)."""
-    # (a file at --output-dir is refused by the lock, taken before this check)
-    if not out.is_dir() or not holds_files(out) or config.overwrite_output_dir:  # our own lock does not count
-        return
-    if config.autoresume and _same_unfinished_run(out, config):
-        return
-    raise KTOPipelineError(
-        f"--output-dir {out} is not empty. Choose a new directory, or pass --overwrite-output-dir to write into it."
-        + (
-            " (--autoresume found no checkpoint in it, and it is not an unfinished run of these settings.)"
-            if config.autoresume
-            else ""
-        )
-    )
-
-
-def _same_unfinished_run(out: Path, config: TrainConfig) -> bool:
-    """`out` holds a run that started with the settings that fix its steps (`RESUME_INVARIANTS`) and did not finish."""
-    saved = run_config(out)
-    if not saved or finished_at(out) is not None:
-        return False
-    return all(saved.get(k) == getattr(config, k) for k in RESUME_INVARIANTS)
-
-
 def _trackers(config: TrainConfig) -> list[str]:
     return [t.strip() for t in config.report_to.split(",") if t.strip() not in ("", "none")]
 
@@ -665,52 +573,19 @@ def _planned_steps(max_steps: int, num_train_epochs: float, steps_per_epoch: int
     return max_steps if max_steps > 0 else max(math.ceil(num_train_epochs * steps_per_epoch), 1)
 
 
-# settings that fix what a checkpoint's step and data position mean; resuming with others would be wrong
-RESUME_INVARIANTS = (
-    "cache",
-    "model",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "max_length",
-    "seed",
-    "train_sampling_strategy",
-    "lora_r",
-    "lora_target_modules",
-)
-
-
-def _check_resume_compatible(saved: dict, config: TrainConfig, path: Path) -> None:
-    diff = [
-        f"--{k.replace('_', '-')}: checkpoint {saved[k]!r}, now {getattr(config, k)!r}"
-        for k in RESUME_INVARIANTS
-        if k in saved and saved[k] != getattr(config, k)
-    ]
-    # a pair loss's batches count pairs, KTO's rows: another data position
-    if is_pair_loss(saved.get("loss_type", "kto")) != config.pair_loss:
-        diff.append(f"--loss-type: checkpoint {saved['loss_type']!r}, now {config.loss_type!r} (pairs vs rows)")
-    if diff:
-        raise KTOPipelineError(
-            f"cannot resume from {path}: it was trained with other settings:\n  - "
-            + "\n  - ".join(diff)
-            + "\nResume with the original settings, or start a new run."
-        )
-
-
-def _open_eval_cache(config: TrainConfig, manifest: Manifest, max_length: int) -> CacheRows | None:
+def _open_eval_cache(config: TrainConfig, objective: Objective, manifest: Manifest, max_length: int):
     if config.eval_cache is None:
         return None
-    eval_cache = open_cache(config.eval_cache, verify=config.verify)
-    _require_data_for_loss(config, "--eval-cache", config.eval_cache, eval_cache.manifest)
+    eval_cache = _open_for(config, objective, "--eval-cache", config.eval_cache)
     if eval_cache.manifest.tokenizer_hash != manifest.tokenizer_hash:
         raise KTOPipelineError(
             f"--eval-cache {config.eval_cache} was made with another tokenizer than --cache {config.cache}. "
             "Precompute the eval split with the same reference model."
         )
-    reader = CachePairs if config.pair_loss else CacheRows
-    rows = reader(eval_cache, min(max_length, eval_cache.manifest.max_length))
-    if len(rows) == 0:
+    items = objective.dataset(eval_cache, min(max_length, eval_cache.manifest.max_length))
+    if len(items) == 0:
         raise KTOPipelineError(
             f"--eval-cache {config.eval_cache}: no row fits --max-length {max_length} (every prompt is at least "
             "that long). Raise --max-length, or precompute the eval set with shorter prompts."
         )
-    return rows
+    return items

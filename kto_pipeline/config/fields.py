@@ -1,0 +1,139 @@
+"""What every stage's config is made of: typed fields with their help text and --help panel, how a value is
+read from text, and the mixin that prints and saves a config."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+from types import NoneType, UnionType
+from typing import Any
+
+from kto_pipeline.errors import KTOPipelineError, check_option
+from kto_pipeline.scoring import ATTENTION_KERNELS
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
+SAMPLING = ("random", "sequential")
+REPORT_TO = ("none", "tensorboard", "wandb")
+
+
+# The command line's --help panels. Each field names its panel; a command shows its panels in this order.
+MODEL = "Model"
+MODELS = "Models"
+MODEL_AND_DATA = "Model and data"
+DATA = "Data"
+PROMPTS = "Prompts"
+REFERENCE_PASS = "Reference pass"
+OPTIMISATION = "Optimisation"
+DECODING = "Decoding"
+ROUNDS = "Rounds: completions to label"
+LORA = "LoRA"
+EVALUATION = "Evaluation"
+CHECKPOINTS = "Checkpoints"
+OUTPUT = "Output"
+LOGGING = "Logging"
+PROCESSES = "More than one process"
+PANELS = (
+    MODEL,
+    MODELS,
+    MODEL_AND_DATA,
+    DATA,
+    PROMPTS,
+    REFERENCE_PASS,
+    OPTIMISATION,
+    DECODING,
+    ROUNDS,
+    LORA,
+    EVALUATION,
+    CHECKPOINTS,
+    OUTPUT,
+    LOGGING,
+    PROCESSES,
+)
+
+
+def described(text: str, *, panel: str, formerly: str | None = None, **kw: Any) -> dict[str, Any]:
+    """A field's help text and --help panel; `formerly`: the name it had in earlier releases, still read from
+    recipes (on the command line click names the new flag: "No such option: --seed Did you mean --kl-seed?")."""
+    return {"metadata": {"help": text, "panel": panel, "formerly": formerly}, **kw}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+check = check_option
+
+
+# ------------------------------------------------------------------------------------------ typed values
+
+# str fields whose value is a comma-separated list itself
+LIST_FIELDS = ("lora_target_modules", "report_to", "loss_weights")
+
+
+def base_type(value_type: Any) -> tuple[type, bool]:
+    """(the type, whether None is allowed) of a field annotation such as `int | None`."""
+    if typing.get_origin(value_type) in (UnionType, typing.Union):
+        args = typing.get_args(value_type)
+        return next(a for a in args if a is not NoneType), NoneType in args
+    return value_type, False
+
+
+def parse_value(value_type: Any, text: str, name: str) -> Any:
+    """One command-line value (`text`, of field `name`) as its type: the one parser of sweep grids and recipes."""
+    base, optional = base_type(value_type)
+    text = text.strip()
+    if text.lower() in ("none", "null", "") and optional:
+        return None
+    try:
+        if base is bool:
+            if text.lower() in ("true", "1", "yes"):
+                return True
+            if text.lower() in ("false", "0", "no"):
+                return False
+            raise ValueError(text)
+        if base in (int, float):
+            return base(text)
+    except ValueError:
+        raise KTOPipelineError(f"{_flag(name)}: cannot read {text!r} as {base.__name__}") from None
+    return text
+
+
+class ConfigMixin:
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def describe(self) -> str:
+        width = max(len(f.name) for f in dataclasses.fields(self))
+        return "\n".join(f"  {f.name:<{width}}  {getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+def check_kernel(kernel: str) -> None:
+    check(
+        kernel in ATTENTION_KERNELS,
+        "attention_kernel",
+        f"must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}",
+    )
+
+
+def field_help(cls: type, name: str) -> str:
+    """The help text of a config field (used by the CLI)."""
+    return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
+
+
+def field_panel(cls: type, name: str) -> str:
+    """The --help panel of a config field (used by the CLI)."""
+    return next(f.metadata["panel"] for f in dataclasses.fields(cls) if f.name == name)

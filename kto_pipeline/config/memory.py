@@ -1,0 +1,102 @@
+"""`kto-pipeline estimate-memory`'s settings: one training step's peak accelerator memory, simulated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kto_pipeline.config.fields import (
+    DATA,
+    LORA,
+    MODEL,
+    OPTIMISATION,
+    OUTPUT,
+    ConfigMixin,
+    check,
+    described,
+)
+from kto_pipeline.objectives import check_loss_names, objective_for
+
+LENGTHS = ("full", "kto-mix")  # estimate-memory --lengths
+
+
+@dataclass
+class MemoryEstimateConfig(ConfigMixin):
+    """`kto-pipeline estimate-memory`: the peak accelerator memory per device of one `train` step. The flags
+    that shape memory are named as `train`'s."""
+
+    model: str = field(
+        **described("Model: a local directory with config.json, or a hub id (only its config is read).", panel=MODEL)
+    )
+    per_device_train_batch_size: int = field(
+        default=8, **described("Rows per forward pass and device; with a pair loss, pairs.", panel=DATA)
+    )
+    max_length: int = field(default=1024, **described("Tokens of prompt + completion per row, at most.", panel=DATA))
+    loss_type: str = field(
+        default="kto",
+        **described(
+            "As train's: KTO's (each row's completion with grad, then its KL completion without) or a pair loss "
+            "(sigmoid, ipo, ...: each pair's prompt once and both answers with grad; the chosen answer is a row's "
+            "completion, the rejected one the completion of another row, as --lengths draws them).",
+            panel=OPTIMISATION,
+        ),
+    )
+    lengths: str = field(
+        default="full",
+        **described(
+            "Row lengths: full (every row and KL row at --max-length, a quarter of it prompt: the largest batch a "
+            "run can meet) or kto-mix (the largest batch of an epoch of kto-mix-14k-like lengths, seeded).",
+            panel=DATA,
+        ),
+    )
+    bf16: bool = field(
+        default=True, **described("bf16 autocast over float32 weights (else float32 throughout).", panel=OPTIMISATION)
+    )
+    gradient_checkpointing: bool = field(
+        default=False, **described("Recompute activations in the backward pass.", panel=OPTIMISATION)
+    )
+    fsdp_world_size: int = field(
+        default=1, **described("Shard with FSDP2 over this many devices (1: no sharding).", panel=OPTIMISATION)
+    )
+    cpu_offload: bool = field(
+        default=False,
+        **described(
+            "With --fsdp-world-size > 1: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and optimizer "
+            "state in host memory).",
+            panel=OPTIMISATION,
+        ),
+    )
+    lora_r: int | None = field(
+        default=None,
+        **described("Train LoRA adapters of this rank (all linear layers) instead of all weights.", panel=LORA),
+    )
+    against_trl: bool = field(
+        default=False,
+        **described(
+            "Also simulate trl.KTOTrainer online (a reference model beside the policy) on the same rows.", panel=OUTPUT
+        ),
+    )
+    json: bool = field(default=False, **described("Print one JSON line instead of a table.", panel=OUTPUT))
+
+    def __post_init__(self) -> None:
+        check(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be at least 1")
+        check(self.max_length >= 8, "max_length", f"must be at least 8, got {self.max_length}")
+        check(self.lengths in LENGTHS, "lengths", f"must be one of {', '.join(LENGTHS)}, got {self.lengths!r}")
+        check(self.fsdp_world_size >= 1, "fsdp_world_size", "must be at least 1")
+        check(not self.cpu_offload or self.fsdp_world_size > 1, "cpu_offload", "needs --fsdp-world-size > 1")
+        check(self.lora_r is None or self.lora_r >= 1, "lora_r", "must be >= 1")
+        check(
+            self.lora_r is None or self.fsdp_world_size == 1,
+            "lora_r",
+            "is simulated on one device only; drop --fsdp-world-size",
+        )
+        check(
+            not (self.against_trl and self.fsdp_world_size > 1),
+            "against_trl",
+            "compares on one device only; drop --fsdp-world-size",
+        )
+        check_loss_names(self.loss_type)
+        check(
+            not (self.against_trl and objective_for(self.loss_type).name != "kto"),
+            "against_trl",
+            "simulates trl.KTOTrainer's step: use it with --loss-type kto or apo_zero_unpaired",
+        )
