@@ -2,7 +2,7 @@
 
 An append runs the phases of a full precompute (`stage.py`) and differs in three places, each a function here:
 the cache is checked against this run before any work (`open_base`); only the dataset's rows that the cache does
-not hold are tokenized and scored, found by content key with multiplicity (`find_new_rows`, `segments.py`); and
+not hold are tokenized and scored, found by content key with multiplicity (`segments.py`, `find_new_rows`); and
 the output is the cache itself, its new segment recorded under `appending` in the manifest until `finish`, so that
 every reader sees the cache unchanged until then (`plan_append`). A one-row append cannot draw its KL partner from
 its own rows: it draws one from the cache's (`partner_from_cache`). No file of the cache is rewritten: its new
@@ -24,7 +24,7 @@ from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.manifest import Manifest, fingerprint_diff
 from kto_pipeline.runtime.precision import reference_regime
 from kto_pipeline.stages.precompute.phases import Output, Pass, absolute_if_local, on_main
-from kto_pipeline.stages.precompute.segments import held_keys, key_array, match_keys, require_keys
+from kto_pipeline.stages.precompute.segments import Match, require_keys
 from kto_pipeline.stages.precompute.shards import finished_shards, remove_leftovers, segment_entry
 
 # What must be the same for rows appended to a cache to have the values a full precompute would give them:
@@ -104,10 +104,25 @@ class NewRows:
     positions: np.ndarray  # (m,) int64: the new rows' positions among the normalized rows of `source_rows`
 
 
-def find_new_rows(config: PrecomputeConfig, out: Path, base: Manifest, keys: pa.Table) -> NewRows | None:
-    """The rows of the dataset (its content keys, `keys`) that the cache does not hold; None when it holds them all
-    (said on the way)."""
-    new_rows = _unheld_rows(config, out, base, keys)
+def find_new_rows(
+    config: PrecomputeConfig, base: Manifest, keys: pa.Table, match: Match, missing: np.ndarray
+) -> NewRows | None:
+    """The rows of the dataset that the cache does not hold; None when it holds them all (said on the way).
+
+    `keys`: the dataset's content keys; `match`: them matched against the cache's with multiplicity
+    (`segments.match_keys`); `missing`: the example ids of the cache's kept rows that the dataset lacks. A dataset
+    that shares rows with the cache but lacks some of the rows it holds is refused, naming them, unless
+    --allow-missing; a dataset that shares none is taken as new rows only."""
+    new_rows = np.flatnonzero(match.new)
+    if len(missing) and len(new_rows) < len(keys) and not config.allow_missing:
+        shown = ", ".join(str(i) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise KTOPipelineError(
+            f"--dataset {config.dataset} holds {len(keys) - len(new_rows)} of the cache's rows but not "
+            f"{len(missing)} others (example ids {shown}): a grown log should keep every row it had, with its "
+            "label. If rows were removed or relabelled on purpose, or --dataset holds only new rows of which some "
+            "repeat rows of the cache, pass --allow-missing: the cache keeps its rows and only the rows it does not "
+            "hold are appended. The cache is unchanged."
+        )
     if not len(new_rows):
         print(f"{config.dataset}: all {len(keys)} of its rows are in the cache already: nothing to append.", flush=True)
         return None
@@ -122,26 +137,6 @@ def find_new_rows(config: PrecomputeConfig, out: Path, base: Manifest, keys: pa.
         source_rows=selected,
         positions=((np.cumsum(in_selected) - 1)[new_rows]).astype(np.int64),
     )
-
-
-def _unheld_rows(config: PrecomputeConfig, out: Path, base: Manifest, keys: pa.Table) -> np.ndarray:
-    """The normalized rows of the dataset (positions) that the cache does not hold, matched by content key with
-    multiplicity. A dataset that shares rows with the cache but lacks some of the rows it holds is refused, naming
-    them, unless --allow-missing; a dataset that shares none is taken as new rows only."""
-    held, held_ids, held_kept = held_keys(out, base)
-    match = match_keys(held, key_array(keys.column("key")))
-    new_rows = np.flatnonzero(match.new)
-    missing = held_ids[match.missing & held_kept]
-    if len(missing) and len(new_rows) < len(keys) and not config.allow_missing:
-        shown = ", ".join(str(i) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
-        raise KTOPipelineError(
-            f"--dataset {config.dataset} holds {len(keys) - len(new_rows)} of the cache's rows but not "
-            f"{len(missing)} others (example ids {shown}): a grown log should keep every row it had, with its "
-            "label. If rows were removed or relabelled on purpose, or --dataset holds only new rows of which some "
-            "repeat rows of the cache, pass --allow-missing: the cache keeps its rows and only the rows it does not "
-            "hold are appended. The cache is unchanged."
-        )
-    return new_rows
 
 
 def partner_from_cache(out: Path, base: Manifest, conversational: bool, seed: list[int]) -> tuple[int, list[int]]:

@@ -67,7 +67,7 @@ from kto_pipeline.stages.precompute.phases import (
     absolute_if_local,
     on_main,
 )
-from kto_pipeline.stages.precompute.segments import KEY_DIR, content_keys, open_keys
+from kto_pipeline.stages.precompute.segments import KEY_DIR, content_keys, held_keys, key_array, match_keys, open_keys
 from kto_pipeline.stages.precompute.shards import finish, finished_shards, remove_leftovers, score_shards, segment_entry
 
 
@@ -261,7 +261,10 @@ def _preprocess(config: PrecomputeConfig, tokenizer, out: Path, base: Manifest |
     conversational = bool(len(keys) and keys.column("conversational")[0].as_py())
     new, selection = None, ""
     if base is not None:
-        new = find_new_rows(config, out, base, keys)
+        # the rows the cache has seen, by content key, matched with the dataset's with multiplicity (segments.py)
+        held, held_ids, held_kept = held_keys(out, base)
+        match = match_keys(held, key_array(keys.column("key")))
+        new = find_new_rows(config, base, keys, match, missing=held_ids[match.missing & held_kept])
         if new is None:
             return None
         conversational = new.conversational
