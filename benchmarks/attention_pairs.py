@@ -24,11 +24,11 @@ def count_pairs(cache_dir: Path, batch: int, steps: int, reference_batch: int, m
     from transformers import AutoConfig
 
     from kto_pipeline.cache import open_cache
+    from kto_pipeline.objectives.items import batch_layout
     from kto_pipeline.objectives.kto import CacheRows, Collator
     from kto_pipeline.scoring.attention import BLOCK_SIZE, AttentionPairs, tree_mask
     from kto_pipeline.scoring.logprobs import policy_attention
     from kto_pipeline.scoring.packing import AttentionCosts, layout_trees, pack_trees
-    from kto_pipeline.stages.train.batches import batch_layout
 
     cache = open_cache(cache_dir)
     config = AutoConfig.from_pretrained(cache.manifest.reference_model)

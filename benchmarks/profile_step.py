@@ -112,9 +112,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kto_pipeline.objectives.items import batch_layout
     from kto_pipeline.objectives.kto import Collator
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.train.batches import batch_layout
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -153,7 +153,7 @@ def _make_optimizer(settings: StepSettings, config, model):
 
 def _layout_tokens(batch) -> int:
     """Tokens of the forward with gradients: the layout's columns before the split, padding included."""
-    from kto_pipeline.stages.train.batches import batch_layout
+    from kto_pipeline.objectives.items import batch_layout
 
     layout = batch_layout(batch)
     return int(layout.input_ids.shape[0] * layout.split)

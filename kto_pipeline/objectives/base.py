@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     import torch
 
     from kto_pipeline.cache import CacheTable, Manifest
-    from kto_pipeline.config import TrainConfig
     from kto_pipeline.scoring.logprobs import PolicyScores
 
 
@@ -42,7 +41,8 @@ class StepOut:
 
 class Objective:
     """A loss family: its names and options (declared as class attributes) and what it does at each point of a
-    run. Subclasses implement every method that raises here."""
+    run. Subclasses implement every method that raises here. `config` is the run's `TrainConfig` (config imports
+    the registry to check a --loss-type, so nothing here imports config)."""
 
     name: str  # the family: "kto", "pairs"
     loss_types: tuple[str, ...]  # the --loss-type names it trains
@@ -57,7 +57,7 @@ class Objective:
 
     # ---------------------------------------------------------------------------------- settings and data
 
-    def check(self, config: TrainConfig) -> None:
+    def check(self, config) -> None:
         """Reject the family's options where they are wrong (KTOPipelineError naming the flag)."""
 
     def requires(self, manifest: Manifest, loss_type: str, flag: str, path: str) -> str | None:
@@ -68,11 +68,11 @@ class Objective:
         """The items a loader draws (map-style: `len`, `[i]`, `lengths()`), truncated at `max_length`."""
         raise NotImplementedError
 
-    def data_warning(self, dataset, config: TrainConfig) -> str | None:
+    def data_warning(self, dataset, config) -> str | None:
         """A warning about the training data under these settings, or None."""
         return None
 
-    def collator(self, pad_id: int, packed: bool, attention, config: TrainConfig):
+    def collator(self, pad_id: int, packed: bool, attention, config):
         """Items -> one micro-batch: packed (`packed`, `attention`: the model's `AttentionCosts`) or padded."""
         raise NotImplementedError
 
@@ -91,7 +91,7 @@ class Objective:
         accelerator,
         scorer,
         batch: dict[str, torch.Tensor],
-        config: TrainConfig,
+        config,
         with_stats: bool,
         output_router_logits: bool = False,
         real: torch.Tensor | None = None,
@@ -104,11 +104,11 @@ class Objective:
         """trl's metrics of one forward pass, over the global batch."""
         raise NotImplementedError
 
-    def evaluate(self, accelerator, scorer, loader, config: TrainConfig) -> dict[str, float]:
+    def evaluate(self, accelerator, scorer, loader, config) -> dict[str, float]:
         """Metrics over the whole eval set, trl's names with an `eval_` prefix."""
         raise NotImplementedError
 
-    def kl_forward(self, config: TrainConfig, on_cached_prompt: bool) -> str:
+    def kl_forward(self, config, on_cached_prompt: bool) -> str:
         """How the run's KL forward ran, for trainer_state.json."""
         raise NotImplementedError
 

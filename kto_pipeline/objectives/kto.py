@@ -16,6 +16,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from kto_pipeline.errors import check_option
+from kto_pipeline.markdown import code, num, paper_link
 from kto_pipeline.objectives.base import Objective, StepOut, gathered_total, share_of_loss
 
 KTO_PAPER = {
@@ -44,8 +46,6 @@ class KTO(Objective):
     tag = "kto"
 
     def check(self, config) -> None:
-        from kto_pipeline.errors import check_option
-
         if config.loss_type == "kto":
             check_option(
                 config.per_device_train_batch_size > 1,
@@ -161,7 +161,7 @@ class KTO(Objective):
         batch, as in training."""
         import torch
 
-        from kto_pipeline.stages.train.batches import real_rows
+        from kto_pipeline.objectives.items import real_rows
 
         was_training = scorer.training
         scorer.eval()
@@ -202,16 +202,12 @@ class KTO(Objective):
         return "with the prompts run again" if config.loss_type == "kto" else "none (loss without KL)"
 
     def card_loss(self, config: dict[str, Any], what: str, source: str) -> str:
-        from kto_pipeline.markdown import code, paper_link
-
         return (
             f"{what}, trained with KTO ({paper_link(self.paper)}), loss {code(config['loss_type'])}, on binary "
             f"feedback (each completion marked desirable or undesirable) from {source}."
         )
 
     def card_options(self, config: dict[str, Any]) -> list[tuple[str, str]]:
-        from kto_pipeline.markdown import num
-
         weights = f"{num(config['desirable_weight'])} / {num(config['undesirable_weight'])}"
         return [("desirable_weight / undesirable_weight", weights)]
 
@@ -263,7 +259,7 @@ class CacheRows:
         return out
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        from kto_pipeline.stages.train.batches import truncated
+        from kto_pipeline.objectives.items import truncated
 
         row = self.table.slice(int(self.indices[i]), 1).to_pylist()[0]
         return truncated(row, self.max_length, with_kl=True) if self.truncate else row
@@ -282,7 +278,7 @@ class Collator:
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
-        from kto_pipeline.stages.train.batches import packed_batch, padded_batch
+        from kto_pipeline.objectives.items import packed_batch, padded_batch
 
         if self.packed:
             trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]

@@ -242,7 +242,7 @@ class Pairs(Objective):
         losses that look across a batch (aot, aot_unpaired, sft), whose per-pair losses are their batch's."""
         import torch
 
-        from kto_pipeline.stages.train.batches import real_rows
+        from kto_pipeline.objectives.items import real_rows
 
         was_training = scorer.training
         scorer.eval()
@@ -308,7 +308,7 @@ class CachePairs:
         import pyarrow.compute as pc
 
         from kto_pipeline.cache import NO_PAIR
-        from kto_pipeline.stages.train.batches import COMPLETION
+        from kto_pipeline.objectives.items import COMPLETION
 
         # the columns a pair needs (not the KL completions', which a pair loss never reads)
         self.table = cache.table.select(["example_id", "label", "prompt_ids", "pair_example_id", *COMPLETION])
@@ -340,7 +340,7 @@ class CachePairs:
         return np.minimum(np.maximum(total(self.chosen), total(self.rejected)), self.max_length)
 
     def _row(self, index: int) -> dict[str, Any]:
-        from kto_pipeline.stages.train.batches import truncated
+        from kto_pipeline.objectives.items import truncated
 
         row = self.table.slice(int(index), 1).to_pylist()[0]
         return truncated(row, self.max_length, with_kl=False) if self.truncate else row
@@ -384,7 +384,7 @@ class PairCollator:
         import torch
 
         from kto_pipeline.loss import length_desensitized
-        from kto_pipeline.stages.train.batches import packed_batch, padded_batch
+        from kto_pipeline.objectives.items import packed_batch, padded_batch
 
         if self.packed:
             trees = [(p["prompt_ids"], [p["chosen_ids"], p["rejected_ids"]]) for p in pairs]

@@ -44,6 +44,7 @@ from kto_pipeline.errors import KTOPipelineError, Preempted
 from kto_pipeline.lock import main_process_lock
 from kto_pipeline.model_card import write_model_card
 from kto_pipeline.objectives import Objective, objective_for
+from kto_pipeline.objectives.items import real_rows
 from kto_pipeline.rundir import (
     InitPoint,
     MetricLog,
@@ -58,7 +59,7 @@ from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported, request_attention_kernel
-from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer, real_rows
+from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer
 from kto_pipeline.stages.train.checks import check_output_dir, check_resume_compatible
 from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
 
