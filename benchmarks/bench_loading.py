@@ -22,7 +22,6 @@ state (a gradient and two AdamW moments per parameter of the shard, 3 x the shar
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -31,13 +30,15 @@ from pathlib import Path
 
 from harness import (
     HERE,
+    LAUNCH_ENV,
     TINY,
-    machine,
+    TORCHRUN,
+    launch_env,
+    provenance,
     publish,
     random_qwen2,
     script_parser,
     table_head,
-    utc_stamp,
     write_jsonl,
 )
 
@@ -53,10 +54,7 @@ FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true",
     "FSDP_VERSION": "2",
     "FSDP_RESHARD_AFTER_FORWARD": "true",
-    "OMP_NUM_THREADS": "1",
-    "TQDM_DISABLE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
+    **LAUNCH_ENV,
     # glibc serves the forwards' all-gathered layers (a few MiB to tens of MiB each, on the CPU here) from its heap
     # and keeps what they free: measured, the reference pass's peak grows by about the whole model (2755 against
     # 1533 MiB on the non-reading process). A fixed mmap threshold returns each freed buffer to the system, as a
@@ -84,11 +82,9 @@ def rows(n: int = 16) -> list[dict]:
 def launch(args: list[str], env: dict[str, str], log: Path, launcher: list[str] | None = None) -> None:
     """`torchrun --standalone --nproc_per_node 2 -m kto_pipeline ARGS` (or `launcher` in place of torchrun's
     arguments); its output in `log`. The launch variables of this shell are left out: `env` sets the ones meant."""
-    launcher = launcher or ["torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd = [sys.executable, "-m", *launcher, "-m", "kto_pipeline", *args]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    cmd = [sys.executable, "-m", *(launcher or TORCHRUN), "-m", "kto_pipeline", *args]
     with open(log, "w") as out:
-        proc = subprocess.run(cmd, env={**clean, **env}, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, env=launch_env(env), stdout=out, stderr=subprocess.STDOUT)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
 
@@ -105,16 +101,12 @@ def launch_variant(engine: str, one_reader: bool) -> tuple[dict[str, str], list[
 
 def weights(model_dir: Path) -> dict[str, float]:
     """The model's float32 bytes in MiB: all of it, and its largest tensor."""
+    import math
+
     from safetensors import safe_open
 
-    sizes = []
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        for key in f.keys():
-            shape = f.get_slice(key).get_shape()
-            n = 1
-            for d in shape:
-                n *= d
-            sizes.append(n * 4)
+        sizes = [4 * math.prod(f.get_slice(key).get_shape()) for key in f.keys()]
     return {"total_mib": sum(sizes) / MIB, "largest_mib": max(sizes) / MIB, "parameters": sum(sizes) // 4}
 
 
@@ -152,8 +144,7 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
     lines = [
         HEADINGS[args.engine],
         "",
-        f"- command: `python benchmarks/bench_loading.py{options}`; date: {utc_stamp()}; total {seconds:.0f} s",
-        f"- machine: {machine()}",
+        *provenance(f"`python benchmarks/bench_loading.py{options}`", seconds),
         f"- model: Qwen2 architecture, random weights, {sizes['parameters'] / 1e6:.0f}M parameters, "
         f"{sizes['total_mib']:.0f} MiB in float32 (safetensors); its largest tensor {sizes['largest_mib']:.0f} MiB; "
         f"one process's shard {shard:.0f} MiB",
@@ -202,12 +193,10 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
 
 
 def main() -> None:
-    parser = script_parser(__doc__)
+    parser = script_parser(__doc__, results="file to write the section into", default=str(HERE / "RESULTS.md"))
     parser.add_argument("--quick", action="store_true", help="the tiny model in place of the big one")
-    parser.add_argument(
-        "--engine", choices=sorted(HEADINGS), default="fsdp2", help="FSDP2 (torchrun) or DeepSpeed ZeRO-3"
-    )
-    parser.add_argument("--results", default=str(HERE / "RESULTS.md"), help="file to write the section into")
+    engines = dict(choices=sorted(HEADINGS), default="fsdp2", help="FSDP2 (torchrun) or DeepSpeed ZeRO-3")
+    parser.add_argument("--engine", **engines)
     args = parser.parse_args()
     work = Path(args.work) / "loading"
     work.mkdir(parents=True, exist_ok=True)

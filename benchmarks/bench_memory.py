@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
 import types
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from harness import HERE, QWEN2, SMOLLM2, WORK_DIR, cpu_name, table_head, trl_trainer, utc_stamp, versions
+from harness import HERE, QWEN2, SMOLLM2, WORK_DIR, machine, table_head, trl_trainer, utc_stamp, versions
 
 RESULTS = HERE / "RESULTS-memory.md"
 GIB = 1 << 30
@@ -56,26 +54,13 @@ def trl_on_a_cuda_device():
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    saved = {
-        (kernels, "_use_triton"): kernels._use_triton,
-        (utils, "_use_triton"): utils._use_triton,
-        (kernels, "_forward_kernel"): kernels._forward_kernel,
-        (kernels, "_backward_kernel"): kernels._backward_kernel,
-        (kernels, "_addmm_fp32"): kernels._addmm_fp32,
-    }
-    kernels._use_triton = utils._use_triton = lambda device: True
-    kernels._forward_kernel = kernels._backward_kernel = NoOpKernel()
-    kernels._addmm_fp32 = addmm_fp32
-    had_triton = hasattr(kernels, "triton")
-    if not had_triton:
-        kernels.triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))
-    try:
+    changes = [(module, "_use_triton", lambda device: True) for module in (kernels, utils)]
+    changes += [(kernels, "_forward_kernel", NoOpKernel()), (kernels, "_backward_kernel", NoOpKernel())]
+    changes += [(kernels, "_addmm_fp32", addmm_fp32)]
+    if not hasattr(kernels, "triton"):
+        changes.append((kernels, "triton", types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))))
+    with patched(changes):
         yield
-    finally:
-        for (module, name), value in saved.items():
-            setattr(module, name, value)
-        if not had_triton:
-            del kernels.triton
 
 
 @contextmanager
@@ -86,17 +71,25 @@ def models_already_placed():
     from accelerate import Accelerator
     from transformers import Trainer
 
-    move, prepare = Trainer._move_model_to_device, Accelerator.prepare_model
+    prepare = Accelerator.prepare_model
 
     def prepare_in_place(self, model, device_placement=None, evaluation_mode=False):
         return prepare(self, model, device_placement=False, evaluation_mode=evaluation_mode)
 
-    Trainer._move_model_to_device = lambda self, model, device: None
-    Accelerator.prepare_model = prepare_in_place
-    try:
+    move = (Trainer, "_move_model_to_device", lambda self, model, device: None)
+    with patched([move, (Accelerator, "prepare_model", prepare_in_place)]):
         yield
-    finally:
-        Trainer._move_model_to_device, Accelerator.prepare_model = move, prepare
+
+
+@contextmanager
+def patched(changes: list[tuple]):
+    """Within the block, each (owner, name, value) of `changes` set; after it, the old value back (or none)."""
+    from unittest import mock
+
+    with ExitStack() as stack:
+        for owner, name, value in changes:
+            stack.enter_context(mock.patch.object(owner, name, value, create=True))
+        yield
 
 
 def _trl_fake_mode():
@@ -151,14 +144,8 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
     from trl.trainer import kto_trainer
 
     from kto_pipeline.demo.tiny import build_char_tokenizer
-    from kto_pipeline.memory.simulation import (
-        StepMemory,
-        breakdown,
-        build_model,
-        device_decisions,
-        init_optimizer_state,
-        memory_tracker,
-    )
+    from kto_pipeline.memory import StepMemory, build_model, memory_tracker
+    from kto_pipeline.memory.simulation import breakdown, device_decisions, init_optimizer_state
 
     tokenizer = build_char_tokenizer(model_config.vocab_size)
     mode = _trl_fake_mode()
@@ -173,23 +160,22 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
     run = dict(tokenizer=tokenizer, ref_model=reference, batch=len(rows), max_length=max_length, precompute=not online)
     run |= dict(bf16=settings.bf16, gradient_checkpointing=settings.gradient_checkpointing, use_cpu=True)
     run |= dict(gradient_checkpointing_kwargs={"use_reentrant": False}, learning_rate=1e-6, dataloader_num_workers=0)
-    saved_hash, saved_pre = kto_trainer.hash_module, KTOTrainer._precompute_ref_logps
-    kto_trainer.hash_module, KTOTrainer._precompute_ref_logps = (lambda module: "fake"), given_ref_logps
-    try:
-        with mode, models_already_placed(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = trl_trainer(policy, Dataset.from_list(trl_dataset_rows(rows)), work / "trl", **run)
-            args = trainer.args
-            if args.gradient_checkpointing:  # what Trainer._inner_training_loop does before the first step
-                trainer.model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
-                )
-            trainer.create_optimizer()
-            model, optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
-            trainer.model_wrapped = model
-            trainer.current_gradient_accumulation_steps = 1  # set by Trainer._inner_training_loop
-    finally:
-        kto_trainer.hash_module, KTOTrainer._precompute_ref_logps = saved_hash, saved_pre
+    given_pass = [
+        (kto_trainer, "hash_module", lambda module: "fake"),
+        (KTOTrainer, "_precompute_ref_logps", given_ref_logps),
+    ]
+    with patched(given_pass), mode, models_already_placed(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl_trainer(policy, Dataset.from_list(trl_dataset_rows(rows)), work / "trl", **run)
+        args = trainer.args
+        if args.gradient_checkpointing:  # what Trainer._inner_training_loop does before the first step
+            trainer.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
+            )
+        trainer.create_optimizer()
+        model, optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+        trainer.model_wrapped = model
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer._inner_training_loop
     init_optimizer_state(model, optimizer, mode)
     inputs = next(iter(trainer.get_train_dataloader()))
     tracker = memory_tracker()
@@ -424,10 +410,9 @@ def _ac(row: dict) -> str:
     return "yes" if row["gradient_checkpointing"] else "no"
 
 
-def machine() -> str:
-    """This report's machine line (its own order of harness.machine's facts)."""
-    python = platform.python_version()
-    return f"{cpu_name()}, {os.cpu_count()} cores, Linux {platform.release()}, Python {python}, {versions('torch')}"
+def _when(data: dict, part: str) -> str:
+    """The date of a part of the data: its last `--redo PART`, else the first run's."""
+    return data.get("redone", {}).get(part) or data["date"]
 
 
 def render(data: dict) -> str:
@@ -489,6 +474,8 @@ def render(data: dict) -> str:
         "",
         "## What is alive at our peak",
         "",
+        f"- date: {_when(data, 'ours')}",
+        "",
         "Where ours sits above its floor. The LM head (`scoring/logprobs.py`, `_ChunkedTokenLogps`) projects a chunk",
         "of scored tokens at a time onto the whole vocabulary: every tensor of shape (chunk, vocab) below is one of",
         "its chunk's transients, and the head's share of the peak is their sum.",
@@ -515,6 +502,8 @@ def render(data: dict) -> str:
     out += [
         "## Levers (ours; the same kto-mix-like rows)",
         "",
+        f"- date: {_when(data, 'levers')}",
+        "",
         *table_head("| lever | model | max len | peak | breakdown | floor | peak / floor |"),
     ]
     for r in data["levers"]:
@@ -538,20 +527,23 @@ def render(data: dict) -> str:
         "Reading the levers. Rows whose peak is the fixed part come out below their floor (activations are freed as "
         f"gradients arrive). FSDP2 rows sit at {fsdp_ratios} their floor (not attributed tensor by tensor): sharding "
         "divides the fixed part by the world size, each device keeps its own batch's activations; CPU offload moves "
-        "shards, moments and gradients to the host. Since the first run, autocast keeps no bf16 casts of the gathered "
-        "weights (`precision.autocast_forward`) and untied embeddings and LM head are FSDP units of their own "
+        "shards, moments and gradients to the host. Autocast keeps no bf16 casts of the gathered weights "
+        "(`precision.autocast_forward`), and untied embeddings and LM head are FSDP units of their own "
         "(`FSDP2.shard`). LoRA with dropout (train's default 0.05) keeps each adapted layer's dropped-out input for "
         "the backward: more activations than full fine-tuning, fewer gradients and moments.",
         "",
         f"torchao's AdamW8bit under the simulation, this run: {data.get('torchao', 'not run')}. With torchao 0.18.0 "
-        "(2026-11-23, beside torch 2.13.0) its torch.compile'd step fails: Dynamo refuses to trace the tracker "
-        "(`Unsupported: Attempted to call function marked as skipped ... MemTracker.__torch_dispatch__`); it was "
-        "uninstalled again (transformers imports it at start-up and warns in every process). bitsandbytes 0.50.2 (CPU "
-        "backend, not a dependency) runs: its optimizer is built outside the fake mode (its quantization map is real).",
+        "installed (2026-11-23, beside torch 2.13.0) its torch.compile'd step fails: Dynamo refuses to trace the "
+        "tracker (`Unsupported: Attempted to call function marked as skipped ... MemTracker.__torch_dispatch__`); "
+        "torchao is not a dependency (transformers imports it at start-up when present and warns in every process). "
+        "bitsandbytes 0.50.2 (CPU backend, not a dependency) runs: its optimizer is built outside the fake mode (its "
+        "quantization map is real).",
         "",
     ]
     out += [
         "## The simulation against a real CPU step (measured)",
+        "",
+        f"- date: {_when(data, 'cpu')}",
         "",
         "Float32, attention as the CPU runs it, the same 8 rows: the real step in a fresh process "
         "(MALLOC_MMAP_THRESHOLD_=65536, one thread), its resident set's high water mark (VmHWM, reset before the "
@@ -575,6 +567,9 @@ def render(data: dict) -> str:
     out += [
         "",
         "## accelerate estimate-memory, for the same models",
+        "",
+        f"- date: accelerate's columns {data['date']}, estimate-memory's {_when(data, 'cli')}, the bench rows' "
+        f"{_when(data, 'ours')}",
         "",
         "`accelerate estimate-memory Qwen/Qwen2-7B --library_name transformers` fetches the config from the hub, "
         "which this machine cannot reach; these are its own functions on the local config (see "
@@ -627,12 +622,13 @@ def findings(data: dict) -> list[str]:
     if before:
         changes = [f"{gib(r['ours_before']['peak_bytes'])} -> {gib(r['ours']['peak_bytes'])}" for r in before]
         out += [
-            '**Pushed down since the first run** (`--redo ours`, column "ours before"; `scoring/logprobs.py`, '
-            "`scoring/attention.py`): the LM head casts each chunk's bf16 logits into a reused float32 buffer; a chunk "
-            "is `CHUNK_LOGITS_BYTES` (128 MiB) of float32 logits (220 tokens of Qwen2's vocabulary), not 1024 tokens; "
-            "the head casts its weight to bf16 in its forward and again in its backward instead of keeping a copy, and "
-            "adds its weight gradient into float32 a vocabulary slice at a time; packed forwards give sdpa an additive "
-            "mask in the compute dtype for all layers, not a bool mask each layer converted and kept. Same values (the "
+            '**Ours against "ours before"** (`--redo ours`: the same rows, the package at the first run and at the '
+            "re-run; `scoring/logprobs.py`, `scoring/attention.py`): the LM head casts each chunk's bf16 logits into a "
+            "reused float32 buffer; a chunk is `CHUNK_LOGITS_BYTES` (128 MiB) of float32 logits (220 tokens of Qwen2's "
+            "vocabulary), not 1024 tokens; the head casts its weight to bf16 in its forward and again in its backward "
+            "instead of keeping a copy, and adds its weight gradient into float32 a vocabulary slice at a time; packed "
+            "forwards give sdpa an additive mask in the compute dtype for all layers, not a bool mask each layer "
+            "converted and kept. Same values (the "
             f"parity tests pass). GiB per row: {', '.join(changes)}.",
             "",
         ]

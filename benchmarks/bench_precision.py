@@ -1,17 +1,18 @@
 """Precision regimes on the real model: how far a bf16 reference cache is from a float32 one, the step-1 rewards
 and KL when the cache and the policy computed in the same or different regimes, then trl.KTOTrainer alike.
 
+    kto-pipeline demo --workdir benchmarks/.work/demo         # once: the demo's model and data (--demo-dir)
     .venv/bin/python benchmarks/bench_precision.py            # writes benchmarks/RESULTS-precision.md
-    .venv/bin/python benchmarks/bench_precision.py --pairs 8 --batch 8 --results /tmp/precision.md
+    .venv/bin/python benchmarks/bench_precision.py --pairs 8 --batch 8 --results FILE
 
---model (default: the demo's SmolLM2-135M-Instruct) and --data (the demo's paired conversational rows; the first
---pairs pairs, each -> a chosen and a rejected row). (a) three caches of the same rows (max length 192): float32;
-float32 weights under bf16 autocast; bf16 weights, compared with the float32 one (sequence and per-token
-log-probs). (b) one step at learning rate 0 of each cache x {train --no-bf16, --bf16}: step-1 rewards and KL.
-(c) trl.KTOTrainer (1.16) on the same rows, float32 and bf16, precomputed and online; one more run checks whether
-trl reuses a float32 reference pass in a bf16 run (its cache is keyed by the dataset's fingerprint, the weights'
-hash and whether KL is computed, not the precision). Every measurement runs in a fresh process; bf16 is emulated
-on a CPU without native bf16 (slow), hence the few rows by default.
+--model (default: the demo's SmolLM2-135M-Instruct in --demo-dir) and --data (the demo's paired conversational
+rows; the first --pairs pairs, each -> a chosen and a rejected row). (a) three caches of the same rows (max length
+192): float32; float32 weights under bf16 autocast; bf16 weights, compared with the float32 one (sequence and
+per-token log-probs). (b) one step at learning rate 0 of each cache x {train --no-bf16, --bf16}: step-1 rewards and
+KL. (c) trl.KTOTrainer (1.16) on the same rows, float32 and bf16, precomputed and online; one more run checks
+whether trl reuses a float32 reference pass in a bf16 run (its cache is keyed by the dataset's fingerprint, the
+weights' hash and whether KL is computed, not the precision). Every measurement runs in a fresh process; bf16 is
+emulated on a CPU without native bf16 (slow), hence the few rows by default.
 """
 
 from __future__ import annotations
@@ -28,26 +29,25 @@ from harness import (
     HERE,
     TRL_RUN,
     WORK_DIR,
-    machine,
     md_row,
     ours_train_config,
     print_result,
+    provenance,
     publish,
     run_worker,
     script_parser,
     table_head,
     time_calls,
     token_keys,
+    trainer_state,
     trl_trainer,
     unpaired_rows,
     utc_stamp,
-    versions,
     write_jsonl,
 )
 
-DEMO = Path("/tmp/fresh/.demo")
-DEFAULT_MODEL = DEMO / "models" / "SmolLM2-135M-Instruct"
-DEFAULT_DATA = DEMO / "data" / "train.jsonl"
+DEMO = WORK_DIR / "demo"  # --demo-dir: `kto-pipeline demo --workdir DIR` writes the model and the data there
+MODEL, DATA = "models/SmolLM2-135M-Instruct", "data/train.jsonl"  # --model, --data: under --demo-dir by default
 RESULTS = HERE / "RESULTS-precision.md"
 SEED = TRL_RUN["seed"]  # train and trl (data order is sequential anyway)
 
@@ -69,8 +69,10 @@ TRL_RUNS = (
     # the same datasets cache as trl_float32_precomputed: does trl reuse the float32 reference pass?
     ("trl_bf16_after_float32", True, True, True, "shared"),
 )
-# the flags every worker gets, with their defaults (the command in the report names those that differ)
-DEFAULTS = dict(model=str(DEFAULT_MODEL), data=str(DEFAULT_DATA), pairs=4, batch=4, max_length=192, beta=0.1)
+# the flags every worker gets, with their defaults (the command in the report names those that differ; paths as
+# their flag's name)
+DEFAULTS = dict(model=None, data=None, pairs=4, batch=4, max_length=192, beta=0.1)
+PATHS = {"demo_dir": "DIR", "model": "DIR", "data": "FILE"}
 STEP1_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "logps/chosen", "logps/rejected", "loss")
 
 
@@ -109,7 +111,6 @@ def ours_train_worker(args: argparse.Namespace, out: Path, bf16: bool) -> dict:
     """(b): one step at learning rate 0 of each cache, this process's train regime; the step-1 metrics."""
     from kto_pipeline import train
     from kto_pipeline.cache import read_manifest
-    from kto_pipeline.rundir import TrainerState, read_metrics
     from kto_pipeline.runtime.precision import Regime, regime_mismatch
 
     result = {}
@@ -118,12 +119,12 @@ def ours_train_worker(args: argparse.Namespace, out: Path, bf16: bool) -> dict:
         run_dir = out / name
         settings = dict(batch=args.batch, steps=1, learning_rate=0.0, bf16=bf16, seed=SEED, beta=args.beta)
         res = train(ours_train_config(cache, run_dir, **settings))
-        records, _ = read_metrics(run_dir)
-        step1 = next(r for r in records if r.get("step") == 1)
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        step1 = next(r for r in records if r.get("step") == 1 and not any(k.startswith("eval_") for k in r))
         run_regime = Regime("float32", "bfloat16" if bf16 else None)
         result[name] = dict(
             step1={k: step1.get(k) for k in STEP1_KEYS},
-            precision=TrainerState.read(run_dir).precision,
+            precision=trainer_state(run_dir).get("precision"),
             warned=regime_mismatch(Regime(*read_manifest(cache).precision), run_regime) is not None,
             step_seconds=res.step_seconds,
         )
@@ -255,26 +256,31 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
     abs_logp = [abs(x) for x in f32["ref_logp"]]
     abs_kl = [abs(x) for x in f32["ref_kl_logp"]]
     abs_tok = [abs(x) for row in f32["ref_token_logps"] + f32["ref_kl_token_logps"] for x in row]
-    cmd = " ".join(["python benchmarks/bench_precision.py", *worker_flags(args, changed=True)])
+    date = r.get("date") or utc_stamp()
+    command_ = f"`{command(args)}` (from the repository root, with the project's .venv)"
+    head = provenance(command_, seconds, "kto-pipeline", "trl", "transformers", "torch", date=date)
+    head[1] += (
+        f"; load average (1 min) {loads[0]:.2f} before the first worker, {loads[1]:.2f} at the end (the workers use "
+        f"{os.cpu_count()} threads: a higher load means other processes shared the cores, and every time below is "
+        "slower than on an idle machine)"
+    )
     lines = [
         "# Precision regimes on SmolLM2-135M-Instruct",
         "",
-        f"- command: `{cmd}` (from the repository root, with the project's .venv)",
-        f"- date: {r.get('date') or utc_stamp()}; total time {seconds:.0f} s; load average (1 min) {loads[0]:.2f} "
-        f"before the first worker, {loads[1]:.2f} at the end (the workers use {os.cpu_count()} threads: a higher "
-        "load means other processes shared the cores, and every time below is slower than on an idle machine)",
-        f"- machine: {machine()}",
-        f"- versions: {versions('kto-pipeline', 'trl', 'transformers', 'torch')}",
-        f"- model: `{args.model}`",
-        f"- data: the first {args.pairs} pairs of `{args.data}` (the demo's HH-RLHF harmless-base single-turn "
-        f"conversational pairs, the rows `kto_pipeline/demo/run.py` trains on), each -> a desirable (chosen) and an "
-        f"undesirable (rejected) row: {n_rows} rows, {n_tokens} scored tokens (completions + KL completions); "
-        f"max_length {args.max_length} (the demo's). A subsample: bf16 is emulated on this CPU and slow.",
+        *head,
+        f"- model: {_shown(args.model, MODEL, args.demo_dir)}",
+        f"- data: the first {args.pairs} pairs of {_shown(args.data, DATA, args.demo_dir)} (the demo's HH-RLHF "
+        "harmless-base single-turn conversational pairs, the rows `kto_pipeline/demo/run.py` trains on), each -> a "
+        f"desirable (chosen) and an undesirable (rejected) row: {n_rows} rows, {n_tokens} scored tokens (completions "
+        f"+ KL completions); max_length {args.max_length} (the demo's). A subsample: bf16 is emulated on this CPU and "
+        "slow.",
         f"- training: one step at learning rate 0, batch {args.batch} (the first {args.batch} rows: sequential "
         f"order), beta {args.beta}, seed {SEED}; metrics of step 1 (computed before the optimizer step, so the "
         "learning rate does not enter them).",
         "",
         "## (a) bf16 caches against the float32 cache",
+        "",
+        f"- date: {date}",
         "",
         f"Typical magnitudes in the float32 cache: |ref_logp| mean {statistics.fmean(abs_logp):.3g} (median "
         f"{statistics.median(abs_logp):.3g}, max {max(abs_logp):.3g}); |ref_kl_logp| mean "
@@ -302,6 +308,8 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
         "",
         "## (b) kto-pipeline: step-1 rewards and KL of each cache x train regime",
         "",
+        f"- date: {date}",
+        "",
         *table_head(
             "| cache made in | train in | regimes match | train warned | rewards/chosen | rewards/rejected | "
             "rewards/margins | kl | policy logps/chosen | step (s) |"
@@ -327,6 +335,8 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
         "- train warned: `train` printed its regime-mismatch warning (kto_pipeline/runtime/precision.py).",
         "",
         "## (c) trl.KTOTrainer in the same setting",
+        "",
+        f"- date: {r.get('trl_reused_from') or date}",
         "",
         f"trl gets the step-1 batch only (the first {args.batch} rows above, the same token ids: checked below).",
         *(
@@ -458,10 +468,11 @@ def summary_lines(r: dict) -> list[str]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = script_parser(__doc__, work=str(WORK_DIR / "precision"))
+    parser = script_parser(__doc__, str(WORK_DIR / "precision"), results="Markdown file to write", default=str(RESULTS))
     d = DEFAULTS
-    parser.add_argument("--model", default=d["model"], help="Hugging Face model directory (or hub id)")
-    parser.add_argument("--data", default=d["data"], help="paired conversational rows (.jsonl), the demo's")
+    parser.add_argument("--demo-dir", type=Path, default=DEMO, help=f"the demo's workdir (default {DEMO})")
+    parser.add_argument("--model", help=f"Hugging Face model directory (or hub id; default DEMO_DIR/{MODEL})")
+    parser.add_argument("--data", help=f"paired conversational rows (.jsonl; default DEMO_DIR/{DATA})")
     parser.add_argument("--pairs", type=int, default=d["pairs"], help="use the first PAIRS pairs (2 rows each)")
     parser.add_argument("--batch", type=int, default=d["batch"], help="per-device train batch of every training run")
     parser.add_argument("--max-length", type=int, default=d["max_length"], help="the demo's max length")
@@ -469,20 +480,41 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-trl", action="store_true", help="skip (c), the trl runs")
     reuse_help = "(c) from the last run's WORK/results.json instead of running trl"
     parser.add_argument("--reuse-trl", action="store_true", help=reuse_help)
-    parser.add_argument("--results", default=str(RESULTS), help="Markdown file to write")
     render_help = "rewrite --results from the last run's WORK/results.json"
     parser.add_argument("--render-only", action="store_true", help=render_help)
     args = parser.parse_args()
     args.work = Path(args.work).resolve()
+    args.given = [flag for flag in PATHS if getattr(args, flag) not in (None, DEMO)]
+    args.model, args.data = args.model or str(args.demo_dir / MODEL), args.data or str(args.demo_dir / DATA)
     return args
 
 
-def worker_flags(args: argparse.Namespace, changed: bool = False) -> list[str]:
-    """The flags of DEFAULTS with their values in `args` (`changed`: only those that differ from their default)."""
-    values = {
-        flag: getattr(args, flag) for flag, default in DEFAULTS.items() if not changed or getattr(args, flag) != default
-    }
-    return [x for flag, value in values.items() for x in (f"--{flag.replace('_', '-')}", str(value))]
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of DEFAULTS with their values in `args`: every worker gets them."""
+    return [x for flag in DEFAULTS for x in (f"--{flag.replace('_', '-')}", str(getattr(args, flag)))]
+
+
+def command(args: argparse.Namespace) -> str:
+    """The command as run: the paths given (--demo-dir, --model, --data) by their kind, then the flags of DEFAULTS
+    that differ from their default."""
+    paths = [f"--{k.replace('_', '-')} {kind}" for k, kind in PATHS.items() if k in args.given]
+    changed = [k for k, v in DEFAULTS.items() if v is not None and getattr(args, k) != v]
+    return " ".join(
+        [
+            "python benchmarks/bench_precision.py",
+            *paths,
+            *(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in changed),
+        ]
+    )
+
+
+def _shown(path: str, default: str, demo: Path) -> str:
+    """A path of the report, without the machine's directories: its place in the demo's workdir, else its name."""
+    return (
+        f"`{default}` of the demo's workdir (`--demo-dir`)"
+        if Path(path) == Path(demo) / default
+        else f"`{Path(path).name}`"
+    )
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ checks is written into the section with the numbers (`render_scale`, `render_app
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import sys
@@ -21,18 +22,16 @@ from harness import (
     SCALE_SIZES,
     children_peak_rss_mib,
     goals_table,
-    machine,
     md_row,
-    met,
     peak_rss_mib,
     provenance,
     publish,
     rss_mib,
     run_worker,
+    smollm2_dir,
     table_head,
     time_calls,
     trl_trainer,
-    utc_stamp,
     versions,
 )
 
@@ -48,7 +47,7 @@ DATA_VERSION = 1  # bump when the row generator changes
 SPEEDUP_GOAL = 1.7  # goal: --num-proc 2 tokenizes at least 1.7x faster than 1
 GROWTH_GOAL_MB = 150  # goal: peak RSS at 200,000 rows at most 150 MB (10^6 bytes) above the one at 20,000
 MIB = 1 << 20
-BENCH = HERE / "bench.py"  # the scale workers run as `bench.py worker scale_...`, as every bench worker does
+BENCH = HERE / "bench.py"  # the workers run as `bench.py worker scale_...` (`append_...`), as every bench worker does
 
 
 def worker_name(tool: str, num_proc: int | None) -> str:
@@ -157,23 +156,29 @@ def build_model(work: Path, tokenizer: str) -> Path:
     path = model_path(work, tokenizer)
     if (path / "config.json").exists():
         return path
-    if tokenizer == "smollm2":
-        from kto_pipeline.demo.smollm2 import default_cache_dir, fetch_smollm2
-
-        tok = AutoTokenizer.from_pretrained(fetch_smollm2(default_cache_dir()))  # converted once into ~/.cache
-    else:
-        tok = build_char_tokenizer()
-    model = build_tiny_model(tok)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir()) if tokenizer == "smollm2" else build_char_tokenizer()
     tmp = path.with_name(path.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    build_tiny_model(tok).save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.replace(path)
     return path
 
 
+def own_cache_worker(name: str, work: Path, cache: Path, flags: list[str], env: dict | None = None) -> dict:
+    """`bench.py worker NAME` (harness.run_worker) with a fresh HF_DATASETS_CACHE of its own (nothing read from a
+    cache), removed after it (trl's copies of a million rows take GBs)."""
+    try:
+        return run_worker(BENCH, name, work, flags, env={"HF_DATASETS_CACHE": str(cache), **(env or {})})
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
 def _peaks() -> dict:
     return {"peak_rss_mib": peak_rss_mib(), "children_peak_rss_mib": children_peak_rss_mib()}
+
+
+# ------------------------------------------------------------------------------------------ scale
 
 
 def scale_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -192,9 +197,11 @@ def scale_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> d
 
 
 def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict:
+    """What `precompute` runs before it loads the model (`prepare_rows`), timed whole; the datasets.map part of it is
+    `tokenize_seconds`."""
     import numpy as np
 
-    from kto_pipeline.config import PrecomputeConfig
+    from kto_pipeline import PrecomputeConfig
     from kto_pipeline.models import load_tokenizer
     from kto_pipeline.stages.precompute.data import load_source
     from kto_pipeline.stages.precompute.stage import prepare_rows
@@ -203,7 +210,6 @@ def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict
     start = time.perf_counter()
     source_rows = len(load_source(str(data)))
     load_seconds = time.perf_counter() - start
-
     config = PrecomputeConfig(
         model=str(model), dataset=str(data), output=str(out), max_length=size["max_length"], num_proc=num_proc
     )
@@ -217,35 +223,27 @@ def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict
     first = np.arange(min(CHECK_ROWS, len(rows)))
     first_rows = {col: rows.take(first, col) for col in ("prompt_ids", "completion_ids")}
     run = dict(tool="ours", num_proc=num_proc, source_rows=source_rows, kept_rows=len(rows), load_seconds=load_seconds)
-    # tokenize_seconds: the datasets.map part of `seconds`
     run |= dict(seconds=seconds, tokenize_seconds=prepared.tokenize_seconds, kl_partners=len(prepared.partners))
     return dict(run, first_rows=first_rows, **peaks)
 
 
 def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -> dict:
+    """`KTOTrainer._prepare_dataset` as its constructor runs it, timed by wrapping it; apart: the JSON -> Arrow load,
+    the constructor and the policy model's load."""
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import KTOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    before = rss_mib()
-    start = time.perf_counter()
+    before, start = rss_mib(), time.perf_counter()
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    model_seconds = time.perf_counter() - start
-    model_rss = rss_mib() - before
-
+    model_seconds, model_rss = time.perf_counter() - start, rss_mib() - before
     start = time.perf_counter()
     dataset = load_dataset("json", data_files=str(data), split="train")
     load_seconds = time.perf_counter() - start
-
     timed: dict = {}
-
-    def prepared(seconds: float, *args, **kwargs) -> None:
-        timed["seconds"] = seconds
-        timed.update(_peaks())  # as _prepare_dataset returns
-
-    time_calls(KTOTrainer, "_prepare_dataset", prepared)
+    time_calls(KTOTrainer, "_prepare_dataset", lambda seconds, *a, **kw: timed.update(seconds=seconds, **_peaks()))
     constructor: dict = {}  # KTOTrainer.__init__ alone (its KTOConfig is built before it)
     time_calls(KTOTrainer, "__init__", lambda seconds, *args, **kwargs: constructor.update(seconds=seconds))
     run = dict(tokenizer=tokenizer, batch=size["batch"], max_length=size["max_length"], dataset_num_proc=num_proc)
@@ -278,15 +276,17 @@ def check_tokens(results: dict[str, dict], rows: int) -> None:
     print(f"  token ids agree on the first {n} rows across {', '.join(named)} ({ref_kept} rows kept)", flush=True)
 
 
+def _sized(size: dict, key: str, given: tuple[int, ...] | None, tokenizer: str | None) -> dict:
+    """A --size's settings with the sizes (`key`) and the tokenizer given on the command line, sizes ascending."""
+    return dict(size, **{key: tuple(sorted(given or size[key]))}, tokenizer=tokenizer or size["tokenizer"])
+
+
 def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int, ...] | None, tokenizer: str | None):
     """`--only scale`: every size, both tools, 1 and 2 processes, each in a fresh process and datasets cache."""
-    size = dict(SCALE_SIZES[size_name])
-    size["rows"] = tuple(sorted(rows or size["rows"]))
-    size["tokenizer"] = tokenizer or size["tokenizer"]
+    size = _sized(SCALE_SIZES[size_name], "rows", rows, tokenizer)
     started = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
-    model = build_model(work, size["tokenizer"])
-    data = write_data(work, size["rows"])
+    model, data = build_model(work, size["tokenizer"]), write_data(work, size["rows"])
     measured: dict[int, dict[str, dict]] = {}
     skipped: dict[int, dict[str, str]] = {}
     for n in size["rows"]:
@@ -301,12 +301,8 @@ def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int,
                 skipped[n][name] = f"skipped: {estimate:.0f} s expected (> {TRL_SKIP_SECONDS} s)"
                 print(f"  {name:<24} {skipped[n][name]}", flush=True)
                 continue
-            cache = size_dir / f"hf-datasets-cache-{name}"  # fresh and its own: nothing read from a cache
-            try:
-                flags = ["--size", size_name, "--case", "scale", "--model", str(model), "--data", str(data[n])]
-                measured[n][name] = run_worker(BENCH, name, size_dir, flags, env={"HF_DATASETS_CACHE": str(cache)})
-            finally:  # trl's copies of a million rows take GBs
-                shutil.rmtree(cache, ignore_errors=True)
+            flags = ["--size", size_name, "--case", "scale", "--model", str(model), "--data", str(data[n])]
+            measured[n][name] = own_cache_worker(name, size_dir, size_dir / f"hf-datasets-cache-{name}", flags)
         check_tokens(measured[n], n)
         shutil.rmtree(size_dir, ignore_errors=True)
     publish(render_scale(measured, skipped, size, size_name, time.perf_counter() - started), results, SCALE_HEADING)
@@ -315,10 +311,7 @@ def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int,
 def _estimate(measured: dict[int, dict[str, dict]], n: int, name: str) -> float | None:
     """Seconds `name` would take at `n` rows at its rate at the largest size below `n` (None: none measured)."""
     below = [m for m in measured if m < n and name in measured[m]]
-    if not below:
-        return None
-    m = max(below)
-    return measured[m][name]["seconds"] * n / m
+    return measured[max(below)][name]["seconds"] * n / max(below) if below else None
 
 
 def _speedup(runs: dict[str, dict], tool: str, num_proc: int | None) -> str:
@@ -345,20 +338,18 @@ def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str],
         runs = measured[n]
         for tool, num_proc in RUNS:
             name = worker_name(tool, num_proc)
-            head = f"| {n:,} | {LABELS[tool]} | {_proc_label(num_proc)} |"
+            head = (f"{n:,}", LABELS[tool], _proc_label(num_proc))
             if name not in runs:
-                table.append(f"{head} {skipped[n].get(name, 'not run')} | - | - | - | - |")
+                table.append(md_row(*head, skipped[n].get(name, "not run"), "-", "-", "-", "-"))
                 continue
             r = runs[name]
+            rate, peaks = f"{r['source_rows'] / r['seconds']:,.0f}", (r["peak_rss_mib"], r["children_peak_rss_mib"])
             table.append(
-                f"{head} {r['seconds']:.2f} | {r['source_rows'] / r['seconds']:,.0f} | {r['peak_rss_mib']:.0f} | "
-                f"{r['children_peak_rss_mib']:.0f} | {_speedup(runs, tool, num_proc)} |"
+                md_row(*head, f"{r['seconds']:.2f}", rate, *(f"{x:.0f}" for x in peaks), _speedup(runs, tool, num_proc))
             )
-            trl_cells = f"{r['init_seconds']:.2f} | {r['model_seconds']:.2f}" if tool == "trl" else "- | -"
-            details.append(
-                f"{head} {r['load_seconds']:.2f} | {trl_cells} | {r['baseline_rss_mib']:.0f} | "
-                f"{r['peak_rss_mib'] - r['baseline_rss_mib']:.0f} |"
-            )
+            trl_cells = (f"{r['init_seconds']:.2f}", f"{r['model_seconds']:.2f}") if tool == "trl" else ("-", "-")
+            rss = (f"{r['baseline_rss_mib']:.0f}", f"{r['peak_rss_mib'] - r['baseline_rss_mib']:.0f}")
+            details.append(md_row(*head, f"{r['load_seconds']:.2f}", *trl_cells, *rss))
     return table, details
 
 
@@ -447,6 +438,8 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------- append
+
 APPEND_HEADING = "## Append: `precompute --append` of 1% new rows to a 200,000-row cache"
 # torch's threads in every run (OMP_NUM_THREADS; None: torch's default, one per core). 1: on a 2-core machine shared
 # with another torch process, 2 threads each stall at every parallel region's barrier (measured 2026-11-24: the tiny
@@ -454,18 +447,11 @@ APPEND_HEADING = "## Append: `precompute --append` of 1% new rows to a 200,000-r
 # append's cost. The full pass and the appends run alike.
 APPEND_THREADS = 1
 APPEND_FORMS = {"full": "full precompute", "log": "append, grown log", "new": "append, new rows only"}
-APPEND_GOAL = 0.02  # the issue: appending 1% new rows costs at most 2% of a full pass, plus a fixed overhead
+APPEND_GOAL = 0.02  # appending 1% new rows costs at most 2% of a full pass, plus a fixed overhead
 SMOLLM2_TOKENS_PER_S = 726  # SmolLM2-135M's reference pass on this CPU (RESULTS.md, the real-model case, 2026-11-24)
 FLAT_MIB = 50  # "memory stays flat": an append's peak RSS grows at most this much from the smaller cache to the larger
-# The functions of kto_pipeline.stages.precompute.stage that are timed, by the part of an append's cost they are:
-# fixed (does not grow with the dataset or the new rows; reading the cache's keys and matching grow with the cache,
-# a few bytes a row), proportional to the dataset given (the grown log, or the new rows alone), or to the new rows.
-# fixed: precompute's own time (process group, the --output lock), setup (tokenizer, --output), open_base (manifest,
-# keys files, tokenizer hash), held_keys (the cache's keys files), match_keys, load_reference (model, weights hash),
-# plan_output (the segment's keys file, manifest), finish. data: load_source (JSON -> Arrow), check_source,
-# content_hash (sha256 of the file), content_keys (a key per row: datasets.map, normalize + sha256), open_keys.
-# other: prepare_rows' own time (select the new rows, open the tokenized file). rows: preprocess (tokenize),
-# select_rows, _kl_partners, score_shards (the reference pass).
+# The functions of kto_pipeline.stages.precompute.stage that are timed, by the part of an append's cost they are
+# (the section's "split" note says what each one does)
 _FIXED = ("precompute", "setup", "open_base", "held_keys", "match_keys", "load_reference", "plan_output", "finish")
 PHASES = dict.fromkeys(_FIXED, "fixed") | dict.fromkeys(("load_source", "check_source", "content_hash"), "data")
 PHASES |= dict.fromkeys(("content_keys", "open_keys"), "data") | {"prepare_rows": "other"}
@@ -483,20 +469,14 @@ def append_worker_name(form: str, rows: int) -> str:
     return f"append_{form}_{rows}"
 
 
-def new_rows_path(work: Path, rows: int, new: int) -> Path:
-    """The .jsonl of rows `rows` .. `rows + new - 1` of the stream alone: the new rows of the grown log."""
-    return work / f"data-v{DATA_VERSION}-{rows}-new{new}.jsonl"
-
-
 def write_new_rows(work: Path, rows: int, new: int) -> Path:
-    """The new rows alone, cut from the grown log `data_path(work, rows + new)` (`write_data` wrote it)."""
-    path = new_rows_path(work, rows, new)
+    """The new rows alone (rows `rows` .. `rows + new - 1` of the stream), cut from the grown log
+    `data_path(work, rows + new)` that `write_data` wrote."""
+    path = work / f"data-v{DATA_VERSION}-{rows}-new{new}.jsonl"
     if not path.exists():
         part = path.with_name(path.name + ".part")
         with open(data_path(work, rows + new), encoding="utf-8") as f, open(part, "w", encoding="utf-8") as out:
-            for i, line in enumerate(f):
-                if i >= rows:
-                    out.write(line)
+            out.writelines(line for i, line in enumerate(f) if i >= rows)
         part.replace(path)
     return path
 
@@ -536,7 +516,6 @@ def _time_phases(module, names) -> list[dict]:
 def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> dict:
     """One run of the CLI (`kto-pipeline precompute [--append]`) in this fresh process; returns a JSON-able dict.
     Nothing heavy is imported before this is called (bench.py dispatches here first)."""
-    import os
     import resource
 
     started = time.perf_counter()
@@ -555,8 +534,7 @@ def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> 
         raise SystemExit(f"unknown worker {name}")
     calls = _time_phases(stage, PHASES)
     argv = ["kto-pipeline", "precompute", "--model", str(model), "--dataset", str(data), "--output", str(out)]
-    argv += ["--max-length", str(size["max_length"])] + (["--append"] if form != "full" else [])
-    sys.argv = argv
+    sys.argv = argv = argv + ["--max-length", str(size["max_length"])] + (["--append"] if form != "full" else [])
     start = time.perf_counter()
     try:
         cli.main()
@@ -564,8 +542,7 @@ def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> 
         if exc.code not in (0, None):
             raise SystemExit(f"{' '.join(argv)} exited with {exc.code}") from None
     cli_seconds = time.perf_counter() - start
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    peaks = _peaks()
+    usage, peaks = resource.getrusage(resource.RUSAGE_SELF), _peaks()
     manifest = read_manifest(out)
     segment = manifest["segments"][-1]
     exclusive: dict[str, float] = {}
@@ -573,9 +550,8 @@ def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> 
         exclusive[call["name"]] = exclusive.get(call["name"], 0.0) + call["exclusive"]
     tokenized = [c["rows"] for c in calls if c["name"] == "preprocess"]
     run = dict(form=form, argv=argv, imports_seconds=imports_seconds, cli_seconds=cli_seconds, phases=exclusive)
-    run |= dict(
-        cpu_seconds=usage.ru_utime + usage.ru_stime, calls={c["name"]: c["seconds"] for c in calls}
-    )  # inclusive
+    inclusive = {c["name"]: c["seconds"] for c in calls}
+    run |= dict(cpu_seconds=usage.ru_utime + usage.ru_stime, calls=inclusive)
     run |= dict(source_rows=next((c["rows"] for c in calls if c["name"] == "load_source"), None))
     run |= dict(keyed_rows=sum(c["rows"] for c in calls if c["name"] == "content_keys"))
     run |= dict(tokenized_rows=sum(tokenized), tokenize_calls=len(tokenized), cache_rows=manifest.counts["rows"])
@@ -591,17 +567,13 @@ def _file_hashes(cache: Path) -> dict[str, str]:
     hashes = {}
     for folder in ("shards", "keys"):
         for path in sorted((cache / folder).glob("*")):
-            h = hashlib.sha256()
             with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            hashes[f"{folder}/{path.name}"] = h.hexdigest()
+                hashes[f"{folder}/{path.name}"] = hashlib.file_digest(f, "sha256").hexdigest()
     return hashes
 
 
 def _verify_cli(cache: Path) -> tuple[bool, float, str]:
     """`kto-pipeline inspect CACHE --verify` in its own process: (passed, seconds, its last line)."""
-    import os
     import subprocess
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -661,11 +633,7 @@ def check_append(full: dict, r: dict, base: dict[str, str], cache: Path, cache_r
 def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[int, ...] | None, tokenizer: str | None):
     """`--only append`: for each cache size, a full precompute, then both append forms into copies of its cache,
     each in a fresh process and datasets cache; checked, then written as a section of `results`."""
-    import os
-
-    size = dict(APPEND_SIZES[size_name])
-    size["caches"] = tuple(sorted(caches or size["caches"]))
-    size["tokenizer"] = tokenizer or size["tokenizer"]
+    size = _sized(APPEND_SIZES[size_name], "caches", caches, tokenizer)
     if size["goal_cache"] not in size["caches"]:
         size["goal_cache"] = size["caches"][-1]
     new = size["new"]
@@ -673,7 +641,9 @@ def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[i
     work.mkdir(parents=True, exist_ok=True)
     model = build_model(work, size["tokenizer"])
     data = write_data(work, tuple(sorted({n for c in size["caches"] for n in (c, c + new)})))
-    shutil.rmtree(work / "runs", ignore_errors=True)
+    runs = work / "runs"
+    shutil.rmtree(runs, ignore_errors=True)
+    threads = {"OMP_NUM_THREADS": str(APPEND_THREADS), "MKL_NUM_THREADS": str(APPEND_THREADS)} if APPEND_THREADS else {}
     measured: dict[int, dict[str, dict]] = {}
     checks: dict[int, dict[str, dict]] = {}
     for n in size["caches"]:
@@ -683,33 +653,25 @@ def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[i
         base: dict[str, str] = {}
         for form in APPEND_FORMS:
             name = append_worker_name(form, n)
-            out = work / "runs" / name
             if form != "full":  # a copy of the full precompute's cache, appended to
-                shutil.copytree(work / "runs" / append_worker_name("full", n), out)
-            cache = work / "runs" / f"hf-datasets-cache-{name}"  # fresh and its own: nothing read from a cache
+                shutil.copytree(runs / append_worker_name("full", n), runs / name)
             load = os.getloadavg()[0]
-            try:
-                flags = ["--size", size_name, "--case", "append", "--model", str(model), "--data", str(sources[form])]
-                env = {"HF_DATASETS_CACHE": str(cache)}
-                if APPEND_THREADS:
-                    env |= {"OMP_NUM_THREADS": str(APPEND_THREADS), "MKL_NUM_THREADS": str(APPEND_THREADS)}
-                r = run_worker(BENCH, name, work, flags, env=env)
-            finally:
-                shutil.rmtree(cache, ignore_errors=True)
+            flags = ["--size", size_name, "--case", "append", "--model", str(model), "--data", str(sources[form])]
+            r = own_cache_worker(name, work, runs / f"hf-datasets-cache-{name}", flags, threads)
             r["load_before"], r["load_after"] = load, os.getloadavg()[0]
             measured[n][form] = r
             if form == "full":
-                base = _file_hashes(out)
+                base = _file_hashes(runs / name)
             else:
-                checks[n][form] = check_append(measured[n]["full"], r, base, out, n, new)
+                checks[n][form] = check_append(measured[n]["full"], r, base, runs / name, n, new)
         log_files, new_files = checks[n]["log"]["new_files"], checks[n]["new"]["new_files"]
         if log_files != new_files:
             raise SystemExit(f"{n:,} rows: the two appends wrote different files: {log_files} vs {new_files}")
         print(f"  both appends wrote the same {len(log_files)} files, byte for byte", flush=True)
         for form in ("log", "new"):
-            shutil.rmtree(work / "runs" / append_worker_name(form, n), ignore_errors=True)
+            shutil.rmtree(runs / append_worker_name(form, n), ignore_errors=True)
     seconds = time.perf_counter() - started
-    (work / "runs" / "measured.json").write_text(json.dumps({"measured": measured, "checks": checks, "size": size}))
+    (runs / "measured.json").write_text(json.dumps({"measured": measured, "checks": checks, "size": size}))
     publish(render_append(measured, checks, size, size_name, seconds), results, APPEND_HEADING)
 
 
@@ -723,7 +685,12 @@ def append_buckets(r: dict) -> dict[str, float]:
     return out
 
 
-def _append_tables(measured: dict, checks: dict, size: dict) -> tuple[list[str], list[str], list[str]]:
+def _fixed(r: dict) -> float:
+    """A run's fixed overhead X: process start and imports, and the fixed phases."""
+    return sum(append_buckets(r)[k] for k in ("start", "fixed"))
+
+
+def _append_tables(measured: dict, size: dict) -> tuple[list[str], list[str], list[str]]:
     """(the runs: times, rows, tokens, peaks; the split of each run's time; the phases that matter, seconds)."""
     runs = table_head(
         "| cache rows | run | dataset rows | rows tokenized | rows scored | tokens scored | process s (outside) | "
@@ -754,59 +721,55 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
     """(the goals table, the notes that go with it)."""
     n, new = size["goal_cache"], size["new"]
     full = measured[n]["full"]
-    goals = table_head("| goal | measured | met |")
-    notes = []
-    fixed = {}
+    goals, notes = [], []
     for form in ("log", "new"):
-        r = measured[n][form]
-        b = append_buckets(r)
-        fixed[form] = b["start"] + b["fixed"]
-        variable = sum(b.values()) - fixed[form]
-        budget = APPEND_GOAL * full["process_seconds"]
-        goals.append(
-            f"| {APPEND_FORMS[form]}: {new:,} new rows ({new / n:.0%}) to a {n:,}-row cache cost at most "
+        b = append_buckets(measured[n][form])
+        fixed, total = b["start"] + b["fixed"], sum(b.values())
+        variable, budget = total - fixed, APPEND_GOAL * full["process_seconds"]
+        goal = (
+            f"{APPEND_FORMS[form]}: {new:,} new rows ({new / n:.0%}) to a {n:,}-row cache cost at most "
             f"{APPEND_GOAL:.0%} of the full pass ({budget:.1f} s of {full['process_seconds']:.1f} s) + a fixed "
-            f"overhead X = {fixed[form]:.1f} s (measured: process start and imports, tokenizer, manifest and keys "
-            f"files, matching, model load, writes) | {sum(b.values()):.1f} s in all = X + {variable:.1f} s "
-            f"({variable / full['process_seconds']:.2%} of the full pass; the whole append "
-            f"{sum(b.values()) / full['process_seconds']:.2%}) | {met(variable <= budget)} |"
+            f"overhead X = {fixed:.1f} s (measured: process start and imports, tokenizer, manifest and keys "
+            "files, matching, model load, writes)"
         )
+        measured_ = (
+            f"{total:.1f} s in all = X + {variable:.1f} s ({variable / full['process_seconds']:.2%} of the full pass; "
+            f"the whole append {total / full['process_seconds']:.2%})"
+        )
+        goals.append((goal, measured_, variable <= budget))
     for form in ("log", "new"):
         r, c = measured[n][form], checks[n][form]
         t = r["segment"]["timing"]
-        goals.append(
-            f"| {APPEND_FORMS[form]}: only the new rows are tokenized and scored | tokenized {r['tokenized_rows']:,}, "
-            f"scored {t['rows_scored']:,} rows ({t['tokens_scored']:,} tokens, {c['tokens_per_row']:.1f} a row; "
-            f"the full pass {c['full_tokens_per_row']:.1f}); hashed (content keys, no tokenizer) {r['keyed_rows']:,}; "
-            f"{c['unchanged_files']} files of the cache unchanged (sha256); inspect --verify OK | yes |"
+        what = (
+            f"tokenized {r['tokenized_rows']:,}, scored {t['rows_scored']:,} rows ({t['tokens_scored']:,} tokens, "
+            f"{c['tokens_per_row']:.1f} a row; the full pass {c['full_tokens_per_row']:.1f}); hashed (content keys, no "
+            f"tokenizer) {r['keyed_rows']:,}; {c['unchanged_files']} files of the cache unchanged (sha256); inspect "
+            "--verify OK"
         )
+        goals.append((f"{APPEND_FORMS[form]}: only the new rows are tokenized and scored", what, "yes"))
     for form in ("log", "new"):
-        r = measured[n][form]
-        goals.append(
-            f"| {APPEND_FORMS[form]}: peak RSS at most the full pass's | {r['peak_rss_mib']:.0f} MiB vs "
-            f"{full['peak_rss_mib']:.0f} MiB ({r['peak_rss_mib'] - full['peak_rss_mib']:+.0f}) | "
-            f"{met(r['peak_rss_mib'] <= full['peak_rss_mib'])} |"
-        )
+        peak, full_peak = measured[n][form]["peak_rss_mib"], full["peak_rss_mib"]
+        what = f"{peak:.0f} MiB vs {full_peak:.0f} MiB ({peak - full_peak:+.0f})"
+        goals.append((f"{APPEND_FORMS[form]}: peak RSS at most the full pass's", what, peak <= full_peak))
     small = size["caches"][0]
     if small != n:
         for form in ("log", "new"):
             a, b = measured[small][form], measured[n][form]
             growth = b["peak_rss_mib"] - a["peak_rss_mib"]
-            goals.append(
-                f"| {APPEND_FORMS[form]}: memory stays flat: peak RSS of the {new:,}-row append to a {n:,}-row cache "
-                f"at most {FLAT_MIB} MiB above the one to a {small:,}-row cache | {a['peak_rss_mib']:.0f} -> "
-                f"{b['peak_rss_mib']:.0f} MiB ({growth:+.0f}) | {met(growth <= FLAT_MIB)} |"
+            goal = (
+                f"{APPEND_FORMS[form]}: memory stays flat: peak RSS of the {new:,}-row append to a {n:,}-row cache "
+                f"at most {FLAT_MIB} MiB above the one to a {small:,}-row cache"
             )
+            what = f"{a['peak_rss_mib']:.0f} -> {b['peak_rss_mib']:.0f} MiB ({growth:+.0f})"
+            goals.append((goal, what, growth <= FLAT_MIB))
             notes.append(
-                f"- fixed overhead X of the {APPEND_FORMS[form]}: {small:,}-row cache "
-                f"{sum(append_buckets(a)[k] for k in ('start', 'fixed')):.1f} s, {n:,}-row cache "
-                f"{sum(append_buckets(b)[k] for k in ('start', 'fixed')):.1f} s."
+                f"- fixed overhead X of the {APPEND_FORMS[form]}: {small:,}-row cache {_fixed(a):.1f} s, {n:,}-row "
+                f"cache {_fixed(b):.1f} s."
             )
-    full_rows_s = append_buckets(full)["rows"]
+    full_rows_s, ft = append_buckets(full)["rows"], full["segment"]["timing"]
     for form in ("log", "new"):
-        r, t, ft = measured[n][form], measured[n][form]["segment"]["timing"], full["segment"]["timing"]
-        rate = t["rows_scored"] / t["reference_pass_seconds"]
-        full_rate = ft["rows_scored"] / ft["reference_pass_seconds"]
+        r, t = measured[n][form], measured[n][form]["segment"]["timing"]
+        rate, full_rate = (x["rows_scored"] / x["reference_pass_seconds"] for x in (t, ft))
         rows_s, p = append_buckets(r)["rows"], r["phases"]
         notes.append(
             f"- {APPEND_FORMS[form]}: its new-row part ({rows_s:.1f} s: tokenize {p.get('preprocess', 0):.2f} s, "
@@ -823,9 +786,9 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
         f"{r['keyed_rows'] / max(keys_s, 1e-9):,.0f} rows/s); the new-rows form "
         f"{append_buckets(measured[n]['new'])['data']:.2f} s. The full pass pays the same keys for its "
         f"{full['source_rows']:,} rows: {full['phases'].get('content_keys', 0):.1f} s of its "
-        f"{full['segment']['timing']['preprocess_seconds']:.1f} s of preprocessing."
+        f"{ft['preprocess_seconds']:.1f} s of preprocessing."
     )
-    return goals, notes
+    return goals_table(*goals), notes
 
 
 def _real_model_note(measured: dict, size: dict) -> str:
@@ -845,20 +808,22 @@ def _real_model_note(measured: dict, size: dict) -> str:
 
 
 def render_append(measured: dict, checks: dict, size: dict, size_name: str, seconds: float) -> str:
-    runs, split, phases = _append_tables(measured, checks, size)
+    runs, split, phases = _append_tables(measured, size)
     goals, notes = _append_goals(measured, checks, size)
     new, tokenizer_text = size["new"], _tokenizer_text(size)
     loads = [(r["load_before"], r["load_after"]) for m in measured.values() for r in m.values()]
     threads = max(r["threads"] for m in measured.values() for r in m.values())
+    head = provenance(f"`python benchmarks/bench.py --size {size_name} --only append`", seconds)
+    head[2] += (
+        "; 1-minute load average before / after each run: "
+        + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in loads)
+        + f" (each run keeps {threads} torch thread(s) busy: more means a shared machine; OMP_NUM_THREADS="
+        f"{APPEND_THREADS} in every run, see `APPEND_THREADS`)"
+    )
     lines = [
         APPEND_HEADING,
         "",
-        f"- command: `python benchmarks/bench.py --size {size_name} --only append`",
-        f"- date: {utc_stamp()}; total time {seconds:.0f} s",
-        f"- machine: {machine()}; 1-minute load average before / after each run: "
-        + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in loads)
-        + f" (each run keeps {threads} torch thread(s) busy: more means a shared machine; OMP_NUM_THREADS="
-        f"{APPEND_THREADS} in every run, see `APPEND_THREADS`)",
+        *head,
         f"- versions: {versions('kto-pipeline', 'datasets', 'transformers', 'tokenizers', 'torch')}, "
         f"Python {sys.version.split()[0]}",
         f"- data: the rows of the scale case (`bench_scale.row_stream`): the cache = the first N rows; the grown log = "

@@ -12,13 +12,26 @@ DDP) for a few steps and takes the median step (the check included). The ratio i
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from harness import HERE, SIZES, TINY, machine, publish, random_qwen2, script_parser, table_head, utc_stamp
+from harness import (
+    HERE,
+    LAUNCH_ENV,
+    SIZES,
+    TINY,
+    TORCHRUN,
+    launch_env,
+    provenance,
+    publish,
+    random_qwen2,
+    script_parser,
+    table_head,
+    write_jsonl,
+)
 
 HEADING = "## Preemption: the cost of the per-step stop check"
 CALLS = 2000
@@ -71,10 +84,9 @@ def worker(work: Path, steps: int) -> None:
 
 
 def main() -> None:
-    parser = script_parser(__doc__)
+    parser = script_parser(__doc__, results="file to write the section into", default=str(HERE / "RESULTS.md"))
     parser.add_argument("--quick", action="store_true", help="the tiny model, 2 steps")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--results", default=str(HERE / "RESULTS.md"), help="file to write the section into")
     args = parser.parse_args()
     work = Path(args.work) / "stop-check"
     if args.mode == "worker":
@@ -82,41 +94,39 @@ def main() -> None:
         return
     started = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
-    for old in ("cache", "run", "result.json"):
-        subprocess.run(["rm", "-rf", str(work / old)], check=True)
+    for old in ("cache", "run"):  # measured from scratch
+        shutil.rmtree(work / old, ignore_errors=True)
+    (work / "result.json").unlink(missing_ok=True)
     shape = TINY if args.quick else {k: v for k, v in SIZES["full"].items() if k in TINY or k == "tie_word_embeddings"}
     random_qwen2(work / "model", shape)
-    (work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(64)))
+    write_jsonl(work / "data.jsonl", rows(64))
     steps = 2 if args.quick else args.steps
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
-    env = clean | dict(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += [__file__, "worker", "--work", str(args.work), "--steps", str(steps)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", *TORCHRUN, __file__, "worker", "--work", str(args.work), "--steps", str(steps)]
+    proc = subprocess.run(cmd, env=launch_env(LAUNCH_ENV), capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"the workers failed:\n{proc.stderr[-4000:]}")
     m = json.loads((work / "result.json").read_text())
+    publish(render(m, args.quick, time.perf_counter() - started), None if args.quick else args.results, HEADING)
+
+
+def render(m: dict, quick: bool, seconds: float) -> str:
     share = m["check_seconds"] / m["step_seconds"]
-    report = "\n".join(
-        [
-            HEADING,
-            "",
-            f"- command: `python benchmarks/bench_stop_check.py{' --quick' if args.quick else ''}`; date: "
-            f"{utc_stamp()}; total {time.perf_counter() - started:.0f} s",
-            f"- machine: {machine()}",
-            f"- {m['processes']} CPU processes under torchrun (gloo); the check: `StopRequests.agreed`, one all-reduce "
-            f"of one integer, timed over {CALLS} calls; the step: DDP, a random Qwen2 "
-            f"({'tiny' if args.quick else 'bench.py --size full'} shape), 8 rows per process, median of "
-            f"{m['steps']} steps (the first left out), the check included",
-            "",
-            *table_head("| stop check per step | training step | the check's share |"),
-            f"| {m['check_seconds'] * 1e6:.0f} µs | {m['step_seconds'] * 1e3:.0f} ms | {share:.4%} |",
-            "",
-            "On GPUs the check is an NCCL all-reduce of 8 bytes (about as long as a kernel launch round trip); never "
-            "measured here.",
-        ]
-    )
-    publish(report, None if args.quick else args.results, HEADING)
+    lines = [
+        HEADING,
+        "",
+        *provenance(f"`python benchmarks/bench_stop_check.py{' --quick' if quick else ''}`", seconds),
+        f"- {m['processes']} CPU processes under torchrun (gloo); the check: `StopRequests.agreed`, one all-reduce "
+        f"of one integer, timed over {CALLS} calls; the step: DDP, a random Qwen2 "
+        f"({'tiny' if quick else 'bench.py --size full'} shape), 8 rows per process, median of "
+        f"{m['steps']} steps (the first left out), the check included",
+        "",
+        *table_head("| stop check per step | training step | the check's share |"),
+        f"| {m['check_seconds'] * 1e6:.0f} µs | {m['step_seconds'] * 1e3:.0f} ms | {share:.4%} |",
+        "",
+        "On GPUs the check is an NCCL all-reduce of 8 bytes (about as long as a kernel launch round trip); never "
+        "measured here.",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

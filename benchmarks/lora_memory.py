@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness import peak_rss_mib, print_result, run_worker, script_parser
+from harness import WORK_DIR, peak_rss_mib, print_result, run_worker, script_parser
 
 MODES = (("full", "full fine-tune"), ("0.05", "LoRA r=16, dropout 0.05"), ("0.0", "LoRA r=16, dropout 0"))
 
@@ -27,15 +27,14 @@ def worker(cache: str, mode: str, out: Path) -> dict:
 
 
 def main() -> None:
-    parser = script_parser(__doc__, work=None, work_help="unused")  # worker NAME: the MODES entry to run
+    parser = script_parser(__doc__, work=str(WORK_DIR / "lora-memory"))  # worker NAME: the MODES entry to run
     parser.add_argument("--cache", required=True)
-    parser.set_defaults(out="/tmp/kto-lora-memory")  # run: the scratch directory
     args = parser.parse_args()
     if args.mode == "worker":
         print_result(worker(args.cache, args.name, Path(args.out)))
         return
     for mode, label in MODES:
-        peak = run_worker(Path(__file__), mode, Path(args.out), ["--cache", args.cache])["peak_rss_mib"]
+        peak = run_worker(Path(__file__), mode, Path(args.work), ["--cache", args.cache])["peak_rss_mib"]
         print(f"{label:<28} peak RSS {peak:.0f} MiB")
 
 

@@ -19,15 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-MIB = 1 << 20
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the one hop: benchmarks/ (bench_loading, harness)
 
-
-def _rss_anon_mib() -> float:
-    with open("/proc/self/status") as f:
-        fields = dict(line.split(":", 1) for line in f if ":" in line)
-    return int(fields["RssAnon"].split()[0]) / 1024
+from bench_loading import MIB, launch_variant, weights  # noqa: E402
+from harness import HERE, WORK_DIR, launch_env, proc_status  # noqa: E402
 
 
 def _tally(opt) -> dict[str, float]:
@@ -68,7 +63,9 @@ def worker(out: Path, args: list[str]) -> None:
     original = DeepSpeedZeroOptimizer_Stage3._optimizer_step
 
     def observed(self, sub_group_id):
-        seen.append({"sub_group": sub_group_id, "rss_anon_mib": _rss_anon_mib(), "buffers_mib": _tally(self)})
+        seen.append(
+            {"sub_group": sub_group_id, "rss_anon_mib": proc_status()["RssAnon"] / 1024, "buffers_mib": _tally(self)}
+        )
         return original(self, sub_group_id)
 
     DeepSpeedZeroOptimizer_Stage3._optimizer_step = observed
@@ -86,37 +83,23 @@ def worker(out: Path, args: list[str]) -> None:
 
 
 def main() -> None:
-    work = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / ".work" / "loading"
+    work = Path(sys.argv[1]) if len(sys.argv) > 1 else WORK_DIR / "loading"
     cache = work / "runs" / "cache-deepspeed-model-big-main-reads"
-    model = work / "model-big"
     if not (cache / "manifest.json").exists():
         raise SystemExit(f"{cache}: run `python benchmarks/bench_loading.py --engine deepspeed` first")
     out = work / "deepspeed-step-memory"
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_", "RANK", "WORLD_SIZE"))},
-        "OMP_NUM_THREADS": "1",
-        "TQDM_DISABLE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "MALLOC_MMAP_THRESHOLD_": "131072",  # as bench_loading's runs
-    }
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    launcher += [str(ROOT / "configs" / "accelerate" / "deepspeed_zero3.yaml"), "--num_processes", "2"]
-    launcher += ["--zero3_init_flag", "true", __file__, "--worker", str(out)]
+    env, launcher, flags = launch_variant("deepspeed", one_reader=True)  # as bench_loading's runs (zero3_init_flag)
     train = ["train", "--cache", str(cache), "--output-dir", str(work / "runs" / "train-step-memory")]
     train += ["--overwrite-output-dir", "--max-steps", "1", "--per-device-train-batch-size", "2", "--save-steps", "0"]
-    train += ["--no-bf16"]
     log = work / "deepspeed-step-memory.log"
     with open(log, "w") as f:
-        proc = subprocess.run([*launcher, *train], env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        cmd = [sys.executable, "-m", *launcher, __file__, "--worker", str(out), *train, *flags]
+        proc = subprocess.run(cmd, env=launch_env(env), stdout=f, stderr=subprocess.STDOUT, cwd=HERE.parent)
     if proc.returncode != 0:
         raise SystemExit(f"the launch failed ({proc.returncode}); see {log}")
-    from safetensors import safe_open
-
-    with safe_open(str(model / "model.safetensors"), "pt") as f:
-        total = sum(4 * _numel(f.get_slice(key).get_shape()) for key in f.keys())  # float32 bytes
-    shard = total / 2 / MIB
-    print(f"model {total / MIB:.0f} MiB in float32, one process's shard {shard:.0f} MiB")
+    total = weights(work / "model-big")["total_mib"]  # float32
+    shard = total / 2
+    print(f"model {total:.0f} MiB in float32, one process's shard {shard:.0f} MiB")
     for rank_file in sorted(out.glob("rank-*.json")):
         for seen in json.loads(rank_file.read_text()):
             print(f"\n{rank_file.stem}, sub-group {seen['sub_group']}: RssAnon {seen['rss_anon_mib']:.0f} MiB")
@@ -125,13 +108,6 @@ def main() -> None:
             for name, mib in buffers.items():
                 print(f"| {name} | {mib:.0f} | {mib / shard:.2f} |")
             print(f"| all of them | {sum(buffers.values()):.0f} | {sum(buffers.values()) / shard:.2f} |")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 if __name__ == "__main__":

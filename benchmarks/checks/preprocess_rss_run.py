@@ -7,7 +7,7 @@ so that its RSS is the preprocessing's.
 
 import sys
 
-from kto_pipeline.config import PrecomputeConfig
+from kto_pipeline import PrecomputeConfig
 from kto_pipeline.models import load_tokenizer
 from kto_pipeline.stages.precompute.stage import prepare_rows
 

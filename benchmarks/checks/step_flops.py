@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the one hop: benchmarks/ (bench, harness)
 
-from bench import bench_train_config, trl_settings  # noqa: E402
-from harness import SMOLLM2_SIZES, WORK_DIR, trl_trainer  # noqa: E402
+from bench import smollm2_training  # noqa: E402
+from harness import SMOLLM2_SIZES  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 
@@ -26,32 +26,14 @@ def main() -> None:
     which, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else SMOLLM2_SIZES["full"]["steps"]
     if which not in ("ours", "trl"):
         sys.exit("usage: step_flops.py ours|trl [steps]")
-    from kto_pipeline.demo.smollm2 import default_cache_dir, fetch_smollm2
-
-    work = WORK_DIR / "smollm2"
-    size = dict(SMOLLM2_SIZES["full"], steps=steps)
-    if not (work / "data.jsonl").exists() or not (work / "runs" / "ours_precompute").exists():
-        sys.exit(f"run `python benchmarks/bench.py --size full --only smollm2` first ({work} lacks its data or cache)")
     with tempfile.TemporaryDirectory() as out:
-        if which == "trl":
-            model = fetch_smollm2(default_cache_dir())
-            trainer = trl_trainer(model, work / "data.jsonl", Path(out), precompute=False, **trl_settings(size, steps))
-            with FlopCounterMode(display=False) as counter:
-                trainer.train()
-        else:
-            from kto_pipeline import train
-
-            with FlopCounterMode(display=False) as counter:
-                train(bench_train_config(work, size, Path(out)))
+        run = smollm2_training(which, steps, Path(out))
+        with FlopCounterMode(display=False) as counter:
+            run()
     total = counter.get_total_flops()
     by_op = {str(op): round(n / 1e9, 1) for op, n in counter.get_flop_counts()["Global"].items()}
-    summary = {
-        "tool": which,
-        "steps": steps,
-        "gflop": round(total / 1e9, 1),
-        "gflop_per_step": round(total / 1e9 / steps, 1),
-    }
-    print(json.dumps({**summary, "gflop_by_op": by_op}))
+    summary = {"tool": which, "steps": steps, "gflop": round(total / 1e9, 1)}
+    print(json.dumps({**summary, "gflop_per_step": round(total / 1e9 / steps, 1), "gflop_by_op": by_op}))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the one hop: benchmarks/ (bench, harness)
 
-from bench import bench_train_config, trl_settings  # noqa: E402
-from harness import SMOLLM2_SIZES, WORK_DIR, trl_trainer  # noqa: E402
+from bench import smollm2_training  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 KINDS = ("matmul", "attention", "other")
@@ -34,22 +33,11 @@ def kind(key: str) -> str:
     return "matmul" if key in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm") else "other"
 
 
-def profiled_run(which: str, steps: int, work: Path) -> dict:
+def profiled_run(which: str, steps: int) -> dict:
     """One training call of `steps` steps under torch.profiler: wall seconds (the call, from outside), self CPU
     seconds of torch ops by kind, and the top ops' seconds."""
-    size = dict(SMOLLM2_SIZES["full"], steps=steps)
     with tempfile.TemporaryDirectory() as out:
-        if which == "trl":
-            from kto_pipeline.demo.smollm2 import default_cache_dir, fetch_smollm2
-
-            model = fetch_smollm2(default_cache_dir())
-            trainer = trl_trainer(model, work / "data.jsonl", Path(out), precompute=False, **trl_settings(size, steps))
-            run = trainer.train
-        else:
-            from kto_pipeline import train
-
-            config = bench_train_config(work, size, Path(out))
-            run = lambda: train(config)  # noqa: E731
+        run = smollm2_training(which, steps, Path(out))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
             run()
@@ -70,10 +58,7 @@ def main() -> None:
     counts = [int(x) for x in sys.argv[2:4]] or [3]
     if which not in ("ours", "trl") or (len(counts) == 2 and counts[1] <= counts[0]):
         sys.exit("usage: step_profile.py ours|trl [STEPS [MORE]]   (MORE > STEPS)")
-    work = WORK_DIR / "smollm2"
-    if not (work / "data.jsonl").exists() or not (work / "runs" / "ours_precompute").exists():
-        sys.exit(f"run `python benchmarks/bench.py --size full --only smollm2` first ({work} lacks its data or cache)")
-    runs = [profiled_run(which, steps, work) for steps in counts]
+    runs = [profiled_run(which, steps) for steps in counts]
     if len(runs) == 1:
         r = runs[0]
         print(
