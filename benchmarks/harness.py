@@ -48,10 +48,7 @@ def run_worker(
     must_succeed: bool = True,
     width: int = 24,
 ) -> dict:
-    """`script worker NAME --work WORK --out WORK/runs/NAME FLAGS` in a fresh process; returns the dict of its
-    RESULT line with `process_seconds` (the process from start to exit) added. `env` overrides the environment
-    (offline, no progress bars, HF_DATASETS_CACHE in `work`). A failed worker ends the benchmark, or with
-    `must_succeed=False` returns {"failed": its last line of stderr}. `width`: of the name in the progress line."""
+    """`script worker NAME` in a fresh, offline process: its RESULT dict plus process_seconds (failed: {failed})."""
     out = work / "runs" / name
     quiet = dict(TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     env = {**os.environ, **quiet, "HF_DATASETS_CACHE": str(work / "hf-datasets-cache"), **(env or {})}
@@ -74,9 +71,7 @@ def run_worker(
 def script_parser(
     doc: str | None, work: str | None = str(WORK_DIR), work_help: str = "", results: str | None = None, **more
 ) -> argparse.ArgumentParser:
-    """A benchmark script's arguments: `[run]`, or `worker NAME` with the worker's --out (how run_worker starts
-    it); --work, the scratch directory; with `results` (its help), --results (`more`: its default). The script adds
-    its own."""
+    """A benchmark script's common arguments: `[run]` or `worker NAME --out`, --work, --results."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", nargs="?", default="run", choices=["run", "worker"])
     parser.add_argument("name", nargs="?", help=argparse.SUPPRESS)  # worker: what it measures
@@ -94,8 +89,7 @@ LAUNCH_ENV = dict(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", HF_
 
 
 def launch_env(env: dict[str, str]) -> dict[str, str]:
-    """This process' environment without its launch variables (ACCELERATE_*, FSDP_*, RANK, WORLD_SIZE), plus `env`:
-    a launch gets only the ones meant."""
+    """This environment without its launch variables (a launch gets only the ones meant), plus `env`."""
     launch = ("ACCELERATE_", "FSDP_", "RANK", "WORLD_SIZE")
     return {k: v for k, v in os.environ.items() if not k.startswith(launch)} | env
 
@@ -107,9 +101,7 @@ def fresh_runs(work: Path) -> None:
 
 
 def measured(run: Callable[[], dict], rss: bool = True, peak: bool = True) -> dict:
-    """A worker's measurement in its fresh process: torch seeded, torch, trl and kto_pipeline imported first (their
-    imports in the post-import baseline, for every worker alike), then `run()`'s numbers, with (`rss`) the
-    resident memory before it (baseline_rss_mib) and (`peak`) the process' peak after it (peak_rss_mib)."""
+    """A worker's measurement in its fresh process, after the common imports, with its RSS baseline and peak."""
     import torch
 
     torch.manual_seed(0)
@@ -125,9 +117,7 @@ def measured(run: Callable[[], dict], rss: bool = True, peak: bool = True) -> di
 
 
 def measure(names: Sequence[str], run: Callable[[str], dict], work: Path, rtol: float = 0.0) -> tuple[dict, int, float]:
-    """(each worker's result, sequences compared, max |diff|): `run(name)` for each of `names` in turn, from scratch
-    (`fresh_runs`); correctness first: the two reference passes, names[:2] (ours, then trl's), must agree
-    (`check_reference_agreement`) before any other worker runs."""
+    """Each worker's result of `names`, from scratch; the two reference passes (names[:2]) must agree first."""
     fresh_runs(work)
     r = {name: run(name) for name in names[:2]}
     n_common, max_diff = check_reference_agreement(*(r[name].pop("ref_logps") for name in names[:2]), rtol=rtol)
@@ -136,8 +126,7 @@ def measure(names: Sequence[str], run: Callable[[str], dict], work: Path, rtol: 
 
 
 def check_reference_agreement(ours: dict, theirs: dict, atol: float = 1e-3, rtol: float = 0.0) -> tuple[int, float]:
-    """Both tools computed the same reference log-probs for the same token sequences, else no speed is reported.
-    Returns (sequences compared, max |diff|)."""
+    """(sequences compared, max |diff|); both tools' reference log-probs must agree."""
     common = sorted(set(ours) & set(theirs))
     if len(common) < 0.9 * len(theirs):
         raise SystemExit(f"only {len(common)} of {len(theirs)} sequences match between the tools' tokenizations")
@@ -215,8 +204,7 @@ def median_step(times: list[float]) -> float:
 
 
 def step_timer(synchronize: Callable[[], None] | None = None):
-    """A transformers TrainerCallback whose `times` are the wall seconds of each training step; `synchronize`
-    (e.g. torch.cuda.synchronize) runs before a step's end is read."""
+    """A TrainerCallback whose `times` are each step's wall seconds (`synchronize` before a step ends)."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -235,8 +223,7 @@ def step_timer(synchronize: Callable[[], None] | None = None):
 
 
 def time_calls(cls, attr: str, record: Callable, synchronize: Callable[[], None] | None = None) -> None:
-    """Patch method `attr` of `cls` so that every call is timed: `record(seconds, *args, **kwargs)` gets its wall
-    time and arguments (self left out) as it returns. `synchronize` runs before the start and the end are read."""
+    """Patch `cls.attr` so that `record(seconds, *args, **kwargs)` gets each call's wall time."""
     original = getattr(cls, attr)
 
     def timed(self, *args, **kwargs):
@@ -282,8 +269,7 @@ def replace_section(text: str, heading: str, section: str) -> str:
 
 
 def publish(report: str, results: Path | str | None, heading: str | None = None) -> None:
-    """Print `report`, then write it to `results` where one is given: as its section under `heading`, else as the
-    whole file."""
+    """Print `report`, and write it to `results`: as its section under `heading`, else as the whole file."""
     print("\n" + report)
     if results is None:
         return
@@ -328,16 +314,14 @@ def goals_table(*rows: tuple[str, str, bool | None | str]) -> list[str]:
 
 
 def provenance(command: str, seconds: float | None, *packages: str, date: str | None = None) -> list[str]:
-    """A report's first lines: `command` (Markdown), the date (now, or `date`) and total time (where given), the
-    machine, versions of `packages` (where given)."""
+    """A report's first lines: command, date and total time, machine, versions of `packages`."""
     stamp = f"- date: {date or utc_stamp()}" + ("" if seconds is None else f"; total time {seconds:.0f} s")
     lines = [f"- command: {command}", stamp, f"- machine: {machine()}"]
     return lines + ([f"- versions: {versions(*packages)}"] if packages else [])
 
 
 def vs_row(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours", goal: str = "") -> str:
-    """| measurement | kto-pipeline | trl | ratio | goal | met |: two numbers and their ratio, taken `per` ("trl / ours"
-    or "ours / trl"); `goal` (">= 1.5x", "<= 0.7x"): the bound that ratio is checked against."""
+    """| measurement | kto-pipeline | trl | ratio | goal | met |: the ratio taken `per`, checked against `goal`."""
     ratio = trl_ / ours if per == "trl / ours" else ours / trl_
     ok = None
     if goal:
@@ -349,8 +333,7 @@ def vs_row(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours
 
 
 def efficiency(counts: dict | None, recorded: bool = True) -> tuple[str, float | None]:
-    """("93.1% (1234 / 1325)", 0.931), or ("n/a", None) where the run did not record its token counts; the
-    recorded token_efficiency where there is one (`recorded`), else needed / executed."""
+    """("93.1% (1234 / 1325)", 0.931), else ("n/a", None): the recorded one, else needed / executed."""
     if not counts or counts.get("tokens_executed") is None or counts.get("tokens_needed") is None:
         return "n/a", None
     eff = counts.get("token_efficiency") if recorded else None
@@ -471,8 +454,7 @@ def smollm2_dir() -> Path:
 
 
 def hh_rlhf_pairs(path: Path, pairs: int, max_turns: int) -> list[dict]:
-    """The first `pairs` HH-RLHF pairs of at most `max_turns` turns of the bundled harmless-base sample, written to
-    `path` as conversational {prompt, chosen, rejected} rows, and returned."""
+    """The first `pairs` short HH-RLHF pairs of the bundled sample, written to `path` and returned."""
     from kto_pipeline.demo.hh_rlhf import bundled_path, convert_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -488,8 +470,7 @@ def write_jsonl(path: Path, rows, ensure_ascii: bool = True) -> Path:
 
 
 def token_keys(prompts, completions, max_length: int | None = None) -> list[str]:
-    """Each row's prompt + completion token ids (truncated at `max_length`, as both tools score them), as JSON: the
-    key under which two tools' values for the same sequence are compared."""
+    """Each row's prompt + completion token ids (truncated) as JSON: the key two tools' values meet on."""
     return [json.dumps((p + c)[:max_length]) for p, c in zip(prompts, completions, strict=True)]
 
 
@@ -506,8 +487,7 @@ def unpaired_rows(pairs) -> list[dict]:
 
 
 def ours_train_config(cache: Path, out: Path, *, batch: int, steps: int, learning_rate: float, bf16=False, **extra):
-    """kto-pipeline's TrainConfig for a measured training run on `cache`, with the settings trl's runs get: sequential
-    order, gradient checkpointing off, every step logged; plus `extra`."""
+    """kto-pipeline's TrainConfig for a measured run on `cache`, set as trl's runs are; plus `extra`."""
     from kto_pipeline import TrainConfig
 
     run = dict(output_dir=str(out), overwrite_output_dir=True, max_steps=steps, learning_rate=learning_rate)
@@ -516,8 +496,7 @@ def ours_train_config(cache: Path, out: Path, *, batch: int, steps: int, learnin
 
 
 def ours_reference_pass(**config) -> dict:
-    """kto-pipeline's reference pass, `precompute(PrecomputeConfig(**config, overwrite=True))`: its timing (from the
-    manifest) and every sequence's reference log-prob, keyed by its token ids (`token_keys`)."""
+    """kto-pipeline's reference pass: its timing and every sequence's log-prob by `token_keys`."""
     from kto_pipeline import PrecomputeConfig, precompute
     from kto_pipeline.cache import open_cache
 
@@ -542,8 +521,7 @@ def trainer_state(out: Path) -> dict | None:
 
 
 def ours_train_tokens(out: Path) -> dict | None:
-    """tokens_needed / tokens_executed / token_efficiency of a kto-pipeline training run, from its
-    trainer_state.json (top level, else the newest log record that has them); None where it has none."""
+    """tokens_needed / executed / token_efficiency of a run, from its trainer_state.json, else None."""
     state = trainer_state(out)
     if state is None:
         return None
@@ -654,9 +632,7 @@ def trl_token_counts(trainer, batch: int, num_batches: int | None = None, pairs:
 
 
 def trl_reference_pass(model, data, out: Path, pairs: bool = False, **settings) -> dict:
-    """trl's `precompute_ref_log_probs` pass (timed by wrapping it, as its trainer's constructor runs it), its token
-    counts and every answer's reference log-prob keyed by token ids (`token_keys`); `settings`: trl_trainer's.
-    rows: sequences scored (a pair's two); `pairs`: the pairs kept."""
+    """trl's timed `precompute_ref_log_probs` pass: token counts and log-probs by `token_keys`."""
     import trl
 
     timings = {}
@@ -677,19 +653,13 @@ def trl_reference_pass(model, data, out: Path, pairs: bool = False, **settings) 
     return dict(timings, **extra, tokens=counts.pop("scored"), token_counts=counts, ref_logps=ref_logps)
 
 
-def timed_train(trainer, synchronize: Callable[[], None] | None = None) -> list[float]:
-    """trainer.train(), timed step by step (`step_timer`): the wall seconds of each step."""
-    timer = step_timer(synchronize)
+def trl_train(model, data, out: Path, pairs: bool = False, **settings) -> dict:
+    """A timed trl training run: its step times and the tokens its policy's batches ran."""
+    trainer = trl_trainer(model, data, out, pairs=pairs, **settings)
+    timer = step_timer()
     trainer.add_callback(timer)
     trainer.train()
-    return timer.times
-
-
-def trl_train(model, data, out: Path, pairs: bool = False, **settings) -> dict:
-    """A timed trl training run (trl_trainer's `settings`): its step times and the tokens its policy's batches ran
-    (trl online runs the same padded sequences through its reference model too)."""
-    trainer = trl_trainer(model, data, out, pairs=pairs, **settings)
-    times = timed_train(trainer)
+    times = timer.times
     counts = trl_token_counts(trainer, settings["batch"], num_batches=len(times), pairs=pairs)
     del counts["scored"]
     return dict(step_seconds=times, token_counts=counts)
