@@ -102,9 +102,7 @@ def _text(rng: random.Random, n_words: int, openers: tuple[str, ...], end: str) 
 
 
 def row_stream(seed: int = 0):
-    """Short unpaired rows, endlessly: prompts of 10-30 words (a question or an instruction), completions of 5-20
-    words, most of them starting with a space; mixed case, punctuation, numbers, line breaks and non-ASCII words
-    (about 1.5% of words); labels about 55% desirable."""
+    """Short unpaired rows, endlessly: mixed prompts and completions, labels about 55% desirable."""
     rng = random.Random(seed)
     while True:
         prompt = _text(rng, rng.randint(10, 30), _OPENERS, rng.choice(("?", "?", ".", ":", "?\n")))
@@ -115,12 +113,10 @@ def row_stream(seed: int = 0):
 
 
 def data_path(work: Path, rows: int) -> Path:
-    """The .jsonl of the first `rows` rows (`write_data`)."""
     return work / f"data-v{DATA_VERSION}-{rows}.jsonl"
 
 
 def model_path(work: Path, tokenizer: str) -> Path:
-    """The directory `build_model` writes for `tokenizer`."""
     return work / f"model-{tokenizer}"
 
 
@@ -147,8 +143,7 @@ def write_data(work: Path, sizes: tuple[int, ...]) -> dict[int, Path]:
 
 
 def build_model(work: Path, tokenizer: str) -> Path:
-    """A directory with the tokenizer both tools use and a tiny Llama over its vocabulary (trl's trainer needs a
-    model; kto-pipeline's preprocessing reads only the tokenizer)."""
+    """The tokenizer both tools use and a tiny Llama over its vocabulary (trl's trainer needs a model)."""
     from transformers import AutoTokenizer
 
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
@@ -166,8 +161,7 @@ def build_model(work: Path, tokenizer: str) -> Path:
 
 
 def own_cache_worker(name: str, work: Path, cache: Path, flags: list[str], env: dict | None = None) -> dict:
-    """`bench.py worker NAME` (harness.run_worker) with a fresh HF_DATASETS_CACHE of its own (nothing read from a
-    cache), removed after it (trl's copies of a million rows take GBs)."""
+    """`bench.py worker NAME` with a fresh HF_DATASETS_CACHE of its own, removed after it (GBs)."""
     try:
         return run_worker(BENCH, name, work, flags, env={"HF_DATASETS_CACHE": str(cache), **(env or {})})
     finally:
@@ -182,8 +176,7 @@ def _peaks() -> dict:
 
 
 def scale_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """One measurement (`name` = scale_<tool>_<num_proc or default>) in this fresh process; returns a JSON-able
-    dict. `datasets` (which trl imports lazily) is imported before the post-import baseline, for both tools."""
+    """One measurement (scale_<tool>_<num_proc or default>) in this fresh process."""
     import datasets  # noqa: F401
 
     _, tool, proc = name.split("_")
@@ -197,8 +190,7 @@ def scale_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> d
 
 
 def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """What `precompute` runs before it loads the model (`prepare_rows`), timed whole; the datasets.map part of it is
-    `tokenize_seconds`."""
+    """What `precompute` runs before it loads the model (`prepare_rows`), timed whole."""
     import numpy as np
 
     from kto_pipeline import PrecomputeConfig
@@ -228,8 +220,7 @@ def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict
 
 
 def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """`KTOTrainer._prepare_dataset` as its constructor runs it, timed by wrapping it; apart: the JSON -> Arrow load,
-    the constructor and the policy model's load."""
+    """`KTOTrainer._prepare_dataset` as its constructor runs it; apart: the load, the constructor, the model."""
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -256,8 +247,7 @@ def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -
 
 
 def check_tokens(results: dict[str, dict], rows: int) -> None:
-    """The measurements of one size kept the same rows and tokenized the first ones identically, else no speed
-    is reported. Pops the token ids out of `results`."""
+    """Every run of one size kept the same rows and tokenized the first ones alike; pops their ids."""
     named = {name: r.pop("first_rows") for name, r in results.items()}
     ref_name = next(iter(named))
     ref, ref_kept = named[ref_name], results[ref_name]["kept_rows"]
@@ -296,7 +286,8 @@ def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int,
         measured[n], skipped[n] = {}, {}
         for tool, num_proc in RUNS:
             name = worker_name(tool, num_proc)
-            estimate = _estimate(measured, n, name)
+            below = [m for m in measured if m < n and name in measured[m]]  # at its rate at the size below
+            estimate = measured[max(below)][name]["seconds"] * n / max(below) if below else None
             if tool == "trl" and estimate is not None and estimate > TRL_SKIP_SECONDS:
                 skipped[n][name] = f"skipped: {estimate:.0f} s expected (> {TRL_SKIP_SECONDS} s)"
                 print(f"  {name:<24} {skipped[n][name]}", flush=True)
@@ -306,12 +297,6 @@ def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int,
         check_tokens(measured[n], n)
         shutil.rmtree(size_dir, ignore_errors=True)
     publish(render_scale(measured, skipped, size, size_name, time.perf_counter() - started), results, SCALE_HEADING)
-
-
-def _estimate(measured: dict[int, dict[str, dict]], n: int, name: str) -> float | None:
-    """Seconds `name` would take at `n` rows at its rate at the largest size below `n` (None: none measured)."""
-    below = [m for m in measured if m < n and name in measured[m]]
-    return measured[max(below)][name]["seconds"] * n / max(below) if below else None
 
 
 def _speedup(runs: dict[str, dict], tool: str, num_proc: int | None) -> str:
@@ -470,8 +455,7 @@ def append_worker_name(form: str, rows: int) -> str:
 
 
 def write_new_rows(work: Path, rows: int, new: int) -> Path:
-    """The new rows alone (rows `rows` .. `rows + new - 1` of the stream), cut from the grown log
-    `data_path(work, rows + new)` that `write_data` wrote."""
+    """The new rows alone (rows `rows` .. `rows + new - 1` of the stream), cut from the grown log."""
     path = work / f"data-v{DATA_VERSION}-{rows}-new{new}.jsonl"
     if not path.exists():
         part = path.with_name(path.name + ".part")
@@ -482,9 +466,7 @@ def write_new_rows(work: Path, rows: int, new: int) -> Path:
 
 
 def _time_phases(module, names) -> list[dict]:
-    """Wrap the functions `names` of `module` (looked up there by the code that calls them): each call is recorded
-    as {name, seconds, exclusive (without the timed calls inside it), rows (len of its first argument or result,
-    where it is a dataset)}."""
+    """Wrap the functions `names` of `module`: each call's seconds, exclusive seconds and rows."""
     calls: list[dict] = []
     stack: list[float] = []
 
@@ -514,8 +496,7 @@ def _time_phases(module, names) -> list[dict]:
 
 
 def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """One run of the CLI (`kto-pipeline precompute [--append]`) in this fresh process; returns a JSON-able dict.
-    Nothing heavy is imported before this is called (bench.py dispatches here first)."""
+    """One run of `kto-pipeline precompute [--append]` in this fresh process (nothing heavy imported yet)."""
     import resource
 
     started = time.perf_counter()
@@ -587,9 +568,7 @@ def _verify_cli(cache: Path) -> tuple[bool, float, str]:
 
 
 def check_append(full: dict, r: dict, base: dict[str, str], cache: Path, cache_rows: int, new: int) -> dict:
-    """What an append must have done, checked before any number is reported (the benchmark stops otherwise):
-    tokenized and scored exactly the new rows, recorded them as segment 1, left every file of the cache as it was,
-    and the cache passes `kto-pipeline inspect --verify`. Returns what was checked, for the section."""
+    """What an append must have done (the benchmark stops otherwise); returns what was checked."""
     name = f"{APPEND_FORMS[r['form']]} ({cache_rows:,} rows)"
     seg, timing = r["segment"], r["segment"]["timing"]
     expected_matched = cache_rows if r["form"] == "log" else 0
@@ -631,8 +610,7 @@ def check_append(full: dict, r: dict, base: dict[str, str], cache: Path, cache_r
 
 
 def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[int, ...] | None, tokenizer: str | None):
-    """`--only append`: for each cache size, a full precompute, then both append forms into copies of its cache,
-    each in a fresh process and datasets cache; checked, then written as a section of `results`."""
+    """`--only append`: per cache size, a full precompute, then both appends into copies of its cache."""
     size = _sized(APPEND_SIZES[size_name], "caches", caches, tokenizer)
     if size["goal_cache"] not in size["caches"]:
         size["goal_cache"] = size["caches"][-1]
@@ -791,26 +769,22 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
     return goals_table(*goals), notes
 
 
-def _real_model_note(measured: dict, size: dict) -> str:
-    """Why the reference is the tiny model: what the full pass would take with SmolLM2-135M at its measured rate."""
-    t = measured[size["goal_cache"]]["full"]["segment"]["timing"]
-    tokens, tiny = t["tokens_scored"], t["tokens_scored"] / t["reference_pass_seconds"]
-    hours = tokens / SMOLLM2_TOKENS_PER_S / 3600
-    return (
-        f"Not SmolLM2-135M itself: its reference pass ran at {SMOLLM2_TOKENS_PER_S} tokens/s on this CPU with 2 "
-        f"threads (the real-model section above, 2026-11-24), so the {tokens:,} tokens of the full pass would take "
-        f"about {hours:.1f} hours; the tiny model scored {tiny:,.0f} tokens/s here with 1 thread "
-        f"({tiny / SMOLLM2_TOKENS_PER_S:.0f}x faster). With the real model the reference pass (full pass and the "
-        "append's scoring alike) would be that much longer, and the fixed and dataset-proportional costs of an "
-        "append, which do not depend on the model (but for its load), would weigh that much less against the full "
-        "pass."
-    )
-
-
 def render_append(measured: dict, checks: dict, size: dict, size_name: str, seconds: float) -> str:
     runs, split, phases = _append_tables(measured, size)
     goals, notes = _append_goals(measured, checks, size)
     new, tokenizer_text = size["new"], _tokenizer_text(size)
+    # why the reference is the tiny model: what the full pass would take with SmolLM2-135M at its measured rate
+    t = measured[size["goal_cache"]]["full"]["segment"]["timing"]
+    tokens, tiny = t["tokens_scored"], t["tokens_scored"] / t["reference_pass_seconds"]
+    real_model = (
+        f"Not SmolLM2-135M itself: its reference pass ran at {SMOLLM2_TOKENS_PER_S} tokens/s on this CPU with 2 "
+        f"threads (the real-model section above, 2026-11-24), so the {tokens:,} tokens of the full pass would take "
+        f"about {tokens / SMOLLM2_TOKENS_PER_S / 3600:.1f} hours; the tiny model scored {tiny:,.0f} tokens/s here "
+        f"with 1 thread ({tiny / SMOLLM2_TOKENS_PER_S:.0f}x faster). With the real model the reference pass (full pass "
+        "and the append's scoring alike) would be that much longer, and the fixed and dataset-proportional costs of "
+        "an append, which do not depend on the model (but for its load), would weigh that much less against the full "
+        "pass."
+    )
     loads = [(r["load_before"], r["load_after"]) for m in measured.values() for r in m.values()]
     threads = max(r["threads"] for m in measured.values() for r in m.values())
     head = provenance(f"`python benchmarks/bench.py --size {size_name} --only append`", seconds)
@@ -830,7 +804,7 @@ def render_append(measured: dict, checks: dict, size: dict, size_name: str, seco
         f"the first N + {new:,}; the new rows = rows N .. N + {new - 1:,} alone. Tokenizer: {tokenizer_text}; the "
         f"reference: the tiny random Llama of `build_model` over it (hidden 64, 2 layers; its 49152-way output "
         f"layer is most of its work), float32, the CLI's defaults otherwise (max_length {size['max_length']}, "
-        "--num-proc 1, batch 16 sequences / 16384 tokens, shards of 2048 rows). " + _real_model_note(measured, size),
+        "--num-proc 1, batch 16 sequences / 16384 tokens, shards of 2048 rows). " + real_model,
         "- each run is `kto-pipeline precompute [--append]` through the CLI's entry point in a fresh process "
         "(`bench.py worker append_<full|log|new>_N`) with its own empty HF_DATASETS_CACHE; each append goes into "
         "a copy of the full precompute's cache. process s = the process from start to exit, from outside; "
