@@ -121,8 +121,7 @@ def _trl_fake_mode():
 
 
 def trl_dataset_rows(rows):
-    """Text rows that the char tokenizer (one token a character) turns into exactly `rows`' lengths: trl appends EOS
-    to each completion, so each completion has one character fewer."""
+    """Text rows the char tokenizer turns into `rows`' lengths (less one: trl appends EOS to completions)."""
     import random
 
     rng = random.Random(0)
@@ -136,8 +135,7 @@ def trl_dataset_rows(rows):
 
 
 def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tuple[dict, list[dict]]:
-    """Peak memory of one real trl.KTOTrainer step on fake tensors, and trl's own tokenized rows (as cache rows,
-    for running ours on exactly the same tokens). `rows` give the lengths (their token ids are not used)."""
+    """Peak memory of one real trl.KTOTrainer step on fake tensors, and trl's tokenized rows as cache rows."""
     import torch
     from datasets import Dataset
     from trl import KTOTrainer
@@ -209,8 +207,7 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
 
 
 def comparison(name: str, max_length: int, gradient_checkpointing: bool, work: Path) -> dict:
-    """One table row: ours, trl online and trl precomputed (real trl and this package's model of it), the floor,
-    on 8 kto-mix-like rows of at most `max_length` tokens, bf16 autocast, AdamW."""
+    """One table row: ours, trl online and precomputed (real and modelled), the floor, on 8 kto-mix-like rows."""
     from kto_pipeline.memory import StepSettings, floor_bytes, simulate_ours, simulate_trl, synthetic_rows
 
     config = qwen2(name)
@@ -305,8 +302,7 @@ def redo_ours(data: dict) -> None:
 
 
 def cli_answers(names: list[str]) -> dict:
-    """What `kto-pipeline estimate-memory --model DIR --against-trl` answers for each model (its defaults: 8 rows,
-    max length 1024, every row full, bf16, no AC), DIR holding only the model's config.json."""
+    """What `kto-pipeline estimate-memory --model DIR --against-trl` answers for each model (config only)."""
     from kto_pipeline.config import MemoryEstimateConfig
     from kto_pipeline.memory import estimate
 
