@@ -134,8 +134,7 @@ def ours_train_worker(args: argparse.Namespace, out: Path, bf16: bool) -> dict:
 
 
 def trl_worker(args: argparse.Namespace, out: Path, bf16: bool, use_cpu: bool, precompute: bool) -> dict:
-    """(c): trl's logged step-1 metrics, how many reference forwards its precompute ran, and (precomputed) its
-    per-row reference log-probs keyed by token ids."""
+    """(c): trl's step-1 metrics, its reference forwards and (precomputed) its reference log-probs by token ids."""
     from trl import KTOTrainer
 
     forwards = []
@@ -213,8 +212,7 @@ def compare_caches(caches: dict[str, dict]) -> dict[str, dict]:
 
 
 def trl_reference_stats(trl: dict, caches: dict[str, dict], max_length: int) -> dict:
-    """trl's bf16 reference pass against its float32 one (row by row), and trl's float32 against our float32 cache
-    (matched by token ids: the same tokenization is the check)."""
+    """trl's bf16 reference pass against its float32 one, and trl's float32 against our float32 cache."""
     out: dict = {"vs_trl_float32": {}}
     f32 = trl.get("trl_float32_precomputed", {}).get("ref")
     for name, t in trl.items():
@@ -489,14 +487,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def worker_flags(args: argparse.Namespace) -> list[str]:
-    """The flags of DEFAULTS with their values in `args`: every worker gets them."""
-    return [x for flag in DEFAULTS for x in (f"--{flag.replace('_', '-')}", str(getattr(args, flag)))]
-
-
 def command(args: argparse.Namespace) -> str:
-    """The command as run: the paths given (--demo-dir, --model, --data) by their kind, then the flags of DEFAULTS
-    that differ from their default."""
+    """The command as run: the paths given, then the flags of DEFAULTS that differ from their default."""
     paths = [f"--{k.replace('_', '-')} {kind}" for k, kind in PATHS.items() if k in args.given]
     changed = [k for k, v in DEFAULTS.items() if v is not None and getattr(args, k) != v]
     return " ".join(
@@ -533,7 +525,9 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)  # from scratch: no cache, run or datasets cache of an earlier run
     work.mkdir(parents=True)
     write_rows(Path(args.data), args.pairs, args.batch, work)
-    script, flags = Path(__file__), worker_flags(args)
+    # every worker gets the flags of DEFAULTS with their values in `args`
+    flags = [x for flag in DEFAULTS for x in (f"--{flag.replace('_', '-')}", str(getattr(args, flag)))]
+    script = Path(__file__)
 
     def run(name: str, cache_dir: str | None = None, must_succeed: bool = True) -> dict:
         env = {"HF_DATASETS_CACHE": str(work / "hf-cache" / (cache_dir or name))}
