@@ -144,8 +144,7 @@ def device_name(device: str) -> str:
 
 
 def row_lengths(rows, max_length: int, kl: str = "kl_completion_ids") -> list[list[int]]:
-    """[P, C, K] per row of `rows` (columns prompt_ids, completion_ids and `kl`: a dataset or a cache table),
-    completions truncated where prompt + completion would pass max_length (as both tools do)."""
+    """[P, C, K] per row of `rows`, completions truncated where prompt + completion pass max_length."""
     if hasattr(rows, "to_pydict"):  # a pyarrow table
         rows = rows.select(["prompt_ids", "completion_ids", kl]).to_pydict()
     out = []
@@ -164,8 +163,7 @@ def _tokens(lengths: list[list[int]]) -> int:
 
 
 def _kernel_asked(name: str) -> str:
-    """The attention kernel a case of ours asks for: `..._dense` cases the dense mask, the others the default (on a
-    GPU the block mask)."""
+    """The attention kernel a case asks for: `..._dense` the dense mask, the others the default."""
     return "dense" if name.endswith("_dense") else "auto"
 
 
@@ -192,8 +190,7 @@ def ours_precompute_worker(name: str, work: Path, preset: dict, device: str, out
 
 
 def ours_train_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
-    """kto-pipeline's training on the cache of ours_precompute: step times, peak memory, the rows it trained on, the
-    kernel that ran."""
+    """kto-pipeline's training on ours_precompute's cache: step times, peak memory, rows, kernel."""
     from kto_pipeline import train
     from kto_pipeline.cache import open_cache
 
@@ -211,8 +208,7 @@ def ours_train_worker(name: str, work: Path, preset: dict, device: str, out: Pat
 
 
 def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
-    """trl_online / trl_precomputed / trl_liger: the reference pass where there is one (timed by wrapping it),
-    then the training steps; peak memory of each."""
+    """trl_online / trl_precomputed / trl_liger: the reference pass where there is one, then the steps."""
     import torch
     from trl import KTOTrainer
 
@@ -247,8 +243,7 @@ WORKERS |= dict.fromkeys(TRL_CASES, trl_worker)
 
 
 def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
-    """One case (harness.measured, no RSS readings: the cases read their own peaks); returns a JSON-able dict
-    (seconds, MiB, token counts)."""
+    """One case (harness.measured, no RSS readings: the cases read their own peaks)."""
     if name not in WORKERS:
         raise SystemExit(f"unknown worker {name}")
 
@@ -459,8 +454,7 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
 
 
 def kernels_table(r: dict, preset: dict, stamp: str) -> list[str]:
-    """kto-pipeline under its default attention kernel (on a GPU, FlexAttention under the block mask) against the
-    dense mask (`--attention-kernel dense`): the same data, settings and steps."""
+    """kto-pipeline under its default attention kernel against the dense mask, on the same steps."""
     header = "| measurement | kto-pipeline, default kernel | kto-pipeline, dense mask | dense / default |"
     default, dense = (r["ours_precompute"], r["ours_train"]), (r["ours_precompute_dense"], r["ours_train_dense"])
     kernels = [f"{ref['kernel']} / {tr['kernel']}" for ref, tr in (default, dense)]
