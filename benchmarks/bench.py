@@ -78,8 +78,7 @@ MAIN_NAMES = (*SMOLLM2_NAMES, "ours_sweep", "trl_sweep_online", "trl_sweep_preco
 
 
 def build_assets(work: Path, size: dict) -> None:
-    """A Qwen2 model with random weights, a char tokenizer padded to the vocab size (harness.random_qwen2), and a
-    dataset of random words."""
+    """A random-weight Qwen2 with a char tokenizer (harness.random_qwen2) and a dataset of random words."""
     import random
 
     random_qwen2(work / "model", size)
@@ -108,15 +107,13 @@ def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
 
 
 def bench_train_config(work: Path, size: dict, out: Path, **extra):
-    """kto-pipeline's TrainConfig for the bench's training runs (harness.ours_train_config): the cache its precompute
-    worker wrote in `work`, plus `extra`."""
+    """kto-pipeline's TrainConfig for the bench's training runs on the cache in `work`, plus `extra`."""
     cache = work / "runs" / "ours_precompute"
     return ours_train_config(cache, out, batch=size["batch"], steps=size["steps"], learning_rate=LEARNING_RATE, **extra)
 
 
 def trl_settings(size: dict, steps: int = 1, beta: float = 0.1) -> dict:
-    """harness.trl_trainer's settings for this benchmark's trl runs: float32 (bf16 off), batches of size["batch"] for
-    training and for its reference pass, `steps` steps at LEARNING_RATE, beta."""
+    """harness.trl_trainer's settings for this benchmark's trl runs: float32, `steps` steps, `beta`."""
     run = dict(batch=size["batch"], max_length=size["max_length"], precompute_ref_batch_size=size["batch"])
     return dict(run, max_steps=steps, beta=beta, learning_rate=LEARNING_RATE, **TRL_RUN)
 
@@ -209,8 +206,7 @@ WORKERS |= dict.fromkeys(("trl_sweep_online", "trl_sweep_precomputed"), trl_swee
 
 
 def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = None, data: Path | None = None) -> dict:
-    """One measurement (harness.measured); returns a JSON-able dict (times in seconds, memory in MiB). `model` and
-    `data` default to the random model and data that build_assets writes in `work`."""
+    """One measurement (harness.measured); `model` and `data` default to build_assets' in `work`."""
     if name.startswith("append_"):  # bench_scale.py: the CLI's process, imports timed (so nothing is imported first)
         from bench_scale import append_worker
 
@@ -287,8 +283,7 @@ def run_main(work: Path, size_name: str, results: Path | None) -> None:
 
 
 def with_other_sections(report: str, old: str) -> str:
-    """The main table's `report`, then every section of the `old` RESULTS.md that it does not write itself: the
-    other cases' (`--only lora`, `smollm2`, `scale`), the one-off checks and the hand-written analyses survive."""
+    """The main table's `report`, then every section of the `old` RESULTS.md it does not write."""
     written = {line for line in report.splitlines() if line.startswith("## ")}
     kept = [get_section(old, line) for line in old.splitlines() if line.startswith("## ") and line not in written]
     return report + "".join("\n" + section for section in kept)
@@ -322,8 +317,7 @@ def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
 
 
 def attention_pairs_section(cache: Path, size: dict) -> list[str]:
-    """The (query, key) pairs of the case's batches under the dense mask and under the block mask
-    (attention_pairs.py): what an accelerator would compute; nothing runs."""
+    """The (query, key) pairs of the case's batches, dense against block mask (nothing runs)."""
     from attention_pairs import count_pairs
     from attention_pairs import table as pairs_table
 
