@@ -159,28 +159,12 @@ def test_fsdp2_train_equals_one_process_and_survives_sigkill_and_sigterm(tmp_pat
     assert sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert not (checkpoint / "accelerate_state" / "optimizer.bin").exists()  # the optimizer is in the shards
 
-    # the same run, one rank SIGKILLed once its first checkpoint is written, under torchrun --max-restarts 1 with
-    # --autoresume: torchrun starts both again, and they continue from that checkpoint by themselves
-    killed, logs = tmp_path / "killed", tmp_path / "logs-killed"
-    torchrun = launch(
-        2,
-        *args,
-        "--output-dir",
-        str(killed),
-        "--autoresume",
-        env=FSDP_ENV,
-        log_dir=logs,
-        background=True,
-        max_restarts=1,
-    )
-    os.kill(_ranks_once(torchrun, killed / "checkpoint-2", logs)[1], signal.SIGKILL)
-    assert torchrun.wait(timeout=240) == 0, rank_logs(logs)
-    assert "resuming from" in rank_logs(logs)
-    _check_equal_runs(killed, tmp_path / "two")
-
-    # SIGTERM to one rank: both stop at the next step boundary with a checkpoint; then --autoresume continues it
+    # SIGTERM to one rank once the first checkpoint is written (a run under --autoresume on an empty directory: it
+    # starts): both stop at the next step boundary with a checkpoint
     stopped, logs = tmp_path / "stopped", tmp_path / "logs-stopped"
-    torchrun = launch(2, *args, "--output-dir", str(stopped), env=FSDP_ENV, log_dir=logs, background=True)
+    torchrun = launch(
+        2, *args, "--output-dir", str(stopped), "--autoresume", env=FSDP_ENV, log_dir=logs, background=True
+    )
     os.kill(_ranks_once(torchrun, stopped / "checkpoint-2", logs)[0], signal.SIGTERM)
     assert torchrun.wait(timeout=120) != 0
     steps = set()
@@ -192,8 +176,30 @@ def test_fsdp2_train_equals_one_process_and_survives_sigkill_and_sigterm(tmp_pat
     # that lands between checkpoint-2's write and that step's stop check stops the run at step 2)
     (step,) = steps
     assert not (stopped / "model.safetensors").exists() and (stopped / f"checkpoint-{step}" / "sharded").is_dir()
-    launch(2, *args, "--output-dir", str(stopped), "--autoresume", env=FSDP_ENV, log_dir=tmp_path / "logs-resume")
-    _check_equal_runs(stopped, tmp_path / "two")
+
+    # --autoresume continues it, under torchrun --max-restarts 1, and one rank is SIGKILLed once the continued run has
+    # written its next checkpoint: torchrun starts both again, and they continue from that checkpoint by themselves.
+    # (One run takes both interruptions: a launch fewer than a SIGTERMed run and a SIGKILLed one, each continued.)
+    killed, logs = stopped, tmp_path / "logs-killed"
+    after_stop = (int(step) // 2 + 1) * 2  # --save-steps 2: the first checkpoint the continued run writes
+    torchrun = launch(
+        2,
+        *args,
+        "--output-dir",
+        str(killed),
+        "--autoresume",
+        env=FSDP_ENV,
+        log_dir=logs,
+        background=True,
+        max_restarts=1,
+    )
+    os.kill(_ranks_once(torchrun, killed / f"checkpoint-{after_stop}", logs)[1], signal.SIGKILL)
+    assert torchrun.wait(timeout=240) == 0, rank_logs(logs)
+    assert "resuming from" in rank_logs(logs)
+    (restarted,) = logs.glob("*/attempt_1/0/stdout.log")  # the restarted workers resumed, from the kill's checkpoint
+    resumed = re.findall(r"resuming from \S*checkpoint-(\d+)", restarted.read_text())
+    assert len(resumed) == 1 and int(resumed[0]) >= after_stop, rank_logs(logs)
+    _check_equal_runs(killed, tmp_path / "two")
 
     # another world size cannot resume it: refused before anything is loaded
     with pytest.raises(KTOPipelineError, match=r"written by 2 process\(es\) \(fsdp2\).*this run has 1 \(single\)"):
