@@ -79,11 +79,16 @@ def test_tokens_and_reference_logps_match_trl(smollm2, real_data, real_cache, tm
     from trl import KTOConfig, KTOTrainer
 
     dataset = datasets.load_dataset("json", data_files=str(real_data), split="train", cache_dir=str(tmp_path / "hf"))
+    # trl's reference pass, made cheaper without changing what is compared (measured alone on 2 cores: 24 s -> 10 s):
+    # apo_zero_unpaired skips the KL completions' forward (its ref_logps, rows and tokens are kto's, bit for bit; the
+    # KL values are not compared here), and a reference batch of 1 row runs no padding (the sums move by ~1e-6 rel)
     trainer = KTOTrainer(
         model=AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval(),
         args=KTOConfig(
             output_dir=str(tmp_path / "trl"),
             precompute_ref_log_probs=True,
+            loss_type="apo_zero_unpaired",
+            precompute_ref_batch_size=1,
             max_length=MAX_LENGTH,
             bf16=False,
             per_device_train_batch_size=4,
@@ -140,6 +145,7 @@ def test_dpo_on_the_real_pairs_matches_trl(smollm2, real_data, real_cache, tmp_p
             max_length=MAX_LENGTH,
             bf16=False,
             per_device_train_batch_size=2,
+            gradient_checkpointing=False,  # trl's default (True) recomputes each forward in the backward; ours: off
             train_sampling_strategy="sequential",
             warmup_steps=0,
             report_to=[],
