@@ -348,17 +348,12 @@ def _ratio_cells(what: str, ours: float, trl_: float, fmt: str, per: str = "trl 
     return what, f"{ours:{fmt}}", f"{trl_:{fmt}}", f"{ratio:.2f}x"
 
 
-def _train_runs(r: dict) -> tuple[dict, dict, dict]:
-    return r["ours_train"], r["trl_train_online"], r["trl_train_precomputed"]
-
-
 def render_smollm2(
     r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float, pairs: list[str]
 ) -> str:
     from kto_pipeline import PrecomputeConfig
 
-    op, tp = r["ours_precompute"], r["trl_precompute"]
-    ot, tto, ttp = _train_runs(r)
+    op, tp, ot, tto, ttp = (r[name] for name in SMOLLM2_NAMES)
     o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
     o_proc, on_proc, pre_proc = (x["process_seconds"] for x in (ot, tto, ttp))
     o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
@@ -426,8 +421,7 @@ def render_smollm2(
 
 
 def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float) -> str:
-    op, tp = r["ours_precompute"], r["trl_precompute"]
-    ot, tto, ttp = _train_runs(r)
+    op, tp, ot, tto, ttp = (r[name] for name in SMOLLM2_NAMES)
     o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
     o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
     o_grow, on_grow, pre_grow = (x["peak_rss_mib"] - x["baseline_rss_mib"] for x in (ot, tto, ttp))
