@@ -350,13 +350,10 @@ def summarize(r: dict, preset: dict, flops: Flops, peak: float | None) -> dict:
         c["train_peak_mib"] = res["train_peak_mib"]
         ref = r.get(ref_case) if ref_case else None
         if ref and "ref_seconds" in ref:
-            rows = ref["ref_lengths"]
-            c["ref_tokens"] = _tokens(rows)
-            c["ref_rows"] = len(rows)
-            c["ref_seconds"] = ref["ref_seconds"]
-            c["ref_tokens_per_s"] = c["ref_tokens"] / ref["ref_seconds"]
-            c["ref_mfu"] = flops.reference(rows) / ref["ref_seconds"] / peak if peak else None
-            c["ref_peak_mib"] = ref["ref_peak_mib"]
+            rows, seconds = ref["ref_lengths"], ref["ref_seconds"]
+            c |= dict(ref_tokens=_tokens(rows), ref_rows=len(rows), ref_seconds=seconds)
+            c |= dict(ref_tokens_per_s=c["ref_tokens"] / seconds, ref_peak_mib=ref["ref_peak_mib"])
+            c["ref_mfu"] = flops.reference(rows) / seconds / peak if peak else None
         cols[col] = c
     return cols
 
