@@ -237,7 +237,7 @@ def test_manifest_segments_are_json(grown):
 
 
 @pytest.mark.slow
-def test_sigkill_during_an_append_then_rerun_completes_it(tiny_model_dir, tmp_path):
+def test_sigkill_during_an_append_then_rerun_completes_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """The cache as readers see it is the old one until the append finishes; a second writer is refused while it
     runs; after SIGKILL the same command resumes after the append's intact shards, and the old shards never
     change."""
@@ -250,9 +250,9 @@ def test_sigkill_during_an_append_then_rerun_completes_it(tiny_model_dir, tmp_pa
     cache = precompute(config(tiny_model_dir, write_jsonl(tmp_path / "first.jsonl", rows[:48]), tmp_path / "cache"))
     old = files(cache)
     log = write_jsonl(tmp_path / "log.jsonl", rows)
-    cmd = cli_cmd("precompute", *cli(tiny_model_dir, log, cache), "--append", "--batch-size", "4")
+    args = ["precompute", *cli(tiny_model_dir, log, cache), "--append", "--batch-size", "4"]
     env = {**os.environ, "TQDM_DISABLE": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cli_cmd(*args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     appending = {}
     while time.time() < deadline and len(appending.get("shards", [])) < 3:
@@ -268,9 +268,9 @@ def test_sigkill_during_an_append_then_rerun_completes_it(tiny_model_dir, tmp_pa
     assert 3 <= len(appending["shards"]) < 44
     assert len(open_cache(cache, verify=True)) == 48  # readers see the old cache, whole
 
-    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming the append:" in resumed.stdout
+    code, out, err = run_cli(monkeypatch, capsys, *args)  # the same command again, in this process
+    assert code == 0, err[-3000:]
+    assert "resuming the append:" in out
     after = files(cache)
     assert {k: after[k] for k in old} == old  # the old shards and keys, byte for byte
     t = open_cache(cache, verify=True).table

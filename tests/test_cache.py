@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from helpers import cli_args, cli_cmd, unpaired_rows, write_jsonl
+from helpers import cli_args, cli_cmd, run_cli, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import SCHEMA, open_cache, read_manifest, sha256_file
@@ -146,13 +146,16 @@ def test_fingerprint_names_what_differs(tmp_path, tiny_model_dir):
 # ------------------------------------------------------------------------------ crash and resume
 
 
+def _precompute_args(model, data, out):
+    return cli_args(model=model, dataset=data, output=out, max_length=64, shard_size=8, batch_size=4)
+
+
 def _precompute_cmd(model, data, out):
-    args = cli_args(model=model, dataset=data, output=out, max_length=64, shard_size=8, batch_size=4)
-    return cli_cmd("precompute", *args)
+    return cli_cmd("precompute", *_precompute_args(model, data, out))
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir):
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, monkeypatch, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows(400))
     env = {**os.environ, "TQDM_DISABLE": "1"}
     proc = subprocess.Popen(
@@ -175,12 +178,16 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir):
     partial = read_manifest(tmp_path / "killed")
     assert not partial["complete"] and 3 <= len(partial["shards"]) < 50, len(partial["shards"])
 
-    resumed = subprocess.run(
-        _precompute_cmd(tiny_model_dir, data, tmp_path / "killed"), env=env, capture_output=True, text=True
+    # the same command again, and the uninterrupted run: the CLI in this process (the SIGKILL is the child's)
+    code, out, err = run_cli(
+        monkeypatch, capsys, "precompute", *_precompute_args(tiny_model_dir, data, tmp_path / "killed")
     )
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resuming" in resumed.stdout
-    subprocess.run(_precompute_cmd(tiny_model_dir, data, tmp_path / "clean"), env=env, check=True, capture_output=True)
+    assert code == 0, err
+    assert "resuming" in out
+    code, _, err = run_cli(
+        monkeypatch, capsys, "precompute", *_precompute_args(tiny_model_dir, data, tmp_path / "clean")
+    )
+    assert code == 0, err
     a, b = open_cache(tmp_path / "killed", verify=True), open_cache(tmp_path / "clean", verify=True)
     assert a.table.num_rows == b.table.num_rows == 400
     assert a.table.to_pylist() == b.table.to_pylist()  # value by value
