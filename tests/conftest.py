@@ -95,6 +95,14 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_configure(config):
+    # pytest-xdist (3.x, --loadscope-reorder on by default) hands the files out by their number of tests, most first,
+    # not in collection order: the longest files, which hold few tests (test_real_model.py 6, test_memory.py 3),
+    # went last and left one worker idle while the other finished them. Collection order it is.
+    if getattr(config.option, "loadscopereorder", None):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
