@@ -145,7 +145,6 @@ def test_dpo_on_the_real_pairs_matches_trl(smollm2, real_data, real_cache, tmp_p
             max_length=MAX_LENGTH,
             bf16=False,
             per_device_train_batch_size=2,
-            gradient_checkpointing=False,  # trl's default (True) recomputes each forward in the backward; ours: off
             train_sampling_strategy="sequential",
             warmup_steps=0,
             report_to=[],
