@@ -15,7 +15,12 @@ class Preempted(KTOPipelineError):
     exit_code = PREEMPTED_EXIT
 
 
+def flag(name: str) -> str:
+    """A config field's name as its command-line flag: loss_type -> --loss-type."""
+    return "--" + name.replace("_", "-")
+
+
 def check_option(cond: bool, name: str, message: str) -> None:
-    """Refuse a setting: `--NAME: MESSAGE` (a config field's name, as its flag)."""
+    """Refuse a setting: `--NAME: MESSAGE`."""
     if not cond:
-        raise KTOPipelineError(f"--{name.replace('_', '-')}: {message}")
+        raise KTOPipelineError(f"{flag(name)}: {message}")

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import NoneType, UnionType
 from typing import Any
 
-from kto_pipeline.errors import KTOPipelineError, check_option
+from kto_pipeline.errors import KTOPipelineError, check_option, flag
 from kto_pipeline.scoring import ATTENTION_KERNELS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -68,10 +68,6 @@ def described(text: str, *, panel: str, formerly: str | None = None, **kw: Any) 
     return {"metadata": {"help": text, "panel": panel, "formerly": formerly}, **kw}
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 check = check_option
 
 
@@ -105,7 +101,7 @@ def parse_value(value_type: Any, text: str, name: str) -> Any:
         if base in (int, float):
             return base(text)
     except ValueError:
-        raise KTOPipelineError(f"{_flag(name)}: cannot read {text!r} as {base.__name__}") from None
+        raise KTOPipelineError(f"{flag(name)}: cannot read {text!r} as {base.__name__}") from None
     return text
 
 

@@ -60,16 +60,18 @@ def _simulate_ours(model_config, rows, settings: StepSettings, fake: bool, attri
 def launched_as(settings: StepSettings):
     """The environment `accelerate launch` gives the step simulated (FSDP2 over `fsdp_world_size` processes, with
     or without CPU offload; else one process), so that `engine_for` picks its engine as train would."""
-    keys = [k for k in os.environ if k.startswith("FSDP_") or k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")]
-    saved = {k: os.environ.pop(k) for k in keys}
+    saved = dict(os.environ)
+    for k in [
+        k for k in os.environ if k.startswith("FSDP_") or k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+    ]:
+        del os.environ[k]
     if settings.fsdp_world_size > 1:
-        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
-        os.environ["FSDP_OFFLOAD_PARAMS"] = "true" if settings.cpu_offload else "false"
+        offload = "true" if settings.cpu_offload else "false"
+        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_OFFLOAD_PARAMS=offload)
     try:
         yield
     finally:
-        for k in [k for k in os.environ if k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP"]:
-            del os.environ[k]
+        os.environ.clear()
         os.environ.update(saved)
 
 

@@ -234,6 +234,7 @@ class CacheRows:
         prompt_lens = pc.list_value_length(self.table.column("prompt_ids")).to_numpy()
         self.indices = np.flatnonzero(prompt_lens < max_length)
         self.labels = self.table.column("label").to_numpy(zero_copy_only=False)[self.indices]
+        self._groups: dict[int, int] | None = None
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -248,7 +249,10 @@ class CacheRows:
         return np.minimum(total, self.max_length)
 
     def prompt_groups(self) -> dict[int, int]:
-        """example_id -> a number shared by every row with the same prompt (for pairwise metrics)."""
+        """example_id -> a number shared by every row with the same prompt (for pairwise metrics); read once, as
+        every evaluation asks."""
+        if self._groups is not None:
+            return self._groups
         groups: dict[tuple[int, ...], int] = {}
         out = {}
         rows = self.table.select(["example_id", "prompt_ids"]).take(self.indices)
@@ -256,6 +260,7 @@ class CacheRows:
             rows.column("example_id").to_pylist(), rows.column("prompt_ids").to_pylist(), strict=True
         ):
             out[example_id] = groups.setdefault(tuple(prompt), len(groups))
+        self._groups = out
         return out
 
     def __getitem__(self, i: int) -> dict[str, Any]:
