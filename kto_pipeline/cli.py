@@ -196,12 +196,12 @@ def demo(
 
 
 def _close_process_group(finished: bool) -> None:
-    """Under torchrun / accelerate launch, end the process group before exit, all processes together. A gloo
-    process whose interpreter exits with its process group still alive and a collective still in flight aborts at
-    exit ("terminate called without an active exception", SIGABRT: gloo's threads are torn down while still
-    running), whether its peer joined that collective or not. Measured with benchmarks/checks/teardown_abort.py (2
-    processes, 48 launches per case): leaving with the group alive aborted a process in 5 of 48 launches when the
-    collectives were matched and in 5 of 48 when one process issued an all-reduce the other never joined;
+    """Under torchrun / accelerate launch, end the process group before exit, all processes together. A gloo process
+    whose interpreter exits with its process group still alive and a collective still in flight aborts at exit
+    ("terminate called without an active exception", SIGABRT: gloo's threads are torn down while still running),
+    whether its peer joined that collective or not. Measured with benchmarks/checks/teardown_abort.py (in git at
+    00274f3; 2 processes, 48 launches per case): leaving with the group alive aborted a process in 5 of 48 launches
+    when the collectives were matched and in 5 of 48 when one process issued an all-reduce the other never joined;
     destroying the group first, in 0 of 48 in either case. So every process ends its group, and none before the
     others are done. A command that never imported torch (--help, inspect, report) has no group, and must not pay
     for importing torch.
