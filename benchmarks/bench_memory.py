@@ -3,23 +3,20 @@
     python benchmarks/bench_memory.py            # `make bench-memory`: writes benchmarks/RESULTS-memory.md
     python benchmarks/bench_memory.py --quick    # the 0.5B rows only, no CPU check
 
-How: `kto_pipeline/memory.py` (what `kto-pipeline estimate-memory` runs): the model on the meta device, materialized as
-fake tensors; one steady training step (AdamW's moments already exist) through the real code, under torch's
-MemTracker (FSDPMemTracker on a fake process group for FSDP2). Shapes, dtypes and device decisions are a GPU
-user's (float32 weights, bf16 autocast, fused AdamW). Ours: `Collator` -> `PolicyScorer` -> `kto_forward`,
-backward, clipping, AdamW as `train_step` runs them (FSDP2 through `FSDP2.shard`). trl, real: `trl.KTOTrainer`
-built on the same fake model, its own tokenization, collator, `training_step`, `clip_grad_norm_` and fused AdamW,
-with the smallest changes fake tensors need: its metrics' `.item()` read 0; its LM head takes its CUDA path
-(`_use_triton`) with its two Triton kernels as no-ops; precomputed reference log-probs are given, not computed.
-trl, modelled: `memory.simulate_trl` (`estimate-memory --against-trl`), which must match the real trl. Checked
-against a real measurement: `memory.cpu_check`, a real float32 step on this CPU against its simulation.
+The simulation is `kto_pipeline/memory` (what `kto-pipeline estimate-memory` runs; its docstring says how), with a GPU
+user's settings: float32 weights, bf16 autocast, fused AdamW, its moments already there (a steady step). Ours runs as
+`train_step` does (FSDP2 through `FSDP2.shard`). trl, real: `trl.KTOTrainer` on the same fake model, with its own
+tokenization, collator, `training_step`, `clip_grad_norm_` and fused AdamW, changed only where fake tensors need it:
+its metrics' `.item()` read 0; its LM head takes its CUDA path (`_use_triton`) with its two Triton kernels as no-ops;
+precomputed reference log-probs are given. trl, modelled: `memory.simulate_trl` (`estimate-memory --against-trl`),
+which must match the real trl. `memory.cpu_check`: the simulation against a real float32 step on this CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import sys
 import tempfile
 import time
 import types
@@ -40,11 +37,10 @@ def qwen2(name: str):
     return Qwen2Config(**QWEN2[name])
 
 
-@contextmanager
-def trl_on_a_cuda_device():
-    """trl's fused LM head as it runs on a CUDA device, under fake CPU tensors: only the scored positions
-    (`_use_triton`), float32 accumulation without float32 copies (cuBLAS's out_dtype), and its Triton kernels,
-    which fold a tile into statistics already allocated, as no-ops (fake tensors hold no values to fold)."""
+def trl_on_a_cuda_device() -> list[tuple]:
+    """Patches: trl's fused LM head as it runs on a CUDA device, under fake CPU tensors: only the scored positions
+    (`_use_triton`), float32 accumulation without float32 copies (cuBLAS's out_dtype), and its Triton kernels, which
+    fold a tile into statistics already allocated, as no-ops (fake tensors hold no values to fold)."""
     import trl.kernels.chunked_logprob as kernels
     import trl.trainer.utils as utils
 
@@ -59,15 +55,13 @@ def trl_on_a_cuda_device():
     changes += [(kernels, "_addmm_fp32", addmm_fp32)]
     if not hasattr(kernels, "triton"):
         changes.append((kernels, "triton", types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))))
-    with patched(changes):
-        yield
+    return changes
 
 
-@contextmanager
-def models_already_placed():
-    """The fake models are on the simulated device already; moving them (`Trainer._move_model_to_device`,
-    accelerate's `prepare_model` device placement) would try to swap fake parameters, which `Module._apply`
-    refuses (`Couldn't swap Embedding.weight`). Everything else `prepare_model` does (autocast) stays."""
+def models_already_placed() -> list[tuple]:
+    """Patches: the fake models stay on the simulated device. Moving them (`Trainer._move_model_to_device`,
+    accelerate's `prepare_model` device placement) would swap fake parameters, which `Module._apply` refuses
+    (`Couldn't swap Embedding.weight`); the rest of `prepare_model` (autocast) stays."""
     from accelerate import Accelerator
     from transformers import Trainer
 
@@ -77,8 +71,7 @@ def models_already_placed():
         return prepare(self, model, device_placement=False, evaluation_mode=evaluation_mode)
 
     move = (Trainer, "_move_model_to_device", lambda self, model, device: None)
-    with patched([move, (Accelerator, "prepare_model", prepare_in_place)]):
-        yield
+    return [move, (Accelerator, "prepare_model", prepare_in_place)]
 
 
 @contextmanager
@@ -93,23 +86,17 @@ def patched(changes: list[tuple]):
 
 
 def _trl_fake_mode():
-    """The simulation's fake mode, run around trl's step: ops whose tensors are all real (the batch's masks,
-    `nonzero` of the labels) run for real, as host-side work would; `.item()` of a fake tensor (trl's metrics)
-    reads 0."""
+    """The simulation's fake mode, for trl's step: ops whose tensors are all real (the batch's masks, `nonzero` of the
+    labels) run for real, as host-side work would; `.item()` of a fake tensor (trl's metrics) reads 0."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._pytree import tree_leaves
 
     from kto_pipeline.memory import fake_mode
 
-    base = type(fake_mode())
-
-    class TrlFakeMode(base):
-        items_read = 0
-
+    class TrlFakeMode(type(fake_mode())):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
-                TrlFakeMode.items_read += 1
                 return False if args[0].dtype == torch.bool else 0
             tensors = [x for x in tree_leaves((args, kwargs or {})) if isinstance(x, torch.Tensor)]
             # (meta tensors are the model before `to_empty`: shapes only, never real)
@@ -158,11 +145,9 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
     run = dict(tokenizer=tokenizer, ref_model=reference, batch=len(rows), max_length=max_length, precompute=not online)
     run |= dict(bf16=settings.bf16, gradient_checkpointing=settings.gradient_checkpointing, use_cpu=True)
     run |= dict(gradient_checkpointing_kwargs={"use_reentrant": False}, learning_rate=1e-6, dataloader_num_workers=0)
-    given_pass = [
-        (kto_trainer, "hash_module", lambda module: "fake"),
-        (KTOTrainer, "_precompute_ref_logps", given_ref_logps),
-    ]
-    with patched(given_pass), mode, models_already_placed(), warnings.catch_warnings():
+    given_pass = [(kto_trainer, "hash_module", lambda module: "fake")]
+    given_pass.append((KTOTrainer, "_precompute_ref_logps", given_ref_logps))
+    with patched(given_pass + models_already_placed()), mode, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = trl_trainer(policy, Dataset.from_list(trl_dataset_rows(rows)), work / "trl", **run)
         args = trainer.args
@@ -180,10 +165,9 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
     tracker.track_external(model, optimizer)
     if trainer.ref_model is not None:
         tracker.track_external(trainer.ref_model)
-    with trl_on_a_cuda_device(), device_decisions(settings.device_type), mode, tracker:
+    with patched(trl_on_a_cuda_device()), device_decisions(settings.device_type), mode, tracker:
         before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])
-        loss = trainer.training_step(model, inputs)
-        del loss
+        trainer.training_step(model, inputs)  # the loss it returns is dropped at once
         trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         model.zero_grad()
@@ -225,6 +209,8 @@ def comparison(name: str, max_length: int, gradient_checkpointing: bool, work: P
     out["floor"] = floor_bytes(config, settings, out["tokens_needed"])
     out["lengths"] = [(len(r["prompt_ids"]), len(r["completion_ids"]), len(r["kl_completion_ids"])) for r in trl_rows]
     out["seconds"] = time.perf_counter() - started
+    peaks = f"ours {gib(out['ours']['peak_bytes'])}, trl online {gib(out['trl_online']['peak_bytes'])} GiB"
+    print(f"  {name} {max_length} AC={gradient_checkpointing}: {peaks} ({out['seconds']:.0f} s)", flush=True)
     return out
 
 
@@ -256,6 +242,7 @@ def lever(label: str, name: str, max_length: int, fields: dict) -> dict:
         out["ours"] = simulate_ours(config, rows, settings).to_dict()
     except Exception as exc:  # a lever that does not run here is a result too
         out["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        print(f"  lever {label} {name} {max_length}: - GiB {out['failed']}", flush=True)
         return out
     out["tokens_needed"] = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
     floor = floor_bytes(config, settings, out["tokens_needed"])
@@ -265,6 +252,7 @@ def lever(label: str, name: str, max_length: int, fields: dict) -> dict:
         floor["optimizer"] = floor["optimizer"] // 4
     out["floor"] = floor
     out["seconds"] = time.perf_counter() - started
+    print(f"  lever {label} {name} {max_length}: {gib(out['ours']['peak_bytes'])} GiB", flush=True)
     return out
 
 
@@ -285,8 +273,8 @@ def rows_of(lengths: list[list[int]], vocab_size: int) -> list[dict]:
 
 
 def redo_ours(data: dict) -> None:
-    """Ours again on each comparison row's rows (its saved lengths), with the package as it is now; the earlier
-    value is kept as `ours_before` (the first time only), so the table shows what a change to the package did."""
+    """Ours again on each comparison row's saved lengths, with the package as it is now; the first value is kept as
+    `ours_before`, so the table shows what a change to the package did."""
     from kto_pipeline.memory import StepSettings, simulate_ours
 
     for r in data["comparisons"]:
@@ -294,11 +282,8 @@ def redo_ours(data: dict) -> None:
         settings = StepSettings(gradient_checkpointing=r["gradient_checkpointing"])
         r.setdefault("ours_before", r["ours"])
         r["ours"] = simulate_ours(config, rows_of(r["lengths"], config.vocab_size), settings, attribute=True).to_dict()
-        print(
-            f"  ours {r['model']} {r['max_length']} AC={r['gradient_checkpointing']}: "
-            f"{gib(r['ours_before']['peak_bytes'])} -> {gib(r['ours']['peak_bytes'])} GiB",
-            flush=True,
-        )
+        change = f"{gib(r['ours_before']['peak_bytes'])} -> {gib(r['ours']['peak_bytes'])}"
+        print(f"  ours {r['model']} {r['max_length']} AC={r['gradient_checkpointing']}: {change} GiB", flush=True)
 
 
 def cli_answers(names: list[str]) -> dict:
@@ -361,20 +346,16 @@ def cpu_checks() -> list[dict]:
         result.update(label=label, max_length=max_length, seconds=time.perf_counter() - started)
         result["tokens_needed"] = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
         out.append(result)
-        print(
-            f"  cpu check {label}: simulated {result['simulated_step_bytes'] / GIB:.3f} GiB, real "
-            f"{result['real_step_bytes'] / GIB:.3f} GiB",
-            flush=True,
-        )
+        sim, real = result["simulated_step_bytes"] / GIB, result["real_step_bytes"] / GIB
+        print(f"  cpu check {label}: simulated {sim:.3f} GiB, real {real:.3f} GiB", flush=True)
     return out
 
 
 def accelerate_estimate(name: str) -> dict:
-    """What `accelerate estimate-memory NAME --library_name transformers` prints for the model, computed from
-    accelerate's own code path on the local config (its command fetches the config from the hub, which this
-    machine cannot reach): the model built on the meta device (`create_empty_model`), `calculate_maximum_sizes`,
-    and `estimate_training_usage` per dtype row (float32: weights, gradients and Adam, 16 bytes a parameter; float16:
-    accelerate's mixed-precision formula, 8 bytes a parameter). It counts no activations."""
+    """What `accelerate estimate-memory NAME --library_name transformers` prints, from accelerate's own functions on
+    the local config (its command fetches the config from the hub): `create_empty_model`'s meta model,
+    `calculate_maximum_sizes`, and the largest entry of `estimate_training_usage` per dtype row (float32: weights,
+    gradients and Adam, 16 bytes a parameter; float16: its mixed-precision formula, 8). No activations."""
     import torch
     from accelerate.commands.estimate import estimate_training_usage
     from accelerate.utils import calculate_maximum_sizes
@@ -383,7 +364,6 @@ def accelerate_estimate(name: str) -> dict:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(qwen2(name))
     total, (largest, _) = calculate_maximum_sizes(model)
-    # the table's "Training using Adam" column is the largest of the estimate's entries, per dtype row
     adam = {
         f"adam_{dtype}_bytes": max(estimate_training_usage(total, dtype).values()) for dtype in ("float32", "float16")
     }
@@ -395,39 +375,39 @@ def gib(x) -> str:
 
 
 def breakdown_text(memory: dict) -> str:
-    """GiB at the peak: parameters / gradients / optimizer / activations / temporaries."""
     from kto_pipeline.memory import CATEGORIES
 
     return " / ".join(gib(memory["breakdown"][k]) for k in CATEGORIES)
 
 
-def _ac(row: dict) -> str:
-    """A row's activation checkpointing cell."""
-    return "yes" if row["gradient_checkpointing"] else "no"
+def peak(row: dict, key: str) -> float | None:
+    return row.get(key, {}).get("peak_bytes")
+
+
+def section(title: str, data: dict, part: str) -> list[str]:
+    """A section's heading and the date of its part of the data: its last `--redo PART`, else the first run's."""
+    return [title, "", f"- date: {_when(data, part)}", ""]
 
 
 def _when(data: dict, part: str) -> str:
-    """The date of a part of the data: its last `--redo PART`, else the first run's."""
     return data.get("redone", {}).get(part) or data["date"]
 
 
 def render(data: dict) -> str:
+    redone = ", ".join(f"`--redo {k}` last on {v}" for k, v in data.get("redone", {}).items()) or "no part re-run"
     out = [
         "# Peak accelerator memory of a training step: kto-pipeline vs trl.KTOTrainer",
         "",
-        f"Written by `{data['command']}`: first run on {data['date']}, "
-        + (", ".join(f"`--redo {k}` last on {v}" for k, v in data.get("redone", {}).items()) or "no part re-run")
-        + f" ({data.get('seconds', 0) / 60:.0f} min in all).",
-        f"Machine: {data['machine']}; {data['versions']}. No GPU: every number below is **simulated** unless it",
-        "says measured (how: benchmarks/bench_memory.py's docstring, kto_pipeline/memory.py).",
+        f"Written by `{data['command']}`: first run on {data['date']}, {redone} ({data.get('seconds', 0) / 60:.0f} "
+        f"min in all). Machine: {data['machine']}; {data['versions']}. No GPU: every number below is **simulated** "
+        "unless it says measured (how: benchmarks/bench_memory.py's docstring, kto_pipeline/memory.py).",
         "",
-        "GiB per device at the peak of one steady training step (AdamW moments alive): bf16 autocast over float32",
-        "weights, fused AdamW, batch 8, kto-mix-like rows (memory.synthetic_rows) truncated at the max length.",
-        '"trl": the real trl.KTOTrainer 1.16 under the simulation; "model": memory.simulate_trl (what',
-        "`estimate-memory --against-trl` reports). Breakdown: parameters / gradients / optimizer / activations /",
-        "temporaries.",
-        "Floor (memory.floor_bytes): parameters, gradients, AdamW and the activations of the needed tokens, all alive",
-        "at once, which no step reaches: where the fixed part dominates (7B), ours / floor is below 1.",
+        "GiB per device at the peak of one steady training step (AdamW moments alive): bf16 autocast over float32 "
+        "weights, fused AdamW, batch 8, kto-mix-like rows (memory.synthetic_rows) truncated at the max length. "
+        '"trl": the real trl.KTOTrainer 1.16 under the simulation; "model": memory.simulate_trl (`estimate-memory '
+        "--against-trl`). Breakdown: parameters / gradients / optimizer / activations / temporaries. Floor "
+        "(memory.floor_bytes): parameters, gradients, AdamW and the activations of the needed tokens, all alive at "
+        "once, which no step reaches: where the fixed part dominates (7B), ours / floor is below 1.",
         "",
         *table_head(
             "| model | max len | AC | ours | ours breakdown | floor | ours / floor | trl online (model) "
@@ -435,45 +415,30 @@ def render(data: dict) -> str:
             "| ours before (see below) |"
         ),
     ]
+    tokens = table_head(
+        "| model | max len | AC | needed (prompt + completion) | ours, with grad (packed) | trl, with grad "
+        "(padded) | trl online, all forwards | model / real trl online | model / real trl precomp. |"
+    )
     for r in data["comparisons"]:
-        ours, online, pre = r["ours"], r["trl_online"], r["trl_precomputed"]
+        ours, online, pre = peak(r, "ours"), peak(r, "trl_online"), peak(r, "trl_precomputed")
         floor = sum(r["floor"].values())
-        b, tb = breakdown_text(ours), breakdown_text(online)
+        head = f"| {r['model']} | {r['max_length']} | {'yes' if r['gradient_checkpointing'] else 'no'} |"
         out.append(
-            f"| {r['model']} | {r['max_length']} | {_ac(r)} | **{gib(ours['peak_bytes'])}** | {b} | {gib(floor)} "
-            f"| {ours['peak_bytes'] / floor:.2f} "
-            f"| {gib(online['peak_bytes'])} ({gib(r['trl_online_model']['peak_bytes'])}) | {tb} "
-            f"| {gib(pre['peak_bytes'])} ({gib(r['trl_precomputed_model']['peak_bytes'])}) "
-            f"| {ours['peak_bytes'] / online['peak_bytes']:.2f} | {ours['peak_bytes'] / pre['peak_bytes']:.2f} "
-            f"| {gib(r.get('ours_before', {}).get('peak_bytes'))} |"
+            f"{head} **{gib(ours)}** | {breakdown_text(r['ours'])} | {gib(floor)} | {ours / floor:.2f} "
+            f"| {gib(online)} ({gib(peak(r, 'trl_online_model'))}) | {breakdown_text(r['trl_online'])} "
+            f"| {gib(pre)} ({gib(peak(r, 'trl_precomputed_model'))}) | {ours / online:.2f} | {ours / pre:.2f} "
+            f"| {gib(peak(r, 'ours_before'))} |"
         )
-    out += [
-        "",
-        *findings(data),
-        "",
-        "Tokens per step (the same rows for both tools):",
-        "",
-        *table_head(
-            "| model | max len | AC | needed (prompt + completion) | ours, with grad (packed) | trl, with grad "
-            "(padded) | trl online, all forwards | model / real trl online | model / real trl precomp. |"
-        ),
-    ]
-    for r in data["comparisons"]:
-        out.append(
-            f"| {r['model']} | {r['max_length']} | {_ac(r)} | {r['tokens_needed']} | {r['ours']['tokens_with_grad']} "
-            f"| {r['trl_online']['tokens_with_grad']} "
-            f"| {r['trl_online']['tokens_executed']} "
-            f"| {r['trl_online_model']['peak_bytes'] / r['trl_online']['peak_bytes']:.3f} "
-            f"| {r['trl_precomputed_model']['peak_bytes'] / r['trl_precomputed']['peak_bytes']:.3f} |"
+        tokens.append(
+            f"{head} {r['tokens_needed']} | {r['ours']['tokens_with_grad']} | {r['trl_online']['tokens_with_grad']} "
+            f"| {r['trl_online']['tokens_executed']} | {peak(r, 'trl_online_model') / online:.3f} "
+            f"| {peak(r, 'trl_precomputed_model') / pre:.3f} |"
         )
+    out += ["", *findings(data), "", "Tokens per step (the same rows for both tools):", "", *tokens, ""]
+    out += section("## What is alive at our peak", data, "ours")
     out += [
-        "",
-        "## What is alive at our peak",
-        "",
-        f"- date: {_when(data, 'ours')}",
-        "",
-        "Where ours sits above its floor. The LM head (`scoring/logprobs.py`, `_ChunkedTokenLogps`) projects a chunk",
-        "of scored tokens at a time onto the whole vocabulary: every tensor of shape (chunk, vocab) below is one of",
+        "Where ours sits above its floor. The LM head (`scoring/logprobs.py`, `_ChunkedTokenLogps`) projects a chunk "
+        "of scored tokens at a time onto the whole vocabulary: every tensor of shape (chunk, vocab) below is one of "
         "its chunk's transients, and the head's share of the peak is their sum.",
         "",
     ]
@@ -484,39 +449,32 @@ def render(data: dict) -> str:
         head = sum(t["bytes"] for t in r["ours"]["top"] if t["shape"].endswith(f", {vocab})"))
         out += [
             f"{r['model']}, max length 1024, {'AC' if r['gradient_checkpointing'] else 'no AC'}: peak "
-            f"{gib(r['ours']['peak_bytes'])} GiB, of which (chunk, {vocab}) head transients {gib(head)} GiB "
+            f"{gib(peak(r, 'ours'))} GiB, of which (chunk, {vocab}) head transients {gib(head)} GiB "
             "(largest groups of tensors; `*` = every layer):",
             "",
             *table_head("| GiB | count | category | module | op | shape | dtype |"),
-        ]
-        for t in r["ours"]["top"][:14]:
-            out.append(
+            *(
                 f"| {t['bytes'] / GIB:.3f} | {t['count']} | {t['category']} | `{t['module']}` | `{t['op']}` "
                 f"| {t['shape']} | {t['dtype']} |"
-            )
-        out.append("")
-    out += [
-        "## Levers (ours; the same kto-mix-like rows)",
-        "",
-        f"- date: {_when(data, 'levers')}",
-        "",
-        *table_head("| lever | model | max len | peak | breakdown | floor | peak / floor |"),
-    ]
+                for t in r["ours"]["top"][:14]
+            ),
+            "",
+        ]
+    out += section("## Levers (ours; the same kto-mix-like rows)", data, "levers")
+    out += table_head("| lever | model | max len | peak | breakdown | floor | peak / floor |")
+    fsdp = []
     for r in data["levers"]:
+        cells = f"| {r['label']} | {r['model']} | {r['max_length']} |"
         if "failed" in r:
-            out.append(f"| {r['label']} | {r['model']} | {r['max_length']} | failed: {r['failed']} | | | |")
+            out.append(f"{cells} failed: {r['failed']} | | | |")
             continue
-        b = breakdown_text(r["ours"])
         floor = sum(r["floor"].values())
         out.append(
-            f"| {r['label']} | {r['model']} | {r['max_length']} | **{gib(r['ours']['peak_bytes'])}** | {b} "
-            f"| {gib(floor)} | {r['ours']['peak_bytes'] / floor:.2f} |"
+            f"{cells} **{gib(peak(r, 'ours'))}** | {breakdown_text(r['ours'])} | {gib(floor)} "
+            f"| {peak(r, 'ours') / floor:.2f} |"
         )
-    fsdp = [
-        r["ours"]["peak_bytes"] / sum(r["floor"].values())
-        for r in data["levers"]
-        if "ours" in r and r["label"].startswith("FSDP2")
-    ]
+        if r["label"].startswith("FSDP2"):
+            fsdp.append(peak(r, "ours") / floor)
     fsdp_ratios = f"{min(fsdp):.2f}-{max(fsdp):.2f}x" if fsdp else "(no FSDP2 row)"
     out += [
         "",
@@ -536,11 +494,8 @@ def render(data: dict) -> str:
         "quantization map is real).",
         "",
     ]
+    out += section("## The simulation against a real CPU step (measured)", data, "cpu")
     out += [
-        "## The simulation against a real CPU step (measured)",
-        "",
-        f"- date: {_when(data, 'cpu')}",
-        "",
         "Float32, attention as the CPU runs it, the same 8 rows: the real step in a fresh process "
         "(MALLOC_MMAP_THRESHOLD_=65536, one thread), its resident set's high water mark (VmHWM, reset before the "
         'step) against the simulation. "step": what the step adds to what was resident before it (gradients, '
@@ -555,10 +510,9 @@ def render(data: dict) -> str:
     for c in data["cpu_checks"]:
         out.append(
             f"| {c['label']} | {c['tokens_needed']} | {c['real_step_bytes'] / mib:.1f} "
-            f"| {c['simulated_step_bytes'] / mib:.1f} "
-            f"| {c['simulated_step_bytes'] / c['real_step_bytes']:.3f} | {c['real_total_bytes'] / mib:.1f} "
-            f"| {c['simulated_total_bytes'] / mib:.1f} | {c['simulated_total_bytes'] / c['real_total_bytes']:.3f} "
-            f"| {c['tracked_real_step_bytes'] / mib:.1f} |"
+            f"| {c['simulated_step_bytes'] / mib:.1f} | {c['simulated_step_bytes'] / c['real_step_bytes']:.3f} "
+            f"| {c['real_total_bytes'] / mib:.1f} | {c['simulated_total_bytes'] / mib:.1f} "
+            f"| {c['simulated_total_bytes'] / c['real_total_bytes']:.3f} | {c['tracked_real_step_bytes'] / mib:.1f} |"
         )
     out += [
         "",
@@ -577,11 +531,8 @@ def render(data: dict) -> str:
         ),
     ]
     for name, a in data["accelerate"].items():
-        peaks = {
-            r["gradient_checkpointing"]: r["ours"]["peak_bytes"]
-            for r in data["comparisons"]
-            if r["model"] == name and r["max_length"] == 1024
-        }
+        rows = [r for r in data["comparisons"] if r["model"] == name and r["max_length"] == 1024]
+        peaks = {r["gradient_checkpointing"]: peak(r, "ours") for r in rows}
         cli = data.get("cli", {}).get(name, {})
         out.append(
             f"| {name} | {gib(a['model_bytes'])} | {gib(a['adam_float32_bytes'])} | {gib(a['adam_float16_bytes'])} "
@@ -597,15 +548,14 @@ def findings(data: dict) -> list[str]:
     rows = data["comparisons"]
     if not rows:
         return []
-    vs_online = [r["ours"]["peak_bytes"] / r["trl_online"]["peak_bytes"] for r in rows]
-    vs_pre = [r["ours"]["peak_bytes"] / r["trl_precomputed"]["peak_bytes"] for r in rows]
-    over_floor = [r["ours"]["peak_bytes"] / sum(r["floor"].values()) for r in rows]
-    model_err = [abs(r["trl_online_model"]["peak_bytes"] / r["trl_online"]["peak_bytes"] - 1) for r in rows]
-    model_err += [abs(r["trl_precomputed_model"]["peak_bytes"] / r["trl_precomputed"]["peak_bytes"] - 1) for r in rows]
+    floors = [sum(r["floor"].values()) for r in rows]
+    vs_online = [peak(r, "ours") / peak(r, "trl_online") for r in rows]
+    vs_pre = [peak(r, "ours") / peak(r, "trl_precomputed") for r in rows]
+    over_floor = [peak(r, "ours") / floor for r, floor in zip(rows, floors, strict=True)]
+    model_err = [abs(peak(r, f"{k}_model") / peak(r, k) - 1) for k in ("trl_online", "trl_precomputed") for r in rows]
     out = [
-        "**Headline.** Ours / trl online ranges from "
-        f"{min(vs_online):.2f} to {max(vs_online):.2f} over these rows, ours / trl precomputed from {min(vs_pre):.2f} "
-        f"to {max(vs_pre):.2f}: the peak is "
+        f"**Headline.** Ours / trl online ranges from {min(vs_online):.2f} to {max(vs_online):.2f} over these rows, "
+        f"ours / trl precomputed from {min(vs_pre):.2f} to {max(vs_pre):.2f}: the peak is "
         + ("halved nowhere" if min(vs_online) > 0.5 else "halved in some rows")
         + ". Full fine-tuning pays 16 bytes a parameter whatever the trainer (float32 weights, gradients, two AdamW "
         "moments), and both tools pay it; what trl online adds is its reference model's float32 weights (4 bytes a "
@@ -614,9 +564,8 @@ def findings(data: dict) -> list[str]:
         f"(`--against-trl`) is within {max(model_err) * 100:.1f}% of the real trl in every row.",
         "",
     ]
-    before = [r for r in rows if "ours_before" in r]
-    if before:
-        changes = [f"{gib(r['ours_before']['peak_bytes'])} -> {gib(r['ours']['peak_bytes'])}" for r in before]
+    changes = [f"{gib(peak(r, 'ours_before'))} -> {gib(peak(r, 'ours'))}" for r in rows if "ours_before" in r]
+    if changes:
         out += [
             '**Ours against "ours before"** (`--redo ours`: the same rows, the package at the first run and at the '
             "re-run; `scoring/logprobs.py`, `scoring/attention.py`): the LM head casts each chunk's bf16 logits into a "
@@ -624,34 +573,28 @@ def findings(data: dict) -> list[str]:
             "vocabulary), not 1024 tokens; the head casts its weight to bf16 in its forward and again in its backward "
             "instead of keeping a copy, and adds its weight gradient into float32 a vocabulary slice at a time; packed "
             "forwards give sdpa an additive mask in the compute dtype for all layers, not a bool mask each layer "
-            "converted and kept. Same values (the "
-            f"parity tests pass). GiB per row: {', '.join(changes)}.",
+            f"converted and kept. Same values (the parity tests pass). GiB per row: {', '.join(changes)}.",
             "",
         ]
-    floor_ok = [r for r in rows if r["ours"]["peak_bytes"] <= 1.1 * sum(r["floor"].values())]
-    below = []
-    for r in rows:
-        ref = r["trl_online"]["breakdown"]["parameters"] - r["trl_precomputed"]["breakdown"]["parameters"]
-        below.append(r["trl_online"]["peak_bytes"] - r["ours"]["peak_bytes"] >= ref)
+    refs = [r["trl_online"]["breakdown"]["parameters"] - r["trl_precomputed"]["breakdown"]["parameters"] for r in rows]
+    below = sum(peak(r, "trl_online") - peak(r, "ours") >= ref for r, ref in zip(rows, refs, strict=True))
     misses = [
-        f"{r['model']} {r['max_length']}{' AC' if r['gradient_checkpointing'] else ''}: "
-        f"{r['ours']['peak_bytes'] / sum(r['floor'].values()):.2f}x"
-        for r in rows
-        if r not in floor_ok
+        f"{r['model']} {r['max_length']}{' AC' if r['gradient_checkpointing'] else ''}: {peak(r, 'ours') / floor:.2f}x"
+        for r, floor in zip(rows, floors, strict=True)
+        if not peak(r, "ours") <= 1.1 * floor
     ]
     out += [
-        f"**The goals.** Ours within 10% of its floor: {len(floor_ok)} of {len(rows)} rows"
+        f"**The goals.** Ours within 10% of its floor: {len(rows) - len(misses)} of {len(rows)} rows"
         + (f" (not: {'; '.join(misses)})" if misses else "")
-        + f". Ours below trl online by at least the reference's weights: {sum(below)} of {len(rows)} rows.",
+        + f". Ours below trl online by at least the reference's weights: {below} of {len(rows)} rows.",
         "",
     ]
     for name in sorted({r["model"] for r in rows}):
-        r = next(r for r in rows if r["model"] == name)
-        ref = r["trl_online"]["breakdown"]["parameters"] - r["trl_precomputed"]["breakdown"]["parameters"]
-        fixed = sum(r["floor"][k] for k in ("parameters", "gradients", "optimizer"))
+        i = next(i for i, r in enumerate(rows) if r["model"] == name)
+        fixed = sum(rows[i]["floor"][k] for k in ("parameters", "gradients", "optimizer"))
         out.append(
             f"- {name}: weights + gradients + AdamW = {gib(fixed)} GiB on one device; the reference's weights that "
-            f"trl online adds = {gib(ref)} GiB ({ref / fixed:.0%} of that)."
+            f"trl online adds = {gib(refs[i])} GiB ({refs[i] / fixed:.0%} of that)."
         )
     return out
 
@@ -665,10 +608,10 @@ def main() -> None:
     parser.add_argument("--redo", choices=["levers", "cpu", "ours", "cli"], help=redo_help)
     args = parser.parse_args()
     partial = WORK_DIR / "bench_memory.json"
+    warnings.filterwarnings("ignore")
+    started = time.perf_counter()
     if args.redo:
-        warnings.filterwarnings("ignore")
         data = json.loads(partial.read_text())
-        started = time.perf_counter()
         if args.redo == "levers":
             data["levers"] = [lever(*case) for case in LEVERS]
         elif args.redo == "cpu":
@@ -685,30 +628,18 @@ def main() -> None:
     if args.render:
         Path(args.out).write_text(render(json.loads(partial.read_text())))
         return
-    warnings.filterwarnings("ignore")
-    started = time.perf_counter()
     command = "python benchmarks/bench_memory.py" + (" --quick" if args.quick else "")
     data = dict(command=command, date=utc_stamp()[:10], machine=machine(), versions=versions(*PACKAGES))
     data |= dict(comparisons=[], levers=[], cpu_checks=[], accelerate={})
     names = ["qwen2-0.5b"] if args.quick else ["qwen2-0.5b", "qwen2-7b"]
     partial.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
-        for name in names:
-            for max_length in (1024, 2048):
-                for ac in (False, True):
-                    row = comparison(name, max_length, ac, Path(work))
-                    data["comparisons"].append(row)
-                    ours, online = gib(row["ours"]["peak_bytes"]), gib(row["trl_online"]["peak_bytes"])
-                    print(
-                        f"  {name} {max_length} AC={ac}: ours {ours}, trl online {online} GiB ({row['seconds']:.0f} s)"
-                    )
-                    partial.write_text(json.dumps(data))
+        for name, max_length, ac in itertools.product(names, (1024, 2048), (False, True)):
+            data["comparisons"].append(comparison(name, max_length, ac, Path(work)))
+            partial.write_text(json.dumps(data))
     if not args.quick:
-        for label, name, max_length, fields in LEVERS:
-            row = lever(label, name, max_length, fields)
-            data["levers"].append(row)
-            peak = gib(row.get("ours", {}).get("peak_bytes"))
-            print(f"  lever {label} {name} {max_length}: {peak} GiB {row.get('failed', '')}", flush=True)
+        for case in LEVERS:
+            data["levers"].append(lever(*case))
             partial.write_text(json.dumps(data))
         data["cpu_checks"] = cpu_checks()
     data["torchao"] = torchao_adamw8bit()
@@ -721,4 +652,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
