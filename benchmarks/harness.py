@@ -1,11 +1,7 @@
-"""What the benchmarks share, so that each bench file holds only its question: the worker protocol (every measurement
-in a fresh process that prints one `RESULT` line), the scripts' common arguments, memory and machine readings, step
-timing, provenance and Markdown tables, the sections of the RESULTS files, the presets (model and data sizes) and the
-random Qwen2 models, trl's trainers (KTOTrainer, DPOTrainer) as every benchmark builds and times them, and the check
-that two tools' reference log-probs agree before any speed is reported.
-
-The benchmarks are scripts run from the repository root (`python benchmarks/bench.py ...`): Python puts
-benchmarks/ on sys.path, so they `import harness` (and each other) directly.
+"""What the benchmarks share: the worker protocol (a measurement in a fresh process prints one `RESULT` line), common
+arguments, memory, machine and step timing, provenance, Markdown tables and RESULTS sections, the presets and random
+Qwen2 models, trl's trainers as every benchmark builds and times them, and the reference agreement check. Scripts
+run from the repository root (`python benchmarks/bench.py`), so benchmarks/ is on sys.path: `import harness`.
 """
 
 from __future__ import annotations
@@ -82,8 +78,7 @@ def script_parser(
     return parser
 
 
-# A multi-process launch (torchrun, accelerate launch) of 2 CPU processes: its module and arguments, and the
-# environment of its processes: one thread each, no progress bars, offline
+# A launch of 2 CPU processes (torchrun, accelerate launch): one thread each, no progress bars, offline
 TORCHRUN = ["torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 LAUNCH_ENV = dict(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 
@@ -430,9 +425,8 @@ def qwen2_config(preset: dict, tok):
 
 
 def random_qwen2(model_dir: Path, preset: dict) -> None:
-    """A Qwen2 of the preset's shape with random weights (seeded), saved in float32 with kto_pipeline.demo.tiny's
-    character tokenizer (chat template included), its vocabulary padded to the model's with unused entries, so that
-    the embedding and the LM head are as wide as a real model's (the part that dominates its cost)."""
+    """A seeded random Qwen2 of the preset's shape, float32, with kto_pipeline.demo.tiny's character tokenizer padded
+    to the model's vocabulary (so the embedding and LM head are as wide as a real model's)."""
     if (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists():
         return
     import torch
@@ -537,8 +531,7 @@ def ours_train_tokens(out: Path) -> dict | None:
 
 # --------------------------------------------------------------------------------------------- trl
 
-# The trl config settings of every measured trl training run: each step logged, seeded, trl's linear schedule, the
-# data loaded in the main process
+# every measured trl run: each step logged, seeded, linear schedule, data loaded in the main process
 TRL_RUN = dict(logging_steps=1, seed=42, lr_scheduler_type="linear", dataloader_num_workers=0)
 
 
@@ -558,13 +551,11 @@ def trl_trainer(
     pairs: bool = False,
     **settings,
 ):
-    """trl 1.16's KTOTrainer (DPOTrainer with `pairs`), as every benchmark builds it: batches of `batch`, `max_length`,
-    reference log-probs precomputed or online, bf16 autocast and gradient checkpointing as given (never trl's
-    defaults, both on), no reports, saving or progress bars; `settings`: the rest of its KTOConfig (DPOConfig).
-    `model`: a directory (its tokenizer and a float32 policy loaded from it) or a model, with `tokenizer`. `dataset`:
-    a .jsonl file (loaded disk-backed: its fingerprint keys trl's reference cache) or a Dataset. `ref_model`: trl
-    online's reference (None: trl loads its own from the same directory, or disables the adapters under LoRA).
-    `lora`: dict(r, alpha, dropout), a LoRA on all linear layers."""
+    """trl 1.16's KTOTrainer (DPOTrainer with `pairs`) as every benchmark builds it: bf16 and gradient checkpointing
+    as given (not trl's defaults), no reports, saving or progress bars; `settings`: the rest of its config. `model`: a
+    directory (float32 policy and tokenizer) or a model with `tokenizer`; `dataset`: a .jsonl file (disk-backed: its
+    fingerprint keys trl's reference cache) or a Dataset; `ref_model` None: trl's own; `lora`: dict(r, alpha, dropout)
+    on all linear layers."""
     import trl
 
     if isinstance(model, str | Path):
@@ -599,14 +590,10 @@ def trl_trainer(
 
 
 def trl_token_counts(trainer, batch: int, num_batches: int | None = None, pairs: bool = False) -> dict:
-    """The tokens trl 1.16 runs for `num_batches` batches of `batch` rows (pairs) in dataset order (every row once
-    when None; training step s takes the s-th, sequential sampling), under kto-pipeline's names (TOKEN_KEYS) plus
-    `scored`. Its collators truncate each prompt + answer to max_length and pad on the right to the longest of the
-    sequences that run in one forward: KTOTrainer's the completions, then apart the KL sequences (prompt + the
-    previous row's completion); DPOTrainer's (`pairs`) prompt+chosen and prompt+rejected of every pair together, one
-    forward of 2B sequences. executed = each forward's width x its sequences; needed = each prompt once plus its
-    answers (truncated), unpadded (as kto-pipeline counts them); scored = the unpadded tokens of every sequence
-    (each prompt once a sequence)."""
+    """The tokens trl 1.16 runs for `num_batches` batches of `batch` rows (pairs) in order (None: every row once), as
+    TOKEN_KEYS plus `scored`. Each forward is padded to its longest truncated sequence: KTOTrainer runs completions,
+    then KL sequences; DPOTrainer chosen and rejected together. executed = width x sequences; needed = each prompt
+    once plus its answers, unpadded (as kto-pipeline counts); scored = every sequence's unpadded tokens."""
     ds, collator = trainer.train_dataset, trainer.data_collator
     max_length, multiple = trainer.args.max_length or 1 << 62, getattr(collator, "pad_to_multiple_of", None)
     prompts = [len(x) for x in ds["prompt_ids"]]
