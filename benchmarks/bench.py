@@ -7,135 +7,69 @@
     python benchmarks/bench.py --only scale    # preprocessing at 20k / 200k / 1M rows (bench_scale.py), its section
     python benchmarks/bench.py --only append   # precompute --append of 1% new rows to a 200k-row cache (bench_scale.py)
 
-Every measurement runs in a fresh subprocess (`bench.py worker NAME`, harness.py), so each one's peak RSS is its
-own. Both tools run in float32 with gradient checkpointing off (trl 1.16 defaults to bf16=True and
-gradient_checkpointing=True even on CPU: both are turned off), the same global batch, the same data
-order (sequential) and max_length. Before any speed is reported, the reference log-probs of the
-two tools are compared row by row.
+Every measurement runs in a fresh subprocess (`bench.py worker NAME`), so each one's peak RSS is its own. Both tools
+run in float32 with gradient checkpointing off (trl 1.16 defaults to bf16=True and gradient_checkpointing=True even
+on CPU), the same global batch, sequential data order and max_length. The two tools' reference log-probs are
+compared row by row before any speed is reported.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import random
 import time
 from pathlib import Path
 
-from harness import (
-    APPEND_SIZES,
-    SCALE_SIZES,
-    SIZES,
-    SMOLLM2_SIZES,
-    SMOLLM2_TEXT,
-    TRL_RUN,
-    WORK_DIR,
-    default_results,
-    efficiency,
-    get_section,
-    goals_table,
-    hh_rlhf_pairs,
-    md_row,
-    measure,
-    measured,
-    median_step,
-    met,
-    ours_reference_pass,
-    ours_train_config,
-    ours_train_tokens,
-    print_result,
-    provenance,
-    publish,
-    random_qwen2,
-    raw_steps,
-    run_notes,
-    run_worker,
-    script_parser,
-    smollm2_dir,
-    table,
-    table_head,
-    time_calls,
-    trl_reference_pass,
-    trl_train,
-    trl_trainer,
-    unpaired_rows,
-    utc_stamp,
-    vs_row,
-    write_jsonl,
-)
+import harness
+from harness import SIZES, SMOLLM2_SIZES, median_step, ours_train_tokens, provenance, raw_steps, table, vs_row
 
-CASES = {"random": SIZES, "smollm2": SMOLLM2_SIZES, "scale": SCALE_SIZES, "append": APPEND_SIZES}
+CASES = {"random": SIZES, "smollm2": SMOLLM2_SIZES, "scale": harness.SCALE_SIZES, "append": harness.APPEND_SIZES}
 SWEEP_BETAS = (0.05, 0.1, 0.2, 0.5)
 LEARNING_RATE = 1e-5
 LORA = dict(r=16, alpha=32, dropout=0.05)
 PACKAGES = ("kto-pipeline", "trl", "transformers", "torch")  # the versions each report names
-# RESULTS.md: the main table (`render`) is rewritten by a full run; these sections are written by their own runs
-# and kept by it
+# RESULTS.md: a full run rewrites the main table (`render`) and keeps these sections, written by their own runs
 LORA_HEADING = "## LoRA"  # --only lora
 SMOLLM2_HEADING = "## Real model: SmolLM2-135M-Instruct on HH-RLHF"  # --only smollm2
 # the workers of each case, in order: the two reference passes first (their log-probs are compared)
 SMOLLM2_NAMES = ("ours_precompute", "trl_precompute", "ours_train", "trl_train_online", "trl_train_precomputed")
 MAIN_NAMES = (*SMOLLM2_NAMES, "ours_sweep", "trl_sweep_online", "trl_sweep_precomputed")
+WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "theta", "lambda", "zeta"]
 
 
 def build_assets(work: Path, size: dict) -> None:
     """A random-weight Qwen2 with a char tokenizer (harness.random_qwen2) and a dataset of random words."""
-    import random
-
-    random_qwen2(work / "model", size)
+    harness.random_qwen2(work / "model", size)
     data = work / "data.jsonl"
     if not data.exists():
         rng = random.Random(0)
-        words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "theta", "lambda", "zeta"]
 
         def text(lo: int, hi: int) -> str:
             target = rng.randint(lo, hi)
             out = ""
             while len(out) < target:
-                out += rng.choice(words) + " "
+                out += rng.choice(WORDS) + " "
             return out[:target]
 
         rows = [dict(prompt=text(*size["prompt"]), completion=text(*size["completion"])) for _ in range(size["rows"])]
-        write_jsonl(data, [dict(row, label=i % 2 == 0) for i, row in enumerate(rows)])
+        harness.write_jsonl(data, [dict(row, label=i % 2 == 0) for i, row in enumerate(rows)])
 
 
 def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
-    """(SmolLM2-135M-Instruct's directory, an unpaired conversational dataset of the first `pairs` single-turn
-    HH-RLHF pairs: the chosen answer as a desirable row, then the rejected one as an undesirable row, written out so
-    that both tools read the same rows in the same order)."""
-    pairs = hh_rlhf_pairs(work / "pairs.jsonl", size["pairs"], size["max_turns"])
-    return smollm2_dir(), write_jsonl(work / "data.jsonl", unpaired_rows(pairs), ensure_ascii=False)
-
-
-def bench_train_config(work: Path, size: dict, out: Path, **extra):
-    """kto-pipeline's TrainConfig for the bench's training runs on the cache in `work`, plus `extra`."""
-    cache = work / "runs" / "ours_precompute"
-    return ours_train_config(cache, out, batch=size["batch"], steps=size["steps"], learning_rate=LEARNING_RATE, **extra)
+    """(SmolLM2-135M-Instruct's directory, the first `pairs` single-turn HH-RLHF pairs as unpaired rows: chosen
+    desirable, then rejected undesirable, written out so that both tools read the same rows in the same order)."""
+    rows = harness.unpaired_rows(harness.hh_rlhf_pairs(work / "pairs.jsonl", size["pairs"], size["max_turns"]))
+    return harness.smollm2_dir(), harness.write_jsonl(work / "data.jsonl", rows, ensure_ascii=False)
 
 
 def trl_settings(size: dict, steps: int = 1, beta: float = 0.1) -> dict:
     """harness.trl_trainer's settings for this benchmark's trl runs: float32, `steps` steps, `beta`."""
     run = dict(batch=size["batch"], max_length=size["max_length"], precompute_ref_batch_size=size["batch"])
-    return dict(run, max_steps=steps, beta=beta, learning_rate=LEARNING_RATE, **TRL_RUN)
+    return dict(run, max_steps=steps, beta=beta, learning_rate=LEARNING_RATE, **harness.TRL_RUN)
 
 
-def smollm2_training(which: str, steps: int, out: Path):
-    """The SmolLM2 case's training run, kto-pipeline's ("ours") or trl online's ("trl"), `steps` steps with its
-    settings, on the data and cache that `--only smollm2` wrote (benchmarks/checks run it under their counters): a
-    function that runs it, set up."""
-    work = WORK_DIR / "smollm2"
-    if not (work / "data.jsonl").exists() or not (work / "runs" / "ours_precompute").exists():
-        sys.exit(f"run `python benchmarks/bench.py --size full --only smollm2` first ({work} lacks its data or cache)")
-    size = dict(SMOLLM2_SIZES["full"], steps=steps)
-    if which == "trl":
-        return trl_trainer(smollm2_dir(), work / "data.jsonl", out, precompute=False, **trl_settings(size, steps)).train
-    from kto_pipeline import train
-
-    config = bench_train_config(work, size, out)
-    return lambda: train(config)
-
-
-# Each worker kind measures one thing in this fresh process: (name, work, size, out, model, data) -> its numbers.
-# `model` and `data`: the case's model directory and dataset file.
+# Each worker measures one thing in this fresh process: (name, work, size, out, model, data) -> its numbers, `model`
+# and `data` being the case's model directory and dataset file.
 
 
 def ours_precompute_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -145,20 +79,21 @@ def ours_precompute_worker(name: str, work: Path, size: dict, out: Path, model: 
     # the random case's rows are uniform, so big passes pay; the real case runs the CLI's default batch_size
     batch = dict(batch_size=size.get("reference_batch", PrecomputeConfig.batch_size), max_tokens_per_batch=16384)
     paths = dict(model=str(model), dataset=str(data), output=str(out))
-    return ours_reference_pass(**paths, max_length=size["max_length"], dtype="float32", **batch)
+    return harness.ours_reference_pass(**paths, max_length=size["max_length"], dtype="float32", **batch)
 
 
 def trl_precompute_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
     """trl's `precompute_ref_log_probs` pass (batches of size["batch"] in dataset order) and its log-probs."""
-    return trl_reference_pass(model, data, out, **trl_settings(size))
+    return harness.trl_reference_pass(model, data, out, **trl_settings(size))
 
 
 def ours_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """ours_train / ours_train_lora: step times and (ours_train) the tokens its run recorded."""
+    """ours_train / ours_train_lora on ours_precompute's cache: step times and (ours_train) the tokens it recorded."""
     from kto_pipeline import train
 
     lora = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"]) if "lora" in name else {}
-    res = train(bench_train_config(work, size, out, **lora))
+    settings = dict(batch=size["batch"], steps=size["steps"], learning_rate=LEARNING_RATE, **lora)
+    res = train(harness.ours_train_config(work / "runs" / "ours_precompute", out, **settings))
     return dict(step_seconds=res.step_seconds, **({} if lora else {"token_counts": ours_train_tokens(out)}))
 
 
@@ -166,7 +101,7 @@ def trl_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, 
     """trl_train_online / trl_train_precomputed / trl_train_lora: step times and the tokens its batches ran."""
     lora = LORA if name.endswith("lora") else None  # trl then computes the reference online, adapters disabled
     settings = trl_settings(size, size["steps"])
-    return trl_train(model, data, out, precompute=name.endswith("precomputed"), lora=lora, **settings)
+    return harness.trl_train(model, data, out, precompute=name.endswith("precomputed"), lora=lora, **settings)
 
 
 def ours_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -188,11 +123,13 @@ def trl_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, 
     from trl import KTOTrainer
 
     passes = []
-    time_calls(KTOTrainer, "_precompute_ref_logps", lambda seconds, *args, **kwargs: passes.append(seconds))
+    harness.time_calls(KTOTrainer, "_precompute_ref_logps", lambda seconds, *args, **kwargs: passes.append(seconds))
     start = time.perf_counter()
     for beta in SWEEP_BETAS:
         settings = trl_settings(size, size["sweep_steps"], beta)
-        trl_trainer(model, data, out / f"beta{beta}", precompute=name.endswith("precomputed"), **settings).train()
+        harness.trl_trainer(
+            model, data, out / f"beta{beta}", precompute=name.endswith("precomputed"), **settings
+        ).train()
     seconds = time.perf_counter() - start
     return dict(seconds=seconds, reference_passes=len(passes), reference_pass_seconds=[round(p, 2) for p in passes])
 
@@ -215,21 +152,21 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = No
     if name.startswith("scale_"):  # bench_scale.py: preprocessing only, its own timers, peaks and baseline
         from bench_scale import scale_worker
 
-        return measured(lambda: scale_worker(name, size, out, model, data), peak=False)
+        return harness.measured(lambda: scale_worker(name, size, out, model, data), peak=False)
     if name not in WORKERS:
         raise SystemExit(f"unknown worker {name}")
-    return measured(lambda: WORKERS[name](name, work, size, out, model, data))
+    return harness.measured(lambda: WORKERS[name](name, work, size, out, model, data))
 
 
 def bench_worker(name: str, work: Path, size_name: str, case="random", model=None, data=None) -> dict:
     """`bench.py worker NAME` in a fresh process (harness.run_worker)."""
     flags = ["--size", size_name, "--case", case]
     flags += [x for flag, path in (("--model", model), ("--data", data)) if path is not None for x in (flag, str(path))]
-    return run_worker(Path(__file__), name, work, flags)
+    return harness.run_worker(Path(__file__), name, work, flags)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = script_parser(__doc__, results="Markdown file to write (default: RESULTS.md for full)")
+    parser = harness.script_parser(__doc__, results="Markdown file to write (default: RESULTS.md for full)")
     parser.add_argument("--size", default="full", choices=sorted(SIZES))
     only = ["lora", "smollm2", "scale", "append"]
     parser.add_argument("--only", choices=only, help="Run only these rows and update their section of --results")
@@ -249,11 +186,11 @@ def main() -> None:
     if args.mode == "worker":
         size = CASES[args.case][args.size]
         model, data = (Path(x) if x else None for x in (args.model, args.data))
-        print_result(worker(args.name, work, size, Path(args.out), model, data))
+        harness.print_result(worker(args.name, work, size, Path(args.out), model, data))
         return
 
     work.mkdir(parents=True, exist_ok=True)
-    results = default_results(args.results, args.size == "full")
+    results = harness.default_results(args.results, args.size == "full")
     if args.only == "smollm2":
         run_smollm2(work / "smollm2", args.size, results)
     elif args.only in ("scale", "append"):
@@ -274,7 +211,7 @@ def run_main(work: Path, size_name: str, results: Path | None) -> None:
     started = time.perf_counter()
     print(f"building the model and data in {work} ...", flush=True)
     build_assets(work, size)
-    r, n_common, max_diff = measure(MAIN_NAMES, lambda name: bench_worker(name, work, size_name), work)
+    r, n_common, max_diff = harness.measure(MAIN_NAMES, lambda name: bench_worker(name, work, size_name), work)
     report = render(r, size, size_name, max_diff, n_common, time.perf_counter() - started)
     print("\n" + report)
     if results:
@@ -285,7 +222,9 @@ def run_main(work: Path, size_name: str, results: Path | None) -> None:
 def with_other_sections(report: str, old: str) -> str:
     """The main table's `report`, then every section of the `old` RESULTS.md it does not write."""
     written = {line for line in report.splitlines() if line.startswith("## ")}
-    kept = [get_section(old, line) for line in old.splitlines() if line.startswith("## ") and line not in written]
+    kept = [
+        harness.get_section(old, line) for line in old.splitlines() if line.startswith("## ") and line not in written
+    ]
     return report + "".join("\n" + section for section in kept)
 
 
@@ -297,7 +236,7 @@ def run_lora(work: Path, size_name: str, results: Path | None) -> None:
     if not (work / "runs" / "ours_precompute" / "manifest.json").exists():
         bench_worker("ours_precompute", work, size_name)
     r = {name: bench_worker(name, work, size_name) for name in ("ours_train_lora", "trl_train_lora")}
-    publish(render_lora(r, size, size_name), results, LORA_HEADING)
+    harness.publish(render_lora(r, size, size_name), results, LORA_HEADING)
 
 
 def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
@@ -309,11 +248,11 @@ def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
     # a 30-layer model sums ~100 token log-probs per row: relative tolerance as tests/test_real_model.py, plus the
     # absolute one of the random-model case
     run = lambda name: bench_worker(name, work, size_name, "smollm2", model, data)  # noqa: E731
-    r, n_common, max_diff = measure(SMOLLM2_NAMES, run, work, rtol=1e-4)
+    r, n_common, max_diff = harness.measure(SMOLLM2_NAMES, run, work, rtol=1e-4)
     pairs = attention_pairs_section(work / "runs" / "ours_precompute", size)
     print("\n".join(pairs), flush=True)
     section = render_smollm2(r, size, size_name, max_diff, n_common, time.perf_counter() - started, pairs)
-    publish(section, results, SMOLLM2_HEADING)
+    harness.publish(section, results, SMOLLM2_HEADING)
 
 
 def attention_pairs_section(cache: Path, size: dict) -> list[str]:
@@ -327,14 +266,11 @@ def attention_pairs_section(cache: Path, size: dict) -> list[str]:
     counts = count_pairs(cache, size["batch"], size["steps"], reference_batch, PrecomputeConfig.max_tokens_per_batch)
     return [
         "Attention on an accelerator, counted (`benchmarks/attention_pairs.py` on the cache above; millions of "
-        "(query, key) pairs; each kernel packs the rows as it would run them; the block mask runs every tile it "
+        "(query, key) pairs; each kernel packs the rows as it would run them; the block mask runs each tile it "
         "touches whole, 128 x 128 pairs):",
         "",
         *pairs_table(counts),
     ]
-
-
-# ------------------------------------------------------------------------------------------- the reports
 
 
 def _rate(run: dict, what: str) -> float:
@@ -353,12 +289,13 @@ def render_smollm2(
 ) -> str:
     from kto_pipeline import PrecomputeConfig
 
+    reference_batch = size.get("reference_batch", PrecomputeConfig.batch_size)
     op, tp, ot, tto, ttp = (r[name] for name in SMOLLM2_NAMES)
     o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
     o_proc, on_proc, pre_proc = (x["process_seconds"] for x in (ot, tto, ttp))
     o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
     steps, batch = size["steps"], size["batch"]
-    steps_text = f"{steps} steps x batch {batch}"
+    steps_text, both = f"{steps} steps x batch {batch}", op["process_seconds"] + o_proc
     whole = f"train, whole process (s, {steps_text})"
     rows = [
         vs_row("reference pass, tokens/s", _rate(op, "tokens"), _rate(tp, "tokens"), ".0f", "ours / trl", ">= 3x"),
@@ -367,52 +304,47 @@ def render_smollm2(
         vs_row(f"{whole}, vs trl online", o_proc, on_proc, ".1f", goal=">= 4x"),
         vs_row("train, median step (s), vs trl precomputed", o_step, pre_step, ".2f"),
         vs_row(f"{whole}, vs trl precomputed", o_proc, pre_proc, ".1f"),
-        vs_row(
-            "precompute + train processes (s) vs one trl online process", op["process_seconds"] + o_proc, on_proc, ".1f"
-        ),
+        vs_row("precompute + train processes (s) vs one trl online process", both, on_proc, ".1f"),
         vs_row("train peak RSS (MiB), vs trl online", o_rss, on_rss, ".0f", "ours / trl", "<= 0.7x"),
         vs_row("train peak RSS (MiB), vs trl precomputed", o_rss, pre_rss, ".0f", "ours / trl"),
     ]
     for what, ours, theirs in (("reference pass", op, tp), (f"training ({steps_text})", ot, ttp)):
-        (text, eff), (trl_text, _) = (efficiency(x.get("token_counts")) for x in (ours, theirs))
-        ok = met(None if eff is None else eff >= 0.9)
-        rows.append(md_row(f"token efficiency (needed / executed), {what}", text, trl_text, "", ">= 90% (ours)", ok))
+        (text, eff), (trl_text, _) = (harness.efficiency(x.get("token_counts")) for x in (ours, theirs))
+        ok = harness.met(None if eff is None else eff >= 0.9)
+        rows.append(
+            harness.md_row(f"token efficiency (needed / executed), {what}", text, trl_text, "", ">= 90% (ours)", ok)
+        )
     command = f"`python benchmarks/bench.py --size {size_name} --only smollm2` (in `make bench`)"
     lines = [
         SMOLLM2_HEADING,
         "",
         *provenance(command, seconds, *PACKAGES),
-        f"- model: {SMOLLM2_TEXT}",
-        f"- data: the first {size['pairs']} single-turn pairs of the bundled HH-RLHF harmless-base sample, each -> "
-        f"a desirable (chosen) and an undesirable (rejected) conversational row: {op['rows']} rows "
-        f"scored, rendered with the model's ChatML template (system prompt included); max_length {size['max_length']}",
-        f"- settings, both tools: float32 (bf16 off), gradient checkpointing off, batch {batch} x 1 process, "
-        f"sequential order, {steps} steps, AdamW lr {LEARNING_RATE}, beta 0.1; each stage in a fresh process. "
-        "trl online = KTOTrainer with its reference model (loaded by trl from the same directory); trl "
-        "precomputed = `precompute_ref_log_probs=True`. kto-pipeline's reference pass runs with the CLI's default "
-        f"`--batch-size {size.get('reference_batch', PrecomputeConfig.batch_size)}` (sequences per pass, packed).",
+        f"- model: {harness.SMOLLM2_TEXT}",
+        f"- data: the first {size['pairs']} single-turn pairs of the bundled HH-RLHF harmless-base sample, each a "
+        f"desirable (chosen) and an undesirable (rejected) conversational row: {op['rows']} rows scored, in the "
+        f"model's ChatML template (system prompt included); max_length {size['max_length']}",
+        f"- settings, both tools: float32, gradient checkpointing off, batch {batch} x 1 process, sequential order, "
+        f"{steps} steps, AdamW lr {LEARNING_RATE}, beta 0.1; each stage in a fresh process. trl online: KTOTrainer "
+        "with its reference model (from the same directory); trl precomputed: `precompute_ref_log_probs=True`. "
+        f"kto-pipeline's reference pass: the CLI's default `--batch-size {reference_batch}` (sequences, packed).",
         f"- correctness: reference log-probs agree on {n_common} sequences, max |diff| {max_diff:.1e}",
         "",
-        *table_head("| measurement | kto-pipeline | trl | ratio | goal | met |"),
+        *harness.table_head("| measurement | kto-pipeline | trl | ratio | goal | met |"),
         *rows,
         "",
         "- reference pass: kto-pipeline's `precompute` (length-sorted, token-budgeted batches) vs trl's "
-        f"`precompute_ref_log_probs` pass (batches of {batch} in dataset order); tokens = the unpadded tokens of the "
-        "completion and KL sequences (each prompt counted twice), the same count for both tools.",
-        "- train step: median over steps 2..N (the first pays warm-up costs); whole process = the worker process "
-        "from start to exit (imports, model and data loading, the steps, saving). kto-pipeline's training reads "
-        "the cache written by its precompute process.",
-        "- token efficiency: needed = each prompt once plus its completion and its KL completion (truncated to "
-        "max_length), no padding. kto-pipeline: `timing` of the cache's manifest.json (reference pass) and the "
-        "training run's trainer_state.json (n/a where the run did not record them). trl: derived from its batching: "
-        "its collator truncates each prompt+completion to max_length and pads each batch on the right to its longest "
-        "sequence, separately for the completion and the KL sequences (prompt + the previous row's completion, a "
-        "second forward), so executed = (padded completion width + padded KL width) x rows, summed over the "
-        f"reference pass's batches of {batch} in dataset order and over the {steps} training batches (sequential). "
-        "The training row counts the policy's forward passes; trl online runs the same padded sequences through its "
-        f"reference model as well, twice the executed tokens ({efficiency(tto.get('token_counts'))[0]} for its "
-        "policy passes alone).",
-        *run_notes({"ours": ot, "trl online": tto, "trl precomputed": ttp}),
+        f"`precompute_ref_log_probs` (batches of {batch} in dataset order); tokens: the unpadded tokens of the "
+        "completion and KL sequences (each prompt counted twice), for both tools alike.",
+        "- train step: median over steps 2..N (the first pays warm-up costs); whole process: the worker from start to "
+        "exit (imports, loading, the steps, saving); kto-pipeline's training reads its precompute process' cache.",
+        "- token efficiency: needed = each prompt once + its completion + its KL completion (truncated to max_length), "
+        "no padding. kto-pipeline: the cache manifest's `timing` and the run's trainer_state.json (n/a where not "
+        "recorded). trl, from its batching: each prompt+completion truncated to max_length, each batch right-padded "
+        "to its longest sequence, the completion and KL (prompt + the previous row's completion) sequences apart: "
+        f"executed = (padded completion width + padded KL width) x rows, over the reference pass's batches of {batch} "
+        f"and the {steps} training batches. The training row counts the policy's passes; trl online runs them through "
+        f"its reference model too, twice the tokens ({harness.efficiency(tto.get('token_counts'))[0]} for the policy).",
+        *harness.run_notes({"ours": ot, "trl online": tto, "trl precomputed": ttp}),
         "",
         *pairs,
         "",
@@ -429,7 +361,7 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
     hidden = size["hidden"]
     params = size["vocab"] * hidden * 2 + size["layers"] * (4 * hidden**2 + 3 * hidden * size["intermediate"])
     ref_mib = params * 4 / 2**20
-    sweep, stamp = f"sweep of {len(SWEEP_BETAS)} runs", utc_stamp()
+    sweep, stamp = f"sweep of {len(SWEEP_BETAS)} runs", harness.utc_stamp()
     rows = [
         ("reference pass, rows/s", _rate(op, "rows"), _rate(tp, "rows"), ".1f", "ours / trl"),
         ("reference pass, tokens/s", _rate(op, "tokens"), _rate(tp, "tokens"), ".0f", "ours / trl"),
@@ -469,7 +401,7 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         "",
         f"- date: {stamp} (the run above)",
         "",
-        *goals_table(
+        *harness.goals_table(
             ("reference pass >= 2x trl's rows/s", f"{ref_ratio:.2f}x", ref_ratio >= 2.0),
             ("train step >= 1.4x faster than trl online", f"{on_step / o_step:.2f}x", on_step / o_step >= 1.4),
             ("train step no slower than trl precomputed", f"{pre_step / o_step:.2f}x", pre_step / o_step >= 1.0),
@@ -492,10 +424,9 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
 def render_lora(r: dict, size: dict, size_name: str) -> str:
     ours, trl_ = r["ours_train_lora"], r["trl_train_lora"]
     growth = (x["peak_rss_mib"] - x["baseline_rss_mib"] for x in (ours, trl_))
+    steps = (median_step(x["step_seconds"]) for x in (ours, trl_))
     rows = [
-        _ratio_cells(
-            "LoRA train step (s)", median_step(ours["step_seconds"]), median_step(trl_["step_seconds"]), ".3f"
-        ),
+        _ratio_cells("LoRA train step (s)", *steps, ".3f"),
         _ratio_cells("LoRA train peak RSS (MiB)", ours["peak_rss_mib"], trl_["peak_rss_mib"], ".0f"),
         _ratio_cells("LoRA RSS growth above post-import baseline (MiB)", *growth, ".0f"),
     ]
@@ -505,8 +436,7 @@ def render_lora(r: dict, size: dict, size_name: str) -> str:
         *provenance(f"`python benchmarks/bench.py --size {size_name} --only lora`", None, *PACKAGES),
         f"- LoRA r={LORA['r']}, alpha={LORA['alpha']}, dropout={LORA['dropout']}, all-linear, same model, data and "
         f"settings as above (float32, batch {size['batch']}, sequential, {size['steps']} steps). kto-pipeline: "
-        "`train --lora-r 16` on the cache; trl: KTOTrainer with the same `peft_config`, reference computed online "
-        "with the adapters disabled.",
+        "`train --lora-r 16` on the cache; trl: the same `peft_config`, reference online with the adapters disabled.",
         "",
         *table("| measurement | kto-pipeline | trl | ratio (trl / ours) |", rows),
         "",

@@ -3,21 +3,22 @@
     python benchmarks/bench_gpu.py --device cuda --preset qwen2-0.5b   # `make bench-gpu`, writes RESULTS-gpu.md
     python benchmarks/bench_gpu.py --device cpu --preset tiny          # a minute-long check of every code path
 
-Nothing is downloaded: Qwen2-0.5B's config with random weights, a character tokenizer padded to its vocabulary
-(kto_pipeline.demo.tiny's chat template), row lengths from the bundled HH-RLHF sample. For a machine without
-network, carry the wheels (`pip download -d wheels pip setuptools wheel torch==2.13.0 ".[dev,gguf]" liger-kernel`
-on the same platform and Python), then `PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/wheels make bench-gpu`. liger-kernel is
-optional: without it the "trl + liger" column says it was skipped and why.
+Nothing is downloaded: Qwen2-0.5B's config with random weights, a character tokenizer padded to its vocabulary,
+row lengths from the bundled HH-RLHF sample. Offline, carry the wheels (`pip download -d wheels pip setuptools wheel
+torch==2.13.0 ".[dev,gguf]" liger-kernel` on the same platform and Python), then `PIP_NO_INDEX=1
+PIP_FIND_LINKS=$PWD/wheels make bench-gpu`. Without the optional liger-kernel its column says why it was skipped.
 
-Every case runs in a fresh subprocess (`bench_gpu.py worker NAME`, harness.py), so each peak memory is its own:
-kto-pipeline's `precompute` and `train`; trl online; trl with `precompute_ref_log_probs=True`, and with
-`use_liger_kernel=True` too ("trl's best" in the goals is whichever trl case measured fastest). All train on the
-same rows in the same (sequential) order, batch, max_length, optimizer and precision (bf16 autocast over float32
-weights on CUDA, float32 on CPU), gradient checkpointing off; each tool pairs rows with its own KL completions.
+Each case runs in a fresh subprocess (`bench_gpu.py worker NAME`), so each peak memory is its own: kto-pipeline's
+`precompute` and `train`; trl online, with `precompute_ref_log_probs=True`, and with `use_liger_kernel=True` too
+("trl's best" in the goals: the fastest). All train on the same rows in the same sequential order, batch, max_length,
+optimizer and precision (bf16 autocast over float32 weights on CUDA, float32 on CPU), gradient checkpointing off;
+each tool pairs rows with its own KL completions.
 """
 
 from __future__ import annotations
 
+import gc
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -29,34 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from harness import (
-    GPU_PRESETS,
-    TRL_RUN,
-    WORK_DIR,
-    cpu_name,
-    default_results,
-    fresh_runs,
-    goals_table,
-    md_row,
-    measured,
-    median_step,
-    ours_train_config,
-    peak_rss_mib,
-    print_result,
-    publish,
-    qwen2_config,
-    random_qwen2,
-    run_worker,
-    script_parser,
-    step_timer,
-    table,
-    time_calls,
-    trainer_state,
-    trl_trainer,
-    utc_stamp,
-    versions,
-    write_jsonl,
-)
+import harness
+from harness import fresh_runs, median_step, peak_rss_mib, run_worker, step_timer, table, time_calls, utc_stamp
 
 LEARNING_RATE = 1e-6
 BETA = 0.1
@@ -72,11 +47,16 @@ LABELS = {
     "trl_liger": "trl precomputed + liger",
 }
 ALPHABET = string.ascii_letters + string.digits + " "
+PRECISION = dict(
+    cuda="bf16: kto-pipeline's reference pass in bfloat16 weights, both trainers bf16 autocast over float32 weights",
+    cpu="float32 everywhere (bf16 is slow on this CPU)",
+)
+MEMORY = dict(cuda="peak CUDA memory allocated, reset before each phase reported", cpu="peak RSS of the process")
 
 
 def hh_rlhf_lengths() -> list[tuple[int, int]]:
-    """(prompt, completion) token counts of the bundled HH-RLHF sample (chosen and rejected answers), rendered
-    with the chat template and counted with the character tokenizer (what kto-pipeline tokenizes them to)."""
+    """(prompt, completion) token counts of the bundled HH-RLHF pairs' chosen and rejected answers, chat template
+    applied, in the character tokenizer."""
     from kto_pipeline.demo.hh_rlhf import bundled_path, convert_pair, read_pairs
     from kto_pipeline.demo.tiny import build_char_tokenizer
 
@@ -96,9 +76,8 @@ def hh_rlhf_lengths() -> list[tuple[int, int]]:
 
 
 def build_data(path: Path, preset: dict) -> dict:
-    """Unpaired rows whose (prompt, completion) lengths are drawn from HH-RLHF's, scaled by one factor so that
-    the longest prompt + completion of the whole sample is max_length tokens; labels alternate (balanced). The text
-    is random characters: one character is one token, and both tools append EOS to the completion."""
+    """Unpaired rows of random characters (a token each; both tools append EOS), labels alternating, lengths drawn
+    from HH-RLHF's scaled so that the sample's longest prompt + completion is max_length."""
     real, max_length = hh_rlhf_lengths(), preset["max_length"]
     totals = [p + c for p, c in real]
     scale = max_length / max(totals)
@@ -111,7 +90,7 @@ def build_data(path: Path, preset: dict) -> dict:
         lengths.append(prompt + completion)
         text = "".join(rng.choices(ALPHABET, k=prompt))
         rows.append(dict(prompt=text, completion="".join(rng.choices(ALPHABET, k=completion - 1)), label=i % 2 == 0))
-    write_jsonl(path, rows)
+    harness.write_jsonl(path, rows)
     source = dict(source_pairs=len(real) // 2, source_mean=statistics.mean(totals), source_max=max(totals))
     return dict(source, scale=scale, mean=statistics.mean(lengths), median=statistics.median(lengths), max=max(lengths))
 
@@ -123,13 +102,11 @@ def peak_memory_mib(device: str) -> float:
 
 
 def reset_peak_memory(device: str) -> None:
-    """CUDA: the next peak counts from what is allocated now. CPU: peak RSS cannot be reset (it is the process')."""
-    import gc
-
+    """CUDA: the next peak counts from what is allocated now (a CPU's peak RSS is the process', never reset)."""
     import torch
 
     if device == "cuda":
-        torch.cuda.init()  # the statistics exist once CUDA is initialised (workers reset before their first use)
+        torch.cuda.init()  # the statistics exist once CUDA is initialised
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -140,7 +117,7 @@ def device_name(device: str) -> str:
 
     if device == "cuda":
         return torch.cuda.get_device_name(0)
-    return f"{cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+    return f"{harness.cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
 def row_lengths(rows, max_length: int, kl: str = "kl_completion_ids") -> list[list[int]]:
@@ -159,16 +136,15 @@ def _tokens(lengths: list[list[int]]) -> int:
     return sum(p + c + k for p, c, k in lengths)
 
 
-# Each case measures one thing in this fresh process: (name, work, preset, device, out) -> its numbers.
-
-
 def _kernel_asked(name: str) -> str:
-    """The attention kernel a case asks for: `..._dense` the dense mask, the others the default."""
     return "dense" if name.endswith("_dense") else "auto"
 
 
+# Each case measures one thing in this fresh process: (name, work, preset, device, out) -> its numbers.
+
+
 def ours_precompute_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
-    """kto-pipeline's reference pass: its time (from the manifest), row lengths, peak memory, the kernel that ran."""
+    """kto-pipeline's reference pass: time (from the manifest), row lengths, peak memory, the kernel that ran."""
     from kto_pipeline import PrecomputeConfig, precompute
     from kto_pipeline.cache import open_cache
 
@@ -179,14 +155,10 @@ def ours_precompute_worker(name: str, work: Path, preset: dict, device: str, out
         **paths, max_length=preset["max_length"], dtype=dtype, attention_kernel=_kernel_asked(name), **OURS_PRECOMPUTE
     )
     cache = open_cache(precompute(config))
-    t, lengths = cache.manifest.timing, row_lengths(cache.table, preset["max_length"])
-    return dict(
-        ref_seconds=t["reference_pass_seconds"],
-        ref_lengths=lengths,
-        ref_peak_mib=peak_memory_mib(device),
-        timing=t,
-        kernel=cache.manifest["reference_pass"].get("attention_kernel"),
-    )
+    timing, kernel = cache.manifest.timing, cache.manifest["reference_pass"].get("attention_kernel")
+    lengths = row_lengths(cache.table, preset["max_length"])
+    ref = dict(ref_seconds=timing["reference_pass_seconds"], ref_lengths=lengths, ref_peak_mib=peak_memory_mib(device))
+    return dict(ref, timing=timing, kernel=kernel)
 
 
 def ours_train_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
@@ -198,13 +170,10 @@ def ours_train_worker(name: str, work: Path, preset: dict, device: str, out: Pat
     table_ = open_cache(cache_dir).table.slice(0, preset["steps"] * preset["batch"])
     reset_peak_memory(device)
     settings = dict(batch=preset["batch"], steps=preset["steps"], learning_rate=LEARNING_RATE, bf16=device == "cuda")
-    res = train(ours_train_config(cache_dir, out, beta=BETA, attention_kernel=_kernel_asked(name), **settings))
-    return dict(
-        step_seconds=res.step_seconds,
-        train_peak_mib=peak_memory_mib(device),
-        train_lengths=row_lengths(table_, preset["max_length"]),
-        kernel=trainer_state(out).get("attention_kernel"),
-    )
+    res = train(harness.ours_train_config(cache_dir, out, beta=BETA, attention_kernel=_kernel_asked(name), **settings))
+    result = dict(step_seconds=res.step_seconds, train_peak_mib=peak_memory_mib(device))
+    kernel = harness.trainer_state(out).get("attention_kernel")
+    return dict(result, train_lengths=row_lengths(table_, preset["max_length"]), kernel=kernel)
 
 
 def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
@@ -225,8 +194,8 @@ def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> d
     # float32 weights (the optimizer's master copy), bf16 autocast on CUDA: as kto-pipeline's train
     run = dict(batch=preset["batch"], max_length=ml, precompute=name != "trl_online", bf16=device == "cuda")
     run |= dict(beta=BETA, learning_rate=LEARNING_RATE, max_steps=preset["steps"], use_liger_kernel=name == "trl_liger")
-    run |= dict(precompute_ref_batch_size=preset["batch"], train_sampling_strategy="sequential", **TRL_RUN)
-    trainer = trl_trainer(work / "model", work / "data.jsonl", out, **run)
+    run |= dict(precompute_ref_batch_size=preset["batch"], train_sampling_strategy="sequential", **harness.TRL_RUN)
+    trainer = harness.trl_trainer(work / "model", work / "data.jsonl", out, **run)
     if timing:
         result.update(timing, ref_peak_mib=peak_memory_mib(device))
     result["train_lengths"] = row_lengths(trainer.train_dataset[:n_train], ml, "KL_completion_ids")
@@ -243,7 +212,7 @@ WORKERS |= dict.fromkeys(TRL_CASES, trl_worker)
 
 
 def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
-    """One case (harness.measured, no RSS readings: the cases read their own peaks)."""
+    """One case (harness.measured without RSS: the cases read their own peaks)."""
     if name not in WORKERS:
         raise SystemExit(f"unknown worker {name}")
 
@@ -254,12 +223,12 @@ def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
             raise SystemExit("--device cuda: torch sees no CUDA device in the worker")
         return {"device_name": device_name(device), **WORKERS[name](name, work, preset, device, out)}
 
-    return measured(run, rss=False)
+    return harness.measured(run, rss=False)
 
 
 def gpu_worker(name: str, work: Path, args, must_succeed: bool = True) -> dict:
-    """`bench_gpu.py worker NAME` in a fresh process (harness.run_worker), offline, with its own datasets cache."""
-    # one datasets cache per case, so that no trl case reuses another one's reference log-probs
+    """`bench_gpu.py worker NAME` in a fresh process, offline, with its own datasets cache (no trl case may reuse
+    another one's reference log-probs)."""
     env = {"TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "hf-datasets-cache" / name)}
     if args.device == "cpu":
         env |= {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"}
@@ -288,7 +257,7 @@ class Flops:
         from kto_pipeline.demo.tiny import build_char_tokenizer
 
         with torch.device("meta"):
-            model = Qwen2ForCausalLM(qwen2_config(preset, build_char_tokenizer(64)))
+            model = Qwen2ForCausalLM(harness.qwen2_config(preset, build_char_tokenizer(64)))
         embedding = model.get_input_embeddings().weight.numel()
         # untied: the LM head is among the parameters; tied: it is the embedding, counted once more as a matmul
         all_params = sum(p.numel() for p in model.parameters())
@@ -298,7 +267,6 @@ class Flops:
         self.layers, self.hidden = preset["layers"], preset["hidden"]
 
     def per_token(self, seq_len: int) -> float:
-        """Forward FLOPs of one token in a sequence of seq_len tokens."""
         return 2 * self.n + 2 * self.layers * seq_len * self.hidden
 
     def reference(self, rows) -> float:
@@ -317,56 +285,51 @@ class Flops:
         return [
             f"- MFU = model FLOPs of the needed tokens / seconds / peak; peak = {peak_text}.",
             "- needed tokens per row (P prompt, C completion, K KL completion, each truncated at max_length): "
-            "reference pass P + C + K (each prompt once); training step 3 (P + C) + K forward-equivalents "
-            "(forward + backward of prompt + completion with the policy, forward of the KL completion without grad).",
-            "- forward FLOPs of a token in a sequence of L tokens: f(L) = 2 N + 2 n_layers L d "
-            f"(N = {self.n / 1e6:.1f}M: {self.n_non_embedding / 1e6:.1f}M non-embedding parameters plus the "
-            f"LM head's {self.n_lm_head / 1e6:.1f}M, which is tied to the input embedding but is a vocab x hidden "
-            "matmul for every token; the input embedding lookup is not counted. Attention: QK^T and AV cost "
-            f"4 d L per token and layer over L keys, a causal token sees L/2 on average; d = hidden = {self.hidden}, "
-            f"n_layers = {self.layers}; norms, rotary, softmax, activations and the optimizer are not counted).",
+            "reference pass P + C + K; training step 3 (P + C) + K forward-equivalents (policy forward + backward "
+            "of P + C, forward of the KL completion without grad).",
+            "- forward FLOPs of a token among L: f(L) = 2 N + 2 n_layers L d; N = "
+            f"{self.n / 1e6:.1f}M = {self.n_non_embedding / 1e6:.1f}M non-embedding parameters + the LM head's "
+            f"{self.n_lm_head / 1e6:.1f}M (tied to the input embedding, but a vocab x hidden matmul per token); "
+            "attention: QK^T and AV cost 4 d per key, token and layer, over L/2 keys on average (causal); d = "
+            f"hidden = {self.hidden}, n_layers = {self.layers}; the embedding lookup, norms, rotary, softmax, "
+            "activations and the optimizer are not counted.",
             "- per row: reference pass (P + C) f(P + C) + K f(P + K); training step 3 (P + C) f(P + C) + K f(P + K), "
-            "i.e. 6 N (P + C) + 2 N K plus the attention terms.",
-            "- train-step MFU = FLOPs of the rows of steps 2..n / the summed wall time of steps 2..n / peak; "
-            "reference-pass MFU = FLOPs of every row / the pass's wall time / peak.",
+            "i.e. 6 N (P + C) + 2 N K plus attention.",
+            "- MFU of the train step: FLOPs of the rows of steps 2..n / their summed wall time / peak; of the "
+            "reference pass: FLOPs of every row / its wall time / peak.",
         ]
 
 
+def _column(res: dict | None, ref: dict | None, batch: int, flops: Flops | None, peak: float | None) -> dict:
+    """One column: ref tokens/s and MFU, step seconds and MFU, peak memory (MFU None without a peak)."""
+    if res is None or "skipped" in res or "failed" in res:
+        return {"note": (res or {}).get("skipped") or f"failed: {(res or {}).get('failed')}"}
+    c: dict = {"step_seconds": res["step_seconds"], "step": median_step(res["step_seconds"])}
+    timed_rows = res["train_lengths"][batch:] if len(res["step_seconds"]) > 1 else res["train_lengths"]
+    timed_seconds = sum(res["step_seconds"][1:]) if len(res["step_seconds"]) > 1 else res["step_seconds"][0]
+    c["step_mfu"] = flops.train(timed_rows) / timed_seconds / peak if peak else None
+    c["train_peak_mib"] = res["train_peak_mib"]
+    if ref and "ref_seconds" in ref:
+        rows, seconds = ref["ref_lengths"], ref["ref_seconds"]
+        c |= dict(ref_tokens=_tokens(rows), ref_rows=len(rows), ref_seconds=seconds)
+        c |= dict(ref_tokens_per_s=c["ref_tokens"] / seconds, ref_peak_mib=ref["ref_peak_mib"])
+        c["ref_mfu"] = flops.reference(rows) / seconds / peak if peak else None
+    return c
+
+
 def summarize(r: dict, preset: dict, flops: Flops, peak: float | None) -> dict:
-    """Per column: ref tokens/s and MFU, step seconds and MFU, peak memory (None where not applicable)."""
-    batch = preset["batch"]
-    cols = {}
-    cases = {"ours": ("ours_train", "ours_precompute"), "trl_online": ("trl_online", None)}
-    cases |= {name: (name, name) for name in ("trl_precomputed", "trl_liger")}
-    for col, (train_case, ref_case) in cases.items():
-        res = r.get(train_case)
-        if res is None or "skipped" in res or "failed" in res:
-            cols[col] = {"note": (res or {}).get("skipped") or f"failed: {(res or {}).get('failed')}"}
-            continue
-        c: dict = {"step_seconds": res["step_seconds"], "step": median_step(res["step_seconds"])}
-        timed_rows = res["train_lengths"][batch:] if len(res["step_seconds"]) > 1 else res["train_lengths"]
-        timed_seconds = sum(res["step_seconds"][1:]) if len(res["step_seconds"]) > 1 else res["step_seconds"][0]
-        c["step_mfu"] = flops.train(timed_rows) / timed_seconds / peak if peak else None
-        c["train_peak_mib"] = res["train_peak_mib"]
-        ref = r.get(ref_case) if ref_case else None
-        if ref and "ref_seconds" in ref:
-            rows, seconds = ref["ref_lengths"], ref["ref_seconds"]
-            c |= dict(ref_tokens=_tokens(rows), ref_rows=len(rows), ref_seconds=seconds)
-            c |= dict(ref_tokens_per_s=c["ref_tokens"] / seconds, ref_peak_mib=ref["ref_peak_mib"])
-            c["ref_mfu"] = flops.reference(rows) / seconds / peak if peak else None
-        cols[col] = c
-    return cols
+    """Per column of LABELS: its train case and the case of its reference pass (trl online records none)."""
+    cases = {"ours": ("ours_train", "ours_precompute")} | {name: (name, name) for name in TRL_CASES}
+    return {col: _column(r.get(t), r.get(ref), preset["batch"], flops, peak) for col, (t, ref) in cases.items()}
 
 
 def _liger_version() -> str:
     """The versions line's liger-kernel part: ", liger-kernel X.Y", or "" where it is not installed."""
     if importlib.util.find_spec("liger_kernel") is None:
         return ""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
-        return f", liger-kernel {version('liger-kernel')}"
-    except PackageNotFoundError:
+        return f", liger-kernel {importlib.metadata.version('liger-kernel')}"
+    except importlib.metadata.PackageNotFoundError:
         return ", liger-kernel (version unknown)"
 
 
@@ -380,14 +343,20 @@ def command_line(argv: list[str]) -> str:
     return " ".join(["python", "benchmarks/bench_gpu.py", *shown])
 
 
+def measurements(steps: int) -> list[tuple[str, str, str]]:
+    """The main table's rows: (label, key of the column's summary, format)."""
+    return [
+        ("reference pass, needed tokens/s", "ref_tokens_per_s", ".0f"),
+        ("reference pass, MFU %", "ref_mfu", ".1f"),
+        ("reference pass, peak memory (MiB)", "ref_peak_mib", ".0f"),
+        (f"train step (s), median of steps 2..{steps}", "step", ".4f"),
+        ("train step, MFU %", "step_mfu", ".1f"),
+        ("train, peak memory (MiB)", "train_peak_mib", ".0f"),
+    ]
+
+
 def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, peak: float | None, seconds) -> str:
     cuda = args.device == "cuda"
-    mem = "peak CUDA memory allocated" if cuda else "peak RSS of the process"
-    precision = (
-        "bf16: kto-pipeline's reference pass in bfloat16 weights, both trainers bf16 autocast over float32 weights"
-        if cuda
-        else "float32 everywhere (bf16 is slow on this CPU)"
-    )
 
     def cell(col: str, key: str, fmt: str) -> str:
         c = cols[col]
@@ -400,17 +369,10 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
             return "n/a"
         return format(value * 100 if key.endswith("mfu") else value, fmt)
 
-    rows = [
-        ("reference pass, needed tokens/s", "ref_tokens_per_s", ".0f"),
-        ("reference pass, MFU %", "ref_mfu", ".1f"),
-        ("reference pass, peak memory (MiB)", "ref_peak_mib", ".0f"),
-        (f"train step (s), median of steps 2..{preset['steps']}", "step", ".4f"),
-        ("train step, MFU %", "step_mfu", ".1f"),
-        ("train, peak memory (MiB)", "train_peak_mib", ".0f"),
-    ]
     name = next((v["device_name"] for v in r.values() if isinstance(v, dict) and "device_name" in v), "unknown")
     stamp = utc_stamp()
     make = " (`make bench-gpu`)" if cuda and args.preset == "qwen2-0.5b" else ""
+    rows = ((label, *(cell(c, k, f) for c in LABELS)) for label, k, f in measurements(preset["steps"]))
     lines = [
         f"# GPU benchmark: kto-pipeline vs trl.KTOTrainer ({args.preset})",
         "",
@@ -418,30 +380,27 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
         f"- date: {stamp}; total benchmark time {seconds:.0f} s",
         f"- device: {name} ({args.device}); {platform.system()} {platform.machine()}, Python "
         f"{platform.python_version()}",
-        f"- versions: {versions('kto-pipeline', 'torch', 'transformers', 'trl')}{_liger_version()}",
+        f"- versions: {harness.versions('kto-pipeline', 'torch', 'transformers', 'trl')}{_liger_version()}",
         f"- model: Qwen2 with random weights, hidden {preset['hidden']}, {preset['layers']} layers, "
         f"{preset['heads']} heads ({preset['kv_heads']} KV), intermediate {preset['intermediate']}, vocab "
         f"{preset['vocab']}, tied embeddings {preset['tie_word_embeddings']}, rope_theta {preset['rope_theta']:g}: "
         f"{flops.n_non_embedding / 1e6:.1f}M non-embedding parameters",
-        f"- data: {preset['rows']} unpaired rows, labels alternating (balanced), random characters (1 token each); "
-        f"prompt and completion lengths drawn from the {data['source_pairs']} HH-RLHF pairs bundled with "
-        f"kto-pipeline (chosen and rejected answers, chat template applied, mean {data['source_mean']:.0f} / max "
-        f"{data['source_max']} tokens), scaled by {data['scale']:.3f} so that the longest is max_length "
-        f"{preset['max_length']}: prompt + completion mean {data['mean']:.0f}, median {data['median']:.0f}, max "
-        f"{data['max']} tokens",
-        f"- settings, all cases: {precision}; gradient checkpointing off; batch {preset['batch']} x 1 process, "
-        f"sequential order (the same rows in every step), {preset['steps']} steps, AdamW lr {LEARNING_RATE}, beta "
-        f"{BETA}; kto-pipeline's reference pass batch_size {OURS_PRECOMPUTE['batch_size']}, max_tokens_per_batch "
-        f"{OURS_PRECOMPUTE['max_tokens_per_batch']}; trl's precompute_ref_batch_size {preset['batch']} (its "
-        "default, the train batch)",
-        f"- memory: {mem}" + (", reset before the phase it is reported for" if cuda else ""),
+        f"- data: {preset['rows']} unpaired rows, labels alternating, random characters (1 token each); prompt and "
+        f"completion lengths drawn from the {data['source_pairs']} bundled HH-RLHF pairs (chosen and rejected, chat "
+        f"template applied, mean {data['source_mean']:.0f} / max {data['source_max']} tokens), scaled by "
+        f"{data['scale']:.3f} to max_length {preset['max_length']}: prompt + completion mean {data['mean']:.0f}, "
+        f"median {data['median']:.0f}, max {data['max']} tokens",
+        f"- settings, all cases: {PRECISION[args.device]}; gradient checkpointing off; batch {preset['batch']} x 1 "
+        f"process, sequential order (the same rows in every case), {preset['steps']} steps, AdamW lr {LEARNING_RATE}, "
+        f"beta {BETA}; reference pass batch: kto-pipeline's batch_size {OURS_PRECOMPUTE['batch_size']}, "
+        f"max_tokens_per_batch {OURS_PRECOMPUTE['max_tokens_per_batch']}; trl's precompute_ref_batch_size "
+        f"{preset['batch']} (its default)",
+        f"- memory: {MEMORY[args.device]}",
         "",
-        *table(
-            md_row("measurement", *LABELS.values()), ((lbl, *(cell(c, k, f) for c in LABELS)) for lbl, k, f in rows)
-        ),
+        *table(harness.md_row("measurement", *LABELS.values()), rows),
         "",
-        "trl online has no reference pass of its own: its reference model runs inside every training step. "
-        "Needed tokens count each prompt once (P + C + K a row), for every tool alike.",
+        "trl online's reference model runs inside every training step (no reference pass). Needed tokens count each "
+        "prompt once (P + C + K a row), for every tool alike.",
         *kernels_table(r, preset, stamp),
         *goals(cols, cuda, stamp),
         *["", "## Formula", "", *flops.formula(peak)],
@@ -452,14 +411,16 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
 
 def kernels_table(r: dict, preset: dict, stamp: str) -> list[str]:
     """kto-pipeline under its default attention kernel against the dense mask, on the same steps."""
-    header = "| measurement | kto-pipeline, default kernel | kto-pipeline, dense mask | dense / default |"
-    default, dense = (r["ours_precompute"], r["ours_train"]), (r["ours_precompute_dense"], r["ours_train_dense"])
-    kernels = [f"{ref['kernel']} / {tr['kernel']}" for ref, tr in (default, dense)]
+    cases = [(r["ours_train" + kind], r["ours_precompute" + kind]) for kind in ("", "_dense")]
+    kernels = [f"{ref['kernel']} / {res['kernel']}" for res, ref in cases]
+    default, dense = (_column(res, ref, preset["batch"], None, None) for res, ref in cases)
     rows = [("kernel that ran (reference pass / train)", *kernels, "")]
-    values = [_kernel_values(ref, tr, preset["steps"]) for ref, tr in (default, dense)]
-    for (label, a), b, fmt in zip(values[0].items(), values[1].values(), (".0f", ".0f", ".4f", ".0f"), strict=True):
-        ratio = a / b if label.endswith("tokens/s") else b / a  # dense / default: > 1 favours the default
-        rows.append((label, format(a, fmt), format(b, fmt), f"{ratio:.2f}x"))
+    for label, key, fmt in measurements(preset["steps"]):
+        if not key.endswith("mfu"):
+            a, b = default[key], dense[key]
+            ratio = a / b if label.endswith("tokens/s") else b / a  # dense / default: > 1 favours the default
+            rows.append((label, format(a, fmt), format(b, fmt), f"{ratio:.2f}x"))
+    header = "| measurement | kto-pipeline, default kernel | kto-pipeline, dense mask | dense / default |"
     return [
         "",
         "## Attention kernel: block mask vs dense mask (kto-pipeline)",
@@ -469,19 +430,9 @@ def kernels_table(r: dict, preset: dict, stamp: str) -> list[str]:
         *table(header, rows),
         "",
         "`x` > 1 favours the default kernel. On a CPU the default is attention by tree (FlexAttention has no backward "
-        "there), so this table compares by-tree with the dense mask.",
+        "there): by-tree against the dense mask.",
         "",
     ]
-
-
-def _kernel_values(ref: dict, tr: dict, steps: int) -> dict[str, float]:
-    """The kernels table's measurements of one kernel's reference pass and training."""
-    return {
-        "reference pass, needed tokens/s": _tokens(ref["ref_lengths"]) / ref["ref_seconds"],
-        "reference pass, peak memory (MiB)": ref["ref_peak_mib"],
-        f"train step (s), median of steps 2..{steps}": median_step(tr["step_seconds"]),
-        "train, peak memory (MiB)": tr["train_peak_mib"],
-    }
 
 
 def goals(cols: dict, cuda: bool, stamp: str) -> list[str]:
@@ -499,33 +450,33 @@ def goals(cols: dict, cuda: bool, stamp: str) -> list[str]:
     goal, step_mfu = f"train step MFU >= {mfu:.0%}", ours.get("step_mfu")
     no_mfu = (goal, f"n/a on {'this device' if cuda else 'CPU'}", "-")
     rows.append(no_mfu if step_mfu is None else (goal, f"{step_mfu:.1%}", step_mfu >= mfu))
-    lines = ["## Against the goals", "", f"- date: {stamp} (the run above)", "", *goals_table(*rows)]
+    lines = ["## Against the goals", "", f"- date: {stamp} (the run above)", "", *harness.goals_table(*rows)]
     if not cuda:
         lines += ["", "On CPU the goals are not meaningful (they are set for an H100); the table checks the code path."]
     return lines
 
 
 def main() -> None:
-    parser = script_parser(
+    parser = harness.script_parser(
         __doc__,
         work=None,
         work_help="scratch directory (default: benchmarks/.work/gpu-PRESET)",
         results="Markdown file to write (default: RESULTS-gpu.md for qwen2-0.5b on cuda)",
     )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--preset", default="qwen2-0.5b", choices=sorted(GPU_PRESETS))
+    parser.add_argument("--preset", default="qwen2-0.5b", choices=sorted(harness.GPU_PRESETS))
     parser.add_argument("--batch", type=int, default=None, help="rows per step, every case (default: the preset's)")
     parser.add_argument("--steps", type=int, default=None, help="training steps, every case (default: the preset's)")
     peak_help = "The device's peak for MFU (bf16 dense)"
     parser.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help=peak_help)
     args = parser.parse_args()
     args.argv = sys.argv[1:]
-    preset = dict(GPU_PRESETS[args.preset])
+    preset = dict(harness.GPU_PRESETS[args.preset])
     preset.update({key: getattr(args, key) for key in ("batch", "steps") if getattr(args, key) is not None})
     preset["rows"] = max(preset["rows"], preset["batch"] * preset["steps"])
-    work = Path(args.work or WORK_DIR / f"gpu-{args.preset}")
+    work = Path(args.work or harness.WORK_DIR / f"gpu-{args.preset}")
     if args.mode == "worker":
-        print_result(worker(args.name, work, preset, args.device, Path(args.out)))
+        harness.print_result(worker(args.name, work, preset, args.device, Path(args.out)))
         return
 
     import torch
@@ -535,7 +486,7 @@ def main() -> None:
     started = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     print(f"building the model and data in {work} ...", flush=True)
-    random_qwen2(work / "model", preset)
+    harness.random_qwen2(work / "model", preset)
     data = build_data(work / "data.jsonl", preset)
     fresh_runs(work)  # measure from scratch: no case may reuse a cache from an earlier run
     r = {name: gpu_worker(name, work, args) for name in OURS_CASES}
@@ -546,12 +497,10 @@ def main() -> None:
         r[name] = {"skipped": skip} if skip else gpu_worker(name, work, args, must_succeed=False)
     flops = Flops(preset)
     peak = args.peak_tflops * 1e12 if args.device == "cuda" else None
-    report = render(
-        summarize(r, preset, flops, peak), r, preset, data, flops, args, peak, time.perf_counter() - started
-    )
-    publish(
-        report, default_results(args.results, args.device == "cuda" and args.preset == "qwen2-0.5b", "RESULTS-gpu.md")
-    )
+    cols = summarize(r, preset, flops, peak)
+    report = render(cols, r, preset, data, flops, args, peak, time.perf_counter() - started)
+    default = args.device == "cuda" and args.preset == "qwen2-0.5b"
+    harness.publish(report, harness.default_results(args.results, default, "RESULTS-gpu.md"))
 
 
 if __name__ == "__main__":
