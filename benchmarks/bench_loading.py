@@ -1,27 +1,22 @@
-"""Each process's peak private memory when a sharding engine loads a model: FSDP2 with and without
-`fsdp_cpu_ram_efficient_loading`, or DeepSpeed ZeRO-3 with and without `zero3_init_flag`.
+"""Each process's peak private memory while a sharding engine loads a model: FSDP2 with and without
+`fsdp_cpu_ram_efficient_loading`, DeepSpeed ZeRO-3 with and without `zero3_init_flag`.
 
     python benchmarks/bench_loading.py                       # FSDP2; writes its section of RESULTS.md
     python benchmarks/bench_loading.py --engine deepspeed    # DeepSpeed ZeRO-3; writes its own section
     python benchmarks/bench_loading.py --quick               # the tiny model for the big one: checks the code path
 
-Both stages run in 2 CPU processes on gloo: FSDP2 under torchrun as `configs/accelerate/fsdp.yaml` exports it,
-DeepSpeed under `accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml --zero3_init_flag
-true|false`, on a Qwen2-architecture model with random weights (about 440M parameters, 1.7 GB in float32, saved as
-safetensors) and on a tiny one (the process's baseline: Python, torch, transformers, the process group, DeepSpeed).
-Each run records every process's peak private memory (`RssAnon`, sampled every 10 ms; memory-mapped weights are
-shared page cache and do not count) in the manifest and trainer_state.json; this script reads them there.
-
-The goal, for a process that does not read the weights: its peak through loading (recorded by both stages as
-`loaded_host_private_mib`: until the model is loaded, sharded or partitioned) at most its shard of the weights +
-the largest tensor (received whole, then cut; under zero.Init, the largest module gathered whole) + the baseline,
-within 20%. The table also gives each stage's whole peak against the same bound, plus in training the step's own
-state (a gradient and two AdamW moments per parameter of the shard, 3 x the shard).
+Precompute and train in 2 CPU processes on gloo, on a random-weight Qwen2 (about 440M parameters, 1.7 GB in float32
+safetensors) and on a tiny one (the baseline: Python, torch, transformers, the process group, DeepSpeed). Each run
+records every process's peak `RssAnon` (sampled every 10 ms; memory-mapped weights are shared page cache and do not
+count) in the manifest and trainer_state.json. Goal, for a process that does not read the weights: its peak through
+loading (`loaded_host_private_mib`) at most its shard + the largest tensor (received whole, then cut; under
+zero.Init the largest module gathered whole) + the baseline, within 20%.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -49,84 +44,17 @@ MIB = 1 << 20
 # about 440M parameters: hidden 1024, 24 layers, a 32,000-token vocabulary (tied)
 BIG = dict(hidden=1024, layers=24, heads=16, kv_heads=16, intermediate=4096, vocab=32000, max_position_embeddings=2048)
 PRESETS = {"big": dict(BIG, tie_word_embeddings=True, rope_theta=1e6), "tiny": dict(TINY, tie_word_embeddings=True)}
-FSDP_ENV = {
-    "ACCELERATE_USE_CPU": "1",
-    "ACCELERATE_USE_FSDP": "true",
-    "FSDP_VERSION": "2",
-    "FSDP_RESHARD_AFTER_FORWARD": "true",
-    **LAUNCH_ENV,
-    # glibc serves the forwards' all-gathered layers (a few MiB to tens of MiB each, on the CPU here) from its heap
-    # and keeps what they free: measured, the reference pass's peak grows by about the whole model (2755 against
-    # 1533 MiB on the non-reading process). A fixed mmap threshold returns each freed buffer to the system, as a
-    # GPU's caching allocator does for device memory; the figure is then what the process holds.
-    "MALLOC_MMAP_THRESHOLD_": "131072",
-}
+FSDP_ENV = dict(ACCELERATE_USE_CPU="1", ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_RESHARD_AFTER_FORWARD="true")
+# glibc keeps the heap memory of the forwards' freed all-gathered layers (MiBs each): measured, the reference pass's
+# peak on the non-reading process grew by about the whole model (2755 against 1533 MiB). A fixed mmap threshold
+# returns each freed buffer to the system, as a GPU's caching allocator does for device memory.
+FSDP_ENV |= LAUNCH_ENV | {"MALLOC_MMAP_THRESHOLD_": "131072"}
 # DeepSpeed runs on its own CPU accelerator (accelerate's CPU mode would drop it); the rest as FSDP2's
 DEEPSPEED_ENV = {k: v for k, v in FSDP_ENV.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
 GOAL = 1.2  # measured peak / bound
-# Training's state beyond the weights' shard, in shards: (allocated when the engine is prepared, before the first
-# batch; alive at the optimizer step). FSDP2 with torch's AdamW: nothing up front; a gradient and two AdamW moments at
-# the step. DeepSpeed ZeRO-3 (0.19), as benchmarks/checks/deepspeed_step_memory.py reads its buffers: a float32 master
-# copy of the shard and the gradient partition up front; at the step also the gradient flattened anew in float32 and
-# the two moments.
+# Training's state beyond the weights' shard, in shards: (allocated when the engine is prepared, alive at the
+# optimizer step); STATE says what (DeepSpeed 0.19's, as benchmarks/checks/deepspeed_step_memory.py reads it)
 TRAIN_STATE = {"fsdp2": (0, 3), "deepspeed": (2, 5)}
-
-
-def rows(n: int = 16) -> list[dict]:
-    return [
-        {"prompt": f"Question {i}: what is {i} + {i}?", "completion": f" It is {2 * i}.", "label": bool(i % 2)}
-        for i in range(n)
-    ]
-
-
-def launch(args: list[str], env: dict[str, str], log: Path, launcher: list[str] | None = None) -> None:
-    """`torchrun --standalone --nproc_per_node 2 -m kto_pipeline ARGS` (or `launcher` in place of torchrun's
-    arguments); its output in `log`. The launch variables of this shell are left out: `env` sets the ones meant."""
-    cmd = [sys.executable, "-m", *(launcher or TORCHRUN), "-m", "kto_pipeline", *args]
-    with open(log, "w") as out:
-        proc = subprocess.run(cmd, env=launch_env(env), stdout=out, stderr=subprocess.STDOUT)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
-
-
-def launch_variant(engine: str, one_reader: bool) -> tuple[dict[str, str], list[str] | None, list[str]]:
-    """(environment, launcher, extra flags of both stages) of a run in which the weights are read by the main
-    process only (`one_reader`) or by every process."""
-    if engine == "fsdp2":
-        return {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": str(one_reader).lower()}, None, []
-    launcher = ["accelerate.commands.launch", "--config_file", str(DEEPSPEED_CONFIG), "--num_processes", "2"]
-    launcher += ["--zero3_init_flag", str(one_reader).lower()]
-    return DEEPSPEED_ENV, launcher, ["--no-bf16"]  # float32 compute on the CPU, as FSDP2's runs (bf16 is off there)
-
-
-def weights(model_dir: Path) -> dict[str, float]:
-    """The model's float32 bytes in MiB: all of it, and its largest tensor."""
-    import math
-
-    from safetensors import safe_open
-
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        sizes = [4 * math.prod(f.get_slice(key).get_shape()) for key in f.keys()]
-    return {"total_mib": sum(sizes) / MIB, "largest_mib": max(sizes) / MIB, "parameters": sum(sizes) // 4}
-
-
-def measure(work: Path, model: Path, data: Path, engine: str, one_reader: bool) -> dict[str, list[dict]]:
-    """Both stages, 2 processes: each process's peaks (the manifest's, trainer_state.json's)."""
-    tag = f"{engine}-{model.name}-{'main-reads' if one_reader else 'all-read'}"
-    env, launcher, flags = launch_variant(engine, one_reader)
-    cache, run = work / "runs" / f"cache-{tag}", work / "runs" / f"train-{tag}"
-    for old in (cache, run):  # measured from scratch (an existing cache of the same settings is not recomputed)
-        shutil.rmtree(old, ignore_errors=True)
-    pre = ["precompute", "--model", str(model), "--dataset", str(data), "--output", str(cache), *flags]
-    launch([*pre, "--max-length", "64"], env, work / f"precompute-{tag}.log", launcher)
-    train = ["train", "--cache", str(cache), "--output-dir", str(run), "--overwrite-output-dir", "--max-steps", "1"]
-    train += ["--per-device-train-batch-size", "2", "--save-steps", "0", *flags]
-    launch(train, env, work / f"train-{tag}.log", launcher)
-    manifest = json.loads((cache / "manifest.json").read_text())
-    state = json.loads((run / "trainer_state.json").read_text())
-    return {"precompute": manifest["timing"]["peak_memory"], "train": state["peak_memory"]}
-
-
 LAUNCHES = {
     "fsdp2": "torchrun, 2 CPU processes (gloo), FSDP2 as configs/accelerate/fsdp.yaml exports it",
     "deepspeed": "accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml --zero3_init_flag "
@@ -136,22 +64,64 @@ READERS = {  # who reads the weights, without and with the engine's one-reader l
     "fsdp2": ("every process", "the main process only"),
     "deepspeed": ("every process (zero3_init_flag false)", "the main process only (zero3_init_flag true)"),
 }
+STATE = {
+    "fsdp2": "3 x the shard in training: a gradient and two AdamW moments per parameter of the shard",
+    "deepspeed": "in training 2 x the shard up front, DeepSpeed's float32 master copy and gradient partition, 5 x at "
+    "the step, with the gradient flattened anew and two AdamW moments (benchmarks/checks/deepspeed_step_memory.py)",
+}
+
+
+def weights(model_dir: Path) -> dict[str, float]:
+    """The model's float32 bytes in MiB: all of it, and its largest tensor."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        sizes = [4 * math.prod(f.get_slice(key).get_shape()) for key in f.keys()]
+    return {"total_mib": sum(sizes) / MIB, "largest_mib": max(sizes) / MIB, "parameters": sum(sizes) // 4}
+
+
+def measure(work: Path, model: Path, data: Path, engine: str, one_reader: bool) -> dict[str, list[dict]]:
+    """Both stages, from scratch, the weights read by the main process only (`one_reader`) or by every process:
+    each process's peaks (the manifest's, trainer_state.json's)."""
+    tag = f"{engine}-{model.name}-{'main-reads' if one_reader else 'all-read'}"
+    flag = str(one_reader).lower()
+    if engine == "fsdp2":
+        env, launcher, flags = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": flag}, TORCHRUN, []
+    else:  # float32 compute on the CPU, as FSDP2's runs (bf16 is off there)
+        launcher = ["accelerate.commands.launch", "--config_file", str(DEEPSPEED_CONFIG), "--num_processes", "2"]
+        env, launcher, flags = DEEPSPEED_ENV, [*launcher, "--zero3_init_flag", flag], ["--no-bf16"]
+    cache, run = work / "runs" / f"cache-{tag}", work / "runs" / f"train-{tag}"
+    for old in (cache, run):  # an existing cache of the same settings would not be recomputed
+        shutil.rmtree(old, ignore_errors=True)
+    pre = ["precompute", "--model", str(model), "--dataset", str(data), "--output", str(cache), "--max-length", "64"]
+    train = ["train", "--cache", str(cache), "--output-dir", str(run), "--overwrite-output-dir", "--max-steps", "1"]
+    train += ["--per-device-train-batch-size", "2", "--save-steps", "0"]
+    for stage in (pre, train):  # launched with only the launch variables of `env`
+        cmd = [sys.executable, "-m", *launcher, "-m", "kto_pipeline", *stage, *flags]
+        log = work / f"{stage[0]}-{tag}.log"
+        with open(log, "w") as out:
+            proc = subprocess.run(cmd, env=launch_env(env), stdout=out, stderr=subprocess.STDOUT)
+        if proc.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    state = json.loads((run / "trainer_state.json").read_text())
+    return {"precompute": manifest["timing"]["peak_memory"], "train": state["peak_memory"]}
 
 
 def render(measured: dict, sizes: dict, args, seconds: float) -> str:
-    shard = sizes["total_mib"] / 2
+    shard, largest = sizes["total_mib"] / 2, sizes["largest_mib"]
     options = (" --engine deepspeed" if args.engine == "deepspeed" else "") + (" --quick" if args.quick else "")
     lines = [
         HEADINGS[args.engine],
         "",
         *provenance(f"`python benchmarks/bench_loading.py{options}`", seconds),
         f"- model: Qwen2 architecture, random weights, {sizes['parameters'] / 1e6:.0f}M parameters, "
-        f"{sizes['total_mib']:.0f} MiB in float32 (safetensors); its largest tensor {sizes['largest_mib']:.0f} MiB; "
-        f"one process's shard {shard:.0f} MiB",
+        f"{sizes['total_mib']:.0f} MiB in float32 (safetensors); its largest tensor {largest:.0f} MiB; one "
+        f"process's shard {shard:.0f} MiB",
         f"- launch: {LAUNCHES[args.engine]}, MALLOC_MMAP_THRESHOLD_=131072 (glibc returns freed buffers; see the "
         "script); precompute of 16 rows, then train 1 step (batch 2 x 2 processes, AdamW)",
         "- figure: each process's peak private memory (RssAnon, MiB) as the run recorded it, through loading and "
-        "through the whole stage; the baselines are the same launch's on a tiny model (2 layers, hidden 64)",
+        "the whole stage; baselines: the same launch on a tiny model (2 layers, hidden 64)",
         "",
         *table_head(
             "| stage | weights read by | process | loading: baseline (MiB) | loaded (MiB) | bound (MiB) | "
@@ -163,8 +133,8 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
         for one_reader in (False, True):
             for m, base in zip(measured["big", one_reader][stage], measured["tiny", one_reader][stage], strict=True):
                 reader = one_reader and m["rank"] == 0 or not one_reader
-                loading_bound = base["loaded_host_private_mib"] + shard + sizes["largest_mib"] + upfront
-                stage_bound = base["host_private_mib"] + shard + sizes["largest_mib"] + extra
+                loading_bound = base["loaded_host_private_mib"] + shard + largest + upfront
+                stage_bound = base["host_private_mib"] + shard + largest + extra
                 loaded = m["loaded_host_private_mib"] / loading_bound
                 goal = "" if reader else (" (goal <= 1.2: met)" if loaded <= GOAL else " (goal <= 1.2: NOT met)")
                 lines.append(
@@ -173,21 +143,15 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
                     f"{loading_bound:.0f} | {loaded:.2f}{goal} | {base['host_private_mib']:.0f} | "
                     f"{m['host_private_mib']:.0f} | {stage_bound:.0f} | {m['host_private_mib'] / stage_bound:.2f} |"
                 )
-    upfront, step = TRAIN_STATE[args.engine]
-    state = {
-        "fsdp2": "3 x the shard in training: a gradient and two AdamW moments per parameter of the shard",
-        "deepspeed": "in training 2 x the shard up front, DeepSpeed's float32 master copy of the shard and its "
-        "gradient partition, and 5 x at the step, with the gradient flattened anew and two AdamW moments "
-        "(benchmarks/checks/deepspeed_step_memory.py)",
-    }[args.engine]
+    upfront = TRAIN_STATE[args.engine][0]
     lines += [
         "",
-        "loaded: the peak up to the moment the model was loaded and placed by the engine (read, then sharded or "
-        "partitioned), before any batch; its bound = the baseline at that point + the shard + the largest tensor"
-        f"{f' (+ {upfront} x the shard in training)' if upfront else ''}. The goal applies to loading, on a process "
-        "that does not read the weights. stage peak: the peak of the whole stage; its bound = the stage's baseline "
-        f"+ the shard + the largest tensor (+ {state}); what a stage adds beyond that (a pass's gathered layers and "
-        f"activations) is read below the table.",
+        "loaded: the peak until the model was loaded and placed by the engine (read, then sharded or partitioned), "
+        "before any batch; bound = the baseline then + the shard + the largest tensor"
+        f"{f' (+ {upfront} x the shard in training)' if upfront else ''}. The goal is for loading, on a process that "
+        "does not read the weights. stage peak: the whole stage's; bound = the stage's baseline + the shard + the "
+        f"largest tensor (+ {STATE[args.engine]}); what a stage adds beyond that (a pass's gathered layers and "
+        "activations) is read below the table.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -195,8 +159,9 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
 def main() -> None:
     parser = script_parser(__doc__, results="file to write the section into", default=str(HERE / "RESULTS.md"))
     parser.add_argument("--quick", action="store_true", help="the tiny model in place of the big one")
-    engines = dict(choices=sorted(HEADINGS), default="fsdp2", help="FSDP2 (torchrun) or DeepSpeed ZeRO-3")
-    parser.add_argument("--engine", **engines)
+    parser.add_argument(
+        "--engine", choices=sorted(HEADINGS), default="fsdp2", help="FSDP2 (torchrun) or DeepSpeed ZeRO-3"
+    )
     args = parser.parse_args()
     work = Path(args.work) / "loading"
     work.mkdir(parents=True, exist_ok=True)
@@ -204,7 +169,11 @@ def main() -> None:
     models = {name: work / f"model-{name}" for name in ("big", "tiny")}
     for name, path in models.items():
         random_qwen2(path, PRESETS["tiny" if args.quick else name])
-    data = write_jsonl(work / "data.jsonl", rows())
+    rows = [
+        {"prompt": f"Question {i}: what is {i} + {i}?", "completion": f" It is {2 * i}.", "label": bool(i % 2)}
+        for i in range(16)
+    ]
+    data = write_jsonl(work / "data.jsonl", rows)
     measured = {}
     for name, path in models.items():
         for one_reader in (False, True):

@@ -1,9 +1,8 @@
 """Preprocessing rows/s and peak RSS at 20,000 / 200,000 / 1,000,000 short unpaired rows, kto-pipeline against
-trl.KTOTrainer 1.16, with 1 and 2 processes (`python benchmarks/bench.py --only scale`, part of `make bench`); and
-at the end, the append case (`--only append`: `precompute --append` of 1% new rows next to the full precompute of a
-200,000-row cache) on the same rows and model. Every measurement runs in a fresh process (`bench.py worker
-scale_<tool>_<num_proc>` or `append_<form>_<rows>`) with its own, empty HF_DATASETS_CACHE; what each one times and
-checks is written into the section with the numbers (`render_scale`, `render_append`).
+trl.KTOTrainer 1.16 with 1 and 2 processes (`python benchmarks/bench.py --only scale`, part of `make bench`), and
+`precompute --append` of 1% new rows next to the full precompute of a 200,000-row cache (`--only append`). Each
+measurement runs in a fresh process (`bench.py worker scale_<tool>_<num_proc>` or `append_<form>_<rows>`) with its
+own, empty HF_DATASETS_CACHE; the sections say what each one times and checks.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import random
 import shutil
 import sys
 import time
+from itertools import islice
 from pathlib import Path
 
 from harness import (
@@ -33,21 +33,26 @@ from harness import (
     time_calls,
     trl_trainer,
     versions,
+    write_jsonl,
 )
 
 SCALE_HEADING = "## Scale: preprocessing 20k / 200k / 1M rows"
-# the measurements: tool -> num_proc values. kto-pipeline's --num-proc 1 maps in-process (num_proc=None); trl's
-# dataset_num_proc=1 does not: datasets 5 runs any num_proc >= 1 in a Pool, so trl's default (None) is measured too
+# tool -> num_proc values. kto-pipeline's --num-proc 1 maps in-process (num_proc=None); trl's dataset_num_proc=1
+# does not (datasets 5 runs any num_proc >= 1 in a Pool), so trl's default (None) is measured too
 VARIANTS = {"ours": (1, 2), "trl": (None, 1, 2)}
 RUNS = [(tool, num_proc) for tool, procs in VARIANTS.items() for num_proc in procs]
 LABELS = {"ours": "kto-pipeline", "trl": "trl"}
 CHECK_ROWS = 100  # rows whose token ids must agree across the tools before speed is reported
-TRL_SKIP_SECONDS = 300  # trl is not run at a size where its rate at the size below predicts more than this
+TRL_SKIP_SECONDS = 300  # trl is skipped at a size where its rate at the size below predicts more than this
 DATA_VERSION = 1  # bump when the row generator changes
 SPEEDUP_GOAL = 1.7  # goal: --num-proc 2 tokenizes at least 1.7x faster than 1
 GROWTH_GOAL_MB = 150  # goal: peak RSS at 200,000 rows at most 150 MB (10^6 bytes) above the one at 20,000
 MIB = 1 << 20
-BENCH = HERE / "bench.py"  # the workers run as `bench.py worker scale_...` (`append_...`), as every bench worker does
+TOKENIZERS = {
+    "smollm2": "SmolLM2-135M-Instruct's (BPE, vocab 49152)",
+    "char": "the character-level one of `kto_pipeline.demo.tiny`",
+}
+BENCH = HERE / "bench.py"  # the workers run as `bench.py worker scale_...` (`append_...`)
 
 
 def worker_name(tool: str, num_proc: int | None) -> str:
@@ -112,34 +117,19 @@ def row_stream(seed: int = 0):
         yield {"prompt": prompt, "completion": completion, "label": rng.random() < 0.55}
 
 
-def data_path(work: Path, rows: int) -> Path:
-    return work / f"data-v{DATA_VERSION}-{rows}.jsonl"
-
-
-def model_path(work: Path, tokenizer: str) -> Path:
-    return work / f"model-{tokenizer}"
+def _write_rows(path: Path, start: int, stop: int) -> Path:
+    """Rows `start` .. `stop - 1` of `row_stream` as .jsonl, written once and kept between runs."""
+    if not path.exists():
+        print(f"writing {path.name} ...", flush=True)
+        part = path.with_name(path.name + ".part")
+        write_jsonl(part, islice(row_stream(), start, stop), ensure_ascii=False).replace(path)
+    return path
 
 
 def write_data(work: Path, sizes: tuple[int, ...]) -> dict[int, Path]:
-    """data-N.jsonl for each size, the first N rows of the same stream (written once, kept between runs)."""
+    """data-N.jsonl for each size: the first N rows of the stream."""
     work.mkdir(parents=True, exist_ok=True)
-    paths = {n: data_path(work, n) for n in sizes}
-    missing = sorted(n for n, p in paths.items() if not p.exists())
-    if missing:
-        print(f"writing {', '.join(f'{n:,}' for n in missing)} rows of data ...", flush=True)
-        files = {n: open(paths[n].with_suffix(".part"), "w", encoding="utf-8") for n in missing}
-        try:
-            for i, row in zip(range(max(missing)), row_stream(), strict=False):
-                line = json.dumps(row, ensure_ascii=False) + "\n"
-                for n, f in files.items():
-                    if i < n:
-                        f.write(line)
-        finally:
-            for f in files.values():
-                f.close()
-        for n in missing:
-            paths[n].with_suffix(".part").replace(paths[n])
-    return paths
+    return {n: _write_rows(work / f"data-v{DATA_VERSION}-{n}.jsonl", 0, n) for n in sizes}
 
 
 def build_model(work: Path, tokenizer: str) -> Path:
@@ -148,7 +138,7 @@ def build_model(work: Path, tokenizer: str) -> Path:
 
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
 
-    path = model_path(work, tokenizer)
+    path = work / f"model-{tokenizer}"
     if (path / "config.json").exists():
         return path
     tok = AutoTokenizer.from_pretrained(smollm2_dir()) if tokenizer == "smollm2" else build_char_tokenizer()
@@ -182,11 +172,9 @@ def scale_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> d
     _, tool, proc = name.split("_")
     num_proc = None if proc == "default" else int(proc)
     baseline = {"baseline_rss_mib": rss_mib()}
-    if tool == "ours" and num_proc is not None:
-        return {**_ours(num_proc, size, out, model, data), **baseline}
-    if tool == "trl":
-        return {**_trl(num_proc, size, out, model, data), **baseline}
-    raise SystemExit(f"unknown worker {name}")
+    if tool not in VARIANTS or tool == "ours" and num_proc is None:
+        raise SystemExit(f"unknown worker {name}")
+    return {**(_ours if tool == "ours" else _trl)(num_proc, size, out, model, data), **baseline}
 
 
 def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -339,7 +327,7 @@ def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str],
 
 
 def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
-    """(the goals table, the growth note: peak RSS from the smaller size to the larger, "" where one size ran)."""
+    """(the goals table, the note on peak RSS growth from the smaller size to the larger, [] where one size ran)."""
     goals = []
     for n in size["rows"]:
         one, two = (measured[n].get(worker_name("ours", p)) for p in (1, 2))
@@ -351,35 +339,24 @@ def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
                 f"preprocessing: {one['seconds'] / two['seconds']:.2f}x)"
             )
             goals.append((goal, f"{ratio:.2f}x", ratio >= SPEEDUP_GOAL))
-    growth_notes = []
+    growth = []
     small, big = (20_000, 200_000) if {20_000, 200_000} <= set(size["rows"]) else (size["rows"][0], size["rows"][-1])
-    if small != big:
-        for tool, num_proc in RUNS:
-            name = worker_name(tool, num_proc)
-            a, b = measured[small].get(name), measured[big].get(name)
-            if not (a and b):
-                continue
-            parent = b["peak_rss_mib"] - a["peak_rss_mib"]
-            children = b["children_peak_rss_mib"] - a["children_peak_rss_mib"]
-            pooled = a["children_peak_rss_mib"] > 0
-            text = f"{parent:+.0f} MiB parent" + (f", {children:+.0f} MiB children" if pooled else "")
-            growth_notes.append(f"{LABELS[tool]} num_proc {_proc_label(num_proc)}: {text}")
-            if tool == "ours" and num_proc == 1:
-                goal = (
-                    f"preprocessing's peak RSS at {big:,} rows at most {GROWTH_GOAL_MB} MB above at {small:,} "
-                    "(kto-pipeline, 1 process; the goal for the whole precompute is tested in tests/test_memory.py)"
-                )
-                goals.append((goal, f"{parent:+.0f} MiB", parent * MIB <= GROWTH_GOAL_MB * 1e6))
-    notes = []
-    if growth_notes:
-        notes = [f"- preprocessing peak RSS growth {small:,} -> {big:,} rows: " + "; ".join(growth_notes) + ".", ""]
-    return goals_table(*goals), notes
-
-
-def _tokenizer_text(size: dict) -> str:
-    if size["tokenizer"] == "smollm2":
-        return "SmolLM2-135M-Instruct's (BPE, vocab 49152)"
-    return "the character-level one of `kto_pipeline.demo.tiny`"
+    for tool, num_proc in RUNS:
+        a, b = (measured[n].get(worker_name(tool, num_proc)) for n in (small, big))
+        if small == big or not (a and b):
+            continue
+        parent = b["peak_rss_mib"] - a["peak_rss_mib"]
+        children = b["children_peak_rss_mib"] - a["children_peak_rss_mib"]
+        text = f"{parent:+.0f} MiB parent" + (f", {children:+.0f} MiB children" if a["children_peak_rss_mib"] else "")
+        growth.append(f"{LABELS[tool]} num_proc {_proc_label(num_proc)}: {text}")
+        if tool == "ours" and num_proc == 1:
+            goal = (
+                f"preprocessing's peak RSS at {big:,} rows at most {GROWTH_GOAL_MB} MB above at {small:,} "
+                "(kto-pipeline, 1 process; the goal for the whole precompute is tested in tests/test_memory.py)"
+            )
+            goals.append((goal, f"{parent:+.0f} MiB", parent * MIB <= GROWTH_GOAL_MB * 1e6))
+    notes = [f"- preprocessing peak RSS growth {small:,} -> {big:,} rows: " + "; ".join(growth) + ".", ""]
+    return goals_table(*goals), notes if growth else []
 
 
 def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seconds: float) -> str:
@@ -391,26 +368,24 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
         SCALE_HEADING,
         "",
         *provenance(command, seconds, "kto-pipeline", "trl", "datasets", "transformers", "tokenizers", "torch"),
-        "- data: short unpaired rows (prompts of 10-30 words, completions of 5-20, questions and instructions with "
-        "punctuation, numbers, line breaks and about 1.5% non-ASCII words; `bench_scale.row_stream`), the first N "
-        f"rows of one stream as a .jsonl; tokenizer: {_tokenizer_text(size)}, the same for both tools; max_length "
-        f"{size['max_length']} (no row dropped)",
-        "- each measurement in a fresh process with its own empty HF_DATASETS_CACHE. Timed as preprocessing: "
-        "**kto-pipeline** = what `precompute` runs before it loads the model (`prepare_rows`: load_source of the "
-        "Arrow file already built, check_source, content_hash, preprocess = a batched datasets.map into the tokenized "
-        "Arrow file, then select_rows, assign_kl_partners); `--num-proc 1` maps in-process. **trl** = "
-        "`KTOTrainer._prepare_dataset` as its `__init__` calls it (EOS map, tokenize map, max_length filter, KL map "
-        f"with batch_size=per_device_train_batch_size ({size['batch']}), label count), each step with "
-        "`num_proc=args.dataset_num_proc`: None maps in-process, 1 in a pool of one process (datasets 5 pools any "
-        "num_proc >= 1). Timed apart: the JSON -> Arrow load (`datasets.load_dataset('json')`, both alike), the rest "
-        "of trl's constructor, and the tiny Llama policy it needs (loaded before it, so in its parent RSS: "
-        f"{model_rss:.0f} MiB at most).",
-        "- rows/s = source rows / preprocessing seconds. peak RSS (parent) = the worker's ru_maxrss (trl: as "
-        "`_prepare_dataset` returns); (children) = RUSAGE_CHILDREN's, the largest terminated child (the datasets.map "
-        "pool and its manager; forked, so pages shared with the worker count in both); 0 where no child ran.",
-        f"- correctness: at every size all the measurements kept the same rows and produced identical prompt_ids and "
-        f"completion_ids for the first {CHECK_ROWS} rows (checked before this section was written).",
-        f"- trl is not run at a size where its rate at the size below predicts more than {TRL_SKIP_SECONDS} s.",
+        "- data: the first N rows of `bench_scale.row_stream` as .jsonl (short unpaired rows: prompts of 10-30 words, "
+        "completions of 5-20, punctuation, numbers, line breaks, about 1.5% non-ASCII words); tokenizer: "
+        f"{TOKENIZERS[size['tokenizer']]}, both tools; max_length {size['max_length']} (no row dropped)",
+        "- each measurement: a fresh process, its own empty HF_DATASETS_CACHE. Preprocessing timed: **kto-pipeline**'s "
+        "`prepare_rows`, what `precompute` runs before loading the model (load_source of the Arrow file already built, "
+        "check_source, content_hash, preprocess = a batched datasets.map into the tokenized Arrow file, select_rows, "
+        "assign_kl_partners); **trl**'s `KTOTrainer._prepare_dataset` as `__init__` calls it (EOS map, tokenize map, "
+        f"max_length filter, KL map with batch_size=per_device_train_batch_size ({size['batch']}), label count), each "
+        "with `num_proc=args.dataset_num_proc`. num_proc None and kto-pipeline's `--num-proc 1` map in-process, "
+        "trl's 1 in a pool of one process. Timed apart: the JSON -> Arrow load (`datasets.load_dataset('json')`, "
+        "both alike), the rest of trl's constructor, the tiny Llama policy trl needs (loaded first: in its parent "
+        f"RSS, {model_rss:.0f} MiB at most).",
+        "- rows/s = source rows / preprocessing seconds. peak RSS (parent): the worker's ru_maxrss (trl: as "
+        "`_prepare_dataset` returns); (children): RUSAGE_CHILDREN's, the largest ended child (the map's pool or its "
+        "manager; forked, so pages shared with the worker count in both), 0 if none.",
+        f"- checked before writing: at each size all runs kept the same rows and identical prompt_ids and "
+        f"completion_ids for the first {CHECK_ROWS} rows. trl is skipped where its rate at the size below predicts "
+        f"more than {TRL_SKIP_SECONDS} s.",
         "",
         *table,
         "",
@@ -426,17 +401,15 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
 # ----------------------------------------------------------------------------------------- append
 
 APPEND_HEADING = "## Append: `precompute --append` of 1% new rows to a 200,000-row cache"
-# torch's threads in every run (OMP_NUM_THREADS; None: torch's default, one per core). 1: on a 2-core machine shared
-# with another torch process, 2 threads each stall at every parallel region's barrier (measured 2026-11-24: the tiny
-# model's reference pass fell from 111 rows/s to 7.5 with 2 threads; 51 rows/s with 1), which is noise, not the
-# append's cost. The full pass and the appends run alike.
+# torch's threads in every run, full pass and appends alike (OMP_NUM_THREADS; None: one per core). With 2 threads on
+# a 2-core machine shared with another torch process, each parallel region stalls at its barrier (measured 2026-11-24:
+# the tiny model's reference pass fell from 111 rows/s to 7.5; 51 rows/s with 1 thread): noise, not the append's cost.
 APPEND_THREADS = 1
 APPEND_FORMS = {"full": "full precompute", "log": "append, grown log", "new": "append, new rows only"}
 APPEND_GOAL = 0.02  # appending 1% new rows costs at most 2% of a full pass, plus a fixed overhead
 SMOLLM2_TOKENS_PER_S = 726  # SmolLM2-135M's reference pass on this CPU (RESULTS.md, the real-model case, 2026-11-24)
 FLAT_MIB = 50  # "memory stays flat": an append's peak RSS grows at most this much from the smaller cache to the larger
-# The functions of kto_pipeline.stages.precompute.stage that are timed, by the part of an append's cost they are
-# (the section's "split" note says what each one does)
+# The timed functions of kto_pipeline.stages.precompute.stage, by the part of an append's cost they are
 _FIXED = ("precompute", "setup", "open_base", "held_keys", "match_keys", "load_reference", "plan_output", "finish")
 PHASES = dict.fromkeys(_FIXED, "fixed") | dict.fromkeys(("load_source", "check_source", "content_hash"), "data")
 PHASES |= dict.fromkeys(("content_keys", "open_keys"), "data") | {"prepare_rows": "other"}
@@ -448,21 +421,6 @@ BUCKETS = {
     "rows": "new rows: tokenize, score",
     "other": "other (prepare_rows' own)",
 }
-
-
-def append_worker_name(form: str, rows: int) -> str:
-    return f"append_{form}_{rows}"
-
-
-def write_new_rows(work: Path, rows: int, new: int) -> Path:
-    """The new rows alone (rows `rows` .. `rows + new - 1` of the stream), cut from the grown log."""
-    path = work / f"data-v{DATA_VERSION}-{rows}-new{new}.jsonl"
-    if not path.exists():
-        part = path.with_name(path.name + ".part")
-        with open(data_path(work, rows + new), encoding="utf-8") as f, open(part, "w", encoding="utf-8") as out:
-            out.writelines(line for i, line in enumerate(f) if i >= rows)
-        part.replace(path)
-    return path
 
 
 def _time_phases(module, names) -> list[dict]:
@@ -545,40 +503,22 @@ def _file_hashes(cache: Path) -> dict[str, str]:
     """sha256 of every shard and keys file of a cache (the manifest and the lock file left out)."""
     import hashlib
 
-    hashes = {}
-    for folder in ("shards", "keys"):
-        for path in sorted((cache / folder).glob("*")):
-            with open(path, "rb") as f:
-                hashes[f"{folder}/{path.name}"] = hashlib.file_digest(f, "sha256").hexdigest()
-    return hashes
-
-
-def _verify_cli(cache: Path) -> tuple[bool, float, str]:
-    """`kto-pipeline inspect CACHE --verify` in its own process: (passed, seconds, its last line)."""
-    import subprocess
-
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    start = time.perf_counter()
-    cmd = [sys.executable, "-m", "kto_pipeline.cli", "inspect", str(cache), "--verify"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - start
-    lines = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()]
-    last = lines[-1] if lines else "no output"
-    return proc.returncode == 0 and last.startswith("OK"), seconds, last
+    paths = [path for folder in ("shards", "keys") for path in sorted((cache / folder).glob("*"))]
+    return {f"{p.parent.name}/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
 
 
 def check_append(full: dict, r: dict, base: dict[str, str], cache: Path, cache_rows: int, new: int) -> dict:
     """What an append must have done (the benchmark stops otherwise); returns what was checked."""
+    import subprocess
+
     name = f"{APPEND_FORMS[r['form']]} ({cache_rows:,} rows)"
-    seg, timing = r["segment"], r["segment"]["timing"]
+    seg, t = r["segment"], r["segment"]["timing"]
     expected_matched = cache_rows if r["form"] == "log" else 0
     problems = []
     if r["tokenized_rows"] != new or r["tokenize_calls"] != 1:
         problems.append(f"tokenized {r['tokenized_rows']} rows in {r['tokenize_calls']} calls, not {new} in 1")
-    if timing["rows_scored"] != new or seg["rows"] != new or seg["index"] != 1 or r["segments"] != 2:
-        problems.append(
-            f"segment {seg['index']} of {r['segments']}: {seg['rows']} rows, {timing['rows_scored']} scored"
-        )
+    if t["rows_scored"] != new or seg["rows"] != new or seg["index"] != 1 or r["segments"] != 2:
+        problems.append(f"segment {seg['index']} of {r['segments']}: {seg['rows']} rows, {t['rows_scored']} scored")
     if seg["matched_rows"] != expected_matched:
         problems.append(f"{seg['matched_rows']} rows matched in the cache, expected {expected_matched}")
     if r["cache_rows"] != cache_rows + new:
@@ -590,8 +530,13 @@ def check_append(full: dict, r: dict, base: dict[str, str], cache: Path, cache_r
     added = sorted(set(after) - set(base))
     if sorted(set(seg["shards"]) | {"keys/segment-00001.arrow"}) != added:
         problems.append(f"new files {added}, the segment lists {seg['shards']}")
-    verified, verify_seconds, last = _verify_cli(cache)
-    if not verified:
+    start = time.perf_counter()  # `kto-pipeline inspect CACHE --verify` in its own process
+    cmd = [sys.executable, "-m", "kto_pipeline.cli", "inspect", str(cache), "--verify"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    verify_seconds = time.perf_counter() - start
+    last = ([ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()] or ["no output"])[-1]
+    if proc.returncode != 0 or not last.startswith("OK"):
         problems.append(f"kto-pipeline inspect --verify: {last}")
     if problems:
         raise SystemExit(f"{name}: " + "; ".join(problems) + ": not reporting numbers")
@@ -604,7 +549,7 @@ def check_append(full: dict, r: dict, base: dict[str, str], cache: Path, cache_r
         "unchanged_files": len(base),
         "new_files": {f: after[f] for f in added},
         "verify_seconds": verify_seconds,
-        "tokens_per_row": timing["tokens_scored"] / max(timing["rows_scored"], 1),
+        "tokens_per_row": t["tokens_scored"] / max(t["rows_scored"], 1),
         "full_tokens_per_row": full["segment"]["timing"]["tokens_scored"] / full["segment"]["timing"]["rows_scored"],
     }
 
@@ -626,13 +571,14 @@ def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[i
     checks: dict[int, dict[str, dict]] = {}
     for n in size["caches"]:
         print(f"{n:,}-row cache, {new:,} new rows ({size['tokenizer']} tokenizer):", flush=True)
-        sources = {"full": data[n], "log": data[n + new], "new": write_new_rows(work, n, new)}
+        new_rows = _write_rows(work / f"data-v{DATA_VERSION}-{n}-new{new}.jsonl", n, n + new)
+        sources = {"full": data[n], "log": data[n + new], "new": new_rows}
         measured[n], checks[n] = {}, {}
         base: dict[str, str] = {}
         for form in APPEND_FORMS:
-            name = append_worker_name(form, n)
+            name = f"append_{form}_{n}"
             if form != "full":  # a copy of the full precompute's cache, appended to
-                shutil.copytree(runs / append_worker_name("full", n), runs / name)
+                shutil.copytree(runs / f"append_full_{n}", runs / name)
             load = os.getloadavg()[0]
             flags = ["--size", size_name, "--case", "append", "--model", str(model), "--data", str(sources[form])]
             r = own_cache_worker(name, work, runs / f"hf-datasets-cache-{name}", flags, threads)
@@ -647,7 +593,7 @@ def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[i
             raise SystemExit(f"{n:,} rows: the two appends wrote different files: {log_files} vs {new_files}")
         print(f"  both appends wrote the same {len(log_files)} files, byte for byte", flush=True)
         for form in ("log", "new"):
-            shutil.rmtree(runs / append_worker_name(form, n), ignore_errors=True)
+            shutil.rmtree(runs / f"append_{form}_{n}", ignore_errors=True)
     seconds = time.perf_counter() - started
     (runs / "measured.json").write_text(json.dumps({"measured": measured, "checks": checks, "size": size}))
     publish(render_append(measured, checks, size, size_name, seconds), results, APPEND_HEADING)
@@ -661,11 +607,6 @@ def append_buckets(r: dict) -> dict[str, float]:
     out["start"] = r["process_seconds"] - r["cli_seconds"]
     out["other"] += r["cli_seconds"] - sum(r["phases"].values())  # the CLI around the stage (typer)
     return out
-
-
-def _fixed(r: dict) -> float:
-    """A run's fixed overhead X: process start and imports, and the fixed phases."""
-    return sum(append_buckets(r)[k] for k in ("start", "fixed"))
 
 
 def _append_tables(measured: dict, size: dict) -> tuple[list[str], list[str], list[str]]:
@@ -696,103 +637,83 @@ def _append_tables(measured: dict, size: dict) -> tuple[list[str], list[str], li
 
 
 def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], list[str]]:
-    """(the goals table, the notes that go with it)."""
-    n, new = size["goal_cache"], size["new"]
+    """(the goals table, the notes that go with it), about the appends to the goal's cache."""
+    n, new, small = size["goal_cache"], size["new"], size["caches"][0]
     full = measured[n]["full"]
-    goals, notes = [], []
+    full_s, full_peak, ft = full["process_seconds"], full["peak_rss_mib"], full["segment"]["timing"]
+    full_rows_s = append_buckets(full)["rows"]
+    cost, only_new, peaks, flat, fixed_notes, rate_notes = [], [], [], [], [], []
     for form in ("log", "new"):
-        b = append_buckets(measured[n][form])
+        label, r, c = APPEND_FORMS[form], measured[n][form], checks[n][form]
+        b, t, p = append_buckets(r), r["segment"]["timing"], r["phases"]
         fixed, total = b["start"] + b["fixed"], sum(b.values())
-        variable, budget = total - fixed, APPEND_GOAL * full["process_seconds"]
+        variable, budget = total - fixed, APPEND_GOAL * full_s
         goal = (
-            f"{APPEND_FORMS[form]}: {new:,} new rows ({new / n:.0%}) to a {n:,}-row cache cost at most "
-            f"{APPEND_GOAL:.0%} of the full pass ({budget:.1f} s of {full['process_seconds']:.1f} s) + a fixed "
-            f"overhead X = {fixed:.1f} s (measured: process start and imports, tokenizer, manifest and keys "
-            "files, matching, model load, writes)"
+            f"{label}: {new:,} new rows ({new / n:.0%}) to a {n:,}-row cache cost at most {APPEND_GOAL:.0%} of the "
+            f"full pass ({budget:.1f} s of {full_s:.1f} s) + a fixed overhead X = {fixed:.1f} s (measured: process "
+            "start and imports, tokenizer, manifest and keys files, matching, model load, writes)"
         )
-        measured_ = (
-            f"{total:.1f} s in all = X + {variable:.1f} s ({variable / full['process_seconds']:.2%} of the full pass; "
-            f"the whole append {total / full['process_seconds']:.2%})"
+        what = (
+            f"{total:.1f} s in all = X + {variable:.1f} s ({variable / full_s:.2%} of the full pass; the whole "
+            f"append {total / full_s:.2%})"
         )
-        goals.append((goal, measured_, variable <= budget))
-    for form in ("log", "new"):
-        r, c = measured[n][form], checks[n][form]
-        t = r["segment"]["timing"]
+        cost.append((goal, what, variable <= budget))
         what = (
             f"tokenized {r['tokenized_rows']:,}, scored {t['rows_scored']:,} rows ({t['tokens_scored']:,} tokens, "
             f"{c['tokens_per_row']:.1f} a row; the full pass {c['full_tokens_per_row']:.1f}); hashed (content keys, no "
             f"tokenizer) {r['keyed_rows']:,}; {c['unchanged_files']} files of the cache unchanged (sha256); inspect "
             "--verify OK"
         )
-        goals.append((f"{APPEND_FORMS[form]}: only the new rows are tokenized and scored", what, "yes"))
-    for form in ("log", "new"):
-        peak, full_peak = measured[n][form]["peak_rss_mib"], full["peak_rss_mib"]
+        only_new.append((f"{label}: only the new rows are tokenized and scored", what, "yes"))
+        peak = r["peak_rss_mib"]
         what = f"{peak:.0f} MiB vs {full_peak:.0f} MiB ({peak - full_peak:+.0f})"
-        goals.append((f"{APPEND_FORMS[form]}: peak RSS at most the full pass's", what, peak <= full_peak))
-    small = size["caches"][0]
-    if small != n:
-        for form in ("log", "new"):
-            a, b = measured[small][form], measured[n][form]
-            growth = b["peak_rss_mib"] - a["peak_rss_mib"]
+        peaks.append((f"{label}: peak RSS at most the full pass's", what, peak <= full_peak))
+        if small != n:
+            a = measured[small][form]
             goal = (
-                f"{APPEND_FORMS[form]}: memory stays flat: peak RSS of the {new:,}-row append to a {n:,}-row cache "
-                f"at most {FLAT_MIB} MiB above the one to a {small:,}-row cache"
+                f"{label}: memory stays flat: peak RSS of the {new:,}-row append to a {n:,}-row cache at most "
+                f"{FLAT_MIB} MiB above the one to a {small:,}-row cache"
             )
-            what = f"{a['peak_rss_mib']:.0f} -> {b['peak_rss_mib']:.0f} MiB ({growth:+.0f})"
-            goals.append((goal, what, growth <= FLAT_MIB))
-            notes.append(
-                f"- fixed overhead X of the {APPEND_FORMS[form]}: {small:,}-row cache {_fixed(a):.1f} s, {n:,}-row "
-                f"cache {_fixed(b):.1f} s."
+            growth = peak - a["peak_rss_mib"]
+            what = f"{a['peak_rss_mib']:.0f} -> {peak:.0f} MiB ({growth:+.0f})"
+            flat.append((goal, what, growth <= FLAT_MIB))
+            a_fixed = sum(append_buckets(a)[k] for k in ("start", "fixed"))
+            fixed_notes.append(
+                f"- fixed overhead X of the {label}: {small:,}-row cache {a_fixed:.1f} s, "
+                f"{n:,}-row cache {fixed:.1f} s."
             )
-    full_rows_s, ft = append_buckets(full)["rows"], full["segment"]["timing"]
-    for form in ("log", "new"):
-        r, t = measured[n][form], measured[n][form]["segment"]["timing"]
         rate, full_rate = (x["rows_scored"] / x["reference_pass_seconds"] for x in (t, ft))
-        rows_s, p = append_buckets(r)["rows"], r["phases"]
-        notes.append(
-            f"- {APPEND_FORMS[form]}: its new-row part ({rows_s:.1f} s: tokenize {p.get('preprocess', 0):.2f} s, "
-            f"score {p.get('score_shards', 0):.1f} s) is {rows_s / full_rows_s:.2%} of the full pass's "
+        rate_notes.append(
+            f"- {label}: its new-row part ({b['rows']:.1f} s: tokenize {p.get('preprocess', 0):.2f} s, score "
+            f"{p.get('score_shards', 0):.1f} s) is {b['rows'] / full_rows_s:.2%} of the full pass's "
             f"({full_rows_s:.0f} s): it scores at {rate:.1f} rows/s, the full pass at {full_rate:.1f}."
         )
     r = measured[n]["log"]
     data_s, p = append_buckets(r)["data"], r["phases"]
     keys_s = p.get("content_keys", 0.0)
-    notes.append(
-        f"- the grown-log form pays for the whole log it is given: {data_s:.1f} s for {r['source_rows']:,} rows "
-        f"({r['source_rows'] / max(data_s, 1e-9):,.0f} rows/s: JSON -> Arrow {p.get('load_source', 0):.1f} s, "
-        f"sha256 of the file {p.get('content_hash', 0):.2f} s, content keys {keys_s:.1f} s = "
-        f"{r['keyed_rows'] / max(keys_s, 1e-9):,.0f} rows/s); the new-rows form "
-        f"{append_buckets(measured[n]['new'])['data']:.2f} s. The full pass pays the same keys for its "
+    data_note = (
+        f"- the grown-log form pays for its whole log: {data_s:.1f} s for {r['source_rows']:,} rows "
+        f"({r['source_rows'] / max(data_s, 1e-9):,.0f} rows/s: JSON -> Arrow {p.get('load_source', 0):.1f} s, sha256 "
+        f"{p.get('content_hash', 0):.2f} s, content keys {keys_s:.1f} s = {r['keyed_rows'] / max(keys_s, 1e-9):,.0f} "
+        f"rows/s); the new-rows form {append_buckets(measured[n]['new'])['data']:.2f} s. The full pass's keys of its "
         f"{full['source_rows']:,} rows: {full['phases'].get('content_keys', 0):.1f} s of its "
         f"{ft['preprocess_seconds']:.1f} s of preprocessing."
     )
-    return goals_table(*goals), notes
+    return goals_table(*cost, *only_new, *peaks, *flat), [*fixed_notes, *rate_notes, data_note]
 
 
 def render_append(measured: dict, checks: dict, size: dict, size_name: str, seconds: float) -> str:
     runs, split, phases = _append_tables(measured, size)
     goals, notes = _append_goals(measured, checks, size)
-    new, tokenizer_text = size["new"], _tokenizer_text(size)
-    # why the reference is the tiny model: what the full pass would take with SmolLM2-135M at its measured rate
+    new = size["new"]
     t = measured[size["goal_cache"]]["full"]["segment"]["timing"]
     tokens, tiny = t["tokens_scored"], t["tokens_scored"] / t["reference_pass_seconds"]
-    real_model = (
-        f"Not SmolLM2-135M itself: its reference pass ran at {SMOLLM2_TOKENS_PER_S} tokens/s on this CPU with 2 "
-        f"threads (the real-model section above, 2026-11-24), so the {tokens:,} tokens of the full pass would take "
-        f"about {tokens / SMOLLM2_TOKENS_PER_S / 3600:.1f} hours; the tiny model scored {tiny:,.0f} tokens/s here "
-        f"with 1 thread ({tiny / SMOLLM2_TOKENS_PER_S:.0f}x faster). With the real model the reference pass (full pass "
-        "and the append's scoring alike) would be that much longer, and the fixed and dataset-proportional costs of "
-        "an append, which do not depend on the model (but for its load), would weigh that much less against the full "
-        "pass."
-    )
-    loads = [(r["load_before"], r["load_after"]) for m in measured.values() for r in m.values()]
+    loads = ", ".join(f"{r['load_before']:.1f}/{r['load_after']:.1f}" for m in measured.values() for r in m.values())
     threads = max(r["threads"] for m in measured.values() for r in m.values())
     head = provenance(f"`python benchmarks/bench.py --size {size_name} --only append`", seconds)
     head[2] += (
-        "; 1-minute load average before / after each run: "
-        + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in loads)
-        + f" (each run keeps {threads} torch thread(s) busy: more means a shared machine; OMP_NUM_THREADS="
-        f"{APPEND_THREADS} in every run, see `APPEND_THREADS`)"
+        f"; 1-minute load average before / after each run: {loads} (each run keeps {threads} torch thread(s) busy: "
+        f"more means a shared machine; OMP_NUM_THREADS={APPEND_THREADS} in every run, see `APPEND_THREADS`)"
     )
     lines = [
         APPEND_HEADING,
@@ -800,26 +721,28 @@ def render_append(measured: dict, checks: dict, size: dict, size_name: str, seco
         *head,
         f"- versions: {versions('kto-pipeline', 'datasets', 'transformers', 'tokenizers', 'torch')}, "
         f"Python {sys.version.split()[0]}",
-        f"- data: the rows of the scale case (`bench_scale.row_stream`): the cache = the first N rows; the grown log = "
-        f"the first N + {new:,}; the new rows = rows N .. N + {new - 1:,} alone. Tokenizer: {tokenizer_text}; the "
-        f"reference: the tiny random Llama of `build_model` over it (hidden 64, 2 layers; its 49152-way output "
-        f"layer is most of its work), float32, the CLI's defaults otherwise (max_length {size['max_length']}, "
-        "--num-proc 1, batch 16 sequences / 16384 tokens, shards of 2048 rows). " + real_model,
-        "- each run is `kto-pipeline precompute [--append]` through the CLI's entry point in a fresh process "
-        "(`bench.py worker append_<full|log|new>_N`) with its own empty HF_DATASETS_CACHE; each append goes into "
-        "a copy of the full precompute's cache. process s = the process from start to exit, from outside; "
-        "manifest = the segment's `timing` (wall from the stage's setup: no imports). CPU s = user + system of "
-        "the process. Peak RSS = its ru_maxrss.",
-        "- split: stage functions timed by wrapping them (exclusive times, `PHASES`); 'process start, imports, "
-        "exit' = process s - the CLI call; 'fixed' = setup, open_base, held_keys + match_keys (a few bytes a row "
-        "of the cache), load_reference, plan_output, finish and the stage's own time (lock); 'dataset' = "
-        "load_source, check_source, content_hash, content_keys, open_keys; 'new rows' = preprocess (tokenize), "
-        "select_rows, KL partners, score_shards; 'other' = prepare_rows' and the CLI's own (selecting the new rows, "
-        "opening the tokenized file), counted against the 2%, not as fixed.",
-        f"- checked before any number was written: each append tokenized exactly {new:,} rows (one tokenize map "
-        f"over {new:,} rows), scored {new:,}, recorded them as segment 1; every shard and keys file of the cache "
-        "kept its sha256; `kto-pipeline inspect CACHE --verify` passed; and the two appends (grown log, new rows "
-        "only) wrote the same new shards and keys file, byte for byte.",
+        f"- data: `bench_scale.row_stream`'s rows: the cache = the first N; the grown log = the first N + {new:,}; the "
+        f"new rows = rows N .. N + {new - 1:,} alone. Tokenizer: {TOKENIZERS[size['tokenizer']]}; reference: the tiny "
+        "random Llama of `build_model` over it (hidden 64, 2 layers; mostly its 49152-way output layer), float32, the "
+        f"CLI's defaults otherwise (max_length {size['max_length']}, --num-proc 1, batch 16 sequences / 16384 tokens, "
+        f"shards of 2048 rows). SmolLM2-135M scored {SMOLLM2_TOKENS_PER_S} tokens/s on this CPU with 2 threads (the "
+        f"real-model section, 2026-11-24): the full pass's {tokens:,} tokens would take it about "
+        f"{tokens / SMOLLM2_TOKENS_PER_S / 3600:.1f} hours; the tiny model scored {tiny:,.0f} tokens/s here with 1 "
+        f"thread ({tiny / SMOLLM2_TOKENS_PER_S:.0f}x faster). With the real model both reference passes would grow by "
+        "that much, and an append's fixed and dataset costs (model-independent but for its load) weigh that much less.",
+        "- each run: `kto-pipeline precompute [--append]` through the CLI's entry point in a fresh process (`bench.py "
+        "worker append_<full|log|new>_N`), its own empty HF_DATASETS_CACHE; each append into a copy of the full "
+        "pass's cache. process s: start to exit, from outside; manifest: the segment's `timing` (wall from the "
+        "stage's setup, no imports); CPU s: user + system; peak RSS: ru_maxrss.",
+        "- split: stage functions wrapped and timed (exclusive, `PHASES`); 'process start, imports, exit' = process s "
+        "- the CLI call; 'fixed' = setup, open_base, held_keys + match_keys (a few bytes a cached row), "
+        "load_reference, plan_output, finish, the stage's own (lock); 'dataset' = load_source, check_source, "
+        "content_hash, content_keys, open_keys; 'new rows' = preprocess (tokenize), select_rows, KL partners, "
+        "score_shards; 'other' = prepare_rows' and the CLI's own (selecting the new rows, opening the tokenized "
+        "file), counted against the 2%, not as fixed.",
+        f"- checked before writing: each append tokenized exactly {new:,} rows in one map, scored {new:,}, recorded "
+        "them as segment 1; every shard and keys file of the cache kept its sha256; `kto-pipeline inspect CACHE "
+        "--verify` passed; the two appends wrote the same new shards and keys file, byte for byte.",
         "",
         *runs,
         "",
