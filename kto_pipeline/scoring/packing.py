@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 BRANCH_PROMPT, BRANCH_PAD = 0, -1
@@ -163,12 +164,13 @@ def layout_trees(
         width = split + max(tokens(row, last=True) for row in rows)
     else:
         split = width = max(tokens(row, False) + tokens(row, True) for row in rows)
+    # built in numpy and handed to torch once a field: a fixed number of tensor ops whatever the trees
     shape = (len(rows), width)
-    ids = torch.full(shape, pad_id, dtype=torch.long)
-    pos = torch.zeros(shape, dtype=torch.long)
-    tree_of = torch.full(shape, -1, dtype=torch.long)
-    branch_of = torch.full(shape, BRANCH_PAD, dtype=torch.long)
-    scored: list[tuple[int, int, int]] = []  # (sequence, target, predictor) as flat indices
+    ids = np.full(shape, pad_id, dtype=np.int64)
+    pos = np.zeros(shape, dtype=np.int64)
+    tree_of = np.full(shape, -1, dtype=np.int64)
+    branch_of = np.full(shape, BRANCH_PAD, dtype=np.int64)
+    sequence, target, predictor = [], [], []  # per continuation: its sequence number and flat index ranges
     for r, row in enumerate(rows):
         base, cols = r * width, [0, split]  # next free column of each part
         for t in row:
@@ -178,18 +180,21 @@ def layout_trees(
                 col, n = cols[part], len(segment)
                 cols[part] += n
                 start_pos = 0 if b == 0 else len(prompt)
-                ids[r, col : col + n] = torch.tensor(segment, dtype=torch.long)
-                pos[r, col : col + n] = torch.arange(start_pos, start_pos + n)
+                ids[r, col : col + n] = segment
+                pos[r, col : col + n] = np.arange(start_pos, start_pos + n)
                 tree_of[r, col : col + n] = t
                 branch_of[r, col : col + n] = b
                 if b == 0:
                     last_prompt = base + col + n - 1
-                else:
-                    for j in range(n):
-                        predictor = last_prompt if j == 0 else base + col + j - 1
-                        scored.append((t * branches + b - 1, base + col + j, predictor))
-    scored.sort()  # by sequence, then position: each sequence's tokens in order
-    sequence, target, predictor = (torch.tensor(c, dtype=torch.long) for c in zip(*scored, strict=True))
+                elif n:
+                    targets = np.arange(base + col, base + col + n)
+                    sequence.append(np.full(n, t * branches + b - 1))
+                    target.append(targets)
+                    predictor.append(np.concatenate(([last_prompt], targets[:-1])))
+    # by sequence, then position: each sequence's tokens in order (a sequence's tokens are already in order)
+    order = np.argsort(np.concatenate(sequence), kind="stable")
+    sequence, target, predictor = (torch.from_numpy(np.concatenate(c)[order]) for c in (sequence, target, predictor))
+    ids, pos, tree_of, branch_of = (torch.from_numpy(x) for x in (ids, pos, tree_of, branch_of))
     return Layout(ids, pos, tree_of, branch_of, target, predictor, sequence, len(trees), branches, split)
 
 
