@@ -55,6 +55,7 @@ bench: install
 	$(PY) benchmarks/bench.py --size full --only smollm2
 	$(PY) benchmarks/bench.py --size full --only scale
 	$(PY) benchmarks/bench_dpo.py --size full
+	$(PY) benchmarks/profile_step.py
 
 # On a CUDA GPU (H100): Qwen2-0.5B-sized model, bf16, vs trl; writes benchmarks/RESULTS-gpu.md
 bench-gpu: install
@@ -64,5 +65,6 @@ bench-gpu: install
 bench-memory: install
 	$(PY) benchmarks/bench_memory.py
 
+# Ops dispatched per optimizer step, ours vs trl (part of bench); writes its section of benchmarks/RESULTS.md
 profile: install
-	$(PY) benchmarks/profile_step.py --size full
+	$(PY) benchmarks/profile_step.py

@@ -1,157 +1,143 @@
-"""Where the time of kto-pipeline's reference pass and training step goes (torch.profiler).
+"""Ops dispatched per optimizer step, kto-pipeline against trl.KTOTrainer with precomputed reference log-probs.
 
-    python benchmarks/profile_step.py [--case random|smollm2] [--size full] [--batches 3]
+    python benchmarks/profile_step.py            # writes its section of RESULTS.md (part of `make bench`)
+    python benchmarks/profile_step.py --quick    # fewer steps, printed only: checks the code path
 
-Uses a benchmark case's model and data (benchmarks/bench.py builds them: the random Qwen2-style model, or
-SmolLM2-135M-Instruct on HH-RLHF rows) and runs training steps as
-`train` does: packed (prompts and completions with grad in a few rows, then the KL completions on
-the prompts' cached keys/values, then the backward) and, for comparison, padded (the fallback: KL
-forward without grad, policy forward, chunked LM head, backward). Prints each phase's wall time
-and the top operators by self CPU time.
+On an accelerator every op the host dispatches is at least one kernel launch, so a step's op count bounds how
+fast a small step can go, whatever the GPU. Each measurement runs in a fresh process (`profile_step.py worker
+NAME`): a 2-step and a 6-step training call in the same process under torch.profiler, every event counted (aten
+ops, autograd nodes, ranges); their difference over 4 steps is one steady step, without loading, set-up, the
+reference pass and the first steps. Data: the first 96 rows of `bench_scale.row_stream`; model: the tiny Llama of
+`kto_pipeline.demo.tiny` (2 layers, hidden 64); max_length 128; float32; batch 8 and 64 rows.
 """
 
 from __future__ import annotations
 
-import argparse
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-from bench import build_assets, build_smollm2_assets
-from harness import SIZES, SMOLLM2_SIZES, WORK_DIR
-from torch.profiler import ProfilerActivity, profile, record_function
+import harness
+from bench_scale import row_stream
+
+HEADING = "## Ops per optimizer step: what the host dispatches"
+ROWS, MAX_LENGTH, STEPS = 96, 128, (2, 6)
+# (worker name part, label): trl.KTOTrainer precomputed; ours as the CPU runs it, and with one attention call a layer
+VARIANTS = {
+    "trl": "trl.KTOTrainer, precomputed",
+    "ours-auto": "kto-pipeline, CPU default (attention by tree)",
+    "ours-dense": "kto-pipeline, `--attention-kernel dense`",
+}
 
 
-def load_case(case: str, size_name: str, work: Path) -> tuple[dict, Path, Path]:
-    """(the case's size, its model directory, its dataset), built by bench.py's builders where missing."""
-    if case == "smollm2":
-        size, work = SMOLLM2_SIZES[size_name], work / "smollm2"
-        model_dir, data_path = build_smollm2_assets(work, size)
-    else:
-        size = SIZES[size_name]
-        build_assets(work, size)
-        model_dir, data_path = work / "model", work / "data.jsonl"
-    return size, model_dir, data_path
+def assets(work: Path) -> tuple[Path, Path]:
+    from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
+
+    model = work / "model"
+    if not (model / "config.json").exists():
+        tok = build_char_tokenizer()
+        build_tiny_model(tok).save_pretrained(model)
+        tok.save_pretrained(model)
+    rows = [row for _, row in zip(range(ROWS), row_stream(), strict=False)]
+    return model, harness.write_jsonl(work / "data.jsonl", rows)
 
 
-def first_batch(tok, data_path: Path, size: dict) -> list[dict]:
-    """The first `batch` rows as train's collator takes them, each with the next row's completion as its KL one."""
-    from kto_pipeline.stages.precompute.data import load_source, normalize, tokenize
+def training(variant: str, batch: int, work: Path):
+    """A function that trains `steps` steps of `variant` from scratch (the cache, for ours, made once)."""
+    model, data = assets(work)
+    if variant == "trl":
 
-    rows = tokenize(tok, normalize(load_source(str(data_path))), size["max_length"])
-    batch_rows = []
-    first = np.arange(size["batch"])
-    prompts, completions = rows.take(first, "prompt_ids"), rows.take(first, "completion_ids")
-    partners = rows.take((first + 1) % len(rows), "completion_ids")
-    for i, (prompt, completion, partner) in enumerate(zip(prompts, completions, partners, strict=True)):
-        room = size["max_length"] - len(prompt)
-        row = dict(prompt_ids=prompt, completion_ids=completion[:room], kl_completion_ids=partner[:room])
-        batch_rows.append(dict(row, label=i % 2 == 0, ref_logp=0.0, ref_kl_logp=0.0, example_id=i))
-    return batch_rows
+        def run(steps: int) -> None:
+            with tempfile.TemporaryDirectory() as out:
+                settings = dict(max_steps=steps, learning_rate=1e-5, **harness.TRL_RUN)
+                trainer = harness.trl_trainer(
+                    model, data, Path(out), batch=batch, max_length=MAX_LENGTH, precompute=True, **settings
+                )
+                trainer.train()
 
+        return run
+    from kto_pipeline import PrecomputeConfig, precompute, train
 
-class Phases:
-    """Wall seconds per named phase, summed over calls; each call is a torch.profiler range of that name too."""
+    cache = work / "cache"
+    if not (cache / "manifest.json").exists():
+        precompute(PrecomputeConfig(model=str(model), dataset=str(data), output=str(cache), max_length=MAX_LENGTH))
+    kernel = variant.split("-")[1]
 
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
+    def run(steps: int) -> None:
+        with tempfile.TemporaryDirectory() as out:
+            settings = dict(batch=batch, steps=steps, learning_rate=1e-5, attention_kernel=kernel, save_steps=0)
+            train(harness.ours_train_config(cache, Path(out), **settings))
 
-    def __call__(self, name, fn):
-        start = time.perf_counter()
-        with record_function(name):
-            out = fn()
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-        return out
-
-
-def packed_step(model, layout, timed: Phases) -> None:
-    from kto_pipeline.scoring.logprobs import score_policy
-
-    scored = timed("packed: completions (grad) + KL on cached prompts", lambda: score_policy(model, layout))
-    timed("packed: backward", lambda: (-scored.completions.logps.sum()).backward())
-    model.zero_grad(set_to_none=True)
+    return run
 
 
-def padded_step(model, padded: dict, timed: Phases) -> None:
-    from kto_pipeline.models import backbone_of
-    from kto_pipeline.scoring.logprobs import chunked_token_logps, score_sequences
+def worker(name: str, work: Path, steps: tuple[int, int] = STEPS) -> dict:
+    """`ops_<variant>_<rows>`: ops and wall seconds per steady step (a `steps[1]`-step minus a `steps[0]`-step call)."""
+    from torch.profiler import ProfilerActivity, profile
 
-    with torch.no_grad():
-        timed(
-            "padded: KL forward (no grad)",
-            lambda: score_sequences(
-                model, padded["kl_input_ids"], padded["kl_attention_mask"], padded["kl_completion_mask"]
-            ),
-        )
-    hidden = timed(
-        "padded: policy backbone forward",
-        lambda: (
-            backbone_of(model)(
-                input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], use_cache=False
-            ).last_hidden_state
+    _, variant, batch = name.split("_")
+    run = training(variant, int(batch), work)
+    run(1)  # imports, caches, the first calls
+    counted = []
+    for count in steps:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            run(count)
+            seconds = time.perf_counter() - start
+        events = prof.key_averages()
+        aten = sum(e.count for e in events if e.key.startswith("aten::"))
+        counted.append((sum(e.count for e in events), aten, seconds))
+    n = steps[1] - steps[0]
+    (ops2, aten2, s2), (ops6, aten6, s6) = counted
+    return dict(ops=(ops6 - ops2) / n, aten=(aten6 - aten2) / n, seconds=(s6 - s2) / n)
+
+
+def render(measured: dict, batches: tuple[int, ...], seconds: float, quick: bool) -> str:
+    trl = {b: measured[f"ops_trl_{b}"]["ops"] for b in batches}
+    lines = [
+        HEADING,
+        "",
+        *harness.provenance(f"`python benchmarks/profile_step.py{' --quick' if quick else ''}`", seconds, "trl"),
+        f"- each cell: a {STEPS[1]}-step minus a {STEPS[0]}-step training call in one fresh process under "
+        "torch.profiler, per step: every profiler event (aten ops, autograd nodes, ranges; aten ops alone in "
+        f"brackets). Tiny Llama, {ROWS} short unpaired rows, max_length {MAX_LENGTH}, float32, sequential batches. "
+        "Wall time under the profiler, which slows small ops most.",
+        "",
+        *harness.table_head(
+            "| tool | " + " | ".join(f"ops per step, {b} rows | vs trl | s per step" for b in batches) + " | "
+            f"{batches[-1]} rows / {batches[0]} |"
         ),
-    )
-    mask = padded["completion_mask"][:, 1:].bool()
-    logps = timed(
-        "padded: policy LM head, chunked (completion tokens only)",
-        lambda: chunked_token_logps(hidden[:, :-1][mask], model.lm_head.weight, padded["input_ids"][:, 1:][mask])[0],
-    )
-    timed("padded: backward", lambda: (-logps.sum()).backward())
-    model.zero_grad(set_to_none=True)
+    ]
+    for variant, label in VARIANTS.items():
+        runs = [measured[f"ops_{variant}_{b}"] for b in batches]
+        cells = [
+            f"{r['ops']:,.0f} ({r['aten']:,.0f}) | {r['ops'] / trl[b]:.2f}x | {r['seconds']:.3f}"
+            for r, b in zip(runs, batches, strict=True)
+        ]
+        lines.append(harness.md_row(label, *cells, f"{runs[-1]['ops'] / runs[0]['ops']:.2f}x"))
+    return "\n".join([*lines, ""])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case", default="random", choices=("random", "smollm2"))
-    parser.add_argument("--size", default="full", choices=sorted(SIZES))
-    parser.add_argument("--work", default=str(WORK_DIR))
-    parser.add_argument("--batches", type=int, default=3)
+    parser = harness.script_parser(__doc__, results="file to write the section into", default=None)
+    parser.add_argument("--quick", action="store_true", help="batches of 4 and 8 rows, printed only")
     args = parser.parse_args()
-    size, model_dir, data_path = load_case(args.case, args.size, Path(args.work))
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from kto_pipeline.objectives.items import batch_layout
-    from kto_pipeline.objectives.kto import Collator
-    from kto_pipeline.scoring.attention import attention_costs
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    batch_rows = first_batch(tok, data_path, size)
-    packed = Collator(tok.pad_token_id, packed=True, attention=attention_costs(model, "cpu"))(batch_rows)
-    layout = batch_layout(packed)
-    padded = Collator(tok.pad_token_id, packed=False)(batch_rows)
-    timed = Phases()
-
-    model.train()
-    packed_step(model, layout, timed)  # warm-up
-    padded_step(model, padded, timed)
-    timed.seconds.clear()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(args.batches):
-            packed_step(model, layout, timed)
-            padded_step(model, padded, timed)
-    report(timed.seconds, packed, layout, padded, size, args.batches)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
-
-
-def report(phases: dict[str, float], packed: dict, layout, padded: dict, size: dict, batches: int) -> None:
-    """The tokens each way runs, then each phase's seconds per step and share of its step."""
-    needed = int(packed["tokens_needed"])
-    rows, width = layout.input_ids.shape
-    executed_packed = rows * layout.split + int((layout.branch == 2).sum())
-    executed_padded = padded["input_ids"].numel() + padded["kl_input_ids"].numel()
-    print(
-        f"training step, batch {size['batch']}: {needed} tokens needed (each prompt once); forwards run "
-        f"{executed_packed} packed ({rows} rows), {executed_padded} padded"
-    )
-    for kind in ("packed", "padded"):
-        total = sum(v for k, v in phases.items() if k.startswith(kind))
-        for name, seconds in phases.items():
-            if name.startswith(kind):
-                print(f"  {name:<60} {seconds / batches:7.3f} s/step  {seconds / total:6.1%}")
-        print(f"  {kind + ' step':<60} {total / batches:7.3f} s/step")
+    work = Path(args.work) / "ops"
+    if args.mode == "worker":
+        harness.print_result(worker(args.name, work))
+        return
+    started = time.perf_counter()
+    shutil.rmtree(work, ignore_errors=True)  # measured from scratch: a new cache
+    work.mkdir(parents=True)
+    batches = (4, 8) if args.quick else (8, 64)
+    measured = {}
+    for variant in VARIANTS:
+        for b in batches:
+            name = f"ops_{variant}_{b}"
+            measured[name] = harness.run_worker(Path(__file__), name, Path(args.work), env={"OMP_NUM_THREADS": "1"})
+    results = None if args.quick else harness.default_results(args.results, True)
+    harness.publish(render(measured, batches, time.perf_counter() - started, args.quick), results, HEADING)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,17 @@ def test_ours_train_tokens_reads_the_trainer_state(monkeypatch, tmp_path):
     assert ours_train_tokens(tmp_path) is None
 
 
+def test_ops_per_step_do_not_grow_with_rows(monkeypatch, tmp_path):
+    """profile_step's measurement, in this process: with one attention call a layer, a steady training step
+    dispatches as many ops at 16 rows as at 4 (no per-row work in the collator or the scorer)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from profile_step import worker
+
+    few, many = (worker(f"ops_ours-dense_{rows}", tmp_path, steps=(2, 3)) for rows in (4, 16))
+    assert few["ops"] > 100 and few["aten"] > 100
+    assert many["ops"] <= 1.02 * few["ops"], (few, many)
+
+
 def run_bench(tmp_path, results, *flags):
     """`benchmarks/bench.py --size smoke FLAGS`, its scratch in tmp_path, its report in `results`."""
     flags = ["--size", "smoke", *flags, "--work", str(tmp_path / "w"), "--results", str(results)]
