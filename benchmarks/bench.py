@@ -257,20 +257,93 @@ def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
 
 def attention_pairs_section(cache: Path, size: dict) -> list[str]:
     """The (query, key) pairs of the case's batches, dense against block mask (nothing runs)."""
-    from attention_pairs import count_pairs
-    from attention_pairs import table as pairs_table
-
     from kto_pipeline import PrecomputeConfig
 
     reference_batch = size.get("reference_batch", PrecomputeConfig.batch_size)
     counts = count_pairs(cache, size["batch"], size["steps"], reference_batch, PrecomputeConfig.max_tokens_per_batch)
     return [
-        "Attention on an accelerator, counted (`benchmarks/attention_pairs.py` on the cache above; millions of "
+        "Attention on an accelerator, counted (`bench.count_pairs` on the cache above; millions of "
         "(query, key) pairs; each kernel packs the rows as it would run them; the block mask runs each tile it "
         "touches whole, 128 x 128 pairs):",
         "",
         *pairs_table(counts),
     ]
+
+
+def count_pairs(cache_dir: Path, batch: int, steps: int, reference_batch: int, max_tokens: int) -> dict:
+    """The (query, key) pairs attention computes in a cache's batches, each kernel packing the rows its own way
+    (`pack_rows` with its `AttentionCosts`), as a run on an accelerator would: training's two forwards for each of
+    the first `steps` batches, and the reference pass's. `needed` = the mask's visible pairs of that kernel's
+    layout; the block mask runs every tile it touches whole. Only counts: nothing runs on a model.
+    {"train": [per batch: {kernel: AttentionPairs}], "reference": {kernel: AttentionPairs}}."""
+    import torch
+    from transformers import AutoConfig
+
+    from kto_pipeline.cache import open_cache
+    from kto_pipeline.objectives.items import batch_layout
+    from kto_pipeline.objectives.kto import CacheRows, Collator
+    from kto_pipeline.scoring.attention import BLOCK_SIZE, AttentionPairs, tree_mask
+    from kto_pipeline.scoring.logprobs import policy_attention
+    from kto_pipeline.scoring.packing import AttentionCosts, layout_trees, pack_trees
+
+    cache = open_cache(cache_dir)
+    config = AutoConfig.from_pretrained(cache.manifest.reference_model)
+    pair = 1.0 / (6 * config.get_text_config().hidden_size)
+    costs = {"dense": AttentionCosts(pair), "block-mask": AttentionCosts(pair, block=BLOCK_SIZE)}
+    rows = CacheRows(cache, cache.manifest.max_length)
+    pad = cache.manifest.tokenizer.get("pad_token_id") or 0
+    train = []
+    for step in range(min(steps, len(rows) // batch)):
+        members = [rows[i] for i in range(step * batch, (step + 1) * batch)]
+        counted = {}
+        for kernel, cost in costs.items():
+            layout = batch_layout(Collator(pad, True, cost)(members))
+            counted[kernel] = AttentionPairs()
+            for queries, keys in policy_attention(layout, pair):
+                counted[kernel].add(tree_mask(layout, queries, keys, None))
+        train.append(counted)
+    trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
+    sizes = [len(p) + len(c) + len(k) for p, (c, k) in trees]
+    reference = {}
+    for kernel, cost in costs.items():
+        reference[kernel] = AttentionPairs()
+        for passed in pack_trees(sizes, reference_batch, max_tokens, cost):
+            members = [t for row in passed for t in row]
+            local = {t: i for i, t in enumerate(members)}
+            layout = layout_trees([trees[t] for t in members], [[local[t] for t in row] for row in passed], pad)
+            tokens = torch.arange(layout.input_ids.numel()).reshape(layout.input_ids.shape)
+            reference[kernel].add(tree_mask(layout, tokens, tokens, None))
+    return {"train": train, "reference": reference}
+
+
+def pairs_table(counts: dict) -> list[str]:
+    """Markdown rows: one per training batch, then the training total and the reference pass."""
+
+    def mega(n: int) -> str:
+        return f"{n / 1e6:.2f}"
+
+    def row(what: str, pairs: dict) -> str:
+        dense, block = pairs["dense"], pairs["block-mask"]
+        return (
+            f"| {what} | {mega(dense.needed)} | {mega(dense.dense)} | {mega(block.needed)} | {mega(block.block_mask)} "
+            f"| {dense.dense / max(block.block_mask, 1):.2f}x |"
+        )
+
+    lines = [
+        "| forwards | needed (dense layout) | dense mask | needed (block-mask layout) | block mask "
+        "(whole tiles) | dense / block |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    total = {}
+    for i, pairs in enumerate(counts["train"], 1):
+        lines.append(row(f"training batch {i}", pairs))
+        for kernel, p in pairs.items():
+            t = total.setdefault(kernel, type(p)())
+            t.needed, t.dense, t.block_mask = t.needed + p.needed, t.dense + p.dense, t.block_mask + p.block_mask
+    if total:
+        lines.append(row(f"**training, {len(counts['train'])} batches**", total))
+    lines.append(row("**reference pass**", counts["reference"]))
+    return lines
 
 
 def _rate(run: dict, what: str) -> float:

@@ -11,34 +11,8 @@ import argparse
 import time
 from pathlib import Path
 
+import harness
 from bench import LEARNING_RATE, PACKAGES
-from harness import (
-    SMOLLM2_TEXT,
-    TRL_RUN,
-    WORK_DIR,
-    default_results,
-    efficiency,
-    hh_rlhf_pairs,
-    md_row,
-    measure,
-    measured,
-    median_step,
-    ours_reference_pass,
-    ours_train_config,
-    ours_train_tokens,
-    print_result,
-    provenance,
-    publish,
-    run_notes,
-    run_worker,
-    script_parser,
-    smollm2_dir,
-    table_head,
-    trl_reference_pass,
-    trl_train,
-    trl_trainer,
-    vs_row,
-)
 
 # --size: the first `pairs` single-turn HH-RLHF pairs, `steps` training steps of `batch` pairs
 DPO_SIZES = {
@@ -46,7 +20,7 @@ DPO_SIZES = {
     "smoke": dict(pairs=8, max_turns=1, steps=2, batch=2, max_length=1024, model="tiny"),
 }
 MODELS = {
-    "smollm2": SMOLLM2_TEXT,
+    "smollm2": harness.SMOLLM2_TEXT,
     "tiny": "a tiny Llama (2 layers, hidden 64) built by `kto_pipeline.demo.tiny`: every path, not a measure of speed",
 }
 HEADING = "## DPO step: SmolLM2-135M-Instruct on HH-RLHF pairs"
@@ -63,24 +37,24 @@ def trl_settings(size: dict, precompute: bool) -> dict:
     """harness.trl_trainer's settings: DPOTrainer, float32 and gradient checkpointing off (trl's defaults: on)."""
     run = dict(batch=size["batch"], max_length=size["max_length"], max_steps=size["steps"], precompute=precompute)
     run |= dict(precompute_ref_batch_size=size["batch"], train_sampling_strategy="sequential", pairs=True)
-    return dict(run, learning_rate=LEARNING_RATE, beta=BETA, loss_type=["sigmoid"], **TRL_RUN)
+    return dict(run, learning_rate=LEARNING_RATE, beta=BETA, loss_type=["sigmoid"], **harness.TRL_RUN)
 
 
 def build_assets(work: Path, size: dict) -> Path:
     """Write the pairs and return the model's directory (SmolLM2 fetched once, or the tiny model built)."""
-    hh_rlhf_pairs(work / PAIRS, size["pairs"], size["max_turns"])
+    harness.hh_rlhf_pairs(work / PAIRS, size["pairs"], size["max_turns"])
     if size["model"] == "tiny":
         from kto_pipeline.demo.tiny import ensure_tiny_model
 
         return ensure_tiny_model(work / "tiny-llama")
-    return smollm2_dir()
+    return harness.smollm2_dir()
 
 
 def ours_train_run(work: Path, size: dict, out: Path):
     from kto_pipeline import train
 
     settings = dict(batch=size["batch"], steps=size["steps"], learning_rate=LEARNING_RATE, loss_type="sigmoid")
-    return train(ours_train_config(work / "runs" / "ours_precompute", out, **settings))
+    return train(harness.ours_train_config(work / "runs" / "ours_precompute", out, **settings))
 
 
 def worker(name: str, work: Path, size: dict, out: Path, model: Path) -> dict:
@@ -88,14 +62,14 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path) -> dict:
     pairs, trl = work / PAIRS, trl_settings(size, name.endswith("precompute") or name.endswith("precomputed"))
     if name == "ours_precompute":  # each pair one tree, no KL completions
         paths = dict(model=str(model), dataset=str(pairs), output=str(out))
-        return ours_reference_pass(**paths, max_length=size["max_length"], dtype="float32", pairs_only=True)
+        return harness.ours_reference_pass(**paths, max_length=size["max_length"], dtype="float32", pairs_only=True)
     if name == "trl_precompute":
-        return trl_reference_pass(model, pairs, out, **trl)
+        return harness.trl_reference_pass(model, pairs, out, **trl)
     if name == "ours_train":
         res = ours_train_run(work, size, out)
-        return dict(step_seconds=res.step_seconds, token_counts=ours_train_tokens(out))
+        return dict(step_seconds=res.step_seconds, token_counts=harness.ours_train_tokens(out))
     if name in TRAIN_NAMES:
-        return trl_train(model, pairs, out, **trl)
+        return harness.trl_train(model, pairs, out, **trl)
     # FLOP_NAMES: the timed run's training under the counter (trl's reference pass, in its constructor, is outside)
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -103,7 +77,7 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path) -> dict:
         with FlopCounterMode(display=False) as counter:
             steps = ours_train_run(work, size, out).global_step
     else:
-        trainer = trl_trainer(model, pairs, out, **trl)
+        trainer = harness.trl_trainer(model, pairs, out, **trl)
         with FlopCounterMode(display=False) as counter:
             trainer.train()
         steps = trainer.state.global_step
@@ -113,7 +87,9 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path) -> dict:
 
 
 def main() -> None:
-    parser = script_parser(__doc__, str(WORK_DIR / "dpo"), results="Markdown file (default: RESULTS.md for full)")
+    parser = harness.script_parser(
+        __doc__, str(harness.WORK_DIR / "dpo"), results="Markdown file (default: RESULTS.md for full)"
+    )
     parser.add_argument("--size", default="full", choices=sorted(DPO_SIZES))
     parser.add_argument("--model", help=argparse.SUPPRESS)  # workers: model directory
     args = parser.parse_args()
@@ -121,7 +97,7 @@ def main() -> None:
     if args.mode == "worker":
         if args.name not in NAMES:
             raise SystemExit(f"unknown worker {args.name}")
-        print_result(measured(lambda: worker(args.name, work, size, Path(args.out), Path(args.model))))
+        harness.print_result(harness.measured(lambda: worker(args.name, work, size, Path(args.out), Path(args.model))))
         return
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -130,11 +106,11 @@ def main() -> None:
 
     def run(name: str) -> dict:  # a fresh process with its own datasets cache: no reuse of trl's reference pass
         env = {"HF_DATASETS_CACHE": str(work / "hf-datasets-cache" / name)}
-        return run_worker(Path(__file__), name, work, ["--size", args.size, "--model", str(model)], env=env)
+        return harness.run_worker(Path(__file__), name, work, ["--size", args.size, "--model", str(model)], env=env)
 
-    r, n_common, max_diff = measure(NAMES, run, work, rtol=1e-4)  # the reference passes agree before any timing
+    r, n_common, max_diff = harness.measure(NAMES, run, work, rtol=1e-4)  # the reference passes agree before any timing
     report = render(r, size, args.size, max_diff, n_common, time.perf_counter() - started)
-    publish(report, default_results(args.results, args.size == "full"), HEADING)
+    harness.publish(report, harness.default_results(args.results, args.size == "full"), HEADING)
 
 
 def _ops(run_: dict) -> str:
@@ -148,7 +124,7 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
     op, tp = r["ours_precompute"], r["trl_precompute"]
     ot, ttp, tto = (r[x] for x in TRAIN_NAMES)
     of, tfp, tfo = (r[x] for x in FLOP_NAMES)
-    step = [median_step(x["step_seconds"]) for x in (ot, ttp, tto)]
+    step = [harness.median_step(x["step_seconds"]) for x in (ot, ttp, tto)]
     steps, batch = size["steps"], size["batch"]
     steps_text = f"{steps} steps x batch {batch} pairs"
     rate = [x["tokens"] / x["seconds"] for x in (op, tp)]
@@ -156,20 +132,22 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
     rss = [x["peak_rss_mib"] for x in (ot, ttp, tto)]
     gflop = [x["gflop_per_step"] for x in (of, tfp, tfo)]
     table = [
-        vs_row("reference pass, tokens/s (ours `--pairs-only`)", *rate, ".0f", "ours / trl"),
-        vs_row("train, median step (s), vs trl precomputed", step[0], step[1], ".2f", goal=">= 1.5x"),
-        vs_row("train, median step (s), vs trl online", step[0], step[2], ".2f"),
-        vs_row(f"train, whole process (s, {steps_text}), vs trl precomputed", process[1], process[2], ".1f"),
-        vs_row(f"train, whole process (s, {steps_text}), vs trl online", process[1], process[3], ".1f"),
-        vs_row("precompute + train processes (s) vs one trl online process", sum(process[:2]), process[3], ".1f"),
-        vs_row("train peak RSS (MiB), vs trl precomputed", rss[0], rss[1], ".0f", "ours / trl"),
-        vs_row("train peak RSS (MiB), vs trl online", rss[0], rss[2], ".0f", "ours / trl"),
-        vs_row("GFLOP per step, vs trl precomputed", gflop[0], gflop[1], ".4g"),
-        vs_row("GFLOP per step, vs trl online", gflop[0], gflop[2], ".4g"),
+        harness.vs_row("reference pass, tokens/s (ours `--pairs-only`)", *rate, ".0f", "ours / trl"),
+        harness.vs_row("train, median step (s), vs trl precomputed", step[0], step[1], ".2f", goal=">= 1.5x"),
+        harness.vs_row("train, median step (s), vs trl online", step[0], step[2], ".2f"),
+        harness.vs_row(f"train, whole process (s, {steps_text}), vs trl precomputed", process[1], process[2], ".1f"),
+        harness.vs_row(f"train, whole process (s, {steps_text}), vs trl online", process[1], process[3], ".1f"),
+        harness.vs_row(
+            "precompute + train processes (s) vs one trl online process", sum(process[:2]), process[3], ".1f"
+        ),
+        harness.vs_row("train peak RSS (MiB), vs trl precomputed", rss[0], rss[1], ".0f", "ours / trl"),
+        harness.vs_row("train peak RSS (MiB), vs trl online", rss[0], rss[2], ".0f", "ours / trl"),
+        harness.vs_row("GFLOP per step, vs trl precomputed", gflop[0], gflop[1], ".4g"),
+        harness.vs_row("GFLOP per step, vs trl online", gflop[0], gflop[2], ".4g"),
     ]
     for what, ours, theirs in (("reference pass", op, tp), (f"training ({steps_text})", ot, ttp)):
-        cells = (efficiency(x.get("token_counts"), recorded=False)[0] for x in (ours, theirs))
-        table.append(md_row(f"token efficiency (needed / executed), {what}", *cells, "", "-", "-"))
+        cells = (harness.efficiency(x.get("token_counts"), recorded=False)[0] for x in (ours, theirs))
+        table.append(harness.md_row(f"token efficiency (needed / executed), {what}", *cells, "", "-", "-"))
     ceiling = "; ".join(
         f"vs {what}, FLOP ratio {gflop[i] / gflop[0]:.2f}x, step-time ratio measured {step[i] / step[0]:.2f}x"
         for i, what in enumerate(LABELS[1:], 1)
@@ -179,7 +157,7 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
     lines = [
         HEADING,
         "",
-        *provenance(command, seconds, *PACKAGES),
+        *harness.provenance(command, seconds, *PACKAGES),
         f"- model: {MODELS[size['model']]}",
         f"- data: first {size['pairs']} single-turn pairs of the bundled HH-RLHF harmless-base sample, {tp['pairs']} "
         f"left after trl drops prompts reaching max_length ({size['max_length']}); {op['rows']} answers scored by ours",
@@ -190,7 +168,7 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         f"precomputed (`precompute_ref_batch_size` {batch}) or online (its reference model, float32).",
         f"- correctness: reference log-probs agree on {n_common} answers (rel 1e-4), max |diff| {max_diff:.1e}",
         "",
-        *table_head("| measurement | kto-pipeline | trl | ratio | goal | met |"),
+        *harness.table_head("| measurement | kto-pipeline | trl | ratio | goal | met |"),
         *table,
         "",
         "- FLOP ceiling: at equal FLOP rates the step-time ratio (trl / ours) cannot exceed the ratio of FLOPs per "
@@ -209,8 +187,8 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         "ours as its cache's manifest.json and run's trainer_state.json record it (else n/a). trl's collator pads the "
         f"2 x {batch} sequences of a batch to the longest: executed = 2 x {batch} x width, over the reference pass's "
         f"and the {steps} training batches. Training counts the policy's forward; trl online's reference model runs "
-        f"it again ({efficiency(tto.get('token_counts'), recorded=False)[0]} for its policy alone).",
-        *run_notes(dict(zip(LABELS, (ot, ttp, tto), strict=True))),
+        f"it again ({harness.efficiency(tto.get('token_counts'), recorded=False)[0]} for its policy alone).",
+        *harness.run_notes(dict(zip(LABELS, (ot, ttp, tto), strict=True))),
         "",
     ]
     return "\n".join(lines)

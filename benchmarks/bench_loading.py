@@ -23,32 +23,23 @@ import sys
 import time
 from pathlib import Path
 
-from harness import (
-    HERE,
-    LAUNCH_ENV,
-    TINY,
-    TORCHRUN,
-    launch_env,
-    provenance,
-    publish,
-    random_qwen2,
-    script_parser,
-    table_head,
-    write_jsonl,
-)
+import harness
 
 HEADING = "## Loading a sharded model: each process's peak memory"
 HEADINGS = {"fsdp2": HEADING, "deepspeed": "## Loading a model under DeepSpeed ZeRO-3: each process's peak memory"}
-DEEPSPEED_CONFIG = HERE.parent / "configs" / "accelerate" / "deepspeed_zero3.yaml"
+DEEPSPEED_CONFIG = harness.HERE.parent / "configs" / "accelerate" / "deepspeed_zero3.yaml"
 MIB = 1 << 20
 # about 440M parameters: hidden 1024, 24 layers, a 32,000-token vocabulary (tied)
 BIG = dict(hidden=1024, layers=24, heads=16, kv_heads=16, intermediate=4096, vocab=32000, max_position_embeddings=2048)
-PRESETS = {"big": dict(BIG, tie_word_embeddings=True, rope_theta=1e6), "tiny": dict(TINY, tie_word_embeddings=True)}
+PRESETS = {
+    "big": dict(BIG, tie_word_embeddings=True, rope_theta=1e6),
+    "tiny": dict(harness.TINY, tie_word_embeddings=True),
+}
 FSDP_ENV = dict(ACCELERATE_USE_CPU="1", ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_RESHARD_AFTER_FORWARD="true")
 # glibc keeps the heap memory of the forwards' freed all-gathered layers (MiBs each): measured, the reference pass's
 # peak on the non-reading process grew by about the whole model (2755 against 1533 MiB). A fixed mmap threshold
 # returns each freed buffer to the system, as a GPU's caching allocator does for device memory.
-FSDP_ENV |= LAUNCH_ENV | {"MALLOC_MMAP_THRESHOLD_": "131072"}
+FSDP_ENV |= harness.LAUNCH_ENV | {"MALLOC_MMAP_THRESHOLD_": "131072"}
 # DeepSpeed runs on its own CPU accelerator (accelerate's CPU mode would drop it); the rest as FSDP2's
 DEEPSPEED_ENV = {k: v for k, v in FSDP_ENV.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
 GOAL = 1.2  # measured peak / bound
@@ -86,7 +77,7 @@ def measure(work: Path, model: Path, data: Path, engine: str, one_reader: bool) 
     tag = f"{engine}-{model.name}-{'main-reads' if one_reader else 'all-read'}"
     flag = str(one_reader).lower()
     if engine == "fsdp2":
-        env, launcher, flags = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": flag}, TORCHRUN, []
+        env, launcher, flags = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": flag}, harness.TORCHRUN, []
     else:  # float32 compute on the CPU, as FSDP2's runs (bf16 is off there)
         launcher = ["accelerate.commands.launch", "--config_file", str(DEEPSPEED_CONFIG), "--num_processes", "2"]
         env, launcher, flags = DEEPSPEED_ENV, [*launcher, "--zero3_init_flag", flag], ["--no-bf16"]
@@ -100,7 +91,7 @@ def measure(work: Path, model: Path, data: Path, engine: str, one_reader: bool) 
         cmd = [sys.executable, "-m", *launcher, "-m", "kto_pipeline", *stage, *flags]
         log = work / f"{stage[0]}-{tag}.log"
         with open(log, "w") as out:
-            proc = subprocess.run(cmd, env=launch_env(env), stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.run(cmd, env=harness.launch_env(env), stdout=out, stderr=subprocess.STDOUT)
         if proc.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
     manifest = json.loads((cache / "manifest.json").read_text())
@@ -114,7 +105,7 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
     lines = [
         HEADINGS[args.engine],
         "",
-        *provenance(f"`python benchmarks/bench_loading.py{options}`", seconds),
+        *harness.provenance(f"`python benchmarks/bench_loading.py{options}`", seconds),
         f"- model: Qwen2 architecture, random weights, {sizes['parameters'] / 1e6:.0f}M parameters, "
         f"{sizes['total_mib']:.0f} MiB in float32 (safetensors); its largest tensor {largest:.0f} MiB; one "
         f"process's shard {shard:.0f} MiB",
@@ -123,7 +114,7 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
         "- figure: each process's peak private memory (RssAnon, MiB) as the run recorded it, through loading and "
         "the whole stage; baselines: the same launch on a tiny model (2 layers, hidden 64)",
         "",
-        *table_head(
+        *harness.table_head(
             "| stage | weights read by | process | loading: baseline (MiB) | loaded (MiB) | bound (MiB) | "
             "loaded / bound | stage: baseline (MiB) | peak (MiB) | bound (MiB) | peak / bound |"
         ),
@@ -157,7 +148,9 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
 
 
 def main() -> None:
-    parser = script_parser(__doc__, results="file to write the section into", default=str(HERE / "RESULTS.md"))
+    parser = harness.script_parser(
+        __doc__, results="file to write the section into", default=str(harness.HERE / "RESULTS.md")
+    )
     parser.add_argument("--quick", action="store_true", help="the tiny model in place of the big one")
     parser.add_argument(
         "--engine", choices=sorted(HEADINGS), default="fsdp2", help="FSDP2 (torchrun) or DeepSpeed ZeRO-3"
@@ -168,19 +161,19 @@ def main() -> None:
     started = time.perf_counter()
     models = {name: work / f"model-{name}" for name in ("big", "tiny")}
     for name, path in models.items():
-        random_qwen2(path, PRESETS["tiny" if args.quick else name])
+        harness.random_qwen2(path, PRESETS["tiny" if args.quick else name])
     rows = [
         {"prompt": f"Question {i}: what is {i} + {i}?", "completion": f" It is {2 * i}.", "label": bool(i % 2)}
         for i in range(16)
     ]
-    data = write_jsonl(work / "data.jsonl", rows)
+    data = harness.write_jsonl(work / "data.jsonl", rows)
     measured = {}
     for name, path in models.items():
         for one_reader in (False, True):
             print(f"  {name} model, weights read by {'the main process' if one_reader else 'every process'} ...")
             measured[name, one_reader] = measure(work, path, data, args.engine, one_reader)
     report = render(measured, weights(models["big"]), args, time.perf_counter() - started)
-    publish(report, None if args.quick else args.results, HEADINGS[args.engine])
+    harness.publish(report, None if args.quick else args.results, HEADINGS[args.engine])
 
 
 if __name__ == "__main__":

@@ -16,25 +16,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
-from harness import (
-    APPEND_SIZES,
-    HERE,
-    SCALE_SIZES,
-    children_peak_rss_mib,
-    goals_table,
-    md_row,
-    peak_rss_mib,
-    provenance,
-    publish,
-    rss_mib,
-    run_worker,
-    smollm2_dir,
-    table_head,
-    time_calls,
-    trl_trainer,
-    versions,
-    write_jsonl,
-)
+import harness
 
 SCALE_HEADING = "## Scale: preprocessing 20k / 200k / 1M rows"
 # tool -> num_proc values. kto-pipeline's --num-proc 1 maps in-process (num_proc=None); trl's dataset_num_proc=1
@@ -52,7 +34,7 @@ TOKENIZERS = {
     "smollm2": "SmolLM2-135M-Instruct's (BPE, vocab 49152)",
     "char": "the character-level one of `kto_pipeline.demo.tiny`",
 }
-BENCH = HERE / "bench.py"  # the workers run as `bench.py worker scale_...` (`append_...`)
+BENCH = harness.HERE / "bench.py"  # the workers run as `bench.py worker scale_...` (`append_...`)
 
 
 def worker_name(tool: str, num_proc: int | None) -> str:
@@ -122,7 +104,7 @@ def _write_rows(path: Path, start: int, stop: int) -> Path:
     if not path.exists():
         print(f"writing {path.name} ...", flush=True)
         part = path.with_name(path.name + ".part")
-        write_jsonl(part, islice(row_stream(), start, stop), ensure_ascii=False).replace(path)
+        harness.write_jsonl(part, islice(row_stream(), start, stop), ensure_ascii=False).replace(path)
     return path
 
 
@@ -141,7 +123,7 @@ def build_model(work: Path, tokenizer: str) -> Path:
     path = work / f"model-{tokenizer}"
     if (path / "config.json").exists():
         return path
-    tok = AutoTokenizer.from_pretrained(smollm2_dir()) if tokenizer == "smollm2" else build_char_tokenizer()
+    tok = AutoTokenizer.from_pretrained(harness.smollm2_dir()) if tokenizer == "smollm2" else build_char_tokenizer()
     tmp = path.with_name(path.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny_model(tok).save_pretrained(tmp)
@@ -153,13 +135,13 @@ def build_model(work: Path, tokenizer: str) -> Path:
 def own_cache_worker(name: str, work: Path, cache: Path, flags: list[str], env: dict | None = None) -> dict:
     """`bench.py worker NAME` with a fresh HF_DATASETS_CACHE of its own, removed after it (GBs)."""
     try:
-        return run_worker(BENCH, name, work, flags, env={"HF_DATASETS_CACHE": str(cache), **(env or {})})
+        return harness.run_worker(BENCH, name, work, flags, env={"HF_DATASETS_CACHE": str(cache), **(env or {})})
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 
 
 def _peaks() -> dict:
-    return {"peak_rss_mib": peak_rss_mib(), "children_peak_rss_mib": children_peak_rss_mib()}
+    return {"peak_rss_mib": harness.peak_rss_mib(), "children_peak_rss_mib": harness.children_peak_rss_mib()}
 
 
 # ------------------------------------------------------------------------------------------ scale
@@ -171,7 +153,7 @@ def scale_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> d
 
     _, tool, proc = name.split("_")
     num_proc = None if proc == "default" else int(proc)
-    baseline = {"baseline_rss_mib": rss_mib()}
+    baseline = {"baseline_rss_mib": harness.rss_mib()}
     if tool not in VARIANTS or tool == "ours" and num_proc is None:
         raise SystemExit(f"unknown worker {name}")
     return {**(_ours if tool == "ours" else _trl)(num_proc, size, out, model, data), **baseline}
@@ -215,18 +197,20 @@ def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -
     from trl import KTOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    before, start = rss_mib(), time.perf_counter()
+    before, start = harness.rss_mib(), time.perf_counter()
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    model_seconds, model_rss = time.perf_counter() - start, rss_mib() - before
+    model_seconds, model_rss = time.perf_counter() - start, harness.rss_mib() - before
     start = time.perf_counter()
     dataset = load_dataset("json", data_files=str(data), split="train")
     load_seconds = time.perf_counter() - start
     timed: dict = {}
-    time_calls(KTOTrainer, "_prepare_dataset", lambda seconds, *a, **kw: timed.update(seconds=seconds, **_peaks()))
+    harness.time_calls(
+        KTOTrainer, "_prepare_dataset", lambda seconds, *a, **kw: timed.update(seconds=seconds, **_peaks())
+    )
     constructor: dict = {}  # KTOTrainer.__init__ alone (its KTOConfig is built before it)
-    time_calls(KTOTrainer, "__init__", lambda seconds, *args, **kwargs: constructor.update(seconds=seconds))
+    harness.time_calls(KTOTrainer, "__init__", lambda seconds, *args, **kwargs: constructor.update(seconds=seconds))
     run = dict(tokenizer=tokenizer, batch=size["batch"], max_length=size["max_length"], dataset_num_proc=num_proc)
-    ds = trl_trainer(policy, dataset, out, precompute=False, **run).train_dataset
+    ds = harness.trl_trainer(policy, dataset, out, precompute=False, **run).train_dataset
     first = ds.select(range(min(CHECK_ROWS, len(ds))))
     run = dict(tool="trl", num_proc=num_proc, source_rows=len(dataset), kept_rows=len(ds), load_seconds=load_seconds)
     run |= dict(model_seconds=model_seconds, model_rss_mib=model_rss, init_seconds=constructor["seconds"], **timed)
@@ -261,7 +245,7 @@ def _sized(size: dict, key: str, given: tuple[int, ...] | None, tokenizer: str |
 
 def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int, ...] | None, tokenizer: str | None):
     """`--only scale`: every size, both tools, 1 and 2 processes, each in a fresh process and datasets cache."""
-    size = _sized(SCALE_SIZES[size_name], "rows", rows, tokenizer)
+    size = _sized(harness.SCALE_SIZES[size_name], "rows", rows, tokenizer)
     started = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     model, data = build_model(work, size["tokenizer"]), write_data(work, size["rows"])
@@ -284,7 +268,9 @@ def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int,
             measured[n][name] = own_cache_worker(name, size_dir, size_dir / f"hf-datasets-cache-{name}", flags)
         check_tokens(measured[n], n)
         shutil.rmtree(size_dir, ignore_errors=True)
-    publish(render_scale(measured, skipped, size, size_name, time.perf_counter() - started), results, SCALE_HEADING)
+    harness.publish(
+        render_scale(measured, skipped, size, size_name, time.perf_counter() - started), results, SCALE_HEADING
+    )
 
 
 def _speedup(runs: dict[str, dict], tool: str, num_proc: int | None) -> str:
@@ -299,11 +285,11 @@ def _speedup(runs: dict[str, dict], tool: str, num_proc: int | None) -> str:
 
 def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str], list[str]]:
     """(the main table: seconds, rows/s, peaks, speed-up; the details: load, trl's constructor, RSS growth)."""
-    table = table_head(
+    table = harness.table_head(
         "| rows | tool | num_proc | seconds | rows/s | peak RSS MiB (parent) | peak RSS MiB (children) | "
         "speed-up 2 vs 1 proc |"
     )
-    details = table_head(
+    details = harness.table_head(
         "| rows | tool | num_proc | load s (JSON -> Arrow) | trl: constructor s (its _prepare_dataset included) | "
         "trl: policy model load s | post-import RSS MiB | parent RSS growth MiB |"
     )
@@ -313,16 +299,18 @@ def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str],
             name = worker_name(tool, num_proc)
             head = (f"{n:,}", LABELS[tool], _proc_label(num_proc))
             if name not in runs:
-                table.append(md_row(*head, skipped[n].get(name, "not run"), "-", "-", "-", "-"))
+                table.append(harness.md_row(*head, skipped[n].get(name, "not run"), "-", "-", "-", "-"))
                 continue
             r = runs[name]
             rate, peaks = f"{r['source_rows'] / r['seconds']:,.0f}", (r["peak_rss_mib"], r["children_peak_rss_mib"])
             table.append(
-                md_row(*head, f"{r['seconds']:.2f}", rate, *(f"{x:.0f}" for x in peaks), _speedup(runs, tool, num_proc))
+                harness.md_row(
+                    *head, f"{r['seconds']:.2f}", rate, *(f"{x:.0f}" for x in peaks), _speedup(runs, tool, num_proc)
+                )
             )
             trl_cells = (f"{r['init_seconds']:.2f}", f"{r['model_seconds']:.2f}") if tool == "trl" else ("-", "-")
             rss = (f"{r['baseline_rss_mib']:.0f}", f"{r['peak_rss_mib'] - r['baseline_rss_mib']:.0f}")
-            details.append(md_row(*head, f"{r['load_seconds']:.2f}", *trl_cells, *rss))
+            details.append(harness.md_row(*head, f"{r['load_seconds']:.2f}", *trl_cells, *rss))
     return table, details
 
 
@@ -356,7 +344,7 @@ def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
             )
             goals.append((goal, f"{parent:+.0f} MiB", parent * MIB <= GROWTH_GOAL_MB * 1e6))
     notes = [f"- preprocessing peak RSS growth {small:,} -> {big:,} rows: " + "; ".join(growth) + ".", ""]
-    return goals_table(*goals), notes if growth else []
+    return harness.goals_table(*goals), notes if growth else []
 
 
 def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seconds: float) -> str:
@@ -367,7 +355,7 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
     lines = [
         SCALE_HEADING,
         "",
-        *provenance(command, seconds, "kto-pipeline", "trl", "datasets", "transformers", "tokenizers", "torch"),
+        *harness.provenance(command, seconds, "kto-pipeline", "trl", "datasets", "transformers", "tokenizers", "torch"),
         "- data: the first N rows of `bench_scale.row_stream` as .jsonl (short unpaired rows: prompts of 10-30 words, "
         "completions of 5-20, punctuation, numbers, line breaks, about 1.5% non-ASCII words); tokenizer: "
         f"{TOKENIZERS[size['tokenizer']]}, both tools; max_length {size['max_length']} (no row dropped)",
@@ -467,7 +455,7 @@ def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> 
     from kto_pipeline.cache import read_manifest
 
     imports_seconds = time.perf_counter() - started
-    baseline = rss_mib()
+    baseline = harness.rss_mib()
     _, form, _ = name.split("_")
     if form not in APPEND_FORMS:
         raise SystemExit(f"unknown worker {name}")
@@ -556,7 +544,7 @@ def check_append(full: dict, r: dict, base: dict[str, str], cache: Path, cache_r
 
 def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[int, ...] | None, tokenizer: str | None):
     """`--only append`: per cache size, a full precompute, then both appends into copies of its cache."""
-    size = _sized(APPEND_SIZES[size_name], "caches", caches, tokenizer)
+    size = _sized(harness.APPEND_SIZES[size_name], "caches", caches, tokenizer)
     if size["goal_cache"] not in size["caches"]:
         size["goal_cache"] = size["caches"][-1]
     new = size["new"]
@@ -596,7 +584,7 @@ def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[i
             shutil.rmtree(runs / f"append_{form}_{n}", ignore_errors=True)
     seconds = time.perf_counter() - started
     (runs / "measured.json").write_text(json.dumps({"measured": measured, "checks": checks, "size": size}))
-    publish(render_append(measured, checks, size, size_name, seconds), results, APPEND_HEADING)
+    harness.publish(render_append(measured, checks, size, size_name, seconds), results, APPEND_HEADING)
 
 
 def append_buckets(r: dict) -> dict[str, float]:
@@ -611,14 +599,14 @@ def append_buckets(r: dict) -> dict[str, float]:
 
 def _append_tables(measured: dict, size: dict) -> tuple[list[str], list[str], list[str]]:
     """(the runs: times, rows, tokens, peaks; the split of each run's time; the phases that matter, seconds)."""
-    runs = table_head(
+    runs = harness.table_head(
         "| cache rows | run | dataset rows | rows tokenized | rows scored | tokens scored | process s (outside) | "
         "manifest: wall s | preprocess s | reference pass s | CPU s | peak RSS MiB | vs full pass |"
     )
-    split = table_head("| cache rows | run | " + " | ".join(BUCKETS.values()) + " | total s |")
+    split = harness.table_head("| cache rows | run | " + " | ".join(BUCKETS.values()) + " | total s |")
     shown = ("load_source", "content_hash", "content_keys", "preprocess", "score_shards", "load_reference", "setup")
     shown += ("open_base", "held_keys", "match_keys", "plan_output", "finish")
-    phases = table_head("| cache rows | run | imports | " + " | ".join(shown) + " |")
+    phases = harness.table_head("| cache rows | run | imports | " + " | ".join(shown) + " |")
     for n in size["caches"]:
         full = measured[n]["full"]
         for form, label in APPEND_FORMS.items():
@@ -628,11 +616,11 @@ def _append_tables(measured: dict, size: dict) -> tuple[list[str], list[str], li
             counts = (f"{x:,}" for x in (r["source_rows"], r["tokenized_rows"], t["rows_scored"], t["tokens_scored"]))
             times = (r["process_seconds"], t["wall_seconds"], t["preprocess_seconds"], t["reference_pass_seconds"])
             cpu_rss = (f"{r['cpu_seconds']:.0f}", f"{r['peak_rss_mib']:.0f}")
-            runs.append(md_row(f"{n:,}", label, *counts, *(f"{x:.1f}" for x in times), *cpu_rss, ratio))
+            runs.append(harness.md_row(f"{n:,}", label, *counts, *(f"{x:.1f}" for x in times), *cpu_rss, ratio))
             b = append_buckets(r)
-            split.append(md_row(f"{n:,}", label, *(f"{b[k]:.2f}" for k in BUCKETS), f"{sum(b.values()):.1f}"))
+            split.append(harness.md_row(f"{n:,}", label, *(f"{b[k]:.2f}" for k in BUCKETS), f"{sum(b.values()):.1f}"))
             cells = [f"{r['phases'].get(p, 0.0):.2f}" for p in shown]
-            phases.append(md_row(f"{n:,}", label, f"{r['imports_seconds']:.2f}", *cells))
+            phases.append(harness.md_row(f"{n:,}", label, f"{r['imports_seconds']:.2f}", *cells))
     return runs, split, phases
 
 
@@ -699,7 +687,7 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
         f"{full['source_rows']:,} rows: {full['phases'].get('content_keys', 0):.1f} s of its "
         f"{ft['preprocess_seconds']:.1f} s of preprocessing."
     )
-    return goals_table(*cost, *only_new, *peaks, *flat), [*fixed_notes, *rate_notes, data_note]
+    return harness.goals_table(*cost, *only_new, *peaks, *flat), [*fixed_notes, *rate_notes, data_note]
 
 
 def render_append(measured: dict, checks: dict, size: dict, size_name: str, seconds: float) -> str:
@@ -710,7 +698,7 @@ def render_append(measured: dict, checks: dict, size: dict, size_name: str, seco
     tokens, tiny = t["tokens_scored"], t["tokens_scored"] / t["reference_pass_seconds"]
     loads = ", ".join(f"{r['load_before']:.1f}/{r['load_after']:.1f}" for m in measured.values() for r in m.values())
     threads = max(r["threads"] for m in measured.values() for r in m.values())
-    head = provenance(f"`python benchmarks/bench.py --size {size_name} --only append`", seconds)
+    head = harness.provenance(f"`python benchmarks/bench.py --size {size_name} --only append`", seconds)
     head[2] += (
         f"; 1-minute load average before / after each run: {loads} (each run keeps {threads} torch thread(s) busy: "
         f"more means a shared machine; OMP_NUM_THREADS={APPEND_THREADS} in every run, see `APPEND_THREADS`)"
@@ -719,7 +707,7 @@ def render_append(measured: dict, checks: dict, size: dict, size_name: str, seco
         APPEND_HEADING,
         "",
         *head,
-        f"- versions: {versions('kto-pipeline', 'datasets', 'transformers', 'tokenizers', 'torch')}, "
+        f"- versions: {harness.versions('kto-pipeline', 'datasets', 'transformers', 'tokenizers', 'torch')}, "
         f"Python {sys.version.split()[0]}",
         f"- data: `bench_scale.row_stream`'s rows: the cache = the first N; the grown log = the first N + {new:,}; the "
         f"new rows = rows N .. N + {new - 1:,} alone. Tokenizer: {TOKENIZERS[size['tokenizer']]}; reference: the tiny "

@@ -212,18 +212,18 @@ def test_precompute_under_a_block_mask_equals_the_default_cache(tmp_path, tiny_m
 
 
 def test_attention_pairs_of_the_benchmark(small_cache):
-    """benchmarks/attention_pairs.py (printed by `make bench` for the real case) on a tiny cache: per training batch
+    """bench.count_pairs (printed by `make bench` for the real case) on a tiny cache: per training batch
     and for the reference pass, the dense mask's pairs are the layout's rows squared, the block mask's are whole
     tiles, and both cover the needed pairs."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-    from attention_pairs import count_pairs, table
+    from bench import count_pairs, pairs_table
 
     counts = count_pairs(small_cache, batch=8, steps=2, reference_batch=16, max_tokens=16384)
     assert len(counts["train"]) == 2
     for pairs in [*counts["train"], counts["reference"]]:
         for p in pairs.values():
             assert 0 < p.needed <= min(p.dense, p.block_mask) and p.block_mask % (BLOCK_SIZE * BLOCK_SIZE) == 0
-    lines = table(counts)
+    lines = pairs_table(counts)
     assert len(lines) == 2 + 2 + 2 and lines[-1].startswith("| **reference pass** |")
