@@ -152,18 +152,14 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
 
 
 def rss_mib() -> float:
-    """This process' resident memory now."""
-    kib = proc_status().get("VmRSS")
-    return float("nan") if kib is None else kib / 1024
+    return proc_status().get("VmRSS", float("nan")) / 1024
 
 
-def peak_rss_mib() -> float:
-    """This process' peak resident memory (ru_maxrss: it cannot be reset)."""
+def peak_rss_mib() -> float:  # ru_maxrss: it cannot be reset
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def children_peak_rss_mib() -> float:
-    """The peak resident memory of the largest terminated child process (0 where none ran)."""
+def children_peak_rss_mib() -> float:  # the largest terminated child's; 0 where none ran
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
@@ -188,13 +184,11 @@ def versions(*packages: str) -> str:
     return ", ".join(f"{name} {importlib.import_module(name.replace('-', '_')).__version__}" for name in packages)
 
 
-def utc_stamp() -> str:
-    """Now, as the results write their date: 2026-11-22 07:15 UTC."""
+def utc_stamp() -> str:  # as the results write their date: 2026-11-22 07:15 UTC
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def median_step(times: list[float]) -> float:
-    """Median over the steps after the first (the first pays one-off warm-up costs)."""
+def median_step(times: list[float]) -> float:  # after the first step, which pays one-off warm-up costs
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
@@ -249,7 +243,7 @@ def _heading_span(lines: list[str], heading: str) -> tuple[int, int] | None:
 def get_section(text: str, heading: str) -> str | None:
     lines = text.splitlines()
     span = _heading_span(lines, heading)
-    return None if span is None else "\n".join(lines[span[0] : span[1]]).rstrip() + "\n"
+    return span and "\n".join(lines[span[0] : span[1]]).rstrip() + "\n"
 
 
 def replace_section(text: str, heading: str, section: str) -> str:
@@ -299,7 +293,6 @@ def met(ok: bool | None | str) -> str:
 
 
 def md_row(*cells) -> str:
-    """A markdown table row of `cells`."""
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
@@ -337,7 +330,6 @@ def efficiency(counts: dict | None, recorded: bool = True) -> tuple[str, float |
 
 
 def raw_steps(run: dict, digits: int = 3) -> list[float]:
-    """A run's step times, rounded for the report."""
     return [round(x, digits) for x in run["step_seconds"]]
 
 
@@ -458,8 +450,7 @@ def hh_rlhf_pairs(path: Path, pairs: int, max_turns: int) -> list[dict]:
 
 def write_jsonl(path: Path, rows, ensure_ascii: bool = True) -> Path:
     with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=ensure_ascii) + "\n")
+        f.writelines(json.dumps(row, ensure_ascii=ensure_ascii) + "\n" for row in rows)
     return path
 
 
@@ -509,7 +500,6 @@ def ours_reference_pass(**config) -> dict:
 
 
 def trainer_state(out: Path) -> dict | None:
-    """A kto-pipeline training run's trainer_state.json (None where it has none)."""
     path = out / "trainer_state.json"
     return json.loads(path.read_text()) if path.exists() else None
 
