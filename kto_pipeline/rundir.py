@@ -56,6 +56,7 @@ class TrainerState:
     precision: str | None = None  # the policy's regime, e.g. "float32 weights under bfloat16 autocast"
     packing: str | None = None  # "packed", or "padded (why)"
     attention_kernel: str | None = None  # how packed rows attended: "by-tree", "block-mask" or "dense"
+    compile: dict | None = None  # with --torch-compile: {graphs, graph_breaks, recompiles, seconds}
     kl_forward: str | None = None
     # the final state only: where the run started and what it saw
     reference_hash: str | None = None  # the frozen reference's weights hash (the cache's): --init-from checks it

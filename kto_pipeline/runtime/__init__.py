@@ -3,9 +3,17 @@
     launch.py     the process group from the launch environment (torchrun, `accelerate launch`), its short
                   timeout, `print0`, and `main_decides`: the main process decides, every process follows
     precision.py  the precision regime, resolved once from the config and the device; autocast; the mismatch check
+    compiled.py   `--torch-compile`: the decoder layer compiled once for every layer; what compiling cost
     engines/      one class per engine behind one interface (`engines/base.py`); `engine_for` picks one from the
                   launch environment: one process or DDP, FSDP2, DeepSpeed ZeRO-2/3
 
 As Lightning Fabric's `Strategy` and torchtune's `training.shard_model`: a stage asks its engine to prepare the
 model, step and save; it never tests which engine runs.
 """
+
+# what `--torch-compile` says (both stages), here so that the command line reads it without loading torch
+TORCH_COMPILE_HELP = (
+    "Compile the decoder layer once for every layer (torch.compile, regionally): fewer ops dispatched a step. The "
+    "first steps pay the compile (tens of seconds). Off by default: on the CPU it saved no step time on the models "
+    "measured; on GPUs it was never run."
+)

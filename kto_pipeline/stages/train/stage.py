@@ -53,6 +53,7 @@ from kto_pipeline.rundir import (
     finished_at,
     start_run,
 )
+from kto_pipeline.runtime.compiled import CompileStats, compile_layers
 from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.launch import launched_processes, print0, process_state, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
@@ -115,6 +116,7 @@ class Run:
     attention_kernel: str | None  # how packed rows attend (`attention.attention_kernel`); None: padded
     trackers: list[str]
     peaks: PeakMemory  # each process's peak memory, sampled from the start
+    compiled: CompileStats | None  # with --torch-compile: Dynamo's counters from before the layers were compiled
     progress: Progress = field(default_factory=Progress)
     metrics: MetricsWriter | None = None
 
@@ -180,6 +182,9 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     if padded_because is None:  # (asked of the model in training mode, as its steps will run)
         kernel, kernel_note = request_attention_kernel(model.train(), config.attention_kernel, accelerator.device)
         print0(accelerator, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
+    compiled = CompileStats() if config.torch_compile else None
+    if compiled:
+        print0(accelerator, f"torch.compile: {compile_layers(model)} decoder layers, one compiled region")
     sampler, loader, eval_loader = _loaders(
         config, objective, cache, max_length, accelerator, tokenizer, model, padded_because
     )
@@ -219,6 +224,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
         attention_kernel=kernel,
         trackers=trackers,
         peaks=peaks,
+        compiled=compiled,
     )
 
 
@@ -520,6 +526,7 @@ def finish(run: Run) -> TrainResult:
     state.precision = str(run.regime)
     state.packing = "packed" if run.padded_because is None else f"padded ({run.padded_because})"
     state.attention_kernel = run.attention_kernel
+    state.compile = run.compiled.report() if run.compiled else None
     state.reference_hash = run.manifest.reference["weights_hash"]
     state.round = run.init.round + 1 if run.init else 1
     state.peak_memory = run.peaks.per_process(accelerator)
