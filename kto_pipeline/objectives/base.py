@@ -129,6 +129,13 @@ def share_of_loss(accelerator, losses, real):
     return (losses * real).sum() * accelerator.num_processes / accelerator.gather(real.sum().reshape(1)).sum()
 
 
-def gathered_total(accelerator, x) -> float:
-    """The sum of `x` over every process."""
-    return accelerator.gather(x.detach().float().sum().reshape(1)).sum().item()
+def step_totals(accelerator, sums: dict[str, Any], local: dict[str, Any] | None = None) -> dict[str, float]:
+    """A step's metrics in one collective and one copy to the host: each tensor of `sums` summed (float32) over its
+    elements and over every process, and each scalar of `local` as this process has it."""
+    import torch
+
+    parts = torch.stack([x.detach().float().sum() for x in sums.values()])
+    values = accelerator.gather(parts.reshape(1, -1)).sum(0)
+    if local:
+        values = torch.cat([values, torch.stack([x.detach().float().reshape(()) for x in local.values()])])
+    return dict(zip([*sums, *(local or {})], values.tolist(), strict=True))

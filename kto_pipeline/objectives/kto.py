@@ -18,7 +18,7 @@ from typing import Any
 
 from kto_pipeline.errors import check_option
 from kto_pipeline.markdown import code, num, paper_link
-from kto_pipeline.objectives.base import Objective, StepOut, gathered_total, share_of_loss
+from kto_pipeline.objectives.base import Objective, StepOut, share_of_loss, step_totals
 
 KTO_PAPER = {
     "title": "KTO: Model Alignment as Prospect Theoretic Optimization",
@@ -118,7 +118,6 @@ class KTO(Objective):
     def metrics(self, accelerator, out: StepOut, real=None) -> dict[str, float]:
         """trl.KTOTrainer's metrics for one forward pass, summed across processes before dividing (the repeated
         rows of an uneven last batch left out, `real`)."""
-        import torch
 
         scores, labels = out.scored.completions, out.labels
         token_labels = labels[scores.sequence]  # each scored token's row label
@@ -128,26 +127,23 @@ class KTO(Objective):
             rejected, token_rejected = ~labels & kept, ~token_labels & kept[scores.sequence]
         else:
             rejected, token_rejected = ~labels, ~token_labels
-        mean_logits = scores.mean_logits.detach()
-
-        def total(x: torch.Tensor) -> float:
-            return gathered_total(accelerator, x)
-
-        n_chosen, n_rejected = total(labels.sum()), total(rejected.sum())
-        metrics = {"loss": accelerator.gather(out.loss.detach().reshape(1)).mean().item(), "kl": out.kl.item()}
-        for name, sel, n in (("chosen", labels, n_chosen), ("rejected", rejected, n_rejected)):
-            if n > 0:
-                metrics[f"rewards/{name}"] = total(out.rewards[sel].sum()) / n
-                metrics[f"logps/{name}"] = total(out.logps.detach()[sel].sum()) / n
-                tokens = token_labels if name == "chosen" else token_rejected
-                n_tok = total(tokens.sum())
-                if n_tok > 0:
-                    metrics[f"logits/{name}"] = total(mean_logits[tokens].sum()) / n_tok
-        if n_chosen > 0 and n_rejected > 0:
-            metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        mean_logits, logps = scores.mean_logits.detach(), out.logps.detach()
         entropy = scores.entropy if real is None else scores.entropy[real.bool()[scores.sequence]]
-        n_tok = total(torch.tensor(entropy.numel(), device=labels.device))
-        metrics["entropy"] = total(entropy.sum()) / max(n_tok, 1)
+        sums = {"loss": out.loss, "entropy": entropy, "entropy_tokens": entropy.new_tensor(entropy.numel())}
+        for name, sel, tokens in (("chosen", labels, token_labels), ("rejected", rejected, token_rejected)):
+            sums |= {name: sel, f"rewards/{name}": out.rewards[sel], f"logps/{name}": logps[sel]}
+            sums |= {f"tokens/{name}": tokens, f"logits/{name}": mean_logits[tokens]}
+        t = step_totals(accelerator, sums, local={"kl": out.kl})
+        metrics = {"loss": t["loss"] / accelerator.num_processes, "kl": t["kl"]}
+        for name in ("chosen", "rejected"):
+            if t[name] > 0:
+                metrics[f"rewards/{name}"] = t[f"rewards/{name}"] / t[name]
+                metrics[f"logps/{name}"] = t[f"logps/{name}"] / t[name]
+                if t[f"tokens/{name}"] > 0:
+                    metrics[f"logits/{name}"] = t[f"logits/{name}"] / t[f"tokens/{name}"]
+        if t["chosen"] > 0 and t["rejected"] > 0:
+            metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        metrics["entropy"] = t["entropy"] / max(t["entropy_tokens"], 1)
         return metrics
 
     def evaluate(self, accelerator, scorer, loader, config) -> dict[str, float]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError, check_option
 from kto_pipeline.markdown import code, num, paper_link
-from kto_pipeline.objectives.base import Objective, StepOut, gathered_total, share_of_loss
+from kto_pipeline.objectives.base import Objective, StepOut, share_of_loss, step_totals
 
 # trl.DPOTrainer's (1.16) names, and what each is called where it was published
 PAIR_LOSS_NAMES = {
@@ -207,27 +207,23 @@ class Pairs(Objective):
         chosen_tokens = tokens & (scores.sequence % 2 == 0)
         rejected_tokens = tokens & (scores.sequence % 2 == 1)
 
-        def total(x: torch.Tensor) -> float:
-            return gathered_total(accelerator, x)
-
-        pairs = total(kept)
-        margins = chosen_rewards - rejected_rewards
-        logps = out.logps.detach()
-        metrics = {
-            "loss": accelerator.gather(out.loss.detach().reshape(1)).mean().item(),
-            "rewards/chosen": total(chosen_rewards[kept]) / pairs,
-            "rewards/rejected": total(rejected_rewards[kept]) / pairs,
-            "rewards/accuracies": total((margins > 0)[kept]) / pairs,
-            "rewards/margins": total(margins[kept]) / pairs,
-            "logps/chosen": total(logps[0::2][kept]) / pairs,
-            "logps/rejected": total(logps[1::2][kept]) / pairs,
-        }
-        mean_logits = scores.mean_logits.detach()
+        margins, logps, mean_logits = chosen_rewards - rejected_rewards, out.logps.detach(), scores.mean_logits.detach()
+        sums = {"loss": out.loss, "pairs": kept, "rewards/chosen": chosen_rewards[kept]}
+        sums |= {"rewards/rejected": rejected_rewards[kept], "rewards/accuracies": (margins > 0)[kept]}
+        sums |= {"rewards/margins": margins[kept], "logps/chosen": logps[0::2][kept]}
+        sums |= {"logps/rejected": logps[1::2][kept]}
         for name, sel in (("chosen", chosen_tokens), ("rejected", rejected_tokens)):
-            n_tok = total(sel)
-            metrics[f"logits/{name}"] = total(mean_logits[sel]) / n_tok if n_tok > 0 else 0.0
-        n_tok = total(tokens)
-        metrics["entropy"] = total(scores.entropy[tokens]) / n_tok if n_tok > 0 else 0.0
+            sums |= {f"tokens/{name}": sel, f"logits/{name}": mean_logits[sel]}
+        sums |= {"tokens": tokens, "entropy": scores.entropy[tokens]}
+        t = step_totals(accelerator, sums)
+        metrics = {"loss": t["loss"] / accelerator.num_processes}
+        for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
+            metrics[name] = t[name] / t["pairs"]
+        metrics |= {name: t[name] / t["pairs"] for name in ("logps/chosen", "logps/rejected")}
+        for name in ("chosen", "rejected"):
+            n_tok = t[f"tokens/{name}"]
+            metrics[f"logits/{name}"] = t[f"logits/{name}"] / n_tok if n_tok > 0 else 0.0
+        metrics["entropy"] = t["entropy"] / t["tokens"] if t["tokens"] > 0 else 0.0
         return metrics
 
     def evaluate(self, accelerator, scorer, loader, config) -> dict[str, float]:
