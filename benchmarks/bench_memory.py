@@ -3,16 +3,13 @@
     python benchmarks/bench_memory.py            # `make bench-memory`: writes benchmarks/RESULTS-memory.md
     python benchmarks/bench_memory.py --quick    # the 0.5B rows only, no CPU check
 
-The simulation is `kto_pipeline/memory` (what `kto-pipeline estimate-memory` runs; its docstring says how), with a GPU
-user's settings: float32 weights, bf16 autocast, fused AdamW, its moments already there (a steady step). Ours runs as
-`train_step` does (FSDP2 through `FSDP2.shard`). trl, real: `trl.KTOTrainer` on the same fake model, with its own
-tokenization, collator, `training_step`, `clip_grad_norm_` and fused AdamW, changed only where fake tensors need it:
-its metrics' `.item()` read 0; its LM head takes its CUDA path (`_use_triton`) with its two Triton kernels as no-ops;
-precomputed reference log-probs are given. trl, modelled: `memory.simulate_trl` (`estimate-memory --against-trl`),
-which must match the real trl. `memory.cpu_check`: the simulation against a real float32 step on this CPU.
+Simulated by `kto_pipeline/memory` (`kto-pipeline estimate-memory`; its docstring says how), as a GPU user runs: float32
+weights, bf16 autocast, fused AdamW with its moments there (a steady step); ours as `train_step` (FSDP2: `FSDP2.shard`).
+trl, real: `trl.KTOTrainer` on the same fake model, its own tokenization, collator, `training_step`, `clip_grad_norm_`
+and fused AdamW, changed only where fake tensors need it (`.item()` reads 0; LM head on its CUDA path, `_use_triton`,
+Triton kernels no-ops; reference log-probs given). trl, modelled: `memory.simulate_trl` (`--against-trl`), held to the
+real trl. `memory.cpu_check`: against a real float32 CPU step.
 """
-
-from __future__ import annotations
 
 import argparse
 import itertools
@@ -28,7 +25,6 @@ from harness import HERE, QWEN2, SMOLLM2, WORK_DIR, machine, table_head, trl_tra
 
 RESULTS = HERE / "RESULTS-memory.md"
 GIB = 1 << 30
-PACKAGES = ("transformers", "accelerate", "trl")
 
 
 def qwen2(name: str):
@@ -38,9 +34,8 @@ def qwen2(name: str):
 
 
 def trl_on_a_cuda_device() -> list[tuple]:
-    """Patches: trl's fused LM head as it runs on a CUDA device, under fake CPU tensors: only the scored positions
-    (`_use_triton`), float32 accumulation without float32 copies (cuBLAS's out_dtype), and its Triton kernels, which
-    fold a tile into statistics already allocated, as no-ops (fake tensors hold no values to fold)."""
+    """Patches: trl's fused LM head as on a CUDA device: only the scored positions (`_use_triton`), float32
+    accumulation without float32 copies (cuBLAS's out_dtype), its Triton kernels no-ops (fake tensors hold no value)."""
     import trl.kernels.chunked_logprob as kernels
     import trl.trainer.utils as utils
 
@@ -59,9 +54,8 @@ def trl_on_a_cuda_device() -> list[tuple]:
 
 
 def models_already_placed() -> list[tuple]:
-    """Patches: the fake models stay on the simulated device. Moving them (`Trainer._move_model_to_device`,
-    accelerate's `prepare_model` device placement) would swap fake parameters, which `Module._apply` refuses
-    (`Couldn't swap Embedding.weight`); the rest of `prepare_model` (autocast) stays."""
+    """Patches: the fake models stay in place; moving them would swap fake parameters, which `Module._apply` refuses
+    (`Couldn't swap Embedding.weight`). The rest of accelerate's `prepare_model` (autocast) stays."""
     from accelerate import Accelerator
     from transformers import Trainer
 
@@ -152,9 +146,7 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
         trainer = trl_trainer(policy, Dataset.from_list(trl_dataset_rows(rows)), work / "trl", **run)
         args = trainer.args
         if args.gradient_checkpointing:  # what Trainer._inner_training_loop does before the first step
-            trainer.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
-            )
+            trainer.model.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)
         trainer.create_optimizer()
         model, optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
         trainer.model_wrapped = model
@@ -180,14 +172,16 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
         tokens_with_grad=len(rows) * width,
         tokens_executed=len(rows) * (width + kl_width) * (2 if online else 1),
     )
-    ds = trainer.train_dataset
-    columns = dict(prompt_ids="prompt_ids", completion_ids="completion_ids", kl_completion_ids="KL_completion_ids")
-    ours = [
-        dict(example_id=i, **{k: list(ds[i][c]) for k, c in columns.items()}, label=bool(ds[i]["label"]))
-        | dict(ref_logp=-100.0, ref_kl_logp=-100.0)
-        for i in range(len(ds))
-    ]
+    columns = ("prompt_ids", "completion_ids", "KL_completion_ids")
+    ours = cache_rows([(*(list(x[c]) for c in columns), bool(x["label"])) for x in trainer.train_dataset])
     return memory.to_dict(), ours
+
+
+def cache_rows(rows: list[tuple]) -> list[dict]:
+    """(prompt ids, completion ids, KL completion ids, label) as cache rows (any reference log-prob will do)."""
+    keys = ("prompt_ids", "completion_ids", "kl_completion_ids", "label")
+    named = [dict(zip(keys, row, strict=True)) for row in rows]
+    return [dict(example_id=i, **row, ref_logp=-100.0, ref_kl_logp=-100.0) for i, row in enumerate(named)]
 
 
 def comparison(name: str, max_length: int, gradient_checkpointing: bool, work: Path) -> dict:
@@ -205,7 +199,6 @@ def comparison(name: str, max_length: int, gradient_checkpointing: bool, work: P
     out["trl_precomputed_model"] = simulate_trl(config, trl_rows, settings, online=False).to_dict()
     out["ours"] = simulate_ours(config, trl_rows, settings, attribute=True).to_dict()
     out["tokens_needed"] = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in trl_rows)
-    out["tokens_needed_all"] = out["tokens_needed"] + sum(len(r["kl_completion_ids"]) for r in trl_rows)
     out["floor"] = floor_bytes(config, settings, out["tokens_needed"])
     out["lengths"] = [(len(r["prompt_ids"]), len(r["completion_ids"]), len(r["kl_completion_ids"])) for r in trl_rows]
     out["seconds"] = time.perf_counter() - started
@@ -237,7 +230,6 @@ def lever(label: str, name: str, max_length: int, fields: dict) -> dict:
     settings = StepSettings(**fields)
     rows = synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
     out = {"label": label, "model": name, "max_length": max_length, "settings": fields}
-    started = time.perf_counter()
     try:
         out["ours"] = simulate_ours(config, rows, settings).to_dict()
     except Exception as exc:  # a lever that does not run here is a result too
@@ -251,37 +243,24 @@ def lever(label: str, name: str, max_length: int, fields: dict) -> dict:
     if settings.optimizer == "bnb-adamw8bit":  # two 8-bit moments (+ a float32 scale per 256-value block each)
         floor["optimizer"] = floor["optimizer"] // 4
     out["floor"] = floor
-    out["seconds"] = time.perf_counter() - started
     print(f"  lever {label} {name} {max_length}: {gib(out['ours']['peak_bytes'])} GiB", flush=True)
     return out
 
 
-def rows_of(lengths: list[list[int]], vocab_size: int) -> list[dict]:
-    """Cache rows with these (prompt, completion, KL completion) lengths (random ids: memory depends on lengths)."""
+def redo_ours(data: dict) -> None:
+    """Ours again on each row's saved (prompt, completion, KL completion) lengths, random ids (memory depends on lengths
+    only), the package as it is now; the first value kept as `ours_before`."""
     import random
 
-    rng = random.Random(0)
-
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(vocab_size) for _ in range(n)]
-
-    return [
-        dict(example_id=i, prompt_ids=ids(p), completion_ids=ids(c), kl_completion_ids=ids(k), label=i % 2 == 0)
-        | dict(ref_logp=-100.0, ref_kl_logp=-100.0)
-        for i, (p, c, k) in enumerate(lengths)
-    ]
-
-
-def redo_ours(data: dict) -> None:
-    """Ours again on each comparison row's saved lengths, with the package as it is now; the first value is kept as
-    `ours_before`, so the table shows what a change to the package did."""
     from kto_pipeline.memory import StepSettings, simulate_ours
 
     for r in data["comparisons"]:
-        config = qwen2(r["model"])
+        config, rng = qwen2(r["model"]), random.Random(0)
+        ids = [[[rng.randrange(config.vocab_size) for _ in range(n)] for n in row] for row in r["lengths"]]
+        rows = cache_rows([(*row, i % 2 == 0) for i, row in enumerate(ids)])
         settings = StepSettings(gradient_checkpointing=r["gradient_checkpointing"])
         r.setdefault("ours_before", r["ours"])
-        r["ours"] = simulate_ours(config, rows_of(r["lengths"], config.vocab_size), settings, attribute=True).to_dict()
+        r["ours"] = simulate_ours(config, rows, settings, attribute=True).to_dict()
         change = f"{gib(r['ours_before']['peak_bytes'])} -> {gib(r['ours']['peak_bytes'])}"
         print(f"  ours {r['model']} {r['max_length']} AC={r['gradient_checkpointing']}: {change} GiB", flush=True)
 
@@ -295,9 +274,7 @@ def cli_answers(names: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             qwen2(name).save_pretrained(Path(tmp) / name)
-            started = time.perf_counter()
             out[name] = estimate(MemoryEstimateConfig(model=str(Path(tmp) / name), against_trl=True))
-            out[name]["seconds"] = time.perf_counter() - started
             print(f"  estimate-memory {name}: {gib(out[name]['peak_bytes'])} GiB", flush=True)
     return out
 
@@ -312,10 +289,9 @@ def torchao_adamw8bit() -> str:
         from torchao.optim import AdamW8bit
     except ImportError as exc:
         return f"not installed ({exc})"
-    mode = fake_mode()
     with torch.device("meta"):
         layer = torch.nn.Linear(1024, 4096)
-    with mode:
+    with fake_mode():
         layer = layer.to_empty(device="cpu")
         optimizer = AdamW8bit(layer.parameters(), lr=1e-5)
     try:
@@ -341,10 +317,8 @@ def cpu_checks() -> list[dict]:
     out = []
     for label, config, max_length in cases:
         rows = synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
-        started = time.perf_counter()
         result = cpu_check(config, rows)
-        result.update(label=label, max_length=max_length, seconds=time.perf_counter() - started)
-        result["tokens_needed"] = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+        result.update(label=label, tokens_needed=sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows))
         out.append(result)
         sim, real = result["simulated_step_bytes"] / GIB, result["real_step_bytes"] / GIB
         print(f"  cpu check {label}: simulated {sim:.3f} GiB, real {real:.3f} GiB", flush=True)
@@ -352,10 +326,9 @@ def cpu_checks() -> list[dict]:
 
 
 def accelerate_estimate(name: str) -> dict:
-    """What `accelerate estimate-memory NAME --library_name transformers` prints, from accelerate's own functions on
-    the local config (its command fetches the config from the hub): `create_empty_model`'s meta model,
-    `calculate_maximum_sizes`, and the largest entry of `estimate_training_usage` per dtype row (float32: weights,
-    gradients and Adam, 16 bytes a parameter; float16: its mixed-precision formula, 8). No activations."""
+    """`accelerate estimate-memory NAME --library_name transformers` from its own functions on the local config:
+    `calculate_maximum_sizes` of a meta model, the largest `estimate_training_usage` entry per dtype row (float32: 16
+    bytes a parameter; float16: its mixed-precision formula, 8). No activations."""
     import torch
     from accelerate.commands.estimate import estimate_training_usage
     from accelerate.utils import calculate_maximum_sizes
@@ -363,11 +336,9 @@ def accelerate_estimate(name: str) -> dict:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(qwen2(name))
-    total, (largest, _) = calculate_maximum_sizes(model)
-    adam = {
-        f"adam_{dtype}_bytes": max(estimate_training_usage(total, dtype).values()) for dtype in ("float32", "float16")
-    }
-    return dict(model_bytes=total, largest_layer_bytes=largest, **adam)
+    total, _ = calculate_maximum_sizes(model)
+    adam = {f"adam_{t}_bytes": max(estimate_training_usage(total, t).values()) for t in ("float32", "float16")}
+    return dict(model_bytes=total, **adam)
 
 
 def gib(x) -> str:
@@ -384,12 +355,8 @@ def peak(row: dict, key: str) -> float | None:
     return row.get(key, {}).get("peak_bytes")
 
 
-def section(title: str, data: dict, part: str) -> list[str]:
-    """A section's heading and the date of its part of the data: its last `--redo PART`, else the first run's."""
-    return [title, "", f"- date: {_when(data, part)}", ""]
-
-
 def _when(data: dict, part: str) -> str:
+    """The date of a part of the data: its last `--redo PART`, else the first run's."""
     return data.get("redone", {}).get(part) or data["date"]
 
 
@@ -399,15 +366,13 @@ def render(data: dict) -> str:
         "# Peak accelerator memory of a training step: kto-pipeline vs trl.KTOTrainer",
         "",
         f"Written by `{data['command']}`: first run on {data['date']}, {redone} ({data.get('seconds', 0) / 60:.0f} "
-        f"min in all). Machine: {data['machine']}; {data['versions']}. No GPU: every number below is **simulated** "
-        "unless it says measured (how: benchmarks/bench_memory.py's docstring, kto_pipeline/memory.py).",
+        f"min in all). Machine: {data['machine']}; {data['versions']}. No GPU: every number is **simulated** unless "
+        "marked measured (how: benchmarks/bench_memory.py's docstring, kto_pipeline/memory.py).",
         "",
-        "GiB per device at the peak of one steady training step (AdamW moments alive): bf16 autocast over float32 "
-        "weights, fused AdamW, batch 8, kto-mix-like rows (memory.synthetic_rows) truncated at the max length. "
-        '"trl": the real trl.KTOTrainer 1.16 under the simulation; "model": memory.simulate_trl (`estimate-memory '
-        "--against-trl`). Breakdown: parameters / gradients / optimizer / activations / temporaries. Floor "
-        "(memory.floor_bytes): parameters, gradients, AdamW and the activations of the needed tokens, all alive at "
-        "once, which no step reaches: where the fixed part dominates (7B), ours / floor is below 1.",
+        "GiB per device at a steady step's peak (moments alive): bf16 autocast over float32 weights, fused AdamW, "
+        "batch 8, kto-mix-like rows (memory.synthetic_rows) cut at max length; trl: real trl.KTOTrainer 1.16, (model): "
+        "memory.simulate_trl. Breakdown: parameters / gradients / optimizer / activations / temporaries. Floor "
+        "(memory.floor_bytes): parameters + gradients + AdamW + needed tokens' activations (7B: ours / floor < 1).",
         "",
         *table_head(
             "| model | max len | AC | ours | ours breakdown | floor | ours / floor | trl online (model) "
@@ -435,16 +400,13 @@ def render(data: dict) -> str:
             f"| {peak(r, 'trl_precomputed_model') / pre:.3f} |"
         )
     out += ["", *findings(data), "", "Tokens per step (the same rows for both tools):", "", *tokens, ""]
-    out += section("## What is alive at our peak", data, "ours")
+    out += ["## What is alive at our peak", "", f"- date: {_when(data, 'ours')}", ""]
     out += [
-        "Where ours sits above its floor. The LM head (`scoring/logprobs.py`, `_ChunkedTokenLogps`) projects a chunk "
-        "of scored tokens at a time onto the whole vocabulary: every tensor of shape (chunk, vocab) below is one of "
-        "its chunk's transients, and the head's share of the peak is their sum.",
+        "Where ours sits above its floor. The LM head (`scoring/logprobs.py`, `_ChunkedTokenLogps`) projects one chunk "
+        "of scored tokens at a time onto the vocabulary: its share of the peak is the (chunk, vocab) tensors below.",
         "",
     ]
-    for r in data["comparisons"]:
-        if r["max_length"] != 1024:
-            continue
+    for r in [r for r in data["comparisons"] if r["max_length"] == 1024]:
         vocab = QWEN2[r["model"]]["vocab_size"]
         head = sum(t["bytes"] for t in r["ours"]["top"] if t["shape"].endswith(f", {vocab})"))
         out += [
@@ -460,7 +422,7 @@ def render(data: dict) -> str:
             ),
             "",
         ]
-    out += section("## Levers (ours; the same kto-mix-like rows)", data, "levers")
+    out += ["## Levers (ours; the same kto-mix-like rows)", "", f"- date: {_when(data, 'levers')}", ""]
     out += table_head("| lever | model | max len | peak | breakdown | floor | peak / floor |")
     fsdp = []
     for r in data["levers"]:
@@ -469,37 +431,31 @@ def render(data: dict) -> str:
             out.append(f"{cells} failed: {r['failed']} | | | |")
             continue
         floor = sum(r["floor"].values())
-        out.append(
-            f"{cells} **{gib(peak(r, 'ours'))}** | {breakdown_text(r['ours'])} | {gib(floor)} "
-            f"| {peak(r, 'ours') / floor:.2f} |"
-        )
+        ratio = peak(r, "ours") / floor
+        out.append(f"{cells} **{gib(peak(r, 'ours'))}** | {breakdown_text(r['ours'])} | {gib(floor)} | {ratio:.2f} |")
         if r["label"].startswith("FSDP2"):
-            fsdp.append(peak(r, "ours") / floor)
+            fsdp.append(ratio)
     fsdp_ratios = f"{min(fsdp):.2f}-{max(fsdp):.2f}x" if fsdp else "(no FSDP2 row)"
     out += [
         "",
-        "Reading the levers. Rows whose peak is the fixed part come out below their floor (activations are freed as "
-        f"gradients arrive). FSDP2 rows sit at {fsdp_ratios} their floor (not attributed tensor by tensor): sharding "
-        "divides the fixed part by the world size, each device keeps its own batch's activations; CPU offload moves "
-        "shards, moments and gradients to the host. Autocast keeps no bf16 casts of the gathered weights "
-        "(`precision.autocast_forward`), and untied embeddings and LM head are FSDP units of their own "
-        "(`FSDP2.shard`). LoRA with dropout (train's default 0.05) keeps each adapted layer's dropped-out input for "
-        "the backward: more activations than full fine-tuning, fewer gradients and moments.",
+        "Peaks that are the fixed part fall below the floor (activations freed as gradients arrive). FSDP2 rows sit "
+        f"at {fsdp_ratios} their floor (not attributed by tensor): sharding divides the fixed part by the world size, "
+        "each device keeps its batch's activations, CPU offload moves shards, moments and gradients to the host; no "
+        "bf16 casts of gathered weights kept (`precision.autocast_forward`), untied embeddings and LM head are FSDP "
+        "units of their own (`FSDP2.shard`). LoRA with dropout (train's default 0.05) keeps each adapted layer's "
+        "dropped-out input: more activations than full fine-tuning, fewer gradients and moments.",
         "",
-        f"torchao's AdamW8bit under the simulation, this run: {data.get('torchao', 'not run')}. With torchao 0.18.0 "
-        "installed (2026-11-23, beside torch 2.13.0) its torch.compile'd step fails: Dynamo refuses to trace the "
-        "tracker (`Unsupported: Attempted to call function marked as skipped ... MemTracker.__torch_dispatch__`); "
-        "torchao is not a dependency (transformers imports it at start-up when present and warns in every process). "
-        "bitsandbytes 0.50.2 (CPU backend, not a dependency) runs: its optimizer is built outside the fake mode (its "
-        "quantization map is real).",
+        f"torchao's AdamW8bit under the simulation, this run: {data.get('torchao', 'not run')}. torchao 0.18.0 (tried "
+        "2026-11-23, torch 2.13.0): Dynamo refuses to trace the tracker in its compiled step (`Attempted to call "
+        "function marked as skipped ... MemTracker.__torch_dispatch__`); not a dependency (transformers warns in every "
+        "process when present). bitsandbytes 0.50.2 (CPU backend, not a dependency) runs, built outside the fake mode.",
         "",
     ]
-    out += section("## The simulation against a real CPU step (measured)", data, "cpu")
+    out += ["## The simulation against a real CPU step (measured)", "", f"- date: {_when(data, 'cpu')}", ""]
     out += [
-        "Float32, attention as the CPU runs it, the same 8 rows: the real step in a fresh process "
-        "(MALLOC_MMAP_THRESHOLD_=65536, one thread), its resident set's high water mark (VmHWM, reset before the "
-        'step) against the simulation. "step": what the step adds to what was resident before it (gradients, '
-        'activations, temporaries); "total": the peak above the process before the model existed.',
+        "Float32, CPU attention, the same 8 rows: the real step in a fresh process (MALLOC_MMAP_THRESHOLD_=65536, one "
+        "thread), its resident high water mark (VmHWM, reset before the step) against the simulation. step: what the "
+        "step adds to what was resident before it; total: the peak above the process before the model existed.",
         "",
         *table_head(
             "| model | tokens | step: real (MiB) | step: simulated | sim / real | total: real | total: simulated "
@@ -521,9 +477,8 @@ def render(data: dict) -> str:
         f"- date: accelerate's columns {data['date']}, estimate-memory's {_when(data, 'cli')}, the bench rows' "
         f"{_when(data, 'ours')}",
         "",
-        "`accelerate estimate-memory Qwen/Qwen2-7B --library_name transformers` fetches the config from the hub, "
-        "which this machine cannot reach; these are its own functions on the local config (see "
-        "`accelerate_estimate`). It counts weights, gradients and Adam only.",
+        "`accelerate estimate-memory Qwen/Qwen2-7B --library_name transformers` needs the hub (unreachable here): its "
+        "functions on the local config instead (`accelerate_estimate`); weights, gradients, Adam only.",
         "",
         *table_head(
             "| model | weights (float32) | accelerate: Adam, float32 | accelerate: Adam, float16 row "
@@ -546,34 +501,31 @@ def render(data: dict) -> str:
 def findings(data: dict) -> list[str]:
     """The headline, computed from the rows above (no number here is typed in)."""
     rows = data["comparisons"]
-    if not rows:
-        return []
     floors = [sum(r["floor"].values()) for r in rows]
     vs_online = [peak(r, "ours") / peak(r, "trl_online") for r in rows]
     vs_pre = [peak(r, "ours") / peak(r, "trl_precomputed") for r in rows]
     over_floor = [peak(r, "ours") / floor for r, floor in zip(rows, floors, strict=True)]
     model_err = [abs(peak(r, f"{k}_model") / peak(r, k) - 1) for k in ("trl_online", "trl_precomputed") for r in rows]
     out = [
-        f"**Headline.** Ours / trl online ranges from {min(vs_online):.2f} to {max(vs_online):.2f} over these rows, "
-        f"ours / trl precomputed from {min(vs_pre):.2f} to {max(vs_pre):.2f}: the peak is "
+        f"**Headline.** Ours / trl online: {min(vs_online):.2f} to {max(vs_online):.2f} over these rows, ours / trl "
+        f"precomputed: {min(vs_pre):.2f} to {max(vs_pre):.2f}; the peak is "
         + ("halved nowhere" if min(vs_online) > 0.5 else "halved in some rows")
-        + ". Full fine-tuning pays 16 bytes a parameter whatever the trainer (float32 weights, gradients, two AdamW "
-        "moments), and both tools pay it; what trl online adds is its reference model's float32 weights (4 bytes a "
-        "parameter, plus autocast's bf16 copies while it runs) and the activations of its padded, doubled prompts. "
-        f"Ours sits at {min(over_floor):.2f}-{max(over_floor):.2f}x its floor. The package's model of trl "
-        f"(`--against-trl`) is within {max(model_err) * 100:.1f}% of the real trl in every row.",
+        + ". Both tools pay full fine-tuning's 16 bytes a parameter (float32 weights, gradients, two AdamW moments); "
+        "trl online adds its reference model's float32 weights (4 bytes a parameter, plus autocast's bf16 copies "
+        f"while it runs) and the activations of its padded, doubled prompts. Ours sits at {min(over_floor):.2f}-"
+        f"{max(over_floor):.2f}x its floor; `--against-trl` is within {max(model_err) * 100:.1f}% of the real trl.",
         "",
     ]
     changes = [f"{gib(peak(r, 'ours_before'))} -> {gib(peak(r, 'ours'))}" for r in rows if "ours_before" in r]
     if changes:
         out += [
-            '**Ours against "ours before"** (`--redo ours`: the same rows, the package at the first run and at the '
-            "re-run; `scoring/logprobs.py`, `scoring/attention.py`): the LM head casts each chunk's bf16 logits into a "
-            "reused float32 buffer; a chunk is `CHUNK_LOGITS_BYTES` (128 MiB) of float32 logits (220 tokens of Qwen2's "
-            "vocabulary), not 1024 tokens; the head casts its weight to bf16 in its forward and again in its backward "
-            "instead of keeping a copy, and adds its weight gradient into float32 a vocabulary slice at a time; packed "
-            "forwards give sdpa an additive mask in the compute dtype for all layers, not a bool mask each layer "
-            f"converted and kept. Same values (the parity tests pass). GiB per row: {', '.join(changes)}.",
+            '**Ours against "ours before"** (`--redo ours`: same rows, the package at the first run and at the re-run; '
+            "`scoring/logprobs.py`, `scoring/attention.py`): the LM head casts each chunk's bf16 logits into a reused "
+            "float32 buffer; a chunk is `CHUNK_LOGITS_BYTES` (128 MiB) of float32 logits (220 tokens of Qwen2's "
+            "vocabulary), not 1024 tokens; the head casts its weight to bf16 in forward and backward, keeping no copy, "
+            "and adds its weight gradient into float32 a vocabulary slice at a time; packed forwards give sdpa one "
+            "additive mask in the compute dtype for all layers, not a bool mask per layer. Same values (parity tests "
+            f"pass). GiB per row: {', '.join(changes)}.",
             "",
         ]
     refs = [r["trl_online"]["breakdown"]["parameters"] - r["trl_precomputed"]["breakdown"]["parameters"] for r in rows]
@@ -624,12 +576,16 @@ def main() -> None:
         data["command"] += f"; python benchmarks/bench_memory.py --redo {args.redo}"
         data.setdefault("redone", {})[args.redo] = utc_stamp()
         partial.write_text(json.dumps(data))
-        args.render = True
-    if args.render:
+    if args.redo or args.render:
         Path(args.out).write_text(render(json.loads(partial.read_text())))
         return
     command = "python benchmarks/bench_memory.py" + (" --quick" if args.quick else "")
-    data = dict(command=command, date=utc_stamp()[:10], machine=machine(), versions=versions(*PACKAGES))
+    data = dict(
+        command=command,
+        date=utc_stamp()[:10],
+        machine=machine(),
+        versions=versions("transformers", "accelerate", "trl"),
+    )
     data |= dict(comparisons=[], levers=[], cpu_checks=[], accelerate={})
     names = ["qwen2-0.5b"] if args.quick else ["qwen2-0.5b", "qwen2-7b"]
     partial.parent.mkdir(parents=True, exist_ok=True)

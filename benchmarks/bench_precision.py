@@ -23,23 +23,19 @@ MODEL, DATA = "models/SmolLM2-135M-Instruct", "data/train.jsonl"  # --model, --d
 RESULTS = harness.HERE / "RESULTS-precision.md"
 SEED = TRL_RUN["seed"]  # train and trl (data order is sequential anyway)
 
-# (name, PrecomputeConfig precision settings, what it is)
-CACHES = (
+CACHES = (  # (name, PrecomputeConfig precision settings, what it is)
     ("float32", dict(dtype="float32", bf16=False), "float32 weights, no autocast"),
     ("autocast", dict(dtype="float32", bf16=True), "float32 weights under bf16 autocast"),
     ("bf16-weights", dict(dtype="bfloat16", bf16=False), "bf16 weights, no autocast"),
 )
 TRAIN_REGIMES = (("no-bf16", False), ("bf16", True))
-# trl runs: (worker name, bf16, use_cpu, precompute_ref_log_probs, datasets cache dir under work/hf-cache)
-TRL_RUNS = (
+TRL_RUNS = (  # (worker name, bf16, use_cpu, precompute_ref_log_probs, datasets cache dir under work/hf-cache)
     ("trl_float32_precomputed", False, False, True, "shared"),
     ("trl_float32_online", False, False, False, "trl_float32_online"),
-    # bf16=True as a GPU user writes it (transformers refuses it on a CPU unless use_cpu=True)
-    ("trl_bf16", True, False, True, "trl_bf16"),
+    ("trl_bf16", True, False, True, "trl_bf16"),  # as a GPU user writes it: transformers needs use_cpu on a CPU
     ("trl_bf16_precomputed", True, True, True, "trl_bf16_precomputed"),
     ("trl_bf16_online", True, True, False, "trl_bf16_online"),
-    # the datasets cache of trl_float32_precomputed: does trl reuse the float32 reference pass?
-    ("trl_bf16_after_float32", True, True, True, "shared"),
+    ("trl_bf16_after_float32", True, True, True, "shared"),  # does trl reuse the float32 reference pass?
 )
 # every worker's flags, with their defaults (the report's command names those that differ, and the paths given)
 DEFAULTS = dict(model=None, data=None, pairs=4, batch=4, max_length=192, beta=0.1)
@@ -65,12 +61,9 @@ def caches_worker(args: argparse.Namespace, out: Path) -> dict:
     result = {}
     for name, precision, _ in CACHES:
         paths = dict(model=args.model, dataset=str(args.work / "pairs.jsonl"), output=str(out / name))
-        path = precompute(PrecomputeConfig(**paths, max_length=args.max_length, overwrite=True, **precision))
-        manifest = read_manifest(path)
-        seconds, executed = manifest.timing["reference_pass_seconds"], manifest.timing.get("tokens_executed")
-        result[name] = dict(
-            path=str(path), precision=list(manifest.precision), seconds=seconds, tokens_executed=executed
-        )
+        config = PrecomputeConfig(**paths, max_length=args.max_length, overwrite=True, **precision)
+        manifest = read_manifest(precompute(config))
+        result[name] = dict(precision=list(manifest.precision), seconds=manifest.timing["reference_pass_seconds"])
     return result
 
 
@@ -88,12 +81,9 @@ def ours_train_worker(args: argparse.Namespace, out: Path, bf16: bool) -> dict:
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         step1 = next(r for r in records if r.get("step") == 1 and not any(k.startswith("eval_") for k in r))
         run_regime = Regime("float32", "bfloat16" if bf16 else None)
-        result[name] = dict(
-            step1={k: step1.get(k) for k in STEP1_KEYS},
-            precision=harness.trainer_state(run_dir).get("precision"),
-            warned=regime_mismatch(Regime(*read_manifest(cache).precision), run_regime) is not None,
-            step_seconds=res.step_seconds,
-        )
+        result[name] = dict(step1={k: step1.get(k) for k in STEP1_KEYS}, step_seconds=res.step_seconds)
+        result[name]["precision"] = harness.trainer_state(run_dir).get("precision")
+        result[name]["warned"] = regime_mismatch(Regime(*read_manifest(cache).precision), run_regime) is not None
         for weights in run_dir.glob("*.safetensors"):  # 0.5 GB each, and the weights did not move (lr 0)
             weights.unlink()
     return result
@@ -116,8 +106,7 @@ def trl_worker(args: argparse.Namespace, out: Path, bf16: bool, use_cpu: bool, p
         keys = token_keys(ds["prompt_ids"], ds["completion_ids"], args.max_length)
         refs = zip(keys, ds["ref_logps"], ds["ref_KL_logps"], strict=True)
         result["ref"] = [dict(key=key, ref_logp=r, ref_kl_logp=k) for key, r, k in refs]
-    if args.name == "trl_bf16_after_float32" and before > 0:
-        # it ran its own bf16 reference pass: its step 1 would be trl_bf16_precomputed's (an emulated-bf16 step saved)
+    if args.name == "trl_bf16_after_float32" and before > 0:  # its step 1 would be trl_bf16_precomputed's
         return dict(result, skipped=True)
     start = time.perf_counter()
     trainer.train()
@@ -133,10 +122,8 @@ def worker(args: argparse.Namespace) -> dict:
         return caches_worker(args, out)
     if args.name.startswith("ours_train_"):
         return ours_train_worker(args, out, bf16=args.name == "ours_train_bf16")
-    for name, bf16, use_cpu, precompute, _ in TRL_RUNS:
-        if args.name == name:
-            return trl_worker(args, out, bf16, use_cpu, precompute)
-    raise SystemExit(f"unknown worker {args.name}")
+    bf16, use_cpu, precompute, _ = {name: run for name, *run in TRL_RUNS}[args.name]
+    return trl_worker(args, out, bf16, use_cpu, precompute)
 
 
 def diff_stats(a: list[float], b: list[float]) -> dict:
@@ -185,7 +172,6 @@ def _g(x: float | None) -> str:
 
 
 def _rewards(step1: dict) -> list[str]:
-    """The rewards/chosen, rewards/rejected, rewards/margins (signed) and kl cells of a run's step 1."""
     signed = (step1[f"rewards/{k}"] for k in ("chosen", "rejected", "margins"))
     return [*("n/a" if x is None else f"{x:+.3g}" for x in signed), _g(step1["kl"])]
 
@@ -200,7 +186,6 @@ def train_runs(r: dict):
 
 
 def section(title: str, date: str, header: str, *text: str) -> list[str]:
-    """A report section's heading, date, `text` (paragraphs) and its table's header."""
     return ["", f"## {title}", "", f"- date: {date}", "", *(x for p in text for x in (p, "")), *table_head(header)]
 
 
@@ -212,21 +197,18 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
     date, reused = r.get("date") or utc_stamp(), r.get("trl_reused_from")
     command_ = f"`{command(args)}` (from the repository root, with the project's .venv)"
     head = harness.provenance(command_, seconds, "kto-pipeline", "trl", "transformers", "torch", date=date)
-    head[1] += (
-        f"; load average (1 min) {loads[0]:.2f} before the first worker, {loads[1]:.2f} at the end (the workers use "
-        f"{os.cpu_count()} threads: a higher load means shared cores, every time below slower than on an idle machine)"
-    )
+    head[1] += f"; load average (1 min) {loads[0]:.2f} before the first worker, {loads[1]:.2f} at the end (workers: "
+    head[1] += f"{os.cpu_count()} threads; a higher load means shared cores, every time below slower than when idle)"
     lines = [
         "# Precision regimes on SmolLM2-135M-Instruct",
         "",
         *head,
         f"- model: {_shown(args.model, MODEL, args.demo_dir)}",
         f"- data: the first {args.pairs} pairs of {_shown(args.data, DATA, args.demo_dir)} (the demo's HH-RLHF "
-        f"harmless-base single-turn pairs), each a desirable (chosen) and an undesirable (rejected) row: {n_rows} "
-        f"rows, {n_tokens} scored tokens (completions + KL completions); the demo's max_length {args.max_length}. Few "
-        "rows, as bf16 is emulated on this CPU (slow).",
-        f"- training: one step at learning rate 0, batch {args.batch} (the first {args.batch} rows), beta {args.beta}, "
-        f"seed {SEED}; step-1 metrics come before the optimizer step, so the learning rate does not enter them.",
+        f"harmless-base single-turn pairs, chosen desirable, rejected undesirable): {n_rows} rows, {n_tokens} scored "
+        f"tokens (completions + KL completions), max_length {args.max_length}; few: bf16 is emulated on this CPU.",
+        f"- training: one step at learning rate 0 (step-1 metrics come before the optimizer step), batch {args.batch} "
+        f"(the first {args.batch} rows), beta {args.beta}, seed {SEED}.",
         *section(
             "(a) bf16 caches against the float32 cache",
             date,
@@ -246,9 +228,9 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
         lines.append(md_row(labels[name], *cells[:2], share, *cells[2:], f"{r['caches'][name]['seconds']:.1f}"))
     lines += [
         "",
-        f"- diffs over the {n_rows} rows (sequence sums) or {n_tokens} tokens (per token), the same token ids in both "
-        f"caches (checked); the float32 cache's reference pass took {r['caches']['float32']['seconds']:.1f} s. At beta "
-        f"{args.beta} a sequence log-prob diff d moves that row's reward by beta x d.",
+        f"- diffs over {n_rows} rows (sequence sums) or {n_tokens} tokens, same token ids in both caches (checked); "
+        f"float32 reference pass {r['caches']['float32']['seconds']:.1f} s. A log-prob diff d moves a row's reward by "
+        f"beta x d (beta {args.beta}).",
         *section(
             "(b) kto-pipeline: step-1 rewards and KL of each cache x train regime",
             date,
@@ -261,15 +243,12 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
         cells = [what, f"`train --{regime_name}` ({run['precision']})", yes[match], yes[run["warned"]]]
         cells += [*_rewards(run["step1"]), f"{run['step1']['logps/chosen']:.7g}", f"{run['step_seconds'][0]:.0f}"]
         lines.append(md_row(*cells))
-    reuse = (
-        f" Its runs are reused from the run of {reused} (`--reuse-trl`: same trl, settings, rows)." if reused else ""
-    )
+    reuse = f" Runs reused from {reused} (`--reuse-trl`: same trl, settings, rows)." if reused else ""
     lines += [
         "",
-        "- rewards/chosen, rewards/rejected: the batch's mean over its desirable / undesirable rows of beta x "
-        "(policy - cached reference log-prob); at step 1 the policy is the reference, so only rounding differs.",
-        "- kl: KTO's reference point z0 = max(0, the batch's mean (policy - reference) log-prob of the KL "
-        "completions), not times beta (a negative mean shows as 0, as in trl).",
+        "- rewards/chosen, rewards/rejected: the batch's mean over its desirable / undesirable rows of beta x (policy "
+        "- cached reference log-prob); at step 1 the policy is the reference: only rounding differs. kl: KTO's z0 = "
+        "max(0, the batch's mean (policy - reference) log-prob of the KL completions), not times beta (as in trl).",
         "- policy logps/chosen: the policy's mean sequence log-prob of the desirable rows (its regime shows here); "
         "train warned: `train` printed its regime-mismatch warning.",
         *section(
@@ -305,27 +284,20 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
     if (d := vs.get("trl_bf16_precomputed")) is not None:
         ref, kl, ours = d["ref_logp"], d["ref_kl_logp"], stats["autocast"]["ref_logp"]
         lines.append(
-            f"- trl's bf16 reference pass (float32 weights under bf16 autocast) against its float32 one, over "
-            f"{ref['n']} rows: ref_logps max abs diff {_g(ref['max'])}, mean {_g(ref['mean'])}; ref_KL_logps max "
-            f"{_g(kl['max'])}, mean {_g(kl['mean'])} (kto-pipeline's autocast cache in (a): max {_g(ours['max'])}, "
-            f"mean {_g(ours['mean'])})."
+            f"- trl's bf16 reference pass (float32 weights under bf16 autocast) vs its float32 one, {ref['n']} rows: "
+            f"ref_logps max abs diff {_g(ref['max'])}, mean {_g(ref['mean'])}; ref_KL_logps max {_g(kl['max'])}, mean "
+            f"{_g(kl['mean'])} (kto-pipeline's autocast cache in (a): max {_g(ours['max'])}, mean {_g(ours['mean'])})."
         )
     if (s := r["trl_ref_stats"].get("trl_float32_vs_ours")) is not None:
-        lines.append(
-            f"- sanity: trl's float32 reference log-probs against kto-pipeline's float32 cache: {s['matched']} of "
-            f"{s['rows']} rows have the same token ids, max abs diff {_g(s.get('max'))}."
-        )
+        same = f"{s['matched']} of {s['rows']} rows have the same token ids, max abs diff {_g(s.get('max'))}"
+        lines.append(f"- sanity: trl's float32 reference log-probs against kto-pipeline's float32 cache: {same}.")
     if (forwards := r["trl"].get("trl_bf16_after_float32", {}).get("reference_forwards_before_training")) is not None:
-        found = (
-            "no reference forward: it silently reused the float32 reference log-probs for a bf16 policy (its step 1 "
-            "is the mismatched combination: float32 cache, bf16 training)"
-            if forwards == 0
-            else f"{forwards} reference forwards: it did not reuse the float32 pass"
-        )
+        found = f"{forwards} reference forwards: it did not reuse the float32 pass"
+        if forwards == 0:
+            found = "no reference forward: it silently reused the float32 log-probs (float32 cache, bf16 training)"
         lines.append(
-            "- trl_bf16_after_float32: a bf16 run on the float32 precomputed run's datasets cache (trl keys the "
-            f"reference pass by the dataset's fingerprint, the weights' hash and whether KL is computed); trl ran "
-            f"{found}."
+            "- trl_bf16_after_float32: a bf16 run on trl_float32_precomputed's datasets cache (trl keys the reference "
+            f"pass by the dataset's fingerprint, the weights' hash and whether KL is computed); trl ran {found}."
         )
     processes = [
         f"{name} " + (f"{x['process_seconds']:.0f}" if "process_seconds" in x else "(failed)")
@@ -378,14 +350,13 @@ def parse_args() -> argparse.Namespace:
     parser = harness.script_parser(
         __doc__, str(WORK_DIR / "precision"), results="Markdown file to write", default=str(RESULTS)
     )
-    d = DEFAULTS
     parser.add_argument("--demo-dir", type=Path, default=DEMO, help=f"the demo's workdir (default {DEMO})")
     parser.add_argument("--model", help=f"Hugging Face model directory (or hub id; default DEMO_DIR/{MODEL})")
     parser.add_argument("--data", help=f"paired conversational rows (.jsonl; default DEMO_DIR/{DATA})")
-    parser.add_argument("--pairs", type=int, default=d["pairs"], help="use the first PAIRS pairs (2 rows each)")
-    parser.add_argument("--batch", type=int, default=d["batch"], help="per-device train batch of every training run")
-    parser.add_argument("--max-length", type=int, default=d["max_length"], help="the demo's max length")
-    parser.add_argument("--beta", type=float, default=d["beta"])
+    parser.add_argument("--pairs", type=int, default=DEFAULTS["pairs"], help="use the first PAIRS pairs (2 rows each)")
+    parser.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="per-device batch of every training run")
+    parser.add_argument("--max-length", type=int, default=DEFAULTS["max_length"], help="the demo's max length")
+    parser.add_argument("--beta", type=float, default=DEFAULTS["beta"])
     parser.add_argument("--no-trl", action="store_true", help="skip (c), the trl runs")
     parser.add_argument("--reuse-trl", action="store_true", help="(c) from the last run's WORK/results.json")
     parser.add_argument("--render-only", action="store_true", help="rewrite --results from WORK/results.json")
@@ -406,9 +377,8 @@ def command(args: argparse.Namespace) -> str:
 
 def _shown(path: str, default: str, demo: Path) -> str:
     """A path of the report without the machine's directories: its place in the demo's workdir, else its name."""
-    if Path(path) == Path(demo) / default:
-        return f"`{default}` of the demo's workdir (`--demo-dir`)"
-    return f"`{Path(path).name}`"
+    in_demo = Path(path) == Path(demo) / default
+    return f"`{default}` of the demo's workdir (`--demo-dir`)" if in_demo else f"`{Path(path).name}`"
 
 
 def main() -> None:
@@ -439,8 +409,7 @@ def main() -> None:
     r["caches"] = r["processes"]["caches"] = run("caches")
     from kto_pipeline.cache import open_cache
 
-    tables = {name: open_cache(work / "runs" / "caches" / name).table for name, _, _ in CACHES}
-    r["cache_rows"] = {name: {c: t.column(c).to_pylist() for c in t.schema.names} for name, t in tables.items()}
+    r["cache_rows"] = {name: open_cache(work / "runs" / "caches" / name).table.to_pydict() for name, _, _ in CACHES}
     r["cache_stats"] = compare_caches(r["cache_rows"])
     print("(b) one step at learning rate 0 of each cache, train --no-bf16 and --bf16 ...", flush=True)
     for regime_name, _ in TRAIN_REGIMES:
