@@ -1,14 +1,15 @@
 """Ops dispatched per optimizer step, kto-pipeline against trl.KTOTrainer with precomputed reference log-probs.
 
     python benchmarks/profile_step.py            # writes its section of RESULTS.md (part of `make bench`)
-    python benchmarks/profile_step.py --quick    # fewer steps, printed only: checks the code path
+    python benchmarks/profile_step.py --quick    # batches of 4 and 8 rows, printed only: checks the code path
 
 On an accelerator every op the host dispatches is at least one kernel launch, so a step's op count bounds how
 fast a small step can go, whatever the GPU. Each measurement runs in a fresh process (`profile_step.py worker
 NAME`): a 2-step and a 6-step training call in the same process under torch.profiler, every event counted (aten
 ops, autograd nodes, ranges); their difference over 4 steps is one steady step, without loading, set-up, the
-reference pass and the first steps. Data: the first 96 rows of `bench_scale.row_stream`; model: the tiny Llama of
-`kto_pipeline.demo.tiny` (2 layers, hidden 64); max_length 128; float32; batch 8 and 64 rows.
+reference pass and the first steps. Data: the first 96 rows of `bench_scale.row_stream`, prompts cut at 60
+characters and completions at 50; model: the tiny Llama of `kto_pipeline.demo.tiny` (2 layers, hidden 64);
+max_length 128; float32; batch 8 and 64 rows.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from itertools import islice
 from pathlib import Path
 
 import harness
@@ -23,11 +25,13 @@ from bench_scale import row_stream
 
 HEADING = "## Ops per optimizer step: what the host dispatches"
 ROWS, MAX_LENGTH, STEPS = 96, 128, (2, 6)
-# (worker name part, label): trl.KTOTrainer precomputed; ours as the CPU runs it, and with one attention call a layer
+# worker name part: (label, ours' --attention-kernel, --torch-compile); trl.KTOTrainer precomputed, ours as the CPU
+# runs it, and with one attention call a layer (the accelerator path's launches), eager and compiled
 VARIANTS = {
-    "trl": "trl.KTOTrainer, precomputed",
-    "ours-auto": "kto-pipeline, CPU default (attention by tree)",
-    "ours-dense": "kto-pipeline, `--attention-kernel dense`",
+    "trl": ("trl.KTOTrainer, precomputed", None, False),
+    "ours-auto": ("kto-pipeline, CPU default (attention by tree)", "auto", False),
+    "ours-dense": ("kto-pipeline, `--attention-kernel dense`", "dense", False),
+    "ours-compiled": ("kto-pipeline, `--attention-kernel dense --torch-compile`", "dense", True),
 }
 
 
@@ -39,7 +43,8 @@ def assets(work: Path) -> tuple[Path, Path]:
         tok = build_char_tokenizer()
         build_tiny_model(tok).save_pretrained(model)
         tok.save_pretrained(model)
-    rows = [row for _, row in zip(range(ROWS), row_stream(), strict=False)]
+    # short rows (the character tokenizer: a token a character), so that every row fits max_length
+    rows = [dict(r, prompt=r["prompt"][:60], completion=r["completion"][:50]) for r in islice(row_stream(), ROWS)]
     return model, harness.write_jsonl(work / "data.jsonl", rows)
 
 
@@ -62,11 +67,12 @@ def training(variant: str, batch: int, work: Path):
     cache = work / "cache"
     if not (cache / "manifest.json").exists():
         precompute(PrecomputeConfig(model=str(model), dataset=str(data), output=str(cache), max_length=MAX_LENGTH))
-    kernel = variant.split("-")[1]
+    _, kernel, compiled = VARIANTS[variant]
 
     def run(steps: int) -> None:
         with tempfile.TemporaryDirectory() as out:
             settings = dict(batch=batch, steps=steps, learning_rate=1e-5, attention_kernel=kernel, save_steps=0)
+            settings["torch_compile"] = compiled
             train(harness.ours_train_config(cache, Path(out), **settings))
 
     return run
@@ -109,7 +115,7 @@ def render(measured: dict, batches: tuple[int, ...], seconds: float, quick: bool
             f"{batches[-1]} rows / {batches[0]} |"
         ),
     ]
-    for variant, label in VARIANTS.items():
+    for variant, (label, _, _) in VARIANTS.items():
         runs = [measured[f"ops_{variant}_{b}"] for b in batches]
         cells = [
             f"{r['ops']:,.0f} ({r['aten']:,.0f}) | {r['ops'] / trl[b]:.2f}x | {r['seconds']:.3f}"
