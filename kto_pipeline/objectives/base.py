@@ -129,13 +129,21 @@ def share_of_loss(accelerator, losses, real):
     return (losses * real).sum() * accelerator.num_processes / accelerator.gather(real.sum().reshape(1)).sum()
 
 
-def step_totals(accelerator, sums: dict[str, Any], local: dict[str, Any] | None = None) -> dict[str, float]:
-    """A step's metrics in one collective and one copy to the host: each tensor of `sums` summed (float32) over its
-    elements and over every process, and each scalar of `local` as this process has it."""
+def masked_sums(values: list, masks: list):
+    """(len(values), len(masks)) float32: each of `values`' sums over each boolean mask's elements, all at once (no
+    boolean indexing: on an accelerator, indexing by a mask waits for the device to count it)."""
     import torch
 
-    parts = torch.stack([x.detach().float().sum() for x in sums.values()])
-    values = accelerator.gather(parts.reshape(1, -1)).sum(0)
+    v = torch.stack([x.detach().float() for x in values])[:, None, :]
+    return torch.where(torch.stack(masks)[None], v, 0.0).sum(-1)
+
+
+def step_totals(accelerator, names: list[str], sums, local: dict[str, Any]) -> dict[str, float]:
+    """A step's metrics in one collective and one copy to the host: `sums` (one value per name, float32) summed over
+    every process, and each scalar of `local` as this process has it."""
+    import torch
+
+    values = accelerator.gather(sums.reshape(1, -1)).sum(0)
     if local:
         values = torch.cat([values, torch.stack([x.detach().float().reshape(()) for x in local.values()])])
-    return dict(zip([*sums, *(local or {})], values.tolist(), strict=True))
+    return dict(zip([*names, *local], values.tolist(), strict=True))

@@ -18,7 +18,7 @@ from typing import Any
 
 from kto_pipeline.errors import check_option
 from kto_pipeline.markdown import code, num, paper_link
-from kto_pipeline.objectives.base import Objective, StepOut, share_of_loss, step_totals
+from kto_pipeline.objectives.base import Objective, StepOut, masked_sums, share_of_loss, step_totals
 
 KTO_PAPER = {
     "title": "KTO: Model Alignment as Prospect Theoretic Optimization",
@@ -127,23 +127,26 @@ class KTO(Objective):
             rejected, token_rejected = ~labels & kept, ~token_labels & kept[scores.sequence]
         else:
             rejected, token_rejected = ~labels, ~token_labels
-        mean_logits, logps = scores.mean_logits.detach(), out.logps.detach()
-        entropy = scores.entropy if real is None else scores.entropy[real.bool()[scores.sequence]]
-        sums = {"loss": out.loss, "entropy": entropy, "entropy_tokens": entropy.new_tensor(entropy.numel())}
-        for name, sel, tokens in (("chosen", labels, token_labels), ("rejected", rejected, token_rejected)):
-            sums |= {name: sel, f"rewards/{name}": out.rewards[sel], f"logps/{name}": logps[sel]}
-            sums |= {f"tokens/{name}": tokens, f"logits/{name}": mean_logits[tokens]}
-        t = step_totals(accelerator, sums, local={"kl": out.kl})
+        import torch
+
+        kept_tokens = torch.ones_like(token_labels) if real is None else real.bool()[scores.sequence]
+        rows = masked_sums([torch.ones_like(out.rewards), out.rewards, out.logps], [labels, rejected])
+        tokens = [torch.ones_like(scores.entropy), scores.mean_logits, scores.entropy]
+        tokens = masked_sums(tokens, [token_labels, token_rejected, kept_tokens])
+        names = [f"{v}/{k}" for v in ("n", "rewards", "logps") for k in ("chosen", "rejected")]
+        names += [f"{v}/{k}" for v in ("tokens", "logits", "entropy") for k in ("chosen", "rejected", "all")]
+        sums = torch.cat([rows.flatten(), tokens.flatten(), out.loss.detach().float().reshape(1)])
+        t = step_totals(accelerator, [*names, "loss"], sums, local={"kl": out.kl})
         metrics = {"loss": t["loss"] / accelerator.num_processes, "kl": t["kl"]}
         for name in ("chosen", "rejected"):
-            if t[name] > 0:
-                metrics[f"rewards/{name}"] = t[f"rewards/{name}"] / t[name]
-                metrics[f"logps/{name}"] = t[f"logps/{name}"] / t[name]
+            if t[f"n/{name}"] > 0:
+                metrics[f"rewards/{name}"] = t[f"rewards/{name}"] / t[f"n/{name}"]
+                metrics[f"logps/{name}"] = t[f"logps/{name}"] / t[f"n/{name}"]
                 if t[f"tokens/{name}"] > 0:
                     metrics[f"logits/{name}"] = t[f"logits/{name}"] / t[f"tokens/{name}"]
-        if t["chosen"] > 0 and t["rejected"] > 0:
+        if t["n/chosen"] > 0 and t["n/rejected"] > 0:
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
-        metrics["entropy"] = t["entropy"] / max(t["entropy_tokens"], 1)
+        metrics["entropy"] = t["entropy/all"] / max(t["tokens/all"], 1)
         return metrics
 
     def evaluate(self, accelerator, scorer, loader, config) -> dict[str, float]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError, check_option
 from kto_pipeline.markdown import code, num, paper_link
-from kto_pipeline.objectives.base import Objective, StepOut, share_of_loss, step_totals
+from kto_pipeline.objectives.base import Objective, StepOut, masked_sums, share_of_loss, step_totals
 
 # trl.DPOTrainer's (1.16) names, and what each is called where it was published
 PAIR_LOSS_NAMES = {
@@ -207,15 +207,16 @@ class Pairs(Objective):
         chosen_tokens = tokens & (scores.sequence % 2 == 0)
         rejected_tokens = tokens & (scores.sequence % 2 == 1)
 
-        margins, logps, mean_logits = chosen_rewards - rejected_rewards, out.logps.detach(), scores.mean_logits.detach()
-        sums = {"loss": out.loss, "pairs": kept, "rewards/chosen": chosen_rewards[kept]}
-        sums |= {"rewards/rejected": rejected_rewards[kept], "rewards/accuracies": (margins > 0)[kept]}
-        sums |= {"rewards/margins": margins[kept], "logps/chosen": logps[0::2][kept]}
-        sums |= {"logps/rejected": logps[1::2][kept]}
-        for name, sel in (("chosen", chosen_tokens), ("rejected", rejected_tokens)):
-            sums |= {f"tokens/{name}": sel, f"logits/{name}": mean_logits[sel]}
-        sums |= {"tokens": tokens, "entropy": scores.entropy[tokens]}
-        t = step_totals(accelerator, sums)
+        margins, logps = chosen_rewards - rejected_rewards, out.logps
+        pairs = [torch.ones_like(margins), chosen_rewards, rejected_rewards, margins > 0, margins, logps[0::2]]
+        pairs = masked_sums([*pairs, logps[1::2]], [kept])
+        per_token = [torch.ones_like(scores.entropy), scores.mean_logits, scores.entropy]
+        per_token = masked_sums(per_token, [chosen_tokens, rejected_tokens, tokens])
+        names = ["pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"]
+        names += ["logps/chosen", "logps/rejected"]
+        names += [f"{v}/{k}" for v in ("tokens", "logits", "entropy") for k in ("chosen", "rejected", "all")]
+        sums = torch.cat([pairs.flatten(), per_token.flatten(), out.loss.detach().float().reshape(1)])
+        t = step_totals(accelerator, [*names, "loss"], sums, local={})
         metrics = {"loss": t["loss"] / accelerator.num_processes}
         for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
             metrics[name] = t[name] / t["pairs"]
@@ -223,7 +224,7 @@ class Pairs(Objective):
         for name in ("chosen", "rejected"):
             n_tok = t[f"tokens/{name}"]
             metrics[f"logits/{name}"] = t[f"logits/{name}"] / n_tok if n_tok > 0 else 0.0
-        metrics["entropy"] = t["entropy"] / t["tokens"] if t["tokens"] > 0 else 0.0
+        metrics["entropy"] = t["entropy/all"] / t["tokens/all"] if t["tokens/all"] > 0 else 0.0
         return metrics
 
     def evaluate(self, accelerator, scorer, loader, config) -> dict[str, float]:
