@@ -5,12 +5,10 @@
     python benchmarks/bench_loading.py --engine deepspeed    # DeepSpeed ZeRO-3; writes its own section
     python benchmarks/bench_loading.py --quick               # the tiny model for the big one: checks the code path
 
-Precompute and train in 2 CPU processes on gloo, on a random-weight Qwen2 (about 440M parameters, 1.7 GB in float32
-safetensors) and on a tiny one (the baseline: Python, torch, transformers, the process group, DeepSpeed). Each run
-records every process's peak `RssAnon` (sampled every 10 ms; memory-mapped weights are shared page cache and do not
-count) in the manifest and trainer_state.json. Goal, for a process that does not read the weights: its peak through
-loading (`loaded_host_private_mib`) at most its shard + the largest tensor (received whole, then cut; under
-zero.Init the largest module gathered whole) + the baseline, within 20%.
+Precompute and train in 2 CPU processes (gloo) on a random-weight Qwen2 (about 440M parameters, 1.7 GB float32) and
+on a tiny one (the baseline); each run records every process's peak `RssAnon` (sampled every 10 ms; mmapped weights
+are shared page cache, not counted). Goal, for a process that does not read the weights: its peak through loading at
+most its shard + the largest tensor (received whole; under zero.Init the largest module) + the baseline, within 20%.
 """
 
 from __future__ import annotations
@@ -31,20 +29,15 @@ DEEPSPEED_CONFIG = harness.HERE.parent / "configs" / "accelerate" / "deepspeed_z
 MIB = 1 << 20
 # about 440M parameters: hidden 1024, 24 layers, a 32,000-token vocabulary (tied)
 BIG = dict(hidden=1024, layers=24, heads=16, kv_heads=16, intermediate=4096, vocab=32000, max_position_embeddings=2048)
-PRESETS = {
-    "big": dict(BIG, tie_word_embeddings=True, rope_theta=1e6),
-    "tiny": dict(harness.TINY, tie_word_embeddings=True),
-}
+PRESETS = {"big": dict(BIG, rope_theta=1e6), "tiny": harness.TINY}  # main adds tie_word_embeddings=True
 FSDP_ENV = dict(ACCELERATE_USE_CPU="1", ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_RESHARD_AFTER_FORWARD="true")
-# glibc keeps the heap memory of the forwards' freed all-gathered layers (MiBs each): measured, the reference pass's
-# peak on the non-reading process grew by about the whole model (2755 against 1533 MiB). A fixed mmap threshold
-# returns each freed buffer to the system, as a GPU's caching allocator does for device memory.
+# glibc keeps the heap of the forwards' freed all-gathered layers (measured: the non-reading process's reference pass
+# peaked at 2755 MiB, not 1533); a fixed mmap threshold returns each freed buffer, as a GPU's caching allocator does.
 FSDP_ENV |= harness.LAUNCH_ENV | {"MALLOC_MMAP_THRESHOLD_": "131072"}
 # DeepSpeed runs on its own CPU accelerator (accelerate's CPU mode would drop it); the rest as FSDP2's
 DEEPSPEED_ENV = {k: v for k, v in FSDP_ENV.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
 GOAL = 1.2  # measured peak / bound
-# Training's state beyond the weights' shard, in shards: (allocated when the engine is prepared, alive at the
-# optimizer step); STATE says what (DeepSpeed 0.19's, as benchmarks/checks/deepspeed_step_memory.py reads it)
+# training's state beyond the shard, in shards (engine prepared, optimizer step); STATE says what (DeepSpeed 0.19)
 TRAIN_STATE = {"fsdp2": (0, 3), "deepspeed": (2, 5)}
 LAUNCHES = {
     "fsdp2": "torchrun, 2 CPU processes (gloo), FSDP2 as configs/accelerate/fsdp.yaml exports it",
@@ -72,8 +65,7 @@ def weights(model_dir: Path) -> dict[str, float]:
 
 
 def measure(work: Path, model: Path, data: Path, engine: str, one_reader: bool) -> dict[str, list[dict]]:
-    """Both stages, from scratch, the weights read by the main process only (`one_reader`) or by every process:
-    each process's peaks (the manifest's, trainer_state.json's)."""
+    """Each process's peaks in both stages, from scratch, the weights read by the main process only or by all."""
     tag = f"{engine}-{model.name}-{'main-reads' if one_reader else 'all-read'}"
     flag = str(one_reader).lower()
     if engine == "fsdp2":
@@ -94,9 +86,8 @@ def measure(work: Path, model: Path, data: Path, engine: str, one_reader: bool) 
             proc = subprocess.run(cmd, env=harness.launch_env(env), stdout=out, stderr=subprocess.STDOUT)
         if proc.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
-    manifest = json.loads((cache / "manifest.json").read_text())
-    state = json.loads((run / "trainer_state.json").read_text())
-    return {"precompute": manifest["timing"]["peak_memory"], "train": state["peak_memory"]}
+    pre_peaks = json.loads((cache / "manifest.json").read_text())["timing"]["peak_memory"]
+    return {"precompute": pre_peaks, "train": json.loads((run / "trainer_state.json").read_text())["peak_memory"]}
 
 
 def render(measured: dict, sizes: dict, args, seconds: float) -> str:
@@ -106,13 +97,11 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
         HEADINGS[args.engine],
         "",
         *harness.provenance(f"`python benchmarks/bench_loading.py{options}`", seconds),
-        f"- model: Qwen2 architecture, random weights, {sizes['parameters'] / 1e6:.0f}M parameters, "
-        f"{sizes['total_mib']:.0f} MiB in float32 (safetensors); its largest tensor {largest:.0f} MiB; one "
-        f"process's shard {shard:.0f} MiB",
-        f"- launch: {LAUNCHES[args.engine]}, MALLOC_MMAP_THRESHOLD_=131072 (glibc returns freed buffers; see the "
-        "script); precompute of 16 rows, then train 1 step (batch 2 x 2 processes, AdamW)",
-        "- figure: each process's peak private memory (RssAnon, MiB) as the run recorded it, through loading and "
-        "the whole stage; baselines: the same launch on a tiny model (2 layers, hidden 64)",
+        f"- model: a random-weight Qwen2, {sizes['parameters'] / 1e6:.0f}M parameters, {sizes['total_mib']:.0f} MiB "
+        f"in float32 (safetensors); its largest tensor {largest:.0f} MiB; one process's shard {shard:.0f} MiB",
+        f"- launch: {LAUNCHES[args.engine]}, MALLOC_MMAP_THRESHOLD_=131072 (glibc returns freed buffers); precompute "
+        "of 16 rows, then train 1 step (batch 2 x 2 processes, AdamW). Figure: each process's peak private memory "
+        "(RssAnon, MiB) through loading and the stage; baseline: a tiny model (2 layers, hidden 64), same launch",
         "",
         *harness.table_head(
             "| stage | weights read by | process | loading: baseline (MiB) | loaded (MiB) | bound (MiB) | "
@@ -137,31 +126,26 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
     upfront = TRAIN_STATE[args.engine][0]
     lines += [
         "",
-        "loaded: the peak until the model was loaded and placed by the engine (read, then sharded or partitioned), "
-        "before any batch; bound = the baseline then + the shard + the largest tensor"
-        f"{f' (+ {upfront} x the shard in training)' if upfront else ''}. The goal is for loading, on a process that "
-        "does not read the weights. stage peak: the whole stage's; bound = the stage's baseline + the shard + the "
-        f"largest tensor (+ {STATE[args.engine]}); what a stage adds beyond that (a pass's gathered layers and "
-        "activations) is read below the table.",
+        "loaded: the peak until the engine had loaded and placed the model (read, then sharded or partitioned), "
+        "before any batch; bound = that baseline + the shard + the largest "
+        f"tensor{f' (+ {upfront} x the shard in training)' if upfront else ''}; the goal is for a process not reading "
+        "the weights. peak: the stage's; bound = its baseline + the shard + the largest tensor (+ "
+        f"{STATE[args.engine]}); what a pass adds beyond (gathered layers, activations) is read below the table.",
     ]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    parser = harness.script_parser(
-        __doc__, results="file to write the section into", default=str(harness.HERE / "RESULTS.md")
-    )
+    parser = harness.script_parser(__doc__, results="file to update", default=str(harness.HERE / "RESULTS.md"))
     parser.add_argument("--quick", action="store_true", help="the tiny model in place of the big one")
-    parser.add_argument(
-        "--engine", choices=sorted(HEADINGS), default="fsdp2", help="FSDP2 (torchrun) or DeepSpeed ZeRO-3"
-    )
+    parser.add_argument("--engine", choices=sorted(HEADINGS), default="fsdp2", help="FSDP2 or DeepSpeed ZeRO-3")
     args = parser.parse_args()
     work = Path(args.work) / "loading"
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     models = {name: work / f"model-{name}" for name in ("big", "tiny")}
     for name, path in models.items():
-        harness.random_qwen2(path, PRESETS["tiny" if args.quick else name])
+        harness.random_qwen2(path, dict(PRESETS["tiny" if args.quick else name], tie_word_embeddings=True))
     rows = [
         {"prompt": f"Question {i}: what is {i} + {i}?", "completion": f" It is {2 * i}.", "label": bool(i % 2)}
         for i in range(16)

@@ -1,13 +1,11 @@
 """Preprocessing rows/s and peak RSS at 20,000 / 200,000 / 1,000,000 short unpaired rows, kto-pipeline against
-trl.KTOTrainer 1.16 with 1 and 2 processes (`python benchmarks/bench.py --only scale`, part of `make bench`), and
-`precompute --append` of 1% new rows next to the full precompute of a 200,000-row cache (`--only append`). Each
-measurement runs in a fresh process (`bench.py worker scale_<tool>_<num_proc>` or `append_<form>_<rows>`) with its
-own, empty HF_DATASETS_CACHE; the sections say what each one times and checks.
+trl.KTOTrainer 1.16 with 1 and 2 processes (`bench.py --only scale`), and `precompute --append` of 1% new rows to a
+200,000-row cache against its full precompute (`--only append`). Each run: a fresh process (`bench.py worker
+scale_<tool>_<num_proc>` or `append_<form>_<rows>`) with its own, empty HF_DATASETS_CACHE.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -99,19 +97,14 @@ def row_stream(seed: int = 0):
         yield {"prompt": prompt, "completion": completion, "label": rng.random() < 0.55}
 
 
-def _write_rows(path: Path, start: int, stop: int) -> Path:
-    """Rows `start` .. `stop - 1` of `row_stream` as .jsonl, written once and kept between runs."""
+def data_file(work: Path, stop: int, start: int = 0) -> Path:
+    """Rows `start` .. `stop - 1` of `row_stream` as .jsonl in `work`, written once and kept between runs."""
+    path = work / f"data-v{DATA_VERSION}-{f'{start}-new{stop - start}' if start else stop}.jsonl"
     if not path.exists():
         print(f"writing {path.name} ...", flush=True)
         part = path.with_name(path.name + ".part")
         harness.write_jsonl(part, islice(row_stream(), start, stop), ensure_ascii=False).replace(path)
     return path
-
-
-def write_data(work: Path, sizes: tuple[int, ...]) -> dict[int, Path]:
-    """data-N.jsonl for each size: the first N rows of the stream."""
-    work.mkdir(parents=True, exist_ok=True)
-    return {n: _write_rows(work / f"data-v{DATA_VERSION}-{n}.jsonl", 0, n) for n in sizes}
 
 
 def build_model(work: Path, tokenizer: str) -> Path:
@@ -144,9 +137,6 @@ def _peaks() -> dict:
     return {"peak_rss_mib": harness.peak_rss_mib(), "children_peak_rss_mib": harness.children_peak_rss_mib()}
 
 
-# ------------------------------------------------------------------------------------------ scale
-
-
 def scale_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> dict:
     """One measurement (scale_<tool>_<num_proc or default>) in this fresh process."""
     import datasets  # noqa: F401
@@ -172,9 +162,8 @@ def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict
     start = time.perf_counter()
     source_rows = len(load_source(str(data)))
     load_seconds = time.perf_counter() - start
-    config = PrecomputeConfig(
-        model=str(model), dataset=str(data), output=str(out), max_length=size["max_length"], num_proc=num_proc
-    )
+    paths = dict(model=str(model), dataset=str(data), output=str(out))
+    config = PrecomputeConfig(**paths, max_length=size["max_length"], num_proc=num_proc)
     start = time.perf_counter()
     prepared = prepare_rows(config, tokenizer)  # load, check, tokenize, select, pair: all of it, as precompute
     seconds = time.perf_counter() - start
@@ -185,8 +174,7 @@ def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict
     first = np.arange(min(CHECK_ROWS, len(rows)))
     first_rows = {col: rows.take(first, col) for col in ("prompt_ids", "completion_ids")}
     run = dict(tool="ours", num_proc=num_proc, source_rows=source_rows, kept_rows=len(rows), load_seconds=load_seconds)
-    run |= dict(seconds=seconds, tokenize_seconds=prepared.tokenize_seconds, kl_partners=len(prepared.partners))
-    return dict(run, first_rows=first_rows, **peaks)
+    return dict(run, seconds=seconds, tokenize_seconds=prepared.tokenize_seconds, first_rows=first_rows, **peaks)
 
 
 def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -204,9 +192,7 @@ def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -
     dataset = load_dataset("json", data_files=str(data), split="train")
     load_seconds = time.perf_counter() - start
     timed: dict = {}
-    harness.time_calls(
-        KTOTrainer, "_prepare_dataset", lambda seconds, *a, **kw: timed.update(seconds=seconds, **_peaks())
-    )
+    harness.time_calls(KTOTrainer, "_prepare_dataset", lambda s, *a, **kw: timed.update(seconds=s, **_peaks()))
     constructor: dict = {}  # KTOTrainer.__init__ alone (its KTOConfig is built before it)
     harness.time_calls(KTOTrainer, "__init__", lambda seconds, *args, **kwargs: constructor.update(seconds=seconds))
     run = dict(tokenizer=tokenizer, batch=size["batch"], max_length=size["max_length"], dataset_num_proc=num_proc)
@@ -214,8 +200,7 @@ def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -
     first = ds.select(range(min(CHECK_ROWS, len(ds))))
     run = dict(tool="trl", num_proc=num_proc, source_rows=len(dataset), kept_rows=len(ds), load_seconds=load_seconds)
     run |= dict(model_seconds=model_seconds, model_rss_mib=model_rss, init_seconds=constructor["seconds"], **timed)
-    first_rows = {col: [list(x) for x in first[col]] for col in ("prompt_ids", "completion_ids")}
-    return dict(run, end_peak_rss_mib=_peaks()["peak_rss_mib"], first_rows=first_rows)
+    return dict(run, first_rows={col: [list(x) for x in first[col]] for col in ("prompt_ids", "completion_ids")})
 
 
 def check_tokens(results: dict[str, dict], rows: int) -> None:
@@ -230,10 +215,8 @@ def check_tokens(results: dict[str, dict], rows: int) -> None:
             a, b = [list(x) for x in ref[col]], [list(x) for x in got[col]]
             if a != b:
                 i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-                raise SystemExit(
-                    f"{rows} rows: {col} of {name} ({len(b)} rows) differ from {ref_name}'s ({len(a)}) at row {i}: "
-                    "not reporting speed"
-                )
+                where = f"{col} of {name} ({len(b)} rows) differ from {ref_name}'s ({len(a)}) at row {i}"
+                raise SystemExit(f"{rows} rows: {where}: not reporting speed")
     n = len(ref["prompt_ids"])
     print(f"  token ids agree on the first {n} rows across {', '.join(named)} ({ref_kept} rows kept)", flush=True)
 
@@ -248,14 +231,13 @@ def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int,
     size = _sized(harness.SCALE_SIZES[size_name], "rows", rows, tokenizer)
     started = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
-    model, data = build_model(work, size["tokenizer"]), write_data(work, size["rows"])
-    measured: dict[int, dict[str, dict]] = {}
-    skipped: dict[int, dict[str, str]] = {}
+    model = build_model(work, size["tokenizer"])
+    measured: dict[int, dict[str, dict]] = {n: {} for n in size["rows"]}
+    skipped: dict[int, dict[str, str]] = {n: {} for n in size["rows"]}
     for n in size["rows"]:
         print(f"{n:,} rows ({size['tokenizer']} tokenizer):", flush=True)
-        size_dir = work / f"rows{n}"
+        data, size_dir = data_file(work, n), work / f"rows{n}"
         shutil.rmtree(size_dir, ignore_errors=True)
-        measured[n], skipped[n] = {}, {}
         for tool, num_proc in RUNS:
             name = worker_name(tool, num_proc)
             below = [m for m in measured if m < n and name in measured[m]]  # at its rate at the size below
@@ -264,13 +246,12 @@ def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int,
                 skipped[n][name] = f"skipped: {estimate:.0f} s expected (> {TRL_SKIP_SECONDS} s)"
                 print(f"  {name:<24} {skipped[n][name]}", flush=True)
                 continue
-            flags = ["--size", size_name, "--case", "scale", "--model", str(model), "--data", str(data[n])]
+            flags = ["--size", size_name, "--case", "scale", "--model", str(model), "--data", str(data)]
             measured[n][name] = own_cache_worker(name, size_dir, size_dir / f"hf-datasets-cache-{name}", flags)
         check_tokens(measured[n], n)
         shutil.rmtree(size_dir, ignore_errors=True)
-    harness.publish(
-        render_scale(measured, skipped, size, size_name, time.perf_counter() - started), results, SCALE_HEADING
-    )
+    seconds = time.perf_counter() - started
+    harness.publish(render_scale(measured, skipped, size, size_name, seconds), results, SCALE_HEADING)
 
 
 def _speedup(runs: dict[str, dict], tool: str, num_proc: int | None) -> str:
@@ -302,12 +283,9 @@ def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str],
                 table.append(harness.md_row(*head, skipped[n].get(name, "not run"), "-", "-", "-", "-"))
                 continue
             r = runs[name]
-            rate, peaks = f"{r['source_rows'] / r['seconds']:,.0f}", (r["peak_rss_mib"], r["children_peak_rss_mib"])
-            table.append(
-                harness.md_row(
-                    *head, f"{r['seconds']:.2f}", rate, *(f"{x:.0f}" for x in peaks), _speedup(runs, tool, num_proc)
-                )
-            )
+            cells = (f"{r['seconds']:.2f}", f"{r['source_rows'] / r['seconds']:,.0f}", f"{r['peak_rss_mib']:.0f}")
+            cells += (f"{r['children_peak_rss_mib']:.0f}", _speedup(runs, tool, num_proc))
+            table.append(harness.md_row(*head, *cells))
             trl_cells = (f"{r['init_seconds']:.2f}", f"{r['model_seconds']:.2f}") if tool == "trl" else ("-", "-")
             rss = (f"{r['baseline_rss_mib']:.0f}", f"{r['peak_rss_mib'] - r['baseline_rss_mib']:.0f}")
             details.append(harness.md_row(*head, f"{r['load_seconds']:.2f}", *trl_cells, *rss))
@@ -356,24 +334,21 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
         SCALE_HEADING,
         "",
         *harness.provenance(command, seconds, "kto-pipeline", "trl", "datasets", "transformers", "tokenizers", "torch"),
-        "- data: the first N rows of `bench_scale.row_stream` as .jsonl (short unpaired rows: prompts of 10-30 words, "
-        "completions of 5-20, punctuation, numbers, line breaks, about 1.5% non-ASCII words); tokenizer: "
-        f"{TOKENIZERS[size['tokenizer']]}, both tools; max_length {size['max_length']} (no row dropped)",
-        "- each measurement: a fresh process, its own empty HF_DATASETS_CACHE. Preprocessing timed: **kto-pipeline**'s "
-        "`prepare_rows`, what `precompute` runs before loading the model (load_source of the Arrow file already built, "
-        "check_source, content_hash, preprocess = a batched datasets.map into the tokenized Arrow file, select_rows, "
-        "assign_kl_partners); **trl**'s `KTOTrainer._prepare_dataset` as `__init__` calls it (EOS map, tokenize map, "
-        f"max_length filter, KL map with batch_size=per_device_train_batch_size ({size['batch']}), label count), each "
-        "with `num_proc=args.dataset_num_proc`. num_proc None and kto-pipeline's `--num-proc 1` map in-process, "
-        "trl's 1 in a pool of one process. Timed apart: the JSON -> Arrow load (`datasets.load_dataset('json')`, "
-        "both alike), the rest of trl's constructor, the tiny Llama policy trl needs (loaded first: in its parent "
-        f"RSS, {model_rss:.0f} MiB at most).",
-        "- rows/s = source rows / preprocessing seconds. peak RSS (parent): the worker's ru_maxrss (trl: as "
-        "`_prepare_dataset` returns); (children): RUSAGE_CHILDREN's, the largest ended child (the map's pool or its "
-        "manager; forked, so pages shared with the worker count in both), 0 if none.",
-        f"- checked before writing: at each size all runs kept the same rows and identical prompt_ids and "
-        f"completion_ids for the first {CHECK_ROWS} rows. trl is skipped where its rate at the size below predicts "
-        f"more than {TRL_SKIP_SECONDS} s.",
+        "- data: the first N rows of `bench_scale.row_stream` as .jsonl (prompts of 10-30 words, completions of 5-20, "
+        "punctuation, numbers, line breaks, about 1.5% non-ASCII words); tokenizer, both tools: "
+        f"{TOKENIZERS[size['tokenizer']]}; max_length {size['max_length']} (no row dropped)",
+        "- each run: a fresh process, its own empty HF_DATASETS_CACHE. Timed: **kto-pipeline**'s `prepare_rows`, "
+        "what `precompute` runs before loading the model (load_source of the Arrow file already built, check_source, "
+        "content_hash, preprocess = a batched datasets.map, select_rows, assign_kl_partners); **trl**'s "
+        "`KTOTrainer._prepare_dataset` as `__init__` calls it (EOS map, tokenize map, max_length filter, KL map "
+        f"(batch_size {size['batch']}), label count; num_proc=dataset_num_proc). num_proc None and kto-pipeline's 1 "
+        "map in-process, trl's 1 in a pool of one. Apart: the JSON -> Arrow load (`load_dataset('json')`, both), "
+        f"trl's constructor, its tiny Llama policy (loaded first, in its parent RSS: {model_rss:.0f} MiB at most).",
+        "- rows/s = source rows / seconds. peak RSS (parent): ru_maxrss (trl: as `_prepare_dataset` returns); "
+        "(children): RUSAGE_CHILDREN's, the largest ended child (the map's pool or manager; forked, so shared pages "
+        f"count in both), 0 if none. Checked first: at each size all runs kept the same rows and the same prompt_ids "
+        f"and completion_ids for the first {CHECK_ROWS} rows. trl is skipped where its rate at the size below "
+        f"predicts over {TRL_SKIP_SECONDS} s.",
         "",
         *table,
         "",
@@ -386,12 +361,9 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------- append
-
 APPEND_HEADING = "## Append: `precompute --append` of 1% new rows to a 200,000-row cache"
-# torch's threads in every run, full pass and appends alike (OMP_NUM_THREADS; None: one per core). With 2 threads on
-# a 2-core machine shared with another torch process, each parallel region stalls at its barrier (measured 2026-11-24:
-# the tiny model's reference pass fell from 111 rows/s to 7.5; 51 rows/s with 1 thread): noise, not the append's cost.
+# torch's threads in every run (OMP_NUM_THREADS; None: one per core). 2 threads on 2 cores shared with another torch
+# process stall at each barrier (2026-11-24: the tiny reference pass fell from 111 rows/s to 7.5; 51 with 1 thread).
 APPEND_THREADS = 1
 APPEND_FORMS = {"full": "full precompute", "log": "append, grown log", "new": "append, new rows only"}
 APPEND_GOAL = 0.02  # appending 1% new rows costs at most 2% of a full pass, plus a fixed overhead
@@ -411,9 +383,10 @@ BUCKETS = {
 }
 
 
-def _time_phases(module, names) -> list[dict]:
-    """Wrap the functions `names` of `module`: each call's seconds, exclusive seconds and rows."""
-    calls: list[dict] = []
+def _time_phases(module, names) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """Wrap the functions `names` of `module`: (their exclusive seconds, the rows of each call that loads or maps)."""
+    exclusive: dict[str, float] = {}
+    rows: dict[str, list[int]] = {"load_source": [], "preprocess": [], "content_keys": []}
     stack: list[float] = []
 
     def wrap(name, original):
@@ -427,18 +400,18 @@ def _time_phases(module, names) -> list[dict]:
                 inner = stack.pop()
                 if stack:
                     stack[-1] += seconds
-                calls.append({"name": name, "seconds": seconds, "exclusive": seconds - inner})
+                exclusive[name] = exclusive.get(name, 0.0) + (seconds - inner)
             if name in ("preprocess", "content_keys") and args:
-                calls[-1]["rows"] = len(args[0])
+                rows[name].append(len(args[0]))
             elif name == "load_source":
-                calls[-1]["rows"] = len(out)
+                rows[name].append(len(out))
             return out
 
         return timed
 
     for name in names:
         setattr(module, name, wrap(name, getattr(module, name)))
-    return calls
+    return exclusive, rows
 
 
 def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -455,11 +428,10 @@ def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> 
     from kto_pipeline.cache import read_manifest
 
     imports_seconds = time.perf_counter() - started
-    baseline = harness.rss_mib()
     _, form, _ = name.split("_")
     if form not in APPEND_FORMS:
         raise SystemExit(f"unknown worker {name}")
-    calls = _time_phases(stage, PHASES)
+    exclusive, rows = _time_phases(stage, PHASES)
     argv = ["kto-pipeline", "precompute", "--model", str(model), "--dataset", str(data), "--output", str(out)]
     sys.argv = argv = argv + ["--max-length", str(size["max_length"])] + (["--append"] if form != "full" else [])
     start = time.perf_counter()
@@ -471,20 +443,12 @@ def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> 
     cli_seconds = time.perf_counter() - start
     usage, peaks = resource.getrusage(resource.RUSAGE_SELF), _peaks()
     manifest = read_manifest(out)
-    segment = manifest["segments"][-1]
-    exclusive: dict[str, float] = {}
-    for call in calls:
-        exclusive[call["name"]] = exclusive.get(call["name"], 0.0) + call["exclusive"]
-    tokenized = [c["rows"] for c in calls if c["name"] == "preprocess"]
-    run = dict(form=form, argv=argv, imports_seconds=imports_seconds, cli_seconds=cli_seconds, phases=exclusive)
-    inclusive = {c["name"]: c["seconds"] for c in calls}
-    run |= dict(cpu_seconds=usage.ru_utime + usage.ru_stime, calls=inclusive)
-    run |= dict(source_rows=next((c["rows"] for c in calls if c["name"] == "load_source"), None))
-    run |= dict(keyed_rows=sum(c["rows"] for c in calls if c["name"] == "content_keys"))
-    run |= dict(tokenized_rows=sum(tokenized), tokenize_calls=len(tokenized), cache_rows=manifest.counts["rows"])
-    keys = ("index", "rows", "normalized_rows", "matched_rows", "timing", "shards")
-    run |= dict(segment={k: segment[k] for k in keys}, segments=len(manifest["segments"]), baseline_rss_mib=baseline)
-    return dict(run, threads=torch.get_num_threads(), pid=os.getpid(), **peaks)
+    segment = {k: manifest["segments"][-1][k] for k in ("index", "rows", "matched_rows", "timing", "shards")}
+    run = dict(form=form, imports_seconds=imports_seconds, cli_seconds=cli_seconds, phases=exclusive, segment=segment)
+    run |= dict(cpu_seconds=usage.ru_utime + usage.ru_stime, segments=len(manifest["segments"]))
+    run |= dict(source_rows=next(iter(rows["load_source"]), None), keyed_rows=sum(rows["content_keys"]))
+    run |= dict(tokenized_rows=sum(rows["preprocess"]), tokenize_calls=len(rows["preprocess"]))
+    return dict(run, cache_rows=manifest.counts["rows"], threads=torch.get_num_threads(), **peaks)
 
 
 def _file_hashes(cache: Path) -> dict[str, str]:
@@ -495,7 +459,7 @@ def _file_hashes(cache: Path) -> dict[str, str]:
     return {f"{p.parent.name}/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
 
 
-def check_append(full: dict, r: dict, base: dict[str, str], cache: Path, cache_rows: int, new: int) -> dict:
+def check_append(r: dict, base: dict[str, str], cache: Path, cache_rows: int, new: int) -> dict:
     """What an append must have done (the benchmark stops otherwise); returns what was checked."""
     import subprocess
 
@@ -528,18 +492,9 @@ def check_append(full: dict, r: dict, base: dict[str, str], cache: Path, cache_r
         problems.append(f"kto-pipeline inspect --verify: {last}")
     if problems:
         raise SystemExit(f"{name}: " + "; ".join(problems) + ": not reporting numbers")
-    print(
-        f"  {name}: tokenized and scored {new} rows, {len(base)} files of the cache unchanged, inspect --verify OK "
-        f"({verify_seconds:.1f} s)",
-        flush=True,
-    )
-    return {
-        "unchanged_files": len(base),
-        "new_files": {f: after[f] for f in added},
-        "verify_seconds": verify_seconds,
-        "tokens_per_row": t["tokens_scored"] / max(t["rows_scored"], 1),
-        "full_tokens_per_row": full["segment"]["timing"]["tokens_scored"] / full["segment"]["timing"]["rows_scored"],
-    }
+    done = f"tokenized and scored {new} rows, {len(base)} files of the cache unchanged, inspect --verify OK"
+    print(f"  {name}: {done} ({verify_seconds:.1f} s)", flush=True)
+    return {"unchanged_files": len(base), "new_files": {f: after[f] for f in added}}
 
 
 def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[int, ...] | None, tokenizer: str | None):
@@ -551,18 +506,14 @@ def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[i
     started = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     model = build_model(work, size["tokenizer"])
-    data = write_data(work, tuple(sorted({n for c in size["caches"] for n in (c, c + new)})))
     runs = work / "runs"
     shutil.rmtree(runs, ignore_errors=True)
     threads = {"OMP_NUM_THREADS": str(APPEND_THREADS), "MKL_NUM_THREADS": str(APPEND_THREADS)} if APPEND_THREADS else {}
-    measured: dict[int, dict[str, dict]] = {}
-    checks: dict[int, dict[str, dict]] = {}
+    measured: dict[int, dict[str, dict]] = {n: {} for n in size["caches"]}
+    checks: dict[int, dict[str, dict]] = {n: {} for n in size["caches"]}
     for n in size["caches"]:
         print(f"{n:,}-row cache, {new:,} new rows ({size['tokenizer']} tokenizer):", flush=True)
-        new_rows = _write_rows(work / f"data-v{DATA_VERSION}-{n}-new{new}.jsonl", n, n + new)
-        sources = {"full": data[n], "log": data[n + new], "new": new_rows}
-        measured[n], checks[n] = {}, {}
-        base: dict[str, str] = {}
+        sources = {"full": data_file(work, n), "log": data_file(work, n + new), "new": data_file(work, n + new, n)}
         for form in APPEND_FORMS:
             name = f"append_{form}_{n}"
             if form != "full":  # a copy of the full precompute's cache, appended to
@@ -575,7 +526,7 @@ def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[i
             if form == "full":
                 base = _file_hashes(runs / name)
             else:
-                checks[n][form] = check_append(measured[n]["full"], r, base, runs / name, n, new)
+                checks[n][form] = check_append(r, base, runs / name, n, new)
         log_files, new_files = checks[n]["log"]["new_files"], checks[n]["new"]["new_files"]
         if log_files != new_files:
             raise SystemExit(f"{n:,} rows: the two appends wrote different files: {log_files} vs {new_files}")
@@ -583,7 +534,6 @@ def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[i
         for form in ("log", "new"):
             shutil.rmtree(runs / f"append_{form}_{n}", ignore_errors=True)
     seconds = time.perf_counter() - started
-    (runs / "measured.json").write_text(json.dumps({"measured": measured, "checks": checks, "size": size}))
     harness.publish(render_append(measured, checks, size, size_name, seconds), results, APPEND_HEADING)
 
 
@@ -610,8 +560,7 @@ def _append_tables(measured: dict, size: dict) -> tuple[list[str], list[str], li
     for n in size["caches"]:
         full = measured[n]["full"]
         for form, label in APPEND_FORMS.items():
-            r = measured[n][form]
-            t = r["segment"]["timing"]
+            r, t = measured[n][form], measured[n][form]["segment"]["timing"]
             ratio = "-" if form == "full" else f"{r['process_seconds'] / full['process_seconds']:.2%}"
             counts = (f"{x:,}" for x in (r["source_rows"], r["tokenized_rows"], t["rows_scored"], t["tokens_scored"]))
             times = (r["process_seconds"], t["wall_seconds"], t["preprocess_seconds"], t["reference_pass_seconds"])
@@ -646,11 +595,11 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
             f"append {total / full_s:.2%})"
         )
         cost.append((goal, what, variable <= budget))
+        per_row, full_per_row = (x["tokens_scored"] / max(x["rows_scored"], 1) for x in (t, ft))
         what = (
             f"tokenized {r['tokenized_rows']:,}, scored {t['rows_scored']:,} rows ({t['tokens_scored']:,} tokens, "
-            f"{c['tokens_per_row']:.1f} a row; the full pass {c['full_tokens_per_row']:.1f}); hashed (content keys, no "
-            f"tokenizer) {r['keyed_rows']:,}; {c['unchanged_files']} files of the cache unchanged (sha256); inspect "
-            "--verify OK"
+            f"{per_row:.1f} a row; the full pass {full_per_row:.1f}); hashed (content keys, no tokenizer) "
+            f"{r['keyed_rows']:,}; {c['unchanged_files']} files of the cache unchanged (sha256); inspect --verify OK"
         )
         only_new.append((f"{label}: only the new rows are tokenized and scored", what, "yes"))
         peak = r["peak_rss_mib"]
@@ -666,10 +615,8 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
             what = f"{a['peak_rss_mib']:.0f} -> {peak:.0f} MiB ({growth:+.0f})"
             flat.append((goal, what, growth <= FLAT_MIB))
             a_fixed = sum(append_buckets(a)[k] for k in ("start", "fixed"))
-            fixed_notes.append(
-                f"- fixed overhead X of the {label}: {small:,}-row cache {a_fixed:.1f} s, "
-                f"{n:,}-row cache {fixed:.1f} s."
-            )
+            both = f"{small:,}-row cache {a_fixed:.1f} s, {n:,}-row cache {fixed:.1f} s"
+            fixed_notes.append(f"- fixed overhead X of the {label}: {both}.")
         rate, full_rate = (x["rows_scored"] / x["reference_pass_seconds"] for x in (t, ft))
         rate_notes.append(
             f"- {label}: its new-row part ({b['rows']:.1f} s: tokenize {p.get('preprocess', 0):.2f} s, score "
@@ -698,39 +645,36 @@ def render_append(measured: dict, checks: dict, size: dict, size_name: str, seco
     tokens, tiny = t["tokens_scored"], t["tokens_scored"] / t["reference_pass_seconds"]
     loads = ", ".join(f"{r['load_before']:.1f}/{r['load_after']:.1f}" for m in measured.values() for r in m.values())
     threads = max(r["threads"] for m in measured.values() for r in m.values())
-    head = harness.provenance(f"`python benchmarks/bench.py --size {size_name} --only append`", seconds)
+    command = f"`python benchmarks/bench.py --size {size_name} --only append`"
+    head = harness.provenance(command, seconds, "kto-pipeline", "datasets", "transformers", "tokenizers", "torch")
     head[2] += (
-        f"; 1-minute load average before / after each run: {loads} (each run keeps {threads} torch thread(s) busy: "
-        f"more means a shared machine; OMP_NUM_THREADS={APPEND_THREADS} in every run, see `APPEND_THREADS`)"
+        f"; 1-minute load average before / after each run: {loads} (a run keeps {threads} torch thread(s) busy, "
+        f"OMP_NUM_THREADS={APPEND_THREADS}: more load means a shared machine)"
     )
     lines = [
         APPEND_HEADING,
         "",
         *head,
-        f"- versions: {harness.versions('kto-pipeline', 'datasets', 'transformers', 'tokenizers', 'torch')}, "
-        f"Python {sys.version.split()[0]}",
-        f"- data: `bench_scale.row_stream`'s rows: the cache = the first N; the grown log = the first N + {new:,}; the "
-        f"new rows = rows N .. N + {new - 1:,} alone. Tokenizer: {TOKENIZERS[size['tokenizer']]}; reference: the tiny "
-        "random Llama of `build_model` over it (hidden 64, 2 layers; mostly its 49152-way output layer), float32, the "
+        f"- data: `bench_scale.row_stream`: the cache = the first N rows; the grown log = the first N + {new:,}; the "
+        f"new rows = rows N .. N + {new - 1:,}. Tokenizer: {TOKENIZERS[size['tokenizer']]}; reference: "
+        "`build_model`'s tiny random Llama (hidden 64, 2 layers; mostly its 49152-way output layer), float32, the "
         f"CLI's defaults otherwise (max_length {size['max_length']}, --num-proc 1, batch 16 sequences / 16384 tokens, "
-        f"shards of 2048 rows). SmolLM2-135M scored {SMOLLM2_TOKENS_PER_S} tokens/s on this CPU with 2 threads (the "
-        f"real-model section, 2026-11-24): the full pass's {tokens:,} tokens would take it about "
-        f"{tokens / SMOLLM2_TOKENS_PER_S / 3600:.1f} hours; the tiny model scored {tiny:,.0f} tokens/s here with 1 "
-        f"thread ({tiny / SMOLLM2_TOKENS_PER_S:.0f}x faster). With the real model both reference passes would grow by "
-        "that much, and an append's fixed and dataset costs (model-independent but for its load) weigh that much less.",
-        "- each run: `kto-pipeline precompute [--append]` through the CLI's entry point in a fresh process (`bench.py "
-        "worker append_<full|log|new>_N`), its own empty HF_DATASETS_CACHE; each append into a copy of the full "
-        "pass's cache. process s: start to exit, from outside; manifest: the segment's `timing` (wall from the "
-        "stage's setup, no imports); CPU s: user + system; peak RSS: ru_maxrss.",
-        "- split: stage functions wrapped and timed (exclusive, `PHASES`); 'process start, imports, exit' = process s "
-        "- the CLI call; 'fixed' = setup, open_base, held_keys + match_keys (a few bytes a cached row), "
-        "load_reference, plan_output, finish, the stage's own (lock); 'dataset' = load_source, check_source, "
-        "content_hash, content_keys, open_keys; 'new rows' = preprocess (tokenize), select_rows, KL partners, "
-        "score_shards; 'other' = prepare_rows' and the CLI's own (selecting the new rows, opening the tokenized "
-        "file), counted against the 2%, not as fixed.",
-        f"- checked before writing: each append tokenized exactly {new:,} rows in one map, scored {new:,}, recorded "
-        "them as segment 1; every shard and keys file of the cache kept its sha256; `kto-pipeline inspect CACHE "
-        "--verify` passed; the two appends wrote the same new shards and keys file, byte for byte.",
+        f"shards of 2048 rows). SmolLM2-135M scored {SMOLLM2_TOKENS_PER_S} tokens/s on this CPU with 2 threads "
+        f"(real-model section, 2026-11-24): {tokens / SMOLLM2_TOKENS_PER_S / 3600:.1f} hours for the full pass's "
+        f"{tokens:,} tokens; the tiny model {tiny:,.0f} tokens/s with 1 thread ({tiny / SMOLLM2_TOKENS_PER_S:.0f}x "
+        "faster): with the real model both reference passes grow that much, and an append's fixed and dataset costs "
+        "(model-independent but the load) weigh that much less.",
+        "- each run (`bench.py worker append_<full|log|new>_N`): `kto-pipeline precompute [--append]` in a fresh "
+        "process, its own empty HF_DATASETS_CACHE; appends into copies of the full pass's cache. process s: start to "
+        "exit; manifest: the segment's `timing` (from setup); CPU s: user + system; peak RSS: ru_maxrss.",
+        "- split (`PHASES`, exclusive seconds): 'process start, ...' = process s - the CLI call; 'fixed' = setup, "
+        "open_base, held_keys + match_keys (a few bytes a cached row), load_reference, plan_output, finish, the "
+        "stage's own (lock); 'dataset' = load_source, check_source, content_hash, content_keys, open_keys; 'new rows' "
+        "= preprocess, select_rows, KL partners, score_shards; 'other' = prepare_rows' and the CLI's own (selecting "
+        "the new rows, opening the tokenized file), counted against the 2%, not as fixed.",
+        f"- checked first: each append tokenized exactly {new:,} rows in one map, scored {new:,}, recorded them as "
+        "segment 1; every shard and keys file of the cache kept its sha256; `kto-pipeline inspect CACHE --verify` "
+        "passed; the two appends wrote the same new files, byte for byte.",
         "",
         *runs,
         "",
