@@ -79,7 +79,7 @@ def training(variant: str, batch: int, work: Path):
 
 
 def worker(name: str, work: Path, steps: tuple[int, int] = STEPS) -> dict:
-    """`ops_<variant>_<rows>`: ops and wall seconds per steady step (a `steps[1]`-step minus a `steps[0]`-step call)."""
+    """`ops_<variant>_<rows>`: ops per steady step (a `steps[1]`-step minus a `steps[0]`-step call)."""
     from torch.profiler import ProfilerActivity, profile
 
     _, variant, batch = name.split("_")
@@ -88,15 +88,12 @@ def worker(name: str, work: Path, steps: tuple[int, int] = STEPS) -> dict:
     counted = []
     for count in steps:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
             run(count)
-            seconds = time.perf_counter() - start
         events = prof.key_averages()
-        aten = sum(e.count for e in events if e.key.startswith("aten::"))
-        counted.append((sum(e.count for e in events), aten, seconds))
+        counted.append((sum(e.count for e in events), sum(e.count for e in events if e.key.startswith("aten::"))))
+    (ops_few, aten_few), (ops_many, aten_many) = counted
     n = steps[1] - steps[0]
-    (ops2, aten2, s2), (ops6, aten6, s6) = counted
-    return dict(ops=(ops6 - ops2) / n, aten=(aten6 - aten2) / n, seconds=(s6 - s2) / n)
+    return dict(ops=(ops_many - ops_few) / n, aten=(aten_many - aten_few) / n)
 
 
 def render(measured: dict, batches: tuple[int, ...], seconds: float, quick: bool) -> str:
@@ -107,19 +104,17 @@ def render(measured: dict, batches: tuple[int, ...], seconds: float, quick: bool
         *harness.provenance(f"`python benchmarks/profile_step.py{' --quick' if quick else ''}`", seconds, "trl"),
         f"- each cell: a {STEPS[1]}-step minus a {STEPS[0]}-step training call in one fresh process under "
         "torch.profiler, per step: every profiler event (aten ops, autograd nodes, ranges; aten ops alone in "
-        f"brackets). Tiny Llama, {ROWS} short unpaired rows, max_length {MAX_LENGTH}, float32, sequential batches. "
-        "Wall time under the profiler, which slows small ops most.",
+        f"brackets). Tiny Llama, {ROWS} short unpaired rows, max_length {MAX_LENGTH}, float32, sequential batches.",
         "",
         *harness.table_head(
-            "| tool | " + " | ".join(f"ops per step, {b} rows | vs trl | s per step" for b in batches) + " | "
+            "| tool | " + " | ".join(f"ops per step, {b} rows | vs trl" for b in batches) + " | "
             f"{batches[-1]} rows / {batches[0]} |"
         ),
     ]
     for variant, (label, _, _) in VARIANTS.items():
         runs = [measured[f"ops_{variant}_{b}"] for b in batches]
         cells = [
-            f"{r['ops']:,.0f} ({r['aten']:,.0f}) | {r['ops'] / trl[b]:.2f}x | {r['seconds']:.3f}"
-            for r, b in zip(runs, batches, strict=True)
+            f"{r['ops']:,.0f} ({r['aten']:,.0f}) | {r['ops'] / trl[b]:.2f}x" for r, b in zip(runs, batches, strict=True)
         ]
         lines.append(harness.md_row(label, *cells, f"{runs[-1]['ops'] / runs[0]['ops']:.2f}x"))
     return "\n".join([*lines, ""])
