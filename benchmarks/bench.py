@@ -7,10 +7,9 @@
     python benchmarks/bench.py --only scale    # preprocessing at 20k / 200k / 1M rows (bench_scale.py), its section
     python benchmarks/bench.py --only append   # precompute --append of 1% new rows to a 200k-row cache (bench_scale.py)
 
-Every measurement runs in a fresh subprocess (`bench.py worker NAME`), so each one's peak RSS is its own. Both tools
-run in float32 with gradient checkpointing off (trl 1.16 defaults to bf16=True and gradient_checkpointing=True even
-on CPU), the same global batch, sequential data order and max_length. The two tools' reference log-probs are
-compared row by row before any speed is reported.
+Every measurement runs in a fresh subprocess (`bench.py worker NAME`), its peak RSS its own. Both tools run in
+float32 with gradient checkpointing off (trl 1.16 defaults to bf16 and gradient checkpointing, even on CPU), the same
+global batch, sequential order, max_length; no speed is reported unless their reference log-probs agree row by row.
 """
 
 from __future__ import annotations
@@ -55,21 +54,10 @@ def build_assets(work: Path, size: dict) -> None:
         harness.write_jsonl(data, [dict(row, label=i % 2 == 0) for i, row in enumerate(rows)])
 
 
-def build_smollm2_assets(work: Path, size: dict) -> tuple[Path, Path]:
-    """(SmolLM2-135M-Instruct's directory, the first `pairs` single-turn HH-RLHF pairs as unpaired rows: chosen
-    desirable, then rejected undesirable, written out so that both tools read the same rows in the same order)."""
-    rows = harness.unpaired_rows(harness.hh_rlhf_pairs(work / "pairs.jsonl", size["pairs"], size["max_turns"]))
-    return harness.smollm2_dir(), harness.write_jsonl(work / "data.jsonl", rows, ensure_ascii=False)
-
-
 def trl_settings(size: dict, steps: int = 1, beta: float = 0.1) -> dict:
     """harness.trl_trainer's settings for this benchmark's trl runs: float32, `steps` steps, `beta`."""
     run = dict(batch=size["batch"], max_length=size["max_length"], precompute_ref_batch_size=size["batch"])
     return dict(run, max_steps=steps, beta=beta, learning_rate=LEARNING_RATE, **harness.TRL_RUN)
-
-
-# Each worker measures one thing in this fresh process: (name, work, size, out, model, data) -> its numbers, `model`
-# and `data` being the case's model directory and dataset file.
 
 
 def ours_precompute_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -126,24 +114,21 @@ def trl_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, 
     harness.time_calls(KTOTrainer, "_precompute_ref_logps", lambda seconds, *args, **kwargs: passes.append(seconds))
     start = time.perf_counter()
     for beta in SWEEP_BETAS:
-        settings = trl_settings(size, size["sweep_steps"], beta)
-        harness.trl_trainer(
-            model, data, out / f"beta{beta}", precompute=name.endswith("precomputed"), **settings
-        ).train()
+        settings = dict(trl_settings(size, size["sweep_steps"], beta), precompute=name.endswith("precomputed"))
+        harness.trl_trainer(model, data, out / f"beta{beta}", **settings).train()
     seconds = time.perf_counter() - start
     return dict(seconds=seconds, reference_passes=len(passes), reference_pass_seconds=[round(p, 2) for p in passes])
 
 
-WORKERS = dict(
-    ours_precompute=ours_precompute_worker, trl_precompute=trl_precompute_worker, ours_sweep=ours_sweep_worker
-)
+WORKERS = dict(ours_precompute=ours_precompute_worker, trl_precompute=trl_precompute_worker)
 WORKERS |= dict.fromkeys(("ours_train", "ours_train_lora"), ours_train_worker)
 WORKERS |= dict.fromkeys(("trl_train_online", "trl_train_precomputed", "trl_train_lora"), trl_train_worker)
-WORKERS |= dict.fromkeys(("trl_sweep_online", "trl_sweep_precomputed"), trl_sweep_worker)
+WORKERS |= dict(ours_sweep=ours_sweep_worker, trl_sweep_online=trl_sweep_worker, trl_sweep_precomputed=trl_sweep_worker)
 
 
 def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = None, data: Path | None = None) -> dict:
-    """One measurement (harness.measured); `model` and `data` default to build_assets' in `work`."""
+    """One measurement in this fresh process (harness.measured): WORKERS[name](name, work, size, out, model, data),
+    `model` and `data` the case's model directory and dataset file (default: build_assets' in `work`)."""
     if name.startswith("append_"):  # bench_scale.py: the CLI's process, imports timed (so nothing is imported first)
         from bench_scale import append_worker
 
@@ -165,7 +150,7 @@ def bench_worker(name: str, work: Path, size_name: str, case="random", model=Non
     return harness.run_worker(Path(__file__), name, work, flags)
 
 
-def parse_args() -> argparse.Namespace:
+def main() -> None:
     parser = harness.script_parser(__doc__, results="Markdown file to write (default: RESULTS.md for full)")
     parser.add_argument("--size", default="full", choices=sorted(SIZES))
     only = ["lora", "smollm2", "scale", "append"]
@@ -177,11 +162,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--case", default="random", choices=sorted(CASES), help=argparse.SUPPRESS)  # workers
     parser.add_argument("--model", help=argparse.SUPPRESS)  # workers: model directory
     parser.add_argument("--data", help=argparse.SUPPRESS)  # workers: dataset file
-    return parser.parse_args()
-
-
-def main() -> None:
-    args = parse_args()
+    args = parser.parse_args()
     work = Path(args.work)
     if args.mode == "worker":
         size = CASES[args.case][args.size]
@@ -222,10 +203,8 @@ def run_main(work: Path, size_name: str, results: Path | None) -> None:
 def with_other_sections(report: str, old: str) -> str:
     """The main table's `report`, then every section of the `old` RESULTS.md it does not write."""
     written = {line for line in report.splitlines() if line.startswith("## ")}
-    kept = [
-        harness.get_section(old, line) for line in old.splitlines() if line.startswith("## ") and line not in written
-    ]
-    return report + "".join("\n" + section for section in kept)
+    kept = [line for line in old.splitlines() if line.startswith("## ") and line not in written]
+    return report + "".join("\n" + harness.get_section(old, heading) for heading in kept)
 
 
 def run_lora(work: Path, size_name: str, results: Path | None) -> None:
@@ -240,42 +219,37 @@ def run_lora(work: Path, size_name: str, results: Path | None) -> None:
 
 
 def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
-    """`--only smollm2`: both tools on the real model, each stage in a fresh process, written to its own section."""
+    """`--only smollm2`: both tools on the real model, each stage in a fresh process, written to its own section, with
+    the (query, key) pairs of its batches, dense against block mask (counted: nothing runs)."""
+    from kto_pipeline import PrecomputeConfig
+
     size = SMOLLM2_SIZES[size_name]
     started = time.perf_counter()
     print(f"SmolLM2-135M-Instruct and {size['pairs']} HH-RLHF pairs in {work} ...", flush=True)
-    model, data = build_smollm2_assets(work, size)
-    # a 30-layer model sums ~100 token log-probs per row: relative tolerance as tests/test_real_model.py, plus the
-    # absolute one of the random-model case
-    run = lambda name: bench_worker(name, work, size_name, "smollm2", model, data)  # noqa: E731
-    r, n_common, max_diff = harness.measure(SMOLLM2_NAMES, run, work, rtol=1e-4)
-    pairs = attention_pairs_section(work / "runs" / "ours_precompute", size)
+    # the first `pairs` single-turn pairs as unpaired rows (chosen desirable, then rejected), one file for both tools
+    rows = harness.unpaired_rows(harness.hh_rlhf_pairs(work / "pairs.jsonl", size["pairs"], size["max_turns"]))
+    model, data = harness.smollm2_dir(), harness.write_jsonl(work / "data.jsonl", rows, ensure_ascii=False)
+    # a 30-layer model sums ~100 token log-probs a row: tests/test_real_model.py's relative tolerance too
+    r, n_common, max_diff = harness.measure(
+        SMOLLM2_NAMES, lambda name: bench_worker(name, work, size_name, "smollm2", model, data), work, rtol=1e-4
+    )
+    cache, reference_batch = work / "runs" / "ours_precompute", size.get("reference_batch", PrecomputeConfig.batch_size)
+    counts = count_pairs(cache, size["batch"], size["steps"], reference_batch, PrecomputeConfig.max_tokens_per_batch)
+    pairs = [
+        "Attention on an accelerator, counted (`bench.count_pairs` on the cache above; millions of (query, key) pairs; "
+        "rows packed as each kernel runs them; the block mask runs each tile it touches whole, 128 x 128 pairs):",
+        "",
+        *pairs_table(counts),
+    ]
     print("\n".join(pairs), flush=True)
     section = render_smollm2(r, size, size_name, max_diff, n_common, time.perf_counter() - started, pairs)
     harness.publish(section, results, SMOLLM2_HEADING)
 
 
-def attention_pairs_section(cache: Path, size: dict) -> list[str]:
-    """The (query, key) pairs of the case's batches, dense against block mask (nothing runs)."""
-    from kto_pipeline import PrecomputeConfig
-
-    reference_batch = size.get("reference_batch", PrecomputeConfig.batch_size)
-    counts = count_pairs(cache, size["batch"], size["steps"], reference_batch, PrecomputeConfig.max_tokens_per_batch)
-    return [
-        "Attention on an accelerator, counted (`bench.count_pairs` on the cache above; millions of "
-        "(query, key) pairs; each kernel packs the rows as it would run them; the block mask runs each tile it "
-        "touches whole, 128 x 128 pairs):",
-        "",
-        *pairs_table(counts),
-    ]
-
-
 def count_pairs(cache_dir: Path, batch: int, steps: int, reference_batch: int, max_tokens: int) -> dict:
-    """The (query, key) pairs attention computes in a cache's batches, each kernel packing the rows its own way
-    (`pack_rows` with its `AttentionCosts`), as a run on an accelerator would: training's two forwards for each of
-    the first `steps` batches, and the reference pass's. `needed` = the mask's visible pairs of that kernel's
-    layout; the block mask runs every tile it touches whole. Only counts: nothing runs on a model.
-    {"train": [per batch: {kernel: AttentionPairs}], "reference": {kernel: AttentionPairs}}."""
+    """The (query, key) pairs attention computes in a cache's first `steps` training batches (both forwards) and its
+    reference pass, each kernel packing the rows as a run on an accelerator would (its `AttentionCosts`); nothing
+    runs on a model. {"train": [per batch: {kernel: AttentionPairs}], "reference": {kernel: AttentionPairs}}."""
     import torch
     from transformers import AutoConfig
 
@@ -319,21 +293,15 @@ def count_pairs(cache_dir: Path, batch: int, steps: int, reference_batch: int, m
 def pairs_table(counts: dict) -> list[str]:
     """Markdown rows: one per training batch, then the training total and the reference pass."""
 
-    def mega(n: int) -> str:
-        return f"{n / 1e6:.2f}"
-
     def row(what: str, pairs: dict) -> str:
         dense, block = pairs["dense"], pairs["block-mask"]
-        return (
-            f"| {what} | {mega(dense.needed)} | {mega(dense.dense)} | {mega(block.needed)} | {mega(block.block_mask)} "
-            f"| {dense.dense / max(block.block_mask, 1):.2f}x |"
-        )
+        millions = (f"{n / 1e6:.2f}" for n in (dense.needed, dense.dense, block.needed, block.block_mask))
+        return harness.md_row(what, *millions, f"{dense.dense / max(block.block_mask, 1):.2f}x")
 
-    lines = [
-        "| forwards | needed (dense layout) | dense mask | needed (block-mask layout) | block mask "
-        "(whole tiles) | dense / block |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+    lines = harness.table_head(
+        "| forwards | needed (dense layout) | dense mask | needed (block-mask layout) | block mask (whole tiles) "
+        "| dense / block |"
+    )
     total = {}
     for i, pairs in enumerate(counts["train"], 1):
         lines.append(row(f"training batch {i}", pairs))
@@ -383,10 +351,8 @@ def render_smollm2(
     ]
     for what, ours, theirs in (("reference pass", op, tp), (f"training ({steps_text})", ot, ttp)):
         (text, eff), (trl_text, _) = (harness.efficiency(x.get("token_counts")) for x in (ours, theirs))
-        ok = harness.met(None if eff is None else eff >= 0.9)
-        rows.append(
-            harness.md_row(f"token efficiency (needed / executed), {what}", text, trl_text, "", ">= 90% (ours)", ok)
-        )
+        ok, label = harness.met(None if eff is None else eff >= 0.9), f"token efficiency (needed / executed), {what}"
+        rows.append(harness.md_row(label, text, trl_text, "", ">= 90% (ours)", ok))
     command = f"`python benchmarks/bench.py --size {size_name} --only smollm2` (in `make bench`)"
     lines = [
         SMOLLM2_HEADING,
@@ -397,8 +363,8 @@ def render_smollm2(
         f"desirable (chosen) and an undesirable (rejected) conversational row: {op['rows']} rows scored, in the "
         f"model's ChatML template (system prompt included); max_length {size['max_length']}",
         f"- settings, both tools: float32, gradient checkpointing off, batch {batch} x 1 process, sequential order, "
-        f"{steps} steps, AdamW lr {LEARNING_RATE}, beta 0.1; each stage in a fresh process. trl online: KTOTrainer "
-        "with its reference model (from the same directory); trl precomputed: `precompute_ref_log_probs=True`. "
+        f"{steps} steps, AdamW lr {LEARNING_RATE}, beta 0.1, each stage in a fresh process; trl online: KTOTrainer "
+        "with its reference model (the same directory); trl precomputed: `precompute_ref_log_probs=True`; "
         f"kto-pipeline's reference pass: the CLI's default `--batch-size {reference_batch}` (sequences, packed).",
         f"- correctness: reference log-probs agree on {n_common} sequences, max |diff| {max_diff:.1e}",
         "",
@@ -410,13 +376,12 @@ def render_smollm2(
         "completion and KL sequences (each prompt counted twice), for both tools alike.",
         "- train step: median over steps 2..N (the first pays warm-up costs); whole process: the worker from start to "
         "exit (imports, loading, the steps, saving); kto-pipeline's training reads its precompute process' cache.",
-        "- token efficiency: needed = each prompt once + its completion + its KL completion (truncated to max_length), "
-        "no padding. kto-pipeline: the cache manifest's `timing` and the run's trainer_state.json (n/a where not "
-        "recorded). trl, from its batching: each prompt+completion truncated to max_length, each batch right-padded "
-        "to its longest sequence, the completion and KL (prompt + the previous row's completion) sequences apart: "
-        f"executed = (padded completion width + padded KL width) x rows, over the reference pass's batches of {batch} "
-        f"and the {steps} training batches. The training row counts the policy's passes; trl online runs them through "
-        f"its reference model too, twice the tokens ({harness.efficiency(tto.get('token_counts'))[0]} for the policy).",
+        "- token efficiency: needed = each prompt once + its completion + its KL completion (truncated to max_length); "
+        "kto-pipeline's from the cache manifest's `timing` and trainer_state.json (n/a where not recorded); trl's "
+        "executed = (padded completion width + padded KL width) x rows of its batches (right-padded to the longest "
+        f"sequence; KL: prompt + the previous row's completion), over the reference pass's batches of {batch} and the "
+        f"{steps} training batches. Training counts the policy's passes; trl online's reference model runs them too, "
+        f"twice the tokens ({harness.efficiency(tto.get('token_counts'))[0]} for the policy).",
         *harness.run_notes({"ours": ot, "trl online": tto, "trl precomputed": ttp}),
         "",
         *pairs,
@@ -453,9 +418,8 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         *provenance(f"`python benchmarks/bench.py --size {size_name}` (`make bench`)", seconds, *PACKAGES, date=stamp),
         f"- model: Qwen2 with random weights, hidden {hidden}, {size['layers']} layers, vocab "
         f"{size['vocab']}, untied LM head: about {params / 1e6:.1f}M parameters ({ref_mib:.0f} MiB in float32)",
-        f"- data: {size['rows']} unpaired rows, prompts {size['prompt'][0]}-{size['prompt'][1]} tokens, completions "
-        f"{size['completion'][0]}-{size['completion'][1]} tokens (character-level tokens), max_length "
-        f"{size['max_length']}",
+        f"- data: {size['rows']} unpaired rows, prompts {size['prompt'][0]}-{size['prompt'][1]} and completions "
+        f"{size['completion'][0]}-{size['completion'][1]} tokens (a character each), max_length {size['max_length']}",
         f"- settings, both tools: float32 (bf16 off), gradient checkpointing off, batch {size['batch']} x 1 process, "
         f"sequential order, AdamW lr {LEARNING_RATE}, beta 0.1",
         f"- correctness: reference log-probs agree on {n_common} sequences, max |diff| {max_diff:.1e}",
@@ -465,8 +429,7 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         *table("| measurement | kto-pipeline | trl | ratio (trl / ours) |", (_ratio_cells(*row) for row in rows)),
         "",
     ]
-    below, sweep = tto["peak_rss_mib"] - o_rss, r["trl_sweep_precomputed"]
-    sweep_ratio = r["trl_sweep_online"]["seconds"] / r["ours_sweep"]["seconds"]
+    below, sweep, sweep_ratio = tto["peak_rss_mib"] - o_rss, r["trl_sweep_precomputed"], on_sweep / o_sweep
     ref_ratio = _rate(op, "rows") / _rate(tp, "rows")
     below_goal = f"train peak RSS below trl online by >= the reference model ({ref_mib:.0f} MiB)"
     lines += [

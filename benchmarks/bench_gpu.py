@@ -8,11 +8,10 @@ row lengths from the bundled HH-RLHF sample. Offline, carry the wheels (`pip dow
 torch==2.13.0 ".[dev,gguf]" liger-kernel` on the same platform and Python), then `PIP_NO_INDEX=1
 PIP_FIND_LINKS=$PWD/wheels make bench-gpu`. Without the optional liger-kernel its column says why it was skipped.
 
-Each case runs in a fresh subprocess (`bench_gpu.py worker NAME`), so each peak memory is its own: kto-pipeline's
+Each case runs in a fresh subprocess (`bench_gpu.py worker NAME`), its peak memory its own: kto-pipeline's
 `precompute` and `train`; trl online, with `precompute_ref_log_probs=True`, and with `use_liger_kernel=True` too
-("trl's best" in the goals: the fastest). All train on the same rows in the same sequential order, batch, max_length,
-optimizer and precision (bf16 autocast over float32 weights on CUDA, float32 on CPU), gradient checkpointing off;
-each tool pairs rows with its own KL completions.
+("trl's best" in the goals: the fastest). All train on the same rows, order, batch, max_length, optimizer and
+precision, gradient checkpointing off; each tool pairs rows with its own KL completions.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 import harness
+import torch
 from harness import fresh_runs, median_step, peak_rss_mib, run_worker, step_timer, table, time_calls, utc_stamp
 
 LEARNING_RATE = 1e-6
@@ -55,8 +55,8 @@ MEMORY = dict(cuda="peak CUDA memory allocated, reset before each phase reported
 
 
 def hh_rlhf_lengths() -> list[tuple[int, int]]:
-    """(prompt, completion) token counts of the bundled HH-RLHF pairs' chosen and rejected answers, chat template
-    applied, in the character tokenizer."""
+    """(prompt, completion) token counts of the bundled HH-RLHF chosen and rejected answers (chat template, char
+    tokenizer)."""
     from kto_pipeline.demo.hh_rlhf import bundled_path, convert_pair, read_pairs
     from kto_pipeline.demo.tiny import build_char_tokenizer
 
@@ -96,28 +96,16 @@ def build_data(path: Path, preset: dict) -> dict:
 
 
 def peak_memory_mib(device: str) -> float:
-    import torch
-
     return torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else peak_rss_mib()
 
 
 def reset_peak_memory(device: str) -> None:
     """CUDA: the next peak counts from what is allocated now (a CPU's peak RSS is the process', never reset)."""
-    import torch
-
     if device == "cuda":
         torch.cuda.init()  # the statistics exist once CUDA is initialised
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-
-
-def device_name(device: str) -> str:
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.get_device_name(0)
-    return f"{harness.cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
 def row_lengths(rows, max_length: int, kl: str = "kl_completion_ids") -> list[list[int]]:
@@ -131,59 +119,38 @@ def row_lengths(rows, max_length: int, kl: str = "kl_completion_ids") -> list[li
     return out
 
 
-def _tokens(lengths: list[list[int]]) -> int:
-    """The needed tokens of rows' [P, C, K]: each prompt once."""
-    return sum(p + c + k for p, c, k in lengths)
-
-
-def _kernel_asked(name: str) -> str:
-    return "dense" if name.endswith("_dense") else "auto"
-
-
-# Each case measures one thing in this fresh process: (name, work, preset, device, out) -> its numbers.
-
-
-def ours_precompute_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
-    """kto-pipeline's reference pass: time (from the manifest), row lengths, peak memory, the kernel that ran."""
-    from kto_pipeline import PrecomputeConfig, precompute
+def ours_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
+    """kto-pipeline's reference pass (its time from the manifest) or its training on ours_precompute's cache: times,
+    row lengths, peak memory and the attention kernel that ran."""
+    from kto_pipeline import PrecomputeConfig, precompute, train
     from kto_pipeline.cache import open_cache
 
-    reset_peak_memory(device)
-    paths = dict(model=str(work / "model"), dataset=str(work / "data.jsonl"), output=str(out), overwrite=True)
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    config = PrecomputeConfig(
-        **paths, max_length=preset["max_length"], dtype=dtype, attention_kernel=_kernel_asked(name), **OURS_PRECOMPUTE
-    )
-    cache = open_cache(precompute(config))
-    timing, kernel = cache.manifest.timing, cache.manifest["reference_pass"].get("attention_kernel")
-    lengths = row_lengths(cache.table, preset["max_length"])
-    ref = dict(ref_seconds=timing["reference_pass_seconds"], ref_lengths=lengths, ref_peak_mib=peak_memory_mib(device))
-    return dict(ref, timing=timing, kernel=kernel)
-
-
-def ours_train_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
-    """kto-pipeline's training on ours_precompute's cache: step times, peak memory, rows, kernel."""
-    from kto_pipeline import train
-    from kto_pipeline.cache import open_cache
-
+    asked, ml = "dense" if name.endswith("_dense") else "auto", preset["max_length"]
+    if "precompute" in name:
+        reset_peak_memory(device)
+        paths = dict(model=str(work / "model"), dataset=str(work / "data.jsonl"), output=str(out), overwrite=True)
+        dtype = "bfloat16" if device == "cuda" else "float32"
+        config = PrecomputeConfig(**paths, max_length=ml, dtype=dtype, attention_kernel=asked, **OURS_PRECOMPUTE)
+        cache = open_cache(precompute(config))
+        kernel = cache.manifest["reference_pass"].get("attention_kernel")
+        seconds, lengths = cache.manifest.timing["reference_pass_seconds"], row_lengths(cache.table, ml)
+        return dict(ref_seconds=seconds, ref_lengths=lengths, ref_peak_mib=peak_memory_mib(device), kernel=kernel)
     cache_dir = work / "runs" / "ours_precompute"
-    table_ = open_cache(cache_dir).table.slice(0, preset["steps"] * preset["batch"])
+    rows = open_cache(cache_dir).table.slice(0, preset["steps"] * preset["batch"])
     reset_peak_memory(device)
     settings = dict(batch=preset["batch"], steps=preset["steps"], learning_rate=LEARNING_RATE, bf16=device == "cuda")
-    res = train(harness.ours_train_config(cache_dir, out, beta=BETA, attention_kernel=_kernel_asked(name), **settings))
+    res = train(harness.ours_train_config(cache_dir, out, beta=BETA, attention_kernel=asked, **settings))
     result = dict(step_seconds=res.step_seconds, train_peak_mib=peak_memory_mib(device))
     kernel = harness.trainer_state(out).get("attention_kernel")
-    return dict(result, train_lengths=row_lengths(table_, preset["max_length"]), kernel=kernel)
+    return dict(result, train_lengths=row_lengths(rows, ml), kernel=kernel)
 
 
 def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
     """trl_online / trl_precomputed / trl_liger: the reference pass where there is one, then the steps."""
-    import torch
     from trl import KTOTrainer
 
     ml, n_train = preset["max_length"], preset["steps"] * preset["batch"]
     sync = torch.cuda.synchronize if device == "cuda" else None  # a reading includes the device's queued work
-    result: dict = {}
     timing: dict = {}
 
     def on_pass(seconds: float, dataset, *args, **kwargs) -> None:
@@ -196,8 +163,7 @@ def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> d
     run |= dict(beta=BETA, learning_rate=LEARNING_RATE, max_steps=preset["steps"], use_liger_kernel=name == "trl_liger")
     run |= dict(precompute_ref_batch_size=preset["batch"], train_sampling_strategy="sequential", **harness.TRL_RUN)
     trainer = harness.trl_trainer(work / "model", work / "data.jsonl", out, **run)
-    if timing:
-        result.update(timing, ref_peak_mib=peak_memory_mib(device))
+    result = dict(timing, ref_peak_mib=peak_memory_mib(device)) if timing else {}
     result["train_lengths"] = row_lengths(trainer.train_dataset[:n_train], ml, "KL_completion_ids")
     timer = step_timer(synchronize=sync)
     trainer.add_callback(timer)
@@ -207,8 +173,7 @@ def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> d
     return result
 
 
-WORKERS = dict.fromkeys(OURS_CASES[::2], ours_precompute_worker) | dict.fromkeys(OURS_CASES[1::2], ours_train_worker)
-WORKERS |= dict.fromkeys(TRL_CASES, trl_worker)
+WORKERS = dict.fromkeys(OURS_CASES, ours_worker) | dict.fromkeys(TRL_CASES, trl_worker)
 
 
 def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
@@ -217,25 +182,23 @@ def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
         raise SystemExit(f"unknown worker {name}")
 
     def run() -> dict:
-        import torch
-
         if device == "cuda" and not torch.cuda.is_available():
             raise SystemExit("--device cuda: torch sees no CUDA device in the worker")
-        return {"device_name": device_name(device), **WORKERS[name](name, work, preset, device, out)}
+        cpu = f"{harness.cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+        device_name = torch.cuda.get_device_name(0) if device == "cuda" else cpu
+        return {"device_name": device_name, **WORKERS[name](name, work, preset, device, out)}
 
     return harness.measured(run, rss=False)
 
 
-def gpu_worker(name: str, work: Path, args, must_succeed: bool = True) -> dict:
+def gpu_worker(name: str, work: Path, args, preset: dict, must_succeed: bool = True) -> dict:
     """`bench_gpu.py worker NAME` in a fresh process, offline, with its own datasets cache (no trl case may reuse
     another one's reference log-probs)."""
     env = {"TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "hf-datasets-cache" / name)}
     if args.device == "cpu":
         env |= {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"}
-    flags = ["--preset", args.preset, "--device", args.device]
-    flags += [
-        x for key in ("batch", "steps") if getattr(args, key) is not None for x in (f"--{key}", str(getattr(args, key)))
-    ]
+    flags = ["--preset", args.preset, "--device", args.device, "--batch", str(preset["batch"])]
+    flags += ["--steps", str(preset["steps"])]
     return run_worker(Path(__file__), name, work, flags, env=env, must_succeed=must_succeed, width=18)
 
 
@@ -283,54 +246,42 @@ class Flops:
         else:
             peak_text = f"{peak / 1e12:g}e12 FLOP/s (--peak-tflops)"
         return [
-            f"- MFU = model FLOPs of the needed tokens / seconds / peak; peak = {peak_text}.",
-            "- needed tokens per row (P prompt, C completion, K KL completion, each truncated at max_length): "
-            "reference pass P + C + K; training step 3 (P + C) + K forward-equivalents (policy forward + backward "
-            "of P + C, forward of the KL completion without grad).",
-            "- forward FLOPs of a token among L: f(L) = 2 N + 2 n_layers L d; N = "
-            f"{self.n / 1e6:.1f}M = {self.n_non_embedding / 1e6:.1f}M non-embedding parameters + the LM head's "
-            f"{self.n_lm_head / 1e6:.1f}M (tied to the input embedding, but a vocab x hidden matmul per token); "
-            "attention: QK^T and AV cost 4 d per key, token and layer, over L/2 keys on average (causal); d = "
-            f"hidden = {self.hidden}, n_layers = {self.layers}; the embedding lookup, norms, rotary, softmax, "
-            "activations and the optimizer are not counted.",
-            "- per row: reference pass (P + C) f(P + C) + K f(P + K); training step 3 (P + C) f(P + C) + K f(P + K), "
-            "i.e. 6 N (P + C) + 2 N K plus attention.",
-            "- MFU of the train step: FLOPs of the rows of steps 2..n / their summed wall time / peak; of the "
-            "reference pass: FLOPs of every row / its wall time / peak.",
+            "- MFU = model FLOPs of the needed tokens / wall seconds / peak: train step, the rows of steps 2..n over "
+            f"their summed time; reference pass, every row over its time; peak = {peak_text}.",
+            "- per row (P prompt, C completion, K KL completion, each truncated at max_length): reference pass "
+            "(P + C) f(P + C) + K f(P + K); training step 3 (P + C) f(P + C) + K f(P + K) (policy forward + backward "
+            "of P + C, KL completion forward without grad), i.e. 6 N (P + C) + 2 N K plus attention.",
+            f"- forward FLOPs of a token among L: f(L) = 2 N + 2 n_layers L d; N = {self.n / 1e6:.1f}M = "
+            f"{self.n_non_embedding / 1e6:.1f}M non-embedding parameters + the LM head's {self.n_lm_head / 1e6:.1f}M "
+            "(tied to the input embedding, but a vocab x hidden matmul per token); attention: QK^T and AV cost 4 d "
+            f"per key, token and layer, over L/2 keys on average (causal); d = hidden = {self.hidden}, n_layers = "
+            f"{self.layers}; not counted: the embedding lookup, norms, rotary, softmax, activations, the optimizer.",
         ]
 
 
-def _column(res: dict | None, ref: dict | None, batch: int, flops: Flops | None, peak: float | None) -> dict:
+def _column(res: dict, ref: dict, batch: int, flops: Flops | None, peak: float | None) -> dict:
     """One column: ref tokens/s and MFU, step seconds and MFU, peak memory (MFU None without a peak)."""
-    if res is None or "skipped" in res or "failed" in res:
-        return {"note": (res or {}).get("skipped") or f"failed: {(res or {}).get('failed')}"}
+    if "skipped" in res or "failed" in res:
+        return {"note": res.get("skipped") or f"failed: {res['failed']}"}
     c: dict = {"step_seconds": res["step_seconds"], "step": median_step(res["step_seconds"])}
     timed_rows = res["train_lengths"][batch:] if len(res["step_seconds"]) > 1 else res["train_lengths"]
     timed_seconds = sum(res["step_seconds"][1:]) if len(res["step_seconds"]) > 1 else res["step_seconds"][0]
     c["step_mfu"] = flops.train(timed_rows) / timed_seconds / peak if peak else None
     c["train_peak_mib"] = res["train_peak_mib"]
-    if ref and "ref_seconds" in ref:
+    if "ref_seconds" in ref:
         rows, seconds = ref["ref_lengths"], ref["ref_seconds"]
-        c |= dict(ref_tokens=_tokens(rows), ref_rows=len(rows), ref_seconds=seconds)
-        c |= dict(ref_tokens_per_s=c["ref_tokens"] / seconds, ref_peak_mib=ref["ref_peak_mib"])
+        tokens = sum(sum(row) for row in rows)  # needed tokens: P + C + K, each prompt once
+        c |= dict(ref_tokens_per_s=tokens / seconds, ref_peak_mib=ref["ref_peak_mib"])
         c["ref_mfu"] = flops.reference(rows) / seconds / peak if peak else None
     return c
 
 
-def summarize(r: dict, preset: dict, flops: Flops, peak: float | None) -> dict:
-    """Per column of LABELS: its train case and the case of its reference pass (trl online records none)."""
-    cases = {"ours": ("ours_train", "ours_precompute")} | {name: (name, name) for name in TRL_CASES}
-    return {col: _column(r.get(t), r.get(ref), preset["batch"], flops, peak) for col, (t, ref) in cases.items()}
-
-
 def _liger_version() -> str:
     """The versions line's liger-kernel part: ", liger-kernel X.Y", or "" where it is not installed."""
-    if importlib.util.find_spec("liger_kernel") is None:
-        return ""
     try:
         return f", liger-kernel {importlib.metadata.version('liger-kernel')}"
     except importlib.metadata.PackageNotFoundError:
-        return ", liger-kernel (version unknown)"
+        return ""
 
 
 def command_line(argv: list[str]) -> str:
@@ -369,7 +320,7 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
             return "n/a"
         return format(value * 100 if key.endswith("mfu") else value, fmt)
 
-    name = next((v["device_name"] for v in r.values() if isinstance(v, dict) and "device_name" in v), "unknown")
+    name = next((v["device_name"] for v in r.values() if "device_name" in v), "unknown")
     stamp = utc_stamp()
     make = " (`make bench-gpu`)" if cuda and args.preset == "qwen2-0.5b" else ""
     rows = ((label, *(cell(c, k, f) for c in LABELS)) for label, k, f in measurements(preset["steps"]))
@@ -378,23 +329,22 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
         "",
         f"- command: `{command_line(args.argv)}`{make}",
         f"- date: {stamp}; total benchmark time {seconds:.0f} s",
-        f"- device: {name} ({args.device}); {platform.system()} {platform.machine()}, Python "
-        f"{platform.python_version()}",
+        f"- device: {name} ({args.device}); {platform.system()} {platform.machine()}, "
+        f"Python {platform.python_version()}",
         f"- versions: {harness.versions('kto-pipeline', 'torch', 'transformers', 'trl')}{_liger_version()}",
         f"- model: Qwen2 with random weights, hidden {preset['hidden']}, {preset['layers']} layers, "
         f"{preset['heads']} heads ({preset['kv_heads']} KV), intermediate {preset['intermediate']}, vocab "
         f"{preset['vocab']}, tied embeddings {preset['tie_word_embeddings']}, rope_theta {preset['rope_theta']:g}: "
         f"{flops.n_non_embedding / 1e6:.1f}M non-embedding parameters",
-        f"- data: {preset['rows']} unpaired rows, labels alternating, random characters (1 token each); prompt and "
-        f"completion lengths drawn from the {data['source_pairs']} bundled HH-RLHF pairs (chosen and rejected, chat "
-        f"template applied, mean {data['source_mean']:.0f} / max {data['source_max']} tokens), scaled by "
-        f"{data['scale']:.3f} to max_length {preset['max_length']}: prompt + completion mean {data['mean']:.0f}, "
-        f"median {data['median']:.0f}, max {data['max']} tokens",
+        f"- data: {preset['rows']} unpaired rows of random characters (1 token each), labels alternating; lengths "
+        f"from the {data['source_pairs']} bundled HH-RLHF pairs' chosen and rejected answers (chat template, mean "
+        f"{data['source_mean']:.0f} / max {data['source_max']} tokens) scaled by {data['scale']:.3f} to max_length "
+        f"{preset['max_length']}: prompt + completion mean {data['mean']:.0f}, median {data['median']:.0f}, max "
+        f"{data['max']} tokens",
         f"- settings, all cases: {PRECISION[args.device]}; gradient checkpointing off; batch {preset['batch']} x 1 "
-        f"process, sequential order (the same rows in every case), {preset['steps']} steps, AdamW lr {LEARNING_RATE}, "
-        f"beta {BETA}; reference pass batch: kto-pipeline's batch_size {OURS_PRECOMPUTE['batch_size']}, "
-        f"max_tokens_per_batch {OURS_PRECOMPUTE['max_tokens_per_batch']}; trl's precompute_ref_batch_size "
-        f"{preset['batch']} (its default)",
+        f"process, the same rows in sequential order, {preset['steps']} steps, AdamW lr {LEARNING_RATE}, beta {BETA}; "
+        f"reference pass batches: kto-pipeline's batch_size {OURS_PRECOMPUTE['batch_size']}, max_tokens_per_batch "
+        f"{OURS_PRECOMPUTE['max_tokens_per_batch']}; trl's precompute_ref_batch_size {preset['batch']} (its default)",
         f"- memory: {MEMORY[args.device]}",
         "",
         *table(harness.md_row("measurement", *LABELS.values()), rows),
@@ -479,8 +429,6 @@ def main() -> None:
         harness.print_result(worker(args.name, work, preset, args.device, Path(args.out)))
         return
 
-    import torch
-
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible to torch (use --device cpu --preset tiny)")
     started = time.perf_counter()
@@ -489,15 +437,17 @@ def main() -> None:
     harness.random_qwen2(work / "model", preset)
     data = build_data(work / "data.jsonl", preset)
     fresh_runs(work)  # measure from scratch: no case may reuse a cache from an earlier run
-    r = {name: gpu_worker(name, work, args) for name in OURS_CASES}
+    r = {name: gpu_worker(name, work, args, preset) for name in OURS_CASES}
     for name in TRL_CASES:
         skip = liger_unavailable(args.device) if name == "trl_liger" else None
         if skip:
             print(f"  {name:<18} {skip}", flush=True)
-        r[name] = {"skipped": skip} if skip else gpu_worker(name, work, args, must_succeed=False)
+        r[name] = {"skipped": skip} if skip else gpu_worker(name, work, args, preset, must_succeed=False)
     flops = Flops(preset)
     peak = args.peak_tflops * 1e12 if args.device == "cuda" else None
-    cols = summarize(r, preset, flops, peak)
+    # a column per LABELS: its train case and its reference pass' (trl online records none)
+    cases = {"ours": ("ours_train", "ours_precompute")} | {name: (name, name) for name in TRL_CASES}
+    cols = {col: _column(r[t], r[ref], preset["batch"], flops, peak) for col, (t, ref) in cases.items()}
     report = render(cols, r, preset, data, flops, args, peak, time.perf_counter() - started)
     default = args.device == "cuda" and args.preset == "qwen2-0.5b"
     harness.publish(report, harness.default_results(args.results, default, "RESULTS-gpu.md"))
