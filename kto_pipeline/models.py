@@ -179,6 +179,16 @@ def checkpointing(model) -> bool:
     return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
 
 
+COMPILED_LAYERS = "_kto_compiled_layers"  # set on a backbone whose decoder layers were compiled (--torch-compile)
+
+
+def keeps_keys_values(model) -> bool:
+    """Whether training's first forward can keep its keys/values for the KL completions' forward: not where the
+    layers are recomputed in the backward (gradient checkpointing), nor where they are compiled (a compiled layer
+    that writes into the cache specialises on its layer index: one graph per layer)."""
+    return not checkpointing(model) and not getattr(backbone_of(model), COMPILED_LAYERS, False)
+
+
 def sliding_window(model) -> int | None:
     """The attention window of a model whose layers all use one (Mistral-style), else None."""
     config = text_config(model)

@@ -13,7 +13,7 @@ model, step and save; it never tests which engine runs.
 
 # what `--torch-compile` says (both stages), here so that the command line reads it without loading torch
 TORCH_COMPILE_HELP = (
-    "Compile the decoder layer once for every layer (torch.compile, regionally): fewer ops dispatched a step. The "
-    "first steps pay the compile (tens of seconds). Off by default: on the CPU it saved no step time on the models "
-    "measured; on GPUs it was never run."
+    "Compile the decoder layer once for every layer (torch.compile, by region): fewer ops dispatched a step. The "
+    "first steps pay the compile, and training's KL completions run with their prompts again (no key/value cache in "
+    "a compiled layer). Off by default: on the CPU its steps were slower; on GPUs it was never run."
 )

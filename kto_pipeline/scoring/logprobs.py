@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kto_pipeline.models import backbone_of, checkpointing, lm_head_settings, scorable, sliding_window
+from kto_pipeline.models import backbone_of, keeps_keys_values, lm_head_settings, scorable, sliding_window
 from kto_pipeline.runtime.engines.base import Engine
 from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs, tree_mask
 from kto_pipeline.scoring.packing import Layout, ScoredSequence, Tree, layout_trees, pack_batches, pack_trees
@@ -411,8 +411,8 @@ def score_policy(
        prompts (detached): K tokens instead of P + K. They run either in their rows (columns from
        `layout.split`, padded to the row with the most) or gathered from every row into one unpadded row
        that attends to all rows' caches laid end to end; `gather_kl` forces one way, by default whichever
-       costs less. A model that keeps no keys/values while training (gradient checkpointing recomputes the
-       layers) runs the whole layout again without gradients instead."""
+       costs less. A model that keeps no keys/values while training (`keeps_keys_values`: gradient checkpointing
+       recomputes the layers; compiled layers) runs the whole layout again without gradients instead."""
     from transformers import DynamicCache
 
     model = scorable(model)
@@ -420,7 +420,7 @@ def score_policy(
     rows, width, split, device = *layout.input_ids.shape, layout.split, layout.input_ids.device
     grid = torch.arange(rows * width, device=device).reshape(rows, width)
     main = grid[:, :split]  # (R, S) flat indices
-    cache = DynamicCache() if with_kl and not checkpointing(model) else None
+    cache = DynamicCache() if with_kl and keeps_keys_values(model) else None
     extra = {"output_router_logits": True} if output_router_logits else {}
     outputs = _forward(model, layout, main, cache=cache, **extra)
     aux_loss = None
