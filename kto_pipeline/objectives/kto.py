@@ -118,6 +118,7 @@ class KTO(Objective):
     def metrics(self, accelerator, out: StepOut, real=None) -> dict[str, float]:
         """trl.KTOTrainer's metrics for one forward pass, summed across processes before dividing (the repeated
         rows of an uneven last batch left out, `real`)."""
+        import torch
 
         scores, labels = out.scored.completions, out.labels
         token_labels = labels[scores.sequence]  # each scored token's row label
@@ -127,15 +128,13 @@ class KTO(Objective):
             rejected, token_rejected = ~labels & kept, ~token_labels & kept[scores.sequence]
         else:
             rejected, token_rejected = ~labels, ~token_labels
-        import torch
-
         kept_tokens = torch.ones_like(token_labels) if real is None else real.bool()[scores.sequence]
         rows = masked_sums([torch.ones_like(out.rewards), out.rewards, out.logps], [labels, rejected])
-        tokens = [torch.ones_like(scores.entropy), scores.mean_logits, scores.entropy]
-        tokens = masked_sums(tokens, [token_labels, token_rejected, kept_tokens])
+        per_token = [torch.ones_like(scores.entropy), scores.mean_logits, scores.entropy]
+        per_token = masked_sums(per_token, [token_labels, token_rejected, kept_tokens])
         names = [f"{v}/{k}" for v in ("n", "rewards", "logps") for k in ("chosen", "rejected")]
         names += [f"{v}/{k}" for v in ("tokens", "logits", "entropy") for k in ("chosen", "rejected", "all")]
-        sums = torch.cat([rows.flatten(), tokens.flatten(), out.loss.detach().float().reshape(1)])
+        sums = torch.cat([rows.flatten(), per_token.flatten(), out.loss.detach().float().reshape(1)])
         t = step_totals(accelerator, [*names, "loss"], sums, local={"kl": out.kl})
         metrics = {"loss": t["loss"] / accelerator.num_processes, "kl": t["kl"]}
         for name in ("chosen", "rejected"):
