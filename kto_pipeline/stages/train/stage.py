@@ -418,14 +418,15 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], last_batch: bool = Fals
     if scores.aux_loss is not None:  # MoE: keep the experts' load balanced, as the model's own loss does
         loss = out.loss = loss + run.aux_coef * scores.aux_loss  # (the loss logged, as trl's)
         p.log.add("aux_loss", accelerator.gather(scores.aux_loss.detach().reshape(1)).mean().item())
-    # every process must take the same branch, or the others would wait forever in a collective
-    if not torch.isfinite(accelerator.gather(loss.detach().reshape(1))).all():
+    metrics = objective.metrics(accelerator, out, real)  # one collective: the loss summed over every process
+    # every process takes the same branch (the same gathered sum), or the others would wait forever in a collective
+    if not math.isfinite(metrics["loss"]):
         ids = sorted(gather_object(out.ids.tolist()))
         raise KTOPipelineError(
             f"non-finite loss at step {p.global_step + 1}, batch example ids {objective.ids_are}{ids}. Lower "
             "--learning-rate or check these rows; the last checkpoint is intact."
         )
-    for name, value in objective.metrics(accelerator, out, real).items():
+    for name, value in metrics.items():
         p.log.add(name, value)
     run.engine.backward(loss)
     if accelerator.sync_gradients and config.max_grad_norm > 0:
