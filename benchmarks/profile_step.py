@@ -78,26 +78,82 @@ def training(variant: str, batch: int, work: Path):
     return run
 
 
-def worker(name: str, work: Path, steps: tuple[int, int] = STEPS) -> dict:
-    """`ops_<variant>_<rows>`: ops per steady step (a `steps[1]`-step minus a `steps[0]`-step call)."""
+def reference(variant: str, batch: int, work: Path):
+    """A function that runs `variant`'s reference pass over the first `rows` rows, `batch` rows a pass (ours: twice as
+    many sequences, a row's completion and KL completion; trl: `precompute_ref_batch_size`)."""
+    model, data = assets(work)
+    lines = data.read_text().splitlines(keepends=True)
+
+    def first(rows: int) -> Path:
+        path = work / f"data-{rows}.jsonl"
+        path.write_text("".join(lines[:rows]))
+        return path
+
+    if variant == "trl":
+
+        def run(rows: int) -> None:  # trl 1.16 precomputes in the trainer's constructor
+            with tempfile.TemporaryDirectory() as out:
+                settings = dict(max_steps=1, precompute_ref_batch_size=batch, **harness.TRL_RUN)
+                harness.trl_trainer(
+                    model, first(rows), Path(out), batch=batch, max_length=MAX_LENGTH, precompute=True, **settings
+                )
+
+        return run
+    from kto_pipeline import PrecomputeConfig, precompute
+
+    _, kernel, compiled = VARIANTS[variant]
+
+    def run(rows: int) -> None:
+        with tempfile.TemporaryDirectory() as out:
+            settings = dict(
+                max_length=MAX_LENGTH, batch_size=2 * batch, attention_kernel=kernel, torch_compile=compiled
+            )
+            precompute(PrecomputeConfig(model=str(model), dataset=str(first(rows)), output=out, **settings))
+
+    return run
+
+
+def counted(run, counts: tuple[int, int]) -> dict:
+    """Ops (every profiler event; aten ops alone) of `run(counts[1])` minus `run(counts[0])`, per unit counted."""
     from torch.profiler import ProfilerActivity, profile
 
-    _, variant, batch = name.split("_")
-    run = training(variant, int(batch), work)
-    run(steps[1])  # imports, caches, and every shape the runs meet compiled (with --torch-compile) before counting
-    counted = []
-    for count in steps:
+    run(counts[1])  # imports, caches, and every shape the runs meet compiled (with --torch-compile) before counting
+    totals = []
+    for count in counts:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run(count)
         events = prof.key_averages()
-        counted.append((sum(e.count for e in events), sum(e.count for e in events if e.key.startswith("aten::"))))
-    (ops_few, aten_few), (ops_many, aten_many) = counted
-    n = steps[1] - steps[0]
+        totals.append((sum(e.count for e in events), sum(e.count for e in events if e.key.startswith("aten::"))))
+    (ops_few, aten_few), (ops_many, aten_many) = totals
+    n = counts[1] - counts[0]
     return dict(ops=(ops_many - ops_few) / n, aten=(aten_many - aten_few) / n)
 
 
+def worker(name: str, work: Path, steps: tuple[int, int] = STEPS) -> dict:
+    """`ops_<variant>_<rows>`: ops per steady step (a `steps[1]`-step minus a `steps[0]`-step call);
+    `ref_<variant>_<rows>`: ops per row of the reference pass (over 96 rows minus over 48), `rows` rows a pass."""
+    kind, variant, batch = name.split("_")
+    if kind == "ref":
+        return counted(reference(variant, int(batch), work), (ROWS // 2, ROWS))
+    return counted(training(variant, int(batch), work), steps)
+
+
+def _table(measured: dict, kind: str, batches: tuple[int, ...], unit: str) -> list[str]:
+    trl = {b: measured[f"{kind}_trl_{b}"]["ops"] for b in batches}
+    lines = harness.table_head(
+        "| tool | " + " | ".join(f"ops per {unit}, {b} rows | vs trl" for b in batches) + " | "
+        f"{batches[-1]} rows / {batches[0]} |"
+    )
+    for variant, (label, _, _) in VARIANTS.items():
+        runs = [measured[f"{kind}_{variant}_{b}"] for b in batches]
+        cells = [
+            f"{r['ops']:,.0f} ({r['aten']:,.0f}) | {r['ops'] / trl[b]:.2f}x" for r, b in zip(runs, batches, strict=True)
+        ]
+        lines.append(harness.md_row(label, *cells, f"{runs[-1]['ops'] / runs[0]['ops']:.2f}x"))
+    return lines
+
+
 def render(measured: dict, batches: tuple[int, ...], seconds: float, quick: bool) -> str:
-    trl = {b: measured[f"ops_trl_{b}"]["ops"] for b in batches}
     lines = [
         HEADING,
         "",
@@ -106,17 +162,14 @@ def render(measured: dict, batches: tuple[int, ...], seconds: float, quick: bool
         "torch.profiler, per step: every profiler event (aten ops, autograd nodes, ranges; aten ops alone in "
         f"brackets). Tiny Llama, {ROWS} short unpaired rows, max_length {MAX_LENGTH}, float32, sequential batches.",
         "",
-        *harness.table_head(
-            "| tool | " + " | ".join(f"ops per step, {b} rows | vs trl" for b in batches) + " | "
-            f"{batches[-1]} rows / {batches[0]} |"
-        ),
+        *_table(measured, "ops", batches, "step"),
+        "",
+        f"The reference pass, the same way: a pass over the first {ROWS} rows minus one over the first {ROWS // 2}, "
+        "per row; N rows a forward pass (trl: `precompute_ref_batch_size` N, a forward for the completions and one "
+        "for the KL completions; ours: `--batch-size` 2N sequences, packed, under its `--max-tokens-per-batch`).",
+        "",
+        *_table(measured, "ref", batches, "row"),
     ]
-    for variant, (label, _, _) in VARIANTS.items():
-        runs = [measured[f"ops_{variant}_{b}"] for b in batches]
-        cells = [
-            f"{r['ops']:,.0f} ({r['aten']:,.0f}) | {r['ops'] / trl[b]:.2f}x" for r, b in zip(runs, batches, strict=True)
-        ]
-        lines.append(harness.md_row(label, *cells, f"{runs[-1]['ops'] / runs[0]['ops']:.2f}x"))
     return "\n".join([*lines, ""])
 
 
@@ -133,10 +186,12 @@ def main() -> None:
     work.mkdir(parents=True)
     batches = (4, 8) if args.quick else (8, 64)
     measured = {}
-    for variant in VARIANTS:
-        for b in batches:
-            name = f"ops_{variant}_{b}"
-            measured[name] = harness.run_worker(Path(__file__), name, Path(args.work), env={"OMP_NUM_THREADS": "1"})
+    for kind in ("ops", "ref"):
+        for variant in VARIANTS:
+            for b in batches:
+                name = f"{kind}_{variant}_{b}"
+                env = {"OMP_NUM_THREADS": "1"}
+                measured[name] = harness.run_worker(Path(__file__), name, Path(args.work), env=env)
     results = None if args.quick else harness.default_results(args.results, True)
     harness.publish(render(measured, batches, time.perf_counter() - started, args.quick), results, HEADING)
 
