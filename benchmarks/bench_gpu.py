@@ -8,10 +8,10 @@ row lengths from the bundled HH-RLHF sample. Offline, carry the wheels (`pip dow
 torch==2.13.0 ".[dev,gguf]" liger-kernel` on the same platform and Python), then `PIP_NO_INDEX=1
 PIP_FIND_LINKS=$PWD/wheels make bench-gpu`. Without the optional liger-kernel its column says why it was skipped.
 
-Each case runs in a fresh subprocess (`bench_gpu.py worker NAME`), its peak memory its own: kto-pipeline's
-`precompute` and `train`; trl online, with `precompute_ref_log_probs=True`, and with `use_liger_kernel=True` too
-("trl's best" in the goals: the fastest). All train on the same rows, order, batch, max_length, optimizer and
-precision, gradient checkpointing off; each tool pairs rows with its own KL completions.
+Each case runs in a fresh subprocess (`bench_gpu.py worker NAME`), its peak memory its own: kto-pipeline's `precompute`
+and `train` (also with `--torch-compile`); trl online, with `precompute_ref_log_probs=True`, and with
+`use_liger_kernel=True` too ("trl's best" in the goals: the fastest). All train on the same rows, order, batch,
+max_length, optimizer and precision, gradient checkpointing off; each tool pairs rows with its own KL completions.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ OURS_PRECOMPUTE = dict(batch_size=64, max_tokens_per_batch=16384)
 PEAK_FLOPS_CUDA = 989e12  # bf16 dense tensor-core peak of an H100 SXM (H200: the same)
 GOALS = dict(step_speedup=1.5, memory_ratio=0.6, mfu=0.40)
 OURS_CASES = ("ours_precompute", "ours_train", "ours_precompute_dense", "ours_train_dense")
+COMPILED = "ours_train_compiled"  # --torch-compile on the default kernel's cache (a CPU: the dense mask, see below)
 TRL_CASES = ("trl_online", "trl_precomputed", "trl_liger")
 LABELS = {
     "ours": "kto-pipeline",
@@ -126,6 +127,8 @@ def ours_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> 
     from kto_pipeline.cache import open_cache
 
     asked, ml = "dense" if name.endswith("_dense") else "auto", preset["max_length"]
+    if name == COMPILED and device == "cpu":
+        asked = "dense"  # by tree, attention's calls and shapes follow the trees: a graph each
     if "precompute" in name:
         reset_peak_memory(device)
         paths = dict(model=str(work / "model"), dataset=str(work / "data.jsonl"), output=str(out), overwrite=True)
@@ -139,10 +142,12 @@ def ours_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> 
     rows = open_cache(cache_dir).table.slice(0, preset["steps"] * preset["batch"])
     reset_peak_memory(device)
     settings = dict(batch=preset["batch"], steps=preset["steps"], learning_rate=LEARNING_RATE, bf16=device == "cuda")
-    res = train(harness.ours_train_config(cache_dir, out, beta=BETA, attention_kernel=asked, **settings))
+    settings |= dict(beta=BETA, attention_kernel=asked, torch_compile=name == COMPILED)
+    res = train(harness.ours_train_config(cache_dir, out, **settings))
     result = dict(step_seconds=res.step_seconds, train_peak_mib=peak_memory_mib(device))
-    kernel = harness.trainer_state(out).get("attention_kernel")
-    return dict(result, train_lengths=row_lengths(rows, ml), kernel=kernel)
+    state = harness.trainer_state(out)
+    result |= dict(kernel=state.get("attention_kernel"), compile=state.get("compile"))
+    return dict(result, train_lengths=row_lengths(rows, ml))
 
 
 def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
@@ -173,7 +178,7 @@ def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> d
     return result
 
 
-WORKERS = dict.fromkeys(OURS_CASES, ours_worker) | dict.fromkeys(TRL_CASES, trl_worker)
+WORKERS = dict.fromkeys((*OURS_CASES, COMPILED), ours_worker) | dict.fromkeys(TRL_CASES, trl_worker)
 
 
 def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
@@ -352,6 +357,7 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
         "trl online's reference model runs inside every training step (no reference pass). Needed tokens count each "
         "prompt once (P + C + K a row), for every tool alike.",
         *kernels_table(r, preset, stamp),
+        *compiled_table(r, preset, stamp),
         *goals(cols, cuda, stamp),
         *["", "## Formula", "", *flops.formula(peak)],
     ]
@@ -383,6 +389,35 @@ def kernels_table(r: dict, preset: dict, stamp: str) -> list[str]:
         "there): by-tree against the dense mask.",
         "",
     ]
+
+
+def compiled_table(r: dict, preset: dict, stamp: str) -> list[str]:
+    """kto-pipeline's training with --torch-compile against without, on the same cache and steps."""
+    eager, compiled = r["ours_train"], r[COMPILED]
+    lines = ["", "## `--torch-compile` (kto-pipeline's training)", "", f"- date: {stamp} (the run above)", ""]
+    if "failed" in compiled:
+        return [*lines, f"- the compiled run failed: {compiled['failed']}", ""]
+    a, b = (_column(res, r["ours_precompute"], preset["batch"], None, None) for res in (eager, compiled))
+    c = compiled["compile"]
+    rows = [("kernel that ran", eager["kernel"], compiled["kernel"], "")]
+    rows.append((f"train step (s), median of steps 2..{preset['steps']}", f"{a['step']:.4f}", f"{b['step']:.4f}"))
+    rows[-1] += (f"{a['step'] / b['step']:.2f}x",)
+    rows.append(("train, peak memory (MiB)", f"{a['train_peak_mib']:.0f}", f"{b['train_peak_mib']:.0f}", ""))
+    rows.append(
+        (
+            "first step (s), compiling included",
+            f"{eager['step_seconds'][0]:.2f}",
+            f"{compiled['step_seconds'][0]:.2f}",
+            "",
+        )
+    )
+    compile_text = (
+        f"{c['graphs']} graphs, {c['graph_breaks']} graph breaks, {c['recompiles']} recompiles, {c['seconds']:.1f} s"
+    )
+    rows.append(("compile (trainer_state.json)", "-", compile_text, ""))
+    header = "| measurement | eager | --torch-compile | eager / compiled |"
+    note = "On a CPU the compiled run attends on the dense mask (by tree, attention's calls follow the trees)."
+    return [*lines, *table(header, rows), "", note, ""]
 
 
 def goals(cols: dict, cuda: bool, stamp: str) -> list[str]:
@@ -438,6 +473,7 @@ def main() -> None:
     data = build_data(work / "data.jsonl", preset)
     fresh_runs(work)  # measure from scratch: no case may reuse a cache from an earlier run
     r = {name: gpu_worker(name, work, args, preset) for name in OURS_CASES}
+    r[COMPILED] = gpu_worker(COMPILED, work, args, preset, must_succeed=False)
     for name in TRL_CASES:
         skip = liger_unavailable(args.device) if name == "trl_liger" else None
         if skip:
