@@ -20,9 +20,8 @@ from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.models import COMPILED_LAYERS, backbone_of
 
 
-def compile_layers(model) -> tuple[int, int]:
-    """Compile each decoder layer of `model` (`backbone.layers`) in place; (layers, regions: the distinct layer
-    forwards compiled, each once for every layer of its kind)."""
+def compile_layers(model) -> CompileStats:
+    """Compile each decoder layer of `model` (`backbone.layers`) in place; Dynamo's counters from then on."""
     backbone = backbone_of(model)
     layers = getattr(backbone, "layers", None)
     if layers is None or len(layers) == 0:
@@ -30,10 +29,11 @@ def compile_layers(model) -> tuple[int, int]:
             f"--torch-compile: {type(model).__name__} has no decoder layers (`layers` of its backbone) to compile; "
             "run without --torch-compile"
         )
+    stats = CompileStats(len(layers), len({type(layer).forward for layer in layers}))
     for layer in layers:
         layer.compile()
     setattr(backbone, COMPILED_LAYERS, True)
-    return len(layers), len({type(layer).forward for layer in layers})
+    return stats
 
 
 def _counts() -> dict[str, float]:
@@ -48,11 +48,12 @@ def _counts() -> dict[str, float]:
 
 
 class CompileStats:
-    """Dynamo's counters from now on (a process may compile before: FlexAttention's kernel, another stage)."""
+    """Dynamo's counters from its making on (a process may compile before: FlexAttention's kernel, another stage).
+    `regions`: the distinct layer forwards compiled, each once for every layer of its kind."""
 
-    def __init__(self, model):
+    def __init__(self, layers: int, regions: int):
+        self.layers, self.regions = layers, regions
         self.start = _counts()
-        self.layers, self.regions = compile_layers(model)
 
     def __str__(self) -> str:
         return f"torch.compile: {self.layers} decoder layers, {self.regions} compiled region(s)"

@@ -73,7 +73,7 @@ class Reference:
     scorer: Any  # the scoring forward: a ReferenceScorer (the FSDP2 root when sharded), or ZeRO-3's engine
     regime: Regime  # weights dtype and autocast
     attention_kernel: str  # how packed rows attend (`attention.attention_kernel`)
-    compiled: Any = None  # with --torch-compile: a CompileStats from before the layers were compiled
+    compiled: Any = None  # with --torch-compile: `compiled.CompileStats`, Dynamo's counters since the compile
 
 
 @dataclass

@@ -39,7 +39,7 @@ from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.manifest import Manifest, fingerprint_diff, new_manifest
 from kto_pipeline.models import load_model, load_tokenizer
-from kto_pipeline.runtime.compiled import CompileStats
+from kto_pipeline.runtime.compiled import compile_layers
 from kto_pipeline.runtime.engines import engine_for
 from kto_pipeline.runtime.launch import print0, process_state
 from kto_pipeline.runtime.peak_memory import PeakMemory
@@ -331,7 +331,7 @@ def load_reference(run: Pass) -> None:
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(model)
     kernel, kernel_note = request_attention_kernel(model, config.attention_kernel, state.device)
-    compiled = CompileStats(model) if config.torch_compile else None
+    compiled = compile_layers(model) if config.torch_compile else None
     if compiled:
         print0(state, str(compiled))
     scorer = run.engine.prepare_scorer(ReferenceScorer(model), model, regime, state.device)

@@ -53,7 +53,7 @@ from kto_pipeline.rundir import (
     finished_at,
     start_run,
 )
-from kto_pipeline.runtime.compiled import CompileStats
+from kto_pipeline.runtime.compiled import CompileStats, compile_layers
 from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.launch import launched_processes, print0, process_state, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
@@ -182,7 +182,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     if padded_because is None:  # (asked of the model in training mode, as its steps will run)
         kernel, kernel_note = request_attention_kernel(model.train(), config.attention_kernel, accelerator.device)
         print0(accelerator, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
-    compiled = CompileStats(model) if config.torch_compile else None
+    compiled = compile_layers(model) if config.torch_compile else None
     if compiled:
         print0(accelerator, str(compiled))
     sampler, loader, eval_loader = _loaders(
