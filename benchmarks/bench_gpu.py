@@ -16,9 +16,11 @@ max_length, optimizer and precision, gradient checkpointing off; each tool pairs
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.metadata
 import importlib.util
+import json
 import os
 import platform
 import random
@@ -41,6 +43,16 @@ GOALS = dict(step_speedup=1.5, memory_ratio=0.6, mfu=0.40)
 OURS_CASES = ("ours_precompute", "ours_train", "ours_precompute_dense", "ours_train_dense")
 COMPILED = "ours_train_compiled"  # --torch-compile on the default kernel's cache (a CPU: the dense mask, see below)
 TRL_CASES = ("trl_online", "trl_precomputed", "trl_liger")
+# the step-1 check, run first: (attention kernel asked, --torch-compile) with both stages in one regime (float32
+# weights under bf16 autocast on CUDA), 64 rows, one step of 8; "auto" is the block mask on a GPU, by tree on a CPU
+STEP_ONE = {
+    "step_one_default": ("auto", False),
+    "step_one_default_compiled": ("auto", True),
+    "step_one_by_tree": ("by-tree", False),
+    "step_one_dense": ("dense", False),
+}
+STEP_ONE_ROWS, STEP_ONE_BATCH = 64, 8
+STEP_ONE_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl")
 LABELS = {
     "ours": "kto-pipeline",
     "trl_online": "trl online",
@@ -178,7 +190,29 @@ def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> d
     return result
 
 
+def step_one_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
+    """Both stages on the first STEP_ONE_ROWS rows in one precision regime, then one training step: at step 1 the
+    policy is the reference, so its rewards and KL are 0 where both stages compute each sequence alike."""
+    from kto_pipeline import PrecomputeConfig, precompute, train
+
+    asked, compiled = STEP_ONE[name]
+    data = out / "data.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join((work / "data.jsonl").read_text().splitlines(keepends=True)[:STEP_ONE_ROWS]))
+    bf16, ml = device == "cuda", preset["max_length"]
+    common = dict(bf16=bf16, attention_kernel=asked, torch_compile=compiled)
+    config = PrecomputeConfig(model=str(work / "model"), dataset=str(data), output=str(out / "cache"), max_length=ml)
+    cache = precompute(dataclasses.replace(config, overwrite=True, **OURS_PRECOMPUTE, **common))
+    settings = dict(batch=STEP_ONE_BATCH, steps=1, learning_rate=LEARNING_RATE, beta=BETA, **common)
+    train(harness.ours_train_config(cache, out / "run", **settings))
+    first = json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    manifest, state = json.loads((cache / "manifest.json").read_text()), harness.trainer_state(out / "run")
+    kernels = f"{manifest['reference_pass'].get('attention_kernel')} / {state.get('attention_kernel')}"
+    return dict(step_one={k: first[k] for k in STEP_ONE_KEYS}, kernel=kernels, precision=state.get("precision"))
+
+
 WORKERS = dict.fromkeys((*OURS_CASES, COMPILED), ours_worker) | dict.fromkeys(TRL_CASES, trl_worker)
+WORKERS |= dict.fromkeys(STEP_ONE, step_one_worker)
 
 
 def worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
@@ -311,6 +345,23 @@ def measurements(steps: int) -> list[tuple[str, str, str]]:
     ]
 
 
+def provenance(args, r: dict, preset: dict, flops: Flops, seconds: float, stamp: str) -> list[str]:
+    """A report's first lines: command, date, device, versions, model."""
+    name = next((v["device_name"] for v in r.values() if "device_name" in v), "unknown")
+    make = " (`make bench-gpu`)" if args.device == "cuda" and args.preset == "qwen2-0.5b" else ""
+    return [
+        f"- command: `{command_line(args.argv)}`{make}",
+        f"- date: {stamp}; total benchmark time {seconds:.0f} s",
+        f"- device: {name} ({args.device}); {platform.system()} {platform.machine()}, "
+        f"Python {platform.python_version()}",
+        f"- versions: {harness.versions('kto-pipeline', 'torch', 'transformers', 'trl')}{_liger_version()}",
+        f"- model: Qwen2 with random weights, hidden {preset['hidden']}, {preset['layers']} layers, "
+        f"{preset['heads']} heads ({preset['kv_heads']} KV), intermediate {preset['intermediate']}, vocab "
+        f"{preset['vocab']}, tied embeddings {preset['tie_word_embeddings']}, rope_theta {preset['rope_theta']:g}: "
+        f"{flops.n_non_embedding / 1e6:.1f}M non-embedding parameters",
+    ]
+
+
 def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, peak: float | None, seconds) -> str:
     cuda = args.device == "cuda"
 
@@ -325,22 +376,12 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
             return "n/a"
         return format(value * 100 if key.endswith("mfu") else value, fmt)
 
-    name = next((v["device_name"] for v in r.values() if "device_name" in v), "unknown")
     stamp = utc_stamp()
-    make = " (`make bench-gpu`)" if cuda and args.preset == "qwen2-0.5b" else ""
     rows = ((label, *(cell(c, k, f) for c in LABELS)) for label, k, f in measurements(preset["steps"]))
     lines = [
         f"# GPU benchmark: kto-pipeline vs trl.KTOTrainer ({args.preset})",
         "",
-        f"- command: `{command_line(args.argv)}`{make}",
-        f"- date: {stamp}; total benchmark time {seconds:.0f} s",
-        f"- device: {name} ({args.device}); {platform.system()} {platform.machine()}, "
-        f"Python {platform.python_version()}",
-        f"- versions: {harness.versions('kto-pipeline', 'torch', 'transformers', 'trl')}{_liger_version()}",
-        f"- model: Qwen2 with random weights, hidden {preset['hidden']}, {preset['layers']} layers, "
-        f"{preset['heads']} heads ({preset['kv_heads']} KV), intermediate {preset['intermediate']}, vocab "
-        f"{preset['vocab']}, tied embeddings {preset['tie_word_embeddings']}, rope_theta {preset['rope_theta']:g}: "
-        f"{flops.n_non_embedding / 1e6:.1f}M non-embedding parameters",
+        *provenance(args, r, preset, flops, seconds, stamp),
         f"- data: {preset['rows']} unpaired rows of random characters (1 token each), labels alternating; lengths "
         f"from the {data['source_pairs']} bundled HH-RLHF pairs' chosen and rejected answers (chat template, mean "
         f"{data['source_mean']:.0f} / max {data['source_max']} tokens) scaled by {data['scale']:.3f} to max_length "
@@ -356,6 +397,7 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
         "",
         "trl online's reference model runs inside every training step (no reference pass). Needed tokens count each "
         "prompt once (P + C + K a row), for every tool alike.",
+        *step_one_table(r, preset, stamp, cuda),
         *kernels_table(r, preset, stamp),
         *compiled_table(r, preset, stamp),
         *goals(cols, cuda, stamp),
@@ -420,6 +462,32 @@ def compiled_table(r: dict, preset: dict, stamp: str) -> list[str]:
     return [*lines, *table(header, rows), "", note, ""]
 
 
+def step_one_table(r: dict, preset: dict, stamp: str, cuda: bool) -> list[str]:
+    """The step-1 check: every reward and the KL at step 1, by kernel and compile, "exact" where all are 0."""
+    regime = "float32 weights under bf16 autocast" if cuda else "float32"
+    rows = []
+    for name, (asked, compiled) in STEP_ONE.items():
+        res, label = r[name], f"{asked}{', --torch-compile' if compiled else ''}"
+        if "failed" in res:
+            rows.append((label, "-", *(["-"] * len(STEP_ONE_KEYS)), f"failed: {res['failed']}"))
+            continue
+        values = [res["step_one"][k] for k in STEP_ONE_KEYS]
+        exact = "yes" if all(v == 0 for v in values) else "NO"
+        rows.append((label, res["kernel"], *(f"{v:.3g}" for v in values), exact))
+    header = harness.md_row("--attention-kernel", "kernel that ran (precompute / train)", *STEP_ONE_KEYS, "exactly 0")
+    rows_used = min(STEP_ONE_ROWS, preset["rows"])
+    return [
+        "",
+        "## Step 1 is the reference: the check run first",
+        "",
+        f"- date: {stamp}; both stages in one regime ({regime}), the first {rows_used} rows, one step of "
+        f"{STEP_ONE_BATCH} rows (KTO), the model and data above",
+        "",
+        *table(header, rows),
+        "",
+    ]
+
+
 def goals(cols: dict, cuda: bool, stamp: str) -> list[str]:
     ours, speedup, memory, mfu = cols["ours"], GOALS["step_speedup"], GOALS["memory_ratio"], GOALS["mfu"]
     trl_steps = {c: cols[c]["step"] for c in TRL_CASES if "step" in cols[c]}
@@ -452,6 +520,8 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen2-0.5b", choices=sorted(harness.GPU_PRESETS))
     parser.add_argument("--batch", type=int, default=None, help="rows per step, every case (default: the preset's)")
     parser.add_argument("--steps", type=int, default=None, help="training steps, every case (default: the preset's)")
+    check_help = "only the step-1 check (every kernel, eager and compiled), written to --results alone"
+    parser.add_argument("--check-only", action="store_true", help=check_help)
     peak_help = "The device's peak for MFU (bf16 dense)"
     parser.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help=peak_help)
     args = parser.parse_args()
@@ -472,7 +542,13 @@ def main() -> None:
     harness.random_qwen2(work / "model", preset)
     data = build_data(work / "data.jsonl", preset)
     fresh_runs(work)  # measure from scratch: no case may reuse a cache from an earlier run
-    r = {name: gpu_worker(name, work, args, preset) for name in OURS_CASES}
+    r = {name: gpu_worker(name, work, args, preset, must_succeed=False) for name in STEP_ONE}
+    if args.check_only:
+        stamp, seconds = utc_stamp(), time.perf_counter() - started
+        head = [f"# GPU step-1 check ({args.preset})", "", *provenance(args, r, preset, Flops(preset), seconds, stamp)]
+        harness.publish("\n".join([*head, *step_one_table(r, preset, stamp, args.device == "cuda")]), args.results)
+        return
+    r |= {name: gpu_worker(name, work, args, preset) for name in OURS_CASES}
     r[COMPILED] = gpu_worker(COMPILED, work, args, preset, must_succeed=False)
     for name in TRL_CASES:
         skip = liger_unavailable(args.device) if name == "trl_liger" else None
