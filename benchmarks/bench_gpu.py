@@ -196,6 +196,8 @@ def step_one_worker(name: str, work: Path, preset: dict, device: str, out: Path)
     from kto_pipeline import PrecomputeConfig, precompute, train
 
     asked, compiled = STEP_ONE[name]
+    if compiled and device == "cpu":
+        asked = "dense"  # as COMPILED: by tree, attention's calls and shapes follow the trees, a graph each
     data = out / "data.jsonl"
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text("".join((work / "data.jsonl").read_text().splitlines(keepends=True)[:STEP_ONE_ROWS]))

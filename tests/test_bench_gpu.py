@@ -64,6 +64,10 @@ def test_bench_gpu_tiny_on_cpu(tmp_path):
     for label in ("reference pass, needed tokens/s", "train step (s), median of steps 2..3"):
         assert all(NUMBER.match(c) and float(c) > 0 for c in kernels[label][:2]), kernels[label]
     assert rows["train step (s), median of steps 2..3"][liger].startswith("skipped:")
+    # the step-1 check, run first: on the CPU, by tree in float32, both stages compute each sequence alike
+    check = table_rows(text.split("## Step 1 is the reference: the check run first")[1])
+    assert check["by-tree"][0] == "by-tree / by-tree" and check["by-tree"][-1] == "yes", check
+    assert check["auto, --torch-compile"][0] == "dense / dense", check
     # the goals, the formula and the run's provenance are written beside the numbers
     for needle in ("## Against the goals", "faster than trl's best setting", "<= 0.6x trl online", "MFU >= 40%"):
         assert needle in text
