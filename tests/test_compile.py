@@ -61,3 +61,80 @@ def test_compiled_layers_give_the_eager_numbers(tmp_path):
     assert state["compile"]["graph_breaks"] == 0 and state["compile"]["recompiles"] <= 3, state["compile"]
     assert 1 <= state["compile"]["graphs"] <= 4 and state["compile"]["seconds"] > 0, state["compile"]
     assert "compile" not in json.loads((runs["eager"] / "trainer_state.json").read_text())
+
+
+def _tiny(tmp_path, layers: int = 4):
+    from kto_pipeline import PrecomputeConfig, precompute
+    from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
+
+    model_dir = tmp_path / "model"
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(tokenizer, num_layers=layers).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = write_jsonl(tmp_path / "data.jsonl", unpaired_rows(16))
+    config = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / "cache"), max_length=64)
+    return precompute(config)
+
+
+def test_compiling_that_fails_runs_eagerly_with_the_eager_numbers(tmp_path, monkeypatch, capsys):
+    """A backend that cannot build the layer's kernels: the run says why, runs eagerly (the key/value cache kept
+    again), records `eager_fallback`, and its numbers are the eager run's, exactly."""
+    import torch
+
+    from kto_pipeline import train
+    from kto_pipeline.runtime import compiled
+
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("this backend builds no kernels")
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "BACKEND", failing_backend)
+    cache = _tiny(tmp_path)
+    runs = {}
+    for name, asked in (("eager", False), ("failed", True)):
+        runs[name] = tmp_path / name
+        train(train_config(cache, runs[name], max_steps=2, attention_kernel="dense", torch_compile=asked))
+    out = capsys.readouterr().out
+    assert "compiling the decoder layer failed; running eagerly" in out and "this backend builds no kernels" in out
+    state = json.loads((runs["failed"] / "trainer_state.json").read_text())
+    assert "this backend builds no kernels" in state["compile"]["eager_fallback"], state["compile"]
+    assert state["kl_forward"] == json.loads((runs["eager"] / "trainer_state.json").read_text())["kl_forward"]
+    for a, b in zip(read_metrics(runs["failed"]), read_metrics(runs["eager"]), strict=True):
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "kl"):
+            assert a[key] == b[key], key
+    torch._dynamo.reset()
+
+
+def test_passing_the_recompile_limit_is_said_with_its_reason(tmp_path, monkeypatch, capsys):
+    """Past torch's recompile limit new shapes run eagerly: the log and trainer_state.json say so, with the guard
+    that failed (here the grad mode: the KL completions' forward runs without gradients)."""
+    import torch
+
+    from kto_pipeline import train
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    cache = _tiny(tmp_path)
+    train(train_config(cache, tmp_path / "run", max_steps=2, attention_kernel="dense", torch_compile=True))
+    out = capsys.readouterr().out
+    assert "recompiled past torch's recompile limit" in out, out[-2000:]
+    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
+    assert state["compile"]["recompile_limit"], state["compile"]
+    torch._dynamo.reset()
+
+
+def test_unset_compiles_training_on_cuda_only_and_a_model_without_layers_runs_eagerly():
+    import torch
+
+    from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
+    from kto_pipeline.runtime.compiled import TRAIN_COMPILES_ON, compile_layers
+
+    said = []
+    model = build_tiny_model(build_char_tokenizer())
+    assert compile_layers(model, None, torch.device("cpu"), said.append, TRAIN_COMPILES_ON) is None
+    assert compile_layers(model, None, torch.device("cuda"), said.append) is None  # precompute: only when asked
+    stats = compile_layers(model, None, torch.device("cuda"), said.append, TRAIN_COMPILES_ON)
+    assert stats is not None and said[-1].endswith("(on by default on cuda; --no-torch-compile runs eagerly)")
+    model.model.layers = torch.nn.ModuleList()
+    assert compile_layers(model, True, torch.device("cpu"), said.append) is None
+    assert "has no decoder layers" in said[-1] and said[-1].endswith("running eagerly")

@@ -103,7 +103,7 @@ class PrecomputeConfig(ConfigMixin):
         ),
     )
     attention_kernel: str = field(default="auto", **described(ATTENTION_KERNEL_HELP, panel=REFERENCE_PASS))
-    torch_compile: bool = field(default=False, **described(TORCH_COMPILE_HELP, panel=REFERENCE_PASS))
+    torch_compile: bool | None = field(default=None, **described(TORCH_COMPILE_HELP, panel=REFERENCE_PASS))
     shard_size: int = field(default=2048, **described("Rows per Arrow shard.", panel=OUTPUT))
     revision: str | None = field(
         default=None, **described("Model revision (branch, tag or commit) on the hub.", panel=MODEL)

@@ -206,7 +206,7 @@ class TrainConfig(ConfigMixin):
         ),
     )
     attention_kernel: str = field(default="auto", **described(ATTENTION_KERNEL_HELP, panel=OPTIMISATION))
-    torch_compile: bool = field(default=False, **described(TORCH_COMPILE_HELP, panel=OPTIMISATION))
+    torch_compile: bool | None = field(default=None, **described(TORCH_COMPILE_HELP, panel=OPTIMISATION))
     save_total_limit: int | None = field(
         default=None, **described("Keep only the newest N checkpoints.", panel=CHECKPOINTS)
     )

@@ -15,5 +15,6 @@ model, step and save; it never tests which engine runs.
 TORCH_COMPILE_HELP = (
     "Compile the decoder layer once for every layer (torch.compile, by region): fewer ops dispatched a step. The "
     "first steps pay the compile, and training's KL completions run with their prompts again (no key/value cache in "
-    "a compiled layer). Off by default: on the CPU its steps were slower; on GPUs it was never run."
+    "a compiled layer). Unset: train compiles on CUDA GPUs (measured 2x faster steps on an H100) and not on the CPU "
+    "(slower there); precompute only when asked. Where compiling fails the run says why and runs eagerly."
 )

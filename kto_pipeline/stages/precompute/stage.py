@@ -331,9 +331,7 @@ def load_reference(run: Pass) -> None:
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(model)
     kernel, kernel_note = request_attention_kernel(model, config.attention_kernel, state.device)
-    compiled = compile_layers(model) if config.torch_compile else None
-    if compiled:
-        print0(state, str(compiled))
+    compiled = compile_layers(model, config.torch_compile, state.device, lambda message: print0(state, message))
     scorer = run.engine.prepare_scorer(ReferenceScorer(model), model, regime, state.device)
     run.reference = Reference(model, weights_hash, scorer, regime, kernel, compiled)
     run.peaks.loaded()  # the model read, then sharded or partitioned: loading's peak

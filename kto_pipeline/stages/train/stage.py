@@ -17,6 +17,7 @@ loss family (its cache, items, forward pass, metrics and evaluation) is asked of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import shutil
 import time
@@ -53,7 +54,7 @@ from kto_pipeline.rundir import (
     finished_at,
     start_run,
 )
-from kto_pipeline.runtime.compiled import CompileStats, compile_layers
+from kto_pipeline.runtime.compiled import TRAIN_COMPILES_ON, CompileStats, compile_layers
 from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.launch import launched_processes, print0, process_state, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
@@ -182,9 +183,8 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     if padded_because is None:  # (asked of the model in training mode, as its steps will run)
         kernel, kernel_note = request_attention_kernel(model.train(), config.attention_kernel, accelerator.device)
         print0(accelerator, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
-    compiled = compile_layers(model) if config.torch_compile else None
-    if compiled:
-        print0(accelerator, str(compiled))
+    say = functools.partial(print0, accelerator)
+    compiled = compile_layers(model, config.torch_compile, accelerator.device, say, TRAIN_COMPILES_ON)
     sampler, loader, eval_loader = _loaders(
         config, objective, cache, max_length, accelerator, tokenizer, model, padded_because
     )
