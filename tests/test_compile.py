@@ -13,6 +13,16 @@ from helpers import read_metrics, train_config, unpaired_rows, write_jsonl
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from nothing: graphs another test (or file) compiled in this process are not reused."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _cache_values(cache) -> dict:
     from kto_pipeline.cache import open_cache
 
@@ -79,7 +89,6 @@ def _tiny(tmp_path, layers: int = 4):
 def test_compiling_that_fails_runs_eagerly_with_the_eager_numbers(tmp_path, monkeypatch, capsys):
     """A backend that cannot build the layer's kernels: the run says why, runs eagerly (the key/value cache kept
     again), records `eager_fallback`, and its numbers are the eager run's, exactly."""
-    import torch
 
     from kto_pipeline import train
     from kto_pipeline.runtime import compiled
@@ -87,7 +96,6 @@ def test_compiling_that_fails_runs_eagerly_with_the_eager_numbers(tmp_path, monk
     def failing_backend(graph, example_inputs):
         raise RuntimeError("this backend builds no kernels")
 
-    torch._dynamo.reset()
     monkeypatch.setattr(compiled, "BACKEND", failing_backend)
     cache = _tiny(tmp_path)
     runs = {}
@@ -102,25 +110,22 @@ def test_compiling_that_fails_runs_eagerly_with_the_eager_numbers(tmp_path, monk
     for a, b in zip(read_metrics(runs["failed"]), read_metrics(runs["eager"]), strict=True):
         for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "kl"):
             assert a[key] == b[key], key
-    torch._dynamo.reset()
 
 
-def test_passing_the_recompile_limit_is_said_with_its_reason(tmp_path, monkeypatch, capsys):
+def test_passing_the_recompile_limit_is_said_with_its_reason(tmp_path, capsys):
     """Past torch's recompile limit new shapes run eagerly: the log and trainer_state.json say so, with the guard
     that failed (here the grad mode: the KL completions' forward runs without gradients)."""
     import torch
 
     from kto_pipeline import train
 
-    torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     cache = _tiny(tmp_path)
-    train(train_config(cache, tmp_path / "run", max_steps=2, attention_kernel="dense", torch_compile=True))
+    with torch._dynamo.config.patch(recompile_limit=1):
+        train(train_config(cache, tmp_path / "run", max_steps=2, attention_kernel="dense", torch_compile=True))
     out = capsys.readouterr().out
     assert "recompiled past torch's recompile limit" in out, out[-2000:]
     state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
     assert state["compile"]["recompile_limit"], state["compile"]
-    torch._dynamo.reset()
 
 
 def test_unset_compiles_training_on_cuda_only_and_a_model_without_layers_runs_eagerly():
@@ -138,3 +143,28 @@ def test_unset_compiles_training_on_cuda_only_and_a_model_without_layers_runs_ea
     model.model.layers = torch.nn.ModuleList()
     assert compile_layers(model, True, torch.device("cpu"), said.append) is None
     assert "has no decoder layers" in said[-1] and said[-1].endswith("running eagerly")
+
+
+@pytest.mark.parametrize("kernel", ["by-tree", "dense"])
+def test_compiled_layers_score_packed_as_padded_and_as_full_logits(kernel, monkeypatch):
+    """The packed layout through compiled layers (prompts shared, trees side by side in rows) gives the eager model's
+    full-logits log-probs, as the padded sequences through the same compiled layers do."""
+    import torch
+    from test_packing import ATOL, assert_same, full_logits_logps, make_model, padded_logps, random_trees
+
+    from kto_pipeline.runtime.compiled import compile_layers
+    from kto_pipeline.scoring import attention
+    from kto_pipeline.scoring.logprobs import score_layout
+    from kto_pipeline.scoring.packing import layout_trees
+
+    model = make_model("llama")
+    trees = random_trees(7)
+    want = full_logits_logps(model, trees)  # eager, before compiling
+    assert compile_layers(model, True, torch.device("cpu"), print) is not None
+    attention.request_attention_kernel(model, kernel, torch.device("cpu"))
+    assert_same(padded_logps(model, trees), want)
+    layout = layout_trees(trees, rows=[[0, 1, 2], [3], [4, 5, 6]], pad_id=5)
+    with torch.no_grad():
+        scores = score_layout(model, layout, chunk_size=5)
+    assert_same(scores.per_sequence(), want)
+    torch.testing.assert_close(scores.logps, torch.stack([w.sum() for w in want]), atol=10 * ATOL, rtol=0)

@@ -244,14 +244,16 @@ COMPARED = [
     scope="module",
     # (gradient_accumulation_steps, max_steps): 24 rows / batch 4 = 6 forward passes per epoch, so the second
     # case averages the logged loss over 2 forward passes and runs into a second epoch
-    params=[(1, 3), (2, 4)],
-    ids=["accumulation1", "accumulation2"],
+    # the third: both of our stages with compiled decoder layers (--torch-compile), attending on the dense mask
+    params=[(1, 3, False), (2, 4, False), (1, 3, True)],
+    ids=["accumulation1", "accumulation2", "compiled"],
 )
 def training_logs(request, tiny_model_dir, tmp_path_factory):
     """(ours, trl's) per-step logs of the same apo_zero_unpaired run: sequential order, same optimizer settings."""
     from torch.utils.data import SequentialSampler
 
-    accumulation, max_steps = request.param
+    accumulation, max_steps, compiled = request.param
+    ours_only = dict(torch_compile=True, attention_kernel="dense") if compiled else {}
     work = tmp_path_factory.mktemp("train-parity")
     max_length = 64  # truncates the long completions of unpaired_rows
     data_file = write_jsonl(work / "data.jsonl", unpaired_rows(24))
@@ -279,6 +281,7 @@ def training_logs(request, tiny_model_dir, tmp_path_factory):
             output=str(work / "cache"),
             max_length=max_length,
             dtype="float32",
+            **ours_only,
         )
     )
     train(
@@ -291,6 +294,7 @@ def training_logs(request, tiny_model_dir, tmp_path_factory):
             bf16=False,
             train_sampling_strategy="sequential",
             **settings,
+            **ours_only,
         )
     )
     ours = [json.loads(line) for line in (work / "ours" / "metrics.jsonl").read_text().splitlines()]
