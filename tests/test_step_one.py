@@ -8,6 +8,8 @@ completion and its KL completion after its prompt, a pair loss's training lays a
 (`scoring/attention.py`). The tiny model's weights are scaled (conftest's `scaled_model_dir`) so that precision
 shows; tests/test_real_model.py checks the same on SmolLM2 in bf16."""
 
+import dataclasses
+
 import pytest
 from helpers import paired_conversational_rows, read_metrics, train_config, write_jsonl
 
@@ -53,3 +55,21 @@ def test_step_one_is_exactly_the_reference(tmp_path, caches, cache, loss_type):
         assert first["kl"] == 0.0, first
     else:
         assert first["rewards/accuracies"] == 0.0, first  # trl's at step 1: no margin is above 0
+
+
+def test_step_one_is_exactly_the_reference_with_both_stages_compiled_in_bf16(tmp_path, scaled_model_dir):
+    """`--torch-compile` in both stages, bf16 autocast, attention by tree: KTO and a pair loss on one cache. Small
+    forwards (attention by tree unrolls a forward's trees into the compiled layer's graph: compile time grows
+    with them)."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", paired_conversational_rows(6))
+    config = PrecomputeConfig(
+        model=str(scaled_model_dir), dataset=str(data), output=str(tmp_path / "cache"), max_length=512
+    )
+    cache = precompute(dataclasses.replace(config, bf16=True, torch_compile=True, batch_size=4))
+    for loss_type, batch in (("kto", 4), ("sigmoid", 2)):
+        settings = dict(loss_type=loss_type, per_device_train_batch_size=batch, max_steps=1, learning_rate=1e-6)
+        train(train_config(cache, tmp_path / loss_type, bf16=True, torch_compile=True, **settings))
+        first = read_metrics(tmp_path / loss_type)[0]
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert first[key] == 0.0, (loss_type, key, first)
+        assert first["kl"] == 0.0 if loss_type == "kto" else first["rewards/accuracies"] == 0.0, first
