@@ -55,7 +55,14 @@ STEP_ONE = {
     "step_one_dense": ("dense", False),
 }
 STEP_ONE_ROWS, STEP_ONE_BATCH = 64, 8
-STEP_ONE_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl")
+STEP_ONE_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
+
+
+def step_one_keys(preset: dict) -> tuple[str, ...]:
+    """The step-1 metrics the check reads: the rewards, then KTO's KL or a pair loss's accuracy (trl's: 0)."""
+    return (*STEP_ONE_KEYS, "rewards/accuracies" if pairs(preset) else "kl")
+
+
 LABELS = {
     "ours": "kto-pipeline",
     "trl_online": "trl online",
@@ -93,22 +100,44 @@ def hh_rlhf_lengths() -> list[tuple[int, int]]:
 
 def build_data(path: Path, preset: dict) -> dict:
     """Unpaired rows of random characters (a token each; both tools append EOS), labels alternating, lengths drawn
-    from HH-RLHF's scaled so that the sample's longest prompt + completion is max_length."""
+    from HH-RLHF's scaled so that the sample's longest prompt + completion is max_length; for a pair loss, pairs
+    (prompt, chosen, rejected) with one HH-RLHF pair's lengths each."""
     real, max_length = hh_rlhf_lengths(), preset["max_length"]
     totals = [p + c for p, c in real]
     scale = max_length / max(totals)
     rng = random.Random(0)
     lengths, rows = [], []
+
+    def chars(n: int) -> str:
+        return "".join(rng.choices(ALPHABET, k=n))
+
     for i in range(preset["rows"]):
-        p, c = rng.choice(real)
-        prompt = max(1, round(p * scale))
-        completion = min(max(2, round(c * scale)), max_length - prompt)  # tokens, EOS included
-        lengths.append(prompt + completion)
-        text = "".join(rng.choices(ALPHABET, k=prompt))
-        rows.append(dict(prompt=text, completion="".join(rng.choices(ALPHABET, k=completion - 1)), label=i % 2 == 0))
+        pair = rng.randrange(len(real) // 2)
+        prompt = max(1, round(real[2 * pair][0] * scale))
+        answers = [min(max(2, round(c * scale)), max_length - prompt) for _, c in real[2 * pair : 2 * pair + 2]]
+        lengths += [prompt + a for a in (answers if pairs(preset) else answers[:1])]  # tokens, EOS included
+        if pairs(preset):
+            rows.append(dict(prompt=chars(prompt), chosen=chars(answers[0] - 1), rejected=chars(answers[1] - 1)))
+        else:
+            rows.append(dict(prompt=chars(prompt), completion=chars(answers[0] - 1), label=i % 2 == 0))
     harness.write_jsonl(path, rows)
     source = dict(source_pairs=len(real) // 2, source_mean=statistics.mean(totals), source_max=max(totals))
     return dict(source, scale=scale, mean=statistics.mean(lengths), median=statistics.median(lengths), max=max(lengths))
+
+
+def pairs(preset: dict) -> bool:
+    """Whether the run trains a pair loss (trl.DPOTrainer's), on pairs, against trl's DPOTrainer."""
+    return preset["loss_type"] != "kto"
+
+
+def trl_name(preset: dict) -> str:
+    return f"trl.DPOTrainer, loss {preset['loss_type']}" if pairs(preset) else "trl.KTOTrainer"
+
+
+def data_text(preset: dict) -> str:
+    if pairs(preset):
+        return f"{preset['rows']} pairs (prompt, chosen, rejected) of random characters (1 token each)"
+    return f"{preset['rows']} unpaired rows of random characters (1 token each), labels alternating"
 
 
 def peak_memory_mib(device: str) -> float:
@@ -135,6 +164,13 @@ def row_lengths(rows, max_length: int, kl: str = "kl_completion_ids") -> list[li
     return out
 
 
+def pair_lengths(work: Path, n: int | None = None) -> list[list[int]]:
+    """[P, C, R] of the first `n` pairs of the data (every pair: None): a token a character, EOS after an answer (no
+    truncation: build_data keeps each prompt + answer within max_length)."""
+    rows = [json.loads(line) for line in (work / "data.jsonl").read_text().splitlines()[:n]]
+    return [[len(r["prompt"]), len(r["chosen"]) + 1, len(r["rejected"]) + 1] for r in rows]
+
+
 def ours_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
     """kto-pipeline's reference pass (its time from the manifest) or its training on ours_precompute's cache: times,
     row lengths, peak memory and the attention kernel that ran."""
@@ -149,42 +185,50 @@ def ours_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> 
         paths = dict(model=str(work / "model"), dataset=str(work / "data.jsonl"), output=str(out), overwrite=True)
         dtype = "bfloat16" if device == "cuda" else "float32"
         config = PrecomputeConfig(**paths, max_length=ml, dtype=dtype, attention_kernel=asked, **OURS_PRECOMPUTE)
-        cache = open_cache(precompute(config))
+        cache = open_cache(precompute(dataclasses.replace(config, pairs_only=pairs(preset))))
         kernel = cache.manifest["reference_pass"].get("attention_kernel")
-        seconds, lengths = cache.manifest.timing["reference_pass_seconds"], row_lengths(cache.table, ml)
+        lengths = pair_lengths(work) if pairs(preset) else row_lengths(cache.table, ml)
+        seconds = cache.manifest.timing["reference_pass_seconds"]
         return dict(ref_seconds=seconds, ref_lengths=lengths, ref_peak_mib=peak_memory_mib(device), kernel=kernel)
     cache_dir = work / "runs" / "ours_precompute"
     rows = open_cache(cache_dir).table.slice(0, preset["steps"] * preset["batch"])
     reset_peak_memory(device)
     settings = dict(batch=preset["batch"], steps=preset["steps"], learning_rate=LEARNING_RATE, bf16=device == "cuda")
     settings |= dict(beta=BETA, attention_kernel=asked, torch_compile=(device != "cuda") if name == FLIPPED else None)
-    res = train(harness.ours_train_config(cache_dir, out, **settings))
+    res = train(harness.ours_train_config(cache_dir, out, loss_type=preset["loss_type"], **settings))
     result = dict(step_seconds=res.step_seconds, train_peak_mib=peak_memory_mib(device))
     state = harness.trainer_state(out)
     result |= dict(kernel=state.get("attention_kernel"), compile=state.get("compile"))
-    return dict(result, train_lengths=row_lengths(rows, ml))
+    n_train = preset["steps"] * preset["batch"]
+    return dict(result, train_lengths=pair_lengths(work, n_train) if pairs(preset) else row_lengths(rows, ml))
 
 
 def trl_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> dict:
     """trl_online / trl_precomputed / trl_liger: the reference pass where there is one, then the steps."""
-    from trl import KTOTrainer
+    from trl import DPOTrainer, KTOTrainer
 
     ml, n_train = preset["max_length"], preset["steps"] * preset["batch"]
     sync = torch.cuda.synchronize if device == "cuda" else None  # a reading includes the device's queued work
     timing: dict = {}
 
     def on_pass(seconds: float, dataset, *args, **kwargs) -> None:
-        timing.update(ref_seconds=seconds, ref_lengths=row_lengths(dataset, ml, "KL_completion_ids"))
+        lengths = pair_lengths(work) if pairs(preset) else row_lengths(dataset, ml, "KL_completion_ids")
+        timing.update(ref_seconds=seconds, ref_lengths=lengths)
 
-    time_calls(KTOTrainer, "_precompute_ref_logps", on_pass, synchronize=sync)
+    time_calls(DPOTrainer if pairs(preset) else KTOTrainer, "_precompute_ref_logps", on_pass, synchronize=sync)
     reset_peak_memory(device)
     # float32 weights (the optimizer's master copy), bf16 autocast on CUDA: as kto-pipeline's train
     run = dict(batch=preset["batch"], max_length=ml, precompute=name != "trl_online", bf16=device == "cuda")
     run |= dict(beta=BETA, learning_rate=LEARNING_RATE, max_steps=preset["steps"], use_liger_kernel=name == "trl_liger")
     run |= dict(precompute_ref_batch_size=preset["batch"], train_sampling_strategy="sequential", **harness.TRL_RUN)
+    if pairs(preset):
+        run |= dict(pairs=True, loss_type=[preset["loss_type"]])
     trainer = harness.trl_trainer(work / "model", work / "data.jsonl", out, **run)
     result = dict(timing, ref_peak_mib=peak_memory_mib(device)) if timing else {}
-    result["train_lengths"] = row_lengths(trainer.train_dataset[:n_train], ml, "KL_completion_ids")
+    if pairs(preset):
+        result["train_lengths"] = pair_lengths(work, n_train)
+    else:
+        result["train_lengths"] = row_lengths(trainer.train_dataset[:n_train], ml, "KL_completion_ids")
     timer = step_timer(synchronize=sync)
     trainer.add_callback(timer)
     reset_peak_memory(device)
@@ -207,13 +251,15 @@ def step_one_worker(name: str, work: Path, preset: dict, device: str, out: Path)
     bf16, ml = device == "cuda", preset["max_length"]
     common = dict(bf16=bf16, attention_kernel=asked, torch_compile=compiled)
     config = PrecomputeConfig(model=str(work / "model"), dataset=str(data), output=str(out / "cache"), max_length=ml)
-    cache = precompute(dataclasses.replace(config, overwrite=True, **OURS_PRECOMPUTE, **common))
+    config = dataclasses.replace(config, overwrite=True, pairs_only=pairs(preset), **OURS_PRECOMPUTE, **common)
+    cache = precompute(config)
     settings = dict(batch=STEP_ONE_BATCH, steps=1, learning_rate=LEARNING_RATE, beta=BETA, **common)
+    settings["loss_type"] = preset["loss_type"]
     train(harness.ours_train_config(cache, out / "run", **settings))
     first = json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[0])
     manifest, state = json.loads((cache / "manifest.json").read_text()), harness.trainer_state(out / "run")
     kernels = f"{manifest['reference_pass'].get('attention_kernel')} / {state.get('attention_kernel')}"
-    return dict(step_one={k: first[k] for k in STEP_ONE_KEYS}, kernel=kernels, precision=state.get("precision"))
+    return dict(step_one={k: first[k] for k in step_one_keys(preset)}, kernel=kernels, precision=state.get("precision"))
 
 
 WORKERS = dict.fromkeys((*OURS_CASES, FLIPPED), ours_worker) | dict.fromkeys(TRL_CASES, trl_worker)
@@ -242,7 +288,7 @@ def gpu_worker(name: str, work: Path, args, preset: dict, must_succeed: bool = T
     if args.device == "cpu":
         env |= {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"}
     flags = ["--preset", args.preset, "--device", args.device, "--batch", str(preset["batch"])]
-    flags += ["--steps", str(preset["steps"])]
+    flags += ["--steps", str(preset["steps"]), "--loss-type", preset["loss_type"]]
     return run_worker(Path(__file__), name, work, flags, env=env, must_succeed=must_succeed, width=18)
 
 
@@ -271,6 +317,7 @@ class Flops:
         self.n_lm_head = preset["vocab"] * preset["hidden"]
         self.n_non_embedding = all_params - embedding - (0 if preset["tie_word_embeddings"] else self.n_lm_head)
         self.n = self.n_non_embedding + self.n_lm_head
+        self.pairs = pairs(preset)
         self.layers, self.hidden = preset["layers"], preset["hidden"]
 
     def per_token(self, seq_len: int) -> float:
@@ -280,7 +327,10 @@ class Flops:
         return sum((p + c) * self.per_token(p + c) + k * self.per_token(p + k) for p, c, k in rows)
 
     def train(self, rows) -> float:
-        return sum(3 * (p + c) * self.per_token(p + c) + k * self.per_token(p + k) for p, c, k in rows)
+        """Forward + backward of P + C; the KL completion's forward alone (a pair loss: the rejected answer's forward
+        and backward too)."""
+        k_passes = 3 if self.pairs else 1
+        return sum(3 * (p + c) * self.per_token(p + c) + k_passes * k * self.per_token(p + k) for p, c, k in rows)
 
     def formula(self, peak: float | None) -> list[str]:
         if peak is None:
@@ -292,9 +342,20 @@ class Flops:
         return [
             "- MFU = model FLOPs of the needed tokens / wall seconds / peak: train step, the rows of steps 2..n over "
             f"their summed time; reference pass, every row over its time; peak = {peak_text}.",
-            "- per row (P prompt, C completion, K KL completion, each truncated at max_length): reference pass "
-            "(P + C) f(P + C) + K f(P + K); training step 3 (P + C) f(P + C) + K f(P + K) (policy forward + backward "
-            "of P + C, KL completion forward without grad), i.e. 6 N (P + C) + 2 N K plus attention.",
+            *(
+                [
+                    "- per pair (P prompt, C chosen, K rejected answer): reference pass (P + C) f(P + C) + K f(P + K); "
+                    "training step 3 (P + C) f(P + C) + 3 K f(P + K) (policy forward + backward of both), i.e. "
+                    "6 N (P + C + K) plus attention."
+                ]
+                if self.pairs
+                else [
+                    "- per row (P prompt, C completion, K KL completion, each truncated at max_length): reference "
+                    "pass (P + C) f(P + C) + K f(P + K); training step 3 (P + C) f(P + C) + K f(P + K) (policy "
+                    "forward + backward of P + C, KL completion forward without grad), i.e. 6 N (P + C) + 2 N K plus "
+                    "attention."
+                ]
+            ),
             f"- forward FLOPs of a token among L: f(L) = 2 N + 2 n_layers L d; N = {self.n / 1e6:.1f}M = "
             f"{self.n_non_embedding / 1e6:.1f}M non-embedding parameters + the LM head's {self.n_lm_head / 1e6:.1f}M "
             "(tied to the input embedding, but a vocab x hidden matmul per token); attention: QK^T and AV cost 4 d "
@@ -353,7 +414,7 @@ def measurements(steps: int) -> list[tuple[str, str, str]]:
 def provenance(args, r: dict, preset: dict, flops: Flops, seconds: float, stamp: str) -> list[str]:
     """A report's first lines: command, date, device, versions, model."""
     name = next((v["device_name"] for v in r.values() if "device_name" in v), "unknown")
-    make = " (`make bench-gpu`)" if args.device == "cuda" and args.preset == "qwen2-0.5b" else ""
+    make = " (`make bench-gpu`)" if args.device == "cuda" and args.preset == "qwen2-0.5b" and not pairs(preset) else ""
     return [
         f"- command: `{command_line(args.argv)}`{make}",
         f"- date: {stamp}; total benchmark time {seconds:.0f} s",
@@ -384,10 +445,10 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
     stamp = utc_stamp()
     rows = ((label, *(cell(c, k, f) for c in LABELS)) for label, k, f in measurements(preset["steps"]))
     lines = [
-        f"# GPU benchmark: kto-pipeline vs trl.KTOTrainer ({args.preset})",
+        f"# GPU benchmark: kto-pipeline vs {trl_name(preset)} ({args.preset})",
         "",
         *provenance(args, r, preset, flops, seconds, stamp),
-        f"- data: {preset['rows']} unpaired rows of random characters (1 token each), labels alternating; lengths "
+        f"- data: {data_text(preset)}; lengths "
         f"from the {data['source_pairs']} bundled HH-RLHF pairs' chosen and rejected answers (chat template, mean "
         f"{data['source_mean']:.0f} / max {data['source_max']} tokens) scaled by {data['scale']:.3f} to max_length "
         f"{preset['max_length']}: prompt + completion mean {data['mean']:.0f}, median {data['median']:.0f}, max "
@@ -480,19 +541,20 @@ def step_one_table(r: dict, preset: dict, stamp: str, cuda: bool) -> list[str]:
             continue
         res, label = r[name], f"{asked}{', --torch-compile' if compiled else ''}"
         if "failed" in res:
-            rows.append((label, "-", *(["-"] * len(STEP_ONE_KEYS)), f"failed: {res['failed']}"))
+            rows.append((label, "-", *(["-"] * len(step_one_keys(preset))), f"failed: {res['failed']}"))
             continue
-        values = [res["step_one"][k] for k in STEP_ONE_KEYS]
+        values = [res["step_one"][k] for k in step_one_keys(preset)]
         exact = "yes" if all(v == 0 for v in values) else "NO"
         rows.append((label, res["kernel"], *(f"{v:.3g}" for v in values), exact))
-    header = harness.md_row("--attention-kernel", "kernel that ran (precompute / train)", *STEP_ONE_KEYS, "exactly 0")
+    header = harness.md_row("--attention-kernel", "kernel that ran (precompute / train)", *step_one_keys(preset))
+    header += " exactly 0 |"
     rows_used = min(STEP_ONE_ROWS, preset["rows"])
     return [
         "",
         "## Step 1 is the reference: the check run first",
         "",
         f"- date: {stamp}; both stages in one regime ({regime}), the first {rows_used} rows, one step of "
-        f"{STEP_ONE_BATCH} rows (KTO), the model and data above",
+        f"{STEP_ONE_BATCH} {'pairs' if pairs(preset) else 'rows'} ({preset['loss_type']}), the model and data above",
         "",
         *table(header, rows),
         "",
@@ -531,16 +593,18 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen2-0.5b", choices=sorted(harness.GPU_PRESETS))
     parser.add_argument("--batch", type=int, default=None, help="rows per step, every case (default: the preset's)")
     parser.add_argument("--steps", type=int, default=None, help="training steps, every case (default: the preset's)")
+    loss_help = "kto (against trl.KTOTrainer, unpaired rows) or a pair loss (against trl.DPOTrainer, pairs)"
+    parser.add_argument("--loss-type", default="kto", choices=["kto", "sigmoid"], help=loss_help)
     check_help = "only the step-1 check (every kernel, eager and compiled), written to --results alone"
     parser.add_argument("--check-only", action="store_true", help=check_help)
     peak_help = "The device's peak for MFU (bf16 dense)"
     parser.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help=peak_help)
     args = parser.parse_args()
     args.argv = sys.argv[1:]
-    preset = dict(harness.GPU_PRESETS[args.preset])
+    preset = dict(harness.GPU_PRESETS[args.preset], loss_type=args.loss_type)
     preset.update({key: getattr(args, key) for key in ("batch", "steps") if getattr(args, key) is not None})
     preset["rows"] = max(preset["rows"], preset["batch"] * preset["steps"])
-    work = Path(args.work or harness.WORK_DIR / f"gpu-{args.preset}")
+    work = Path(args.work or harness.WORK_DIR / f"gpu-{args.preset}{'' if args.loss_type == 'kto' else '-pairs'}")
     if args.mode == "worker":
         harness.print_result(worker(args.name, work, preset, args.device, Path(args.out)))
         return
@@ -574,7 +638,7 @@ def main() -> None:
     cases = {"ours": ("ours_train", "ours_precompute")} | {name: (name, name) for name in TRL_CASES}
     cols = {col: _column(r[t], r[ref], preset["batch"], flops, peak) for col, (t, ref) in cases.items()}
     report = render(cols, r, preset, data, flops, args, peak, time.perf_counter() - started)
-    default = args.device == "cuda" and args.preset == "qwen2-0.5b"
+    default = args.device == "cuda" and args.preset == "qwen2-0.5b" and args.loss_type == "kto"
     harness.publish(report, harness.default_results(args.results, default, "RESULTS-gpu.md"))
 
 

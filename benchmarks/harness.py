@@ -352,6 +352,9 @@ QWEN2 = {
     "qwen2-0.5b": _QWEN2
     | dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24)
     | dict(num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=24),
+    "qwen2-1.5b": _QWEN2  # bench_gpu.py's ~1.5B shape
+    | dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28)
+    | dict(num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=28),
     "qwen2-7b": _QWEN2
     | dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28)
     | dict(num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, max_window_layers=28),
@@ -404,6 +407,9 @@ APPEND_SIZES = {
 GPU_PRESETS = {
     "qwen2-0.5b": {short: QWEN2["qwen2-0.5b"][field] for short, field in SHAPE.items()}
     | dict(max_position_embeddings=32768, rows=1024, batch=8, steps=20, max_length=1024),
+    # Qwen2-1.5B's shape at max_length 2048 (HH lengths scaled to it); --batch 64 for >= 16k tokens a step
+    "qwen2-1.5b": {short: QWEN2["qwen2-1.5b"][field] for short, field in SHAPE.items()}
+    | dict(max_position_embeddings=32768, rows=1024, batch=8, steps=12, max_length=2048),
     "tiny": dict(TINY, tie_word_embeddings=True, rope_theta=1e6, rows=32, batch=4, steps=3, max_length=128),
 }
 

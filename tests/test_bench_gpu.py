@@ -74,3 +74,23 @@ def test_bench_gpu_tiny_on_cpu(tmp_path):
     assert "f(L) = 2 N + 2 n_layers L d" in text
     assert "--device cpu --preset tiny" in text
     assert "trl 1.16" in text and "transformers " in text and "torch " in text
+
+
+@pytest.mark.slow
+def test_bench_gpu_tiny_on_cpu_for_a_pair_loss(tmp_path):
+    """--loss-type sigmoid: pairs against trl.DPOTrainer, both tools' reference pass and steps, the step-1 check on
+    the pair loss's accuracy."""
+    results = tmp_path / "R.md"
+    flags = ["--device", "cpu", "--preset", "tiny", "--loss-type", "sigmoid", "--work", str(tmp_path / "w")]
+    proc = run_script(ROOT / "benchmarks" / "bench_gpu.py", *flags, "--results", str(results), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = results.read_text()
+    assert text.startswith("# GPU benchmark: kto-pipeline vs trl.DPOTrainer, loss sigmoid (tiny)")
+    assert "pairs (prompt, chosen, rejected)" in text and "3 K f(P + K)" in text
+    rows = table_rows(text)
+    measured = {"reference pass, needed tokens/s": (0, 2), "train step (s), median of steps 2..3": (0, 1, 2)}
+    for label, columns in measured.items():
+        assert all(NUMBER.match(rows[label][c]) and float(rows[label][c]) > 0 for c in columns), rows[label]
+    check = table_rows(text.split("## Step 1 is the reference: the check run first")[1])
+    assert check["--attention-kernel"][-2:] == ["rewards/accuracies", "exactly 0"], check
+    assert check["auto"][-1] == "yes", check
