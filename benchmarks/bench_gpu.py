@@ -185,6 +185,7 @@ def ours_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> 
         paths = dict(model=str(work / "model"), dataset=str(work / "data.jsonl"), output=str(out), overwrite=True)
         dtype = "bfloat16" if device == "cuda" else "float32"
         config = PrecomputeConfig(**paths, max_length=ml, dtype=dtype, attention_kernel=asked, **OURS_PRECOMPUTE)
+        config = dataclasses.replace(config, static_shapes=preset["static_shapes"])
         cache = open_cache(precompute(dataclasses.replace(config, pairs_only=pairs(preset))))
         kernel = cache.manifest["reference_pass"].get("attention_kernel")
         lengths = pair_lengths(work) if pairs(preset) else row_lengths(cache.table, ml)
@@ -195,7 +196,8 @@ def ours_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> 
     reset_peak_memory(device)
     settings = dict(batch=preset["batch"], steps=preset["steps"], learning_rate=LEARNING_RATE, bf16=device == "cuda")
     settings |= dict(beta=BETA, attention_kernel=asked, torch_compile=(device != "cuda") if name == FLIPPED else None)
-    res = train(harness.ours_train_config(cache_dir, out, loss_type=preset["loss_type"], **settings))
+    settings |= dict(loss_type=preset["loss_type"], static_shapes=preset["static_shapes"])
+    res = train(harness.ours_train_config(cache_dir, out, **settings))
     result = dict(step_seconds=res.step_seconds, train_peak_mib=peak_memory_mib(device))
     state = harness.trainer_state(out)
     result |= dict(kernel=state.get("attention_kernel"), compile=state.get("compile"))
@@ -249,7 +251,7 @@ def step_one_worker(name: str, work: Path, preset: dict, device: str, out: Path)
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text("".join((work / "data.jsonl").read_text().splitlines(keepends=True)[:STEP_ONE_ROWS]))
     bf16, ml = device == "cuda", preset["max_length"]
-    common = dict(bf16=bf16, attention_kernel=asked, torch_compile=compiled)
+    common = dict(bf16=bf16, attention_kernel=asked, torch_compile=compiled, static_shapes=preset["static_shapes"])
     config = PrecomputeConfig(model=str(work / "model"), dataset=str(data), output=str(out / "cache"), max_length=ml)
     config = dataclasses.replace(config, overwrite=True, pairs_only=pairs(preset), **OURS_PRECOMPUTE, **common)
     cache = precompute(config)
@@ -289,6 +291,7 @@ def gpu_worker(name: str, work: Path, args, preset: dict, must_succeed: bool = T
         env |= {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"}
     flags = ["--preset", args.preset, "--device", args.device, "--batch", str(preset["batch"])]
     flags += ["--steps", str(preset["steps"]), "--loss-type", preset["loss_type"]]
+    flags += ["--static-shapes"] if preset["static_shapes"] else []
     return run_worker(Path(__file__), name, work, flags, env=env, must_succeed=must_succeed, width=18)
 
 
@@ -456,7 +459,8 @@ def render(cols: dict, r: dict, preset: dict, data: dict, flops: Flops, args, pe
         f"- settings, all cases: {PRECISION[args.device]}; gradient checkpointing off; batch {preset['batch']} x 1 "
         f"process, the same rows in sequential order, {preset['steps']} steps, AdamW lr {LEARNING_RATE}, beta {BETA}; "
         f"reference pass batches: kto-pipeline's batch_size {OURS_PRECOMPUTE['batch_size']}, max_tokens_per_batch "
-        f"{OURS_PRECOMPUTE['max_tokens_per_batch']}; trl's precompute_ref_batch_size {preset['batch']} (its default)",
+        f"{OURS_PRECOMPUTE['max_tokens_per_batch']}; trl's precompute_ref_batch_size {preset['batch']} (its default)"
+        + ("; kto-pipeline with --static-shapes" if preset["static_shapes"] else ""),
         f"- memory: {MEMORY[args.device]}",
         "",
         *table(harness.md_row("measurement", *LABELS.values()), rows),
@@ -595,13 +599,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps, every case (default: the preset's)")
     loss_help = "kto (against trl.KTOTrainer, unpaired rows) or a pair loss (against trl.DPOTrainer, pairs)"
     parser.add_argument("--loss-type", default="kto", choices=["kto", "sigmoid"], help=loss_help)
+    static_help = "kto-pipeline's cases with --static-shapes (both stages)"
+    parser.add_argument("--static-shapes", action="store_true", help=static_help)
     check_help = "only the step-1 check (every kernel, eager and compiled), written to --results alone"
     parser.add_argument("--check-only", action="store_true", help=check_help)
     peak_help = "The device's peak for MFU (bf16 dense)"
     parser.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help=peak_help)
     args = parser.parse_args()
     args.argv = sys.argv[1:]
-    preset = dict(harness.GPU_PRESETS[args.preset], loss_type=args.loss_type)
+    preset = dict(harness.GPU_PRESETS[args.preset], loss_type=args.loss_type, static_shapes=args.static_shapes)
     preset.update({key: getattr(args, key) for key in ("batch", "steps") if getattr(args, key) is not None})
     preset["rows"] = max(preset["rows"], preset["batch"] * preset["steps"])
     work = Path(args.work or harness.WORK_DIR / f"gpu-{args.preset}{'' if args.loss_type == 'kto' else '-pairs'}")
@@ -639,6 +645,7 @@ def main() -> None:
     cols = {col: _column(r[t], r[ref], preset["batch"], flops, peak) for col, (t, ref) in cases.items()}
     report = render(cols, r, preset, data, flops, args, peak, time.perf_counter() - started)
     default = args.device == "cuda" and args.preset == "qwen2-0.5b" and args.loss_type == "kto"
+    default = default and not args.static_shapes
     harness.publish(report, harness.default_results(args.results, default, "RESULTS-gpu.md"))
 
 

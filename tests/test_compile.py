@@ -4,6 +4,7 @@ manifest's timing and trainer_state.json, `compile`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pyarrow as pa
@@ -168,3 +169,36 @@ def test_compiled_layers_score_packed_as_padded_and_as_full_logits(kernel, monke
         scores = score_layout(model, layout, chunk_size=5)
     assert_same(scores.per_sequence(), want)
     torch.testing.assert_close(scores.logps, torch.stack([w.sum() for w in want]), atol=10 * ATOL, rtol=0)
+
+
+def test_static_shapes_compile_a_graph_a_shape_with_the_same_numbers(tmp_path):
+    """--static-shapes with compiled layers, both stages: a handful of static graphs, no recompile past the limit,
+    the losses of the run without static shapes, and the padding counted in the token efficiency."""
+    import torch
+
+    from kto_pipeline import PrecomputeConfig, precompute, train
+    from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
+
+    model_dir = tmp_path / "model"
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(tokenizer, num_layers=4).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = write_jsonl(tmp_path / "data.jsonl", unpaired_rows(48))
+    runs, caches = {}, {}
+    for static in (False, True):
+        torch._dynamo.reset()
+        settings = dict(attention_kernel="dense", torch_compile=True, static_shapes=static)
+        out = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / f"cache-{static}"))
+        caches[static] = precompute(dataclasses.replace(out, max_length=128, **settings))
+        runs[static] = tmp_path / f"run-{static}"
+        train(train_config(caches[static], runs[static], max_steps=6, per_device_train_batch_size=6, **settings))
+    for a, b in zip(read_metrics(runs[True]), read_metrics(runs[False]), strict=True):
+        assert a.keys() == b.keys()  # (a step without undesirable rows logs no rewards/rejected)
+        for key in {"loss", "grad_norm", "rewards/chosen", "rewards/rejected", "kl"} & a.keys():
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-5), key  # KL: a clamped mean of differences
+    state = json.loads((runs[True] / "trainer_state.json").read_text())
+    assert state["compile"]["graph_breaks"] == 0 and "recompile_limit" not in state["compile"], state["compile"]
+    assert 2 <= state["compile"]["graphs"] <= 8, state["compile"]
+    timing = {s: json.loads((caches[s] / "manifest.json").read_text())["timing"] for s in caches}
+    assert timing[True]["tokens_needed"] == timing[False]["tokens_needed"]
+    assert timing[True]["tokens_executed"] > timing[False]["tokens_executed"]  # the padding up to the static shapes

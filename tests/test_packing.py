@@ -343,3 +343,31 @@ def test_rows_stay_under_the_mask_budget():
     assert len(rows) >= 3  # (4 rows of 5,000: 3 would pad 400 tokens)
     assert max(sum(sizes[t] for t in row) for row in rows) <= MAX_ROW_TOKENS
     assert len(pack_rows([MAX_ROW_TOKENS * 2] * 3)) == 3  # trees wider than the budget: one a row
+
+
+def test_static_shapes_pad_layouts_to_few_sizes_and_score_alike():
+    """--static-shapes: rows a power of two, widths (and training's split) from `static_width`; the padding changes
+    no sequence's log-probs, under either kernel that runs on the CPU; `pack_trees` keeps a pass, padded, within
+    max_tokens."""
+    from kto_pipeline.scoring.packing import pack_trees, static_rows, static_width
+
+    assert [static_width(n) for n in (1, 64, 65, 81, 128, 129, 1000, 1025)] == [64, 64, 80, 96, 128, 160, 1024, 1280]
+    assert [static_rows(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    model = make_model("llama")
+    trees = [(p * 5, [c * 6, k * 4]) for p, (c, k) in random_trees(7)]  # long enough for widths past 64
+    want = full_logits_logps(model, trees)
+    sizes = {static_width(n) for n in range(1, 4096)}
+    for kernel in ("by-tree", "dense"):
+        attention.request_attention_kernel(model, kernel, torch.device("cpu"))
+        layout = layout_trees(trees, rows=[[0, 1, 2], [3], [4, 5, 6]], pad_id=5, split_last=True, static=True)
+        assert layout.input_ids.shape[0] == 4 and layout.width in sizes and layout.split in sizes, layout.width
+        plain = layout_trees(trees, rows=[[0, 1, 2], [3], [4, 5, 6]], pad_id=5, split_last=True)
+        assert layout.width > plain.width and layout.tokens() == plain.tokens()
+        static_layout = layout_trees(trees, rows=[[0, 1, 2], [3], [4, 5, 6]], pad_id=5, static=True)
+        with torch.no_grad():
+            assert_same(score_layout(model, static_layout, chunk_size=5).per_sequence(), want)
+    lengths = [int(n) for n in torch.randint(20, 300, (60,), generator=torch.Generator().manual_seed(0))]
+    costs = AttentionCosts(pair=0.01, static=True)
+    for batch in pack_trees(lengths, batch_size=64, max_tokens=2048, costs=costs):
+        width = max(sum(lengths[i] for i in row) for row in batch)
+        assert len(batch) == 1 or static_rows(len(batch)) * static_width(width) <= 2048, batch

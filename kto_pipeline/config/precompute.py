@@ -17,7 +17,7 @@ from kto_pipeline.config.fields import (
     check_kernel,
     described,
 )
-from kto_pipeline.runtime import TORCH_COMPILE_HELP
+from kto_pipeline.runtime import STATIC_SHAPES_HELP, TORCH_COMPILE_HELP
 from kto_pipeline.scoring import ATTENTION_KERNEL_HELP
 
 
@@ -104,6 +104,7 @@ class PrecomputeConfig(ConfigMixin):
     )
     attention_kernel: str = field(default="auto", **described(ATTENTION_KERNEL_HELP, panel=REFERENCE_PASS))
     torch_compile: bool | None = field(default=None, **described(TORCH_COMPILE_HELP, panel=REFERENCE_PASS))
+    static_shapes: bool = field(default=False, **described(STATIC_SHAPES_HELP, panel=REFERENCE_PASS))
     shard_size: int = field(default=2048, **described("Rows per Arrow shard.", panel=OUTPUT))
     revision: str | None = field(
         default=None, **described("Model revision (branch, tag or commit) on the hub.", panel=MODEL)

@@ -23,7 +23,7 @@ from kto_pipeline.config.fields import (
 )
 from kto_pipeline.objectives import check_loss_names, check_options
 from kto_pipeline.objectives.pairs import F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCE_TYPES, PAIR_LOSS_TYPES
-from kto_pipeline.runtime import TORCH_COMPILE_HELP
+from kto_pipeline.runtime import STATIC_SHAPES_HELP, TORCH_COMPILE_HELP
 from kto_pipeline.scoring import ATTENTION_KERNEL_HELP
 
 
@@ -207,6 +207,7 @@ class TrainConfig(ConfigMixin):
     )
     attention_kernel: str = field(default="auto", **described(ATTENTION_KERNEL_HELP, panel=OPTIMISATION))
     torch_compile: bool | None = field(default=None, **described(TORCH_COMPILE_HELP, panel=OPTIMISATION))
+    static_shapes: bool = field(default=False, **described(STATIC_SHAPES_HELP, panel=OPTIMISATION))
     save_total_limit: int | None = field(
         default=None, **described("Keep only the newest N checkpoints.", panel=CHECKPOINTS)
     )

@@ -37,7 +37,8 @@ def packed_batch(trees, sizes: list[int], pad_id: int, attention: AttentionCosts
     """The batch tensors of `(prompt, [continuation, ...])` trees packed side by side in rows (`pack_rows` by
     `sizes`, `attention`: the model's costs); with `split_last`, each row's last continuations after the others
     (`layout_trees`), to run apart without gradients on the prompts' cached keys/values."""
-    layout = layout_trees(trees, pack_rows(sizes, None, attention), pad_id, split_last=split_last)
+    static = attention is not None and attention.static
+    layout = layout_trees(trees, pack_rows(sizes, None, attention), pad_id, split_last=split_last, static=static)
     batch = {LAYOUT_KEY + k: v for k, v in vars(layout).items() if isinstance(v, torch.Tensor)}
     batch[LAYOUT_KEY + "num_trees"] = torch.tensor(layout.num_trees)
     batch[LAYOUT_KEY + "branches"] = torch.tensor(layout.branches)

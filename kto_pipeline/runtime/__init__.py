@@ -12,6 +12,11 @@ model, step and save; it never tests which engine runs.
 """
 
 # what `--torch-compile` says (both stages), here so that the command line reads it without loading torch
+STATIC_SHAPES_HELP = (
+    "Pad every packed forward to one of a few fixed shapes (rows a power of two; width 64, 80, 96, 112, 128, 160, "
+    "...: 4 sizes a doubling, at most 25% padding, counted in the token efficiency). With compiled layers each shape "
+    "compiles as one static graph (no dynamic shapes), what CUDA graphs need. Off by default."
+)
 TORCH_COMPILE_HELP = (
     "Compile the decoder layer once for every layer (torch.compile, by region): fewer ops dispatched a step. The "
     "first steps pay the compile, and training's KL completions run with their prompts again (no key/value cache in "

@@ -29,11 +29,18 @@ from kto_pipeline.models import COMPILED_LAYERS, backbone_of
 
 BACKEND = "inductor"  # torch.compile's backend for the layers (the tests swap in one that fails)
 TRAIN_COMPILES_ON = ("cuda",)  # device types where training compiles when --torch-compile is unset
+STATIC_RECOMPILE_LIMIT = 64  # with --static-shapes, Dynamo's recompile limit is raised to this (a graph per shape)
 
 
-def compile_layers(model, asked: bool | None, device, say: Callable[[str], None], by_default=()) -> CompileStats | None:
+def compile_layers(
+    model, asked: bool | None, device, say: Callable[[str], None], by_default=(), static: bool = False
+) -> CompileStats | None:
     """Compile each decoder layer of `model` (`backbone.layers`) in place where `asked` (unset: where `device`'s
-    type is in `by_default`); Dynamo's counters from then on. None where the layers run eagerly."""
+    type is in `by_default`); Dynamo's counters from then on. None where the layers run eagerly. `static`
+    (`--static-shapes`): the model's packed layouts take static shapes, and each compiles as a static graph."""
+    from kto_pipeline.scoring.attention import request_static_shapes
+
+    request_static_shapes(model, static)
     if not (asked if asked is not None else device.type in by_default):
         return None
     backbone = backbone_of(model)
@@ -44,8 +51,13 @@ def compile_layers(model, asked: bool | None, device, say: Callable[[str], None]
         )
         return None
     stats = CompileStats(len(layers), len({type(layer).forward for layer in layers}), say)
+    if static:  # a graph per shape: up to STATIC_RECOMPILE_LIMIT of them before new shapes run eagerly
+        import torch._dynamo
+
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, STATIC_RECOMPILE_LIMIT)
     for layer in layers:
-        layer.compile(backend=BACKEND)
+        layer.compile(backend=BACKEND, dynamic=False if static else None)
         layer._compiled_call_impl = _guarded(layer, layer._compiled_call_impl, stats)
     stats.layers_compiled = list(layers)
     setattr(backbone, COMPILED_LAYERS, True)

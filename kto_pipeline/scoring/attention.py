@@ -41,6 +41,13 @@ logger = logging.getLogger(__name__)
 
 BLOCK_SIZE = 128  # FlexAttention's tile: (query, key) blocks of 128 x 128 pairs
 _KERNEL_ATTRIBUTE = "kto_attention_kernel"  # the kernel asked for, kept on the model (`request_attention_kernel`)
+_STATIC_ATTRIBUTE = "kto_static_shapes"  # packed layouts padded to static shapes (`request_static_shapes`)
+
+
+def request_static_shapes(model, static: bool) -> None:
+    """Ask `model`'s packed layouts to take static shapes (`packing.static_width`, `static_rows`): its
+    `attention_costs` say so to the packing."""
+    setattr(_unwrapped(model), _STATIC_ATTRIBUTE, bool(static))
 
 
 def request_attention_kernel(model, kernel: str, device) -> tuple[str, str | None]:
@@ -92,13 +99,13 @@ def _unwrapped(model):
 def attention_costs(model, device) -> AttentionCosts:
     """The `AttentionCosts` of a model's packed rows on `device`, for the kernel they run there."""
     config = text_config(model)
-    pair = 1.0 / (6 * config.hidden_size)
+    pair, static = 1.0 / (6 * config.hidden_size), getattr(_unwrapped(model), _STATIC_ATTRIBUTE, False)
     kernel = attention_kernel(model, device)
     if kernel == "by-tree":
-        return AttentionCosts(pair, pair * TREE_CALL_FLOPS / (4 * _attention_width(config)))
+        return AttentionCosts(pair, pair * TREE_CALL_FLOPS / (4 * _attention_width(config)), static=static)
     if kernel == "block-mask":
-        return AttentionCosts(pair, block=BLOCK_SIZE)
-    return AttentionCosts(pair)
+        return AttentionCosts(pair, block=BLOCK_SIZE, static=static)
+    return AttentionCosts(pair, static=static)
 
 
 def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:

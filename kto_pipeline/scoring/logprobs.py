@@ -540,7 +540,8 @@ def score_shard(
     if packed:
         sizes = [len(p) + sum(map(len, conts)) for p, conts in trees]
         model = getattr(scorer, "module", scorer).model  # (DeepSpeed's engine keeps the scorer in .module)
-        passes = pack_trees(sizes, batch_size, max_tokens, attention_costs(model, device))
+        costs = attention_costs(model, device)
+        passes = pack_trees(sizes, batch_size, max_tokens, costs)
     else:
         seqs = [
             ScoredSequence(t, kind, len(prompt), prompt + continuation)
@@ -553,7 +554,8 @@ def score_shard(
         if packed:
             members = [t for row in batch for t in row]
             local = {t: i for i, t in enumerate(members)}
-            layout = layout_trees([trees[t] for t in members], [[local[t] for t in row] for row in batch], pad_id)
+            rows = [[local[t] for t in row] for row in batch]
+            layout = layout_trees([trees[t] for t in members], rows, pad_id, static=costs.static)
             per_sequence = scorer(layout=layout.to(device)).per_sequence()
             for i, t in enumerate(members):
                 out[t] = [v.float().cpu().numpy() for v in per_sequence[branches * i : branches * (i + 1)]]
@@ -571,7 +573,7 @@ def score_shard(
     for _ in range(total - len(passes)):
         filler = _filler_tree(pad_id, branches)
         if packed:
-            scorer(layout=layout_trees([filler], [[0]], pad_id).to(device))
+            scorer(layout=layout_trees([filler], [[0]], pad_id, static=costs.static).to(device))
         else:
             scorer(padded=tuple(t.to(device) for t in pad_sequences([filler[0] + filler[1][0]], [1], pad_id)))
     return [tuple(o) for o in out]

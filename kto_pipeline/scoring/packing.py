@@ -17,6 +17,10 @@ against those cached keys/values.
 
 The reference pass groups trees into forward passes (`pack_trees`); models that take no packed layout run
 each sequence on its own, padded and length-sorted (`pack_batches`).
+
+Static shapes (`--static-shapes`): every layout padded to a shape from a small set, rows a power of two and widths
+`static_width` (4 sizes a doubling), so that compiled layers see a handful of shapes and each can run as one
+static graph; `pack_rows` counts that padding in its cost, and the token counters count it as run.
 """
 
 from __future__ import annotations
@@ -29,6 +33,22 @@ import torch
 
 BRANCH_PROMPT, BRANCH_PAD = 0, -1
 MAX_ROW_TOKENS = 8192
+STATIC_MIN_WIDTH = 64  # the smallest static width; then 4 sizes a doubling (80, 96, 112, 128, 160, ...)
+
+
+def static_width(n: int) -> int:
+    """The smallest static width at least `n`: 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, ... (a quarter of
+    the power of two below apart): at most 25% padding, each a multiple of 16."""
+    if n <= STATIC_MIN_WIDTH:
+        return STATIC_MIN_WIDTH
+    base = 1 << ((n - 1).bit_length() - 1)  # the power of two below n (base < n <= 2 * base)
+    step = base // 4
+    return base + -(-(n - base) // step) * step
+
+
+def static_rows(n: int) -> int:
+    """The smallest power of two at least `n` (and 1)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 @dataclass
@@ -69,11 +89,14 @@ class AttentionCosts:
     tree_call: per tree when attention runs tree by tree (`tree_attention`), the price of its calls
         (TREE_CALL_FLOPS a layer); None where it does not run that way;
     block: the tile size when attention runs under a block mask (`attention.block_mask`): the pairs of every tile
-        a row's trees touch run, whatever the row's width; None where it does not run that way."""
+        a row's trees touch run, whatever the row's width; None where it does not run that way;
+    static: layouts padded to static shapes (`static_rows` x `static_width`): a row count and width cost what
+        they are padded to."""
 
     pair: float = 0.0
     tree_call: float | None = None
     block: int | None = None
+    static: bool = False
 
 
 def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCosts | None = None) -> list[list[int]]:
@@ -93,9 +116,11 @@ def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCo
     fewest = 1 if max_trees is None else -(-len(sizes) // max_trees)
     fewest = min(len(sizes), max(fewest, -(-sum(sizes) // MAX_ROW_TOKENS)))
     candidates, r = [], float(fewest)
-    while int(r) < len(sizes):  # row counts tried: every one up to 16, then 6% apart
-        candidates.append(int(r))
+    while int(r) < len(sizes):  # row counts tried: every one up to 16, then 6% apart (static: powers of two)
+        candidates.append(static_rows(int(r)) if costs.static else int(r))
         r = max(r + 1, r * 1.06)
+    if costs.static:
+        candidates = sorted({n for n in candidates if n < len(sizes)})
     best, best_cost = [], float("inf")
     by_tree = float("inf")  # attention tree by tree: the same for every row count
     if costs.tree_call is not None:
@@ -111,6 +136,8 @@ def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCo
             if max_trees is None or len(rows[r]) < max_trees:
                 heapq.heappush(heap, (fill + sizes[i], r))
         width = max(sum(sizes[i] for i in row) for row in rows)
+        if costs.static:
+            num_rows, width = static_rows(num_rows), static_width(width)
         if costs.block is not None:
             cost = num_rows * width + costs.pair * block_pairs(rows, sizes, costs.block)
         else:
@@ -141,13 +168,15 @@ def layout_trees(
     rows: list[list[int]] | None = None,
     pad_id: int = 0,
     split_last: bool = False,
+    static: bool = False,
 ) -> Layout:
     """Lay out `(prompt, [continuation, ...])` trees, every tree with the same number of continuations.
 
     `rows` says which trees share each tensor row (default: all in one row); rows are right-padded to
     the longest. With `split_last`, every row holds its prompts and other continuations in columns
     [0, split) and its last continuations in [split, width), so that the two parts can run as two
-    forwards (training: completions with grad, then the KL completions on the cached prompts).
+    forwards (training: completions with grad, then the KL completions on the cached prompts). With `static`, the
+    row count is padded to a power of two with empty rows, the width (and the split) to a `static_width`.
     A prompt must have at least one token: it predicts the first continuation token."""
     branches = len(trees[0][1])
     rows = [list(range(len(trees)))] if rows is None else rows
@@ -162,8 +191,15 @@ def layout_trees(
     if split_last:
         split = max(tokens(row, last=False) for row in rows)
         width = split + max(tokens(row, last=True) for row in rows)
+        if static:
+            split = static_width(split)
+            width = static_width(split + max(tokens(row, last=True) for row in rows))
     else:
         split = width = max(tokens(row, False) + tokens(row, True) for row in rows)
+        if static:
+            split = width = static_width(width)
+    if static:
+        rows = rows + [[] for _ in range(static_rows(len(rows)) - len(rows))]
     # built in numpy and handed to torch once a field: a fixed number of tensor ops whatever the trees
     shape = (len(rows), width)
     ids = np.full(shape, pad_id, dtype=np.int64)
@@ -229,16 +265,21 @@ def pack_trees(
 ) -> list[list[list[int]]]:
     """Group trees (prompt + completion + KL completion, `sizes[i]` tokens) into forward passes of rows.
 
-    Rows by `pack_rows` (several trees a row; `costs`: what attention costs); then rows
-    into passes while rows x width <= max_tokens and trees <= batch_size / 2 (batch_size counts sequences,
-    two per tree; a tree always fits alone). Returns passes -> rows -> trees."""
+    Rows by `pack_rows` (several trees a row; `costs`: what attention costs); then rows into passes while rows x
+    width <= max_tokens (static shapes: as padded) and trees <= batch_size / 2 (batch_size counts sequences, two per
+    tree; a tree always fits alone). Returns passes -> rows -> trees."""
     passes: list[list[list[int]]] = []
     current: list[list[int]] = []
     width = trees = 0
+    static = costs is not None and costs.static
+
+    def size(rows: int, width: int) -> int:  # the tokens a pass of `rows` rows as wide as `width` runs
+        return static_rows(rows) * static_width(width) if static else rows * width
+
     for row in pack_rows(sizes, max(batch_size // 2, 1), costs):
         row_width = sum(sizes[i] for i in row)
         new_width = max(width, row_width)
-        if current and (new_width * (len(current) + 1) > max_tokens or 2 * (trees + len(row)) > max(batch_size, 2)):
+        if current and (size(len(current) + 1, new_width) > max_tokens or 2 * (trees + len(row)) > max(batch_size, 2)):
             passes.append(current)
             current, width, trees = [], 0, 0
             new_width = row_width

@@ -19,6 +19,7 @@ that grows: `--append` (`append.py`) adds the rows of a dataset that the cache d
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -331,7 +332,8 @@ def load_reference(run: Pass) -> None:
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(model)
     kernel, kernel_note = request_attention_kernel(model, config.attention_kernel, state.device)
-    compiled = compile_layers(model, config.torch_compile, state.device, lambda message: print0(state, message))
+    say = functools.partial(print0, state)
+    compiled = compile_layers(model, config.torch_compile, state.device, say, static=config.static_shapes)
     scorer = run.engine.prepare_scorer(ReferenceScorer(model), model, regime, state.device)
     run.reference = Reference(model, weights_hash, scorer, regime, kernel, compiled)
     run.peaks.loaded()  # the model read, then sharded or partitioned: loading's peak

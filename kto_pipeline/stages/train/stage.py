@@ -183,8 +183,8 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     if padded_because is None:  # (asked of the model in training mode, as its steps will run)
         kernel, kernel_note = request_attention_kernel(model.train(), config.attention_kernel, accelerator.device)
         print0(accelerator, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
-    say = functools.partial(print0, accelerator)
-    compiled = compile_layers(model, config.torch_compile, accelerator.device, say, TRAIN_COMPILES_ON)
+    say, device = functools.partial(print0, accelerator), accelerator.device
+    compiled = compile_layers(model, config.torch_compile, device, say, TRAIN_COMPILES_ON, config.static_shapes)
     sampler, loader, eval_loader = _loaders(
         config, objective, cache, max_length, accelerator, tokenizer, model, padded_because
     )
