@@ -157,7 +157,8 @@ def _field_option(f: dataclasses.Field, value_type: Any, grid: bool) -> tuple[Op
     joined = f.name in LIST_FIELDS
     if grid:
         assert not required, f.name
-        info = typer.Option(flag, help=f"{help_text} Comma-separated values.", rich_help_panel=panel)
+        several = "One value: its commas are literal." if joined else "Comma-separated values: a run each."
+        info = typer.Option(flag, help=f"{help_text} {several}", rich_help_panel=panel)
         option = Option(f.name, value_type, grid=True, joined=joined)
         return option, _parameter(f.name, str | None, None, info, False)
     decl = f"{flag}/--no-{flag[2:]}" if base_type(value_type)[0] is bool else flag

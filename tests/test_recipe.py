@@ -11,6 +11,7 @@ from helpers import cli_args, read_metrics, run_cli
 
 from kto_pipeline import GenerateConfig, PrecomputeConfig, TrainConfig
 from kto_pipeline.cli import app
+from kto_pipeline.config import LIST_FIELDS
 from kto_pipeline.sweep import FIXED_FIELDS, expand_grid
 
 CONFIGS = {"precompute": PrecomputeConfig, "train": TrainConfig, "generate": GenerateConfig}
@@ -97,7 +98,10 @@ def test_sweep_takes_every_train_field_but_the_fixed_ones_as_values():
     for f in swept:
         param = params[f.name]
         assert param.opts == [flag(f.name)] and param.rich_help_panel == f.metadata["panel"], f.name
-        assert param.default is None and param.help == f"{f.metadata['help']} Comma-separated values.", f.name
+        several = "Comma-separated values: a run each."
+        if f.name in LIST_FIELDS:
+            several = "One value: its commas are literal."
+        assert param.default is None and param.help == f"{f.metadata['help']} {several}", f.name
 
 
 def test_help_groups_the_options_in_panels(monkeypatch, capsys):
