@@ -623,8 +623,9 @@ def main() -> None:
     harness.random_qwen2(work / "model", preset)
     data = build_data(work / "data.jsonl", preset)
     fresh_runs(work)  # measure from scratch: no case may reuse a cache from an earlier run
-    # the default path's check first (eager and compiled); --check-only: every kernel's
-    checks = STEP_ONE if args.check_only else [name for name in STEP_ONE if name.startswith("step_one_default")]
+    # the default path's check first (on a GPU eager and compiled, on a CPU its default, eager); --check-only: all
+    default_path = ("step_one_default", "step_one_default_compiled") if args.device == "cuda" else ("step_one_default",)
+    checks = STEP_ONE if args.check_only else default_path
     r = {name: gpu_worker(name, work, args, preset, must_succeed=False) for name in checks}
     if args.check_only:
         stamp, seconds = utc_stamp(), time.perf_counter() - started

@@ -81,6 +81,7 @@ def small_cache(tmp_path_factory, tiny_model_dir) -> Path:
 # one worker idle while the other finishes it.
 LONGEST_FIRST = (
     "test_bench.py",
+    "test_compile.py",
     "test_real_model.py",
     "test_fsdp.py",
     "test_deepspeed.py",

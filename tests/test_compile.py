@@ -183,7 +183,7 @@ def test_static_shapes_compile_a_graph_a_shape_with_the_same_numbers(tmp_path):
     tokenizer = build_char_tokenizer()
     build_tiny_model(tokenizer, num_layers=4).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    data = write_jsonl(tmp_path / "data.jsonl", unpaired_rows(48))
+    data = write_jsonl(tmp_path / "data.jsonl", unpaired_rows(32))
     runs, caches = {}, {}
     for static in (False, True):
         torch._dynamo.reset()
@@ -191,7 +191,7 @@ def test_static_shapes_compile_a_graph_a_shape_with_the_same_numbers(tmp_path):
         out = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / f"cache-{static}"))
         caches[static] = precompute(dataclasses.replace(out, max_length=128, **settings))
         runs[static] = tmp_path / f"run-{static}"
-        train(train_config(caches[static], runs[static], max_steps=6, per_device_train_batch_size=6, **settings))
+        train(train_config(caches[static], runs[static], max_steps=4, per_device_train_batch_size=6, **settings))
     for a, b in zip(read_metrics(runs[True]), read_metrics(runs[False]), strict=True):
         assert a.keys() == b.keys()  # (a step without undesirable rows logs no rewards/rejected)
         for key in {"loss", "grad_norm", "rewards/chosen", "rewards/rejected", "kl"} & a.keys():
