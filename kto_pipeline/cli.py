@@ -223,10 +223,26 @@ def _close_process_group(finished: bool) -> None:
         dist.destroy_process_group()
 
 
+def trl_spellings(argv: list[str]) -> list[str]:
+    """`argv` with trl's option spellings (`--per_device_train_batch_size`, `--no_bf16`, `--output_dir=DIR`) in
+    ours, hyphens for underscores, as trl's parser takes both; only where the hyphenated name is an option of a
+    command, and nothing after a bare `--`."""
+    group = typer.main.get_command(app)
+    known = {opt for command in group.commands.values() for p in command.params for opt in (*p.opts, *p.secondary_opts)}
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        name, equals, value = arg.partition("=")
+        if name.startswith("--") and "_" in name and (hyphenated := name.replace("_", "-")) in known:
+            out[i] = hyphenated + equals + value
+    return out
+
+
 def main() -> None:
     finished = False
     try:
-        app()
+        app(args=trl_spellings(sys.argv[1:]), prog_name="kto-pipeline")
         finished = True
     except SystemExit as exc:  # typer ends a command that ran to its end with SystemExit(0)
         finished = exc.code in (0, None)

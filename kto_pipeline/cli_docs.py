@@ -15,7 +15,8 @@ HEADER = """# Command-line reference
 
 Generated from the config dataclasses by `make docs` (`python -m kto_pipeline.cli_docs > docs/cli.md`); do not edit
 by hand. Every command also takes `--config FILE.yaml`, a recipe of its options (the command line overrides the
-recipe, which overrides the defaults). The same settings are the fields of `PrecomputeConfig`, `TrainConfig` and
+recipe, which overrides the defaults). As with trl's parser, an option may be spelled with underscores
+(`--max_length 512`, `--no_bf16`). The same settings are the fields of `PrecomputeConfig`, `TrainConfig` and
 `GenerateConfig` in the Python API.
 """
 

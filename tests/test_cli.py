@@ -111,3 +111,31 @@ def test_demo_learns(tmp_path):
     summary = run_tiny_demo(tmp_path / "demo")
     assert summary["margin_end"] > summary["margin_start"] + 1.0
     assert summary["heldout_accuracy_after"] > 0.7
+
+
+def test_the_command_line_takes_trls_underscore_spellings(tiny_model_dir, unpaired_file, tmp_path, monkeypatch):
+    """trl's parser takes `--max_length` as `--max-length`: so does ours, for every option of every command (and
+    `--no_` for a flag's negation), never after a bare `--` nor for what is no option."""
+    from kto_pipeline.cli import main, trl_spellings
+
+    argv = ["train", "--per_device_train_batch_size", "4", "--output_dir=x", "--no_gradient_checkpointing"]
+    argv += ["--not_an_option", "a_b", "--", "--max_length"]
+    assert trl_spellings(argv) == [
+        "train",
+        "--per-device-train-batch-size",
+        "4",
+        "--output-dir=x",
+        "--no-gradient-checkpointing",
+        "--not_an_option",
+        "a_b",
+        "--",
+        "--max_length",
+    ]
+    cache = tmp_path / "cache"
+    argv = ["precompute", "--model", str(tiny_model_dir), "--dataset", str(unpaired_file), "--output", str(cache)]
+    monkeypatch.setattr(sys, "argv", ["kto-pipeline", *argv, "--max_length", "48", "--kl_seed", "3"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code in (0, None)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["settings"]["max_length"] == 48 and manifest["settings"]["kl_seed"] == 3, manifest["settings"]
