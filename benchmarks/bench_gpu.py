@@ -185,8 +185,8 @@ def ours_worker(name: str, work: Path, preset: dict, device: str, out: Path) -> 
         paths = dict(model=str(work / "model"), dataset=str(work / "data.jsonl"), output=str(out), overwrite=True)
         dtype = "bfloat16" if device == "cuda" else "float32"
         config = PrecomputeConfig(**paths, max_length=ml, dtype=dtype, attention_kernel=asked, **OURS_PRECOMPUTE)
-        config = dataclasses.replace(config, static_shapes=preset["static_shapes"])
-        cache = open_cache(precompute(dataclasses.replace(config, pairs_only=pairs(preset))))
+        config = dataclasses.replace(config, static_shapes=preset["static_shapes"], pairs_only=pairs(preset))
+        cache = open_cache(precompute(config))
         kernel = cache.manifest["reference_pass"].get("attention_kernel")
         lengths = pair_lengths(work) if pairs(preset) else row_lengths(cache.table, ml)
         seconds = cache.manifest.timing["reference_pass_seconds"]

@@ -33,12 +33,8 @@ def _cache_values(cache) -> dict:
 
 def test_compiled_layers_give_the_eager_numbers(tmp_path):
     from kto_pipeline import PrecomputeConfig, precompute, train
-    from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
 
-    tiny_model_dir = tmp_path / "model"  # 4 layers: a graph per layer would pass the recompile limit (8)
-    tokenizer = build_char_tokenizer()
-    build_tiny_model(tokenizer, num_layers=4).save_pretrained(tiny_model_dir)
-    tokenizer.save_pretrained(tiny_model_dir)
+    tiny_model_dir = _tiny_model_dir(tmp_path)
     data = write_jsonl(tmp_path / "data.jsonl", unpaired_rows(24))
     caches, runs = {}, {}
     for compiled in (False, True):
@@ -74,14 +70,21 @@ def test_compiled_layers_give_the_eager_numbers(tmp_path):
     assert "compile" not in json.loads((runs["eager"] / "trainer_state.json").read_text())
 
 
-def _tiny(tmp_path, layers: int = 4):
-    from kto_pipeline import PrecomputeConfig, precompute
+def _tiny_model_dir(tmp_path, layers: int = 4):
+    """A saved tiny Llama of 4 layers: a graph per layer would pass Dynamo's recompile limit (8)."""
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
 
     model_dir = tmp_path / "model"
     tokenizer = build_char_tokenizer()
     build_tiny_model(tokenizer, num_layers=layers).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+def _tiny(tmp_path, layers: int = 4):
+    from kto_pipeline import PrecomputeConfig, precompute
+
+    model_dir = _tiny_model_dir(tmp_path, layers)
     data = write_jsonl(tmp_path / "data.jsonl", unpaired_rows(16))
     config = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / "cache"), max_length=64)
     return precompute(config)
@@ -177,12 +180,8 @@ def test_static_shapes_compile_a_graph_a_shape_with_the_same_numbers(tmp_path):
     import torch
 
     from kto_pipeline import PrecomputeConfig, precompute, train
-    from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
 
-    model_dir = tmp_path / "model"
-    tokenizer = build_char_tokenizer()
-    build_tiny_model(tokenizer, num_layers=4).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = _tiny_model_dir(tmp_path)
     data = write_jsonl(tmp_path / "data.jsonl", unpaired_rows(32))
     runs, caches = {}, {}
     for static in (False, True):

@@ -50,7 +50,7 @@ def compile_layers(
             f"--torch-compile: {type(model).__name__} has no decoder layers (`layers` of its backbone); running eagerly"
         )
         return None
-    stats = CompileStats(len(layers), len({type(layer).forward for layer in layers}), say)
+    stats = CompileStats(backbone, say)
     if static:  # a graph per shape: up to STATIC_RECOMPILE_LIMIT of them before new shapes run eagerly
         import torch._dynamo
 
@@ -59,9 +59,7 @@ def compile_layers(
     for layer in layers:
         layer.compile(backend=BACKEND, dynamic=False if static else None)
         layer._compiled_call_impl = _guarded(layer, layer._compiled_call_impl, stats)
-    stats.layers_compiled = list(layers)
     setattr(backbone, COMPILED_LAYERS, True)
-    stats.backbone = backbone
     why = "" if asked else f" (on by default on {device.type}; --no-torch-compile runs eagerly)"
     say(f"{stats}{why}")
     return stats
@@ -95,13 +93,13 @@ def _counts() -> dict[str, float]:
 
 
 class CompileStats:
-    """Dynamo's counters from its making on (a process may compile before: FlexAttention's kernel, another stage).
-    `regions`: the distinct layer forwards compiled, each once for every layer of its kind."""
+    """Dynamo's counters from its making on (a process may compile before: FlexAttention's kernel, another stage),
+    over the decoder layers of `backbone`. `regions`: the distinct layer forwards compiled, each once for every
+    layer of its kind."""
 
-    def __init__(self, layers: int, regions: int, say: Callable[[str], None] = print):
-        self.layers, self.regions, self.say = layers, regions, say
-        self.layers_compiled: list = []
-        self.backbone = None
+    def __init__(self, backbone, say: Callable[[str], None] = print):
+        self.backbone, self.say = backbone, say
+        self.layers, self.regions = len(backbone.layers), len({type(layer).forward for layer in backbone.layers})
         self.eager_fallback: str | None = None
         self.recompile_limit: str | None = None
         self.start = _counts()
@@ -114,10 +112,9 @@ class CompileStats:
         """Every layer eager from now on, and the key/value cache kept again, as in an eager run."""
         reason = " ".join(str(error).split())[:400] or type(error).__name__
         self.eager_fallback = f"{type(error).__name__}: {reason}"
-        for layer in self.layers_compiled:
+        for layer in self.backbone.layers:
             layer._compiled_call_impl = None
-        if self.backbone is not None:
-            setattr(self.backbone, COMPILED_LAYERS, False)
+        setattr(self.backbone, COMPILED_LAYERS, False)
         self.say(f"--torch-compile: compiling the decoder layer failed; running eagerly ({self.eager_fallback})")
 
     def limit_reached(self, message: str) -> None:

@@ -189,11 +189,10 @@ def layout_trees(
         return sum(len(trees[t][1][-1]) if last else len(trees[t][0]) + sum(map(len, trees[t][1][:-1])) for t in row)
 
     if split_last:
-        split = max(tokens(row, last=False) for row in rows)
-        width = split + max(tokens(row, last=True) for row in rows)
+        split, last = (max(tokens(row, last=part) for row in rows) for part in (False, True))
         if static:
             split = static_width(split)
-            width = static_width(split + max(tokens(row, last=True) for row in rows))
+        width = static_width(split + last) if static else split + last
     else:
         split = width = max(tokens(row, False) + tokens(row, True) for row in rows)
         if static:
