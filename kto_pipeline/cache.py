@@ -46,12 +46,15 @@ SCHEMA_V1 = pa.schema(
 # came from unpaired data or its partner is not in the cache (dropped by the max_length rules, or in the cache
 # before the append that added this row)
 SCHEMA = SCHEMA_V1.append(pa.field("pair_example_id", pa.int64()))
+# version 3, rows with images: image_row, the row of the dataset whose images the prompt holds (the KL completion is
+# scored under the same images); image_hashes, the sha256 of each image's decoded pixels, in prompt order
+IMAGE_SCHEMA = SCHEMA.append(pa.field("image_row", pa.int64())).append(pa.field("image_hashes", pa.list_(pa.string())))
 NO_PAIR = -1
 
 
 def shard_schema(version: int | None) -> pa.Schema:
     """The schema of a cache's shards: a cache keeps the format version it was written in, appends included."""
-    return SCHEMA_V1 if version == 1 else SCHEMA
+    return {1: SCHEMA_V1, 3: IMAGE_SCHEMA}.get(version, SCHEMA)
 
 
 def completion_room(prompt_ids, max_length: int) -> int:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-FORMAT_VERSION = 2  # what this version writes
-READABLE_VERSIONS = (1, 2)  # what it reads: version 1 is version 2 without the pairs
+FORMAT_VERSION = 2  # what this version writes for text data
+IMAGE_FORMAT_VERSION = 3  # for data with images: version 2 plus each row's image row and pixel hashes
+READABLE_VERSIONS = (1, 2, 3)  # what it reads: version 1 is version 2 without the pairs
 
 
 class Manifest(dict):
@@ -34,6 +35,11 @@ class Manifest(dict):
     @property
     def shards(self) -> list[dict[str, Any]]:
         return self.get("shards", [])
+
+    @property
+    def images(self) -> dict[str, Any] | None:
+        """A cache of rows with images (format version 3): column, root, processor_hash, images; else None."""
+        return self.get("images")
 
     @property
     def reference(self) -> dict[str, Any]:
@@ -212,6 +218,7 @@ def new_manifest(
     distributed: dict[str, Any],
     attention_kernel: str | None = None,
     shards: list[dict[str, Any]],
+    images: dict[str, Any] | None = None,
 ) -> Manifest:
     """The manifest of a cache being written (`complete` False until its last shard is recorded).
 
@@ -221,10 +228,11 @@ def new_manifest(
     `pairs`: {complete, rows_without_partner} (`Manifest.pairs`).
     `attention_kernel`: how its packed rows attended (`attention.attention_kernel`).
     `distributed`: how the reference ran, e.g. {"engine": "fsdp2", "world_size": 2} (not in the fingerprint: the
-    values do not depend on it)."""
+    values do not depend on it).
+    `images` (rows with images): {column, root, processor_hash, images}; the cache is then format version 3."""
     return Manifest(
         {
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if images is None else IMAGE_FORMAT_VERSION,
             "tool": {"name": "kto-pipeline", "version": tool_version},
             "complete": False,
             "reference_model": {
@@ -269,6 +277,7 @@ def new_manifest(
                 **({"attention_kernel": attention_kernel} if attention_kernel and not padded_because else {}),
             },
             "distributed": distributed,
+            **({"images": images} if images is not None else {}),
             "shards": shards,
         }
     )

@@ -113,6 +113,47 @@ def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bo
     return tokenizer
 
 
+def load_processor(name: str, revision: str | None = None, trust_remote_code: bool = False, flag: str = "--model"):
+    """The model's processor (`AutoProcessor`), for rows with images: it renders the chat template, expands each image
+    placeholder into the model's image tokens and turns images into the vision tower's inputs. A model without an
+    image processor (a text-only model) is refused."""
+    from transformers import AutoProcessor
+
+    from kto_pipeline.images import is_image_processor
+
+    check_model_path(name, flag)
+    try:
+        processor = AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise KTOPipelineError(f"{flag} {name}: could not load its processor ({type(exc).__name__}: {exc})") from exc
+    if not is_image_processor(processor):
+        raise KTOPipelineError(
+            f"the dataset has images but {flag} {name} is a text-only model (its processor, "
+            f"{type(processor).__name__}, takes no images). Use a vision-language model (one with an image processor, "
+            "such as LLaVA), or drop the image column."
+        )
+    if processor.tokenizer.pad_token is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor
+
+
+def _auto_class(name: str, revision: str | None, trust_remote_code: bool):
+    """transformers' auto class for a checkpoint: a vision-language model (its config has a vision part) loads with
+    its image-text head, any other as a causal LM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception:
+        return AutoModelForCausalLM  # its own error names the problem
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
+def is_vision_model(model) -> bool:
+    """Whether `model` takes images (a vision-language model: a vision tower before its language model)."""
+    return getattr(model.config, "vision_config", None) is not None
+
+
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32):
     """A .gguf file as a plain transformers model.
 
@@ -142,8 +183,6 @@ def load_model(
     trust_remote_code: bool = False,
     flag: str = "--model",
 ):
-    from transformers import AutoModelForCausalLM
-
     check_model_path(name, flag)
     try:
         if is_gguf(name):
@@ -158,7 +197,7 @@ def load_model(
             merged = peft_model.merge_and_unload()
             merged.requires_grad_(True)  # peft froze the base; a merged model trains like any other
             return merged
-        return AutoModelForCausalLM.from_pretrained(
+        return _auto_class(name, revision, trust_remote_code).from_pretrained(
             name, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code
         )
     except Exception as exc:

@@ -297,15 +297,18 @@ def score_sequences(
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     with_stats: bool = True,
     output_router_logits: bool = False,
+    images: dict[str, torch.Tensor] | None = None,
 ) -> Scores:
     """Score the completion tokens of a padded batch, one sequence per row: the padded path, for models
     that cannot run packed layouts (see `packing.packing_unsupported`) and as the tests' reference.
 
     `with_stats=False` skips the metric-only mean logits and entropy (left as zeros).
-    `output_router_logits=True` (mixture-of-experts models) also returns the load-balancing loss."""
+    `output_router_logits=True` (mixture-of-experts models) also returns the load-balancing loss.
+    `images` (a vision-language model): the image processor's tensors of the images of the rows, in row order."""
     model = scorable(model)
     extra = {"output_router_logits": True} if output_router_logits else {}
-    outputs = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+    tokens = token_inputs(model, input_ids, images)
+    outputs = backbone_of(model)(**tokens, attention_mask=attention_mask, use_cache=False, **extra)
     hidden = outputs.last_hidden_state[:, :-1]  # (B, T-1, H): position t predicts token t+1
     mask = completion_mask[:, 1:].bool()
     logps, mean_logits, entropy = _head_logps(model, hidden[mask], input_ids[:, 1:][mask], chunk_size, with_stats)
@@ -314,15 +317,33 @@ def score_sequences(
     return _scores(logps, sequence, input_ids.shape[0], mean_logits, entropy, aux_loss)
 
 
+def token_inputs(model, input_ids: torch.Tensor, images: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """What the backbone takes for `input_ids`: the ids themselves, or, with `images` (a vision-language model), their
+    embeddings with each image's features in the places of its image tokens, in order. The vision tower and projector
+    run here, once per image, and never see the language model's attention settings (packed layouts, tree masks):
+    the backbone then runs from the embeddings, as it would after merging them itself."""
+    if images is None:
+        return {"input_ids": input_ids}
+    backbone = backbone_of(model)
+    embeds = backbone.get_input_embeddings()(input_ids)
+    features = backbone.get_image_features(**images, return_dict=True).pooler_output
+    features = torch.cat(list(features), dim=0).to(embeds.device, embeds.dtype)
+    where = backbone.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=features)
+    return {"inputs_embeds": embeds.masked_scatter(where, features)}
+
+
 def _scores(logps, sequence, num_sequences, mean_logits, entropy, aux_loss=None) -> Scores:
     # index_add keeps the sum connected to the graph even if no token is scored
     totals = logps.new_zeros(num_sequences).index_add(0, sequence, logps)
     return Scores(totals, logps, sequence, mean_logits, entropy, aux_loss)
 
 
-def _forward(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | None = None, cache=None, **extra):
+def _forward(
+    model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | None = None, cache=None, images=None, **extra
+):
     """The backbone's outputs for the tokens `queries` (N, Q), flat indices into the layout, which attend (tree
-    mask) to the tokens `keys` (N, K): themselves (default), or, with a `cache`, the cached tokens then themselves."""
+    mask) to the tokens `keys` (N, K): themselves (default), or, with a `cache`, the cached tokens then themselves.
+    `images`: those of the prompts among the queries, in the order the queries hold them (`token_inputs`)."""
     keys = queries if keys is None else keys
     window = sliding_window(model)
     visible = tree_mask(layout, queries, keys, window)
@@ -330,7 +351,7 @@ def _forward(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | 
     backbone = backbone_of(model)
     with attending_with(model, kernel):
         return backbone(
-            input_ids=layout.input_ids.reshape(-1)[queries],
+            **token_inputs(model, layout.input_ids.reshape(-1)[queries], images),
             position_ids=layout.position_ids.reshape(-1)[queries],
             attention_mask=mask,
             **{_cache_keyword(type(backbone)): cache},
@@ -366,16 +387,18 @@ def score_layout(
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     with_stats: bool = True,
     output_router_logits: bool = False,
+    images: dict[str, torch.Tensor] | None = None,
 ) -> Scores:
     """Score every continuation of a packed layout in one forward over its rows: each prompt runs once.
     The reference pass scores `(prompt, [completion, KL completion])` trees with it, without gradients; a pair
     loss trains on `(prompt, [chosen, rejected])` trees with it, with gradients.
-    Sequences are numbered tree * branches + continuation."""
+    Sequences are numbered tree * branches + continuation. `images`: the images of the prompts, in the order the
+    layout holds them (`packing.prompt_order`)."""
     model = scorable(model)
     rows, width = layout.input_ids.shape
     tokens = torch.arange(rows * width, device=layout.input_ids.device).reshape(rows, width)
     extra = {"output_router_logits": True} if output_router_logits else {}
-    outputs = _forward(model, layout, tokens, **extra)
+    outputs = _forward(model, layout, tokens, images=images, **extra)
     hidden = outputs.last_hidden_state.reshape(rows * width, -1)
     targets = layout.input_ids.reshape(-1)[layout.target]
     logps, mean_logits, entropy = _head_logps(model, hidden[layout.predictor], targets, chunk_size, with_stats)
@@ -402,6 +425,7 @@ def score_policy(
     with_stats: bool = True,
     output_router_logits: bool = False,
     gather_kl: bool | None = None,
+    images: dict[str, torch.Tensor] | None = None,
 ) -> PolicyScores:
     """Training's forwards over a `layout_trees(split_last=True)` layout of `(prompt, [completion, KL])` trees.
 
@@ -412,7 +436,10 @@ def score_policy(
        `layout.split`, padded to the row with the most) or gathered from every row into one unpadded row
        that attends to all rows' caches laid end to end; `gather_kl` forces one way, by default whichever
        costs less. A model that keeps no keys/values while training (`keeps_keys_values`: gradient checkpointing
-       recomputes the layers; compiled layers) runs the whole layout again without gradients instead."""
+       recomputes the layers; compiled layers) runs the whole layout again without gradients instead.
+
+    `images`: the images of the prompts, in the order the layout holds them (`packing.prompt_order`); the KL
+    completions on the cached prompts need none."""
     from transformers import DynamicCache
 
     model = scorable(model)
@@ -422,7 +449,7 @@ def score_policy(
     main = grid[:, :split]  # (R, S) flat indices
     cache = DynamicCache() if with_kl and keeps_keys_values(model) else None
     extra = {"output_router_logits": True} if output_router_logits else {}
-    outputs = _forward(model, layout, main, cache=cache, **extra)
+    outputs = _forward(model, layout, main, cache=cache, images=images, **extra)
     aux_loss = None
     if output_router_logits:  # padding excluded, as in the padded path
         aux_loss = _load_balancing_loss(model, outputs.router_logits, (layout.branch[:, :split] >= 0).long())
@@ -462,7 +489,7 @@ def score_policy(
             where = grid.reshape(-1)
             executed += rows * (width - split)
         else:
-            hidden = _forward(model, layout, grid).last_hidden_state.reshape(rows * width, -1)
+            hidden = _forward(model, layout, grid, images=images).last_hidden_state.reshape(rows * width, -1)
             where = grid.reshape(-1)
             executed += rows * width
         kl = _score_branch(model, layout, hidden, where, 2, chunk_size, with_stats=False)
@@ -497,11 +524,21 @@ class ReferenceScorer(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, layout: Layout | None = None, padded: tuple | None = None) -> Scores:
-        """The scores of a packed `layout`, or of a `padded` (input_ids, attention_mask, completion_mask) batch."""
+    def forward(self, layout: Layout | None = None, padded: tuple | None = None, images=None) -> Scores:
+        """The scores of a packed `layout`, or of a `padded` (input_ids, attention_mask, completion_mask) batch, with
+        the `images` of its prompts in order (a vision-language model)."""
         if layout is not None:
-            return score_layout(self.model, layout, with_stats=False)
-        return score_sequences(self.model, *padded, with_stats=False)
+            return score_layout(self.model, layout, with_stats=False, images=images)
+        return score_sequences(self.model, *padded, with_stats=False, images=images)
+
+
+def join_images(parts: list[dict[str, torch.Tensor]], device=None) -> dict[str, torch.Tensor] | None:
+    """The image tensors of several prompts (or sequences) in order, one forward's: each name's tensors joined along
+    dim 0 (one entry per image). None when none has an image."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    return {name: torch.cat([p[name] for p in parts]).to(device) for name in parts[0]}
 
 
 def _filler_tree(pad_id: int, branches: int) -> Tree:
@@ -519,6 +556,7 @@ def score_shard(
     on_batch=None,
     packed=True,
     agree_on_forwards=None,
+    images=None,
 ) -> list[tuple[np.ndarray, ...]]:
     """Per-token reference log-probs of each tree's continuations (a row's completion and KL completion, or a
     pair's chosen and rejected answers; every tree has as many). `scorer`: a `ReferenceScorer` (sharded or not), or
@@ -532,7 +570,11 @@ def score_shard(
     sequences, the tokens they need, and the tokens the pass ran (padding included): progress and counters.
 
     `agree_on_forwards(count) -> total` (a sharded reference): every process runs `total` forwards, the last
-    ones on a one-token filler tree whose scores are dropped, so that none waits for the others forever."""
+    ones on a one-token filler tree whose scores are dropped, so that none waits for the others forever.
+
+    `images(tree) -> {name: tensor}` (a vision-language model): the image processor's tensors of a tree's images,
+    which its prompt's image tokens take: the vision tower runs once per image a forward, so once per tree packed,
+    once per sequence padded."""
     # (a DeepSpeed engine around a ReferenceScorer is used as it is)
     scorer = scorer if isinstance(getattr(scorer, "module", scorer), ReferenceScorer) else ReferenceScorer(scorer)
     branches = len(trees[0][1]) if trees else 2
@@ -556,7 +598,8 @@ def score_shard(
             local = {t: i for i, t in enumerate(members)}
             rows = [[local[t] for t in row] for row in batch]
             layout = layout_trees([trees[t] for t in members], rows, pad_id, static=costs.static)
-            per_sequence = scorer(layout=layout.to(device)).per_sequence()
+            pixels = None if images is None else join_images([images(t) for t in members], device)
+            per_sequence = scorer(layout=layout.to(device), images=pixels).per_sequence()
             for i, t in enumerate(members):
                 out[t] = [v.float().cpu().numpy() for v in per_sequence[branches * i : branches * (i + 1)]]
             if on_batch is not None:
@@ -565,7 +608,8 @@ def score_shard(
         ids, attn, comp = (
             t.to(device) for t in pad_sequences([s.ids for s in batch], [s.prompt_len for s in batch], pad_id)
         )
-        per_sequence = scorer(padded=(ids, attn, comp)).per_sequence()
+        pixels = None if images is None else join_images([images(s.row) for s in batch], device)
+        per_sequence = scorer(padded=(ids, attn, comp), images=pixels).per_sequence()
         for s, values in zip(batch, per_sequence, strict=True):
             out[s.row][s.kind] = values.float().cpu().numpy()
         if on_batch is not None:

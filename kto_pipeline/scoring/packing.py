@@ -79,6 +79,12 @@ class Layout:
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         return Layout(**moved)
 
+    def prompt_order(self) -> list[int]:
+        """The trees in the order the layout holds their prompts (row by row, left to right): the order a forward
+        over the whole layout meets their images in."""
+        starts = (self.branch == 0) & (self.position_ids == 0)
+        return self.tree[starts].tolist()
+
 
 @dataclass(frozen=True)
 class AttentionCosts:

@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 
 from kto_pipeline.cache import sha256_file
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.images import open_images, pixel_hash, tokenize_image_row
 
 logger = logging.getLogger(__name__)
 
@@ -425,6 +426,13 @@ TOKENIZED_SCHEMA = pa.schema(
         ("prompt_is_prefix", pa.bool_()),
     ]
 )
+# Rows with images (vision-language data) also record which source row holds their images, the images' pixel
+# hashes, and where the prompt's image tokens end (a max length before that would cut through them).
+IMAGE_TOKENIZED_SCHEMA = (
+    TOKENIZED_SCHEMA.append(pa.field("source_row", pa.int64()))
+    .append(pa.field("image_hashes", pa.list_(pa.string())))
+    .append(pa.field("image_end", pa.int32()))
+)
 PREPROCESS_VERSION = 1  # bump when normalize_batch or tokenize_row change what they produce
 
 
@@ -440,9 +448,27 @@ def _tokenized_columns(tokenizer, rows) -> dict[str, list]:
     return out
 
 
-def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, layout: str) -> dict[str, list]:
-    """datasets.map function: source rows -> normalized, tokenized rows."""
-    return _tokenized_columns(tokenizer, normalize_batch(batch, indices, layout))
+def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, layout: str, images=None) -> dict[str, list]:
+    """datasets.map function: source rows -> normalized, tokenized rows. `images`: (column, root) of a vision
+    dataset, whose rows `tokenizer` (then the model's processor) tokenizes with their images."""
+    if images is None:
+        return _tokenized_columns(tokenizer, normalize_batch(batch, indices, layout))
+    column, root = images
+    out: dict[str, list] = {name: [] for name in IMAGE_TOKENIZED_SCHEMA.names}
+    opened: dict[int, list] = {}
+    for j, source_row in enumerate(indices):
+        opened[source_row] = open_images(batch[column][j], column, root, source_row)
+    for source_row, row in normalize_batch(batch, indices, layout):
+        pictures = opened[source_row]
+        prompt_ids, completion_ids, image_end = tokenize_image_row(tokenizer, row, pictures, source_row)
+        out["label"].append(row["label"])
+        out["prompt_ids"].append(prompt_ids)
+        out["completion_ids"].append(completion_ids)
+        out["prompt_is_prefix"].append(True)
+        out["source_row"].append(source_row)
+        out["image_hashes"].append([pixel_hash(picture) for picture in pictures])
+        out["image_end"].append(image_end)
+    return out
 
 
 def preprocess_fingerprint(data_hash: str, tokenizer_hash: str) -> str:
@@ -453,15 +479,16 @@ def preprocess_fingerprint(data_hash: str, tokenizer_hash: str) -> str:
     return "kto-" + hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
-def preprocess(source, tokenizer, fingerprint: str, layout: str, num_proc: int = 1):
+def preprocess(source, tokenizer, fingerprint: str, layout: str, num_proc: int = 1, images=None):
     """Normalize and tokenize `source` with `datasets.map` (batched, `num_proc` processes) into an Arrow file in
     the datasets cache named by `fingerprint`: a second call with the same fingerprint reads that file instead.
     `layout` is `check_source(source)`'s answer. Returns the tokenized, memory-mapped `datasets.Dataset`; nothing
-    of it is held as Python objects."""
-    kwargs = {"tokenizer": tokenizer, "layout": layout}
-    return cached_map(
-        source, _tokenize_batch, kwargs, TOKENIZED_SCHEMA, "tokenized", fingerprint, 256, num_proc, "tokenizing"
-    )
+    of it is held as Python objects. `images`: (column, root) of a vision dataset; `tokenizer` is then the model's
+    processor, and the table has IMAGE_TOKENIZED_SCHEMA."""
+    kwargs = {"tokenizer": tokenizer, "layout": layout, "images": images}
+    schema = TOKENIZED_SCHEMA if images is None else IMAGE_TOKENIZED_SCHEMA
+    batch = 256 if images is None else 32  # a vision batch holds its decoded images
+    return cached_map(source, _tokenize_batch, kwargs, schema, "tokenized", fingerprint, batch, num_proc, "tokenizing")
 
 
 def cached_map(
@@ -549,6 +576,15 @@ def select_rows(table: pa.Table, max_length: int, among: np.ndarray | None = Non
     if among is not None:
         considered[:] = False
         considered[among] = True
+    if "image_end" in table.column_names:  # a vision row: trl raises where max_length cuts through image tokens
+        image_end = table.column("image_end").to_numpy()
+        cut = np.flatnonzero(considered & (image_end > max_length))
+        if len(cut):
+            row, end = int(table.column("source_row")[int(cut[0])].as_py()), int(image_end[cut[0]])
+            raise KTOPipelineError(
+                f"row {row}: --max-length {max_length} would cut through its image tokens, which end at token {end} "
+                f"({len(cut)} row(s) in all). Raise --max-length above {end}, or shorten the prompts."
+            )
     empty_prompt = considered & (prompt_len == 0)
     too_long = considered & ~empty_prompt & (prompt_len >= max_length)
     empty_completion = considered & ~empty_prompt & ~too_long & (completion_len == 0)

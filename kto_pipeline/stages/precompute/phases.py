@@ -57,6 +57,8 @@ class PreparedRows:
     key_rows: np.ndarray | None  # which of them these rows are (None: all)
     source_rows: int
     data_hash: str
+    images: dict[str, Any] | None  # rows with images: {column, root, processor_hash} (manifest JSON); else None
+    image_rows: Any  # rows with images: `images.ImageRows`, the dataset's images as the reference takes them
     tokenizer_hash: str
     cached: bool  # the tokenized rows were read from the datasets cache
     tokenize_seconds: float  # the datasets.map part of `seconds`

@@ -147,8 +147,17 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> tuple[dict[str
     else:
         kl_ids, kl_completions = _kl_completions(prepared, positions)
         trees = [_tree(*row, max_length) for row in zip(prompts, completions, kl_completions, strict=True)]
-    scores = _score_trees(run, trees, pad_id)
-    return _columns(ids, prepared.rows.labels[positions], pair_ids, trees, scores, kl_ids), trees
+    images = None
+    if prepared.image_rows is not None:  # each tree's prompt holds its row's images (a pair's: both rows' own)
+        image_rows = prepared.rows.take(positions, "source_row")
+        tree_rows = image_rows[:: 2 if run.config.pairs_only else 1]
+        images = lambda tree: prepared.image_rows.pixels(tree_rows[tree])  # noqa: E731
+    scores = _score_trees(run, trees, pad_id, images)
+    columns = _columns(ids, prepared.rows.labels[positions], pair_ids, trees, scores, kl_ids)
+    if prepared.image_rows is not None:
+        columns["image_row"] = image_rows
+        columns["image_hashes"] = prepared.rows.take(positions, "image_hashes")
+    return columns, trees
 
 
 def _tree(prompt: list[int], first: list[int], second: list[int], max_length: int) -> Tree:
@@ -197,8 +206,9 @@ def _columns(ids, labels, pair_ids, trees: list[Tree], scores: list[tuple[np.nda
     return cols
 
 
-def _score_trees(run: Pass, trees: list[Tree], pad_id: int) -> list[tuple[np.ndarray, ...]]:
-    """score_shard with this pass's settings. Sharded, every process runs as many forwards as the busiest."""
+def _score_trees(run: Pass, trees: list[Tree], pad_id: int, images=None) -> list[tuple[np.ndarray, ...]]:
+    """score_shard with this pass's settings. Sharded, every process runs as many forwards as the busiest.
+    `images(tree)`: the image processor's tensors of a tree's images (rows with images)."""
     return score_shard(
         run.reference.scorer,
         trees,
@@ -209,6 +219,7 @@ def _score_trees(run: Pass, trees: list[Tree], pad_id: int) -> list[tuple[np.nda
         run.progress.on_batch,
         packed=run.padded_because is None,
         agree_on_forwards=run.engine.agree_on_forwards if run.engine.collective_forwards else None,
+        images=images,
     )
 
 

@@ -37,9 +37,10 @@ from kto_pipeline import __version__
 from kto_pipeline.cache import MANIFEST, NO_PAIR, SHARD_DIR, read_manifest, tokenizer_hash, write_manifest
 from kto_pipeline.config import PrecomputeConfig
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.images import ImageRows, base_dir, image_column, images_hash, processor_hash
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.manifest import Manifest, fingerprint_diff, new_manifest
-from kto_pipeline.models import load_model, load_tokenizer
+from kto_pipeline.models import load_model, load_processor, load_tokenizer
 from kto_pipeline.runtime.compiled import compile_layers
 from kto_pipeline.runtime.engines import engine_for
 from kto_pipeline.runtime.launch import print0, process_state
@@ -184,12 +185,22 @@ def prepare_rows(config: PrecomputeConfig, tokenizer, state=None, base: Manifest
         key_rows=None if new is None else new.key_rows,
         source_rows=tokenized.source_rows,
         data_hash=tokenized.data_hash,
+        images=tokenized.images,
+        image_rows=None if tokenized.images is None else _image_rows(config, tokenized.images),
         tokenizer_hash=tokenized.tokenizer_hash,
         cached=tokenized.cached,
         tokenize_seconds=tokenized.tokenize_seconds,
         seconds=seconds,
         outside_partner=outside,
     )
+
+
+def _image_rows(config: PrecomputeConfig, images: dict[str, Any]) -> ImageRows:
+    """The dataset's images as the reference takes them (every process opens its own)."""
+    source = load_source(config.dataset, config.split, config.dataset_config)
+    processor = load_processor(config.model, config.revision, config.trust_remote_code)
+    root = None if images["root"] is None else Path(images["root"])
+    return ImageRows(source, images["column"], root, processor)
 
 
 def pair_partners(positions: np.ndarray, example_ids: np.ndarray, table: pa.Table) -> np.ndarray:
@@ -235,6 +246,7 @@ class _Tokenized:
     source: dict[str, Any]  # the dataset as its segment records it: name_or_path, config, split, content_hash, ...
     source_rows: int
     data_hash: str
+    images: dict[str, Any] | None  # rows with images: {column, root, processor_hash} (manifest JSON); else None
     key_files: list[str]  # the content keys of every normalized row of the dataset
     paired: bool  # normalized rows 2i and 2i+1 are source row i's (chosen, rejected)
     conversational: bool  # the prompt kind of the first row (of an append: of its first new row)
@@ -257,6 +269,22 @@ def _preprocess(config: PrecomputeConfig, tokenizer, out: Path, base: Manifest |
             "unpaired rows (prompt/completion/label), which only KTO trains on. Drop --pairs-only."
         )
     data_hash = content_hash(config.dataset, source)
+    images, processing = None, tokenizer
+    column = image_column(source)
+    if column is not None:  # vision-language rows: the model's processor tokenizes them with their images
+        if base is not None:
+            raise KTOPipelineError(
+                f"--append: {config.dataset} has images ('{column}'), and a cache of rows with images cannot grow yet. "
+                "Precompute a new cache of the whole dataset."
+            )
+        processing = load_processor(config.model, config.revision, config.trust_remote_code)
+        root = base_dir(config.dataset)
+        data_hash = "sha256:" + hashlib.sha256(f"{data_hash}:{images_hash(source, column, root)}".encode()).hexdigest()
+        images = {
+            "column": column,
+            "root": None if root is None else str(root),
+            "processor_hash": processor_hash(processing),
+        }
     key_files = content_keys(source, layout, data_hash, config.num_proc)
     keys = open_keys(key_files)
     source_rows = len(source)
@@ -275,10 +303,12 @@ def _preprocess(config: PrecomputeConfig, tokenizer, out: Path, base: Manifest |
             selection = hashlib.sha256(new.source_rows.tobytes()).hexdigest()
     key = json.dumps([data_hash, config.split, config.dataset_config, *([selection] if selection else [])])
     tokenizer_fingerprint = tokenizer_hash(tokenizer)
-    fingerprint = preprocess_fingerprint(key, tokenizer_fingerprint)
+    processing_hash = tokenizer_fingerprint if images is None else f"{tokenizer_fingerprint}+{images['processor_hash']}"
+    fingerprint = preprocess_fingerprint(key, processing_hash)
     cached = any(preprocess_cache_dir().glob(f"tokenized-{fingerprint}*.arrow"))
     started = time.perf_counter()
-    tokenized = preprocess(source, tokenizer, fingerprint, layout, config.num_proc)
+    pictures = None if images is None else (column, root)
+    tokenized = preprocess(source, processing, fingerprint, layout, config.num_proc, images=pictures)
     return _Tokenized(
         source={
             "name_or_path": absolute_if_local(config.dataset),
@@ -289,6 +319,7 @@ def _preprocess(config: PrecomputeConfig, tokenizer, out: Path, base: Manifest |
         },
         source_rows=source_rows,
         data_hash=data_hash,
+        images=images,
         key_files=key_files,
         paired=layout != "unpaired",
         conversational=conversational,
@@ -360,6 +391,7 @@ def plan_output(run: Pass) -> bool:
         "model_revision": config.revision,
         "model_hash": reference.weights_hash,
         "tokenizer_hash": prepared.tokenizer_hash,
+        **({"processor_hash": prepared.images["processor_hash"]} if prepared.images else {}),
         "dataset": absolute_if_local(config.dataset),
         "dataset_config": config.dataset_config,
         "split": config.split,
@@ -390,6 +422,7 @@ def plan_output(run: Pass) -> bool:
         attention_kernel=reference.attention_kernel,
         distributed=run.engine.record(),
         shards=done_shards,
+        images=None if prepared.images is None else {**prepared.images, "rows": len(rows)},
     )
     segment = None
     if state.is_main_process:
