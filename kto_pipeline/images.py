@@ -255,8 +255,48 @@ class ImageRows:
     """A dataset's images by source row, as the model takes them. Opened by both stages from the same dataset:
     precompute scores with them, train reads them again and checks them against the hashes the cache holds."""
 
-    def __init__(self, dataset, column: str, root: Path | None, processor):
-        self.dataset, self.column, self.root, self.processor = dataset, column, root, processor
+    def __init__(self, dataset, column: str, root: Path | None, processor, name: str = "the dataset"):
+        self.dataset, self.column, self.root, self.processor, self.name = dataset, column, root, processor, name
+
+    @classmethod
+    def of_cache(cls, manifest, trust_remote_code: bool = False) -> ImageRows:
+        """The images of a cache of rows with images, read from the dataset its manifest names with the processor of
+        its reference model, which must be the one the cache was made with."""
+        from kto_pipeline.models import load_processor
+        from kto_pipeline.sources import load_source
+
+        images, dataset = manifest.images, manifest["dataset"]
+        name = dataset["name_or_path"]
+        try:
+            source = load_source(name, dataset["split"], dataset["config"])
+        except KTOPipelineError as exc:
+            raise KTOPipelineError(
+                f"the cache's rows hold images, which train reads from the cache's dataset again: {exc}"
+            ) from None
+        processor = load_processor(manifest.tokenizer_name, manifest.reference_revision, trust_remote_code)
+        if processor_hash(processor) != images["processor_hash"]:
+            raise KTOPipelineError(
+                f"the processor of {manifest.tokenizer_name} differs from the one the cache was made with (image size, "
+                "normalisation or image token count): its images would not give the same inputs. Precompute a new "
+                "cache."
+            )
+        root = None if images.get("root") is None else Path(images["root"])
+        return cls(source, images["column"], root, processor, name)
+
+    def check_all(self, table) -> None:
+        """Check every image a cache table's rows use (`image_row`, `image_hashes`) before any step."""
+        import numpy as np
+
+        image_rows = table.column("image_row").to_numpy()
+        unique, first = np.unique(image_rows, return_index=True)
+        hashes = table.column("image_hashes").take(first).to_pylist()
+        for row, hashed in zip(unique.tolist(), hashes, strict=True):
+            if row >= len(self.dataset):
+                raise KTOPipelineError(
+                    f"row {row} of {self.name} is gone: the dataset now has {len(self.dataset)} rows. Restore it, or "
+                    "precompute a new cache."
+                )
+            self.check(row, hashed, self.name)
 
     def images(self, source_row: int) -> list:
         return open_images(self.dataset[int(source_row)][self.column], self.column, self.root, int(source_row))

@@ -208,6 +208,14 @@ class TrainConfig(ConfigMixin):
     attention_kernel: str = field(default="auto", **described(ATTENTION_KERNEL_HELP, panel=OPTIMISATION))
     torch_compile: bool | None = field(default=None, **described(TORCH_COMPILE_HELP, panel=OPTIMISATION))
     static_shapes: bool = field(default=False, **described(STATIC_SHAPES_HELP, panel=OPTIMISATION))
+    freeze_vision_tower: bool = field(
+        default=True,
+        **described(
+            "A vision-language model: keep its vision tower frozen (the projector and the language model train). "
+            "--no-freeze-vision-tower trains it too, as trl does. No effect on a text model.",
+            panel=OPTIMISATION,
+        ),
+    )
     save_total_limit: int | None = field(
         default=None, **described("Keep only the newest N checkpoints.", panel=CHECKPOINTS)
     )

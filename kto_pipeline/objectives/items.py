@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kto_pipeline.cache import completion_room, token_sum
-from kto_pipeline.scoring.logprobs import pad_sequences
+from kto_pipeline.scoring.logprobs import join_images, pad_sequences
 from kto_pipeline.scoring.packing import AttentionCosts, Layout, layout_trees, pack_rows
 
 # a cache row's sequences after its prompt: (token ids, per-token reference log-probs, their sum)
@@ -31,6 +31,33 @@ def truncated(row: dict[str, Any], max_length: int, with_kl: bool) -> dict[str, 
 
 
 LAYOUT_KEY = "layout_"  # batch keys of a packed layout's tensors
+IMAGE_KEY = "image_"  # batch keys of the image processor's tensors (rows with images), in the forward's order
+
+
+def cache_images(cache):
+    """A cache of rows with images: its dataset's images (`images.ImageRows`), every one checked against the cache's
+    pixel hashes before any step, so that a changed or missing image stops the run naming its row and file. None
+    for a cache of text rows."""
+    if cache.manifest.images is None:
+        return None
+    from kto_pipeline.images import ImageRows
+
+    images = ImageRows.of_cache(cache.manifest)
+    images.check_all(cache.table)
+    return images
+
+
+def image_batch(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The batch keys of the images of a forward's prompts (or padded sequences), in its order: each row's
+    `pixels` joined (`join_images`); none for rows without images."""
+    joined = join_images(parts)
+    return {} if joined is None else {IMAGE_KEY + k: v for k, v in joined.items()}
+
+
+def batch_images(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The image tensors a batch carries, as the scorer takes them (None: no images)."""
+    found = {k.removeprefix(IMAGE_KEY): v for k, v in batch.items() if k.startswith(IMAGE_KEY)}
+    return found or None
 
 
 def packed_batch(trees, sizes: list[int], pad_id: int, attention: AttentionCosts | None, split_last: bool = False):

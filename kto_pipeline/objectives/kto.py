@@ -226,6 +226,8 @@ class CacheRows:
         import numpy as np
         import pyarrow.compute as pc
 
+        from kto_pipeline.objectives.items import cache_images
+
         self.table = cache.table
         self.max_length = max_length
         self.truncate = max_length < cache.manifest.max_length
@@ -233,6 +235,7 @@ class CacheRows:
         self.indices = np.flatnonzero(prompt_lens < max_length)
         self.labels = self.table.column("label").to_numpy(zero_copy_only=False)[self.indices]
         self._groups: dict[int, int] | None = None
+        self.images = cache_images(cache)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -265,6 +268,8 @@ class CacheRows:
         from kto_pipeline.objectives.items import truncated
 
         row = self.table.slice(int(self.indices[i]), 1).to_pylist()[0]
+        if self.images is not None:
+            row["pixels"] = self.images.pixels(row["image_row"])
         return truncated(row, self.max_length, with_kl=True) if self.truncate else row
 
 
@@ -281,15 +286,18 @@ class Collator:
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
-        from kto_pipeline.objectives.items import packed_batch, padded_batch
+        from kto_pipeline.objectives.items import batch_layout, image_batch, packed_batch, padded_batch
 
         if self.packed:
             trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
             sizes = [len(p) + len(c) for p, (c, _) in trees]  # the KL completions run apart, in one unpadded row
             batch = packed_batch(trees, sizes, self.pad_id, self.attention, split_last=True)
+            order = batch_layout(batch).prompt_order() if "pixels" in rows[0] else []
         else:
             batch = padded_batch(rows, ("completion_ids",), self.pad_id)
             batch.update(padded_batch(rows, ("kl_completion_ids",), self.pad_id, prefix="kl_"))
+            order = range(len(rows)) if "pixels" in rows[0] else []  # (the KL sequences: the same rows, in order)
+        batch.update(image_batch([rows[t]["pixels"] for t in order]))
         needed = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) + len(r["kl_completion_ids"]) for r in rows)
         return {
             **batch,

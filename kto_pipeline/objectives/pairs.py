@@ -305,10 +305,14 @@ class CachePairs:
         import pyarrow.compute as pc
 
         from kto_pipeline.cache import NO_PAIR
-        from kto_pipeline.objectives.items import COMPLETION
+        from kto_pipeline.objectives.items import COMPLETION, cache_images
 
         # the columns a pair needs (not the KL completions', which a pair loss never reads)
-        self.table = cache.table.select(["example_id", "label", "prompt_ids", "pair_example_id", *COMPLETION])
+        self.images = cache_images(cache)
+        image_row = ["image_row"] if self.images is not None else []
+        self.table = cache.table.select(
+            ["example_id", "label", "prompt_ids", "pair_example_id", *COMPLETION, *image_row]
+        )
         self.max_length = max_length
         self.truncate = max_length < cache.manifest.max_length
         ids = self.table.column("example_id").to_numpy()
@@ -359,6 +363,7 @@ class CachePairs:
             "ref_rejected_logp": rejected["ref_logp"],
             "chosen_id": chosen["example_id"],
             "rejected_id": rejected["example_id"],
+            **({"pixels": self.images.pixels(chosen["image_row"])} if self.images is not None else {}),
         }
 
 
@@ -381,14 +386,17 @@ class PairCollator:
         import torch
 
         from kto_pipeline.loss import length_desensitized
-        from kto_pipeline.objectives.items import packed_batch, padded_batch
+        from kto_pipeline.objectives.items import batch_layout, image_batch, packed_batch, padded_batch
 
         if self.packed:
             trees = [(p["prompt_ids"], [p["chosen_ids"], p["rejected_ids"]]) for p in pairs]
             sizes = [len(prompt) + sum(map(len, answers)) for prompt, answers in trees]
             batch = packed_batch(trees, sizes, self.pad_id, self.attention)
+            order = batch_layout(batch).prompt_order() if "pixels" in pairs[0] else []
         else:
             batch = padded_batch(pairs, ("chosen_ids", "rejected_ids"), self.pad_id)
+            order = [i for i in range(len(pairs)) for _ in range(2)] if "pixels" in pairs[0] else []  # both answers
+        batch.update(image_batch([pairs[t]["pixels"] for t in order]))
         chosen_lengths = torch.tensor([len(p["chosen_ids"]) for p in pairs])
         rejected_lengths = torch.tensor([len(p["rejected_ids"]) for p in pairs])
         ref = {

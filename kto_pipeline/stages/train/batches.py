@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from kto_pipeline.objectives.items import LAYOUT_KEY, batch_layout
+from kto_pipeline.objectives.items import LAYOUT_KEY, batch_images, batch_layout
 from kto_pipeline.scoring.logprobs import PolicyScores, score_layout, score_policy, score_sequences
 
 
@@ -61,14 +61,13 @@ class PolicyScorer(torch.nn.Module):
         completions (laid out apart: `packed_batch(split_last=True)`, or `kl_` padded sequences), theirs without
         grad: `PolicyScores`. A packed batch without KL completions runs as one forward over its trees, each
         prompt once."""
-        layout = batch_layout(batch)
+        layout, images = batch_layout(batch), batch_images(batch)
+        routed = {"output_router_logits": output_router_logits}
         if layout is not None and LAYOUT_KEY + "split" not in batch:  # every continuation with grad
-            scores = score_layout(self.model, layout, with_stats=with_stats, output_router_logits=output_router_logits)
+            scores = score_layout(self.model, layout, with_stats=with_stats, images=images, **routed)
             return PolicyScores(scores, None, layout.input_ids.numel(), kl_on_cached_prompt=False)
         if layout is not None:
-            return score_policy(
-                self.model, layout, with_kl, with_stats=with_stats, output_router_logits=output_router_logits
-            )
+            return score_policy(self.model, layout, with_kl, with_stats=with_stats, images=images, **routed)
         completions = score_sequences(
             self.model,
             batch["input_ids"],
@@ -76,6 +75,7 @@ class PolicyScorer(torch.nn.Module):
             batch["completion_mask"],
             with_stats=with_stats,
             output_router_logits=output_router_logits,
+            images=images,
         )
         kl, executed = None, batch["input_ids"].numel()
         if with_kl and "kl_input_ids" in batch:
@@ -86,6 +86,7 @@ class PolicyScorer(torch.nn.Module):
                     batch["kl_attention_mask"],
                     batch["kl_completion_mask"],
                     with_stats=False,
+                    images=images,
                 )
             executed += batch["kl_input_ids"].numel()
         return PolicyScores(completions, kl, executed, kl_on_cached_prompt=False)

@@ -91,6 +91,9 @@ def ready_to_train(model, config: TrainConfig, init: InitPoint | None = None):
     adapter (fresh with --lora-r, or --init-from's), or the whole model trainable."""
     model.config.use_cache = False
     disable_dropout(model)  # the base model's; LoRA's own dropout (--lora-dropout) is added after
+    tower = vision_tower(model)
+    if tower is not None and config.freeze_vision_tower:
+        tower.requires_grad_(False)
     if config.gradient_checkpointing:
         # recompute each layer's activations in the backward instead of keeping them
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
@@ -106,6 +109,16 @@ def ready_to_train(model, config: TrainConfig, init: InitPoint | None = None):
     elif config.lora_r is not None:
         model = add_lora(model, config)
     return model
+
+
+def vision_tower(model):
+    """A vision-language model's vision tower (the module that encodes images), or None for a text model."""
+    body = getattr(model, "base_model", model)
+    for name in ("vision_tower", "vision_model", "visual", "vision_encoder"):
+        tower = getattr(body, name, None)
+        if isinstance(tower, torch.nn.Module):
+            return tower
+    return None
 
 
 def make_optimizer(config: TrainConfig, model) -> torch.optim.Optimizer:
@@ -140,17 +153,37 @@ def add_lora(model, config: TrainConfig):
     from peft import LoraConfig, get_peft_model
 
     targets = config.lora_target_modules
+    names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
     lora = LoraConfig(
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
-        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        target_modules=language_model_targets(model, names),
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
     if config.gradient_checkpointing:
         model.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a grad path
     return model
+
+
+def language_model_targets(model, names: str | list[str]) -> str | list[str]:
+    """LoRA's target modules: `names` ("all-linear" or module names) as peft takes them; for a vision-language model,
+    only the linear layers of its language model (not the vision tower, whose layers share names such as q_proj,
+    nor the projector), as full module names."""
+    body = getattr(model, "base_model", model)
+    language = getattr(body, "language_model", None) or getattr(body, "text_model", None)
+    if vision_tower(model) is None or language is None:
+        return names
+    prefix = next(name for name, module in model.named_modules() if module is language)
+    linear = [f"{prefix}.{name}" for name, m in language.named_modules() if isinstance(m, torch.nn.Linear)]
+    chosen = linear if names == "all-linear" else [n for n in linear if n.rsplit(".", 1)[-1] in names]
+    if not chosen:
+        raise KTOPipelineError(
+            f"--lora-target-modules {','.join(names)}: no linear layer of {type(model).__name__}'s language model has "
+            "these names."
+        )
+    return chosen
 
 
 def disable_dropout(model) -> None:
