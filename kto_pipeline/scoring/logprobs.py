@@ -328,8 +328,10 @@ def token_inputs(model, input_ids: torch.Tensor, images: dict[str, torch.Tensor]
     embeds = backbone.get_input_embeddings()(input_ids)
     features = backbone.get_image_features(**images, return_dict=True).pooler_output
     features = torch.cat(list(features), dim=0).to(embeds.device, embeds.dtype)
-    where = backbone.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=features)
-    return {"inputs_embeds": embeds.masked_scatter(where, features)}
+    if hasattr(backbone, "get_placeholder_mask"):  # LLaVA, Qwen2-VL, Gemma 3, ...
+        where = backbone.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=features)
+        return {"inputs_embeds": embeds.masked_scatter(where, features)}
+    return {"inputs_embeds": backbone.inputs_merger(input_ids, embeds, features)}  # Idefics3, SmolVLM
 
 
 def _scores(logps, sequence, num_sequences, mean_logits, entropy, aux_loss=None) -> Scores:
