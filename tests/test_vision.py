@@ -32,6 +32,17 @@ def llava_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def idefics3_dir(tmp_path_factory):
+    return save_tiny_vlm("idefics3", tmp_path_factory.mktemp("idefics3") / "model")
+
+
+@pytest.fixture(params=["llava", "idefics3"])
+def vlm_dir(request):
+    """Each tiny family: LLaVA (CLIP tower, projector, Llama) and Idefics3 (SigLIP-style tower, pixel shuffle)."""
+    return request.getfixturevalue(f"{request.param}_dir")
+
+
+@pytest.fixture(scope="module")
 def unpaired_file(tmp_path_factory):
     return write_vision_jsonl(vision_rows(12, seed=1), tmp_path_factory.mktemp("vision-unpaired"))
 
@@ -55,10 +66,10 @@ def _train(cache, out, **more) -> list[dict]:
 
 def _full_logits_logp(model, processor, row: dict, completion_ids: list[int], prompt_ids: list[int]) -> float:
     """Sum of completion log-probs from the full logits of model(input_ids, pixel_values): no packing, no chunking."""
-    pixels = processor.image_processor(images=row["images"], return_tensors="pt")["pixel_values"]
+    pixels = dict(processor.image_processor(images=row["images"], return_tensors="pt"))
     ids = torch.tensor([prompt_ids + completion_ids])
     with torch.no_grad():
-        logps = model(input_ids=ids, pixel_values=pixels).logits[0, :-1].float().log_softmax(-1)
+        logps = model(input_ids=ids, **pixels).logits[0, :-1].float().log_softmax(-1)
     token_logps = logps.gather(-1, ids[0, 1:, None])[:, 0]
     return float(token_logps[len(prompt_ids) - 1 :].sum())
 
@@ -89,19 +100,21 @@ def test_tokens_match_trl(llava_dir, unpaired_file, paired_file, paired):
 # --------------------------------------------------------------------------------------------- precompute
 
 
-@pytest.fixture(scope="module")
-def caches(llava_dir, unpaired_file, tmp_path_factory):
-    """The unpaired rows' cache, packed (the default) and padded (as a model whose attention takes no packing)."""
+@pytest.fixture(scope="module", params=["llava", "idefics3"])
+def caches(request, unpaired_file, tmp_path_factory):
+    """(model, packed cache, padded cache) of the unpaired rows, for each family: packed (the default) and padded (as
+    a model whose attention takes no packing)."""
+    model_dir = request.getfixturevalue(f"{request.param}_dir")
     work = tmp_path_factory.mktemp("vision-caches")
-    packed = _precompute(llava_dir, unpaired_file, work / "packed")
+    packed = _precompute(model_dir, unpaired_file, work / "packed")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(precompute_module, "packing_unsupported", lambda model: "attention implementation 'x'")
-        padded = _precompute(llava_dir, unpaired_file, work / "padded")
-    return packed, padded
+        padded = _precompute(model_dir, unpaired_file, work / "padded")
+    return model_dir, packed, padded
 
 
 def test_cache_records_images_not_pixels(caches, unpaired_file):
-    cache = open_cache(caches[0], verify=True)
+    cache = open_cache(caches[1], verify=True)
     manifest = cache.manifest
     assert manifest.format_version == 3
     assert manifest.images["column"] == "images" and manifest.images["processor_hash"].startswith("sha256:")
@@ -114,22 +127,23 @@ def test_cache_records_images_not_pixels(caches, unpaired_file):
         assert r["image_hashes"] == [pixel_hash(image) for image in rows[r["image_row"]]["images"]]
     assert not any(t == pytest.approx(0) for t in cache.table.column("ref_logp").to_pylist())
     assert all(
-        not str(f).endswith((".png", ".npy")) for f in Path(caches[0]).rglob("*")
+        not str(f).endswith((".png", ".npy")) for f in Path(caches[1]).rglob("*")
     )  # no pixels: shards, keys, manifest
     # two rows sharing a picture (rows 2 and 3) share its hash; others differ
     hashes = {r["image_row"]: r["image_hashes"][0] for r in cache.table.to_pylist()}
     assert hashes[2] == hashes[3] and hashes[1] != hashes[2]
 
 
-def test_reference_logps_equal_full_logits(caches, llava_dir, unpaired_file):
+def test_reference_logps_equal_full_logits(caches, unpaired_file):
     """Each cached completion and KL completion log-prob (the KL completion under this row's image and prompt)
     equals the full-logits computation, packed and padded (rel 1e-4)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model = AutoModelForImageTextToText.from_pretrained(llava_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(llava_dir)
+    model_dir, *both = caches
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(model_dir)
     rows = read_vision_jsonl(unpaired_file)
-    tables = [open_cache(c).table.to_pylist() for c in caches]
+    tables = [open_cache(c).table.to_pylist() for c in both]
     assert [r["example_id"] for r in tables[0]] == [r["example_id"] for r in tables[1]]
     for packed, padded in zip(*tables, strict=True):
         row = rows[packed["image_row"]]
@@ -317,7 +331,7 @@ COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/ch
 @pytest.mark.parametrize(
     "loss_type,batch_size", [("apo_zero_unpaired", 4), ("sigmoid", 2)], ids=["kto-apo_zero_unpaired", "dpo-sigmoid"]
 )
-def test_training_matches_trl_online(llava_dir, unpaired_file, paired_file, tmp_path, loss_type, batch_size):
+def test_training_matches_trl_online(vlm_dir, unpaired_file, paired_file, tmp_path, loss_type, batch_size):
     """Ours from the cache = trl.KTOTrainer / trl.DPOTrainer with the reference online (which trl requires for
     images), on the same rows: 3 steps of loss, grad norm, rewards and log-probs (rel 2e-3), the vision tower
     trained as trl trains it. trl's KTO pairs KL completions within its batch, ours from the cache: apo_zero_unpaired
@@ -328,10 +342,8 @@ def test_training_matches_trl_online(llava_dir, unpaired_file, paired_file, tmp_
     data = paired_file if paired else unpaired_file
     rows = read_vision_jsonl(data)
     oracle = trl_dpo_logs if paired else trl_kto_logs
-    theirs = oracle(
-        llava_dir, rows, loss_type=loss_type, steps=3, batch_size=batch_size, max_length=MAX_LENGTH, **PARITY
-    )
-    cache = _precompute(llava_dir, data, tmp_path / "cache", pairs_only=paired)
+    theirs = oracle(vlm_dir, rows, loss_type=loss_type, steps=3, batch_size=batch_size, max_length=MAX_LENGTH, **PARITY)
+    cache = _precompute(vlm_dir, data, tmp_path / "cache", pairs_only=paired)
     ours = _train(
         cache,
         tmp_path / "ours",
