@@ -315,6 +315,17 @@ class ImageRows:
                 "precompute a new cache."
             )
 
+    def filler(self) -> tuple[list[int], dict]:
+        """(prompt ids, image tensors) of a one-image prompt of a blank picture: a sharded reference's filler forward
+        must run the vision tower as the other processes' forwards do (each of its sharded layers gathers its weights
+        in every process at once)."""
+        from PIL import Image
+
+        blank = Image.new("RGB", (32, 32))
+        placeholder, _ = image_token(self.processor)
+        ids = self.processor(images=[blank], text=[placeholder], add_special_tokens=False)["input_ids"][0]
+        return [int(t) for t in ids], dict(self.processor.image_processor(images=[blank], return_tensors="pt"))
+
     def pixels(self, source_row: int) -> dict:
         """Row `source_row`'s images through the image processor: {name: tensor} with one entry per image along dim
         0 (for LLaVA: pixel_values (images, 3, H, W)). Read and processed at each call: nothing is held."""

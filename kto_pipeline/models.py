@@ -138,14 +138,21 @@ def load_processor(name: str, revision: str | None = None, trust_remote_code: bo
 
 
 def _auto_class(name: str, revision: str | None, trust_remote_code: bool):
-    """transformers' auto class for a checkpoint: a vision-language model (its config has a vision part) loads with
-    its image-text head, any other as a causal LM."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    """transformers' auto class for a checkpoint (`auto_class`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
     except Exception:
         return AutoModelForCausalLM  # its own error names the problem
+    return auto_class(config)
+
+
+def auto_class(config):
+    """transformers' auto class for a model config: a vision-language model (its config has a vision part) is built
+    with its image-text head, any other as a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
     return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
 
 

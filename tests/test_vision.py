@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vision_trl import read_vision_jsonl, trl_vision_tokens, vision_rows, write_vision_jsonl
 
 from kto_pipeline.cache import open_cache
 from kto_pipeline.config import PrecomputeConfig, TrainConfig
@@ -21,7 +22,6 @@ from kto_pipeline.stages.precompute import stage as precompute_module
 from kto_pipeline.stages.precompute.stage import precompute
 from kto_pipeline.stages.train import stage as train_module
 from kto_pipeline.stages.train.stage import train
-from tests.vision_trl import read_vision_jsonl, trl_vision_tokens, vision_rows, write_vision_jsonl
 
 MAX_LENGTH = 80
 
@@ -336,7 +336,7 @@ def test_training_matches_trl_online(vlm_dir, unpaired_file, paired_file, tmp_pa
     images), on the same rows: 3 steps of loss, grad norm, rewards and log-probs (rel 2e-3), the vision tower
     trained as trl trains it. trl's KTO pairs KL completions within its batch, ours from the cache: apo_zero_unpaired
     has no KL term, so the two runs see the same numbers."""
-    from tests.vision_trl import trl_dpo_logs, trl_kto_logs
+    from vision_trl import trl_dpo_logs, trl_kto_logs
 
     paired = loss_type == "sigmoid"
     data = paired_file if paired else unpaired_file
@@ -362,3 +362,37 @@ def test_training_matches_trl_online(vlm_dir, unpaired_file, paired_file, tmp_pa
             assert mine[name] == pytest.approx(expected[name], rel=2e-3, abs=1e-5), (step, name, mine, expected)
     assert abs(theirs[-1]["loss"] - theirs[0]["loss"]) > 0.02  # the policy moved beyond the tolerance
     assert max(h["grad_norm"] for h in theirs) > PARITY["max_grad_norm"]  # clipping exercised
+
+
+# ------------------------------------------------------------------------------------------- two processes
+
+FSDP_ENV = dict(
+    ACCELERATE_USE_CPU="1",
+    ACCELERATE_USE_FSDP="true",
+    FSDP_VERSION="2",
+    FSDP_RESHARD_AFTER_FORWARD="true",
+    FSDP_CPU_RAM_EFFICIENT_LOADING="true",
+)
+
+
+@pytest.mark.slow
+def test_fsdp2_two_processes_equal_one(llava_dir, unpaired_file, tmp_path):
+    """Both stages of a tiny LLaVA sharded with FSDP2 over 2 processes (gloo) give one process's cache and steps:
+    the vision tower, projector and language model sharded, the images read by each process for its rows."""
+    from helpers import SHARDED_REL, assert_same_rows, assert_same_steps, cli_args, launch, read_metrics
+
+    one = _precompute(llava_dir, unpaired_file, tmp_path / "one-cache", shard_size=4)
+    args = cli_args(model=llava_dir, dataset=unpaired_file, max_length=MAX_LENGTH, dtype="float32", shard_size=4)
+    launch(2, "precompute", *args, "--output", str(tmp_path / "two-cache"), env=FSDP_ENV, log_dir=tmp_path / "logs")
+    two = open_cache(tmp_path / "two-cache", verify=True)
+    assert two.manifest["distributed"] == {"engine": "fsdp2", "world_size": 2}
+    assert two.manifest.fingerprint == open_cache(one).manifest.fingerprint
+    assert_same_rows(two.table.to_pylist(), open_cache(one).table.to_pylist())
+
+    settings = dict(max_steps=3, logging_steps=1, train_sampling_strategy="sequential", learning_rate=5e-3, seed=3)
+    _train(one, tmp_path / "one", per_device_train_batch_size=4, **settings)
+    train_args = cli_args(cache=tmp_path / "two-cache", per_device_train_batch_size=2, no_bf16=True, **settings)
+    launch(2, "train", *train_args, "--output-dir", str(tmp_path / "two"), env=FSDP_ENV, log_dir=tmp_path / "logs2")
+    ours, sharded = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert sharded[0]["rewards/chosen"] == 0.0
+    assert_same_steps(sharded, ours, SHARDED_REL)

@@ -559,6 +559,7 @@ def score_shard(
     packed=True,
     agree_on_forwards=None,
     images=None,
+    image_filler=None,
 ) -> list[tuple[np.ndarray, ...]]:
     """Per-token reference log-probs of each tree's continuations (a row's completion and KL completion, or a
     pair's chosen and rejected answers; every tree has as many). `scorer`: a `ReferenceScorer` (sharded or not), or
@@ -576,7 +577,8 @@ def score_shard(
 
     `images(tree) -> {name: tensor}` (a vision-language model): the image processor's tensors of a tree's images,
     which its prompt's image tokens take: the vision tower runs once per image a forward, so once per tree packed,
-    once per sequence padded."""
+    once per sequence padded. `image_filler`: (prompt ids, image tensors) of a one-image prompt, which the filler
+    forwards of a sharded reference run, so that every process runs the vision tower in every forward."""
     # (a DeepSpeed engine around a ReferenceScorer is used as it is)
     scorer = scorer if isinstance(getattr(scorer, "module", scorer), ReferenceScorer) else ReferenceScorer(scorer)
     branches = len(trees[0][1]) if trees else 2
@@ -618,10 +620,14 @@ def score_shard(
             on_batch(len(batch), sum(len(s.ids) for s in batch), ids.numel())
     for _ in range(total - len(passes)):
         filler = _filler_tree(pad_id, branches)
+        pixels = None
+        if image_filler is not None:
+            filler, pixels = (image_filler[0], filler[1]), join_images([image_filler[1]], device)
         if packed:
-            scorer(layout=layout_trees([filler], [[0]], pad_id, static=costs.static).to(device))
+            scorer(layout=layout_trees([filler], [[0]], pad_id, static=costs.static).to(device), images=pixels)
         else:
-            scorer(padded=tuple(t.to(device) for t in pad_sequences([filler[0] + filler[1][0]], [1], pad_id)))
+            sequence = pad_sequences([filler[0] + filler[1][0]], [len(filler[0])], pad_id)
+            scorer(padded=tuple(t.to(device) for t in sequence), images=pixels)
     return [tuple(o) for o in out]
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.models import auto_class
 from kto_pipeline.runtime.engines.base import ACCELERATE_STATE, Engine
 from kto_pipeline.runtime.launch import env_flag, main_decides, most_of_all
 from kto_pipeline.runtime.precision import Regime, autocast_forward
@@ -272,10 +273,9 @@ def decoder_layers(model, layer_classes: tuple[str, ...] = ()) -> list[torch.nn.
 def empty_model(config, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
     """The causal LM of `config` with its parameters on the meta device (they take no memory) and its buffers real."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = auto_class(config).from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # as from_pretrained ties them (tie_word_embeddings): one parameter, as on the main process
     return model
 

@@ -220,6 +220,7 @@ def _score_trees(run: Pass, trees: list[Tree], pad_id: int, images=None) -> list
         packed=run.padded_because is None,
         agree_on_forwards=run.engine.agree_on_forwards if run.engine.collective_forwards else None,
         images=images,
+        image_filler=None if run.prepared.image_rows is None else run.prepared.image_rows.filler(),
     )
 
 
