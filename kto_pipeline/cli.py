@@ -94,7 +94,13 @@ def label(
 @options()
 def inspect_command(
     cache_dir: Annotated[str, typer.Argument(help="Cache directory written by `kto-pipeline precompute`.")],
-    verify: Annotated[bool, typer.Option(help="Also check every shard's sha256 (reads the whole cache).")] = False,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            help="Also check every shard's sha256 (reads the whole cache) and, for rows with images, every image "
+            "against its pixel hash (reads the dataset's images)."
+        ),
+    ] = False,
 ) -> None:
     """Show what a cache holds: model, tokenizer, dataset, counts, settings and shards."""
     from kto_pipeline.inspect_cache import inspect_cache

@@ -283,20 +283,33 @@ class ImageRows:
         root = None if images.get("root") is None else Path(images["root"])
         return cls(source, images["column"], root, processor, name)
 
-    def check_all(self, table) -> None:
-        """Check every image a cache table's rows use (`image_row`, `image_hashes`) before any step."""
+    def problems(self, table) -> list[str]:
+        """What is wrong with the images a cache table's rows use (`image_row`, `image_hashes`): one line per dataset
+        row whose images are gone, unreadable or changed; empty when every one is as hashed."""
         import numpy as np
 
         image_rows = table.column("image_row").to_numpy()
         unique, first = np.unique(image_rows, return_index=True)
         hashes = table.column("image_hashes").take(first).to_pylist()
+        found = []
         for row, hashed in zip(unique.tolist(), hashes, strict=True):
             if row >= len(self.dataset):
-                raise KTOPipelineError(
-                    f"row {row} of {self.name} is gone: the dataset now has {len(self.dataset)} rows. Restore it, or "
-                    "precompute a new cache."
-                )
-            self.check(row, hashed, self.name)
+                found.append(f"row {row} of {self.name} is gone: the dataset now has {len(self.dataset)} rows.")
+                continue
+            try:
+                self.check(row, hashed, self.name)
+            except KTOPipelineError as exc:
+                found.append(str(exc))
+        return found
+
+    def check_all(self, table) -> None:
+        """Check every image a cache table's rows use before any step: stop naming the rows whose images changed."""
+        found = self.problems(table)
+        if found:
+            more = f"\n  ... and {len(found) - 5} more" if len(found) > 5 else ""
+            raise KTOPipelineError(
+                "the cache's images cannot be read as they were hashed:\n  - " + "\n  - ".join(found[:5]) + more
+            )
 
     def images(self, source_row: int) -> list:
         return open_images(self.dataset[int(source_row)][self.column], self.column, self.root, int(source_row))

@@ -68,5 +68,16 @@ def inspect_cache(cache_dir: str | Path, verify: bool = False, console: Console 
                 overflow="fold",
                 highlight=False,
             )
+    if m.images is not None:
+        console.print(_kv_table("images (not held: read from the dataset)", m.images))
     problems = check_cache(cache_dir, m, full=verify)
+    if verify and m.images is not None and not problems:
+        from kto_pipeline.cache import open_cache
+        from kto_pipeline.errors import KTOPipelineError
+        from kto_pipeline.images import ImageRows
+
+        try:  # every row's images read again and hashed
+            problems = ImageRows.of_cache(m).problems(open_cache(cache_dir).table)
+        except KTOPipelineError as exc:
+            problems = [str(exc)]
     return problems

@@ -396,3 +396,64 @@ def test_fsdp2_two_processes_equal_one(llava_dir, unpaired_file, tmp_path):
     ours, sharded = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert sharded[0]["rewards/chosen"] == 0.0
     assert_same_steps(sharded, ours, SHARDED_REL)
+
+
+def test_inspect_verify_names_changed_images(llava_dir, unpaired_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from kto_pipeline.cli import app
+
+    data_dir = tmp_path / "data"
+    shutil.copytree(unpaired_file.parent, data_dir)
+    cache = _precompute(llava_dir, data_dir / "data.jsonl", tmp_path / "cache")
+    runner = CliRunner()
+    result = runner.invoke(app, ["inspect", str(cache), "--verify"])
+    assert result.exit_code == 0, result.output
+    assert "images (not held" in result.output and "OK (all checksums verified)" in result.output
+    toy_images(1, seed=7)[0].save(data_dir / "images" / "0004.png")  # row 5's picture (rows 2 and 3 share 0002)
+    result = runner.invoke(app, ["inspect", str(cache), "--verify"])
+    assert result.exit_code == 1
+    assert "problem: row 5 of" in result.output and "0004.png" in result.output and "changed" in result.output
+    assert result.output.count("problem:") == 1
+
+
+@pytest.mark.parametrize("form", ["parquet-images", "saved-image"])
+def test_image_features_give_the_jsonl_cache(llava_dir, unpaired_file, tmp_path, form):
+    """A Parquet file with a list of datasets Image features a row (`images`), and a saved dataset with one Image
+    feature a row (`image`), give the cache of the same rows with image paths: the same tokens, pixel hashes and
+    reference log-probs."""
+    import datasets
+
+    rows = read_vision_jsonl(unpaired_file)
+    if form == "parquet-images":
+        features = datasets.Features(
+            images=datasets.List(datasets.Image()),
+            prompt=datasets.List(
+                {
+                    "role": datasets.Value("string"),
+                    "content": datasets.List({"type": datasets.Value("string"), "text": datasets.Value("string")}),
+                }
+            ),
+            completion=datasets.List(
+                {
+                    "role": datasets.Value("string"),
+                    "content": datasets.List({"type": datasets.Value("string"), "text": datasets.Value("string")}),
+                }
+            ),
+            label=datasets.Value("bool"),
+        )
+        data = tmp_path / "data.parquet"
+        datasets.Dataset.from_list(rows, features=features).to_parquet(str(data))
+    else:
+        single = [{"image": r["images"][0], **{k: v for k, v in r.items() if k != "images"}} for r in rows]
+        data = tmp_path / "saved"
+        datasets.Dataset.from_list(single).cast_column("image", datasets.Image()).save_to_disk(str(data))
+    expected = open_cache(_precompute(llava_dir, unpaired_file, tmp_path / "from-jsonl")).table.to_pylist()
+    cache = open_cache(_precompute(llava_dir, data, tmp_path / "cache"))
+    assert cache.manifest.images["column"] == ("images" if form == "parquet-images" else "image")
+    got = cache.table.to_pylist()
+    for name in ("prompt_ids", "completion_ids", "image_row", "image_hashes", "kl_example_id"):
+        assert [r[name] for r in got] == [r[name] for r in expected], name
+    assert [r["ref_logp"] for r in got] == pytest.approx([r["ref_logp"] for r in expected], rel=1e-6)
+    logs = _train(tmp_path / "cache", tmp_path / "run", max_steps=1)
+    assert logs[0]["rewards/chosen"] == 0.0
