@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first and pinned: an unpinned torch (or a package that depends on it) pulls the newest CUDA build.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo demo-tiny test test-assets lint format docs clean bench bench-gpu bench-memory profile
+.PHONY: install demo demo-tiny demo-vision test test-assets lint format docs clean bench bench-gpu bench-memory profile
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,10 @@ demo: install
 # The whole pipeline in under a minute with a tiny model built locally.
 demo-tiny: install
 	$(PY) -m kto_pipeline demo --tiny --workdir .demo-tiny
+
+# Vision-language feedback: a tiny LLaVA built locally, toy pictures, KTO and DPO from one cache.
+demo-vision: install
+	$(PY) -m kto_pipeline demo --vision --workdir .demo-vision
 
 lint: install
 	$(VENV)/bin/ruff check kto_pipeline tests scripts benchmarks
@@ -47,7 +51,7 @@ test: lint test-assets
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 clean:
-	rm -rf $(VENV) .demo .demo-tiny .pytest_cache .ruff_cache
+	rm -rf $(VENV) .demo .demo-tiny .demo-vision .pytest_cache .ruff_cache
 
 bench: install
 	$(PY) benchmarks/bench.py --size full

@@ -177,7 +177,10 @@ def estimate_memory(config: MemoryEstimateConfig) -> None:
 @options()
 def demo(
     workdir: Annotated[
-        str | None, typer.Option(help="Where the demo's model, data, caches and run go. Default: .demo (.demo-tiny).")
+        str | None,
+        typer.Option(
+            help="Where the demo's model, data, caches and run go. Default: .demo (.demo-tiny, .demo-vision)."
+        ),
     ] = None,
     model: Annotated[
         str | None,
@@ -189,11 +192,23 @@ def demo(
     tiny: Annotated[
         bool, typer.Option(help="The one-minute version: a tiny model built locally, on toy data (no download).")
     ] = False,
+    vision: Annotated[
+        bool,
+        typer.Option(
+            help="Vision-language feedback: a tiny LLaVA built locally and toy pictures; KTO and DPO from one cache."
+        ),
+    ] = False,
 ) -> None:
     """KTO on a real chat model and real human labels (HH-RLHF): precompute, train, evaluate, compare answers."""
     from kto_pipeline.demo.run import run_demo, run_tiny_demo
 
-    if tiny:
+    if vision:
+        from kto_pipeline.demo.vision import run_vision_demo
+
+        if model is not None or tiny:
+            raise KTOPipelineError("--vision builds its own tiny vision-language model; drop --model and --tiny.")
+        run_vision_demo(workdir or ".demo-vision")
+    elif tiny:
         if model is not None:
             raise KTOPipelineError("--model: the tiny demo builds its own model; drop --model or --tiny.")
         run_tiny_demo(workdir or ".demo-tiny")
