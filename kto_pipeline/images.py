@@ -248,6 +248,24 @@ def tokenize_image_row(
     return prompt_ids, completion_ids, (where[-1] + 1 if where else 0)
 
 
+def vision_unsupported(model) -> str | None:
+    """Why the scorer cannot place `model`'s image features (it merges them into the image tokens' embeddings and
+    runs the language model on its own positions and attention), or None where it can: LLaVA-style models
+    (`get_placeholder_mask`) and Idefics3-style ones (`inputs_merger`), with 1-D positions and causal attention."""
+    body = getattr(model, "base_model", model)
+    text = model.config.get_text_config()
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("mrope_section"):
+        return "its positions are multimodal (M-RoPE: three position ids a token, from the image grid)"
+    if getattr(model.config, "model_type", "").startswith("gemma3"):
+        return "its image tokens attend to each other both ways (Gemma 3's token_type_ids)"
+    if not hasattr(body, "get_image_features") or not (
+        hasattr(body, "get_placeholder_mask") or hasattr(body, "inputs_merger")
+    ):
+        return "its backbone offers no way to compute image features and place them (get_image_features)"
+    return None
+
+
 # ------------------------------------------------------------------------------------------- re-reading
 
 

@@ -468,3 +468,23 @@ def test_vision_demo(tmp_path):
     assert summary["heldout_accuracy_kto"] > 0.8 and summary["heldout_accuracy_sigmoid"] > 0.8
     assert summary["cache_bytes"] < summary["image_bytes"]
     assert not list((tmp_path / "demo" / "cache-train").rglob("*.png"))
+
+
+def test_rows_without_images_and_unsupported_families_are_refused(llava_dir, tmp_path):
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from kto_pipeline.images import vision_unsupported
+
+    rows = _rows_with_images(tmp_path)
+    rows[1]["images"] = []
+    message = r"row 1: no image in 'images'"
+    _refused(llava_dir, _write(rows, tmp_path), tmp_path / "out", message)
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    config = Qwen2VLConfig(text_config=dict(text, num_key_value_heads=1, rope_parameters=rope))
+    with torch.device("meta"):
+        qwen = Qwen2VLForConditionalGeneration(config)
+    assert "M-RoPE" in vision_unsupported(qwen)
+    from transformers import AutoModelForImageTextToText
+
+    assert vision_unsupported(AutoModelForImageTextToText.from_pretrained(llava_dir)) is None

@@ -368,6 +368,12 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, layou
     opened: dict[int, list] = {}
     for j, source_row in enumerate(indices):
         opened[source_row] = open_images(batch[column][j], column, root, source_row)
+        if not opened[source_row]:
+            raise KTOPipelineError(
+                f"row {source_row}: no image in '{column}'. Every row of a dataset with images needs at least one "
+                "(text-only rows mixed into image data are not supported); move text-only rows to a dataset of their "
+                "own."
+            )
     for source_row, row in normalize_batch(batch, indices, layout):
         pictures = opened[source_row]
         prompt_ids, completion_ids, image_end = tokenize_image_row(tokenizer, row, pictures, source_row)

@@ -37,7 +37,7 @@ from kto_pipeline import __version__
 from kto_pipeline.cache import MANIFEST, NO_PAIR, SHARD_DIR, read_manifest, tokenizer_hash, write_manifest
 from kto_pipeline.config import PrecomputeConfig
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.images import ImageRows, base_dir, image_column, images_hash, processor_hash
+from kto_pipeline.images import ImageRows, base_dir, image_column, images_hash, processor_hash, vision_unsupported
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.manifest import Manifest, fingerprint_diff, new_manifest
 from kto_pipeline.models import load_model, load_processor, load_tokenizer
@@ -359,6 +359,13 @@ def load_reference(run: Pass) -> None:
         config.trust_remote_code,
         regime,
     ).eval()
+    if run.prepared.images is not None:
+        why = vision_unsupported(model)
+        if why is not None:
+            raise KTOPipelineError(
+                f"--model {config.model}: {type(model).__name__} cannot score rows with images here: {why}. Supported: "
+                "LLaVA-style and Idefics3/SmolVLM-style models."
+            )
     weights_hash = run.engine.weights_hash(model, state.is_main_process)  # the whole weights, as loaded
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(model)
