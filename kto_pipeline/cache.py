@@ -202,7 +202,8 @@ def read_manifest(cache_dir: str | Path) -> Manifest:
         raise KTOPipelineError(f"cache {cache_dir}: {MANIFEST} is not valid JSON ({exc}).") from exc
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:
-        readable = " and ".join(str(v) for v in READABLE_VERSIONS)
+        *first, last = (str(v) for v in READABLE_VERSIONS)
+        readable = f"{', '.join(first)} and {last}"
         raise KTOPipelineError(
             f"cache {cache_dir}: format version {version!r}, this kto-pipeline reads versions {readable}. "
             "Re-run `kto-pipeline precompute` with this version, or use the version that wrote it."

@@ -84,7 +84,7 @@ def test_unknown_format_version_refused(small_cache, tmp_path):
     manifest = read_manifest(cache)
     manifest["format_version"] = 99
     (cache / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(KTOPipelineError, match="format version 99, this kto-pipeline reads versions 1 and 2"):
+    with pytest.raises(KTOPipelineError, match="format version 99, this kto-pipeline reads versions 1, 2 and 3"):
         train(train_cfg(cache, tmp_path / "run"))
 
 

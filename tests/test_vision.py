@@ -466,6 +466,7 @@ def test_vision_demo(tmp_path):
 
     summary = run_vision_demo(tmp_path / "demo")
     assert summary["heldout_accuracy_kto"] > 0.8 and summary["heldout_accuracy_sigmoid"] > 0.8
+    assert summary["heldout_pairs_kto"] == 48  # KTO's pairs: the two answers on one prompt and one picture
     assert summary["cache_bytes"] < summary["image_bytes"]
     assert not list((tmp_path / "demo" / "cache-train").rglob("*.png"))
 

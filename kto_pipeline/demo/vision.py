@@ -8,7 +8,7 @@ the chosen answer, another colour the rejected one. The demo runs what a user ru
     pictures + paired rows (JSON lines, image paths relative to the file)
     -> precompute (train and held-out caches: tokens, pixel hashes, reference log-probs; no pixels)
     -> train KTO, then trl.DPOTrainer's sigmoid loss from the same cache (vision tower frozen)
-    -> held-out reward accuracy of each: does the policy now prefer the right colour on pictures it never saw?
+    -> held-out pair accuracy of each: does the policy now prefer the right colour on pictures it never saw?
 
 The rows are paired, so one cache trains both loss families: KTO reads each answer as an unpaired row (with its
 KL completion under its own picture), the pair loss reads the pairs.
@@ -75,8 +75,8 @@ def run_vision_demo(workdir: str | Path = ".demo-vision", train_pairs: int = 96,
                 max_length=64,
             )
         )
-    results = {}
-    for loss_type, accuracy in (("kto", "eval_reward_accuracy"), ("sigmoid", "eval_rewards/accuracies")):
+    results, compared = {}, {}
+    for loss_type, accuracy in (("kto", "eval_pair_accuracy"), ("sigmoid", "eval_rewards/accuracies")):
         result = train(
             TrainConfig(
                 cache=str(workdir / "cache-train"),
@@ -94,18 +94,20 @@ def run_vision_demo(workdir: str | Path = ".demo-vision", train_pairs: int = 96,
         )
         (final,) = [m for m in result.metrics if "eval_loss" in m]
         results[loss_type] = final[accuracy]
+        compared[loss_type] = final.get("eval_pairs", heldout_pairs)  # KTO: pairs of rows on one prompt and picture
     cache_bytes = sum(f.stat().st_size for f in (workdir / "cache-train").rglob("*") if f.is_file())
     image_bytes = sum(f.stat().st_size for f in (workdir / "train" / "images").glob("*.png"))
     summary = {
         "heldout_accuracy_kto": results["kto"],
         "heldout_accuracy_sigmoid": results["sigmoid"],
+        "heldout_pairs_kto": compared["kto"],
         "cache_bytes": cache_bytes,
         "image_bytes": image_bytes,
         "seconds": time.perf_counter() - started,
     }
     print(
         "\nvision demo summary (a tiny LLaVA built here, random weights; toy pictures of one colour)\n"
-        f"  held-out reward accuracy   KTO {summary['heldout_accuracy_kto']:.1%}, "
+        f"  held-out pair accuracy     KTO {summary['heldout_accuracy_kto']:.1%}, "
         f"DPO sigmoid {summary['heldout_accuracy_sigmoid']:.1%} of {heldout_pairs} pictures never trained on\n"
         "                             (the right colour's reward above the wrong one's; 50% is chance)\n"
         f"  one cache, two losses      {workdir / 'cache-train'}: {cache_bytes / 1024:.0f} KiB of tokens, hashes and "

@@ -254,13 +254,16 @@ class CacheRows:
         every evaluation asks."""
         if self._groups is not None:
             return self._groups
-        groups: dict[tuple[int, ...], int] = {}
+        groups: dict[tuple, int] = {}
         out = {}
-        rows = self.table.select(["example_id", "prompt_ids"]).take(self.indices)
-        for example_id, prompt in zip(
-            rows.column("example_id").to_pylist(), rows.column("prompt_ids").to_pylist(), strict=True
+        # rows with images: the same prompt text over another picture is another prompt (its image tokens alike)
+        images = ["image_hashes"] if "image_hashes" in self.table.column_names else []
+        rows = self.table.select(["example_id", "prompt_ids", *images]).take(self.indices)
+        pictures = rows.column("image_hashes").to_pylist() if images else [()] * rows.num_rows
+        for example_id, prompt, hashes in zip(
+            rows.column("example_id").to_pylist(), rows.column("prompt_ids").to_pylist(), pictures, strict=True
         ):
-            out[example_id] = groups.setdefault(tuple(prompt), len(groups))
+            out[example_id] = groups.setdefault((tuple(prompt), tuple(hashes)), len(groups))
         self._groups = out
         return out
 
