@@ -21,7 +21,19 @@ import warnings
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from harness import HERE, QWEN2, SMOLLM2, WORK_DIR, machine, table_head, trl_trainer, utc_stamp, versions
+from harness import (
+    HERE,
+    QWEN2,
+    SMOLLM2,
+    WORK_DIR,
+    get_section,
+    machine,
+    replace_section,
+    table_head,
+    trl_trainer,
+    utc_stamp,
+    versions,
+)
 
 RESULTS = HERE / "RESULTS-memory.md"
 GIB = 1 << 30
@@ -551,6 +563,14 @@ def findings(data: dict) -> list[str]:
     return out
 
 
+def write_keeping_vision(out: Path, text: str) -> None:
+    """Write `text` to `out`, keeping the vision-language section that bench_memory_vision.py writes there."""
+    import bench_memory_vision
+
+    old = get_section(out.read_text(), bench_memory_vision.HEADING) if out.exists() else None
+    out.write_text(text if old is None else replace_section(text, bench_memory_vision.HEADING, old))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="Qwen2-0.5B rows only, no levers, no CPU check.")
@@ -577,7 +597,7 @@ def main() -> None:
         data.setdefault("redone", {})[args.redo] = utc_stamp()
         partial.write_text(json.dumps(data))
     if args.redo or args.render:
-        Path(args.out).write_text(render(json.loads(partial.read_text())))
+        write_keeping_vision(Path(args.out), render(json.loads(partial.read_text())))
         return
     command = "python benchmarks/bench_memory.py" + (" --quick" if args.quick else "")
     data = dict(
@@ -603,7 +623,7 @@ def main() -> None:
     data["cli"] = cli_answers(names)
     data["seconds"] = time.perf_counter() - started
     partial.write_text(json.dumps(data))
-    Path(args.out).write_text(render(data))
+    write_keeping_vision(Path(args.out), render(data))
     print(f"wrote {args.out}")
 
 

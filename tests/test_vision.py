@@ -489,3 +489,18 @@ def test_rows_without_images_and_unsupported_families_are_refused(llava_dir, tmp
     from transformers import AutoModelForImageTextToText
 
     assert vision_unsupported(AutoModelForImageTextToText.from_pretrained(llava_dir)) is None
+
+
+def test_estimate_memory_models_a_vision_step(llava_dir):
+    """estimate-memory on a VLM: one picture a row (its image tokens in the prompt), the tower frozen or trained, and
+    trl online beside it (its tower trained, every forward given the pictures)."""
+    from kto_pipeline.config import MemoryEstimateConfig
+    from kto_pipeline.memory.estimate import describe, estimate
+
+    settings = dict(model=str(llava_dir), per_device_train_batch_size=4, max_length=64, against_trl=True)
+    frozen = estimate(MemoryEstimateConfig(**settings))
+    trained = estimate(MemoryEstimateConfig(**settings, freeze_vision_tower=False))
+    assert frozen["image_tokens"] == 16 and frozen["image_size"] == 32
+    assert "one 32px picture a row (16 image tokens of the prompt), vision tower frozen" in describe(frozen)
+    assert frozen["peak_bytes"] < trained["peak_bytes"] < trained["trl_online_peak_bytes"]
+    assert frozen["tokens_with_grad"] == trained["tokens_with_grad"] >= 4 * 16

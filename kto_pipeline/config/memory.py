@@ -69,10 +69,20 @@ class MemoryEstimateConfig(ConfigMixin):
         default=None,
         **described("Train LoRA adapters of this rank (all linear layers) instead of all weights.", panel=LORA),
     )
+    freeze_vision_tower: bool = field(
+        default=True,
+        **described(
+            "A vision-language model (one picture a row, its image tokens in the prompt): its vision tower frozen, "
+            "as train's default; --no-freeze-vision-tower trains it.",
+            panel=OPTIMISATION,
+        ),
+    )
     against_trl: bool = field(
         default=False,
         **described(
-            "Also simulate trl.KTOTrainer online (a reference model beside the policy) on the same rows.", panel=OUTPUT
+            "Also simulate trl.KTOTrainer online (a reference model beside the policy) on the same rows; a "
+            "vision-language model's tower trains there, as in trl.",
+            panel=OUTPUT,
         ),
     )
     json: bool = field(default=False, **described("Print one JSON line instead of a table.", panel=OUTPUT))

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from kto_pipeline.config import MemoryEstimateConfig
-from kto_pipeline.memory.simulation import CATEGORIES, GIB, StepSettings, load_model_config, synthetic_rows
+from kto_pipeline.memory.simulation import (
+    CATEGORIES,
+    GIB,
+    StepSettings,
+    image_shape,
+    load_model_config,
+    synthetic_rows,
+)
 from kto_pipeline.memory.step import floor_bytes, simulate_ours
 from kto_pipeline.memory.trl_step import simulate_trl
 from kto_pipeline.objectives import objective_for
@@ -18,13 +26,17 @@ def estimate(config: MemoryEstimateConfig) -> dict[str, Any]:
     """The answer of `estimate-memory`: our step's peak and breakdown, the floor, and trl online's peak."""
     model_config = load_model_config(config.model)
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    rows = synthetic_rows(config.per_device_train_batch_size, config.max_length, config.lengths, text.vocab_size)
+    image = image_shape(model_config)
+    rows = synthetic_rows(
+        config.per_device_train_batch_size, config.max_length, config.lengths, text.vocab_size, image=image
+    )
     settings = StepSettings(
         bf16=config.bf16,
         gradient_checkpointing=config.gradient_checkpointing,
         lora_r=config.lora_r,
         fsdp_world_size=config.fsdp_world_size,
         cpu_offload=config.cpu_offload,
+        freeze_vision_tower=config.freeze_vision_tower,
     )
     ours = simulate_ours(model_config, rows, settings, loss_type=config.loss_type)
     # the tokens with gradients: each row's prompt and completion, or each pair's prompt and both answers
@@ -43,9 +55,10 @@ def estimate(config: MemoryEstimateConfig) -> dict[str, Any]:
         "tokens_needed": needed,
         "tokens_with_grad": ours.tokens_with_grad,
         "trl_online_peak_bytes": None,
+        **({"image_tokens": image.tokens, "image_size": image.size} if image is not None else {}),
     }
-    if config.against_trl:
-        trl = simulate_trl(model_config, rows, settings, online=True)
+    if config.against_trl:  # (trl trains a vision tower: it has no option to freeze it)
+        trl = simulate_trl(model_config, rows, dataclasses.replace(settings, freeze_vision_tower=False), online=True)
         result["trl_online_peak_bytes"] = trl.peak_bytes
         result["trl_online_breakdown"] = trl.breakdown
     return result
@@ -66,6 +79,12 @@ def describe(result: dict[str, Any]) -> str:
             else f"{s['per_device_train_batch_size']} pairs x 2 answers of {s['max_length']} tokens, {s['loss_type']}"
         )
         + f" ({s['lengths']}), {'bf16 autocast' if s['bf16'] else 'float32'}"
+        + (
+            f", one {result['image_size']}px picture a row ({result['image_tokens']} image tokens of the prompt), "
+            f"vision tower {'frozen' if s['freeze_vision_tower'] else 'trained'}"
+            if "image_tokens" in result
+            else ""
+        )
         + (", gradient checkpointing" if s["gradient_checkpointing"] else "")
         + (f", LoRA r={s['lora_r']}" if s["lora_r"] else "")
         + (f", FSDP2 x{s['fsdp_world_size']}" if s["fsdp_world_size"] > 1 else "")

@@ -55,6 +55,7 @@ class StepSettings:
     cpu_offload: bool = False
     device_type: str = "cuda"  # whose device decisions the code takes (attention tree by tree only on "cpu")
     optimizer: str = "adamw"  # train's fused AdamW, or "bnb-adamw8bit" (bitsandbytes' 8-bit AdamW: a what-if)
+    freeze_vision_tower: bool = True  # a vision-language model's tower: frozen (train's default) or trained (trl's)
 
 
 @dataclass
@@ -95,10 +96,49 @@ def load_model_config(name: str):
         raise KTOPipelineError(f"--model {name}: could not read its config ({type(exc).__name__}: {exc})") from exc
 
 
+def pad_token_id(model_config) -> int:
+    """The padding id of a model config (a vision-language model's: its text part's), 0 where it names none."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    found = getattr(text, "pad_token_id", None)
+    return 0 if found is None else found
+
+
+@dataclass(frozen=True)
+class ImageShape:
+    """What one picture is to a vision-language model: `tokens` image tokens (of id `token_id`) in the prompt, and a
+    `size` x `size` RGB input to its vision tower."""
+
+    token_id: int
+    tokens: int
+    size: int
+
+
+def image_shape(model_config) -> ImageShape | None:
+    """The picture of a vision-language model's config (None for a text model): LLaVA's one token per patch (the
+    CLS feature dropped by the default strategy), Idefics3's patches after its pixel shuffle."""
+    vision = getattr(model_config, "vision_config", None)
+    if vision is None:
+        return None
+    size, patch = vision.image_size, vision.patch_size
+    kind = getattr(model_config, "model_type", "")
+    if kind == "llava":
+        full = getattr(model_config, "vision_feature_select_strategy", "default") == "full"
+        return ImageShape(model_config.image_token_index, (size // patch) ** 2 + int(full), size)
+    if kind == "idefics3":
+        return ImageShape(model_config.image_token_id, (size // patch) ** 2 // model_config.scale_factor**2, size)
+    raise KTOPipelineError(
+        f"--model: a {kind or type(model_config).__name__} vision-language model; the memory simulation models the "
+        "pictures of LLaVA and Idefics3 only."
+    )
+
+
 def synthetic_rows(
-    batch_size: int, max_length: int, lengths: str, vocab_size: int, seed: int = 0
+    batch_size: int, max_length: int, lengths: str, vocab_size: int, seed: int = 0, image: ImageShape | None = None
 ) -> list[dict[str, Any]]:
     """One micro-batch of cache rows (what a cache's rows read as) with random token ids.
+
+    `image` (a vision-language model): each prompt starts with one picture's image tokens, within `max_length`,
+    and each row carries its picture's tensor (`pixels`, zeros of the vision tower's input shape).
 
     `full`: every prompt + completion fills `max_length`, a quarter of it prompt, and every KL completion (another
     row's completion) fills it too: the largest batch a run can meet.
@@ -116,6 +156,16 @@ def synthetic_rows(
     import numpy as np
 
     rng = np.random.default_rng(seed)
+    if image is not None:  # the text part of each prompt, then the image tokens put before it
+        text = synthetic_rows(batch_size, max_length - image.tokens, lengths, vocab_size, seed)
+        import torch
+
+        for row in text:
+            for key in ("prompt_ids", "completion_ids", "kl_completion_ids"):  # no stray image token in the text
+                row[key] = [0 if t == image.token_id else t for t in row[key]]
+            row["prompt_ids"] = [image.token_id] * image.tokens + row["prompt_ids"]
+            row["pixels"] = {"pixel_values": torch.zeros(1, 3, image.size, image.size)}
+        return text
     if lengths == "full":
         prompt = max(max_length // 4, 1)
         shapes = [(prompt, max_length - prompt)] * batch_size
@@ -307,14 +357,18 @@ def build_model(model_config, settings: StepSettings, fake, seed: int = 0):
     """The policy as `train` prepares it (float32 weights, no dropout, no KV cache; gradient checkpointing and
     LoRA as asked), on fake tensors under `fake` (a FakeTensorMode), or real seeded weights with `fake=None`."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from kto_pipeline.config import TrainConfig
+    from kto_pipeline.models import auto_class
     from kto_pipeline.stages.train.policy import ready_to_train
 
     config = type(model_config).from_dict(model_config.to_dict())  # a copy: the model may change it
     train_config = TrainConfig(
-        cache="-", output_dir="-", lora_r=settings.lora_r, gradient_checkpointing=settings.gradient_checkpointing
+        cache="-",
+        output_dir="-",
+        lora_r=settings.lora_r,
+        gradient_checkpointing=settings.gradient_checkpointing,
+        freeze_vision_tower=settings.freeze_vision_tower,
     )
 
     def prepare(model):
@@ -322,11 +376,11 @@ def build_model(model_config, settings: StepSettings, fake, seed: int = 0):
 
     if fake is None:
         torch.manual_seed(seed)
-        return prepare(AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
+        return prepare(auto_class(config).from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
     # On the meta device first, LoRA's adapters included (peft moves each adapter to its base layer's device, which
     # a fake parameter refuses: `_apply(): Couldn't swap`), then every tensor materialized fake at once.
     with torch.device("meta"):
-        model = prepare(AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
+        model = prepare(auto_class(config).from_config(config, dtype=torch.float32, attn_implementation="sdpa"))
     with fake:
         model = model.to_empty(device="cpu")
         model.tie_weights()  # to_empty materializes tied weights one by one

@@ -24,6 +24,7 @@ from kto_pipeline.memory.simulation import (
     init_optimizer_state,
     memory_tracker,
     offload_unpinned,
+    pad_token_id,
 )
 
 # ------------------------------------------------------------------------------------------ our step
@@ -111,7 +112,7 @@ def _run_ours(
                 PolicyScorer(model), model, lambda m: _make_optimizer(settings, config, m), move=False
             )
         init_optimizer_state(model, optimizer, mode)
-        pad_id = model_config.pad_token_id if model_config.pad_token_id is not None else 0
+        pad_id = pad_token_id(model_config)
         costs = attention_costs(model, torch.device(settings.device_type))
         batch = objective.collator(pad_id, True, costs, config)(objective.items_from_rows(rows))
         tracker = memory_tracker(scorer if sharded else None, optimizer, settings.cpu_offload, attribute_at)
@@ -256,7 +257,7 @@ def _run_real(model_config, rows, settings: StepSettings) -> dict[str, int]:
     )
     init_optimizer_state(model, optimizer, None)
     costs = attention_costs(model, torch.device("cpu"))
-    batch = objective.collator(model_config.pad_token_id or 0, True, costs, config)(objective.items_from_rows(rows))
+    batch = objective.collator(pad_token_id(model_config), True, costs, config)(objective.items_from_rows(rows))
     gc.collect()
     before = _rss("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # reset the high water mark (Linux >= 4.0)

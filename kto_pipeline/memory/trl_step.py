@@ -22,6 +22,7 @@ from kto_pipeline.memory.simulation import (
     fake_mode,
     init_optimizer_state,
     memory_tracker,
+    pad_token_id,
 )
 
 # ------------------------------------------------------------------------------------------ trl's step (model)
@@ -156,15 +157,16 @@ def _trl_fused_function():
     return _TrlFusedLogProbs
 
 
-def _trl_head(model, input_ids, attention_mask, completion_mask, with_stats: bool):
+def _trl_head(model, input_ids, attention_mask, completion_mask, with_stats: bool, images=None):
     """trl's `_fused_forward` with `fused_lm_head=True` on a CUDA device: the backbone, then the fused head over
-    the positions whose label is not -100 (compact), scattered back to (B, T-1). Returns the (B,) sums."""
+    the positions whose label is not -100 (compact), scattered back to (B, T-1). Returns the (B,) sums. `images`
+    (a vision-language model): the batch's image tensors, which trl hands every forward (the model merges them)."""
     import torch
 
     from kto_pipeline.models import backbone_of
 
     labels = input_ids.masked_fill(completion_mask == 0, -100)
-    hidden = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(images or {}))
     hidden = hidden.last_hidden_state[:, :-1]
     labels = labels[:, 1:]
     mask = labels != -100
@@ -183,7 +185,9 @@ def simulate_trl(
     model_config, rows: list[dict[str, Any]], settings: StepSettings, online: bool, fake: bool = True
 ) -> StepMemory:
     """Peak memory of one trl.KTOTrainer step on `rows` (this module's model of it: see above). `online`: a
-    reference model beside the policy; else `precompute_ref_log_probs=True` (reference log-probs in the batch)."""
+    reference model beside the policy; else `precompute_ref_log_probs=True` (reference log-probs in the batch).
+    Rows with `pixels` (a vision-language model, which trl trains online only): every forward (the policy's, its KL
+    forward, the reference's two) gets the batch's pictures, as trl's vision collator hands them."""
     import torch
 
     from kto_pipeline.config import TrainConfig
@@ -207,11 +211,16 @@ def simulate_trl(
     if reference is not None:
         reference = accelerator.prepare_model(reference, evaluation_mode=True, device_placement=False)
     init_optimizer_state(policy, optimizer, mode)
-    pad_id = model_config.pad_token_id if model_config.pad_token_id is not None else 0
+    pad_id = pad_token_id(model_config)
     prompts = [len(r["prompt_ids"]) for r in rows]
     ids, attn, comp = pad_sequences([r["prompt_ids"] + r["completion_ids"] for r in rows], prompts, pad_id)
     kl_ids, kl_attn, kl_comp = pad_sequences([r["prompt_ids"] + r["kl_completion_ids"] for r in rows], prompts, pad_id)
     labels = torch.tensor([r["label"] for r in rows])
+    images = None
+    if "pixels" in rows[0]:
+        from kto_pipeline.scoring.logprobs import join_images
+
+        images = join_images([r["pixels"] for r in rows])
     ref_logps = torch.tensor([r["ref_logp"] for r in rows])
     tracker = memory_tracker()
     tracker.track_external(policy, optimizer)
@@ -220,7 +229,7 @@ def simulate_trl(
 
     def forward(model, ids, attn, comp, with_stats):
         with accelerator.autocast():
-            return _trl_head(model, ids, attn, comp, with_stats)
+            return _trl_head(model, ids, attn, comp, with_stats, images)
 
     with device_decisions(settings.device_type), tracker:
         before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])

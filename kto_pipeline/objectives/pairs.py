@@ -152,6 +152,7 @@ class Pairs(Objective):
                 "ref_rejected_logp": r["ref_kl_logp"],
                 "chosen_id": 2 * i,
                 "rejected_id": 2 * i + 1,
+                **({"pixels": r["pixels"]} if "pixels" in r else {}),
             }
             for i, r in enumerate(rows)
         ]
