@@ -504,3 +504,24 @@ def test_estimate_memory_models_a_vision_step(llava_dir):
     assert "one 32px picture a row (16 image tokens of the prompt), vision tower frozen" in describe(frozen)
     assert frozen["peak_bytes"] < trained["peak_bytes"] < trained["trl_online_peak_bytes"]
     assert frozen["tokens_with_grad"] == trained["tokens_with_grad"] >= 4 * 16
+
+
+def test_cached_reference_equals_trl_collated_full_logits(llava_dir, unpaired_file, tmp_path):
+    """Each cached completion log-prob equals the full-logits log-prob of trl's own collated row (its tokens, its
+    pixel values, truncated at max_length as trl truncates), rel 1e-4."""
+    from vision_trl import reference_logps
+
+    rows = read_vision_jsonl(unpaired_file)
+    expected = reference_logps(llava_dir, rows, MAX_LENGTH)
+    cache = open_cache(_precompute(llava_dir, unpaired_file, tmp_path / "cache")).table.to_pylist()
+    assert len(cache) == len(rows)
+    for r in cache:
+        assert r["ref_logp"] == pytest.approx(expected[r["example_id"]], rel=1e-4), r["example_id"]
+
+
+def test_lora_on_a_vlm_trains_the_language_model_only(llava_dir, unpaired_file, tmp_path):
+    cache = _precompute(llava_dir, unpaired_file, tmp_path / "cache")
+    logs = _train(cache, tmp_path / "lora", lora_r=4, lora_alpha=8, max_steps=2, learning_rate=1e-2)
+    assert logs[0]["rewards/chosen"] == 0.0 and logs[-1]["rewards/margins"] != 0.0
+    adapter = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
+    assert adapter["target_modules"] and all(".language_model." in t for t in adapter["target_modules"])
