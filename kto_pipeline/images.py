@@ -137,6 +137,30 @@ def is_image_processor(processor) -> bool:
     return getattr(processor, "image_processor", None) is not None and hasattr(processor, "tokenizer")
 
 
+def load_processor(name: str, revision: str | None = None, trust_remote_code: bool = False, flag: str = "--model"):
+    """The model's processor (`AutoProcessor`), for rows with images: it renders the chat template, expands each image
+    placeholder into the model's image tokens and turns images into the vision tower's inputs. A model without an
+    image processor (a text-only model) is refused."""
+    from transformers import AutoProcessor
+
+    from kto_pipeline.models import check_model_path
+
+    check_model_path(name, flag)
+    try:
+        processor = AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise KTOPipelineError(f"{flag} {name}: could not load its processor ({type(exc).__name__}: {exc})") from exc
+    if not is_image_processor(processor):
+        raise KTOPipelineError(
+            f"the dataset has images but {flag} {name} is a text-only model (its processor, "
+            f"{type(processor).__name__}, takes no images). Use a vision-language model (one with an image processor, "
+            "such as LLaVA), or drop the image column."
+        )
+    if processor.tokenizer.pad_token is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor
+
+
 def image_token(processor) -> tuple[str, int]:
     """The processor's image placeholder (as a prompt writes it) and its token id."""
     token = getattr(processor, "image_token", None)
@@ -280,7 +304,6 @@ class ImageRows:
     def of_cache(cls, manifest, trust_remote_code: bool = False) -> ImageRows:
         """The images of a cache of rows with images, read from the dataset its manifest names with the processor of
         its reference model, which must be the one the cache was made with."""
-        from kto_pipeline.models import load_processor
         from kto_pipeline.sources import load_source
 
         images, dataset = manifest.images, manifest["dataset"]

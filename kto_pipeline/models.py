@@ -113,30 +113,6 @@ def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bo
     return tokenizer
 
 
-def load_processor(name: str, revision: str | None = None, trust_remote_code: bool = False, flag: str = "--model"):
-    """The model's processor (`AutoProcessor`), for rows with images: it renders the chat template, expands each image
-    placeholder into the model's image tokens and turns images into the vision tower's inputs. A model without an
-    image processor (a text-only model) is refused."""
-    from transformers import AutoProcessor
-
-    from kto_pipeline.images import is_image_processor
-
-    check_model_path(name, flag)
-    try:
-        processor = AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
-    except Exception as exc:
-        raise KTOPipelineError(f"{flag} {name}: could not load its processor ({type(exc).__name__}: {exc})") from exc
-    if not is_image_processor(processor):
-        raise KTOPipelineError(
-            f"the dataset has images but {flag} {name} is a text-only model (its processor, "
-            f"{type(processor).__name__}, takes no images). Use a vision-language model (one with an image processor, "
-            "such as LLaVA), or drop the image column."
-        )
-    if processor.tokenizer.pad_token is None:
-        processor.tokenizer.pad_token = processor.tokenizer.eos_token
-    return processor
-
-
 def _auto_class(name: str, revision: str | None, trust_remote_code: bool):
     """transformers' auto class for a checkpoint (`auto_class`)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -277,6 +277,14 @@ def rank_logs(log_dir: Path, tail: int = 3000) -> str:
 
 # how far a run's step metrics under several processes may be from one process's: replicated (DDP), sharded (FSDP2)
 REPLICATED_REL, SHARDED_REL = 1e-4, 2e-3
+# FSDP2 on 2 CPU processes as configs/accelerate/fsdp.yaml exports it: the main process alone reads the weights
+FSDP_ENV = dict(
+    ACCELERATE_USE_CPU="1",
+    ACCELERATE_USE_FSDP="true",
+    FSDP_VERSION="2",
+    FSDP_RESHARD_AFTER_FORWARD="true",
+    FSDP_CPU_RAM_EFFICIENT_LOADING="true",
+)
 
 
 def assert_same_rows(two: list[dict], one: list[dict]) -> None:

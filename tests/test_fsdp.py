@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    FSDP_ENV,
     SHARDED_REL,
     assert_same_rows,
     assert_same_steps,
@@ -38,14 +39,6 @@ from helpers import (
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
 
-# as configs/accelerate/fsdp.yaml exports it: the main process alone reads the weights (cpu_ram_efficient_loading)
-FSDP_ENV = dict(
-    ACCELERATE_USE_CPU="1",
-    ACCELERATE_USE_FSDP="true",
-    FSDP_VERSION="2",
-    FSDP_RESHARD_AFTER_FORWARD="true",
-    FSDP_CPU_RAM_EFFICIENT_LOADING="true",
-)
 PRECOMPUTE_ARGS = ["--max-length", "64", "--shard-size", "4", "--max-tokens-per-batch", "64"]
 TRAIN = dict(
     per_device_train_batch_size=4,

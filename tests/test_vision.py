@@ -366,20 +366,12 @@ def test_training_matches_trl_online(vlm_dir, unpaired_file, paired_file, tmp_pa
 
 # ------------------------------------------------------------------------------------------- two processes
 
-FSDP_ENV = dict(
-    ACCELERATE_USE_CPU="1",
-    ACCELERATE_USE_FSDP="true",
-    FSDP_VERSION="2",
-    FSDP_RESHARD_AFTER_FORWARD="true",
-    FSDP_CPU_RAM_EFFICIENT_LOADING="true",
-)
-
 
 @pytest.mark.slow
 def test_fsdp2_two_processes_equal_one(llava_dir, unpaired_file, tmp_path):
     """Both stages of a tiny LLaVA sharded with FSDP2 over 2 processes (gloo) give one process's cache and steps:
     the vision tower, projector and language model sharded, the images read by each process for its rows."""
-    from helpers import SHARDED_REL, assert_same_rows, assert_same_steps, cli_args, launch, read_metrics
+    from helpers import FSDP_ENV, SHARDED_REL, assert_same_rows, assert_same_steps, cli_args, launch, read_metrics
 
     one = _precompute(llava_dir, unpaired_file, tmp_path / "one-cache", shard_size=4)
     args = cli_args(model=llava_dir, dataset=unpaired_file, max_length=MAX_LENGTH, dtype="float32", shard_size=4)

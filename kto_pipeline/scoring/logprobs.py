@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from kto_pipeline.models import backbone_of, keeps_keys_values, lm_head_settings, scorable, sliding_window
 from kto_pipeline.runtime.engines.base import Engine
 from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs, tree_mask
+from kto_pipeline.scoring.images import join_images, token_inputs
 from kto_pipeline.scoring.packing import Layout, ScoredSequence, Tree, layout_trees, pack_batches, pack_trees
 
 # A chunk is as many scored tokens as make this many bytes of float32 logits (Qwen2's 152k vocabulary: 220 tokens;
@@ -304,7 +305,7 @@ def score_sequences(
 
     `with_stats=False` skips the metric-only mean logits and entropy (left as zeros).
     `output_router_logits=True` (mixture-of-experts models) also returns the load-balancing loss.
-    `images` (a vision-language model): the image processor's tensors of the images of the rows, in row order."""
+    `images` (a vision-language model): the rows' image tensors, in row order."""
     model = scorable(model)
     extra = {"output_router_logits": True} if output_router_logits else {}
     tokens = token_inputs(model, input_ids, images)
@@ -317,35 +318,16 @@ def score_sequences(
     return _scores(logps, sequence, input_ids.shape[0], mean_logits, entropy, aux_loss)
 
 
-def token_inputs(model, input_ids: torch.Tensor, images: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """What the backbone takes for `input_ids`: the ids themselves, or, with `images` (a vision-language model), their
-    embeddings with each image's features in the places of its image tokens, in order. The vision tower and projector
-    run here, once per image, and never see the language model's attention settings (packed layouts, tree masks):
-    the backbone then runs from the embeddings, as it would after merging them itself."""
-    if images is None:
-        return {"input_ids": input_ids}
-    backbone = backbone_of(model)
-    embeds = backbone.get_input_embeddings()(input_ids)
-    features = backbone.get_image_features(**images, return_dict=True).pooler_output
-    features = torch.cat(list(features), dim=0).to(embeds.device, embeds.dtype)
-    if hasattr(backbone, "get_placeholder_mask"):  # LLaVA, Qwen2-VL, Gemma 3, ...
-        where = backbone.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=features)
-        return {"inputs_embeds": embeds.masked_scatter(where, features)}
-    return {"inputs_embeds": backbone.inputs_merger(input_ids, embeds, features)}  # Idefics3, SmolVLM
-
-
 def _scores(logps, sequence, num_sequences, mean_logits, entropy, aux_loss=None) -> Scores:
     # index_add keeps the sum connected to the graph even if no token is scored
     totals = logps.new_zeros(num_sequences).index_add(0, sequence, logps)
     return Scores(totals, logps, sequence, mean_logits, entropy, aux_loss)
 
 
-def _forward(
-    model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor | None = None, cache=None, images=None, **extra
-):
+def _forward(model, layout: Layout, queries: torch.Tensor, keys=None, cache=None, images=None, **extra):
     """The backbone's outputs for the tokens `queries` (N, Q), flat indices into the layout, which attend (tree
     mask) to the tokens `keys` (N, K): themselves (default), or, with a `cache`, the cached tokens then themselves.
-    `images`: those of the prompts among the queries, in the order the queries hold them (`token_inputs`)."""
+    `images`: those of the prompts among the queries, in their order (`token_inputs`)."""
     keys = queries if keys is None else keys
     window = sliding_window(model)
     visible = tree_mask(layout, queries, keys, window)
@@ -394,8 +376,7 @@ def score_layout(
     """Score every continuation of a packed layout in one forward over its rows: each prompt runs once.
     The reference pass scores `(prompt, [completion, KL completion])` trees with it, without gradients; a pair
     loss trains on `(prompt, [chosen, rejected])` trees with it, with gradients.
-    Sequences are numbered tree * branches + continuation. `images`: the images of the prompts, in the order the
-    layout holds them (`packing.prompt_order`)."""
+    Sequences are numbered tree * branches + continuation. `images`: the prompts' images, `Layout.prompt_order`."""
     model = scorable(model)
     rows, width = layout.input_ids.shape
     tokens = torch.arange(rows * width, device=layout.input_ids.device).reshape(rows, width)
@@ -440,8 +421,7 @@ def score_policy(
        costs less. A model that keeps no keys/values while training (`keeps_keys_values`: gradient checkpointing
        recomputes the layers; compiled layers) runs the whole layout again without gradients instead.
 
-    `images`: the images of the prompts, in the order the layout holds them (`packing.prompt_order`); the KL
-    completions on the cached prompts need none."""
+    `images`: the prompts' images in the layout's order (`Layout.prompt_order`); the KL forward needs none."""
     from transformers import DynamicCache
 
     model = scorable(model)
@@ -527,24 +507,11 @@ class ReferenceScorer(torch.nn.Module):
         self.model = model
 
     def forward(self, layout: Layout | None = None, padded: tuple | None = None, images=None) -> Scores:
-        """The scores of a packed `layout`, or of a `padded` (input_ids, attention_mask, completion_mask) batch, with
-        the `images` of its prompts in order (a vision-language model)."""
+        """The scores of a packed `layout`, or of a `padded` (input_ids, attention_mask, completion_mask) batch (with
+        its prompts' `images`, in order)."""
         if layout is not None:
             return score_layout(self.model, layout, with_stats=False, images=images)
         return score_sequences(self.model, *padded, with_stats=False, images=images)
-
-
-def join_images(parts: list[dict[str, torch.Tensor]], device=None) -> dict[str, torch.Tensor] | None:
-    """The image tensors of several prompts (or sequences) in order, one forward's: each name's tensors joined along
-    dim 0 (one entry per image). None when none has an image."""
-    parts = [p for p in parts if p]
-    if not parts:
-        return None
-    return {name: torch.cat([p[name] for p in parts]).to(device) for name in parts[0]}
-
-
-def _filler_tree(pad_id: int, branches: int) -> Tree:
-    return ([pad_id], [[pad_id]] * branches)
 
 
 @torch.inference_mode()
@@ -575,10 +542,9 @@ def score_shard(
     `agree_on_forwards(count) -> total` (a sharded reference): every process runs `total` forwards, the last
     ones on a one-token filler tree whose scores are dropped, so that none waits for the others forever.
 
-    `images(tree) -> {name: tensor}` (a vision-language model): the image processor's tensors of a tree's images,
-    which its prompt's image tokens take: the vision tower runs once per image a forward, so once per tree packed,
-    once per sequence padded. `image_filler`: (prompt ids, image tensors) of a one-image prompt, which the filler
-    forwards of a sharded reference run, so that every process runs the vision tower in every forward."""
+    `images(tree) -> {name: tensor}` (a VLM): a tree's image tensors (the vision tower runs once per image a
+    forward: per tree packed, per sequence padded). `image_filler`: (prompt ids, image tensors) of a one-image
+    prompt for the filler forwards, so that every process runs the (sharded) vision tower in every forward."""
     # (a DeepSpeed engine around a ReferenceScorer is used as it is)
     scorer = scorer if isinstance(getattr(scorer, "module", scorer), ReferenceScorer) else ReferenceScorer(scorer)
     branches = len(trees[0][1]) if trees else 2
@@ -619,10 +585,8 @@ def score_shard(
         if on_batch is not None:
             on_batch(len(batch), sum(len(s.ids) for s in batch), ids.numel())
     for _ in range(total - len(passes)):
-        filler = _filler_tree(pad_id, branches)
-        pixels = None
-        if image_filler is not None:
-            filler, pixels = (image_filler[0], filler[1]), join_images([image_filler[1]], device)
+        prompt, image = image_filler or ([pad_id], {})  # a one-token prompt (or a one-image one) and one-token answers
+        filler, pixels = (prompt, [[pad_id]] * branches), join_images([image], device)
         if packed:
             scorer(layout=layout_trees([filler], [[0]], pad_id, static=costs.static).to(device), images=pixels)
         else:

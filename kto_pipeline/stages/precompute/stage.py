@@ -37,10 +37,18 @@ from kto_pipeline import __version__
 from kto_pipeline.cache import MANIFEST, NO_PAIR, SHARD_DIR, read_manifest, tokenizer_hash, write_manifest
 from kto_pipeline.config import PrecomputeConfig
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.images import ImageRows, base_dir, image_column, images_hash, processor_hash, vision_unsupported
+from kto_pipeline.images import (
+    ImageRows,
+    base_dir,
+    image_column,
+    images_hash,
+    load_processor,
+    processor_hash,
+    vision_unsupported,
+)
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.manifest import Manifest, fingerprint_diff, new_manifest
-from kto_pipeline.models import load_model, load_processor, load_tokenizer
+from kto_pipeline.models import load_model, load_tokenizer
 from kto_pipeline.runtime.compiled import compile_layers
 from kto_pipeline.runtime.engines import engine_for
 from kto_pipeline.runtime.launch import print0, process_state
