@@ -36,9 +36,9 @@ def record_scored(monkeypatch) -> list:
     scored = []
     score = precompute_module._score_trees
 
-    def recording(run, trees, pad_id):
+    def recording(run, trees, pad_id, images=None):
         scored.extend(tuple(prompt) for prompt, _ in trees)
-        return score(run, trees, pad_id)
+        return score(run, trees, pad_id, images)
 
     monkeypatch.setattr(precompute_module, "_score_trees", recording)
     return scored

@@ -517,3 +517,13 @@ def test_lora_on_a_vlm_trains_the_language_model_only(llava_dir, unpaired_file, 
     assert logs[0]["rewards/chosen"] == 0.0 and logs[-1]["rewards/margins"] != 0.0
     adapter = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     assert adapter["target_modules"] and all(".language_model." in t for t in adapter["target_modules"])
+
+
+@pytest.mark.parametrize("loss_type", ["ipo", "hinge", "apo_zero", "sigmoid+sft"])
+def test_every_pair_loss_trains_on_pictures(llava_dir, paired_file, tmp_path, loss_type):
+    """trl.DPOTrainer's other pair losses (and a weighted sum) from a paired cache of pictures: step 1 exactly 0,
+    then they train."""
+    cache = _precompute(llava_dir, paired_file, tmp_path / "cache")
+    logs = _train(cache, tmp_path / "run", loss_type=loss_type, per_device_train_batch_size=2)
+    assert logs[0]["rewards/chosen"] == 0.0 and logs[0]["rewards/rejected"] == 0.0
+    assert logs[-1]["rewards/margins"] != 0.0

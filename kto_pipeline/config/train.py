@@ -213,7 +213,7 @@ class TrainConfig(ConfigMixin):
         **described(
             "A vision-language model: keep its vision tower frozen (the projector and the language model train). "
             "--no-freeze-vision-tower trains it too, as trl does. No effect on a text model.",
-            panel=OPTIMISATION,
+            panel=MODEL_AND_DATA,
         ),
     )
     save_total_limit: int | None = field(
