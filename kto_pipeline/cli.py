@@ -34,7 +34,7 @@ app = typer.Typer(
 
 
 @app.command(cls=RecipeCommand)
-@options(PrecomputeConfig)
+@options(PrecomputeConfig, shares_recipe_with=TrainConfig, recipe_names={"cache": "output"})
 def precompute(config: PrecomputeConfig) -> None:
     """Stage 1: run the reference model once and write the reference log-prob cache."""
     from kto_pipeline.stages.precompute.stage import precompute as run
@@ -43,7 +43,7 @@ def precompute(config: PrecomputeConfig) -> None:
 
 
 @app.command(cls=RecipeCommand)
-@options(TrainConfig)
+@options(TrainConfig, shares_recipe_with=PrecomputeConfig)
 def train(config: TrainConfig) -> None:
     """Stage 2: train the policy against a cache (no reference model in memory)."""
     from kto_pipeline.stages.train.stage import train as run

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import sys
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,9 +28,34 @@ from kto_pipeline.config import LIST_FIELDS, PANELS, base_type, parse_value
 from kto_pipeline.errors import KTOPipelineError
 
 CONFIG_HELP = (
-    "A YAML recipe of this command's options: keys are the flag names (output_dir or output-dir). "
-    "Flags given on the command line override it."
+    "A YAML recipe of this command's options: keys are the flag names (output_dir or output-dir), or trl's names "
+    "(model_name_or_path, dataset_name, ...). Flags given on the command line override it."
 )
+# trl's names for options of ours, as its TrlParser reads a `trl kto` / `trl dpo` YAML (ScriptArguments, ModelConfig,
+# KTOConfig / DPOConfig); the names both share (learning_rate, beta, lora_r, ...) need no entry
+TRL_NAMES = {
+    "model_name_or_path": "model",
+    "model_revision": "revision",
+    "dataset_name": "dataset",
+    "dataset_train_split": "split",
+    "torch_dtype": "dtype",
+    "dataset_num_proc": "num_proc",
+    "precompute_ref_batch_size": "batch_size",
+}
+# trl's keys with no counterpart here: read, and said to have no effect (a trl YAML runs as it is)
+TRL_UNUSED = {
+    "dataset_test_split": "held-out rows are a cache of their own: precompute --split test, then train --eval-cache",
+    "eval_strategy": "train evaluates on --eval-cache every --eval-steps",
+    "save_strategy": "train saves every --save-steps",
+    "logging_strategy": "train logs every --logging-steps",
+    "logging_first_step": "train logs from --logging-steps",
+    "attn_implementation": "the attention kernel is --attention-kernel",
+    "remove_unused_columns": "no dataset columns reach training",
+    "precompute_ref_log_probs": "the reference is always precomputed here",
+    "gradient_checkpointing_kwargs": "checkpointing is non-reentrant here",
+    "dataloader_num_workers": "batches are read from the memory-mapped cache",
+    "lora_task_type": "LoRA adapters are for causal LMs (CAUSAL_LM) here",
+}
 # how a value the command line holds got there (click's ParameterSource, by name: typer may carry its own click):
 # these mean the user gave it, so it overrides the recipe
 TYPED = ("COMMANDLINE", "ENVIRONMENT", "PROMPT")
@@ -70,7 +96,12 @@ class RecipeCommand(TyperCommand):
 
 
 def options(
-    config_class: type | None = None, *, grid: bool = False, exclude: tuple[str, ...] = ()
+    config_class: type | None = None,
+    *,
+    grid: bool = False,
+    exclude: tuple[str, ...] = (),
+    shares_recipe_with: type | None = None,
+    recipe_names: dict[str, str] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Turn `func` into a typer command (register it with `app.command(cls=RecipeCommand)`) that also takes --config.
 
@@ -78,6 +109,10 @@ def options(
     `config_class`, every other field of that dataclass (but `exclude`) becomes an option too, in the
     order of its panel, and `func`'s one unannotated parameter receives the dataclass built from them; with
     `grid=True` (sweep) it receives {field: "comma-separated values" or None} instead.
+
+    `shares_recipe_with`: the config of the command that reads the same recipe (precompute and train read one
+    trl-style YAML): its options' keys, and trl's names for them, are ignored here. `recipe_names`: more names a
+    recipe may use for this command's options (precompute reads `cache` as its --output).
     """
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -106,10 +141,17 @@ def options(
                 params.append(param)
         specs = own + generated
         assert not {_CTX, _CONFIG} & {s.name for s in specs}
+        names = {s.name for s in specs}
+        aliases = {k: v for k, v in {**TRL_NAMES, **(recipe_names or {})}.items() if v in names}
+        ignored: set[str] = set()
+        if shares_recipe_with is not None:
+            theirs = {f.name for f in dataclasses.fields(shares_recipe_with)} - names
+            formerly = {s.formerly for s in specs if s.formerly}  # (precompute's `seed`: its KL seed, as before)
+            ignored = (theirs | {k for k, v in TRL_NAMES.items() if v in theirs}) - set(aliases) - formerly
 
         def command(**values: Any) -> Any:
             ctx, path = values.pop(_CTX), values.pop(_CONFIG)
-            settings = resolve(ctx, specs, values, path)
+            settings = resolve(ctx, specs, values, path, aliases, ignored)
             kwargs = {s.name: settings[s.name] for s in own}
             if config_class is not None:  # in the fields' order (a sweep names its runs in that order)
                 rest = {f.name: settings[f.name] for f in fields}
@@ -171,9 +213,16 @@ def _field_option(f: dataclasses.Field, value_type: Any, grid: bool) -> tuple[Op
 # ------------------------------------------------------------------------------------------ reading a recipe
 
 
-def resolve(ctx: typer.Context, specs: list[Option], values: dict[str, Any], path: str | None) -> dict[str, Any]:
+def resolve(
+    ctx: typer.Context,
+    specs: list[Option],
+    values: dict[str, Any],
+    path: str | None,
+    aliases: dict[str, str] | None = None,
+    ignored: set[str] | None = None,
+) -> dict[str, Any]:
     """Each option's value: typed on the command line, else from the recipe at `path`, else the default."""
-    recipe = read_recipe(path, specs) if path is not None else {}
+    recipe = read_recipe(path, specs, aliases, ignored) if path is not None else {}
     settings = {}
     for spec in specs:
         source = ctx.get_parameter_source(spec.name)
@@ -187,8 +236,11 @@ def resolve(ctx: typer.Context, specs: list[Option], values: dict[str, Any], pat
     return settings
 
 
-def read_recipe(path: str | Path, specs: list[Option]) -> dict[str, Any]:
-    """The recipe's values by option name, each checked against its option's type."""
+def read_recipe(
+    path: str | Path, specs: list[Option], aliases: dict[str, str] | None = None, ignored: set[str] | None = None
+) -> dict[str, Any]:
+    """The recipe's values by option name, each checked against its option's type. `aliases`: other names of this
+    command's options (trl's); `ignored`: keys another command reads from the same recipe."""
     import yaml
 
     where = f"--config {path}"
@@ -217,13 +269,23 @@ def read_recipe(path: str | Path, specs: list[Option]) -> dict[str, Any]:
     formerly = {s.formerly: s.name for s in specs if s.formerly}  # a recipe of an earlier release keeps working
     recipe: dict[str, Any] = {}
     keys: dict[str, Any] = {}
+    aliases, ignored = aliases or {}, ignored or set()
     for key, value in data.items():
         name = key.replace("-", "_") if isinstance(key, str) else None
+        if name in ignored:
+            continue
+        if name in TRL_UNUSED and name not in by_name:
+            print(f"note: {where}: {key} (trl's) has no effect here: {TRL_UNUSED[name]}", file=sys.stderr)
+            continue
         name = formerly.get(name, name)
+        name = aliases.get(name, name)
         if name not in by_name:
-            raise KTOPipelineError(f"{where}: unknown key {key!r}{_suggestion(key, list(by_name))}")
+            known = [*by_name, *aliases]
+            raise KTOPipelineError(f"{where}: unknown key {key!r}{_suggestion(key, known)}")
         if name in recipe:
-            raise KTOPipelineError(f"{where}: {keys[name]!r} and {key!r} are the same option; give it once")
+            raise KTOPipelineError(
+                f"{where}: {keys[name]!r} and {key!r} are the same option ({by_name[name].flag}); give it once"
+            )
         keys[name] = key
         spec, at = by_name[name], f"{where}: {key}"
         recipe[name] = _grid_text(spec, value, at) if spec.grid else _typed(spec, value, at)

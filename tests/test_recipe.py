@@ -428,3 +428,96 @@ def test_the_kl_seed_keeps_its_former_name(tmp_path):
     assert read_recipe(recipe, list(specs)) == {"kl_seed": 7, "max_length": 64}
     params = {p.name: p for p in commands()["precompute"].params}
     assert params["kl_seed"].opts == ["--kl-seed"]
+
+
+# ------------------------------------------------------------------------------------------ trl's YAML files
+
+TRL_YAML = """# written for `trl kto --config`, plus the one line `cache:`
+model_name_or_path: {model}
+dataset_name: {data}
+dataset_train_split: train
+output_dir: {out}
+cache: {cache}
+max_length: 64
+learning_rate: 1.0e-3
+per_device_train_batch_size: 4
+gradient_accumulation_steps: 1
+max_steps: 2
+logging_steps: 1
+beta: 0.1
+desirable_weight: 1.0
+bf16: false
+seed: 0
+eval_strategy: "no"
+use_peft: true
+lora_r: 8
+lora_alpha: 16
+lora_target_modules: [q_proj, v_proj]
+"""
+
+
+def test_a_trl_yaml_runs_both_stages_as_the_flags_do(tmp_path, monkeypatch, capsys, tiny_model_dir, unpaired_file):
+    """One YAML written for `trl kto` plus `cache: DIR` runs precompute and then train, each taking its own keys (trl's
+    names and ours) and skipping the other's; the cache and the run equal the same settings as flags."""
+    recipe = write(
+        tmp_path,
+        TRL_YAML.format(model=tiny_model_dir, data=unpaired_file, out=tmp_path / "run-yaml", cache=tmp_path / "c-yaml"),
+    )
+    code, _, err = run_cli(monkeypatch, capsys, "precompute", "--config", str(recipe))
+    assert code == 0, err
+    assert "eval_strategy (trl's) has no effect here" in err
+    code, _, err = run_cli(monkeypatch, capsys, "train", "--config", str(recipe))
+    assert code == 0, err
+    flags = cli_args(model=tiny_model_dir, dataset=unpaired_file, output=tmp_path / "c-flags", max_length=64)
+    flags += ["--kl-seed", "0"]  # (`seed` in a precompute recipe is its KL seed, the name it had before)
+    code, _, err = run_cli(monkeypatch, capsys, "precompute", *flags, "--no-bf16")
+    assert code == 0, err
+    train_flags = cli_args(
+        cache=tmp_path / "c-flags",
+        output_dir=tmp_path / "run-flags",
+        model=tiny_model_dir,
+        max_length=64,
+        learning_rate=1e-3,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        logging_steps=1,
+        beta=0.1,
+        seed=0,
+        lora_r=8,
+        lora_alpha=16,
+        lora_target_modules="q_proj,v_proj",
+    )
+    code, _, err = run_cli(monkeypatch, capsys, "train", *train_flags, "--no-bf16")
+    assert code == 0, err
+    a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("c-yaml", "c-flags"))
+    assert {k: v for k, v in a["fingerprint"].items()} == b["fingerprint"]
+    yaml_run, flag_run = (json.loads((tmp_path / d / "run_config.json").read_text()) for d in ("run-yaml", "run-flags"))
+    assert yaml_run.pop("use_peft") is True and flag_run.pop("use_peft") is False
+    for run in (yaml_run, flag_run):
+        run.pop("output_dir"), run.pop("cache")
+    assert yaml_run == flag_run and yaml_run["lora_r"] == 8
+    losses = [[r["loss"] for r in read_metrics(tmp_path / d)] for d in ("run-yaml", "run-flags")]
+    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("model_name_or_path: a\nmodel: a\n", "'model_name_or_path' and 'model' are the same option (--model)"),
+        ("dataset_name: d\ndataset: d\n", "'dataset_name' and 'dataset' are the same option (--dataset)"),
+        ("learnig_rate: 1.0\n", "unknown key 'learnig_rate' (did you mean 'learning_rate'?)"),
+        ("model_name_or_pth: a\n", "unknown key 'model_name_or_pth' (did you mean 'model_name_or_path'?)"),
+    ],
+)
+def test_trl_yaml_mixed_or_misspelled_keys_are_refused(tmp_path, monkeypatch, capsys, captured, text, fragment):
+    recipe = write(tmp_path, text)
+    command = "train" if text.startswith("learnig") else "precompute"
+    code, _, err = run_cli(monkeypatch, capsys, command, "--config", str(recipe))
+    assert_clean_error(code, err, fragment)
+
+
+def test_use_peft_takes_trls_default_rank():
+    config = TrainConfig(cache="c", output_dir="o", use_peft=True)
+    assert config.lora_r == 16
+    assert TrainConfig(cache="c", output_dir="o", use_peft=True, lora_r=4).lora_r == 4
+    assert TrainConfig(cache="c", output_dir="o").lora_r is None

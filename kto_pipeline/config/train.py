@@ -26,6 +26,8 @@ from kto_pipeline.objectives.pairs import F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCE_
 from kto_pipeline.runtime import STATIC_SHAPES_HELP, TORCH_COMPILE_HELP
 from kto_pipeline.scoring import ATTENTION_KERNEL_HELP
 
+TRL_LORA_R = 16  # trl ModelConfig.lora_r default: the rank --use-peft trains without --lora-r
+
 
 @dataclass
 class TrainConfig(ConfigMixin):
@@ -238,6 +240,10 @@ class TrainConfig(ConfigMixin):
     lora_r: int | None = field(
         default=None, **described("Train LoRA adapters of this rank instead of all weights.", panel=LORA)
     )
+    use_peft: bool = field(
+        default=False,
+        **described("trl's switch for LoRA: adapters of --lora-r (16 when not given, trl's default).", panel=LORA),
+    )
     lora_alpha: int = field(
         default=32, **described("LoRA scaling alpha (the update is scaled by alpha / r).", panel=LORA)
     )
@@ -279,6 +285,8 @@ class TrainConfig(ConfigMixin):
     )
 
     def __post_init__(self) -> None:
+        if self.use_peft and self.lora_r is None:  # trl's ModelConfig: use_peft with its default rank
+            self.lora_r = TRL_LORA_R
         check(self.beta > 0, "beta", f"must be > 0, got {self.beta}")
         check(not (self.init_from and self.model), "init_from", "cannot be combined with --model (choose one start)")
         self._check_loss()
