@@ -178,6 +178,11 @@ class InitPoint:
     round: int  # the parent's round (1 for a run that did not start from another)
     reference_hash: str | None  # the frozen reference it trained against, where the run recorded it
 
+    def parent(self) -> dict:
+        """What the new run's trainer_state.json records of this point (`parent_run`)."""
+        path = str(self.run_dir.resolve())
+        return {"path": path, "global_step": self.global_step, "round": self.round, "kind": self.kind}
+
 
 def read_init_point(path: str | Path) -> InitPoint:
     """What `--init-from PATH` holds, or a KTOPipelineError saying why it holds no trained model."""

@@ -27,6 +27,7 @@ from kto_pipeline.runtime import STATIC_SHAPES_HELP, TORCH_COMPILE_HELP
 from kto_pipeline.scoring import ATTENTION_KERNEL_HELP
 
 TRL_LORA_R = 16  # trl ModelConfig.lora_r default: the rank --use-peft trains without --lora-r
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")
 
 
 @dataclass
@@ -137,6 +138,14 @@ class TrainConfig(ConfigMixin):
     )
     lr_scheduler_type: str = field(
         default="linear", **described(f"One of {', '.join(SCHEDULERS)}.", panel=OPTIMISATION)
+    )
+    optim: str = field(
+        default="adamw_torch_fused",
+        **described(
+            "The optimizer, as transformers names them: adamw_torch_fused (one fused kernel), adamw_torch, or "
+            "bitsandbytes' adamw_bnb_8bit (alias adamw_8bit) and paged_adamw_8bit where bitsandbytes is installed.",
+            panel=OPTIMISATION,
+        ),
     )
     weight_decay: float = field(
         default=0.0, **described("AdamW weight decay (not applied to biases and norms).", panel=OPTIMISATION)
@@ -276,6 +285,21 @@ class TrainConfig(ConfigMixin):
         default="none",
         **described("Also log metrics to: none, tensorboard, wandb (comma-separated for several).", panel=LOGGING),
     )
+    run_name: str | None = field(
+        default=None, **described("The run's name in the trackers (wandb's run name), as trl's.", panel=LOGGING)
+    )
+    push_to_hub: bool = field(
+        default=False,
+        **described(
+            "At the end, upload the final model, tokenizer and model card (not the checkpoints) to the Hugging Face "
+            "Hub with huggingface_hub (a logged-in token, or HF_TOKEN).",
+            panel=CHECKPOINTS,
+        ),
+    )
+    hub_model_id: str | None = field(
+        default=None,
+        **described("The Hub repository to push to (user/name). Default: --output-dir's name.", panel=CHECKPOINTS),
+    )
     verify: bool = field(
         default=False,
         **described(
@@ -313,6 +337,7 @@ class TrainConfig(ConfigMixin):
             f"must be one of {', '.join(SCHEDULERS)}",
         )
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(self.optim in OPTIMIZERS, "optim", f"must be one of {', '.join(OPTIMIZERS)}, got {self.optim!r}")
         check(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         check(self.max_length is None or self.max_length >= 2, "max_length", "must be at least 2")
         check(self.logging_steps >= 1, "logging_steps", f"must be at least 1, got {self.logging_steps}")

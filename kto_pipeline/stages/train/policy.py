@@ -122,15 +122,23 @@ def vision_tower(model):
 
 
 def make_optimizer(config: TrainConfig, model) -> torch.optim.Optimizer:
-    """transformers.Trainer's default, AdamW with its fused kernel (`adamw_torch_fused`, the update trl runs), no
-    decay on biases and norm weights: one kernel for all parameters (see benchmarks/RESULTS.md for its speed)."""
+    """--optim, no decay on biases and norm weights. transformers.Trainer's default is AdamW with its fused kernel
+    (`adamw_torch_fused`, the update trl runs): one kernel for all parameters (see benchmarks/RESULTS.md for its
+    speed); `adamw_torch` its per-tensor loop; bitsandbytes' 8-bit AdamW (moments in 8 bits) where installed."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.learning_rate,
-        fused=True,
-    )
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if config.optim in ("adamw_torch_fused", "adamw_torch"):
+        return torch.optim.AdamW(groups, lr=config.learning_rate, fused=config.optim == "adamw_torch_fused")
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise KTOPipelineError(
+            f"--optim {config.optim}: bitsandbytes is not installed (pip install bitsandbytes); or choose "
+            "adamw_torch_fused or adamw_torch."
+        ) from None
+    cls = bnb.optim.PagedAdamW8bit if config.optim.startswith("paged") else bnb.optim.AdamW8bit
+    return cls(groups, lr=config.learning_rate)
 
 
 def router_aux_coef(model, config: TrainConfig) -> float:

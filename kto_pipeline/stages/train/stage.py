@@ -5,8 +5,8 @@
     setup -> resume -> prepare the output directory -> fit -> finish
 
 `setup` opens and checks the cache, loads the policy (never a reference model), builds the data loaders over
-the memory-mapped cache (`batches.py`), the optimizer and the schedule. `resume` restores a checkpoint, `fit`
-is the loop, `finish` writes the final model, its card and the final trainer state (`rundir.py`). The policy
+the memory-mapped cache (`batches.py`), the optimizer and the schedule. `resume` restores a checkpoint, `fit` is the
+loop, `finish` writes the final model, its card and trainer state (`rundir.py`; --push-to-hub: `hub.py`). The policy
 is loaded and its optimizer built by `policy.py`; how it is spread over the processes, its backward, clipping and
 step are asked of the engine (`runtime/engines`), which this stage never names. accelerate is used as a library
 (`accumulate`, `gather`), so the loop is the whole algorithm: nothing happens in callbacks. What depends on the
@@ -42,6 +42,7 @@ from kto_pipeline.checkpoint import (
 )
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError, Preempted
+from kto_pipeline.hub import push_run
 from kto_pipeline.lock import main_process_lock
 from kto_pipeline.model_card import write_model_card
 from kto_pipeline.objectives import Objective, objective_for
@@ -356,10 +357,9 @@ def prepare_output_dir(run: Run) -> None:
                 shutil.rmtree(stale)
         start_run(run.out, run.config.to_dict(), run.progress.history)
     if run.trackers:
-        hparams = {
-            k: (v if isinstance(v, int | float | str | bool) else str(v)) for k, v in run.config.to_dict().items()
-        }
-        run.accelerator.init_trackers("kto-pipeline", config=hparams)
+        hparams = {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in run.config.to_dict().items()}
+        named = {"wandb": {"name": run.config.run_name}} if run.config.run_name else {}  # (trl's run_name)
+        run.accelerator.init_trackers("kto-pipeline", config=hparams, init_kwargs=named)
     run.metrics = MetricsWriter(run.out, run.accelerator, run.progress.history, bool(run.trackers))
 
 
@@ -532,12 +532,7 @@ def finish(run: Run) -> TrainResult:
     state.round = run.init.round + 1 if run.init else 1
     state.peak_memory = run.peaks.per_process(accelerator)
     if run.init:
-        state.parent_run = {
-            "path": str(run.init.run_dir.resolve()),
-            "global_step": run.init.global_step,
-            "round": run.init.round,
-            "kind": run.init.kind,
-        }
+        state.parent_run = run.init.parent()
     state.cache_segments = [
         {k: seg[k] for k in ("index", "rows", "first_example_id", "written_at")}
         | {"source": seg["source"]["name_or_path"], "content_hash": seg["source"]["content_hash"]}
@@ -557,6 +552,8 @@ def finish(run: Run) -> TrainResult:
         )
     run.engine.close(run.scorer)
     accelerator.wait_for_everyone()
+    if config.push_to_hub and accelerator.is_main_process:  # (after every process is done: a failure stops none)
+        print(f"  hub          https://huggingface.co/{push_run(out, config.hub_model_id)}", flush=True)
     return TrainResult(output_dir=out, global_step=p.global_step, metrics=p.history, step_seconds=p.step_seconds)
 
 
