@@ -197,3 +197,20 @@ def test_the_truncation_rule_is_written_once():
         if re.search(r"max_length\s*-\s*len\(", line)
     ]
     assert not spelled, spelled
+
+
+def test_sharded_loads_return_freed_buffers_unless_the_user_set_the_threshold():
+    """glibc's mmap threshold is fixed at 128 KiB for a sharded load (what MALLOC_MMAP_THRESHOLD_=131072 sets), so
+    that the broadcast and all-gathered tensors freed during loading leave the process; a user's own setting wins.
+    (In a fresh process each: the setting lasts for the process.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = "from kto_pipeline.runtime.launch import return_freed_buffers; print(return_freed_buffers())"
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert plain.stdout.strip() == str(sys.platform.startswith("linux"))
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    theirs = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert theirs.stdout.strip() == "False"

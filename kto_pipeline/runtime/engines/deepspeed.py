@@ -34,7 +34,7 @@ import torch
 from kto_pipeline.cache import WeightsHash
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.runtime.engines.base import Engine
-from kto_pipeline.runtime.launch import env_flag, most_of_all
+from kto_pipeline.runtime.launch import env_flag, most_of_all, return_freed_buffers
 from kto_pipeline.runtime.precision import Regime, autocast_forward
 
 
@@ -84,6 +84,7 @@ class DeepSpeed(Engine):
         partitions it when its engine is built)."""
         if self.zero_stage != 3:
             return read()
+        return_freed_buffers()  # the partitioned tensors gathered whole and freed go back to the system
         if not self.zero3_init:
             with self.whole_models():  # accelerate keeps a ZeRO-3 config alive whatever the flag says
                 return read()

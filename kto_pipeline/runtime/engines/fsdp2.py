@@ -31,7 +31,7 @@ import torch
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.models import auto_class
 from kto_pipeline.runtime.engines.base import ACCELERATE_STATE, Engine
-from kto_pipeline.runtime.launch import env_flag, main_decides, most_of_all
+from kto_pipeline.runtime.launch import env_flag, main_decides, most_of_all, return_freed_buffers
 from kto_pipeline.runtime.precision import Regime, autocast_forward
 
 SHARDED = "sharded"  # a checkpoint's weights and optimizer state, each process's shards (torch.distributed.checkpoint)
@@ -96,6 +96,8 @@ class FSDP2(Engine):
         weights; the others build the model from its config with every parameter on the meta device (no memory;
         buffers, such as the rotary tables, computed for real), and `shard` fills each process's shards from the
         main process's weights, one tensor at a time. Without it, every process reads the whole model."""
+        if self.world_size > 1:
+            return_freed_buffers()  # the broadcast and all-gathered tensors go back to the system once freed
         if not self.ram_efficient_loading or self.world_size == 1:
             return read()
         from accelerate import PartialState
