@@ -51,7 +51,7 @@ def install_slurm() -> str:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"]):
         try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         except subprocess.TimeoutExpired:
             return f"not installed ({' '.join(cmd)} timed out): tests/test_slurm.py will skip"
         if done.returncode != 0:
