@@ -86,6 +86,8 @@ LONGEST_FIRST = (
     "test_fsdp.py",
     "test_deepspeed.py",
     "test_pair_engines.py",
+    "test_slurm.py",
+    "test_vision.py",
     "test_multinode.py",
     "test_cli.py",
     "test_bench_dpo.py",
