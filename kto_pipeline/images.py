@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kto_pipeline.errors import KTOPipelineError
 
 IMAGE_COLUMNS = ("images", "image")
@@ -65,20 +67,45 @@ def _path_of(value: Any) -> str | None:
 
 def images_hash(dataset, column: str, root: Path | None) -> str:
     """sha256 over the bytes of every image file the column names by path, in row order (a missing file is named by
-    `open_images` when its row is read). Images held in the dataset's own files are covered by its content hash."""
+    `open_images` when its row is read). Images held in the dataset's own files (a datasets Image feature with its
+    bytes) are covered by its content hash and never read here: only the paths leave Arrow, a chunk at a time."""
     h = hashlib.sha256()
-    for row, value in enumerate(dataset.data.column(column).to_pylist()):
-        for item in _as_list(value, column):
-            path = _path_of(item)
-            if path is None:
-                continue
-            full = _resolve(path, root)
-            h.update(f"{row}:{path}:".encode())
-            if full.is_file():
-                with open(full, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        h.update(block)
+    for row, path in _image_paths(dataset.data.column(column)):
+        full = _resolve(path, root)
+        h.update(f"{row}:{path}:".encode())
+        if full.is_file():
+            with open(full, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
     return h.hexdigest()
+
+
+def _image_paths(column):
+    """(row, path) of each image a column names by path: strings, or Image structs whose bytes are null."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    first = 0
+    for chunk in column.chunks:
+        rows = np.arange(first, first + len(chunk))
+        first += len(chunk)
+        if pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type):
+            rows = rows[pc.list_parent_indices(chunk).to_numpy()]
+            chunk = pc.list_flatten(chunk)
+        if pa.types.is_struct(chunk.type):
+            if chunk.type.get_field_index("path") < 0:
+                continue
+            held = pc.is_valid(pc.struct_field(chunk, "bytes")) if chunk.type.get_field_index("bytes") >= 0 else None
+            paths = pc.struct_field(chunk, "path")
+            if held is not None:
+                paths = pc.if_else(held, pa.scalar(None, paths.type), paths)
+        elif pa.types.is_string(chunk.type) or pa.types.is_large_string(chunk.type):
+            paths = chunk
+        else:
+            continue
+        for row, path in zip(rows.tolist(), paths.to_pylist(), strict=True):
+            if path is not None:
+                yield row, path
 
 
 def _resolve(path: str, root: Path | None) -> Path:

@@ -527,3 +527,27 @@ def test_every_pair_loss_trains_on_pictures(llava_dir, paired_file, tmp_path, lo
     logs = _train(cache, tmp_path / "run", loss_type=loss_type, per_device_train_batch_size=2)
     assert logs[0]["rewards/chosen"] == 0.0 and logs[0]["rewards/rejected"] == 0.0
     assert logs[-1]["rewards/margins"] != 0.0
+
+
+def test_image_paths_are_read_from_arrow_without_the_held_bytes():
+    import pyarrow as pa
+
+    from kto_pipeline.images import _image_paths
+
+    lists = pa.chunked_array([pa.array([["a.png"], ["b.png", "c.png"], []]), pa.array([["d.png"]])])
+    assert list(_image_paths(lists)) == [(0, "a.png"), (1, "b.png"), (1, "c.png"), (3, "d.png")]
+    structs = pa.array(
+        [[{"bytes": None, "path": "q1"}], [{"bytes": b"held", "path": "q2"}, {"bytes": None, "path": "q3"}]]
+    )
+    assert list(_image_paths(pa.chunked_array([structs]))) == [(0, "q1"), (1, "q3")]  # q2's bytes are the data's own
+
+
+def test_a_changed_picture_changes_the_caches_fingerprint(llava_dir, unpaired_file, tmp_path):
+    """The dataset's content hash covers the image files a JSON-lines file names: precompute into the same output
+    after a picture changed is refused as another dataset (or grown with --append for text), never taken as done."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(unpaired_file.parent, data_dir)
+    cache = _precompute(llava_dir, data_dir / "data.jsonl", tmp_path / "cache")
+    toy_images(1, seed=11)[0].save(data_dir / "images" / "0000.png")
+    with pytest.raises(KTOPipelineError, match="dataset_hash: cache has"):
+        _precompute(llava_dir, data_dir / "data.jsonl", cache)
