@@ -27,7 +27,6 @@ import numpy as np
 from kto_pipeline.errors import KTOPipelineError
 
 IMAGE_COLUMNS = ("images", "image")
-PATH_FORMATS = (".json", ".jsonl", ".csv")  # files whose image columns hold paths, relative to the file
 
 
 def image_column(dataset) -> str | None:

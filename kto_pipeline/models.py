@@ -132,11 +132,6 @@ def auto_class(config):
     return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
 
 
-def is_vision_model(model) -> bool:
-    """Whether `model` takes images (a vision-language model: a vision tower before its language model)."""
-    return getattr(model.config, "vision_config", None) is not None
-
-
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32):
     """A .gguf file as a plain transformers model.
 

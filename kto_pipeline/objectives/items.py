@@ -60,13 +60,18 @@ def batch_images(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | No
     return found or None
 
 
-def packed_batch(trees, sizes: list[int], pad_id: int, attention: AttentionCosts | None, split_last: bool = False):
+def packed_batch(
+    trees, sizes: list[int], pad_id: int, attention: AttentionCosts | None, split_last: bool = False, items=()
+):
     """The batch tensors of `(prompt, [continuation, ...])` trees packed side by side in rows (`pack_rows` by
     `sizes`, `attention`: the model's costs); with `split_last`, each row's last continuations after the others
-    (`layout_trees`), to run apart without gradients on the prompts' cached keys/values."""
+    (`layout_trees`), to run apart without gradients on the prompts' cached keys/values. `items` (one a tree): their
+    `pixels`, where they have images, join the batch in the order the layout holds the prompts."""
     static = attention is not None and attention.static
     layout = layout_trees(trees, pack_rows(sizes, None, attention), pad_id, split_last=split_last, static=static)
     batch = {LAYOUT_KEY + k: v for k, v in vars(layout).items() if isinstance(v, torch.Tensor)}
+    if items and "pixels" in items[0]:
+        batch.update(image_batch([items[t]["pixels"] for t in layout.prompt_order()]))
     batch[LAYOUT_KEY + "num_trees"] = torch.tensor(layout.num_trees)
     batch[LAYOUT_KEY + "branches"] = torch.tensor(layout.branches)
     if split_last:
@@ -76,12 +81,17 @@ def packed_batch(trees, sizes: list[int], pad_id: int, attention: AttentionCosts
 
 def padded_batch(items: list[dict[str, Any]], keys: tuple[str, ...], pad_id: int, prefix: str = ""):
     """`PREFIXinput_ids`, `PREFIXattention_mask` and `PREFIXcompletion_mask` of prompt + continuation sequences,
-    item by item, each item's `keys` in order (a row's completion; a pair's chosen then rejected answer)."""
+    item by item, each item's `keys` in order (a row's completion; a pair's chosen then rejected answer). Items with
+    images: the unprefixed sequences' `pixels` too, one per sequence (a KTO batch's `kl_` sequences are the same
+    rows in the same order, and take the same images)."""
     seqs = [item["prompt_ids"] + item[key] for item in items for key in keys]
     prompt_lens = [len(item["prompt_ids"]) for item in items for _ in keys]
     padded = pad_sequences(seqs, prompt_lens, pad_id)
     names = (f"{prefix}input_ids", f"{prefix}attention_mask", f"{prefix}completion_mask")
-    return dict(zip(names, padded, strict=True))
+    batch = dict(zip(names, padded, strict=True))
+    if not prefix and items and "pixels" in items[0]:
+        batch.update(image_batch([item["pixels"] for item in items for _ in keys]))
+    return batch
 
 
 def batch_layout(batch: dict[str, torch.Tensor]) -> Layout | None:

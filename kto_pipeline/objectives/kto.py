@@ -289,18 +289,15 @@ class Collator:
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
-        from kto_pipeline.objectives.items import batch_layout, image_batch, packed_batch, padded_batch
+        from kto_pipeline.objectives.items import packed_batch, padded_batch
 
         if self.packed:
             trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
             sizes = [len(p) + len(c) for p, (c, _) in trees]  # the KL completions run apart, in one unpadded row
-            batch = packed_batch(trees, sizes, self.pad_id, self.attention, split_last=True)
-            order = batch_layout(batch).prompt_order() if "pixels" in rows[0] else []
+            batch = packed_batch(trees, sizes, self.pad_id, self.attention, split_last=True, items=rows)
         else:
             batch = padded_batch(rows, ("completion_ids",), self.pad_id)
             batch.update(padded_batch(rows, ("kl_completion_ids",), self.pad_id, prefix="kl_"))
-            order = range(len(rows)) if "pixels" in rows[0] else []  # (the KL sequences: the same rows, in order)
-        batch.update(image_batch([rows[t]["pixels"] for t in order]))
         needed = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) + len(r["kl_completion_ids"]) for r in rows)
         return {
             **batch,

@@ -387,17 +387,14 @@ class PairCollator:
         import torch
 
         from kto_pipeline.loss import length_desensitized
-        from kto_pipeline.objectives.items import batch_layout, image_batch, packed_batch, padded_batch
+        from kto_pipeline.objectives.items import packed_batch, padded_batch
 
         if self.packed:
             trees = [(p["prompt_ids"], [p["chosen_ids"], p["rejected_ids"]]) for p in pairs]
             sizes = [len(prompt) + sum(map(len, answers)) for prompt, answers in trees]
-            batch = packed_batch(trees, sizes, self.pad_id, self.attention)
-            order = batch_layout(batch).prompt_order() if "pixels" in pairs[0] else []
+            batch = packed_batch(trees, sizes, self.pad_id, self.attention, items=pairs)
         else:
             batch = padded_batch(pairs, ("chosen_ids", "rejected_ids"), self.pad_id)
-            order = [i for i in range(len(pairs)) for _ in range(2)] if "pixels" in pairs[0] else []  # both answers
-        batch.update(image_batch([pairs[t]["pixels"] for t in order]))
         chosen_lengths = torch.tensor([len(p["chosen_ids"]) for p in pairs])
         rejected_lengths = torch.tensor([len(p["rejected_ids"]) for p in pairs])
         ref = {
