@@ -155,8 +155,14 @@ def wait_done(slurm: dict, job: str, work: Path, timeout: int = 300) -> str:
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
             return state
         time.sleep(1)
-    logs = "\n".join(p.read_text()[-2000:] for p in sorted(work.glob("job-*.out")))
-    raise AssertionError(f"job {job} still {state} after {timeout} s\n{logs}")
+    raise AssertionError(f"job {job} still {state} after {timeout} s\n{job_report(slurm, work)}")
+
+
+def job_report(slurm: dict, work: Path) -> str:
+    """What a failed assertion shows: the job's output and the controller's log, the ends of each."""
+    outs = [f"{p}:\n{p.read_text()[-3000:]}" for p in sorted(work.glob("job-*.out"))]
+    controller = Path(slurm["SLURM_CONF"]).parent / "slurmctld.log"
+    return "\n".join([*outs, f"{controller}:\n{controller.read_text()[-2000:]}"])
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +199,7 @@ def _job_copy(one_process: Path, work: Path) -> Path:
 def test_sbatch_runs_both_stages_on_two_nodes_as_one_process(slurm, one_process, tmp_path):
     work = _job_copy(one_process, tmp_path)
     job = sbatch(slurm, work, TRAIN_ARGS)
-    assert wait_done(slurm, job, work) == "COMPLETED", (work / f"job-{job}.out").read_text()[-3000:]
+    assert wait_done(slurm, job, work) == "COMPLETED", job_report(slurm, work)
     out = (work / f"job-{job}.out").read_text()
     assert "over 2 processes" in out
     two, one = open_cache(work / "cache", verify=True), open_cache(one_process / "cache")
@@ -218,13 +224,18 @@ def test_a_preempted_job_is_requeued_and_ends_where_an_uninterrupted_run_ends(sl
         assert time.monotonic() < deadline, "train never logged its second step"
         time.sleep(0.2)
     _run("scancel", "--signal=USR1", job, env=slurm)
-    # SLURM holds a requeued batch job for a while (its BeginTime, about 2 minutes on): let it start now
+    # SLURM holds a requeued batch job (its BeginTime: the credential lifetime, 121 s, on) so that no launch of the new
+    # run carries a credential from the second the nodes revoked the old run's ("Job credential revoked"). Once the
+    # requeue is done (pending again), let it start 2 s on instead: a new second on every node's clock.
     deadline = time.monotonic() + 120
-    while "Restarts=1" not in (shown := _run("scontrol", "show", "job", job, env=slurm).stdout):
-        assert time.monotonic() < deadline and "JobState=COMPLETED" not in shown, shown
+    while not {"Restarts=1", "JobState=PENDING"} <= set(
+        (shown := _run("scontrol", "show", "job", job, env=slurm).stdout).split()
+    ):
+        assert time.monotonic() < deadline and "JobState=COMPLETED" not in shown, f"{shown}\n{job_report(slurm, work)}"
         time.sleep(0.5)
-    _run("scontrol", "update", f"JobId={job}", "StartTime=now", env=slurm, check=False)
-    assert wait_done(slurm, job, work) == "COMPLETED"
+    time.sleep(2)
+    _run("scontrol", "update", f"JobId={job}", "StartTime=now", env=slurm)
+    assert wait_done(slurm, job, work) == "COMPLETED", job_report(slurm, work)
     shown = _run("scontrol", "show", "job", job, env=slurm).stdout
     assert "Restarts=1" in shown, shown
     logs = "\n".join(p.read_text() for p in (work / "logs" / job).glob("node*/*/attempt_*/*/stderr.log"))
@@ -261,7 +272,7 @@ def test_nodes_that_do_not_share_the_output_directory_stop_the_job_naming_the_no
     try:
         exports_cache = private / "cache"
         job = sbatch(slurm, work, TRAIN_ARGS, cache=exports_cache)
-        assert wait_done(slurm, job, work) == "FAILED"
+        assert wait_done(slurm, job, work) == "FAILED", job_report(slurm, work)
         logs = "\n".join(p.read_text() for p in (work / "logs" / job).glob("node*/*/attempt_*/*/stderr.log"))
         assert f"error: --output {exports_cache}: this process (rank 1" in logs, logs[-3000:]
         assert "does not see the directory the main process" in logs and "1 process(es) do not see" in logs
