@@ -414,7 +414,7 @@ def render(data: dict) -> str:
     out += ["", *findings(data), "", "Tokens per step (the same rows for both tools):", "", *tokens, ""]
     out += ["## What is alive at our peak", "", f"- date: {_when(data, 'ours')}", ""]
     out += [
-        "Where ours sits above its floor. The LM head (`scoring/logprobs.py`, `_ChunkedTokenLogps`) projects one chunk "
+        "Where ours sits above its floor. The LM head (`scoring/head.py`, `_ChunkedTokenLogps`) projects one chunk "
         "of scored tokens at a time onto the vocabulary: its share of the peak is the (chunk, vocab) tensors below.",
         "",
     ]

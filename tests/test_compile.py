@@ -57,7 +57,9 @@ def test_compiled_layers_give_the_eager_numbers(tmp_path):
         assert compiled[column] == pytest.approx(eager[column], rel=1e-5), column
     manifest = json.loads((caches["compiled"] / "manifest.json").read_text())
     assert "compile" not in json.loads((caches["eager"] / "manifest.json").read_text())["timing"]
-    assert manifest["timing"]["compile"]["graph_breaks"] == 0 and 1 <= manifest["timing"]["compile"]["graphs"] <= 2
+    # the layer and the head's softmax statistics, each compiled once with nothing compiled again
+    assert manifest["timing"]["compile"]["graph_breaks"] == 0 and 2 <= manifest["timing"]["compile"]["graphs"] <= 3
+    assert manifest["timing"]["compile"]["recompiles"] == 0, manifest["timing"]["compile"]
 
     steps = {k: read_metrics(runs[k]) for k in runs}
     assert len(steps["compiled"]) == len(steps["eager"]) == 4
@@ -66,7 +68,8 @@ def test_compiled_layers_give_the_eager_numbers(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
     state = json.loads((runs["compiled"] / "trainer_state.json").read_text())
     assert state["compile"]["graph_breaks"] == 0 and state["compile"]["recompiles"] <= 3, state["compile"]
-    assert 1 <= state["compile"]["graphs"] <= 4 and state["compile"]["seconds"] > 0, state["compile"]
+    # the layer (with and without grad), the head's statistics and gradient, the loss
+    assert 4 <= state["compile"]["graphs"] <= 8 and state["compile"]["seconds"] > 0, state["compile"]
     assert "compile" not in json.loads((runs["eager"] / "trainer_state.json").read_text())
 
 
@@ -107,7 +110,7 @@ def test_compiling_that_fails_runs_eagerly_with_the_eager_numbers(tmp_path, monk
         runs[name] = tmp_path / name
         train(train_config(cache, runs[name], max_steps=2, attention_kernel="dense", torch_compile=asked))
     out = capsys.readouterr().out
-    assert "compiling the decoder layer failed; running eagerly" in out and "this backend builds no kernels" in out
+    assert "compiling failed; running eagerly" in out and "this backend builds no kernels" in out
     state = json.loads((runs["failed"] / "trainer_state.json").read_text())
     assert "this backend builds no kernels" in state["compile"]["eager_fallback"], state["compile"]
     assert state["kl_forward"] == json.loads((runs["eager"] / "trainer_state.json").read_text())["kl_forward"]

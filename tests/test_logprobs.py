@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kto_pipeline.scoring import logprobs
-from kto_pipeline.scoring.logprobs import chunked_token_logps, score_sequences
+from kto_pipeline.scoring import head
+from kto_pipeline.scoring.head import chunked_token_logps, logits_grad, softmax_stats
+from kto_pipeline.scoring.logprobs import score_sequences
 
 
 def reference_logps(hidden, weight, targets, bias=None, scale=1.0, softcap=None):
@@ -20,9 +21,13 @@ def reference_logps(hidden, weight, targets, bias=None, scale=1.0, softcap=None)
 @pytest.mark.parametrize("scale,softcap", [(1.0, None), (0.5, None), (1.0, 3.0)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: matmuls into the reused buffer
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])  # the backward's two sources of logits
-def test_values_and_gradients_match_full_logits(n, h, v, chunk, with_bias, scale, softcap, dtype, keep, monkeypatch):
+# a chunk's math: the eager in-place steps, or the functions --torch-compile compiles (here uncompiled)
+@pytest.mark.parametrize("regions", [None, (softmax_stats, logits_grad)], ids=["in-place", "regions"])
+def test_values_and_gradients_match_full_logits(
+    n, h, v, chunk, with_bias, scale, softcap, dtype, keep, regions, monkeypatch
+):
     if not keep:
-        monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", 0)
+        monkeypatch.setattr(head, "KEEP_LOGITS_BYTES", 0)
     g = torch.Generator().manual_seed(n * 1000 + v)
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
     weight = torch.randn(v, h, generator=g, dtype=torch.float64)
@@ -34,7 +39,9 @@ def test_values_and_gradients_match_full_logits(n, h, v, chunk, with_bias, scale
     bias = params[2] if with_bias else None
     tol = 1e-5 if dtype == torch.float64 else 1e-4
 
-    got, mean_logits, entropy = chunked_token_logps(hidden, weight, targets, bias, chunk, scale, softcap)
+    got, mean_logits, entropy = chunked_token_logps(
+        hidden, weight, targets, bias, chunk, scale, softcap, compiled=regions
+    )
     exact = [x.detach().double().requires_grad_() for x in params]
     want = reference_logps(exact[0], exact[1], targets, exact[2] if with_bias else None, scale, softcap)
     torch.testing.assert_close(got, want.float(), atol=tol, rtol=tol)
@@ -53,6 +60,42 @@ def test_values_and_gradients_match_full_logits(n, h, v, chunk, with_bias, scale
     torch.testing.assert_close(entropy, -(p * torch.log(p)).sum(-1).float().detach(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
+def test_compiled_chunk_math_gives_the_eager_values_with_one_graph_for_every_row_count(keep, monkeypatch):
+    """--torch-compile's regions of the head (softmax statistics, logits' gradient) compiled as the stages compile
+    them: the eager steps' values, statistics and gradients (rel 1e-5, float32), and new row counts compile nothing
+    more after the first of each (rows dynamic from the first call)."""
+    from torch._dynamo.utils import counters
+
+    from kto_pipeline.runtime.compiled import _dynamic_first_dims
+
+    torch._dynamo.reset()
+    if not keep:
+        monkeypatch.setattr(head, "KEEP_LOGITS_BYTES", 0)
+
+    def dynamic(fn):
+        compiled = torch.compile(fn, backend="inductor")
+        return lambda *args: _dynamic_first_dims(*args) or compiled(*args)
+
+    regions = (dynamic(softmax_stats), dynamic(logits_grad))
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(97, 32, generator=g)
+    graphs, before = [], counters["stats"]["unique_graphs"]
+    for n in (37, 50, 64, 5):
+        hidden, targets = torch.randn(n, 32, generator=g), torch.randint(97, (n,), generator=g)
+        runs = []
+        for compiled in (None, regions):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            logps, mean_logits, entropy = chunked_token_logps(h, w, targets, chunk_size=16, compiled=compiled)
+            logps.sum().backward()
+            runs.append([logps.detach(), mean_logits, entropy, h.grad, w.grad])
+        for a, b in zip(*runs, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert graphs[0] == graphs[-1] == 2, graphs  # the statistics and the gradient, once each, for every row count
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kept_logits_give_the_recomputed_gradients(dtype, monkeypatch):
     """Logits kept from the forward (small batches) and logits recomputed in the backward give the same bits, and
@@ -61,11 +104,11 @@ def test_kept_logits_give_the_recomputed_gradients(dtype, monkeypatch):
     hidden, weight = torch.randn(70, 32, generator=g), torch.randn(300, 32, generator=g) * 0.1
     targets, upstream = torch.randint(300, (70,), generator=g), torch.randn(70, generator=g)
     calls = []
-    chunk_logits = logprobs._chunk_logits
-    monkeypatch.setattr(logprobs, "_chunk_logits", lambda *a: calls.append(1) or chunk_logits(*a))
+    chunk_logits = head._chunk_logits
+    monkeypatch.setattr(head, "_chunk_logits", lambda *a: calls.append(1) or chunk_logits(*a))
 
     def run(keep_bytes):
-        monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", keep_bytes)
+        monkeypatch.setattr(head, "KEEP_LOGITS_BYTES", keep_bytes)
         h, w = hidden.to(dtype).detach().requires_grad_(), weight.to(dtype).detach().requires_grad_()
         calls.clear()
         logps = chunked_token_logps(h, w, targets, chunk_size=16)[0]
@@ -81,10 +124,10 @@ def test_kept_logits_give_the_recomputed_gradients(dtype, monkeypatch):
         assert torch.equal(a, b)
 
     seen = []
-    function = logprobs._ChunkedTokenLogps.forward
-    monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", 1 << 30)
+    function = head._ChunkedTokenLogps.forward
+    monkeypatch.setattr(head, "KEEP_LOGITS_BYTES", 1 << 30)
     monkeypatch.setattr(
-        logprobs._ChunkedTokenLogps, "forward", staticmethod(lambda ctx, *a: seen.append(a[-1]) or function(ctx, *a))
+        head._ChunkedTokenLogps, "forward", staticmethod(lambda ctx, *a: seen.append(a[-2]) or function(ctx, *a))
     )
     w = weight.to(dtype).detach().requires_grad_()
     with torch.no_grad():
@@ -97,8 +140,8 @@ def test_autocast_head_gives_autograds_gradients(monkeypatch):
     """Under bf16 autocast over a float32 head (training's regime): the head casts its weight inside, returns the
     weight's gradient in float32, accumulated in vocabulary slices (3 here); values and gradients as autograd's
     through `F.linear` under autocast and a float32 log-softmax."""
-    monkeypatch.setattr(logprobs, "CHUNK_LOGITS_BYTES", 100 * 32 * 2)  # 100-row vocabulary slices
-    monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", 0)  # recompute in the backward
+    monkeypatch.setattr(head, "CHUNK_LOGITS_BYTES", 100 * 32 * 2)  # 100-row vocabulary slices
+    monkeypatch.setattr(head, "KEEP_LOGITS_BYTES", 0)  # recompute in the backward
     g = torch.Generator().manual_seed(5)
     hidden, weight = torch.randn(70, 32, generator=g), torch.randn(300, 32, generator=g) * 0.3
     targets, upstream = torch.randint(300, (70,), generator=g), torch.randn(70, generator=g)

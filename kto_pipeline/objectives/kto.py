@@ -86,7 +86,9 @@ class KTO(Objective):
         import torch
 
         from kto_pipeline.loss import kto_loss
+        from kto_pipeline.runtime.compiled import compiled_region
 
+        kto_loss = compiled_region(scorer, kto_loss)  # (with --torch-compile: a region of its own)
         with_kl = config.loss_type == "kto"
         scored = scorer(batch, with_kl, with_stats, output_router_logits)
         z0 = torch.zeros((), device=accelerator.device)

@@ -165,7 +165,9 @@ class Pairs(Objective):
         import torch
 
         from kto_pipeline.loss import length_desensitized, pair_loss
+        from kto_pipeline.runtime.compiled import compiled_region
 
+        pair_loss = compiled_region(scorer, pair_loss)  # (with --torch-compile: a region of its own)
         scored = scorer(batch, False, with_stats, output_router_logits)
         scores = scored.completions
         logps = scores.logps

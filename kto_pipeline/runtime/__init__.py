@@ -18,7 +18,8 @@ STATIC_SHAPES_HELP = (
     "compiles as one static graph (no dynamic shapes), what CUDA graphs need. Off by default."
 )
 TORCH_COMPILE_HELP = (
-    "Compile the decoder layer once for every layer (torch.compile, by region): fewer ops dispatched a step. The "
+    "Compile the decoder layer once for every layer, the log-prob head's softmax and the loss (torch.compile, by "
+    "region): fewer ops dispatched a step. The "
     "first steps pay the compile, and training's KL completions run with their prompts again (no key/value cache in "
     "a compiled layer). Unset: train compiles on CUDA GPUs (measured 2x faster steps on an H100) and not on the CPU "
     "(slower there); precompute only when asked. Where compiling fails the run says why and runs eagerly."

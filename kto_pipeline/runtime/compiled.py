@@ -6,13 +6,16 @@ runs the graphs compiled for the first one, and compile time does not grow with 
 layer writes into a key/value cache: a graph that writes into the step's `DynamicCache` at its layer index
 specialises on it, one graph per layer (measured: the recompile limit reached at 4 layers). So training's forward
 keeps no keys/values under compiled layers (`models.keeps_keys_values`), and the KL completions run with their
-prompts again, without gradients (more FLOPs, as under gradient checkpointing). The embedding, the log-prob head,
-the loss and the optimizer run eagerly.
+prompts again, without gradients (more FLOPs, as under gradient checkpointing). The log-prob head's math of a chunk
+(`scoring.head.softmax_stats` and `logits_grad`, in both stages) and training's loss (each family's loss function,
+from its objective's forward) are regions of their own (`compiled_region`), with the number of tokens, rows or pairs
+dynamic from the first call, so that a new batch size compiles nothing; the embedding, the layouts' gathers, the
+head's matmuls and the optimizer run eagerly.
 
 Unset, training compiles on CUDA (measured on one H100: the step 2.03x the eager one's) and nowhere else (on the
 CPU its steps were slower); the reference pass compiles only when asked (never timed on a GPU). Where compiling
 fails (a model without decoder layers, a backend that cannot build its kernels, Dynamo meeting what it cannot
-trace), the layers run eagerly from then on, the run says why, and the numbers are the eager run's.
+trace), every region runs eagerly from then on, the run says why, and the numbers are the eager run's.
 
 `CompileStats` reads Dynamo's counters over a stage: graphs compiled, graph breaks, recompiles (the layer compiled
 again for new guards: grad mode, a new shape) and seconds spent compiling; trainer_state.json and the cache's
@@ -25,11 +28,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kto_pipeline.models import COMPILED_LAYERS, backbone_of
+from kto_pipeline.models import COMPILED_LAYERS, backbone_of, scorable
 
 BACKEND = "inductor"  # torch.compile's backend for the layers (the tests swap in one that fails)
 TRAIN_COMPILES_ON = ("cuda",)  # device types where training compiles when --torch-compile is unset
 STATIC_RECOMPILE_LIMIT = 64  # with --static-shapes, Dynamo's recompile limit is raised to this (a graph per shape)
+STATS = "_kto_compile_stats"  # on a model compiled by region: its CompileStats (the head and the loss ask it)
 
 
 def compile_layers(
@@ -60,6 +64,7 @@ def compile_layers(
         layer.compile(backend=BACKEND, dynamic=False if static else None)
         layer._compiled_call_impl = _guarded(layer, layer._compiled_call_impl, stats)
     setattr(backbone, COMPILED_LAYERS, True)
+    setattr(scorable(model), STATS, stats)
     why = "" if asked else f" (on by default on {device.type}; --no-torch-compile runs eagerly)"
     say(f"{stats}{why}")
     return stats
@@ -79,6 +84,29 @@ def _guarded(layer, compiled_call, stats: CompileStats):
         return layer._call_impl(*args, **kwargs)
 
     return call
+
+
+def compiled_region(owner, fn: Callable) -> Callable:
+    """`fn` (the log-prob head, a loss) as a compiled region of the run where `owner`'s model was compiled by region
+    (`owner`: the model, or a scorer wrapping it, as an engine may have wrapped it again), else `fn` itself."""
+    from torch.nn import Module
+
+    while hasattr(owner, "module"):  # DistributedDataParallel, DeepSpeed's engine
+        owner = owner.module
+    stats = getattr(scorable(owner), STATS, None)
+    if stats is None and isinstance(getattr(owner, "model", None), Module):  # a scorer, or a causal LM's backbone
+        stats = getattr(scorable(owner.model), STATS, None)
+    return fn if stats is None else stats.region(fn)
+
+
+def _dynamic_first_dims(*args) -> None:
+    """The first dimension of every tensor argument dynamic from the first call (scored tokens, rows, pairs: a new
+    count every batch), rather than from the first recompile."""
+    import torch
+
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(arg, 0)
 
 
 def _counts() -> dict[str, float]:
@@ -102,11 +130,36 @@ class CompileStats:
         self.layers, self.regions = len(backbone.layers), len({type(layer).forward for layer in backbone.layers})
         self.eager_fallback: str | None = None
         self.recompile_limit: str | None = None
+        self.compiled_regions: dict[Callable, Callable] = {}  # the head and the loss, each compiled once (`region`)
         self.start = _counts()
         _RecompileLimit.watch(self)
 
     def __str__(self) -> str:
         return f"torch.compile: {self.layers} decoder layers, {self.regions} compiled region(s)"
+
+    def region(self, fn: Callable) -> Callable:
+        """`fn` compiled (once for the stage), with a fallback to `fn` itself, and every region eager, where compiling
+        fails; `fn` itself once the stage runs eagerly."""
+        if self.eager_fallback is not None:
+            return fn
+        if fn not in self.compiled_regions:
+            import torch
+            from torch._dynamo.exc import TorchDynamoException
+
+            compiled = torch.compile(fn, backend=BACKEND)
+            self.regions += 1
+
+            def call(*args, **kwargs):
+                if self.eager_fallback is None:
+                    try:
+                        _dynamic_first_dims(*args)
+                        return compiled(*args, **kwargs)
+                    except TorchDynamoException as error:
+                        self.fall_back(error)
+                return fn(*args, **kwargs)
+
+            self.compiled_regions[fn] = call
+        return self.compiled_regions[fn]
 
     def fall_back(self, error: Exception) -> None:
         """Every layer eager from now on, and the key/value cache kept again, as in an eager run."""
@@ -115,7 +168,7 @@ class CompileStats:
         for layer in self.backbone.layers:
             layer._compiled_call_impl = None
         setattr(self.backbone, COMPILED_LAYERS, False)
-        self.say(f"--torch-compile: compiling the decoder layer failed; running eagerly ({self.eager_fallback})")
+        self.say(f"--torch-compile: compiling failed; running eagerly ({self.eager_fallback})")
 
     def limit_reached(self, message: str) -> None:
         """Dynamo passed its recompile limit: new shapes run eagerly (the same numbers, slower); the last reason."""
@@ -126,7 +179,7 @@ class CompileStats:
 
         limit = torch._dynamo.config.recompile_limit
         self.say(
-            f"--torch-compile: the decoder layer recompiled past torch's recompile limit ({limit}, "
+            f"--torch-compile: a compiled region recompiled past torch's recompile limit ({limit}, "
             f"torch._dynamo.config.recompile_limit); new shapes now run eagerly. Last reason: {reason}"
         )
 

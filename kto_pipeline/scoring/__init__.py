@@ -1,6 +1,6 @@
 """The scoring engine both stages share: packed layouts of (prompt, [completion, KL completion]) trees
-(`packing.py`), the attention that runs them (`attention.py`), and per-token log-probs through the LM head in
-chunks (`logprobs.py`)."""
+(`packing.py`), the attention that runs them (`attention.py`), per-token log-probs of the layouts and of padded
+batches (`logprobs.py`) and the LM head they go through, in chunks (`head.py`)."""
 
 # what `--attention-kernel` takes (both stages): how packed rows attend, `attention.request_attention_kernel`. Here,
 # beside the engine, so that the command line reads the names without loading it.

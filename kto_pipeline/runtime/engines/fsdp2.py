@@ -152,7 +152,7 @@ class FSDP2(Engine):
         if head is not None and head.weight is not embeddings.weight:
             # Untied, the embeddings and the LM head are units of their own: else they are the root's, whole on every
             # process from the first forward to the end of the backward (4 GiB for Qwen2-7B in float32). The chunked
-            # head then runs as the head's own forward (logprobs._head_logps), which gathers its weight.
+            # head then runs as the head's own forward (head.head_logps), which gathers its weight.
             units += [embeddings, head]
         fill, self._fill_next = self._fill_next, False
         if fill:
