@@ -57,9 +57,9 @@ def test_compiled_layers_give_the_eager_numbers(tmp_path):
         assert compiled[column] == pytest.approx(eager[column], rel=1e-5), column
     manifest = json.loads((caches["compiled"] / "manifest.json").read_text())
     assert "compile" not in json.loads((caches["eager"] / "manifest.json").read_text())["timing"]
-    # the layer and the head's softmax statistics, each compiled once with nothing compiled again
+    # the layer (its first shape static, then dynamic: one recompile) and the head's statistics, once
     assert manifest["timing"]["compile"]["graph_breaks"] == 0 and 2 <= manifest["timing"]["compile"]["graphs"] <= 3
-    assert manifest["timing"]["compile"]["recompiles"] == 0, manifest["timing"]["compile"]
+    assert manifest["timing"]["compile"]["recompiles"] <= 1, manifest["timing"]["compile"]
 
     steps = {k: read_metrics(runs[k]) for k in runs}
     assert len(steps["compiled"]) == len(steps["eager"]) == 4

@@ -92,7 +92,7 @@ def test_compiled_chunk_math_gives_the_eager_values_with_one_graph_for_every_row
         for a, b in zip(*runs, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
         graphs.append(counters["stats"]["unique_graphs"] - before)
-    assert graphs[0] == graphs[-1] == 2, graphs  # the statistics and the gradient, once each, for every row count
+    assert graphs[0] == graphs[-1] == 2, graphs  # statistics and gradient: once each, for every row count
     torch._dynamo.reset()
 
 

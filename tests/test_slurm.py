@@ -162,7 +162,8 @@ def job_report(slurm: dict, work: Path) -> str:
     """What a failed assertion shows: the job's output and the controller's log, the ends of each."""
     outs = [f"{p}:\n{p.read_text()[-3000:]}" for p in sorted(work.glob("job-*.out"))]
     controller = Path(slurm["SLURM_CONF"]).parent / "slurmctld.log"
-    return "\n".join([*outs, f"{controller}:\n{controller.read_text()[-2000:]}"])
+    log = controller.read_text()[-2000:] if controller.exists() else "(none)"
+    return "\n".join([*outs, f"{controller}:\n{log}"])
 
 
 @pytest.fixture(scope="module")

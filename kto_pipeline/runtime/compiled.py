@@ -7,10 +7,10 @@ layer writes into a key/value cache: a graph that writes into the step's `Dynami
 specialises on it, one graph per layer (measured: the recompile limit reached at 4 layers). So training's forward
 keeps no keys/values under compiled layers (`models.keeps_keys_values`), and the KL completions run with their
 prompts again, without gradients (more FLOPs, as under gradient checkpointing). The log-prob head's math of a chunk
-(`scoring.head.softmax_stats` and `logits_grad`, in both stages) and training's loss (each family's loss function,
-from its objective's forward) are regions of their own (`compiled_region`), with the number of tokens, rows or pairs
-dynamic from the first call, so that a new batch size compiles nothing; the embedding, the layouts' gathers, the
-head's matmuls and the optimizer run eagerly.
+(`scoring.head.softmax_stats` and `logits_grad`, in both stages) and training's loss (each family's loss
+function, from its objective's forward) are regions of their own (`compiled_region`), with the number of tokens, rows
+or pairs dynamic from the first call, so that a new batch size compiles nothing (but a size of 1, which Dynamo
+specialises); the embedding, the layouts' gathers, the head's matmuls and the optimizer run eagerly.
 
 Unset, training compiles on CUDA (measured on one H100: the step 2.03x the eager one's) and nowhere else (on the
 CPU its steps were slower); the reference pass compiles only when asked (never timed on a GPU). Where compiling
@@ -122,8 +122,8 @@ def _counts() -> dict[str, float]:
 
 class CompileStats:
     """Dynamo's counters from its making on (a process may compile before: FlexAttention's kernel, another stage),
-    over the decoder layers of `backbone`. `regions`: the distinct layer forwards compiled, each once for every
-    layer of its kind."""
+    over the compiled regions: the decoder layers of `backbone`, then the head's and the loss's functions (`region`).
+    `regions`: the distinct regions called (a layer forward counts once for every layer of its kind)."""
 
     def __init__(self, backbone, say: Callable[[str], None] = print):
         self.backbone, self.say = backbone, say
@@ -146,13 +146,15 @@ class CompileStats:
             import torch
             from torch._dynamo.exc import TorchDynamoException
 
-            compiled = torch.compile(fn, backend=BACKEND)
-            self.regions += 1
+            compiled, first = torch.compile(fn, backend=BACKEND), [True]
 
             def call(*args, **kwargs):
                 if self.eager_fallback is None:
+                    if first:  # a region counts from its first call (a stage may never call one: no backward)
+                        self.regions += 1
+                        first.clear()
                     try:
-                        _dynamic_first_dims(*args)
+                        _dynamic_first_dims(*args, *kwargs.values())
                         return compiled(*args, **kwargs)
                     except TorchDynamoException as error:
                         self.fall_back(error)
@@ -162,7 +164,7 @@ class CompileStats:
         return self.compiled_regions[fn]
 
     def fall_back(self, error: Exception) -> None:
-        """Every layer eager from now on, and the key/value cache kept again, as in an eager run."""
+        """Every region eager from now on, and the key/value cache kept again, as in an eager run."""
         reason = " ".join(str(error).split())[:400] or type(error).__name__
         self.eager_fallback = f"{type(error).__name__}: {reason}"
         for layer in self.backbone.layers:

@@ -2,7 +2,7 @@
 and compared.
 
 A regime is the dtype of the weights and the autocast dtype (or none). The log-softmax and every sum are float32 in
-both stages whatever the regime (`scoring/logprobs.py`). KTO's rewards are differences between the policy's
+both stages whatever the regime (`scoring/head.py`). KTO's rewards are differences between the policy's
 log-probs and the cached reference's, so at step 1 (policy = reference) they are zero only when both stages ran in
 the same regime; in another one they start off by the difference of two roundings. "float32 weights under bf16
 autocast" is the regime every engine can reproduce (one process, DDP, FSDP2, DeepSpeed's torch autocast), because

@@ -10,7 +10,9 @@ for the backward instead: the same values without the second matmul.
 
 With `--torch-compile` each chunk's softmax statistics and its logits' gradient are compiled regions
 (`softmax_stats`, `logits_grad`: a few fused kernels a chunk in place of a dozen ops), in both stages alike, with the
-chunk's rows dynamic; the chunk loop and the matmuls stay eager, so the number of rows never specialises a graph.
+chunk's rows dynamic; the chunk loop and the matmuls stay eager, so the number of rows never specialises a graph. The
+in-place steps and their reused buffers are the eager path's: compiled, a chunk's backward allocates its logits'
+gradient.
 """
 
 from __future__ import annotations
@@ -79,21 +81,21 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     def forward(
         ctx, hidden, weight, bias, targets, chunk_size, logit_scale, softcap, with_stats, keep_logits, compiled
     ):
-        n, (stats, ctx.grad) = hidden.shape[0], compiled or (None, None)
+        n, (stats_fn, ctx.logits_grad_fn) = hidden.shape[0], compiled or (None, None)
         saved_weight, weight = weight, weight.to(hidden.dtype)
         logps = hidden.new_empty(n, dtype=torch.float32)
         mean_logits = hidden.new_zeros(n, dtype=torch.float32)
         entropy = hidden.new_zeros(n, dtype=torch.float32)
         lses = hidden.new_empty(n, dtype=torch.float32)
-        buffer = _logits_buffer(hidden, weight, chunk_size)
-        exps = torch.empty_like(buffer) if with_stats and stats is None else None
+        buffer = None if (keep_logits and stats_fn is not None) else _logits_buffer(hidden, weight, chunk_size)
+        exps = torch.empty_like(buffer) if with_stats and stats_fn is None else None
         kept = hidden.new_empty(n, weight.shape[0], dtype=torch.float32) if keep_logits else None
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             out = buffer if kept is None else kept[start:end]
             logits, _ = _chunk_logits(hidden[start:end], weight, bias, logit_scale, softcap, out)
-            if stats is not None:  # compiled (--torch-compile): the same statistics, fused
-                logps[start:end], lses[start:end], mean, ent = stats(logits, targets[start:end], with_stats)
+            if stats_fn is not None:  # compiled (--torch-compile): the same values, fused
+                logps[start:end], lses[start:end], mean, ent = stats_fn(logits, targets[start:end], with_stats)
                 if with_stats:
                     mean_logits[start:end], entropy[start:end] = mean, ent
                 continue
@@ -134,8 +136,8 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 logits, tanh = _chunk_logits(h, weight, bias, ctx.logit_scale, ctx.softcap, buffer)
             else:
                 logits, tanh = kept[start:end], None
-            if ctx.grad is not None:  # compiled (--torch-compile)
-                dlogits = ctx.grad(logits, lses[start:end], g, targets[start:end])
+            if ctx.logits_grad_fn is not None:  # compiled (--torch-compile)
+                dlogits = ctx.logits_grad_fn(logits, lses[start:end], g, targets[start:end])
             else:  # d logp[t] / d logits = onehot(t) - softmax(logits), built in place in the logits' buffer
                 dlogits = logits.sub_(lses[start:end, None]).exp_().mul_(-g[:, None])
                 dlogits.scatter_add_(-1, targets[start:end, None], g[:, None])
@@ -185,7 +187,7 @@ def chunked_token_logps(
         logit_scale: logits are multiplied by this (Cohere-style `logit_scale`).
         softcap: if set, logits become `softcap * tanh(logits / softcap)` (Gemma-2 style).
         compiled: (`softmax_stats`, `logits_grad`) compiled (`--torch-compile`), run on each chunk's logits in place
-            of the eager ops.
+            of the eager steps.
 
     Returns:
         logps (N,) float32, differentiable w.r.t. hidden, weight and bias;
@@ -248,19 +250,20 @@ def head_logps(model, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: i
     """(logps, mean_logits, entropy) of `targets` (N,) predicted from `hidden` (N, H) through `model`'s LM head."""
     head = model.get_output_embeddings()
     logit_scale, softcap = lm_head_settings(model)
-    compiled = tuple(compiled_region(model, fn) for fn in (softmax_stats, logits_grad))
-    compiled = None if compiled == (softmax_stats, logits_grad) else compiled  # eager: the in-place steps
+    regions = (softmax_stats, logits_grad)
+    compiled = tuple(compiled_region(model, fn) for fn in regions)
+    compiled = None if compiled == regions else compiled  # not compiled: the eager, in-place steps
 
-    def head_logps(hidden, targets):
+    def run(hidden, targets):
         settings = (chunk_size, logit_scale, softcap, with_stats, compiled)
         return chunked_token_logps(hidden, head.weight, targets, head.bias, *settings)
 
     if not Engine.gathers_in_forward(head):
-        return head_logps(hidden, targets)
+        return run(hidden, targets)
     # Sharded head (DeepSpeed ZeRO-3, or an FSDP2 unit of its own): each process holds a slice of its weight,
     # gathered only around the head module's own forward and backward (its hooks). Run the chunked scoring as that
     # forward, so the weight is whole in both.
-    head.forward = head_logps
+    head.forward = run
     try:
         return head(hidden, targets)
     finally:
