@@ -62,7 +62,7 @@ def compile_layers(
         torch._dynamo.config.recompile_limit = max(limit, STATIC_RECOMPILE_LIMIT)
     for layer in layers:
         layer.compile(backend=BACKEND, dynamic=False if static else None)
-        layer._compiled_call_impl = _guarded(layer, layer._compiled_call_impl, stats)
+        layer._compiled_call_impl = _guarded(layer._call_impl, layer._compiled_call_impl, stats)
     setattr(backbone, COMPILED_LAYERS, True)
     setattr(scorable(model), STATS, stats)
     why = "" if asked else f" (on by default on {device.type}; --no-torch-compile runs eagerly)"
@@ -70,8 +70,8 @@ def compile_layers(
     return stats
 
 
-def _guarded(layer, compiled_call, stats: CompileStats):
-    """The layer's compiled call; where compiling fails, every layer runs eagerly from then on. Dynamo raises before
+def _guarded(eager_call, compiled_call, stats: CompileStats):
+    """A region's compiled call; where compiling fails, every region runs eagerly from then on. Dynamo raises before
     the graph runs, so the call that failed runs again eagerly, nothing of it done twice."""
     from torch._dynamo.exc import TorchDynamoException
 
@@ -81,7 +81,7 @@ def _guarded(layer, compiled_call, stats: CompileStats):
                 return compiled_call(*args, **kwargs)
             except TorchDynamoException as error:
                 stats.fall_back(error)
-        return layer._call_impl(*args, **kwargs)
+        return eager_call(*args, **kwargs)
 
     return call
 
@@ -144,22 +144,17 @@ class CompileStats:
             return fn
         if fn not in self.compiled_regions:
             import torch
-            from torch._dynamo.exc import TorchDynamoException
 
-            compiled, first = torch.compile(fn, backend=BACKEND), [True]
+            compiled, called = torch.compile(fn, backend=BACKEND), False
 
-            def call(*args, **kwargs):
-                if self.eager_fallback is None:
-                    if first:  # a region counts from its first call (a stage may never call one: no backward)
-                        self.regions += 1
-                        first.clear()
-                    try:
-                        _dynamic_first_dims(*args, *kwargs.values())
-                        return compiled(*args, **kwargs)
-                    except TorchDynamoException as error:
-                        self.fall_back(error)
-                return fn(*args, **kwargs)
+            def compiled_call(*args, **kwargs):
+                nonlocal called
+                if not called:  # a region counts from its first call (a stage may never call one: no backward)
+                    self.regions, called = self.regions + 1, True
+                _dynamic_first_dims(*args, *kwargs.values())
+                return compiled(*args, **kwargs)
 
+            call = _guarded(fn, compiled_call, self)
             self.compiled_regions[fn] = call
         return self.compiled_regions[fn]
 
