@@ -2,11 +2,15 @@
 `no_sync`, FSDP2's `set_requires_gradient_sync`), so the gradient collectives per optimizer step are those of a run
 without accumulation, and the run equals one process accumulating the same micro-batches."""
 
+import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import cli_args, launch, read_metrics, train_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kto_pipeline import train
 
@@ -47,3 +51,66 @@ def test_micro_steps_exchange_no_gradients_and_match_one_process(tmp_path, small
     for a, b in zip(two, one, strict=True):
         for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+
+
+class _WeightCasts(TorchDispatchMode):
+    """Counts, per weight, the casts of `weights` (float32 parameters) to bfloat16 that reach the dispatcher."""
+
+    def __init__(self, weights: dict[int, str]):
+        super().__init__()
+        self.weights, self.counts = weights, Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+            name = self.weights.get(args[0].data_ptr()) if args[0].dtype == torch.float32 else None
+            if name is not None:
+                self.counts[name] += 1
+        return func(*args, **kwargs)
+
+
+def _casts_and_metrics(tmp_path: Path, cache, name: str, monkeypatch, keep: bool) -> tuple[Counter, list[dict]]:
+    """A bf16 run of STEPS optimizer steps, 2 micro-batches each, counting the decoder layers' weight casts."""
+    from kto_pipeline.runtime.engines.base import Engine
+    from kto_pipeline.stages.train import stage
+
+    monkeypatch.setattr(Engine, "caches_whole_casts", keep)
+    setup, counted = stage.setup, {}
+
+    def watched_setup(*args, **kwargs):  # the mode starts once the policy is loaded (its parameters' addresses)
+        run = setup(*args, **kwargs)
+        layers = {p.data_ptr(): n for n, p in run.scorer.named_parameters() if ".layers." in n and p.ndim == 2}
+        counted["mode"] = mode = _WeightCasts(layers)
+        mode.__enter__()
+        return run
+
+    monkeypatch.setattr(stage, "setup", watched_setup)
+    config = train_config(cache, tmp_path / name, per_device_train_batch_size=2, gradient_accumulation_steps=2, **RUN)
+    try:
+        train(dataclasses.replace(config, bf16=True))
+    finally:
+        if "mode" in counted:
+            counted["mode"].__exit__(None, None, None)
+    return counted["mode"].counts, read_metrics(tmp_path / name)
+
+
+def test_bf16_weights_are_cast_once_an_optimizer_step_with_the_same_numbers(tmp_path, small_cache, monkeypatch):
+    """Under bf16 autocast with 2 micro-batches a step, each decoder-layer weight is cast once an optimizer step
+    (autocast's cache kept across the micro-batches), not once a forward; the run's numbers are those of casting in
+    every forward, to the bit."""
+    once, kept = _casts_and_metrics(tmp_path, small_cache, "kept", monkeypatch, keep=True)
+    per_forward, plain = _casts_and_metrics(tmp_path, small_cache, "plain", monkeypatch, keep=False)
+    print(
+        "casts of each layer weight in",
+        STEPS,
+        "steps: kept",
+        set(once.values()),
+        "per forward",
+        set(per_forward.values()),
+    )
+    assert once.keys() == per_forward.keys() and len(once) >= 14  # 2 layers x 7 linear weights
+    assert set(once.values()) == {STEPS} and set(per_forward.values()) == {2 * STEPS}
+    assert len(kept) == len(plain) == STEPS
+    for a, b in zip(kept, plain, strict=True):
+        for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "grad_norm", "logps/chosen"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])

@@ -114,3 +114,46 @@ def autocast_forward(module: torch.nn.Module, regime: Regime, cache: bool = True
             return forward(*args, **kwargs)
 
     module.forward = autocast
+
+
+class StepCasts:
+    """Autocast's casts of the float32 weights, made once an optimizer step instead of once a micro-batch.
+
+    Under bf16/fp16 autocast every forward call casts each weight it multiplies by, keeps the cast for the rest of the
+    call and drops it on return (autocast's cache lives as long as the outermost autocast context). With
+    --gradient-accumulation-steps N an optimizer step so casts every weight N times. While a `StepCasts` is open, an
+    outer autocast context that enables nothing holds that cache across the step's micro-batches: each weight is cast
+    in the first forward and reused by the others (the same values: a cast is a rounding). `close` drops the casts
+    after the step's last backward, before the optimizer changes the weights in place; it must run before any other
+    forward (evaluation, the next step).
+
+    Active only where it changes the work and not the peak memory: under autocast, with an engine whose forward caches
+    whole weights (one process, DDP; not FSDP2's or ZeRO-3's gathered shards), without gradient checkpointing (its
+    recompute casts again inside the backward, and keeping the casts would hold a half-precision copy of the model
+    through every backward), and with more than one micro-batch a step (with one, a forward already casts once a step).
+    Kept between micro-batches, the casts take the place of those the next forward would make."""
+
+    def __init__(self, device_type: str, regime: Regime, engine, config):
+        """For training's steps: `engine` (its `caches_whole_casts`), `config` (gradient checkpointing, accumulation
+        steps)."""
+        whole = engine.caches_whole_casts and not config.gradient_checkpointing
+        self.active = regime.autocast is not None and whole and config.gradient_accumulation_steps > 1
+        self.device_type, self._context = device_type, None
+
+    def __enter__(self) -> StepCasts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """At a micro-batch's start: from here to `close`, a weight's cast is made once (idempotent)."""
+        if self.active and self._context is None:
+            self._context = torch.autocast(self.device_type, enabled=False)
+            self._context.__enter__()
+
+    def close(self) -> None:
+        """At the step's end (and on any exit): the casts are dropped (idempotent)."""
+        if self._context is not None:
+            context, self._context = self._context, None
+            context.__exit__(None, None, None)

@@ -59,7 +59,7 @@ from kto_pipeline.runtime.compiled import TRAIN_COMPILES_ON, CompileStats, compi
 from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.launch import launched_processes, print0, process_state, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
-from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
+from kto_pipeline.runtime.precision import Regime, StepCasts, check_regime, policy_regime
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported, request_attention_kernel
 from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer
@@ -379,14 +379,15 @@ def fit(run: Run) -> None:
     )
     p.started = p.step_started = time.perf_counter()
     run.scorer.train()
-    with StopRequests() as stop:
+    with StopRequests() as stop, StepCasts(accelerator.device.type, run.regime, run.engine, run.config) as casts:
         while p.global_step < run.total_steps:
             run.sampler.use_epoch(p.epoch)
             batches = accelerator.skip_first_batches(run.loader, p.skip_batches) if p.skip_batches else run.loader
             for micro_step, batch in enumerate(batches, start=p.skip_batches):
+                casts.open()
                 with accelerator.accumulate(run.scorer):  # decides whether this micro-step ends an optimizer step
                     with run.engine.gradient_sync(run.scorer, accelerator.sync_gradients):
-                        train_step(run, batch, last_batch=micro_step + 1 == len(run.loader))
+                        train_step(run, batch, casts, last_batch=micro_step + 1 == len(run.loader))
                 if not accelerator.sync_gradients:
                     continue
                 after_step(run, micro_step, bar)
@@ -400,7 +401,7 @@ def fit(run: Run) -> None:
     bar.close()
 
 
-def train_step(run: Run, batch: dict[str, torch.Tensor], last_batch: bool = False) -> None:
+def train_step(run: Run, batch: dict[str, torch.Tensor], casts: StepCasts, last_batch: bool = False) -> None:
     """Forward, metrics and backward of one micro-batch; the optimizer steps where accelerate syncs gradients.
     `last_batch`: the epoch's last, which may hold items repeated to even it out across processes."""
     config, accelerator, p, objective = run.config, run.accelerator, run.progress, run.objective
@@ -429,6 +430,8 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], last_batch: bool = Fals
     for name, value in metrics.items():
         p.log.add(name, value)
     run.engine.backward(loss)
+    if accelerator.sync_gradients:
+        casts.close()  # before the optimizer changes the weights
     if accelerator.sync_gradients and config.max_grad_norm > 0:
         p.grad_norm = float(run.engine.clip_grad_norm(run.scorer, config.max_grad_norm))
     run.engine.step(run.optimizer)
