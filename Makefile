@@ -63,7 +63,7 @@ bench: install
 
 # On a CUDA GPU (H100): Qwen2-0.5B-sized model, bf16, vs trl; writes benchmarks/RESULTS-gpu.md
 bench-gpu: install
-	$(PY) benchmarks/bench_gpu.py --device cuda --preset qwen2-0.5b
+	$(PY) benchmarks/bench_gpu_matrix.py --device cuda
 
 # Peak GPU memory of a training step, ours vs trl, simulated on fake tensors (no GPU); writes benchmarks/RESULTS-memory.md
 bench-memory: install

@@ -1,6 +1,6 @@
 """kto-pipeline vs trl.KTOTrainer (1.16) on a GPU: Qwen2-0.5B-sized model, bf16, speed, memory and MFU.
 
-    python benchmarks/bench_gpu.py --device cuda --preset qwen2-0.5b   # `make bench-gpu`, writes RESULTS-gpu.md
+    python benchmarks/bench_gpu.py --device cuda --preset qwen2-0.5b   # one configuration in detail, RESULTS-gpu.md
     python benchmarks/bench_gpu.py --device cpu --preset tiny          # a minute-long check of every code path
 
 Nothing is downloaded: Qwen2-0.5B's config with random weights, a character tokenizer padded to its vocabulary,
@@ -417,9 +417,8 @@ def measurements(steps: int) -> list[tuple[str, str, str]]:
 def provenance(args, r: dict, preset: dict, flops: Flops, seconds: float, stamp: str) -> list[str]:
     """A report's first lines: command, date, device, versions, model."""
     name = next((v["device_name"] for v in r.values() if "device_name" in v), "unknown")
-    make = " (`make bench-gpu`)" if args.device == "cuda" and args.preset == "qwen2-0.5b" and not pairs(preset) else ""
     return [
-        f"- command: `{command_line(args.argv)}`{make}",
+        f"- command: `{command_line(args.argv)}`",
         f"- date: {stamp}; total benchmark time {seconds:.0f} s",
         f"- device: {name} ({args.device}); {platform.system()} {platform.machine()}, "
         f"Python {platform.python_version()}",
@@ -647,7 +646,7 @@ def main() -> None:
     report = render(cols, r, preset, data, flops, args, peak, time.perf_counter() - started)
     default = args.device == "cuda" and args.preset == "qwen2-0.5b" and args.loss_type == "kto"
     default = default and not args.static_shapes
-    harness.publish(report, harness.default_results(args.results, default, "RESULTS-gpu.md"))
+    harness.publish_run(report, harness.default_results(args.results, default, "RESULTS-gpu.md"))
 
 
 if __name__ == "__main__":

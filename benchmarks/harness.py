@@ -43,14 +43,19 @@ def run_worker(
     env: dict[str, str] | None = None,
     must_succeed: bool = True,
     width: int = 24,
+    timeout: float | None = None,
 ) -> dict:
-    """`script worker NAME` in a fresh, offline process: its RESULT dict plus process_seconds (failed: {failed})."""
+    """`script worker NAME` in a fresh, offline process: its RESULT dict plus process_seconds (failed: {failed});
+    killed after `timeout` seconds where given (a failure)."""
     out = work / "runs" / name
     quiet = dict(TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     env = {**os.environ, **quiet, "HF_DATASETS_CACHE": str(work / "hf-datasets-cache"), **(env or {})}
     cmd = [sys.executable, str(Path(script).resolve()), "worker", name, "--work", str(work), "--out", str(out)]
     start = time.perf_counter()
-    proc = subprocess.run([*cmd, *flags], env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run([*cmd, *flags], env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc = subprocess.CompletedProcess(cmd, -9, "", f"killed: still running after {timeout:.0f} s")
     if proc.returncode != 0:
         if must_succeed:
             raise SystemExit(f"worker {name} failed:\n{proc.stderr[-4000:]}")
@@ -269,6 +274,26 @@ def publish(report: str, results: Path | str | None, heading: str | None = None)
     print(f"written to {results}")
 
 
+def publish_run(report: str, results: Path | str | None) -> None:
+    """Print `report` (a block under its own "# " title), and write it into `results` as the newest run: after the
+    file's first block (its title and what it says of every run), in place of an older block of the same title."""
+    print("\n" + report)
+    if results is None:
+        return
+    results = Path(results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    blocks: list[list[str]] = []
+    for line in (results.read_text() if results.exists() else "").splitlines():
+        if line.startswith("# ") or not blocks:
+            blocks.append([])
+        blocks[-1].append(line)
+    title = report.splitlines()[0]
+    kept = ["\n".join(b).strip() for b in blocks if b and b[0] != title]
+    parts = [*kept[:1], report.strip(), *kept[1:]]
+    results.write_text("\n\n".join(p for p in parts if p) + "\n")
+    print(f"written to {results}")
+
+
 def default_results(given: str | None, default: bool, name: str = "RESULTS.md") -> Path | None:
     """--results, else benchmarks/NAME where the run is the one the file records (`default`), else none."""
     return Path(given) if given else (HERE / name if default else None)
@@ -422,9 +447,10 @@ def qwen2_config(preset: dict, tok):
     return Qwen2Config(**shape, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
 
 
-def random_qwen2(model_dir: Path, preset: dict) -> None:
+def random_qwen2(model_dir: Path, preset: dict, device: str = "cpu") -> None:
     """A seeded random Qwen2 of the preset's shape, float32, with kto_pipeline.demo.tiny's character tokenizer padded
-    to the model's vocabulary (so the embedding and LM head are as wide as a real model's)."""
+    to the model's vocabulary (so the embedding and LM head are as wide as a real model's); initialised on `device`
+    (a GPU draws a 1.5B model's weights in a second where a CPU takes a minute)."""
     if (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists():
         return
     import torch
@@ -434,7 +460,9 @@ def random_qwen2(model_dir: Path, preset: dict) -> None:
 
     tok = build_char_tokenizer(preset["vocab"])
     torch.manual_seed(0)
-    Qwen2ForCausalLM(qwen2_config(preset, tok)).to(torch.float32).save_pretrained(model_dir)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(qwen2_config(preset, tok)).to(torch.float32)
+    model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
 
 

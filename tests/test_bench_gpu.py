@@ -103,3 +103,63 @@ def test_bench_gpu_for_a_pair_loss_checks_step_one_and_counts_pair_flops(tmp_pat
     assert check["--attention-kernel"][-2:] == ["rewards/accuracies", "exactly 0"], check
     assert check["auto"] == ["by-tree / by-tree", "0", "0", "0", "0", "yes"], check
     assert check["auto, --torch-compile"][0] == "dense / dense" and check["auto, --torch-compile"][-1] == "yes"
+
+
+def table_lines(text: str) -> list[list[str]]:
+    """Every row of the first markdown table of `text` (its header first), as cells."""
+    rows, started = [], False
+    for line in text.splitlines():
+        if line.startswith("| "):
+            started = True
+            if not line.startswith("| ---"):
+                rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif started:
+            break
+    return rows
+
+
+STEP_CELL = re.compile(r"^\d+\.\d{4} s, [\d,]+ MiB$")  # on a CPU: no MFU (no peak to compare with)
+
+
+@pytest.mark.slow
+def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path):
+    """`make bench-gpu`'s matrix at tiny shapes on the CPU: the default path's step-1 check, then every (loss, batch)
+    row with ours compiled and eager and trl precomputed measured (liger skipped with its reason), the reference
+    passes and the goals; written as the newest run after the file's first block. With a budget that leaves no time,
+    every case is reported as not run and no number stands in for one."""
+    results = tmp_path / "M.md"
+    results.write_text("# GPU results\n\nwhat ran where\n\n# An older run\n\nits numbers\n")
+    script, work = ROOT / "benchmarks" / "bench_gpu_matrix.py", str(tmp_path / "w")
+    proc = run_script(
+        script, "--device", "cpu", "--work", work, "--results", str(results), "--budget-s", "900", timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = results.read_text()
+    assert text.startswith("# GPU results\n\nwhat ran where\n\n# GPU matrix: `make bench-gpu`\n"), text[:300]
+    assert text.rstrip().endswith("# An older run\n\nits numbers")
+    assert "exactly 0: yes" in text.split("## The default path's step-1 check")[1].split("##")[0]
+    header, *rows = table_lines(text.split("## Training steps")[1])
+    assert header[:4] == ["model", "loss", "batch", "needed tokens a step"] and len(rows) == 4, (header, rows)
+    assert {(r[1], r[2]) for r in rows} == {("kto", "2"), ("kto", "4"), ("sigmoid", "2"), ("sigmoid", "4")}
+    for row in rows:
+        cells = dict(zip(header, row, strict=True))
+        for column in ("kto-pipeline compiled", "kto-pipeline eager", "trl precomputed"):
+            assert STEP_CELL.match(cells[column]), (row, column)
+        assert cells["trl precomputed + liger"].startswith("skipped: liger-kernel"), row
+        assert re.match(r"^\d+\.\d\dx$", cells["compiled vs trl's best"]) and int(cells["needed tokens a step"]) > 0
+    _, *passes = table_lines(text.split("## Reference passes: needed tokens/s")[1])
+    assert len(passes) == 2 and all(float(c.replace(",", "")) > 0 for r in passes for c in r[2:]), passes
+    goals = table_lines(text.split("## Against the goals")[1])
+    assert any(r[0].startswith("step >= 1.5x trl's best (tiny, kto, batch 4)") for r in goals), goals
+    assert any(r[0].startswith("step-1 rewards exactly 0") and r[1] == "yes" for r in goals), goals
+
+    empty = tmp_path / "E.md"
+    proc = run_script(
+        script, "--device", "cpu", "--work", work, "--results", str(empty), "--budget-s", "0", timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header, *rows = table_lines(empty.read_text().split("## Training steps")[1])
+    for row in rows:
+        assert row[4:8] == ["not run within the budget"] * 4 and row[-1] == "-", row
+    _, *passes = table_lines(empty.read_text().split("## Reference passes: needed tokens/s")[1])
+    assert all(c == "not run within the budget" for r in passes for c in r[2:]), passes

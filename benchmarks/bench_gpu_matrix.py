@@ -1,0 +1,391 @@
+"""`make bench-gpu`: the GPU matrix in one bounded run, for the session a GPU is lent to.
+
+    python benchmarks/bench_gpu_matrix.py                          # `make bench-gpu`: a CUDA GPU, RESULTS-gpu.md
+    python benchmarks/bench_gpu_matrix.py --device cpu             # the code path on a CPU, tiny shapes (~1 min)
+
+First the accelerator's default path (the block mask, compiled, bf16; on a CPU its default, by tree and eager) runs
+both stages and one step, and its step-1 rewards must be exactly 0 (`bench_gpu.py`'s check). Then, for Qwen2-0.5B
+and a ~1.5B shape (Qwen2-1.5B's, at max_length 2048 with HH lengths), KTO against trl.KTOTrainer and the `sigmoid`
+pair loss against trl.DPOTrainer, at batch 8 and 64: kto-pipeline's training compiled and eager, trl precomputed
+with and without liger's fused loss. It reports each case's step time, MFU and peak memory, and the goals.
+
+A budget keeps it within 8 minutes (--budget-s 480, building and the check included). Each group of cases (one
+tool, one model, one loss) runs in a fresh process that measures its cases one after another (one process start, one
+reference pass for ours); the groups run in the order the goals ask for them (Qwen2-0.5B KTO, the ~1.5B KTO, then
+the pair loss); every case is written down the moment it ends, and what the budget leaves no time for is reported as
+not run, never guessed. A case that runs out of memory says so and the rest go on. Model and data as `bench_gpu.py`
+builds them (random weights, random characters with HH-RLHF's lengths); its single-configuration report (trl online,
+the attention kernels' table) stays there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import bench_gpu
+import harness
+import torch
+from bench_gpu import LEARNING_RATE, OURS_PRECOMPUTE, PEAK_FLOPS_CUDA, Flops, pairs
+
+HEADING = "# GPU matrix: `make bench-gpu`"
+MODELS = {"cuda": ("qwen2-0.5b", "qwen2-1.5b"), "cpu": ("tiny",)}
+BATCHES = {"cuda": (8, 64), "cpu": (2, 4)}
+LOSSES = ("kto", "sigmoid")
+STEPS = {"qwen2-0.5b": 8, "qwen2-1.5b": 6, "tiny": 3}
+MAX_LENGTH = {"qwen2-0.5b": 1024, "qwen2-1.5b": 2048, "tiny": 128}
+# a group's cases, in the order they run: (column, --torch-compile or use_liger_kernel)
+OURS = (("kto-pipeline compiled", True), ("kto-pipeline eager", False))
+TRL = (("trl precomputed", False), ("trl precomputed + liger", True))
+COLUMNS = (*(c for c, _ in OURS), *(c for c, _ in TRL))
+GOALS = dict(speedup=1.5, memory=0.5, mfu=0.40, mfu_tokens=16384)
+# the whole run's seconds (8 minutes): no case starts in its last STARTS_UNTIL seconds, and a worker still running at
+# its end is stopped (the cases it finished are kept)
+BUDGET_S, STARTS_UNTIL = 480, 60
+
+
+def preset_of(model: str, loss: str, device: str) -> dict:
+    """bench_gpu's preset of `model`, for `loss`, with the rows the largest batch trains."""
+    steps, batch = STEPS[model], max(BATCHES[device])
+    preset = dict(harness.GPU_PRESETS[model], loss_type=loss, static_shapes=False, steps=steps, batch=batch)
+    return dict(preset, max_length=MAX_LENGTH[model], rows=steps * batch)
+
+
+def group_work(work: Path, model: str, loss: str) -> Path:
+    """A (model, loss)'s folder: the model (one per shape, shared by both losses) and that loss's data."""
+    return work / f"{model}-{loss}"
+
+
+def prepare(work: Path, model: str, loss: str, device: str) -> dict:
+    """The random model (built once per shape; on the GPU where there is one) and the loss's data."""
+    where = group_work(work, model, loss)
+    where.mkdir(parents=True, exist_ok=True)
+    shared = work / f"{model}-model"
+    harness.random_qwen2(shared, preset_of(model, loss, device), device=device)
+    if not (where / "model").exists():
+        (where / "model").symlink_to(shared.resolve(), target_is_directory=True)
+    return bench_gpu.build_data(where / "data.jsonl", preset_of(model, loss, device))
+
+
+# ------------------------------------------------------------------------------------------ the workers
+
+
+class Cases:
+    """A group worker's cases: each written to `cases.jsonl` the moment it ends (a killed worker keeps them)."""
+
+    def __init__(self, out: Path, deadline: float, device: str):
+        out.mkdir(parents=True, exist_ok=True)
+        self.path, self.deadline, self.device = out / "cases.jsonl", deadline, device
+
+    def run(self, name: str, measure) -> None:
+        if time.time() > self.deadline:
+            return self.write(dict(case=name, skipped="not run within the budget"))
+        bench_gpu.reset_peak_memory(self.device)
+        try:
+            result = measure()
+        except torch.OutOfMemoryError as error:  # the rest of the group goes on
+            result = dict(skipped=f"out of memory ({str(error).splitlines()[0][:120]})")
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        self.write(dict(case=name, **result))
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"  {record['case']}: {record.get('skipped') or 'done'}", flush=True)
+
+
+def case_name(column: str, batch: int) -> str:
+    return f"{column} @ {batch}"
+
+
+def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases) -> None:
+    """One reference pass over the rows the largest batch trains, then each batch compiled and eager."""
+    from kto_pipeline import PrecomputeConfig, precompute, train
+    from kto_pipeline.cache import open_cache
+
+    preset, cache_dir = preset_of(model, loss, device), cases.path.parent / "cache"
+    ml, steps = preset["max_length"], preset["steps"]
+
+    def reference() -> dict:
+        dtype = "bfloat16" if device == "cuda" else "float32"
+        paths = dict(model=str(where / "model"), dataset=str(where / "data.jsonl"), output=str(cache_dir))
+        config = PrecomputeConfig(**paths, overwrite=True, max_length=ml, dtype=dtype, **OURS_PRECOMPUTE)
+        cache = open_cache(precompute(dataclasses.replace(config, pairs_only=pairs(preset))))
+        lengths = bench_gpu.pair_lengths(where) if pairs(preset) else bench_gpu.row_lengths(cache.table, ml)
+        seconds = cache.manifest.timing["reference_pass_seconds"]
+        return dict(ref_seconds=seconds, ref_lengths=lengths, ref_peak_mib=bench_gpu.peak_memory_mib(device))
+
+    cases.run("kto-pipeline reference pass", reference)
+    for batch in BATCHES[device]:
+        for column, compiled in OURS:
+
+            def step(batch=batch, compiled=compiled, column=column) -> dict:
+                torch._dynamo.reset()  # each case compiles from its own first step, as a fresh run would
+                out = cases.path.parent / f"run-{batch}-{'compiled' if compiled else 'eager'}"
+                settings = dict(batch=batch, steps=steps, learning_rate=LEARNING_RATE, bf16=device == "cuda")
+                settings |= dict(beta=bench_gpu.BETA, torch_compile=compiled, loss_type=loss, save_steps=0)
+                if compiled and device == "cpu":
+                    settings["attention_kernel"] = "dense"  # by tree, attention's shapes follow the trees
+                res = train(harness.ours_train_config(cache_dir, out, **settings))
+                state = harness.trainer_state(out) or {}
+                rows = open_cache(cache_dir).table.slice(0, steps * batch)
+                n = steps * batch
+                lengths = bench_gpu.pair_lengths(where, n) if pairs(preset) else bench_gpu.row_lengths(rows, ml)
+                return dict(
+                    step_seconds=res.step_seconds,
+                    train_peak_mib=bench_gpu.peak_memory_mib(device),
+                    train_lengths=lengths,
+                    kernel=state.get("attention_kernel"),
+                    compile=state.get("compile"),
+                )
+
+            cases.run(case_name(column, batch), step)
+
+
+def trl_group(where: Path, model: str, loss: str, device: str, cases: Cases) -> None:
+    """Each batch, trl precomputed without and with liger: its reference pass (in the constructor) then the steps,
+    on the rows that batch trains."""
+    from trl import DPOTrainer, KTOTrainer
+
+    preset = preset_of(model, loss, device)
+    ml, steps = preset["max_length"], preset["steps"]
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    timing: dict = {}
+    harness.time_calls(
+        DPOTrainer if pairs(preset) else KTOTrainer,
+        "_precompute_ref_logps",
+        lambda seconds, *args, **kwargs: timing.update(ref_seconds=seconds),
+        synchronize=sync,
+    )
+    lines = (where / "data.jsonl").read_text().splitlines(keepends=True)
+    for batch in BATCHES[device]:
+        n = steps * batch
+        data = cases.path.parent / f"data-{batch}.jsonl"
+        data.write_text("".join(lines[:n]))
+        for column, liger in TRL:
+            if liger and bench_gpu.liger_unavailable(device):
+                cases.write(dict(case=case_name(column, batch), skipped=bench_gpu.liger_unavailable(device)))
+                continue
+
+            def step(batch=batch, liger=liger, data=data, n=n) -> dict:
+                timing.clear()
+                run = dict(batch=batch, max_length=ml, precompute=True, bf16=device == "cuda")
+                run |= dict(beta=bench_gpu.BETA, learning_rate=LEARNING_RATE, max_steps=steps, use_liger_kernel=liger)
+                run |= dict(precompute_ref_batch_size=batch, train_sampling_strategy="sequential", **harness.TRL_RUN)
+                if pairs(preset):
+                    run |= dict(pairs=True, loss_type=[loss])
+                out = cases.path.parent / f"trl-{batch}-{'liger' if liger else 'plain'}"
+                trainer = harness.trl_trainer(where / "model", data, out, **run)
+                if pairs(preset):
+                    lengths = bench_gpu.pair_lengths(where, n)
+                else:
+                    lengths = bench_gpu.row_lengths(trainer.train_dataset[:n], ml, "KL_completion_ids")
+                ref = dict(timing, ref_lengths=lengths, ref_peak_mib=bench_gpu.peak_memory_mib(device))
+                timer = harness.step_timer(synchronize=sync)
+                trainer.add_callback(timer)
+                bench_gpu.reset_peak_memory(device)
+                trainer.train()
+                peak = bench_gpu.peak_memory_mib(device)
+                del trainer
+                return dict(ref, step_seconds=timer.times, train_peak_mib=peak, train_lengths=lengths)
+
+            cases.run(case_name(column, batch), step)
+
+
+def worker(name: str, work: Path, device: str, out: Path, deadline: float) -> dict:
+    """`TOOL_MODEL_LOSS`: that group's cases, into OUT/cases.jsonl."""
+    tool, model, loss = name.split("_")
+    cases = Cases(out, deadline, device)
+
+    def run() -> dict:
+        group = ours_group if tool == "ours" else trl_group
+        group(group_work(work, model, loss), model, loss, device, cases)
+        return dict(cases=str(cases.path))
+
+    return harness.measured(run, rss=False)
+
+
+# ------------------------------------------------------------------------------------------ the report
+
+
+def mfu(flops: Flops, res: dict, batch: int, peak: float | None) -> float | None:
+    """Model FLOPs of steps 2..n's needed tokens over their time, against `peak` (None on a CPU)."""
+    times = res["step_seconds"]
+    if peak is None or len(times) < 2:
+        return None
+    return flops.train(res["train_lengths"][batch:]) / sum(times[1:]) / peak
+
+
+def cell(res: dict | None, flops: Flops, batch: int, peak: float | None) -> str:
+    if res is None:
+        return "not run within the budget"
+    if "skipped" in res:
+        return res["skipped"]
+    value = mfu(flops, res, batch, peak)
+    text = f"{harness.median_step(res['step_seconds']):.4f} s"
+    text += f", {value:.1%} MFU" if value is not None else ""
+    return f"{text}, {res['train_peak_mib']:,.0f} MiB"
+
+
+def tokens_per_step(res: dict | None, batch: int) -> int | None:
+    """Needed tokens (P + C + K: each prompt once) of a step, the mean over the trained steps."""
+    if not res or "train_lengths" not in res:
+        return None
+    rows = res["train_lengths"]
+    return round(sum(sum(r) for r in rows) / max(len(rows) // batch, 1))
+
+
+def render(results: dict, check: dict, device: str, seconds: float, argv: list[str]) -> str:
+    """The report: the check, a row per (model, loss, batch), the reference passes, the goals."""
+    peak = PEAK_FLOPS_CUDA if device == "cuda" else None
+    command = " ".join(["python benchmarks/bench_gpu_matrix.py", *argv])
+    lines = [HEADING, "", f"- command: `{command}`" + (" (`make bench-gpu`)" if device == "cuda" else "")]
+    name = next((r.get("device_name") for r in [check, *results.values()] if r.get("device_name")), "unknown")
+    lines += [f"- date: {harness.utc_stamp()}; total time {seconds:.0f} s; device: {name} ({device})"]
+    lines += [f"- versions: {harness.versions('kto-pipeline', 'torch', 'transformers', 'trl')}"]
+    lines += [
+        "- settings: random weights, random characters with HH-RLHF's lengths (bench_gpu.py's data); "
+        + ("bf16 autocast over float32 weights in training, the reference pass in bf16 weights; " if peak else "")
+        + "the same rows in order, AdamW lr 1e-06, beta 0.1, gradient checkpointing off; steps: "
+        + ", ".join(f"{m} {STEPS[m]} (max_length {MAX_LENGTH[m]})" for m in MODELS[device])
+        + "; a cell: median step of steps 2..n, MFU, peak memory"
+    ]
+    exact = check.get("step_one") and all(v == 0 for v in check["step_one"].values())
+    lines += ["", "## The default path's step-1 check", ""]
+    if "step_one" in check:
+        values = ", ".join(f"{k} {v:.3g}" for k, v in check["step_one"].items())
+        lines += [f"- kernel (precompute / train): {check['kernel']}; {values}: exactly 0: {'yes' if exact else 'NO'}"]
+    else:
+        lines += [f"- failed: {check.get('failed', 'did not run')}"]
+    header = "| model | loss | batch | needed tokens a step | " + " | ".join(COLUMNS) + " | compiled vs trl's best |"
+    rows, goal_rows = [], []
+    for model in MODELS[device]:
+        flops = {loss: Flops(preset_of(model, loss, device)) for loss in LOSSES}
+        for loss in LOSSES:
+            for batch in BATCHES[device]:
+                got = {c: results.get((model, loss, case_name(c, batch))) for c in COLUMNS}
+                tokens = next((tokens_per_step(r, batch) for r in got.values() if tokens_per_step(r, batch)), None)
+                cells = [cell(got[c], flops[loss], batch, peak) for c in COLUMNS]
+                ratio = speedup(got)
+                rows.append((model, loss, batch, tokens or "-", *cells, f"{ratio:.2f}x" if ratio else "-"))
+                goal_rows += goal_lines(model, loss, batch, got, ratio, flops[loss], peak, tokens)
+    lines += ["", "## Training steps", "", *harness.table(header, rows), ""]
+    lines += ["`x` > 1: kto-pipeline compiled is faster than trl's best setting that ran (its fastest step).", ""]
+    lines += ["## Reference passes: needed tokens/s", "", *reference_table(results, device), ""]
+    goal_rows.append(("step-1 rewards exactly 0 in bf16, the default path", "yes" if exact else "NO", bool(exact)))
+    lines += ["## Against the goals", "", *harness.goals_table(*goal_rows), ""]
+    return "\n".join(lines)
+
+
+def speedup(got: dict) -> float | None:
+    """trl's best step (the faster setting that ran) over kto-pipeline compiled's."""
+    ours = got.get("kto-pipeline compiled")
+    trl = [harness.median_step(got[c]["step_seconds"]) for c, _ in TRL if got.get(c) and "step_seconds" in got[c]]
+    if not ours or "step_seconds" not in ours or not trl:
+        return None
+    return min(trl) / harness.median_step(ours["step_seconds"])
+
+
+def goal_lines(model, loss, batch, got, ratio, flops, peak, tokens) -> list[tuple]:
+    """The goals a (model, loss, batch) row answers: the speed-up and memory on Qwen2-0.5B (tiny on a CPU), the MFU on
+    the ~1.5B shape at >= 16k tokens a step."""
+    where, out = f"{model}, {loss}, batch {batch}", []
+    ours = got.get("kto-pipeline compiled")
+    if model != "qwen2-1.5b":
+        out.append(
+            (
+                f"step >= {GOALS['speedup']}x trl's best ({where})",
+                f"{ratio:.2f}x" if ratio else "-",
+                ratio and ratio >= GOALS["speedup"],
+            )
+        )
+        trl = [got[c]["train_peak_mib"] for c, _ in TRL if got.get(c) and "train_peak_mib" in got[c]]
+        if ours and "train_peak_mib" in ours and trl:
+            share = ours["train_peak_mib"] / min(trl)
+            out.append(
+                (f"peak memory <= {GOALS['memory']}x trl's best ({where})", f"{share:.2f}x", share <= GOALS["memory"])
+            )
+    elif tokens and tokens >= GOALS["mfu_tokens"] and ours and "step_seconds" in ours:
+        value = mfu(flops, ours, batch, peak)
+        shown = f"{value:.1%} at {tokens} tokens a step" if value is not None else "n/a"
+        out.append((f"MFU >= {GOALS['mfu']:.0%} ({where})", shown, value is not None and value >= GOALS["mfu"]))
+    return out
+
+
+def reference_table(results: dict, device: str) -> list[str]:
+    """Needed tokens/s (and MFU on a GPU) of each tool's reference pass; trl's at precompute_ref_batch_size = batch."""
+    peak = PEAK_FLOPS_CUDA if device == "cuda" else None
+    header = "| model | loss | kto-pipeline | " + " | ".join(f"trl precomputed @ {b}" for b in BATCHES[device]) + " |"
+    rows = []
+    for model in MODELS[device]:
+        for loss in LOSSES:
+            flops = Flops(preset_of(model, loss, device))
+            cases = [("kto-pipeline reference pass",), *((case_name("trl precomputed", b),) for b in BATCHES[device])]
+            cells = []
+            for (case,) in cases:
+                res = results.get((model, loss, case))
+                if not res or "ref_seconds" not in res:
+                    cells.append(res.get("skipped", "-") if res else "not run within the budget")
+                    continue
+                tokens = sum(sum(r) for r in res["ref_lengths"])
+                text = f"{tokens / res['ref_seconds']:,.0f}"
+                if peak:
+                    text += f" ({flops.reference(res['ref_lengths']) / res['ref_seconds'] / peak:.1%} MFU)"
+                cells.append(text)
+            rows.append((model, loss, *cells))
+    return harness.table(header, rows)
+
+
+def main() -> None:
+    parser = harness.script_parser(__doc__, work=None, results="Markdown file (default: RESULTS-gpu.md on cuda)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    budget_help = "seconds the whole run may take (building, the check, the cases); what does not fit: not run"
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help=budget_help)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # worker: when to stop starting cases
+    args = parser.parse_args()
+    work = Path(args.work or harness.WORK_DIR / f"gpu-matrix-{args.device}")
+    if args.mode == "worker":
+        harness.print_result(worker(args.name, work, args.device, Path(args.out), args.deadline))
+        return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible to torch (use --device cpu)")
+    started, ends = time.perf_counter(), time.time() + args.budget_s
+    harness.fresh_runs(work)
+    print(f"building the models and data in {work} ...", flush=True)
+    for model in MODELS[args.device]:
+        for loss in LOSSES:
+            prepare(work, model, loss, args.device)
+    first = MODELS[args.device][0]
+    check_flags = ["--preset", first, "--device", args.device]
+    check_name = "step_one_default_compiled" if args.device == "cuda" else "step_one_default"
+    check = harness.run_worker(
+        Path(bench_gpu.__file__), check_name, group_work(work, first, "kto"), check_flags, must_succeed=False
+    )
+    deadline = ends - STARTS_UNTIL  # the last moment a case may start
+    results: dict = {}
+    for loss in LOSSES:
+        for model in MODELS[args.device]:
+            for tool in ("ours", "trl"):
+                name = f"{tool}_{model}_{loss}"
+                left = ends - time.time()
+                if time.time() < deadline:
+                    flags = ["--device", args.device, "--deadline", str(deadline)]
+                    env = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"} if args.device == "cpu" else {}
+                    harness.run_worker(Path(__file__), name, work, flags, env=env, must_succeed=False, timeout=left)
+                path = work / "runs" / name / "cases.jsonl"
+                for line in path.read_text().splitlines() if path.exists() else []:
+                    record = json.loads(line)
+                    results[(model, loss, record.pop("case"))] = record
+    report = render(results, check, args.device, time.perf_counter() - started, sys.argv[1:])
+    harness.publish_run(report, harness.default_results(args.results, args.device == "cuda", "RESULTS-gpu.md"))
+
+
+if __name__ == "__main__":
+    main()
