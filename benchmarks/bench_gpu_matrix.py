@@ -26,6 +26,7 @@ import gc
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import bench_gpu
@@ -39,6 +40,9 @@ BATCHES = {"cuda": (8, 64), "cpu": (2, 4)}
 LOSSES = ("kto", "sigmoid")
 STEPS = {"qwen2-0.5b": 8, "qwen2-1.5b": 6, "tiny": 3}
 MAX_LENGTH = {"qwen2-0.5b": 1024, "qwen2-1.5b": 2048, "tiny": 128}
+# every tool's cases of the ~1.5B shape recompute activations: without, ours at batch 64 (~20k tokens) needs 91 GiB
+# (`estimate-memory`, 64 rows x 320 tokens: 74 GiB of activations), 26 GiB with
+CHECKPOINTING = {"qwen2-1.5b": True}
 # a group's cases, in the order they run: (column, --torch-compile or use_liger_kernel)
 OURS = (("kto-pipeline compiled", True), ("kto-pipeline eager", False))
 TRL = (("trl precomputed", False), ("trl precomputed + liger", True))
@@ -90,6 +94,9 @@ class Cases:
             result = measure()
         except torch.OutOfMemoryError as error:  # the rest of the group goes on
             result = dict(skipped=f"out of memory ({str(error).splitlines()[0][:120]})")
+        except Exception as error:  # noqa: BLE001 (named in the report; the rest of the group goes on)
+            traceback.print_exc()
+            result = dict(skipped=f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}")
         gc.collect()
         if self.device == "cuda":
             torch.cuda.empty_cache()
@@ -103,6 +110,13 @@ class Cases:
 
 def case_name(column: str, batch: int) -> str:
     return f"{column} @ {batch}"
+
+
+def group_cases(tool: str, device: str) -> list[str]:
+    """The cases a group measures, in order."""
+    columns = OURS if tool == "ours" else TRL
+    first = ["kto-pipeline reference pass"] if tool == "ours" else []
+    return first + [case_name(column, batch) for batch in BATCHES[device] for column, _ in columns]
 
 
 def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases) -> None:
@@ -133,7 +147,8 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases) ->
                 settings |= dict(beta=bench_gpu.BETA, torch_compile=compiled, loss_type=loss, save_steps=0)
                 if compiled and device == "cpu":
                     settings["attention_kernel"] = "dense"  # by tree, attention's shapes follow the trees
-                res = train(harness.ours_train_config(cache_dir, out, **settings))
+                config = harness.ours_train_config(cache_dir, out, **settings)
+                res = train(dataclasses.replace(config, gradient_checkpointing=CHECKPOINTING.get(model, False)))
                 state = harness.trainer_state(out) or {}
                 rows = open_cache(cache_dir).table.slice(0, steps * batch)
                 n = steps * batch
@@ -177,6 +192,7 @@ def trl_group(where: Path, model: str, loss: str, device: str, cases: Cases) -> 
             def step(batch=batch, liger=liger, data=data, n=n) -> dict:
                 timing.clear()
                 run = dict(batch=batch, max_length=ml, precompute=True, bf16=device == "cuda")
+                run["gradient_checkpointing"] = CHECKPOINTING.get(model, False)
                 run |= dict(beta=bench_gpu.BETA, learning_rate=LEARNING_RATE, max_steps=steps, use_liger_kernel=liger)
                 run |= dict(precompute_ref_batch_size=batch, train_sampling_strategy="sequential", **harness.TRL_RUN)
                 if pairs(preset):
@@ -253,7 +269,9 @@ def render(results: dict, check: dict, device: str, seconds: float, argv: list[s
     lines += [
         "- settings: random weights, random characters with HH-RLHF's lengths (bench_gpu.py's data); "
         + ("bf16 autocast over float32 weights in training, the reference pass in bf16 weights; " if peak else "")
-        + "the same rows in order, AdamW lr 1e-06, beta 0.1, gradient checkpointing off; steps: "
+        + "the same rows in order, AdamW lr 1e-06, beta 0.1; gradient checkpointing "
+        + "".join(f"on for {m} (every tool), " for m in MODELS[device] if CHECKPOINTING.get(m))
+        + "off otherwise; steps: "
         + ", ".join(f"{m} {STEPS[m]} (max_length {MAX_LENGTH[m]})" for m in MODELS[device])
         + "; a cell: median step of steps 2..n, MFU, peak memory"
     ]
@@ -343,6 +361,31 @@ def reference_table(results: dict, device: str) -> list[str]:
     return harness.table(header, rows)
 
 
+def run_groups(work: Path, device: str, ends: float) -> dict:
+    """Every group in the goals' order, each worker stopped at `ends`; (model, loss, case) -> its record, a case
+    that did not run saying why."""
+    deadline, results = ends - STARTS_UNTIL, {}  # the last moment a case may start
+    for loss in LOSSES:
+        for model in MODELS[device]:
+            for tool in ("ours", "trl"):
+                name, why = f"{tool}_{model}_{loss}", "not run within the budget"
+                if time.time() < deadline:
+                    flags = ["--device", device, "--deadline", str(deadline)]
+                    env = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"} if device == "cpu" else {}
+                    res = harness.run_worker(
+                        Path(__file__), name, work, flags, env=env, must_succeed=False, timeout=ends - time.time()
+                    )
+                    if "failed" in res and not res["failed"].startswith("killed"):
+                        why = f"not run: its group's process failed ({res['failed'][:200]})"
+                path = work / "runs" / name / "cases.jsonl"
+                for line in path.read_text().splitlines() if path.exists() else []:
+                    record = json.loads(line)
+                    results[(model, loss, record.pop("case"))] = record
+                for case in group_cases(tool, device):  # what the group did not get to
+                    results.setdefault((model, loss, case), dict(skipped=why))
+    return results
+
+
 def main() -> None:
     parser = harness.script_parser(__doc__, work=None, results="Markdown file (default: RESULTS-gpu.md on cuda)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -368,21 +411,7 @@ def main() -> None:
     check = harness.run_worker(
         Path(bench_gpu.__file__), check_name, group_work(work, first, "kto"), check_flags, must_succeed=False
     )
-    deadline = ends - STARTS_UNTIL  # the last moment a case may start
-    results: dict = {}
-    for loss in LOSSES:
-        for model in MODELS[args.device]:
-            for tool in ("ours", "trl"):
-                name = f"{tool}_{model}_{loss}"
-                left = ends - time.time()
-                if time.time() < deadline:
-                    flags = ["--device", args.device, "--deadline", str(deadline)]
-                    env = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"} if args.device == "cpu" else {}
-                    harness.run_worker(Path(__file__), name, work, flags, env=env, must_succeed=False, timeout=left)
-                path = work / "runs" / name / "cases.jsonl"
-                for line in path.read_text().splitlines() if path.exists() else []:
-                    record = json.loads(line)
-                    results[(model, loss, record.pop("case"))] = record
+    results = run_groups(work, args.device, ends)
     report = render(results, check, args.device, time.perf_counter() - started, sys.argv[1:])
     harness.publish_run(report, harness.default_results(args.results, args.device == "cuda", "RESULTS-gpu.md"))
 

@@ -1,6 +1,7 @@
 """The GPU benchmark's code path, run on CPU at the tiny preset: every case runs and every number is reported."""
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -163,3 +164,33 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
         assert row[4:8] == ["not run within the budget"] * 4 and row[-1] == "-", row
     _, *passes = table_lines(empty.read_text().split("## Reference passes: needed tokens/s")[1])
     assert all(c == "not run within the budget" for r in passes for c in r[2:]), passes
+
+
+def test_bench_gpu_matrix_cases_record_a_failure_and_go_on(tmp_path, monkeypatch):
+    """A case that runs out of memory or fails is written with its reason and the next case runs; past the
+    deadline a case is written as not run."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import time
+
+    import bench_gpu_matrix
+    import torch
+
+    cases = bench_gpu_matrix.Cases(tmp_path, time.time() + 600, "cpu")
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+    def broken():
+        raise ValueError("a bad shape")
+
+    cases.run("a", out_of_memory)
+    cases.run("b", broken)
+    cases.run("c", lambda: {"step_seconds": [1.0, 0.5]})
+    cases.deadline = time.time() - 1
+    cases.run("d", lambda: {"step_seconds": [1.0]})
+    records = [json.loads(line) for line in (tmp_path / "cases.jsonl").read_text().splitlines()]
+    assert [r["case"] for r in records] == ["a", "b", "c", "d"]
+    assert records[0]["skipped"] == "out of memory (CUDA out of memory. Tried to allocate 2.00 GiB)"
+    assert records[1]["skipped"] == "failed: ValueError: a bad shape"
+    assert records[2] == {"case": "c", "step_seconds": [1.0, 0.5]}
+    assert records[3] == {"case": "d", "skipped": "not run within the budget"}
