@@ -204,3 +204,69 @@ def test_static_shapes_compile_a_graph_a_shape_with_the_same_numbers(tmp_path):
     timing = {s: json.loads((caches[s] / "manifest.json").read_text())["timing"] for s in caches}
     assert timing[True]["tokens_needed"] == timing[False]["tokens_needed"]
     assert timing[True]["tokens_executed"] > timing[False]["tokens_executed"]  # the padding up to the static shapes
+
+
+def _weight_casts(graphs) -> int:
+    """Casts to bf16, in forward graphs, of float32 matrices that enter the graph (a linear layer's weight)."""
+    import torch
+
+    casts = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+    count = 0
+    for graph in graphs:
+        for node in graph.graph.nodes:
+            if node.op != "call_function" or node.target not in casts or not node.args:
+                continue
+            source, value = node.args[0], node.meta.get("val")
+            given = getattr(source, "op", None) == "placeholder" and source.meta.get("val") is not None
+            if given and source.meta["val"].dtype == torch.float32 and source.meta["val"].dim() == 2:
+                count += value is not None and value.dtype == torch.bfloat16
+    return count
+
+
+def test_compiled_layers_under_bf16_take_their_weights_cast_once_a_step(tmp_path, monkeypatch):
+    """Under bf16 autocast the compiled layers' graphs take the weights already cast (once a step, by `StepCasts`),
+    where without it every call casts them inside the graph (the completions' forward and the KL completions', a
+    kernel a weight); the losses are the eager run's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from kto_pipeline import PrecomputeConfig, precompute, train
+    from kto_pipeline.runtime import compiled
+    from kto_pipeline.runtime.engines.base import Engine
+
+    model_dir = _tiny_model_dir(tmp_path)
+    data = write_jsonl(tmp_path / "data.jsonl", unpaired_rows(16))
+    config = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / "cache"), max_length=64)
+    cache = precompute(dataclasses.replace(config, bf16=True, attention_kernel="dense"))
+    graphs: dict[str, list] = {}
+
+    def recording(name):
+        def forward_graph(graph, example_inputs):
+            graphs.setdefault(name, []).append(graph)
+            return make_boxed_func(graph.forward)
+
+        return aot_autograd(fw_compiler=forward_graph, bw_compiler=lambda graph, _: make_boxed_func(graph.forward))
+
+    runs = {}
+    for name, once in (("eager", True), ("once a step", True), ("once a call", False)):
+        import torch
+
+        torch._dynamo.reset()
+        monkeypatch.setattr(Engine, "caches_whole_casts", once)
+        monkeypatch.setattr(compiled, "BACKEND", recording(name))
+        runs[name] = tmp_path / name.replace(" ", "-")
+        settings = dict(max_steps=3, bf16=True, attention_kernel="dense", torch_compile=name != "eager")
+        train(train_config(cache, runs[name], **settings))
+    assert "eager" not in graphs
+    per_step, per_call = _weight_casts(graphs["once a step"]), _weight_casts(graphs["once a call"])
+    print("casts of float32 weights inside the compiled graphs: once a step", per_step, "once a call", per_call)
+    assert per_step == 0 and per_call >= 7  # a tiny Llama layer's 7 linear weights
+    metrics = {name: read_metrics(out) for name, out in runs.items()}
+    keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "kl")
+    assert metrics["once a step"][0]["rewards/chosen"] == 0 == metrics["once a step"][0]["rewards/rejected"]
+    for a, b, c in zip(metrics["once a step"], metrics["once a call"], metrics["eager"], strict=True):
+        assert [a[k] for k in keys] == [b[k] for k in keys]  # the same casts, made once or in every call
+        # (not the KL: eager, the KL completions attend to the prompts' cached keys/values, which under bf16 on the
+        # dense mask moves step 1's KL off 0 by ~1e-4, where the compiled layers run them with their prompts again)
+        for key in keys[:-1]:
+            assert a[key] == pytest.approx(c[key], rel=1e-3, abs=1e-6), key

@@ -2,7 +2,8 @@
 
     launch.py     the process group from the launch environment (torchrun, `accelerate launch`), its short
                   timeout, `print0`, and `main_decides`: the main process decides, every process follows
-    precision.py  the precision regime, resolved once from the config and the device; autocast; the mismatch check
+    precision.py  the precision regime, resolved once from the config and the device; autocast; the mismatch check;
+                  the layers' weights cast once a step
     compiled.py   `--torch-compile`: the decoder layer compiled once for every layer; what compiling cost
     engines/      one class per engine behind one interface (`engines/base.py`); `engine_for` picks one from the
                   launch environment: one process or DDP, FSDP2, DeepSpeed ZeRO-2/3

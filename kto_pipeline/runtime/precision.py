@@ -9,7 +9,8 @@ autocast" is the regime every engine can reproduce (one process, DDP, FSDP2, Dee
 no engine casts the weights: it is the default of both stages on a GPU that supports bf16.
 
 The stages ask: `policy_regime` (train: float32 weights), `reference_regime` (precompute: --dtype), `check_regime`
-(train against its cache), `autocast_forward` (the engines apply it where accelerate does not).
+(train against its cache), `autocast_forward` (the engines apply it where accelerate does not), `StepCasts` (train:
+the decoder layers' weights cast to the autocast dtype once an optimizer step).
 """
 
 from __future__ import annotations
@@ -116,29 +117,46 @@ def autocast_forward(module: torch.nn.Module, regime: Regime, cache: bool = True
     module.forward = autocast
 
 
+STEP_CAST = "_kto_step_cast"  # on a decoder layer's nn.Linear while a step is open: its (weight, bias) cast once
+
+
+def _linear_with_step_cast(self, input: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's forward, on the weight and bias cast once for the step where a `StepCasts` holds them."""
+    cast = self.__dict__.get(STEP_CAST)
+    if cast is None:
+        return torch.nn.functional.linear(input, self.weight, self.bias)
+    return torch.nn.functional.linear(input, cast[0], cast[1])
+
+
 class StepCasts:
-    """Autocast's casts of the float32 weights, made once an optimizer step instead of once a micro-batch.
+    """The decoder layers' float32 weights cast to the autocast dtype once an optimizer step, not once a call.
 
-    Under bf16/fp16 autocast every forward call casts each weight it multiplies by, keeps the cast for the rest of the
-    call and drops it on return (autocast's cache lives as long as the outermost autocast context). With
-    --gradient-accumulation-steps N an optimizer step so casts every weight N times. While a `StepCasts` is open, an
-    outer autocast context that enables nothing holds that cache across the step's micro-batches: each weight is cast
-    in the first forward and reused by the others (the same values: a cast is a rounding). `close` drops the casts
-    after the step's last backward, before the optimizer changes the weights in place; it must run before any other
-    forward (evaluation, the next step).
+    Under bf16/fp16 autocast every call of a linear layer casts its weight, and a step calls each layer several times:
+    the completions' forward, the KL completions' (a call of its own where the layers are compiled, which keep no
+    keys/values), again for every micro-batch of --gradient-accumulation-steps. Compiled layers cast inside their
+    graphs, a kernel a weight and call. While a `StepCasts` is open, each nn.Linear of the decoder layers computes on
+    a cast made at the step's start (`open`) and dropped after its last backward (`close`), before the optimizer
+    changes the weights: the same values (a cast is a rounding; autocast casts the input as before), the gradient
+    reaching the float32 weight through the cast, as under autocast. The layers' forward is replaced once, at
+    construction, so that a compiled layer's graph takes the casts as inputs from the first step on.
 
-    Active only where it changes the work and not the peak memory: under autocast, with an engine whose forward caches
-    whole weights (one process, DDP; not FSDP2's or ZeRO-3's gathered shards), without gradient checkpointing (its
-    recompute casts again inside the backward, and keeping the casts would hold a half-precision copy of the model
-    through every backward), and with more than one micro-batch a step (with one, a forward already casts once a step).
-    Kept between micro-batches, the casts take the place of those the next forward would make."""
+    Active only where it changes the work and not the peak memory: under autocast, with an engine whose processes hold
+    whole weights (one process, DDP; not FSDP2's or ZeRO-3's shards, gathered a layer at a time), without gradient
+    checkpointing (its recompute would cast again inside the backward, and keeping the casts would hold a
+    half-precision copy of the layers through every backward, where the forward's own casts are freed). Without
+    checkpointing the backward keeps every cast anyway, for the gradient of the layers' inputs. The LM head casts in its
+    own forward and backward (`scoring.head`)."""
 
-    def __init__(self, device_type: str, regime: Regime, engine, config):
-        """For training's steps: `engine` (its `caches_whole_casts`), `config` (gradient checkpointing, accumulation
-        steps)."""
+    def __init__(self, scorer: torch.nn.Module, regime: Regime, engine, config):
+        """For training's steps on `scorer` (the policy, as its engine wrapped it): `engine` (its
+        `caches_whole_casts`), `config` (gradient checkpointing)."""
         whole = engine.caches_whole_casts and not config.gradient_checkpointing
-        self.active = regime.autocast is not None and whole and config.gradient_accumulation_steps > 1
-        self.device_type, self._context = device_type, None
+        self.active = regime.autocast is not None and whole
+        self.dtype = WEIGHT_DTYPES[regime.autocast] if self.active else None
+        self.linears = _decoder_linears(scorer) if self.active else []
+        for linear in self.linears:
+            linear.forward = _linear_with_step_cast.__get__(linear)
+        self.open_now = False
 
     def __enter__(self) -> StepCasts:
         return self
@@ -147,13 +165,39 @@ class StepCasts:
         self.close()
 
     def open(self) -> None:
-        """At a micro-batch's start: from here to `close`, a weight's cast is made once (idempotent)."""
-        if self.active and self._context is None:
-            self._context = torch.autocast(self.device_type, enabled=False)
-            self._context.__enter__()
+        """At a micro-batch's start: the casts for the step, if not made yet (idempotent)."""
+        if self.open_now or not self.linears:
+            return
+        for linear in self.linears:
+            bias = None if linear.bias is None else linear.bias.to(self.dtype)
+            linear.__dict__[STEP_CAST] = (linear.weight.to(self.dtype), bias)
+        self.open_now = True
 
     def close(self) -> None:
         """At the step's end (and on any exit): the casts are dropped (idempotent)."""
-        if self._context is not None:
-            context, self._context = self._context, None
-            context.__exit__(None, None, None)
+        for linear in self.linears:
+            linear.__dict__.pop(STEP_CAST, None)
+        self.open_now = False
+
+
+def _decoder_linears(scorer: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The plain nn.Linear modules with floating weights of the policy's decoder layers (`backbone.layers`; LoRA's
+    frozen base layers and adapters alike), under the engine's and the scorer's wrappers; none where there are no
+    such layers."""
+    from kto_pipeline.models import backbone_of, scorable
+
+    model = scorer
+    while hasattr(model, "module"):  # DistributedDataParallel
+        model = model.module
+    model = getattr(model, "model", model)  # the stage's scorer wraps the causal LM
+    try:
+        layers = getattr(backbone_of(scorable(model)), "layers", None)
+    except ValueError:
+        return []
+    if layers is None:
+        return []
+    return [
+        m
+        for m in layers.modules()
+        if type(m) is torch.nn.Linear and m.weight.is_floating_point() and m.weight.dtype == torch.float32
+    ]

@@ -379,7 +379,7 @@ def fit(run: Run) -> None:
     )
     p.started = p.step_started = time.perf_counter()
     run.scorer.train()
-    with StopRequests() as stop, StepCasts(accelerator.device.type, run.regime, run.engine, run.config) as casts:
+    with StopRequests() as stop, StepCasts(run.scorer, run.regime, run.engine, run.config) as casts:
         while p.global_step < run.total_steps:
             run.sampler.use_epoch(p.epoch)
             batches = accelerator.skip_first_batches(run.loader, p.skip_batches) if p.skip_batches else run.loader
