@@ -343,8 +343,9 @@ class Flops:
         else:
             peak_text = f"{peak / 1e12:g}e12 FLOP/s (--peak-tflops)"
         return [
-            "- MFU = model FLOPs of the needed tokens / wall seconds / peak: train step, the rows of steps 2..n over "
-            f"their summed time; reference pass, every row over its time; peak = {peak_text}.",
+            "- MFU = model FLOPs of the needed tokens / wall seconds / peak: train step, a step's FLOPs (the mean over "
+            "steps 2..n) over the median step's time (a step that recompiled counts no more than in the median); "
+            f"reference pass, every row over its time; peak = {peak_text}.",
             *(
                 [
                     "- per pair (P prompt, C chosen, K rejected answer): reference pass (P + C) f(P + C) + K f(P + K); "
@@ -373,8 +374,8 @@ def _column(res: dict, ref: dict, batch: int, flops: Flops | None, peak: float |
         return {"note": res.get("skipped") or f"failed: {res['failed']}"}
     c: dict = {"step_seconds": res["step_seconds"], "step": median_step(res["step_seconds"])}
     timed_rows = res["train_lengths"][batch:] if len(res["step_seconds"]) > 1 else res["train_lengths"]
-    timed_seconds = sum(res["step_seconds"][1:]) if len(res["step_seconds"]) > 1 else res["step_seconds"][0]
-    c["step_mfu"] = flops.train(timed_rows) / timed_seconds / peak if peak else None
+    timed_steps = max(len(res["step_seconds"]) - 1, 1)  # a step's FLOPs (their mean) over the median step's time
+    c["step_mfu"] = flops.train(timed_rows) / timed_steps / c["step"] / peak if peak else None
     c["train_peak_mib"] = res["train_peak_mib"]
     if "ref_seconds" in ref:
         rows, seconds = ref["ref_lengths"], ref["ref_seconds"]

@@ -89,6 +89,7 @@ class Cases:
     def run(self, name: str, measure) -> None:
         if time.time() > self.deadline:
             return self.write(dict(case=name, skipped="not run within the budget"))
+        self.write(dict(case=name, started=time.time()))  # replaced by its result; alone: stopped while running
         bench_gpu.reset_peak_memory(self.device)
         try:
             result = measure()
@@ -105,7 +106,8 @@ class Cases:
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        print(f"  {record['case']}: {record.get('skipped') or 'done'}", flush=True)
+        status = "started" if "started" in record else record.get("skipped") or "done"
+        print(f"  {record['case']}: {status}", flush=True)
 
 
 def case_name(column: str, batch: int) -> str:
@@ -141,7 +143,6 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases) ->
         for column, compiled in OURS:
 
             def step(batch=batch, compiled=compiled, column=column) -> dict:
-                torch._dynamo.reset()  # each case compiles from its own first step, as a fresh run would
                 out = cases.path.parent / f"run-{batch}-{'compiled' if compiled else 'eager'}"
                 settings = dict(batch=batch, steps=steps, learning_rate=LEARNING_RATE, bf16=device == "cuda")
                 settings |= dict(beta=bench_gpu.BETA, torch_compile=compiled, loss_type=loss, save_steps=0)
@@ -161,6 +162,7 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases) ->
                     compile=state.get("compile"),
                 )
 
+            torch._dynamo.reset()  # each case compiles from its own first step, as a fresh run would
             cases.run(case_name(column, batch), step)
 
 
@@ -180,11 +182,12 @@ def trl_group(where: Path, model: str, loss: str, device: str, cases: Cases) -> 
         synchronize=sync,
     )
     lines = (where / "data.jsonl").read_text().splitlines(keepends=True)
-    for batch in BATCHES[device]:
-        n = steps * batch
-        data = cases.path.parent / f"data-{batch}.jsonl"
-        data.write_text("".join(lines[:n]))
-        for column, liger in TRL:
+    # the plain cases first: liger patches the model's module (its norms, MLP, rotary) for the rest of the process
+    for column, liger in TRL:
+        for batch in BATCHES[device]:
+            n = steps * batch
+            data = cases.path.parent / f"data-{batch}-{'liger' if liger else 'plain'}.jsonl"  # no reused reference
+            data.write_text("".join(lines[:n]))
             if liger and bench_gpu.liger_unavailable(device):
                 cases.write(dict(case=case_name(column, batch), skipped=bench_gpu.liger_unavailable(device)))
                 continue
@@ -216,7 +219,14 @@ def trl_group(where: Path, model: str, loss: str, device: str, cases: Cases) -> 
 
 
 def worker(name: str, work: Path, device: str, out: Path, deadline: float) -> dict:
-    """`TOOL_MODEL_LOSS`: that group's cases, into OUT/cases.jsonl."""
+    """`TOOL_MODEL_LOSS`: that group's cases, into OUT/cases.jsonl; `build`: every model and data set (in a process
+    of its own, so that the driver holds no GPU memory)."""
+    if name == "build":
+        for model in MODELS[device]:
+            for loss in LOSSES:
+                prepare(work, model, loss, device)
+        cpu = f"{harness.cpu_name()} ({torch.get_num_threads()} torch threads)"
+        return dict(device_name=torch.cuda.get_device_name(0) if device == "cuda" else cpu)
     tool, model, loss = name.split("_")
     cases = Cases(out, deadline, device)
 
@@ -232,11 +242,12 @@ def worker(name: str, work: Path, device: str, out: Path, deadline: float) -> di
 
 
 def mfu(flops: Flops, res: dict, batch: int, peak: float | None) -> float | None:
-    """Model FLOPs of steps 2..n's needed tokens over their time, against `peak` (None on a CPU)."""
+    """Model FLOPs of a step (the mean over steps 2..n's needed tokens) over the median step's time, against `peak`
+    (None on a CPU): a step that recompiled does not count, as in the median."""
     times = res["step_seconds"]
     if peak is None or len(times) < 2:
         return None
-    return flops.train(res["train_lengths"][batch:]) / sum(times[1:]) / peak
+    return flops.train(res["train_lengths"][batch:]) / (len(times) - 1) / harness.median_step(times) / peak
 
 
 def cell(res: dict | None, flops: Flops, batch: int, peak: float | None) -> str:
@@ -244,9 +255,14 @@ def cell(res: dict | None, flops: Flops, batch: int, peak: float | None) -> str:
         return "not run within the budget"
     if "skipped" in res:
         return res["skipped"]
+    if "started" in res:
+        return "stopped at the budget's end while running"
     value = mfu(flops, res, batch, peak)
     text = f"{harness.median_step(res['step_seconds']):.4f} s"
     text += f", {value:.1%} MFU" if value is not None else ""
+    compiled = res.get("compile") or {}
+    text += " (ran eagerly: compiling failed)" if compiled.get("eager_fallback") else ""
+    text += " (some shapes eagerly: past the recompile limit)" if compiled.get("recompile_limit") else ""
     return f"{text}, {res['train_peak_mib']:,.0f} MiB"
 
 
@@ -258,12 +274,13 @@ def tokens_per_step(res: dict | None, batch: int) -> int | None:
     return round(sum(sum(r) for r in rows) / max(len(rows) // batch, 1))
 
 
-def render(results: dict, check: dict, device: str, seconds: float, argv: list[str]) -> str:
-    """The report: the check, a row per (model, loss, batch), the reference passes, the goals."""
-    peak = PEAK_FLOPS_CUDA if device == "cuda" else None
+def render(results: dict, check: dict, device: str, peak: float | None, seconds: float, argv: list[str]) -> str:
+    """The report: the check, a row per (model, loss, batch), the reference passes, the goals (`peak`: the device's
+    FLOP/s for MFU, None on a CPU)."""
     command = " ".join(["python benchmarks/bench_gpu_matrix.py", *argv])
     lines = [HEADING, "", f"- command: `{command}`" + (" (`make bench-gpu`)" if device == "cuda" else "")]
     name = next((r.get("device_name") for r in [check, *results.values()] if r.get("device_name")), "unknown")
+    peak_text = f"MFU against {peak / 1e12:g}e12 FLOP/s" if peak else "no MFU on a CPU"
     lines += [f"- date: {harness.utc_stamp()}; total time {seconds:.0f} s; device: {name} ({device})"]
     lines += [f"- versions: {harness.versions('kto-pipeline', 'torch', 'transformers', 'trl')}"]
     lines += [
@@ -273,7 +290,8 @@ def render(results: dict, check: dict, device: str, seconds: float, argv: list[s
         + "".join(f"on for {m} (every tool), " for m in MODELS[device] if CHECKPOINTING.get(m))
         + "off otherwise; steps: "
         + ", ".join(f"{m} {STEPS[m]} (max_length {MAX_LENGTH[m]})" for m in MODELS[device])
-        + "; a cell: median step of steps 2..n, MFU, peak memory"
+        + f"; a cell: the median step of steps 2..n, its MFU (model FLOPs as bench_gpu.py counts them, {peak_text}), "
+        + "peak memory"
     ]
     exact = check.get("step_one") and all(v == 0 for v in check["step_one"].values())
     lines += ["", "## The default path's step-1 check", ""]
@@ -296,7 +314,7 @@ def render(results: dict, check: dict, device: str, seconds: float, argv: list[s
                 goal_rows += goal_lines(model, loss, batch, got, ratio, flops[loss], peak, tokens)
     lines += ["", "## Training steps", "", *harness.table(header, rows), ""]
     lines += ["`x` > 1: kto-pipeline compiled is faster than trl's best setting that ran (its fastest step).", ""]
-    lines += ["## Reference passes: needed tokens/s", "", *reference_table(results, device), ""]
+    lines += ["## Reference passes: needed tokens/s", "", *reference_table(results, device, peak), ""]
     goal_rows.append(("step-1 rewards exactly 0 in bf16, the default path", "yes" if exact else "NO", bool(exact)))
     lines += ["## Against the goals", "", *harness.goals_table(*goal_rows), ""]
     return "\n".join(lines)
@@ -337,9 +355,8 @@ def goal_lines(model, loss, batch, got, ratio, flops, peak, tokens) -> list[tupl
     return out
 
 
-def reference_table(results: dict, device: str) -> list[str]:
+def reference_table(results: dict, device: str, peak: float | None) -> list[str]:
     """Needed tokens/s (and MFU on a GPU) of each tool's reference pass; trl's at precompute_ref_batch_size = batch."""
-    peak = PEAK_FLOPS_CUDA if device == "cuda" else None
     header = "| model | loss | kto-pipeline | " + " | ".join(f"trl precomputed @ {b}" for b in BATCHES[device]) + " |"
     rows = []
     for model in MODELS[device]:
@@ -350,7 +367,8 @@ def reference_table(results: dict, device: str) -> list[str]:
             for (case,) in cases:
                 res = results.get((model, loss, case))
                 if not res or "ref_seconds" not in res:
-                    cells.append(res.get("skipped", "-") if res else "not run within the budget")
+                    stopped = "stopped at the budget's end while running" if res and "started" in res else "-"
+                    cells.append(res.get("skipped", stopped) if res else "not run within the budget")
                     continue
                 tokens = sum(sum(r) for r in res["ref_lengths"])
                 text = f"{tokens / res['ref_seconds']:,.0f}"
@@ -392,6 +410,8 @@ def main() -> None:
     budget_help = "seconds the whole run may take (building, the check, the cases); what does not fit: not run"
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help=budget_help)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # worker: when to stop starting cases
+    peak_help = "the device's bf16 dense peak for MFU (H100 and H200 SXM: 989)"
+    parser.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help=peak_help)
     args = parser.parse_args()
     work = Path(args.work or harness.WORK_DIR / f"gpu-matrix-{args.device}")
     if args.mode == "worker":
@@ -402,17 +422,19 @@ def main() -> None:
     started, ends = time.perf_counter(), time.time() + args.budget_s
     harness.fresh_runs(work)
     print(f"building the models and data in {work} ...", flush=True)
-    for model in MODELS[args.device]:
-        for loss in LOSSES:
-            prepare(work, model, loss, args.device)
+    env = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"} if args.device == "cpu" else {}
+    built = harness.run_worker(Path(__file__), "build", work, ["--device", args.device], env=env)
     first = MODELS[args.device][0]
     check_flags = ["--preset", first, "--device", args.device]
     check_name = "step_one_default_compiled" if args.device == "cuda" else "step_one_default"
+    where = group_work(work, first, "kto")
     check = harness.run_worker(
-        Path(bench_gpu.__file__), check_name, group_work(work, first, "kto"), check_flags, must_succeed=False
+        Path(bench_gpu.__file__), check_name, where, check_flags, must_succeed=False, timeout=ends - time.time()
     )
+    check.setdefault("device_name", built["device_name"])
     results = run_groups(work, args.device, ends)
-    report = render(results, check, args.device, time.perf_counter() - started, sys.argv[1:])
+    peak = args.peak_tflops * 1e12 if args.device == "cuda" else None
+    report = render(results, check, args.device, peak, time.perf_counter() - started, sys.argv[1:])
     harness.publish_run(report, harness.default_results(args.results, args.device == "cuda", "RESULTS-gpu.md"))
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import cli_args, launch, read_metrics, train_config
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from kto_pipeline import train
 
@@ -70,11 +70,11 @@ class _WeightCasts(TorchDispatchMode):
 
 
 def _casts_and_metrics(tmp_path: Path, cache, name: str, monkeypatch, keep: bool) -> tuple[Counter, list[dict]]:
-    """A bf16 run of STEPS optimizer steps, 2 micro-batches each, counting the decoder layers' weight casts."""
+    """A bf16 run of STEPS optimizer steps, 2 micro-batches each, counting the decoder layers' weight casts (the
+    counting mode on from the policy's loading to the run's end, and undone with the patches before returning)."""
     from kto_pipeline.runtime.engines.base import Engine
     from kto_pipeline.stages.train import stage
 
-    monkeypatch.setattr(Engine, "caches_whole_casts", keep)
     setup, counted = stage.setup, {}
 
     def watched_setup(*args, **kwargs):  # the mode starts once the policy is loaded (its parameters' addresses)
@@ -84,13 +84,15 @@ def _casts_and_metrics(tmp_path: Path, cache, name: str, monkeypatch, keep: bool
         mode.__enter__()
         return run
 
-    monkeypatch.setattr(stage, "setup", watched_setup)
     config = train_config(cache, tmp_path / name, per_device_train_batch_size=2, gradient_accumulation_steps=2, **RUN)
-    try:
-        train(dataclasses.replace(config, bf16=True))
-    finally:
-        if "mode" in counted:
-            counted["mode"].__exit__(None, None, None)
+    with monkeypatch.context() as patched:
+        patched.setattr(Engine, "caches_whole_casts", keep)
+        patched.setattr(stage, "setup", watched_setup)
+        try:
+            train(dataclasses.replace(config, bf16=True))
+        finally:
+            if "mode" in counted:
+                counted["mode"].__exit__(None, None, None)
     return counted["mode"].counts, read_metrics(tmp_path / name)
 
 
@@ -114,3 +116,56 @@ def test_bf16_weights_are_cast_once_an_optimizer_step_with_the_same_numbers(tmp_
     for a, b in zip(kept, plain, strict=True):
         for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "grad_norm", "logps/chosen"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    assert _get_current_dispatch_mode_stack() == []  # the counting is over: no mode left for the next tests
+
+
+@pytest.mark.slow
+def test_ddp_under_bf16_accumulates_as_one_process(tmp_path, small_cache):
+    """2 DDP processes under bf16 autocast with 2 micro-batches a step (the weights cast once a step, the casts'
+    gradients all-reduced once) train as one process accumulating the same rows."""
+    args = cli_args(cache=small_cache, output_dir=tmp_path / "ddp", per_device_train_batch_size=2)
+    args += cli_args(gradient_accumulation_steps=2, **RUN)
+    launch(2, "train", *args, "--bf16", log_dir=tmp_path / "logs")
+    config = train_config(small_cache, tmp_path / "one", per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    train(dataclasses.replace(config, bf16=True, **RUN))
+    two, one = read_metrics(tmp_path / "ddp"), read_metrics(tmp_path / "one")
+    assert len(one) == len(two) == STEPS
+    for a, b in zip(two, one, strict=True):
+        for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-4), (a["step"], key)
+
+
+def test_step_casts_hold_a_cast_only_while_open_and_give_the_model_back_as_it_was():
+    """StepCasts on a tiny Llama under bf16: the layers' linear weights cast at `open`, the same values autocast
+    casts; none outside a step, none where autocast is off; after the run the layers' own forward is back (the model
+    pickles) and a sharded engine or gradient checkpointing leaves the model alone."""
+    import pickle
+    from types import SimpleNamespace
+
+    from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
+    from kto_pipeline.runtime.precision import STEP_CAST, StepCasts, policy_regime
+
+    model = build_tiny_model(build_char_tokenizer())
+    regime, whole = policy_regime(True, False), SimpleNamespace(caches_whole_casts=True)
+    plain = SimpleNamespace(gradient_checkpointing=False)
+    with StepCasts(SimpleNamespace(model=model), regime, whole, plain) as casts:
+        assert len(casts.linears) == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
+        linear = casts.linears[0]
+        x = torch.randn(3, linear.in_features)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = linear(x)
+            casts.open()
+            weight, bias = linear.__dict__[STEP_CAST]
+            assert weight.dtype == torch.bfloat16 and torch.equal(weight, linear.weight.to(torch.bfloat16))
+            assert torch.equal(linear(x), want)  # the same values as autocast's own cast
+        assert linear(x).dtype == torch.float32  # autocast off: the float32 weights, cast or not
+        casts.close()
+        assert STEP_CAST not in linear.__dict__
+    assert "forward" not in linear.__dict__
+    pickle.loads(pickle.dumps(model))
+    for engine, config in (
+        (SimpleNamespace(caches_whole_casts=False), plain),
+        (whole, SimpleNamespace(gradient_checkpointing=True)),
+    ):
+        assert StepCasts(SimpleNamespace(model=model), regime, engine, config).linears == []
+    assert StepCasts(SimpleNamespace(model=model), policy_regime(False, False), whole, plain).linears == []

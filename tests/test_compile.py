@@ -258,6 +258,10 @@ def test_compiled_layers_under_bf16_take_their_weights_cast_once_a_step(tmp_path
         settings = dict(max_steps=3, bf16=True, attention_kernel="dense", torch_compile=name != "eager")
         train(train_config(cache, runs[name], **settings))
     assert "eager" not in graphs
+    states = {name: json.loads((runs[name] / "trainer_state.json").read_text())["compile"] for name in graphs}
+    for state in states.values():
+        assert state["graph_breaks"] == 0 and "eager_fallback" not in state, state
+    assert states["once a step"]["recompiles"] <= states["once a call"]["recompiles"], states
     per_step, per_call = _weight_casts(graphs["once a step"]), _weight_casts(graphs["once a call"])
     print("casts of float32 weights inside the compiled graphs: once a step", per_step, "once a call", per_call)
     assert per_step == 0 and per_call >= 7  # a tiny Llama layer's 7 linear weights

@@ -121,9 +121,10 @@ STEP_CAST = "_kto_step_cast"  # on a decoder layer's nn.Linear while a step is o
 
 
 def _linear_with_step_cast(self, input: torch.Tensor) -> torch.Tensor:
-    """nn.Linear's forward, on the weight and bias cast once for the step where a `StepCasts` holds them."""
+    """nn.Linear's forward, on the weight and bias cast once for the step where a `StepCasts` holds them (and
+    autocast is on: a model that turns it off around a layer gets the float32 weights)."""
     cast = self.__dict__.get(STEP_CAST)
-    if cast is None:
+    if cast is None or not torch.is_autocast_enabled(input.device.type):
         return torch.nn.functional.linear(input, self.weight, self.bias)
     return torch.nn.functional.linear(input, cast[0], cast[1])
 
@@ -162,7 +163,10 @@ class StepCasts:
         return self
 
     def __exit__(self, *exc) -> None:
+        """The run's end: the casts dropped and the layers' own forward back (the model pickles as it loaded)."""
         self.close()
+        for linear in self.linears:
+            linear.__dict__.pop("forward", None)
 
     def open(self) -> None:
         """At a micro-batch's start: the casts for the step, if not made yet (idempotent)."""
