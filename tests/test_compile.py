@@ -274,3 +274,31 @@ def test_compiled_layers_under_bf16_take_their_weights_cast_once_a_step(tmp_path
         # dense mask moves step 1's KL off 0 by ~1e-4, where the compiled layers run them with their prompts again)
         for key in keys[:-1]:
             assert a[key] == pytest.approx(c[key], rel=1e-3, abs=1e-6), key
+
+
+def test_compiled_layers_with_gradient_checkpointing_stay_compiled_with_step_one_exact(tmp_path):
+    """--torch-compile with --gradient-checkpointing (what a large model needs): the layers compile (torch.compile
+    takes the checkpoint without the eager recomputation's attention context, the attention being in the graph), no
+    fallback, step 1 exactly the reference with both stages compiled in bf16, the losses of the run without
+    checkpointing."""
+    from kto_pipeline import PrecomputeConfig, precompute, train
+
+    model_dir = _tiny_model_dir(tmp_path)
+    data = write_jsonl(tmp_path / "data.jsonl", unpaired_rows(16))
+    settings = dict(bf16=True, attention_kernel="dense", torch_compile=True)
+    config = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / "cache"), max_length=64)
+    cache = precompute(dataclasses.replace(config, **settings))
+    runs = {}
+    for checkpointing in (True, False):
+        runs[checkpointing] = tmp_path / f"run-{checkpointing}"
+        run = train_config(cache, runs[checkpointing], max_steps=2, **settings)
+        train(dataclasses.replace(run, gradient_checkpointing=checkpointing))
+    state = json.loads((runs[True] / "trainer_state.json").read_text())
+    assert state["compile"]["graphs"] > 0 and state["compile"]["graph_breaks"] == 0, state["compile"]
+    assert "eager_fallback" not in state["compile"], state["compile"]
+    with_checkpoints, without = read_metrics(runs[True]), read_metrics(runs[False])
+    assert with_checkpoints[0]["rewards/chosen"] == 0 == with_checkpoints[0]["rewards/rejected"]
+    assert with_checkpoints[0]["kl"] == 0 and with_checkpoints[0]["loss"] == 0.5
+    for a, b in zip(with_checkpoints, without, strict=True):
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key

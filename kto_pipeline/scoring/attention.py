@@ -274,6 +274,25 @@ def checkpointing_kwargs(model) -> dict:
     return {"use_reentrant": False, "context_fn": context_fn}
 
 
+def enable_checkpointing(model) -> None:
+    """Gradient checkpointing for `model`'s layers, each recomputation attending as its forward did
+    (`checkpointing_kwargs`). A compiled layer traces its attention into its graph (a graph per implementation,
+    which its recomputation replays) and torch.compile refuses a `context_fn` that is not selective checkpointing's:
+    while compiling, the layers checkpoint without it; eagerly (no compile, or a compiled layer's eager fallback)
+    with it."""
+    kwargs = checkpointing_kwargs(model)
+
+    def checkpointed(function, *args, **more):
+        if torch.compiler.is_compiling():
+            return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **more)
+        return torch.utils.checkpoint.checkpoint(function, *args, **kwargs, **more)
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in model.modules():
+        if hasattr(module, "_gradient_checkpointing_func"):  # what transformers set on each layer
+            module._gradient_checkpointing_func = checkpointed
+
+
 @contextmanager
 def attending_with(model, kernel: str):
     """Within the block, `model` attends with the implementation of `kernel` ("dense": its own); restored on exit."""

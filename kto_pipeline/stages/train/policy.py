@@ -19,7 +19,7 @@ from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.models import load_model, load_tokenizer
 from kto_pipeline.rundir import InitPoint, read_init_point
 from kto_pipeline.runtime.launch import print0
-from kto_pipeline.scoring.attention import checkpointing_kwargs
+from kto_pipeline.scoring.attention import enable_checkpointing
 
 
 def init_point(config: TrainConfig, manifest: Manifest, accelerator) -> InitPoint | None:
@@ -96,7 +96,7 @@ def ready_to_train(model, config: TrainConfig, init: InitPoint | None = None):
         tower.requires_grad_(False)
     if config.gradient_checkpointing:
         # recompute each layer's activations in the backward instead of keeping them
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
+        enable_checkpointing(model)
     if init is not None and init.kind == "adapter":
         from peft import PeftModel
 
