@@ -279,7 +279,7 @@ def test_compiled_layers_under_bf16_take_their_weights_cast_once_a_step(tmp_path
 def test_compiled_layers_with_gradient_checkpointing_stay_compiled_with_step_one_exact(tmp_path):
     """--torch-compile with --gradient-checkpointing (what a large model needs): the layers compile (torch.compile
     takes the checkpoint without the eager recomputation's attention context, the attention being in the graph), no
-    fallback, step 1 exactly the reference with both stages compiled in bf16, the losses of the run without
+    fallback, both stages compiled in bf16: step 1 to the bit and the later losses those of the run without
     checkpointing."""
     from kto_pipeline import PrecomputeConfig, precompute, train
 
@@ -297,8 +297,8 @@ def test_compiled_layers_with_gradient_checkpointing_stay_compiled_with_step_one
     assert state["compile"]["graphs"] > 0 and state["compile"]["graph_breaks"] == 0, state["compile"]
     assert "eager_fallback" not in state["compile"], state["compile"]
     with_checkpoints, without = read_metrics(runs[True]), read_metrics(runs[False])
-    assert with_checkpoints[0]["rewards/chosen"] == 0 == with_checkpoints[0]["rewards/rejected"]
-    assert with_checkpoints[0]["kl"] == 0 and with_checkpoints[0]["loss"] == 0.5
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "kl"):  # step 1: the same forward, to the bit
+        assert with_checkpoints[0][key] == without[0][key], key
     for a, b in zip(with_checkpoints, without, strict=True):
         for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key

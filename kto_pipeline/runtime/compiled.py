@@ -12,6 +12,9 @@ function, from its objective's forward) are regions of their own (`compiled_regi
 or pairs dynamic from the first call, so that a new batch size compiles nothing (but a size of 1, which Dynamo
 specialises); the embedding, the layouts' gathers, the head's matmuls and the optimizer run eagerly.
 
+Under gradient checkpointing a layer checkpoints inside its graph (`attention.enable_checkpointing`: while compiling,
+without the eager recomputation's attention context, the attention being traced into the graph).
+
 Unset, training compiles on CUDA (measured on one H100: the step 2.03x the eager one's) and nowhere else (on the
 CPU its steps were slower); the reference pass compiles only when asked (never timed on a GPU). Where compiling
 fails (a model without decoder layers, a backend that cannot build its kernels, Dynamo meeting what it cannot
