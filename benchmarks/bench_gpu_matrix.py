@@ -302,19 +302,19 @@ def render(results: dict, check: dict, device: str, peak: float | None, seconds:
         lines += [f"- failed: {check.get('failed', 'did not run')}"]
     header = "| model | loss | batch | needed tokens a step | " + " | ".join(COLUMNS) + " | compiled vs trl's best |"
     rows, goal_rows = [], []
+    flops = {(m, loss): Flops(preset_of(m, loss, device)) for m in MODELS[device] for loss in LOSSES}
     for model in MODELS[device]:
-        flops = {loss: Flops(preset_of(model, loss, device)) for loss in LOSSES}
         for loss in LOSSES:
             for batch in BATCHES[device]:
                 got = {c: results.get((model, loss, case_name(c, batch))) for c in COLUMNS}
                 tokens = next((tokens_per_step(r, batch) for r in got.values() if tokens_per_step(r, batch)), None)
-                cells = [cell(got[c], flops[loss], batch, peak) for c in COLUMNS]
+                cells = [cell(got[c], flops[model, loss], batch, peak) for c in COLUMNS]
                 ratio = speedup(got)
                 rows.append((model, loss, batch, tokens or "-", *cells, f"{ratio:.2f}x" if ratio else "-"))
-                goal_rows += goal_lines(model, loss, batch, got, ratio, flops[loss], peak, tokens)
+                goal_rows += goal_lines(model, loss, batch, got, ratio, flops[model, loss], peak, tokens)
     lines += ["", "## Training steps", "", *harness.table(header, rows), ""]
     lines += ["`x` > 1: kto-pipeline compiled is faster than trl's best setting that ran (its fastest step).", ""]
-    lines += ["## Reference passes: needed tokens/s", "", *reference_table(results, device, peak), ""]
+    lines += ["## Reference passes: needed tokens/s", "", *reference_table(results, device, flops, peak), ""]
     goal_rows.append(("step-1 rewards exactly 0 in bf16, the default path", "yes" if exact else "NO", bool(exact)))
     lines += ["## Against the goals", "", *harness.goals_table(*goal_rows), ""]
     return "\n".join(lines)
@@ -355,16 +355,16 @@ def goal_lines(model, loss, batch, got, ratio, flops, peak, tokens) -> list[tupl
     return out
 
 
-def reference_table(results: dict, device: str, peak: float | None) -> list[str]:
-    """Needed tokens/s (and MFU on a GPU) of each tool's reference pass; trl's at precompute_ref_batch_size = batch."""
+def reference_table(results: dict, device: str, flops: dict, peak: float | None) -> list[str]:
+    """Needed tokens/s (and MFU on a GPU) of each tool's reference pass; trl's at precompute_ref_batch_size = batch.
+    `flops`: (model, loss) -> its Flops."""
     header = "| model | loss | kto-pipeline | " + " | ".join(f"trl precomputed @ {b}" for b in BATCHES[device]) + " |"
     rows = []
     for model in MODELS[device]:
         for loss in LOSSES:
-            flops = Flops(preset_of(model, loss, device))
-            cases = [("kto-pipeline reference pass",), *((case_name("trl precomputed", b),) for b in BATCHES[device])]
+            cases = ["kto-pipeline reference pass", *(case_name("trl precomputed", b) for b in BATCHES[device])]
             cells = []
-            for (case,) in cases:
+            for case in cases:
                 res = results.get((model, loss, case))
                 if not res or "ref_seconds" not in res:
                     stopped = "stopped at the budget's end while running" if res and "started" in res else "-"
@@ -373,7 +373,7 @@ def reference_table(results: dict, device: str, peak: float | None) -> list[str]
                 tokens = sum(sum(r) for r in res["ref_lengths"])
                 text = f"{tokens / res['ref_seconds']:,.0f}"
                 if peak:
-                    text += f" ({flops.reference(res['ref_lengths']) / res['ref_seconds'] / peak:.1%} MFU)"
+                    text += f" ({flops[model, loss].reference(res['ref_lengths']) / res['ref_seconds'] / peak:.1%} MFU)"
                 cells.append(text)
             rows.append((model, loss, *cells))
     return harness.table(header, rows)

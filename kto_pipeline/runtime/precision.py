@@ -151,10 +151,9 @@ class StepCasts:
     def __init__(self, scorer: torch.nn.Module, regime: Regime, engine, config):
         """For training's steps on `scorer` (the policy, as its engine wrapped it): `engine` (its
         `caches_whole_casts`), `config` (gradient checkpointing)."""
-        whole = engine.caches_whole_casts and not config.gradient_checkpointing
-        self.active = regime.autocast is not None and whole
-        self.dtype = WEIGHT_DTYPES[regime.autocast] if self.active else None
-        self.linears = _decoder_linears(scorer) if self.active else []
+        active = regime.autocast is not None and engine.caches_whole_casts and not config.gradient_checkpointing
+        self.dtype = WEIGHT_DTYPES[regime.autocast] if active else None
+        self.linears = _decoder_linears(scorer) if active else []
         for linear in self.linears:
             linear.forward = _linear_with_step_cast.__get__(linear)
         self.open_now = False

@@ -31,7 +31,7 @@ class Engine:
     state_holds_weights = False  # the engine's checkpoint state holds the weights (else: the HF files beside it)
     holds_whole_model = True  # each process holds the whole model (else it is gathered to be saved or merged)
     activation_checkpointing = False  # the launch config asks for gradient checkpointing
-    caches_whole_casts = True  # the forward's autocast caches casts of whole weights (`precision.StepCasts`)
+    caches_whole_casts = True  # a step may keep casts of the whole weights, under torch.autocast (`StepCasts`)
 
     @staticmethod
     def gathers_in_forward(module: torch.nn.Module) -> bool:
