@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pytest
@@ -135,21 +136,89 @@ def test_passing_the_recompile_limit_is_said_with_its_reason(tmp_path, capsys):
     assert state["compile"]["recompile_limit"], state["compile"]
 
 
+def _asked(torch_compile: bool | None, mode: str = "default", static: bool = False) -> SimpleNamespace:
+    """The options `compile_layers` reads (train's and precompute's alike)."""
+    return SimpleNamespace(torch_compile=torch_compile, torch_compile_mode=mode, static_shapes=static)
+
+
+ONE_PROCESS = SimpleNamespace(name="single", fixed_parameter_addresses=True, caches_whole_casts=True)
+
+
 def test_unset_compiles_training_on_cuda_only_and_a_model_without_layers_runs_eagerly():
     import torch
 
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
     from kto_pipeline.runtime.compiled import TRAIN_COMPILES_ON, compile_layers
 
-    said = []
+    said, cpu, cuda = [], torch.device("cpu"), torch.device("cuda")
     model = build_tiny_model(build_char_tokenizer())
-    assert compile_layers(model, None, torch.device("cpu"), said.append, TRAIN_COMPILES_ON) is None
-    assert compile_layers(model, None, torch.device("cuda"), said.append) is None  # precompute: only when asked
-    stats = compile_layers(model, None, torch.device("cuda"), said.append, TRAIN_COMPILES_ON)
+    assert compile_layers(model, _asked(None), cpu, ONE_PROCESS, said.append, TRAIN_COMPILES_ON) is None
+    assert compile_layers(model, _asked(None), cuda, ONE_PROCESS, said.append) is None  # precompute: when asked
+    stats = compile_layers(model, _asked(None), cuda, ONE_PROCESS, said.append, TRAIN_COMPILES_ON)
     assert stats is not None and said[-1].endswith("(on by default on cuda; --no-torch-compile runs eagerly)")
+    assert stats.mode == "default" and not stats.cuda_graphs and "mode" not in stats.report()
     model.model.layers = torch.nn.ModuleList()
-    assert compile_layers(model, True, torch.device("cpu"), said.append) is None
+    assert compile_layers(model, _asked(True), cpu, ONE_PROCESS, said.append) is None
     assert "has no decoder layers" in said[-1] and said[-1].endswith("running eagerly")
+
+
+def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each_step_but_the_kl_forward(
+    monkeypatch, request
+):
+    """--torch-compile-mode reduce-overhead / max-autotune (CUDA graphs): compiling is on without --torch-compile,
+    static shapes with it; an engine that moves the parameters compiles without CUDA graphs; a forward begins a new
+    step of CUDA graph trees except training's KL forward (no gradients, its micro-batch's backward to come); the
+    layers' weights are not cast once a step (inside a graph a cast costs no launch); the report counts the graphs
+    compiled without CUDA graphs, with inductor's reasons."""
+    import torch
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    from kto_pipeline.config.train import TrainConfig
+    from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
+    from kto_pipeline.errors import KTOPipelineError
+    from kto_pipeline.runtime import compiled
+    from kto_pipeline.runtime.precision import StepCasts, policy_regime
+    from kto_pipeline.scoring.attention import attention_costs
+
+    with pytest.raises(KTOPipelineError, match="drop --no-torch-compile"):
+        TrainConfig(cache="c", output_dir="o", torch_compile=False, torch_compile_mode="reduce-overhead")
+    with pytest.raises(KTOPipelineError, match="must be one of default, reduce-overhead"):
+        TrainConfig(cache="c", output_dir="o", torch_compile_mode="fast")
+
+    said, cuda = [], torch.device("cuda")
+    model = build_tiny_model(build_char_tokenizer())
+    limit = torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit)  # static raises it
+    limit.__enter__()
+    request.addfinalizer(lambda: limit.__exit__(None, None, None))
+    stats = compiled.compile_layers(model, _asked(None, "reduce-overhead"), cuda, ONE_PROCESS, said.append)
+    assert stats is not None and stats.cuda_graphs and stats.mode == "reduce-overhead", said
+    assert attention_costs(model, torch.device("cpu")).static, said
+    assert any("--static-shapes is on" in line for line in said), said
+    assert said[-1].endswith("compiled region(s), mode reduce-overhead")
+    plain = SimpleNamespace(gradient_checkpointing=False)
+    assert StepCasts(SimpleNamespace(model=model), policy_regime(True, False), ONE_PROCESS, plain).linears == []
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    backbone = model.model
+    for training, grad, marked in ((True, True, 1), (True, False, 0), (False, False, 1), (False, True, 1)):
+        marks.clear()
+        with torch.set_grad_enabled(grad):
+            backbone.train(training)(torch.tensor([[1, 2, 3]]))  # the hook on the backbone's forward
+        assert len(marks) == marked, (training, grad)
+
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1 instances)")
+    report = stats.report()
+    assert report["mode"] == "reduce-overhead" and report["cudagraph_skips"] >= 1, report
+    assert report["cudagraph_skip_reasons"] == ["skipping cudagraphs due to mutated inputs (1 instances)"], report
+
+    sharded = SimpleNamespace(name="fsdp2", fixed_parameter_addresses=False)
+    for mode, without in (("reduce-overhead", "default"), ("max-autotune", "max-autotune-no-cudagraphs")):
+        model = build_tiny_model(build_char_tokenizer())
+        stats = compiled.compile_layers(model, _asked(None, mode, static=True), cuda, sharded, said.append)
+        assert stats.mode == without and not stats.cuda_graphs, said[-2:]
+        assert "fsdp2 moves the parameters" in said[-2] and "--static-shapes is on" not in said[-2]
+        assert not model.model._forward_pre_hooks  # no steps of CUDA graph trees to mark
 
 
 @pytest.mark.parametrize("kernel", ["by-tree", "dense"])
@@ -167,7 +236,7 @@ def test_compiled_layers_score_packed_as_padded_and_as_full_logits(kernel, monke
     model = make_model("llama")
     trees = random_trees(7)
     want = full_logits_logps(model, trees)  # eager, before compiling
-    assert compile_layers(model, True, torch.device("cpu"), print) is not None
+    assert compile_layers(model, _asked(True), torch.device("cpu"), ONE_PROCESS, print) is not None
     attention.request_attention_kernel(model, kernel, torch.device("cpu"))
     assert_same(padded_logps(model, trees), want)
     layout = layout_trees(trees, rows=[[0, 1, 2], [3], [4, 5, 6]], pad_id=5)
@@ -177,23 +246,33 @@ def test_compiled_layers_score_packed_as_padded_and_as_full_logits(kernel, monke
     torch.testing.assert_close(scores.logps, torch.stack([w.sum() for w in want]), atol=10 * ATOL, rtol=0)
 
 
-def test_static_shapes_compile_a_graph_a_shape_with_the_same_numbers(tmp_path):
-    """--static-shapes with compiled layers, both stages: a handful of static graphs, no recompile past the limit,
-    the losses of the run without static shapes, and the padding counted in the token efficiency."""
+def test_static_shapes_compile_a_graph_a_shape_with_the_same_numbers(tmp_path, monkeypatch):
+    """--static-shapes with compiled layers, both stages, as `--torch-compile-mode reduce-overhead` asks for it (CUDA
+    graphs, which a CPU skips): a handful of static graphs, no recompile past the limit, the losses of the run without
+    static shapes, and the padding counted in the token efficiency. A new step of CUDA graph trees is marked before
+    each forward but training's KL forward: once a micro-batch in training, once a forward in the reference pass."""
     import torch
 
     from kto_pipeline import PrecomputeConfig, precompute, train
 
     model_dir = _tiny_model_dir(tmp_path)
     data = write_jsonl(tmp_path / "data.jsonl", unpaired_rows(32))
-    runs, caches = {}, {}
+    runs, caches, marks, counted = {}, {}, {}, []
+    mark = torch.compiler.cudagraph_mark_step_begin
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: counted.append(1) or mark())
     for static in (False, True):
         torch._dynamo.reset()
-        settings = dict(attention_kernel="dense", torch_compile=True, static_shapes=static)
+        settings = dict(attention_kernel="dense", torch_compile=None if static else True)
+        if static:  # (a mode other than default compiles: --torch-compile unset)
+            settings["torch_compile_mode"] = "reduce-overhead"
         out = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / f"cache-{static}"))
+        counted.clear()
         caches[static] = precompute(dataclasses.replace(out, max_length=128, **settings))
+        marks[static, "precompute"] = len(counted)
+        counted.clear()
         runs[static] = tmp_path / f"run-{static}"
         train(train_config(caches[static], runs[static], max_steps=4, per_device_train_batch_size=6, **settings))
+        marks[static, "train"] = len(counted)
     for a, b in zip(read_metrics(runs[True]), read_metrics(runs[False]), strict=True):
         assert a.keys() == b.keys()  # (a step without undesirable rows logs no rewards/rejected)
         for key in {"loss", "grad_norm", "rewards/chosen", "rewards/rejected", "kl"} & a.keys():
@@ -204,6 +283,11 @@ def test_static_shapes_compile_a_graph_a_shape_with_the_same_numbers(tmp_path):
     timing = {s: json.loads((caches[s] / "manifest.json").read_text())["timing"] for s in caches}
     assert timing[True]["tokens_needed"] == timing[False]["tokens_needed"]
     assert timing[True]["tokens_executed"] > timing[False]["tokens_executed"]  # the padding up to the static shapes
+    assert state["compile"]["mode"] == "reduce-overhead" and state["compile"]["cudagraph_skips"] > 0, state["compile"]
+    assert timing[True]["compile"]["mode"] == "reduce-overhead" and timing[True]["compile"]["cudagraph_skips"] > 0
+    assert marks[False, "train"] == marks[False, "precompute"] == 0  # default mode: no CUDA graphs, no marks
+    assert marks[True, "train"] == 4, marks  # 4 steps of one micro-batch: their KL forwards not marked
+    assert marks[True, "precompute"] == 2 * 32 // out.batch_size, marks  # a forward a batch (2 sequences a row)
 
 
 def _weight_casts(graphs) -> int:

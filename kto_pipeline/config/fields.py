@@ -11,6 +11,7 @@ from types import NoneType, UnionType
 from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError, check_option, flag
+from kto_pipeline.runtime import COMPILE_MODES
 from kto_pipeline.scoring import ATTENTION_KERNELS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -115,6 +116,15 @@ class ConfigMixin:
     def describe(self) -> str:
         width = max(len(f.name) for f in dataclasses.fields(self))
         return "\n".join(f"  {f.name:<{width}}  {getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+def check_compile_mode(mode: str, torch_compile: bool | None) -> None:
+    check(mode in COMPILE_MODES, "torch_compile_mode", f"must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    check(
+        mode == "default" or torch_compile is not False,
+        "torch_compile_mode",
+        f"{mode} compiles the layers: drop --no-torch-compile, or leave the mode at default",
+    )
 
 
 def check_kernel(kernel: str) -> None:

@@ -14,10 +14,11 @@ from kto_pipeline.config.fields import (
     REFERENCE_PASS,
     ConfigMixin,
     check,
+    check_compile_mode,
     check_kernel,
     described,
 )
-from kto_pipeline.runtime import STATIC_SHAPES_HELP, TORCH_COMPILE_HELP
+from kto_pipeline.runtime import STATIC_SHAPES_HELP, TORCH_COMPILE_HELP, TORCH_COMPILE_MODE_HELP
 from kto_pipeline.scoring import ATTENTION_KERNEL_HELP
 
 
@@ -104,6 +105,7 @@ class PrecomputeConfig(ConfigMixin):
     )
     attention_kernel: str = field(default="auto", **described(ATTENTION_KERNEL_HELP, panel=REFERENCE_PASS))
     torch_compile: bool | None = field(default=None, **described(TORCH_COMPILE_HELP, panel=REFERENCE_PASS))
+    torch_compile_mode: str = field(default="default", **described(TORCH_COMPILE_MODE_HELP, panel=REFERENCE_PASS))
     static_shapes: bool = field(default=False, **described(STATIC_SHAPES_HELP, panel=REFERENCE_PASS))
     shard_size: int = field(default=2048, **described("Rows per Arrow shard.", panel=OUTPUT))
     revision: str | None = field(
@@ -151,6 +153,7 @@ class PrecomputeConfig(ConfigMixin):
         check(self.ddp_timeout >= 1, "ddp_timeout", f"must be at least 1 second, got {self.ddp_timeout}")
         check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         check_kernel(self.attention_kernel)
+        check_compile_mode(self.torch_compile_mode, self.torch_compile)
         check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
         check(self.num_proc >= 1, "num_proc", f"must be at least 1, got {self.num_proc}")
         check(

@@ -18,12 +18,13 @@ from kto_pipeline.config.fields import (
     SCHEDULERS,
     ConfigMixin,
     check,
+    check_compile_mode,
     check_kernel,
     described,
 )
 from kto_pipeline.objectives import check_loss_names, check_options
 from kto_pipeline.objectives.pairs import F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCE_TYPES, PAIR_LOSS_TYPES
-from kto_pipeline.runtime import STATIC_SHAPES_HELP, TORCH_COMPILE_HELP
+from kto_pipeline.runtime import STATIC_SHAPES_HELP, TORCH_COMPILE_HELP, TORCH_COMPILE_MODE_HELP
 from kto_pipeline.scoring import ATTENTION_KERNEL_HELP
 
 TRL_LORA_R = 16  # trl ModelConfig.lora_r default: the rank --use-peft trains without --lora-r
@@ -218,6 +219,7 @@ class TrainConfig(ConfigMixin):
     )
     attention_kernel: str = field(default="auto", **described(ATTENTION_KERNEL_HELP, panel=OPTIMISATION))
     torch_compile: bool | None = field(default=None, **described(TORCH_COMPILE_HELP, panel=OPTIMISATION))
+    torch_compile_mode: str = field(default="default", **described(TORCH_COMPILE_MODE_HELP, panel=OPTIMISATION))
     static_shapes: bool = field(default=False, **described(STATIC_SHAPES_HELP, panel=OPTIMISATION))
     freeze_vision_tower: bool = field(
         default=True,
@@ -315,6 +317,7 @@ class TrainConfig(ConfigMixin):
         check(not (self.init_from and self.model), "init_from", "cannot be combined with --model (choose one start)")
         self._check_loss()
         check_kernel(self.attention_kernel)
+        check_compile_mode(self.torch_compile_mode, self.torch_compile)
         check(self.desirable_weight > 0, "desirable_weight", f"must be > 0, got {self.desirable_weight}")
         check(self.undesirable_weight > 0, "undesirable_weight", f"must be > 0, got {self.undesirable_weight}")
         check(self.learning_rate >= 0, "learning_rate", f"must be >= 0, got {self.learning_rate}")

@@ -13,6 +13,8 @@ model, step and save; it never tests which engine runs.
 """
 
 # what `--torch-compile` says (both stages), here so that the command line reads it without loading torch
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
 STATIC_SHAPES_HELP = (
     "Pad every packed forward to one of a few fixed shapes (rows a power of two; width 64, 80, 96, 112, 128, 160, "
     "...: 4 sizes a doubling, at most 25% padding, counted in the token efficiency). With compiled layers each shape "
@@ -24,4 +26,12 @@ TORCH_COMPILE_HELP = (
     "first steps pay the compile, and training's KL completions run with their prompts again (no key/value cache in "
     "a compiled layer). Unset: train compiles on CUDA GPUs (measured 2x faster steps on an H100) and not on the CPU "
     "(slower there); precompute only when asked. Where compiling fails the run says why and runs eagerly."
+)
+TORCH_COMPILE_MODE_HELP = (
+    "torch.compile's mode for the decoder layers (transformers' torch_compile_mode): default, reduce-overhead (the "
+    "layers replayed as CUDA graphs on a CUDA GPU: a launch a layer call; implies --static-shapes, a graph a shape), "
+    "max-autotune (autotuned kernels and CUDA graphs), max-autotune-no-cudagraphs. A mode other than default turns "
+    "--torch-compile on. CUDA graphs run on one process or DDP (not FSDP2, DeepSpeed: they move the parameters), and "
+    "have never run on a GPU here; elsewhere the layers run as compiled kernels, and trainer_state.json / the "
+    "manifest count the graphs that skipped CUDA graphs."
 )

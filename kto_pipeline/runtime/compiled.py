@@ -20,6 +20,12 @@ CPU its steps were slower); the reference pass compiles only when asked (never t
 fails (a model without decoder layers, a backend that cannot build its kernels, Dynamo meeting what it cannot
 trace), every region runs eagerly from then on, the run says why, and the numbers are the eager run's.
 
+`--torch-compile-mode` (transformers' `torch_compile_mode`) is the layers' torch.compile mode. reduce-overhead and
+max-autotune replay the layers as CUDA graphs (CUDA graph trees: each layer's call one recorded graph, replayed with
+one launch; a path of them per shape, hence static shapes), where the parameters stay in place (one process, DDP).
+Each forward but training's KL forward begins a new step of the trees (`_new_step_of_graphs`). Never run on a GPU
+here: on a CPU inductor compiles the same graphs without CUDA graphs, and says so in `cudagraph_skips`.
+
 `CompileStats` reads Dynamo's counters over a stage: graphs compiled, graph breaks, recompiles (the layer compiled
 again for new guards: grad mode, a new shape) and seconds spent compiling; trainer_state.json and the cache's
 manifest record them as `compile`, with `eager_fallback` (why the layers ran eagerly) and `recompile_limit`
@@ -32,21 +38,26 @@ import logging
 from collections.abc import Callable
 
 from kto_pipeline.models import COMPILED_LAYERS, backbone_of, scorable
+from kto_pipeline.runtime import CUDA_GRAPH_MODES
 
 BACKEND = "inductor"  # torch.compile's backend for the layers (the tests swap in one that fails)
+WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 TRAIN_COMPILES_ON = ("cuda",)  # device types where training compiles when --torch-compile is unset
 STATIC_RECOMPILE_LIMIT = 64  # with --static-shapes, Dynamo's recompile limit is raised to this (a graph per shape)
 STATS = "_kto_compile_stats"  # on a model compiled by region: its CompileStats (the head and the loss ask it)
 
 
-def compile_layers(
-    model, asked: bool | None, device, say: Callable[[str], None], by_default=(), static: bool = False
-) -> CompileStats | None:
-    """Compile each decoder layer of `model` (`backbone.layers`) in place where `asked` (unset: where `device`'s
-    type is in `by_default`); Dynamo's counters from then on. None where the layers run eagerly. `static`
-    (`--static-shapes`): the model's packed layouts take static shapes, and each compiles as a static graph."""
+def compile_layers(model, config, device, engine, say: Callable[[str], None], by_default=()) -> CompileStats | None:
+    """Compile each decoder layer of `model` (`backbone.layers`) in place where `config.torch_compile` asks (unset:
+    where `config.torch_compile_mode` is not default, or `device`'s type is in `by_default`), in that mode;
+    Dynamo's counters from then on. None where the layers run eagerly. `config.static_shapes`, or a mode that
+    replays CUDA graphs: the model's packed layouts take static shapes, and each compiles as a static graph.
+    `engine`: whether its parameters stay in place (`fixed_parameter_addresses`), which CUDA graphs need."""
     from kto_pipeline.scoring.attention import request_static_shapes
 
+    mode, asked = config.torch_compile_mode, config.torch_compile
+    asked = asked if asked is not None or mode == "default" else True  # a mode compiles, as transformers'
+    static = config.static_shapes or mode in CUDA_GRAPH_MODES
     request_static_shapes(model, static)
     if not (asked if asked is not None else device.type in by_default):
         return None
@@ -57,20 +68,61 @@ def compile_layers(
             f"--torch-compile: {type(model).__name__} has no decoder layers (`layers` of its backbone); running eagerly"
         )
         return None
-    stats = CompileStats(backbone, say)
+    if mode in CUDA_GRAPH_MODES:
+        mode = _cuda_graph_mode(mode, config.static_shapes, device, engine, say)
+    stats = CompileStats(backbone, say, mode)
     if static:  # a graph per shape: up to STATIC_RECOMPILE_LIMIT of them before new shapes run eagerly
         import torch._dynamo
 
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, STATIC_RECOMPILE_LIMIT)
     for layer in layers:
-        layer.compile(backend=BACKEND, dynamic=False if static else None)
+        layer.compile(backend=BACKEND, dynamic=False if static else None, **_mode_option(mode))
         layer._compiled_call_impl = _guarded(layer._call_impl, layer._compiled_call_impl, stats)
+    if stats.cuda_graphs:
+        backbone.register_forward_pre_hook(_new_step_of_graphs)
     setattr(backbone, COMPILED_LAYERS, True)
     setattr(scorable(model), STATS, stats)
     why = "" if asked else f" (on by default on {device.type}; --no-torch-compile runs eagerly)"
     say(f"{stats}{why}")
     return stats
+
+
+def _cuda_graph_mode(mode: str, static_asked: bool, device, engine, say: Callable[[str], None]) -> str:
+    """The mode the layers compile in, where `mode` replays CUDA graphs: the same where the engine keeps the
+    parameters in place, else the mode without CUDA graphs; what it implies, said."""
+    if not engine.fixed_parameter_addresses:
+        say(
+            f"--torch-compile-mode {mode}: {engine.name} moves the parameters between forwards, which recorded CUDA "
+            f"graphs cannot follow; compiling in {WITHOUT_CUDA_GRAPHS[mode]} mode"
+        )
+        return WITHOUT_CUDA_GRAPHS[mode]
+    if not static_asked:
+        say(f"--torch-compile-mode {mode}: CUDA graphs are recorded a shape at a time, so --static-shapes is on")
+    if device.type != "cuda":
+        say(
+            f"--torch-compile-mode {mode}: CUDA graphs replay on CUDA GPUs only; on {device.type} the layers run as "
+            "compiled kernels"
+        )
+    return mode
+
+
+def _mode_option(mode: str) -> dict:
+    """torch.compile's `mode` argument: none for the default (a backend other than inductor takes no mode)."""
+    return {} if mode == "default" else {"mode": mode}
+
+
+def _new_step_of_graphs(backbone, args) -> None:
+    """Before a forward of a model whose layers replay CUDA graphs: a new step for CUDA graph trees
+    (`torch.compiler.cudagraph_mark_step_begin`), so that the layers' graphs of one forward chain into one recorded
+    path and what an earlier step's graphs returned may be overwritten. Not before training's KL forward (in training
+    mode, without gradients): its micro-batch's backward, which reads the first forward's graphs' outputs, is still to
+    run."""
+    import torch
+
+    if backbone.training and not torch.is_grad_enabled():
+        return
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def _guarded(eager_call, compiled_call, stats: CompileStats):
@@ -92,6 +144,13 @@ def _guarded(eager_call, compiled_call, stats: CompileStats):
 def compiled_region(owner, fn: Callable) -> Callable:
     """`fn` (the log-prob head, a loss) as a compiled region of the run where `owner`'s model was compiled by region
     (`owner`: the model, or a scorer wrapping it, as an engine may have wrapped it again), else `fn` itself."""
+    stats = stats_of(owner)
+    return fn if stats is None else stats.region(fn)
+
+
+def stats_of(owner) -> CompileStats | None:
+    """The CompileStats of the model `owner` is or wraps (a scorer, an engine's wrapper), where it was compiled by
+    region."""
     from torch.nn import Module
 
     while hasattr(owner, "module"):  # DistributedDataParallel, DeepSpeed's engine
@@ -99,7 +158,7 @@ def compiled_region(owner, fn: Callable) -> Callable:
     stats = getattr(scorable(owner), STATS, None)
     if stats is None and isinstance(getattr(owner, "model", None), Module):  # a scorer, or a causal LM's backbone
         stats = getattr(scorable(owner.model), STATS, None)
-    return fn if stats is None else stats.region(fn)
+    return stats
 
 
 def _dynamic_first_dims(*args) -> None:
@@ -116,6 +175,7 @@ def _counts() -> dict[str, float]:
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     return {
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],  # graphs compiled to replay CUDA graphs, not
         "graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": sum(counters["graph_break"].values()),
         "frames": counters["frames"]["total"],  # compilations of a frame: a region's first, then its recompiles
@@ -126,19 +186,25 @@ def _counts() -> dict[str, float]:
 class CompileStats:
     """Dynamo's counters from its making on (a process may compile before: FlexAttention's kernel, another stage),
     over the compiled regions: the decoder layers of `backbone`, then the head's and the loss's functions (`region`).
-    `regions`: the distinct regions called (a layer forward counts once for every layer of its kind)."""
+    `regions`: the distinct regions called (a layer forward counts once for every layer of its kind). `mode`: the
+    layers' torch.compile mode; the head and the loss compile in it without CUDA graphs (their shapes change from
+    batch to batch, and their outputs outlive a step's graphs: the metrics)."""
 
-    def __init__(self, backbone, say: Callable[[str], None] = print):
-        self.backbone, self.say = backbone, say
+    def __init__(self, backbone, say: Callable[[str], None] = print, mode: str = "default"):
+        self.backbone, self.say, self.mode = backbone, say, mode
+        self.cuda_graphs = mode in CUDA_GRAPH_MODES  # the layers replay CUDA graphs (where the device has them)
         self.layers, self.regions = len(backbone.layers), len({type(layer).forward for layer in backbone.layers})
         self.eager_fallback: str | None = None
         self.recompile_limit: str | None = None
+        self.cudagraph_skip_reasons: list[str] = []  # inductor's reasons for compiling a graph without CUDA graphs
         self.compiled_regions: dict[Callable, Callable] = {}  # the head and the loss, each compiled once (`region`)
         self.start = _counts()
-        _RecompileLimit.watch(self)
+        _Heard.watch(_Heard.RECOMPILES, self.recompiled)
+        _Heard.watch(_Heard.CUDA_GRAPHS, self.cuda_graphs_skipped)
 
     def __str__(self) -> str:
-        return f"torch.compile: {self.layers} decoder layers, {self.regions} compiled region(s)"
+        mode = "" if self.mode == "default" else f", mode {self.mode}"
+        return f"torch.compile: {self.layers} decoder layers, {self.regions} compiled region(s){mode}"
 
     def region(self, fn: Callable) -> Callable:
         """`fn` compiled (once for the stage), with a fallback to `fn` itself, and every region eager, where compiling
@@ -148,7 +214,8 @@ class CompileStats:
         if fn not in self.compiled_regions:
             import torch
 
-            compiled, called = torch.compile(fn, backend=BACKEND), False
+            mode = _mode_option(WITHOUT_CUDA_GRAPHS.get(self.mode, self.mode))
+            compiled, called = torch.compile(fn, backend=BACKEND, **mode), False
 
             def compiled_call(*args, **kwargs):
                 nonlocal called
@@ -170,8 +237,11 @@ class CompileStats:
         setattr(self.backbone, COMPILED_LAYERS, False)
         self.say(f"--torch-compile: compiling failed; running eagerly ({self.eager_fallback})")
 
-    def limit_reached(self, message: str) -> None:
-        """Dynamo passed its recompile limit: new shapes run eagerly (the same numbers, slower); the last reason."""
+    def recompiled(self, message: str) -> None:
+        """Dynamo's warning: where it passed its recompile limit, new shapes run eagerly (the same numbers, slower);
+        the last reason, said and recorded."""
+        if "recompile_limit" not in message and "cache_size_limit" not in message:
+            return
         lines = [line.strip() for line in message.splitlines()]
         reason = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("last reason")), message)
         self.recompile_limit = reason
@@ -183,9 +253,17 @@ class CompileStats:
             f"torch._dynamo.config.recompile_limit); new shapes now run eagerly. Last reason: {reason}"
         )
 
+    def cuda_graphs_skipped(self, message: str) -> None:
+        """Inductor compiled a graph of a CUDA device without CUDA graphs (it says why: an input on the CPU, a
+        mutated input, an operation CUDA graphs cannot capture): the reason, recorded once."""
+        reason = " ".join(message.split())[:300]
+        if reason not in self.cudagraph_skip_reasons:
+            self.cudagraph_skip_reasons.append(reason)
+
     def report(self) -> dict:
         """{graphs, graph_breaks, recompiles, seconds} since the layers were compiled; with `eager_fallback` and
-        `recompile_limit` where they happened."""
+        `recompile_limit` where they happened; in another mode than default, `mode`, and where it replays CUDA
+        graphs, `cudagraph_skips` (graphs compiled without them: on a CPU every one) and their reasons (a GPU's)."""
         now = {k: v - self.start[k] for k, v in _counts().items()}
         out: dict = {
             "graphs": int(now["graphs"]),
@@ -193,28 +271,35 @@ class CompileStats:
             "recompiles": int(max(now["frames"] - self.regions, 0)),
             "seconds": round(now["seconds"], 3),
         }
-        extra = {"eager_fallback": self.eager_fallback, "recompile_limit": self.recompile_limit}
+        if self.mode != "default":
+            out["mode"] = self.mode
+        if self.cuda_graphs:
+            out["cudagraph_skips"] = int(now["cudagraph_skips"])
+        extra = {
+            "eager_fallback": self.eager_fallback,
+            "recompile_limit": self.recompile_limit,
+            "cudagraph_skip_reasons": self.cudagraph_skip_reasons,
+        }
         return out | {k: v for k, v in extra.items() if v}
 
 
-class _RecompileLimit(logging.Handler):
-    """Dynamo's warning that a frame passed its recompile limit, handed to the stage's CompileStats (one at a time:
-    a process's later stage replaces an earlier one's)."""
+class _Heard(logging.Handler):
+    """A torch logger's warnings handed to the stage's CompileStats (one stage at a time: a process's later stage
+    replaces an earlier one's): Dynamo's recompiles, inductor's graphs compiled without CUDA graphs."""
 
-    LOGGER = "torch._dynamo.convert_frame"
+    RECOMPILES = "torch._dynamo.convert_frame"
+    CUDA_GRAPHS = "torch._inductor.cudagraph_utils.__cudagraphs"  # torch's `cudagraphs` logging artifact
 
-    def __init__(self, stats: CompileStats):
+    def __init__(self, hear: Callable[[str], None]):
         super().__init__(logging.WARNING)
-        self.stats = stats
+        self.hear = hear
 
     @classmethod
-    def watch(cls, stats: CompileStats) -> None:
-        logger = logging.getLogger(cls.LOGGER)
+    def watch(cls, name: str, hear: Callable[[str], None]) -> None:
+        logger = logging.getLogger(name)
         for handler in [h for h in logger.handlers if isinstance(h, cls)]:
             logger.removeHandler(handler)
-        logger.addHandler(cls(stats))
+        logger.addHandler(cls(hear))
 
     def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "recompile_limit" in message or "cache_size_limit" in message:
-            self.stats.limit_reached(message)
+        self.hear(record.getMessage())

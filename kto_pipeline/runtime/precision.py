@@ -144,14 +144,20 @@ class StepCasts:
     Active only where it changes the work and not the peak memory: under autocast, with an engine whose processes hold
     whole weights (one process, DDP; not FSDP2's or ZeRO-3's shards, gathered a layer at a time), without gradient
     checkpointing (its recompute would cast again inside the backward, and keeping the casts would hold a
-    half-precision copy of the layers through every backward, where the forward's own casts are freed). Without
-    checkpointing the backward keeps every cast anyway, for the gradient of the layers' inputs. The LM head casts in its
+    half-precision copy of the layers through every backward, where the forward's own casts are freed), and not where
+    the layers replay CUDA graphs (a cast inside a graph costs no launch; casts given as inputs would be copied into
+    the graphs' own inputs at every call). Without checkpointing the backward keeps every cast anyway, for the
+    gradient of the layers' inputs. The LM head casts in its
     own forward and backward (`scoring.head`)."""
 
     def __init__(self, scorer: torch.nn.Module, regime: Regime, engine, config):
         """For training's steps on `scorer` (the policy, as its engine wrapped it): `engine` (its
         `caches_whole_casts`), `config` (gradient checkpointing)."""
+        from kto_pipeline.runtime.compiled import stats_of
+
+        stats = stats_of(scorer)
         active = regime.autocast is not None and engine.caches_whole_casts and not config.gradient_checkpointing
+        active = active and not (stats is not None and stats.cuda_graphs)  # a graph replays its casts, no launch
         self.dtype = WEIGHT_DTYPES[regime.autocast] if active else None
         self.linears = _decoder_linears(scorer) if active else []
         for linear in self.linears:

@@ -32,6 +32,7 @@ class Engine:
     holds_whole_model = True  # each process holds the whole model (else it is gathered to be saved or merged)
     activation_checkpointing = False  # the launch config asks for gradient checkpointing
     caches_whole_casts = True  # a step may keep casts of the whole weights, under torch.autocast (`StepCasts`)
+    fixed_parameter_addresses = True  # the parameters stay where they are from step to step (what CUDA graphs need)
 
     @staticmethod
     def gathers_in_forward(module: torch.nn.Module) -> bool:

@@ -40,6 +40,7 @@ SHARDED = "sharded"  # a checkpoint's weights and optimizer state, each process'
 class FSDP2(Engine):
     name = "fsdp2"
     caches_whole_casts = False  # its units' weights are whole only inside their own forward
+    fixed_parameter_addresses = False  # a unit's whole parameters are gathered anew in every forward
     collective_forwards = True
     state_holds_weights = True
     holds_whole_model = False

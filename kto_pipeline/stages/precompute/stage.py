@@ -379,7 +379,7 @@ def load_reference(run: Pass) -> None:
     run.padded_because = packing_unsupported(model)
     kernel, kernel_note = request_attention_kernel(model, config.attention_kernel, state.device)
     say = functools.partial(print0, state)
-    compiled = compile_layers(model, config.torch_compile, state.device, say, static=config.static_shapes)
+    compiled = compile_layers(model, config, state.device, run.engine, say)
     scorer = run.engine.prepare_scorer(ReferenceScorer(model), model, regime, state.device)
     run.reference = Reference(model, weights_hash, scorer, regime, kernel, compiled)
     run.peaks.loaded()  # the model read, then sharded or partitioned: loading's peak

@@ -185,7 +185,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
         kernel, kernel_note = request_attention_kernel(model.train(), config.attention_kernel, accelerator.device)
         print0(accelerator, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
     say, device = functools.partial(print0, accelerator), accelerator.device
-    compiled = compile_layers(model, config.torch_compile, device, say, TRAIN_COMPILES_ON, config.static_shapes)
+    compiled = compile_layers(model, config, device, engine, say, TRAIN_COMPILES_ON)
     sampler, loader, eval_loader = _loaders(
         config, objective, cache, max_length, accelerator, tokenizer, model, padded_because
     )
