@@ -6,8 +6,9 @@
 First the accelerator's default path (the block mask, compiled, bf16; on a CPU its default, by tree and eager) runs
 both stages and one step, and its step-1 rewards must be exactly 0 (`bench_gpu.py`'s check). Then, for Qwen2-0.5B
 and a ~1.5B shape (Qwen2-1.5B's, at max_length 2048 with HH lengths), KTO against trl.KTOTrainer and the `sigmoid`
-pair loss against trl.DPOTrainer, at batch 8 and 64: kto-pipeline's training compiled and eager, trl precomputed
-with and without liger's fused loss. It reports each case's step time, MFU and peak memory, and the goals.
+pair loss against trl.DPOTrainer, at batch 8 and 64: kto-pipeline's training compiled (without, then with CUDA
+graphs: `--torch-compile-mode reduce-overhead`) and eager, trl precomputed with and without liger's fused loss. It
+reports each case's step time, MFU and peak memory, and the goals.
 
 A budget keeps it within 8 minutes (--budget-s 480, building and the check included). Each group of cases (one
 tool, one model, one loss) runs in a fresh process that measures its cases one after another (one process start, one
@@ -43,8 +44,13 @@ MAX_LENGTH = {"qwen2-0.5b": 1024, "qwen2-1.5b": 2048, "tiny": 128}
 # every tool's cases of the ~1.5B shape recompute activations: without, ours at batch 64 (~20k tokens) needs 91 GiB
 # (`estimate-memory`, 64 rows x 320 tokens: 74 GiB of activations), 26 GiB with
 CHECKPOINTING = {"qwen2-1.5b": True}
-# a group's cases, in the order they run: (column, --torch-compile or use_liger_kernel)
-OURS = (("kto-pipeline compiled", True), ("kto-pipeline eager", False))
+# a group's cases, in the order they run: (column, ours' compile options, or trl's use_liger_kernel)
+OURS = (
+    ("kto-pipeline compiled", dict(torch_compile=True)),
+    ("kto-pipeline CUDA graphs", dict(torch_compile_mode="reduce-overhead")),  # static shapes implied
+    ("kto-pipeline eager", dict(torch_compile=False)),
+)
+COMPILED = ("kto-pipeline compiled", "kto-pipeline CUDA graphs")  # ours' best of these against trl's best
 TRL = (("trl precomputed", False), ("trl precomputed + liger", True))
 COLUMNS = (*(c for c, _ in OURS), *(c for c, _ in TRL))
 GOALS = dict(speedup=1.5, memory=0.5, mfu=0.40, mfu_tokens=16384)
@@ -122,7 +128,8 @@ def group_cases(tool: str, device: str) -> list[str]:
 
 
 def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases) -> None:
-    """One reference pass over the rows the largest batch trains, then each batch compiled and eager."""
+    """One reference pass over the rows the largest batch trains, then each batch compiled, with CUDA graphs (on a
+    CPU: the same code path, inductor skipping the CUDA graphs) and eager."""
     from kto_pipeline import PrecomputeConfig, precompute, train
     from kto_pipeline.cache import open_cache
 
@@ -140,13 +147,13 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases) ->
 
     cases.run("kto-pipeline reference pass", reference)
     for batch in BATCHES[device]:
-        for column, compiled in OURS:
+        for column, compiling in OURS:
 
-            def step(batch=batch, compiled=compiled, column=column) -> dict:
-                out = cases.path.parent / f"run-{batch}-{'compiled' if compiled else 'eager'}"
+            def step(batch=batch, compiling=compiling, column=column) -> dict:
+                out = cases.path.parent / f"run-{batch}-{column.split(' ', 1)[1].replace(' ', '-')}"
                 settings = dict(batch=batch, steps=steps, learning_rate=LEARNING_RATE, bf16=device == "cuda")
-                settings |= dict(beta=bench_gpu.BETA, torch_compile=compiled, loss_type=loss, save_steps=0)
-                if compiled and device == "cpu":
+                settings |= dict(beta=bench_gpu.BETA, loss_type=loss, save_steps=0, **compiling)
+                if column in COMPILED and device == "cpu":
                     settings["attention_kernel"] = "dense"  # by tree, attention's shapes follow the trees
                 config = harness.ours_train_config(cache_dir, out, **settings)
                 res = train(dataclasses.replace(config, gradient_checkpointing=CHECKPOINTING.get(model, False)))
@@ -263,6 +270,8 @@ def cell(res: dict | None, flops: Flops, batch: int, peak: float | None) -> str:
     compiled = res.get("compile") or {}
     text += " (ran eagerly: compiling failed)" if compiled.get("eager_fallback") else ""
     text += " (some shapes eagerly: past the recompile limit)" if compiled.get("recompile_limit") else ""
+    skips = compiled.get("cudagraph_skips")
+    text += f" ({skips} graph(s) without CUDA graphs)" if skips else ""
     return f"{text}, {res['train_peak_mib']:,.0f} MiB"
 
 
@@ -300,7 +309,8 @@ def render(results: dict, check: dict, device: str, peak: float | None, seconds:
         lines += [f"- kernel (precompute / train): {check['kernel']}; {values}: exactly 0: {'yes' if exact else 'NO'}"]
     else:
         lines += [f"- failed: {check.get('failed', 'did not run')}"]
-    header = "| model | loss | batch | needed tokens a step | " + " | ".join(COLUMNS) + " | compiled vs trl's best |"
+    header = "| model | loss | batch | needed tokens a step | " + " | ".join(COLUMNS)
+    header += " | ours compiled vs trl's best |"
     rows, goal_rows = [], []
     flops = {(m, loss): Flops(preset_of(m, loss, device)) for m in MODELS[device] for loss in LOSSES}
     for model in MODELS[device]:
@@ -313,16 +323,26 @@ def render(results: dict, check: dict, device: str, peak: float | None, seconds:
                 rows.append((model, loss, batch, tokens or "-", *cells, f"{ratio:.2f}x" if ratio else "-"))
                 goal_rows += goal_lines(model, loss, batch, got, ratio, flops[model, loss], peak, tokens)
     lines += ["", "## Training steps", "", *harness.table(header, rows), ""]
-    lines += ["`x` > 1: kto-pipeline compiled is faster than trl's best setting that ran (its fastest step).", ""]
+    lines += [
+        "`x` > 1: kto-pipeline's faster compiled setting (with or without CUDA graphs) is faster than trl's best "
+        "setting that ran (its fastest step).",
+        "",
+    ]
     lines += ["## Reference passes: needed tokens/s", "", *reference_table(results, device, flops, peak), ""]
     goal_rows.append(("step-1 rewards exactly 0 in bf16, the default path", "yes" if exact else "NO", bool(exact)))
     lines += ["## Against the goals", "", *harness.goals_table(*goal_rows), ""]
     return "\n".join(lines)
 
 
+def ours_compiled(got: dict) -> dict | None:
+    """kto-pipeline's faster compiled case that ran (with or without CUDA graphs): its result."""
+    ran = [got[c] for c in COMPILED if got.get(c) and "step_seconds" in got[c]]
+    return min(ran, key=lambda res: harness.median_step(res["step_seconds"]), default=None)
+
+
 def speedup(got: dict) -> float | None:
-    """trl's best step (the faster setting that ran) over kto-pipeline compiled's."""
-    ours = got.get("kto-pipeline compiled")
+    """trl's best step (the faster setting that ran) over kto-pipeline's best compiled one."""
+    ours = ours_compiled(got)
     trl = [harness.median_step(got[c]["step_seconds"]) for c, _ in TRL if got.get(c) and "step_seconds" in got[c]]
     if not ours or "step_seconds" not in ours or not trl:
         return None
@@ -333,7 +353,7 @@ def goal_lines(model, loss, batch, got, ratio, flops, peak, tokens) -> list[tupl
     """The goals a (model, loss, batch) row answers: the speed-up and memory on Qwen2-0.5B (tiny on a CPU), the MFU on
     the ~1.5B shape at >= 16k tokens a step."""
     where, out = f"{model}, {loss}, batch {batch}", []
-    ours = got.get("kto-pipeline compiled")
+    ours = ours_compiled(got)
     if model != "qwen2-1.5b":
         out.append(
             (

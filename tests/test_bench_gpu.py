@@ -120,13 +120,15 @@ def table_lines(text: str) -> list[list[str]]:
 
 
 STEP_CELL = re.compile(r"^\d+\.\d{4} s, [\d,]+ MiB$")  # on a CPU: no MFU (no peak to compare with)
+SKIPPED_CUDA_GRAPHS = re.compile(r"^\d+\.\d{4} s \(\d+ graph\(s\) without CUDA graphs\), [\d,]+ MiB$")
 
 
 @pytest.mark.slow
 def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path):
     """`make bench-gpu`'s matrix at tiny shapes on the CPU: the default path's step-1 check, then every (loss, batch)
-    row with ours compiled and eager and trl precomputed measured (liger skipped with its reason), the reference
-    passes and the goals; written as the newest run after the file's first block."""
+    row with ours compiled (without and with CUDA graphs, which a CPU skips) and eager and trl precomputed measured
+    (liger skipped with its reason), the reference passes and the goals; written as the newest run after the file's
+    first block."""
     results = tmp_path / "M.md"
     results.write_text("# GPU results\n\nwhat ran where\n\n# An older run\n\nits numbers\n")
     script, work = ROOT / "benchmarks" / "bench_gpu_matrix.py", str(tmp_path / "w")
@@ -145,8 +147,10 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
         cells = dict(zip(header, row, strict=True))
         for column in ("kto-pipeline compiled", "kto-pipeline eager", "trl precomputed"):
             assert STEP_CELL.match(cells[column]), (row, column)
+        assert SKIPPED_CUDA_GRAPHS.match(cells["kto-pipeline CUDA graphs"]), row  # a CPU: inductor skips them
         assert cells["trl precomputed + liger"].startswith("skipped: liger-kernel"), row
-        assert re.match(r"^\d+\.\d\dx$", cells["compiled vs trl's best"]) and int(cells["needed tokens a step"]) > 0
+        assert re.match(r"^\d+\.\d\dx$", cells["ours compiled vs trl's best"]), row
+        assert int(cells["needed tokens a step"]) > 0, row
     _, *passes = table_lines(text.split("## Reference passes: needed tokens/s")[1])
     assert len(passes) == 2 and all(float(c.replace(",", "")) > 0 for r in passes for c in r[2:]), passes
     goals = table_lines(text.split("## Against the goals")[1])
@@ -168,7 +172,7 @@ def test_bench_gpu_matrix_reports_what_the_budget_left_out_as_not_run(tmp_path, 
     header, *rows = table_lines(text.split("## Training steps")[1])
     assert len(rows) == 2
     for row in rows:
-        assert row[4:8] == ["not run within the budget"] * 4 and row[3] == "-" and row[-1] == "-", row
+        assert row[4:9] == ["not run within the budget"] * 5 and row[3] == "-" and row[-1] == "-", row
     _, *passes = table_lines(text.split("## Reference passes: needed tokens/s")[1])
     assert all(c == "not run within the budget" for r in passes for c in r[2:]), passes
     assert "- failed: did not run" in text.split("## The default path's step-1 check")[1]
