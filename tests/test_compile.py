@@ -193,7 +193,7 @@ def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each
     stats = compiled.compile_layers(model, _asked(None, "reduce-overhead"), cuda, ONE_PROCESS, said.append)
     assert stats is not None and stats.cuda_graphs and stats.mode == "reduce-overhead", said
     assert attention_costs(model, torch.device("cpu")).static, said
-    assert any("--static-shapes is on" in line for line in said), said
+    assert any("take a few fixed shapes (as under --static-shapes" in line for line in said), said
     assert said[-1].endswith("compiled region(s), mode reduce-overhead")
     plain = SimpleNamespace(gradient_checkpointing=False)
     assert StepCasts(SimpleNamespace(model=model), policy_regime(True, False), ONE_PROCESS, plain).linears == []
@@ -217,7 +217,7 @@ def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each
         model = build_tiny_model(build_char_tokenizer())
         stats = compiled.compile_layers(model, _asked(None, mode, static=True), cuda, sharded, said.append)
         assert stats.mode == without and not stats.cuda_graphs, said[-2:]
-        assert "fsdp2 moves the parameters" in said[-2] and "--static-shapes is on" not in said[-2]
+        assert "fsdp2 moves the parameters" in said[-2] and "fixed shapes" not in said[-2]
         assert not model.model._forward_pre_hooks  # no steps of CUDA graph trees to mark
 
 
@@ -247,10 +247,10 @@ def test_compiled_layers_score_packed_as_padded_and_as_full_logits(kernel, monke
 
 
 def test_static_shapes_compile_a_graph_a_shape_with_the_same_numbers(tmp_path, monkeypatch):
-    """--static-shapes with compiled layers, both stages, as `--torch-compile-mode reduce-overhead` asks for it (CUDA
-    graphs, which a CPU skips): a handful of static graphs, no recompile past the limit, the losses of the run without
-    static shapes, and the padding counted in the token efficiency. A new step of CUDA graph trees is marked before
-    each forward but training's KL forward: once a micro-batch in training, once a forward in the reference pass."""
+    """--static-shapes with compiled layers, both stages, in `--torch-compile-mode reduce-overhead` (CUDA graphs,
+    which a CPU skips): a handful of static graphs, no recompile past the limit, the losses of the run without static
+    shapes, and the padding counted in the token efficiency. A new step of CUDA graph trees is marked before each
+    forward but training's KL forward: once a micro-batch in training, once a forward in the reference pass."""
     import torch
 
     from kto_pipeline import PrecomputeConfig, precompute, train
@@ -262,7 +262,7 @@ def test_static_shapes_compile_a_graph_a_shape_with_the_same_numbers(tmp_path, m
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: counted.append(1) or mark())
     for static in (False, True):
         torch._dynamo.reset()
-        settings = dict(attention_kernel="dense", torch_compile=None if static else True)
+        settings = dict(attention_kernel="dense", torch_compile=None if static else True, static_shapes=static)
         if static:  # (a mode other than default compiles: --torch-compile unset)
             settings["torch_compile_mode"] = "reduce-overhead"
         out = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / f"cache-{static}"))

@@ -50,15 +50,17 @@ STATS = "_kto_compile_stats"  # on a model compiled by region: its CompileStats 
 def compile_layers(model, config, device, engine, say: Callable[[str], None], by_default=()) -> CompileStats | None:
     """Compile each decoder layer of `model` (`backbone.layers`) in place where `config.torch_compile` asks (unset:
     where `config.torch_compile_mode` is not default, or `device`'s type is in `by_default`), in that mode;
-    Dynamo's counters from then on. None where the layers run eagerly. `config.static_shapes`, or a mode that
-    replays CUDA graphs: the model's packed layouts take static shapes, and each compiles as a static graph.
-    `engine`: whether its parameters stay in place (`fixed_parameter_addresses`), which CUDA graphs need."""
+    Dynamo's counters from then on. None where the layers run eagerly. `config.static_shapes`: the model's packed
+    layouts take static shapes, and each compiles as a static graph. A mode that replays CUDA graphs: the layouts
+    take static shapes too (a few shapes, a graph recorded for each), compiled as without them (one graph with
+    dynamic shapes serving every shape after the first). `engine`: whether its parameters stay in place
+    (`fixed_parameter_addresses`), which CUDA graphs need."""
     from kto_pipeline.scoring.attention import request_static_shapes
 
     mode, asked = config.torch_compile_mode, config.torch_compile
     asked = asked if asked is not None or mode == "default" else True  # a mode compiles, as transformers'
-    static = config.static_shapes or mode in CUDA_GRAPH_MODES
-    request_static_shapes(model, static)
+    static = config.static_shapes
+    request_static_shapes(model, static or mode in CUDA_GRAPH_MODES)
     if not (asked if asked is not None else device.type in by_default):
         return None
     backbone = backbone_of(model)
@@ -98,7 +100,10 @@ def _cuda_graph_mode(mode: str, static_asked: bool, device, engine, say: Callabl
         )
         return WITHOUT_CUDA_GRAPHS[mode]
     if not static_asked:
-        say(f"--torch-compile-mode {mode}: CUDA graphs are recorded a shape at a time, so --static-shapes is on")
+        say(
+            f"--torch-compile-mode {mode}: a CUDA graph is recorded for each shape, so the packed forwards take a few "
+            "fixed shapes (as under --static-shapes; the layers compile once for all of them)"
+        )
     if device.type != "cuda":
         say(
             f"--torch-compile-mode {mode}: CUDA graphs replay on CUDA GPUs only; on {device.type} the layers run as "
