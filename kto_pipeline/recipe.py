@@ -55,6 +55,7 @@ TRL_UNUSED = {
     "gradient_checkpointing_kwargs": "checkpointing is non-reentrant here",
     "dataloader_num_workers": "batches are read from the memory-mapped cache",
     "lora_task_type": "LoRA adapters are for causal LMs (CAUSAL_LM) here",
+    "torch_compile_backend": "the decoder layers compile with inductor (--torch-compile, --torch-compile-mode)",
 }
 # how a value the command line holds got there (click's ParameterSource, by name: typer may carry its own click):
 # these mean the user gave it, so it overrides the recipe

@@ -430,6 +430,18 @@ def test_the_kl_seed_keeps_its_former_name(tmp_path):
     assert params["kl_seed"].opts == ["--kl-seed"]
 
 
+def test_a_trl_yaml_sets_the_compile_mode_and_its_backend_is_said_to_have_no_effect(tmp_path, capsys):
+    """trl's (transformers') torch_compile_mode is ours by name; torch_compile_backend is read and said to have no
+    effect (the layers compile with inductor)."""
+    from kto_pipeline.recipe import read_recipe
+
+    recipe = tmp_path / "trl.yaml"
+    recipe.write_text("torch_compile: true\ntorch_compile_mode: reduce-overhead\ntorch_compile_backend: inductor\n")
+    values = read_recipe(recipe, list(commands()["train"].callback.recipe_specs))
+    assert values == {"torch_compile": True, "torch_compile_mode": "reduce-overhead"}
+    assert "torch_compile_backend (trl's) has no effect here" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------ trl's YAML files
 
 TRL_YAML = """# written for `trl kto --config`, plus the one line `cache:`

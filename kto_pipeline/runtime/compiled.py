@@ -180,7 +180,7 @@ def _counts() -> dict[str, float]:
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     return {
-        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],  # graphs compiled to replay CUDA graphs, not
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],  # graphs of a CUDA graph mode that will not replay
         "graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": sum(counters["graph_break"].values()),
         "frames": counters["frames"]["total"],  # compilations of a frame: a region's first, then its recompiles
