@@ -30,9 +30,9 @@ TORCH_COMPILE_HELP = (
 TORCH_COMPILE_MODE_HELP = (
     "torch.compile's mode for the decoder layers (transformers' torch_compile_mode): default, reduce-overhead (the "
     "layers replayed as CUDA graphs on a CUDA GPU: a launch a layer call; the packed forwards take --static-shapes' "
-    "few shapes, a graph recorded for each, compiled once for all unless --static-shapes is given), "
-    "max-autotune (autotuned kernels and CUDA graphs), max-autotune-no-cudagraphs. A mode other than default turns "
-    "--torch-compile on. CUDA graphs run on one process or DDP (not FSDP2, DeepSpeed: they move the parameters), and "
-    "have never run on a GPU here; elsewhere the layers run as compiled kernels, and trainer_state.json / the "
-    "manifest count the graphs that skipped CUDA graphs."
+    "few shapes, a graph recorded for each, compiled once for all unless --static-shapes is given), max-autotune "
+    "(autotuned kernels and CUDA graphs), max-autotune-no-cudagraphs. A mode other than default turns --torch-compile "
+    "on. CUDA graphs run on one process or DDP (not under FSDP2, which gathers the parameters anew, or DeepSpeed) "
+    "and have never run on a GPU here; elsewhere the layers run as compiled kernels. trainer_state.json and the "
+    "manifest count the graphs that ran without CUDA graphs, with torch's reasons."
 )

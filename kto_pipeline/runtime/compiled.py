@@ -35,6 +35,7 @@ manifest record them as `compile`, with `eager_fallback` (why the layers ran eag
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 
 from kto_pipeline.models import COMPILED_LAYERS, backbone_of, scorable
@@ -60,7 +61,7 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
     mode, asked = config.torch_compile_mode, config.torch_compile
     asked = asked if asked is not None or mode == "default" else True  # a mode compiles, as transformers'
     static = config.static_shapes
-    request_static_shapes(model, static or mode in CUDA_GRAPH_MODES)
+    request_static_shapes(model, static)
     if not (asked if asked is not None else device.type in by_default):
         return None
     backbone = backbone_of(model)
@@ -71,7 +72,8 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
         )
         return None
     if mode in CUDA_GRAPH_MODES:
-        mode = _cuda_graph_mode(mode, config.static_shapes, device, engine, say)
+        mode = _cuda_graph_mode(mode, static, device, engine, say)
+        request_static_shapes(model, mode in CUDA_GRAPH_MODES)  # (not where the engine ruled the graphs out)
     stats = CompileStats(backbone, say, mode)
     if static:  # a graph per shape: up to STATIC_RECOMPILE_LIMIT of them before new shapes run eagerly
         import torch._dynamo
@@ -92,11 +94,12 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
 
 def _cuda_graph_mode(mode: str, static_asked: bool, device, engine, say: Callable[[str], None]) -> str:
     """The mode the layers compile in, where `mode` replays CUDA graphs: the same where the engine keeps the
-    parameters in place, else the mode without CUDA graphs; what it implies, said."""
+    parameters in place (the packed forwards then take static shapes; on a CPU too, which runs the same path
+    without the graphs), else the mode without CUDA graphs; what it implies, said."""
     if not engine.fixed_parameter_addresses:
         say(
-            f"--torch-compile-mode {mode}: {engine.name} moves the parameters between forwards, which recorded CUDA "
-            f"graphs cannot follow; compiling in {WITHOUT_CUDA_GRAPHS[mode]} mode"
+            f"--torch-compile-mode {mode}: {engine.name} may move the parameters between forwards, which recorded "
+            f"CUDA graphs cannot follow; compiling in {WITHOUT_CUDA_GRAPHS[mode]} mode"
         )
         return WITHOUT_CUDA_GRAPHS[mode]
     if not static_asked:
@@ -107,7 +110,7 @@ def _cuda_graph_mode(mode: str, static_asked: bool, device, engine, say: Callabl
     if device.type != "cuda":
         say(
             f"--torch-compile-mode {mode}: CUDA graphs replay on CUDA GPUs only; on {device.type} the layers run as "
-            "compiled kernels"
+            "compiled kernels, in the same fixed shapes"
         )
     return mode
 
@@ -180,7 +183,7 @@ def _counts() -> dict[str, float]:
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     return {
-        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],  # graphs of a CUDA graph mode that will not replay
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],  # graphs of a CUDA graph mode run without them
         "graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": sum(counters["graph_break"].values()),
         "frames": counters["frames"]["total"],  # compilations of a frame: a region's first, then its recompiles
@@ -201,11 +204,12 @@ class CompileStats:
         self.layers, self.regions = len(backbone.layers), len({type(layer).forward for layer in backbone.layers})
         self.eager_fallback: str | None = None
         self.recompile_limit: str | None = None
-        self.cudagraph_skip_reasons: list[str] = []  # inductor's reasons for compiling a graph without CUDA graphs
+        self.cudagraph_skip_reasons: list[str] = []  # inductor's reasons for running a graph without CUDA graphs
+        self.cudagraph_sizes: int | None = None  # where inductor warned: the most sizes a function recorded
         self.compiled_regions: dict[Callable, Callable] = {}  # the head and the loss, each compiled once (`region`)
         self.start = _counts()
         _Heard.watch(_Heard.RECOMPILES, self.recompiled)
-        _Heard.watch(_Heard.CUDA_GRAPHS, self.cuda_graphs_skipped)
+        _Heard.watch(_Heard.CUDA_GRAPHS, self.cuda_graphs_said)
 
     def __str__(self) -> str:
         mode = "" if self.mode == "default" else f", mode {self.mode}"
@@ -258,17 +262,23 @@ class CompileStats:
             f"torch._dynamo.config.recompile_limit); new shapes now run eagerly. Last reason: {reason}"
         )
 
-    def cuda_graphs_skipped(self, message: str) -> None:
-        """Inductor compiled a graph of a CUDA device without CUDA graphs (it says why: an input on the CPU, a
-        mutated input, an operation CUDA graphs cannot capture): the reason, recorded once."""
-        reason = " ".join(message.split())[:300]
+    def cuda_graphs_said(self, message: str) -> None:
+        """Inductor's warnings about CUDA graphs: that a function recorded a graph for many distinct sizes (the
+        number, kept), or that a graph of a CUDA device runs without CUDA graphs and why (an input on the CPU, a
+        mutated input, an operation a graph cannot capture, too many re-recordings): each reason recorded once."""
+        sizes = re.search(r"observed (\d+) distinct sizes", message)
+        if sizes:
+            self.cudagraph_sizes = max(self.cudagraph_sizes or 0, int(sizes.group(1)))
+            return
+        reason = re.sub(r" ?\(\d+ instances?\)", "", " ".join(message.split()))[:300]
         if reason not in self.cudagraph_skip_reasons:
             self.cudagraph_skip_reasons.append(reason)
 
     def report(self) -> dict:
         """{graphs, graph_breaks, recompiles, seconds} since the layers were compiled; with `eager_fallback` and
         `recompile_limit` where they happened; in another mode than default, `mode`, and where it replays CUDA
-        graphs, `cudagraph_skips` (graphs compiled without them: on a CPU every one) and their reasons (a GPU's)."""
+        graphs, `cudagraph_skips` (graphs that run without them: on a CPU every one), their reasons and
+        `cudagraph_sizes` (a GPU's)."""
         now = {k: v - self.start[k] for k, v in _counts().items()}
         out: dict = {
             "graphs": int(now["graphs"]),
@@ -284,6 +294,7 @@ class CompileStats:
             "eager_fallback": self.eager_fallback,
             "recompile_limit": self.recompile_limit,
             "cudagraph_skip_reasons": self.cudagraph_skip_reasons,
+            "cudagraph_sizes": self.cudagraph_sizes,
         }
         return out | {k: v for k, v in extra.items() if v}
 

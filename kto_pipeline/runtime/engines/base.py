@@ -51,6 +51,7 @@ class Engine:
         self.accelerator = None  # train's Accelerator, once `make_accelerator` built it
         self.regime: Regime | None = None  # the policy's, from `make_accelerator`
         self.device = torch.device("cpu")  # where the model computes, once prepared
+        self.gradients_in_place = False  # the gradients kept allocated from step to step (`prepare_policy`)
 
     # ------------------------------------------------------------------ setup
 
@@ -115,14 +116,29 @@ class Engine:
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
         """(scorer, optimizer, loader) ready to train: `scorer` wraps `model` (its forward is what the step calls),
         `make_optimizer(model)` builds the optimizer over the parameters as this engine leaves them. `move=False`
-        keeps the model where it is (the memory simulation's fake tensors)."""
+        keeps the model where it is (the memory simulation's fake tensors).
+
+        Where the layers replay CUDA graphs and a step accumulates micro-batches, every gradient is allocated here
+        and zeroed in place after each step (`gradients_in_place`): a layer's backward graph returns its gradients
+        in the graphs' own memory, which the next micro-batch's replay overwrites, so autograd must add them into
+        buffers of its own rather than keep the first as the gradient. (The gradients then stay allocated between
+        steps, through the next forward.)"""
+        from kto_pipeline.runtime.compiled import stats_of
+
         optimizer = make_optimizer(model)
+        stats = stats_of(model)
+        self.gradients_in_place = bool(stats and stats.cuda_graphs and self.accelerator.gradient_accumulation_steps > 1)
         placement = None if move else [False, False]
         if loader is None:
-            scorer, optimizer = self.accelerator.prepare(scorer, optimizer, device_placement=placement)
-            return scorer, optimizer, None
-        placement = None if move else [False, False, False]
-        return self.accelerator.prepare(scorer, optimizer, loader, device_placement=placement)
+            prepared = (*self.accelerator.prepare(scorer, optimizer, device_placement=placement), None)
+        else:
+            placement = None if move else [False, False, False]
+            prepared = self.accelerator.prepare(scorer, optimizer, loader, device_placement=placement)
+        if self.gradients_in_place:
+            for parameter in model.parameters():
+                if parameter.requires_grad:
+                    parameter.grad = torch.zeros_like(parameter)
+        return prepared
 
     def prepare_scorer(self, scorer: torch.nn.Module, model, regime: Regime, device: torch.device) -> torch.nn.Module:
         """`scorer` (wrapping the frozen `model`) on `device`, ready to score under `regime`."""
@@ -156,7 +172,7 @@ class Engine:
 
     def step(self, optimizer) -> None:
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=not self.gradients_in_place)
 
     # ------------------------------------------------------------------ state
 

@@ -41,7 +41,7 @@ from kto_pipeline.runtime.precision import Regime, autocast_forward
 class DeepSpeed(Engine):
     name = "deepspeed"
     caches_whole_casts = False  # DeepSpeed runs its own autocast (ZeRO-3: weights whole only in their forward)
-    fixed_parameter_addresses = False  # DeepSpeed owns their storage (ZeRO-3 gathers them in every forward)
+    fixed_parameter_addresses = False  # not checked: DeepSpeed owns their storage (ZeRO-3 gathers them each forward)
     state_holds_weights = True
 
     def __init__(self, world_size: int, zero_stage: int = 2, zero3_init: bool = False):
