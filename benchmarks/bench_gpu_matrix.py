@@ -4,7 +4,8 @@
     python benchmarks/bench_gpu_matrix.py --device cpu             # the code path on a CPU, tiny shapes (~1 min)
 
 First the accelerator's default path (the block mask, compiled, bf16; on a CPU its default, by tree and eager) runs
-both stages and one step, and its step-1 rewards must be exactly 0 (`bench_gpu.py`'s check). Then, for Qwen2-0.5B
+both stages and one step, and its step-1 rewards must be exactly 0 (`bench_gpu.py`'s check); CUDA graphs must give
+the numbers of the compiled run without them (a tiny model, accumulation and evaluation). Then, for Qwen2-0.5B
 and a ~1.5B shape (Qwen2-1.5B's, at max_length 2048 with HH lengths), KTO against trl.KTOTrainer and the `sigmoid`
 pair loss against trl.DPOTrainer, at batch 8 and 64: kto-pipeline's training compiled (without, then with CUDA
 graphs: `--torch-compile-mode reduce-overhead`) and eager, trl precomputed with and without liger's fused loss. It
@@ -53,6 +54,7 @@ OURS = (
 COMPILED = ("kto-pipeline compiled", "kto-pipeline CUDA graphs")  # ours' best of these against trl's best
 TRL = (("trl precomputed", False), ("trl precomputed + liger", True))
 COLUMNS = (*(c for c, _ in OURS), *(c for c, _ in TRL))
+GRAPHS_EQUAL = 1e-3  # CUDA graphs' numbers against the run without them: the parity tests' tolerance
 GOALS = dict(speedup=1.5, memory=0.5, mfu=0.40, mfu_tokens=16384)
 # the whole run's seconds (8 minutes): no case starts in its last STARTS_UNTIL seconds, and a worker still running at
 # its end is stopped (the cases it finished are kept)
@@ -124,12 +126,12 @@ def group_cases(tool: str, device: str) -> list[str]:
     """The cases a group measures, in order."""
     columns = OURS if tool == "ours" else TRL
     first = ["kto-pipeline reference pass"] if tool == "ours" else []
-    return first + [case_name(column, batch) for batch in BATCHES[device] for column, _ in columns]
+    return first + [case_name(column, batch) for column, _ in columns for batch in BATCHES[device]]
 
 
 def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases) -> None:
-    """One reference pass over the rows the largest batch trains, then each batch compiled, with CUDA graphs (on a
-    CPU: the same code path, inductor skipping the CUDA graphs) and eager."""
+    """One reference pass over the rows the largest batch trains, then each setting at every batch: compiled, with
+    CUDA graphs (on a CPU: the same code path, inductor skipping the CUDA graphs), eager."""
     from kto_pipeline import PrecomputeConfig, precompute, train
     from kto_pipeline.cache import open_cache
 
@@ -146,8 +148,8 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases) ->
         return dict(ref_seconds=seconds, ref_lengths=lengths, ref_peak_mib=bench_gpu.peak_memory_mib(device))
 
     cases.run("kto-pipeline reference pass", reference)
-    for batch in BATCHES[device]:
-        for column, compiling in OURS:
+    for column, compiling in OURS:  # each setting at every batch: the compiled ones first, eager (timed before) last
+        for batch in BATCHES[device]:
 
             def step(batch=batch, compiling=compiling, column=column) -> dict:
                 out = cases.path.parent / f"run-{batch}-{column.split(' ', 1)[1].replace(' ', '-')}"
@@ -225,6 +227,43 @@ def trl_group(where: Path, model: str, loss: str, device: str, cases: Cases) -> 
             cases.run(case_name(column, batch), step)
 
 
+def cuda_graphs_check(work: Path, device: str) -> dict:
+    """CUDA graphs (`--torch-compile-mode reduce-overhead`) against the compiled run without them, before any is
+    timed: a tiny Qwen2, both runs in static shapes (the same kernels; bf16 on a GPU), 2 micro-batches a step and an
+    evaluation every 2 steps (the paths where graph outputs could be overwritten). Their logged numbers, the largest
+    relative difference, and what ran without CUDA graphs (on a CPU: every graph)."""
+    from kto_pipeline import PrecomputeConfig, precompute, train
+
+    where, preset = work / "cuda-graphs-check", dict(harness.GPU_PRESETS["tiny"], loss_type="kto", rows=32)
+    where.mkdir(parents=True, exist_ok=True)
+    harness.random_qwen2(where / "model", preset, device=device)
+    bench_gpu.build_data(where / "data.jsonl", preset)
+    bf16, kernel = device == "cuda", "auto" if device == "cuda" else "dense"  # (a CPU's by-tree unrolls its trees)
+    paths = dict(model=str(where / "model"), dataset=str(where / "data.jsonl"), output=str(where / "cache"))
+    settings = dict(attention_kernel=kernel, torch_compile=True, static_shapes=True)
+    dtype = "bfloat16" if bf16 else "float32"
+    cache = precompute(
+        PrecomputeConfig(**paths, overwrite=True, max_length=preset["max_length"], dtype=dtype, **settings)
+    )
+    logged, compiled = {}, {}
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        out = where / f"run-{mode}"
+        run = harness.ours_train_config(cache, out, batch=2, steps=4, learning_rate=LEARNING_RATE, bf16=bf16)
+        run = dataclasses.replace(run, **settings, torch_compile_mode=mode, gradient_accumulation_steps=2)
+        train(dataclasses.replace(run, eval_cache=str(cache), eval_steps=2, save_steps=0))
+        logged[mode] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        compiled[mode] = (harness.trainer_state(out) or {}).get("compile")
+    pairs_of = [
+        (a[k], b[k])
+        for a, b in zip(logged["default"], logged["reduce-overhead"], strict=True)
+        for k in a
+        if isinstance(a.get(k), float) and k not in ("epoch", "learning_rate") and not k.endswith("seconds")
+    ]
+    worst = max((abs(a - b) / max(abs(a), abs(b), 1e-12) for a, b in pairs_of), default=None)
+    return dict(values=len(pairs_of), max_rel_diff=worst, compile=compiled["reduce-overhead"])
+
+
 def worker(name: str, work: Path, device: str, out: Path, deadline: float) -> dict:
     """`TOOL_MODEL_LOSS`: that group's cases, into OUT/cases.jsonl; `build`: every model and data set (in a process
     of its own, so that the driver holds no GPU memory)."""
@@ -234,6 +273,8 @@ def worker(name: str, work: Path, device: str, out: Path, deadline: float) -> di
                 prepare(work, model, loss, device)
         cpu = f"{harness.cpu_name()} ({torch.get_num_threads()} torch threads)"
         return dict(device_name=torch.cuda.get_device_name(0) if device == "cuda" else cpu)
+    if name == "cuda_graphs_check":
+        return harness.measured(lambda: cuda_graphs_check(work, device), rss=False)
     tool, model, loss = name.split("_")
     cases = Cases(out, deadline, device)
 
@@ -283,9 +324,11 @@ def tokens_per_step(res: dict | None, batch: int) -> int | None:
     return round(sum(sum(r) for r in rows) / max(len(rows) // batch, 1))
 
 
-def render(results: dict, check: dict, device: str, peak: float | None, seconds: float, argv: list[str]) -> str:
-    """The report: the check, a row per (model, loss, batch), the reference passes, the goals (`peak`: the device's
-    FLOP/s for MFU, None on a CPU)."""
+def render(
+    results: dict, check: dict, device: str, peak: float | None, seconds: float, argv: list[str], graphs: dict
+) -> str:
+    """The report: the checks (step 1; CUDA graphs against the run without them), a row per (model, loss, batch),
+    the reference passes, the goals (`peak`: the device's FLOP/s for MFU, None on a CPU)."""
     command = " ".join(["python benchmarks/bench_gpu_matrix.py", *argv])
     lines = [HEADING, "", f"- command: `{command}`" + (" (`make bench-gpu`)" if device == "cuda" else "")]
     name = next((r.get("device_name") for r in [check, *results.values()] if r.get("device_name")), "unknown")
@@ -309,6 +352,7 @@ def render(results: dict, check: dict, device: str, peak: float | None, seconds:
         lines += [f"- kernel (precompute / train): {check['kernel']}; {values}: exactly 0: {'yes' if exact else 'NO'}"]
     else:
         lines += [f"- failed: {check.get('failed', 'did not run')}"]
+    lines += ["", "## CUDA graphs against the compiled run without them", "", cuda_graphs_line(graphs, device)]
     header = "| model | loss | batch | needed tokens a step | " + " | ".join(COLUMNS)
     header += " | ours compiled vs trl's best |"
     rows, goal_rows = [], []
@@ -338,6 +382,28 @@ def ours_compiled(got: dict) -> dict | None:
     """kto-pipeline's faster compiled case that ran (with or without CUDA graphs): its result."""
     ran = [got[c] for c in COMPILED if got.get(c) and "step_seconds" in got[c]]
     return min(ran, key=lambda res: harness.median_step(res["step_seconds"]), default=None)
+
+
+def cuda_graphs_line(graphs: dict, device: str) -> str:
+    """What `cuda_graphs_check` found: equal numbers (rel <= GRAPHS_EQUAL) or not, and what ran without graphs."""
+    if "max_rel_diff" not in graphs:
+        return f"- failed: {graphs.get('failed', 'did not run')}"
+    worst, compiled = graphs["max_rel_diff"], graphs.get("compile") or {}
+    equal = worst is not None and worst <= GRAPHS_EQUAL
+    text = (
+        f"- tiny Qwen2, `--torch-compile-mode reduce-overhead` vs default, both `--static-shapes`, 4 steps of 2 "
+        f"micro-batches, an evaluation every 2: {graphs['values']} logged values, largest relative difference "
+        f"{worst:.3g}: equal (<= {GRAPHS_EQUAL:g}): {'yes' if equal else 'NO'}"
+        if worst is not None
+        else "- no logged value to compare: NO"
+    )
+    skips = compiled.get("cudagraph_skips")
+    text += f"; graphs run without CUDA graphs: {skips}" + (" (a CPU has none)" if device == "cpu" else "")
+    reasons = compiled.get("cudagraph_skip_reasons")
+    text += f" ({'; '.join(reasons)})" if reasons else ""
+    return text + (
+        f"; graphs recorded for up to {compiled['cudagraph_sizes']} sizes" if compiled.get("cudagraph_sizes") else ""
+    )
 
 
 def speedup(got: dict) -> float | None:
@@ -452,9 +518,18 @@ def main() -> None:
         Path(bench_gpu.__file__), check_name, where, check_flags, must_succeed=False, timeout=ends - time.time()
     )
     check.setdefault("device_name", built["device_name"])
+    graphs = harness.run_worker(
+        Path(__file__),
+        "cuda_graphs_check",
+        work,
+        ["--device", args.device],
+        env=env,
+        must_succeed=False,
+        timeout=ends - time.time(),
+    )
     results = run_groups(work, args.device, ends)
     peak = args.peak_tflops * 1e12 if args.device == "cuda" else None
-    report = render(results, check, args.device, peak, time.perf_counter() - started, sys.argv[1:])
+    report = render(results, check, args.device, peak, time.perf_counter() - started, sys.argv[1:], graphs)
     harness.publish_run(report, harness.default_results(args.results, args.device == "cuda", "RESULTS-gpu.md"))
 
 

@@ -140,6 +140,8 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
     assert text.startswith("# GPU results\n\nwhat ran where\n\n# GPU matrix: `make bench-gpu`\n"), text[:300]
     assert text.rstrip().endswith("# An older run\n\nits numbers")
     assert "exactly 0: yes" in text.split("## The default path's step-1 check")[1].split("##")[0]
+    graphs = text.split("## CUDA graphs against the compiled run without them")[1].split("##")[0]
+    assert "equal (<= 0.001): yes" in graphs and "(a CPU has none)" in graphs, graphs
     header, *rows = table_lines(text.split("## Training steps")[1])
     assert header[:4] == ["model", "loss", "batch", "needed tokens a step"] and len(rows) == 2, (header, rows)
     assert {(r[1], r[2]) for r in rows} == {("kto", "4"), ("sigmoid", "4")}
@@ -168,14 +170,16 @@ def test_bench_gpu_matrix_reports_what_the_budget_left_out_as_not_run(tmp_path, 
 
     results = bench_gpu_matrix.run_groups(tmp_path, "cpu", time.time() - 1)
     assert not (tmp_path / "runs").exists()  # no worker ran
-    text = bench_gpu_matrix.render(results, {"failed": "did not run"}, "cpu", None, 1.0, ["--device", "cpu"])
+    failed = {"failed": "did not run"}
+    text = bench_gpu_matrix.render(results, failed, "cpu", None, 1.0, ["--device", "cpu"], failed)
     header, *rows = table_lines(text.split("## Training steps")[1])
     assert len(rows) == 2
     for row in rows:
         assert row[4:9] == ["not run within the budget"] * 5 and row[3] == "-" and row[-1] == "-", row
     _, *passes = table_lines(text.split("## Reference passes: needed tokens/s")[1])
     assert all(c == "not run within the budget" for r in passes for c in r[2:]), passes
-    assert "- failed: did not run" in text.split("## The default path's step-1 check")[1]
+    assert "- failed: did not run" in text.split("## The default path's step-1 check")[1].split("##")[0]
+    assert "- failed: did not run" in text.split("## CUDA graphs against the compiled run without them")[1]
 
 
 def test_bench_gpu_matrix_cases_record_a_failure_and_go_on(tmp_path, monkeypatch):
