@@ -33,15 +33,17 @@ VARIANTS = {
     "ours-dense": ("kto-pipeline, `--attention-kernel dense`", "dense", False),
     "ours-compiled": ("kto-pipeline, `--attention-kernel dense --torch-compile`", "dense", True),
 }
+# the compiled step again with twice the layers: what a layer adds to a step, and what lies outside the layers
+DEEPER = {"ours-compiled4": ("ours-compiled", 4)}
 
 
-def assets(work: Path) -> tuple[Path, Path]:
+def assets(work: Path, layers: int = 2) -> tuple[Path, Path]:
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
 
-    model = work / "model"
+    model = work / ("model" if layers == 2 else f"model-{layers}-layers")
     if not (model / "config.json").exists():
         tok = build_char_tokenizer()
-        build_tiny_model(tok).save_pretrained(model)
+        build_tiny_model(tok, num_layers=layers).save_pretrained(model)
         tok.save_pretrained(model)
     # short rows (the character tokenizer: a token a character), so that every row fits max_length
     rows = [dict(r, prompt=r["prompt"][:60], completion=r["completion"][:50]) for r in islice(row_stream(), ROWS)]
@@ -50,7 +52,8 @@ def assets(work: Path) -> tuple[Path, Path]:
 
 def training(variant: str, batch: int, work: Path):
     """A function that trains `steps` steps of `variant` from scratch (the cache, for ours, made once)."""
-    model, data = assets(work)
+    variant, layers = DEEPER.get(variant, (variant, 2))
+    model, data = assets(work, layers)
     if variant == "trl":
 
         def run(steps: int) -> None:
@@ -64,7 +67,7 @@ def training(variant: str, batch: int, work: Path):
         return run
     from kto_pipeline import PrecomputeConfig, precompute, train
 
-    cache = work / "cache"
+    cache = work / ("cache" if layers == 2 else f"cache-{layers}-layers")
     if not (cache / "manifest.json").exists():
         precompute(PrecomputeConfig(model=str(model), dataset=str(data), output=str(cache), max_length=MAX_LENGTH))
     _, kernel, compiled = VARIANTS[variant]
@@ -151,6 +154,32 @@ def _table(measured: dict, kind: str, batches: tuple[int, ...], unit: str) -> li
     return lines
 
 
+def _per_layer(measured: dict, batches: tuple[int, ...]) -> list[str]:
+    """The compiled step with 2 layers and with 4: ops a layer adds to a step, and the ops outside the layers."""
+    (variant, layers), few = next(iter(DEEPER.values())), 2
+    lines = [
+        f"Where the compiled step's ops are: the same run with {layers} layers instead of {few} "
+        f"({VARIANTS[variant][0].split(', ', 1)[1]}); a layer's ops (its compiled graphs called in the forward, the "
+        "KL forward and the backward, and their calls' own ops) = the difference / "
+        f"{layers - few}; outside the layers = the {few}-layer step minus {few} layers' ops (the embedding, the LM "
+        "head's chunks, the loss, the optimizer). CUDA graphs (`--torch-compile-mode reduce-overhead`) would replay "
+        "each layer call as one graph: never measured, on no GPU yet. By arithmetic, not measured: at a layer's ops "
+        "here, Qwen2-0.5B's 24 layers would dispatch 24 times as many a compiled step, where CUDA graphs would replay "
+        "24 x 3 graphs (forward, KL forward, backward).",
+        "",
+        *harness.table_head("| rows | step, 2 layers | step, 4 layers | a layer | outside the layers |"),
+    ]
+    for b in batches:
+        small, big = measured[f"ops_{variant}_{b}"]["ops"], measured[f"ops_{next(iter(DEEPER))}_{b}"]["ops"]
+        per_layer = (big - small) / (layers - few)
+        lines.append(
+            harness.md_row(
+                str(b), f"{small:,.0f}", f"{big:,.0f}", f"{per_layer:,.0f}", f"{small - few * per_layer:,.0f}"
+            )
+        )
+    return lines
+
+
 def render(measured: dict, batches: tuple[int, ...], seconds: float, quick: bool) -> str:
     lines = [
         HEADING,
@@ -161,6 +190,8 @@ def render(measured: dict, batches: tuple[int, ...], seconds: float, quick: bool
         f"brackets). Tiny Llama, {ROWS} short unpaired rows, max_length {MAX_LENGTH}, float32, sequential batches.",
         "",
         *_table(measured, "ops", batches, "step"),
+        "",
+        *_per_layer(measured, batches),
         "",
         f"The reference pass, the same way: a pass over the first {ROWS} rows minus one over the first {ROWS // 2}, "
         "per row; N rows a forward pass (trl: `precompute_ref_batch_size` N, a forward for the completions and one "
@@ -185,7 +216,7 @@ def main() -> None:
     batches = (4, 8) if args.quick else (8, 64)
     measured = {}
     for kind in ("ops", "ref"):
-        for variant in VARIANTS:
+        for variant in [*VARIANTS, *DEEPER] if kind == "ops" else VARIANTS:
             for b in batches:
                 name = f"{kind}_{variant}_{b}"
                 env = {"OMP_NUM_THREADS": "1"}
