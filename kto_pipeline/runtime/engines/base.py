@@ -172,7 +172,10 @@ class Engine:
 
     def step(self, optimizer) -> None:
         optimizer.step()
-        optimizer.zero_grad(set_to_none=not self.gradients_in_place)
+        if self.gradients_in_place:
+            optimizer.zero_grad(set_to_none=False)
+        else:
+            optimizer.zero_grad()
 
     # ------------------------------------------------------------------ state
 
