@@ -410,7 +410,7 @@ def speedup(got: dict) -> float | None:
     """trl's best step (the faster setting that ran) over kto-pipeline's best compiled one."""
     ours = ours_compiled(got)
     trl = [harness.median_step(got[c]["step_seconds"]) for c, _ in TRL if got.get(c) and "step_seconds" in got[c]]
-    if not ours or "step_seconds" not in ours or not trl:
+    if ours is None or not trl:
         return None
     return min(trl) / harness.median_step(ours["step_seconds"])
 

@@ -156,7 +156,7 @@ def _table(measured: dict, kind: str, batches: tuple[int, ...], unit: str) -> li
 
 def _per_layer(measured: dict, batches: tuple[int, ...]) -> list[str]:
     """The compiled step with 2 layers and with 4: ops a layer adds to a step, and the ops outside the layers."""
-    (variant, layers), few = next(iter(DEEPER.values())), 2
+    ((deeper, (variant, layers)),), few = DEEPER.items(), 2
     lines = [
         f"Where the compiled step's ops are: the same run with {layers} layers instead of {few} "
         f"({VARIANTS[variant][0].split(', ', 1)[1]}); a layer's ops (its compiled graphs called in the forward, the "
@@ -170,7 +170,7 @@ def _per_layer(measured: dict, batches: tuple[int, ...]) -> list[str]:
         *harness.table_head("| rows | step, 2 layers | step, 4 layers | a layer | outside the layers |"),
     ]
     for b in batches:
-        small, big = measured[f"ops_{variant}_{b}"]["ops"], measured[f"ops_{next(iter(DEEPER))}_{b}"]["ops"]
+        small, big = measured[f"ops_{variant}_{b}"]["ops"], measured[f"ops_{deeper}_{b}"]["ops"]
         per_layer = (big - small) / (layers - few)
         lines.append(
             harness.md_row(

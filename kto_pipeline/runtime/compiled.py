@@ -169,6 +169,12 @@ def stats_of(owner) -> CompileStats | None:
     return stats
 
 
+def replays_cuda_graphs(owner) -> bool:
+    """Whether the layers of the model `owner` is or wraps replay CUDA graphs (`--torch-compile-mode`)."""
+    stats = stats_of(owner)
+    return stats is not None and stats.cuda_graphs
+
+
 def _dynamic_first_dims(*args) -> None:
     """The first dimension of every tensor argument dynamic from the first call (scored tokens, rows, pairs: a new
     count every batch), rather than from the first recompile."""
@@ -200,7 +206,6 @@ class CompileStats:
 
     def __init__(self, backbone, say: Callable[[str], None] = print, mode: str = "default"):
         self.backbone, self.say, self.mode = backbone, say, mode
-        self.cuda_graphs = mode in CUDA_GRAPH_MODES  # the layers replay CUDA graphs (where the device has them)
         self.layers, self.regions = len(backbone.layers), len({type(layer).forward for layer in backbone.layers})
         self.eager_fallback: str | None = None
         self.recompile_limit: str | None = None
@@ -210,6 +215,11 @@ class CompileStats:
         self.start = _counts()
         _Heard.watch(_Heard.RECOMPILES, self.recompiled)
         _Heard.watch(_Heard.CUDA_GRAPHS, self.cuda_graphs_said)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """The layers replay CUDA graphs (where the device has them)."""
+        return self.mode in CUDA_GRAPH_MODES
 
     def __str__(self) -> str:
         mode = "" if self.mode == "default" else f", mode {self.mode}"

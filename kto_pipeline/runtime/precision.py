@@ -147,17 +147,15 @@ class StepCasts:
     half-precision copy of the layers through every backward, where the forward's own casts are freed), and not where
     the layers replay CUDA graphs (a cast inside a graph costs no launch; casts given as inputs would be copied into
     the graphs' own inputs at every call). Without checkpointing the backward keeps every cast anyway, for the
-    gradient of the layers' inputs. The LM head casts in its
-    own forward and backward (`scoring.head`)."""
+    gradient of the layers' inputs. The LM head casts in its own forward and backward (`scoring.head`)."""
 
     def __init__(self, scorer: torch.nn.Module, regime: Regime, engine, config):
         """For training's steps on `scorer` (the policy, as its engine wrapped it): `engine` (its
         `caches_whole_casts`), `config` (gradient checkpointing)."""
-        from kto_pipeline.runtime.compiled import stats_of
+        from kto_pipeline.runtime.compiled import replays_cuda_graphs
 
-        stats = stats_of(scorer)
         active = regime.autocast is not None and engine.caches_whole_casts and not config.gradient_checkpointing
-        active = active and not (stats is not None and stats.cuda_graphs)  # a graph replays its casts, no launch
+        active = active and not replays_cuda_graphs(scorer)  # a graph replays its casts, no launch
         self.dtype = WEIGHT_DTYPES[regime.autocast] if active else None
         self.linears = _decoder_linears(scorer) if active else []
         for linear in self.linears:

@@ -123,11 +123,11 @@ class Engine:
         in the graphs' own memory, which the next micro-batch's replay overwrites, so autograd must add them into
         buffers of its own rather than keep the first as the gradient. (The gradients then stay allocated between
         steps, through the next forward.)"""
-        from kto_pipeline.runtime.compiled import stats_of
+        from kto_pipeline.runtime.compiled import replays_cuda_graphs
 
         optimizer = make_optimizer(model)
-        stats = stats_of(model)
-        self.gradients_in_place = bool(stats and stats.cuda_graphs and self.accelerator.gradient_accumulation_steps > 1)
+        accumulates = self.accelerator.gradient_accumulation_steps > 1
+        self.gradients_in_place = accumulates and replays_cuda_graphs(model)
         placement = None if move else [False, False]
         if loader is None:
             prepared = (*self.accelerator.prepare(scorer, optimizer, device_placement=placement), None)
