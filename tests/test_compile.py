@@ -246,6 +246,8 @@ def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each
         assert "fsdp2 may move the parameters" in said[-2] and "fixed shapes" not in said[-2]
         assert not attention_costs(model, torch.device("cpu")).static  # no padding where no graph is recorded
         assert not model.model._forward_pre_hooks  # no steps of CUDA graph trees to mark
+        compiled.compile_layers(model, _asked(None, mode, static=True), cuda, sharded, said.append)
+        assert attention_costs(model, torch.device("cpu")).static  # --static-shapes given: kept
 
 
 @pytest.mark.parametrize("kernel", ["by-tree", "dense"])

@@ -73,7 +73,7 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
         return None
     if mode in CUDA_GRAPH_MODES:
         mode = _cuda_graph_mode(mode, static, device, engine, say)
-        request_static_shapes(model, mode in CUDA_GRAPH_MODES)  # (not where the engine ruled the graphs out)
+        request_static_shapes(model, static or mode in CUDA_GRAPH_MODES)  # (not where the engine ruled them out)
     stats = CompileStats(backbone, say, mode)
     if static:  # a graph per shape: up to STATIC_RECOMPILE_LIMIT of them before new shapes run eagerly
         import torch._dynamo
