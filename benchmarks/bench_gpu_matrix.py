@@ -33,6 +33,7 @@ from pathlib import Path
 
 import bench_gpu
 import harness
+import step_one_layouts
 import torch
 from bench_gpu import LEARNING_RATE, OURS_PRECOMPUTE, PEAK_FLOPS_CUDA, Flops, pairs
 
@@ -59,6 +60,7 @@ GOALS = dict(speedup=1.5, memory=0.5, mfu=0.40, mfu_tokens=16384)
 # the whole run's seconds (8 minutes): no case starts in its last STARTS_UNTIL seconds, and a worker still running at
 # its end is stopped (the cases it finished are kept)
 BUDGET_S, STARTS_UNTIL = 480, 60
+LAYOUTS_S = 120  # at most, for step_one_layouts (what moves a sequence's log-prob between layouts)
 
 
 def preset_of(model: str, loss: str, device: str) -> dict:
@@ -324,11 +326,10 @@ def tokens_per_step(res: dict | None, batch: int) -> int | None:
     return round(sum(sum(r) for r in rows) / max(len(rows) // batch, 1))
 
 
-def render(
-    results: dict, check: dict, device: str, peak: float | None, seconds: float, argv: list[str], graphs: dict
-) -> str:
-    """The report: the checks (step 1; CUDA graphs against the run without them), a row per (model, loss, batch),
-    the reference passes, the goals (`peak`: the device's FLOP/s for MFU, None on a CPU)."""
+def render(results: dict, checks: dict, device: str, peak: float | None, seconds: float, argv: list[str]) -> str:
+    """The report: the checks (`checks`: step 1; CUDA graphs against the run without them; step 1 by layout), a row
+    per (model, loss, batch), the reference passes, the goals (`peak`: the device's FLOP/s for MFU, None on a CPU)."""
+    check, graphs, layouts = checks["step_one"], checks["graphs"], checks["layouts"]
     command = " ".join(["python benchmarks/bench_gpu_matrix.py", *argv])
     lines = [HEADING, "", f"- command: `{command}`" + (" (`make bench-gpu`)" if device == "cuda" else "")]
     name = next((r.get("device_name") for r in [check, *results.values()] if r.get("device_name")), "unknown")
@@ -353,6 +354,11 @@ def render(
     else:
         lines += [f"- failed: {check.get('failed', 'did not run')}"]
     lines += ["", "## CUDA graphs against the compiled run without them", "", cuda_graphs_line(graphs, device)]
+    lines += ["", "## Step 1 by layout: what moves a sequence's log-prob (`benchmarks/step_one_layouts.py`)", ""]
+    if "results" in layouts:
+        lines += [step_one_layouts.settings(MODELS[device][0]), "", *step_one_layouts.table_lines(layouts["results"])]
+    else:
+        lines += [f"- failed: {layouts.get('failed', 'did not run')}"]
     header = "| model | loss | batch | needed tokens a step | " + " | ".join(COLUMNS)
     header += " | ours compiled vs trl's best |"
     rows, goal_rows = [], []
@@ -527,9 +533,20 @@ def main() -> None:
         must_succeed=False,
         timeout=ends - time.time(),
     )
+    layouts_flags = ["--device", args.device, "--preset", first, "--model", str(work / f"{first}-model")]
+    layouts = harness.run_worker(
+        Path(step_one_layouts.__file__),
+        "step_one_layouts",
+        work,
+        layouts_flags,
+        env=env,
+        must_succeed=False,
+        timeout=min(LAYOUTS_S, ends - time.time()),
+    )
     results = run_groups(work, args.device, ends)
     peak = args.peak_tflops * 1e12 if args.device == "cuda" else None
-    report = render(results, check, args.device, peak, time.perf_counter() - started, sys.argv[1:], graphs)
+    checks = dict(step_one=check, graphs=graphs, layouts=layouts)
+    report = render(results, checks, args.device, peak, time.perf_counter() - started, sys.argv[1:])
     harness.publish_run(report, harness.default_results(args.results, args.device == "cuda", "RESULTS-gpu.md"))
 
 

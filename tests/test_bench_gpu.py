@@ -125,10 +125,10 @@ SKIPPED_CUDA_GRAPHS = re.compile(r"^\d+\.\d{4} s \(\d+ graph\(s\) without CUDA g
 
 @pytest.mark.slow
 def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path):
-    """`make bench-gpu`'s matrix at tiny shapes on the CPU: the default path's step-1 check, then every (loss, batch)
-    row with ours compiled (without and with CUDA graphs, which a CPU skips) and eager and trl precomputed measured
-    (liger skipped with its reason), the reference passes and the goals; written as the newest run after the file's
-    first block."""
+    """`make bench-gpu`'s matrix at tiny shapes on the CPU: the default path's step-1 check, the CUDA graphs check and
+    the step-1 differences by layout, then every (loss, batch) row with ours compiled (without and with CUDA graphs,
+    which a CPU skips) and eager and trl precomputed measured (liger skipped with its reason), the reference passes and
+    the goals; written as the newest run after the file's first block."""
     results = tmp_path / "M.md"
     results.write_text("# GPU results\n\nwhat ran where\n\n# An older run\n\nits numbers\n")
     script, work = ROOT / "benchmarks" / "bench_gpu_matrix.py", str(tmp_path / "w")
@@ -142,6 +142,13 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
     assert "exactly 0: yes" in text.split("## The default path's step-1 check")[1].split("##")[0]
     graphs = text.split("## CUDA graphs against the compiled run without them")[1].split("##")[0]
     assert "equal (<= 0.001): yes" in graphs and "(a CPU has none)" in graphs, graphs
+    # what moves a sequence's log-prob between layouts: every kernel, every layout; by tree, a CPU's default (its
+    # sequences attend alone), nothing does
+    header, *rows = table_lines(text.split("## Step 1 by layout")[1].split("##")[0])
+    assert header[2:] == ["block-mask", "by-tree", "dense"] and len(rows) == 7, (header, rows)
+    number = re.compile(r"^(-|[\d.e+-]+) / [\d.e+-]+$")
+    assert rows[0][2:] == ["0 / 0"] * 3 and all(number.match(c) for r in rows for c in r[2:]), rows
+    assert [r[3] for r in rows] == ["0 / 0"] * 4 + ["- / 0"] * 3, rows
     header, *rows = table_lines(text.split("## Training steps")[1])
     assert header[:4] == ["model", "loss", "batch", "needed tokens a step"] and len(rows) == 2, (header, rows)
     assert {(r[1], r[2]) for r in rows} == {("kto", "4"), ("sigmoid", "4")}
@@ -171,7 +178,8 @@ def test_bench_gpu_matrix_reports_what_the_budget_left_out_as_not_run(tmp_path, 
     results = bench_gpu_matrix.run_groups(tmp_path, "cpu", time.time() - 1)
     assert not (tmp_path / "runs").exists()  # no worker ran
     failed = {"failed": "did not run"}
-    text = bench_gpu_matrix.render(results, failed, "cpu", None, 1.0, ["--device", "cpu"], failed)
+    checks = dict(step_one=failed, graphs=failed, layouts=failed)
+    text = bench_gpu_matrix.render(results, checks, "cpu", None, 1.0, ["--device", "cpu"])
     header, *rows = table_lines(text.split("## Training steps")[1])
     assert len(rows) == 2
     for row in rows:
@@ -180,6 +188,7 @@ def test_bench_gpu_matrix_reports_what_the_budget_left_out_as_not_run(tmp_path, 
     assert all(c == "not run within the budget" for r in passes for c in r[2:]), passes
     assert "- failed: did not run" in text.split("## The default path's step-1 check")[1].split("##")[0]
     assert "- failed: did not run" in text.split("## CUDA graphs against the compiled run without them")[1]
+    assert "- failed: did not run" in text.split("## Step 1 by layout")[1].split("##")[0]
 
 
 def test_bench_gpu_matrix_cases_record_a_failure_and_go_on(tmp_path, monkeypatch):

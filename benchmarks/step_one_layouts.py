@@ -1,0 +1,187 @@
+"""Where a GPU's step-1 difference comes from: the same sequences scored in layouts that differ in one thing at a time.
+
+    python benchmarks/step_one_layouts.py                              # a CUDA GPU: Qwen2-0.5B shapes (`make bench-gpu`
+                                                                       # runs it after its checks)
+    python benchmarks/step_one_layouts.py --device cpu --preset tiny   # the code path (seconds)
+
+At step 1 the policy is the reference, so its rewards are exactly 0 where both stages compute each sequence bit for
+bit alike. On one H100 they were not (up to 4.1e-3 under the block mask and the dense mask, 4.6e-6 by tree; see
+RESULTS-gpu.md), and what makes them differ was not measured apart. Here 4 trees (prompt, completion, KL completion;
+HH-RLHF's lengths, random tokens) are scored, float32 weights under bf16 autocast (the regime both stages share), by
+the reference pass's function (`score_layout`) in layouts that differ from a first one in one thing each, and by
+training's (`score_policy`, prompts and completions with gradients, then the KL completions on the cached prompts):
+
+- the first layout again: whether a kernel is deterministic at all;
+- the 4 trees moved 128 tokens along their row (a filler tree before them instead of after, the row as wide): their
+  rows' places in the matrix products change; the block mask's 128-token tiles fall on them as before;
+- moved 100 tokens: the tiles fall on them differently too;
+- a wider row (512 more tokens after them): the matrix products' shapes change, the trees' places do not;
+- the LM head alone, on the first layout's hidden states with 100 rows before them: its chunks' shapes change;
+- training's forwards over the 4 trees alone, the completions', then the KL completions' on the cached prompts:
+  everything at once, as step 1 compares them (on a CPU the block mask's without gradients: it has no backward
+  there).
+
+Each cell is the largest difference from the first layout, over the trees' scored tokens' last hidden states and over
+their 8 sequences' log-probs (nats): "0 / 0" is bit for bit. The kernel that attends ("block-mask" is an accelerator's
+default) is the column. Nothing here is a fix; it says which of these a fix has to hold fixed.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+import bench_gpu
+import harness
+import torch
+
+HEADING = "## Step 1 on a GPU: which difference between layouts moves a sequence's log-prob"
+TREES, SHIFT_ALIGNED, SHIFT_UNALIGNED, WIDER, HEAD_SHIFT = 4, 128, 100, 512, 100
+KERNELS = ("block-mask", "by-tree", "dense")
+LAYOUTS = (
+    ("the first layout again", "nothing (is the kernel deterministic?)"),
+    (f"moved {SHIFT_ALIGNED} tokens along the row", "their rows in the matrix products (attention's tiles as before)"),
+    (f"moved {SHIFT_UNALIGNED} tokens along the row", "the same, and where attention's 128-token tiles fall"),
+    (f"a row {WIDER} tokens wider", "the matrix products' shapes"),
+    (f"the LM head alone, {HEAD_SHIFT} rows before them", "the head's chunks' shapes"),
+    ("training's first forward: the 4 trees' completions", "everything step 1's rewards compare"),
+    ("training's KL forward, on the cached prompts", "everything step 1's KL compares"),
+)
+
+
+def trees_of(preset: dict) -> list[tuple[list[int], list[list[int]]]]:
+    """4 trees with HH-RLHF's lengths scaled to the preset's max_length (each KL completion another row's
+    completion), then the fillers: 128 tokens, 100 and 28 (together 128), and 512; random token ids, seeded."""
+    real, max_length = bench_gpu.hh_rlhf_lengths(), preset["max_length"]
+    scale = max_length / max(p + c for p, c in real)
+    rng = random.Random(0)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, preset["vocab"]) for _ in range(max(n, 1))]
+
+    picked = [real[rng.randrange(len(real))] for _ in range(TREES + 1)]
+    lengths = [(round(p * scale), round(c * scale)) for p, c in picked]
+    trees = [(ids(p), [ids(c), ids(lengths[i + 1][1])]) for i, (p, c) in enumerate(lengths[:TREES])]
+    fillers = [(ids(n // 2), [ids(n // 4), ids(n - n // 2 - n // 4)]) for n in (SHIFT_ALIGNED, 100, 28, WIDER)]
+    return trees + fillers
+
+
+def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) -> dict:
+    """kernel -> [(hidden diff or None, log-prob diff) or the reason it did not run, per LAYOUTS]."""
+    from kto_pipeline.models import backbone_of, load_model
+    from kto_pipeline.scoring.attention import request_attention_kernel
+    from kto_pipeline.scoring.head import head_logps
+    from kto_pipeline.scoring.logprobs import score_layout, score_policy
+    from kto_pipeline.scoring.packing import layout_trees
+
+    model = load_model(str(model_dir), torch.float32).to(device)
+    trees, first = trees_of(preset), list(range(TREES))
+    a, b, c, wide = range(TREES, TREES + 4)  # the fillers' indices: 128, 100, 28 and 512 tokens
+    rows = dict(first=[[*first, a]], aligned=[[a, *first]], unaligned=[[b, *first, c]], wider=[[*first, a, wide]])
+    hidden: list[torch.Tensor] = []
+    backbone_of(model).register_forward_hook(lambda module, args, out: hidden.append(out.last_hidden_state))
+    ours = torch.arange(2 * TREES)  # the 4 trees' sequences (completion, KL completion): numbered first
+
+    def scored(layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the trees' scored tokens' hidden states, their sequences' log-probs, the head's inputs)."""
+        hidden.clear()
+        with torch.no_grad():
+            logps = score_layout(model, layout.to(device), with_stats=False).logps[ours]
+        mine = (layout.sequence < 2 * TREES).to(device)
+        predictor = layout.predictor.to(device)[mine]
+        targets = layout.input_ids.to(device).reshape(-1)[layout.target.to(device)[mine]]
+        return hidden[0].reshape(-1, hidden[0].shape[-1])[predictor].float(), logps.float(), targets
+
+    def diff(x: torch.Tensor, y: torch.Tensor) -> float:
+        return float((x - y).abs().max())
+
+    results = {}
+    for kernel in kernels:
+        chosen, why = request_attention_kernel(model, kernel, device)
+        if why is not None:
+            results[kernel] = f"not run: {why}"
+            continue
+        cells = []
+        with torch.autocast(device, dtype=torch.bfloat16):
+            model.eval()
+            base_hidden, base, targets = scored(layout_trees(trees, rows["first"]))
+            for name in ("first", "aligned", "unaligned", "wider"):
+                h, logps, _ = scored(layout_trees(trees, rows[name]))
+                cells.append((diff(h, base_hidden), diff(logps, base)))
+            with torch.no_grad():  # the head alone: HEAD_SHIFT other rows first, then the same hidden states
+                before = torch.randn(HEAD_SHIFT, base_hidden.shape[1], device=device, dtype=base_hidden.dtype)
+                other = torch.randint(3, preset["vocab"], (HEAD_SHIFT,), device=device)
+                shifted = head_logps(model, torch.cat([before, base_hidden]), torch.cat([other, targets]), None, False)
+                alone = head_logps(model, base_hidden, targets, None, False)
+            cells.append((None, diff(shifted[0][HEAD_SHIFT:].float(), alone[0].float())))
+            # training's forwards, in training mode with gradients where the kernel has a backward (FlexAttention on a
+            # CPU has none: there it runs them as the forwards they are, without)
+            grad = not (chosen == "block-mask" and device == "cpu")
+            model.train(grad)
+            layout = layout_trees(trees[:TREES], [first], split_last=True).to(device)
+            with torch.set_grad_enabled(grad):
+                policy = score_policy(model, layout, with_stats=False)
+            for i, part in enumerate((policy.completions, policy.kl)):
+                cells.append((None, diff(part.logps.detach().float(), base[i::2])))
+        results[chosen] = cells
+    return results
+
+
+def table_lines(results: dict) -> list[str]:
+    """The table of `run`'s results (a kernel that did not run: a line saying why)."""
+    kernels = [k for k in results if not isinstance(results[k], str)]
+    header = "| layout (against the first) | what differs | " + " | ".join(kernels) + " |"
+
+    def cell(value) -> str:
+        h, logp = value
+        return f"{'-' if h is None else f'{h:.2g}'} / {logp:.2g}"
+
+    rows = [(name, what, *(cell(results[k][i]) for k in kernels)) for i, (name, what) in enumerate(LAYOUTS)]
+    return [*harness.table(header, rows), *(f"- {k}: {why}" for k, why in results.items() if isinstance(why, str))]
+
+
+def settings(preset_name: str) -> str:
+    return (
+        f"- `{preset_name}` shapes, random weights, float32 weights under bf16 autocast (both stages' regime); {TREES} "
+        "trees with HH-RLHF's lengths, random tokens; a cell: the largest |difference| from the first layout in the "
+        "scored tokens' last hidden states / in the 8 sequences' log-probs (nats); 0 / 0 is bit for bit"
+    )
+
+
+def render(results: dict, preset_name: str, device_name: str, seconds: float, argv: list[str]) -> str:
+    command = "`python benchmarks/step_one_layouts.py" + "".join(f" {a}" for a in argv) + "`"
+    lines = [HEADING, "", *harness.provenance(command, seconds, "torch", "transformers"), f"- device: {device_name}"]
+    return "\n".join([*lines, settings(preset_name), "", *table_lines(results)]) + "\n"
+
+
+def worker(work: Path, preset_name: str, device: str, model: Path | None) -> dict:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    preset = harness.GPU_PRESETS[preset_name]
+    if model is None:
+        model = work / f"{preset_name}-model"
+        harness.random_qwen2(model, preset, device=device)
+    device_name = torch.cuda.get_device_name(0) if device == "cuda" else harness.cpu_name()
+    return dict(results=run(model, preset, device, KERNELS), device_name=device_name)
+
+
+def main() -> None:
+    parser = harness.script_parser(__doc__, work=str(harness.WORK_DIR / "step-one-layouts"), results="Markdown file")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--preset", default="qwen2-0.5b", choices=sorted(harness.GPU_PRESETS))
+    parser.add_argument("--model", help="a model directory of the preset's shape (default: built in --work)")
+    args = parser.parse_args()
+    work, model = Path(args.work), args.model and Path(args.model)
+    if args.mode == "worker":
+        harness.print_result(worker(work, args.preset, args.device, model))
+        return
+    started = time.perf_counter()
+    res = worker(work, args.preset, args.device, model)
+    report = render(res["results"], args.preset, res["device_name"], time.perf_counter() - started, sys.argv[1:])
+    harness.publish(report, args.results, HEADING)
+
+
+if __name__ == "__main__":
+    main()
