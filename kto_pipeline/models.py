@@ -197,13 +197,15 @@ def checkpointing(model) -> bool:
 
 
 COMPILED_LAYERS = "_kto_compiled_layers"  # set on a backbone whose decoder layers were compiled (--torch-compile)
+STATIC_LAYERS = "_kto_static_layers"  # set on one whose compiled layers take a few static shapes (a graph each)
 
 
 def keeps_keys_values(model) -> bool:
     """Whether training's first forward can keep its keys/values for the KL completions' forward: not where the
-    layers are recomputed in the backward (gradient checkpointing), nor where they are compiled (a compiled layer
-    that writes into the cache specialises on its layer index: one graph per layer)."""
-    return not checkpointing(model) and not getattr(backbone_of(model), COMPILED_LAYERS, False)
+    layers are recomputed in the backward (gradient checkpointing), nor where compiled layers take static shapes (the
+    KL completions alone would take shapes of their own, a graph each: they run with their prompts again, in the
+    layout's shape). Compiled layers keep them in a `runtime.compiled.KeptKeysValues`."""
+    return not checkpointing(model) and not getattr(backbone_of(model), STATIC_LAYERS, False)
 
 
 def sliding_window(model) -> int | None:

@@ -2,11 +2,14 @@
 
 Compilation by region, as torchtitan and torchtune compile the repeated block: `nn.Module.compile` on each decoder
 layer. With torch's default `inline_inbuilt_nn_modules` a layer's parameters are inputs of its graph, so every layer
-runs the graphs compiled for the first one, and compile time does not grow with depth. That holds only where no
-layer writes into a key/value cache: a graph that writes into the step's `DynamicCache` at its layer index
-specialises on it, one graph per layer (measured: the recompile limit reached at 4 layers). So training's forward
-keeps no keys/values under compiled layers (`models.keeps_keys_values`), and the KL completions run with their
-prompts again, without gradients (more FLOPs, as under gradient checkpointing). The log-prob head's math of a chunk
+runs the graphs compiled for the first one, and compile time does not grow with depth. A graph that wrote into the
+step's `DynamicCache` at its layer index would specialise on that index, one graph per layer (measured: the recompile
+limit reached at 4 layers). So training's first forward keeps its keys/values in a `KeptKeysValues` instead: a layer's
+graph hands its keys and values out as outputs, and its call's wrapper (outside the graph) files them by layer, then
+hands each layer its own to the KL completions' forward, which runs on the prompts' cached keys/values as in an eager
+run (two graphs in all: the first forward's and the KL forward's). Not under static shapes: the KL completions alone
+would take shapes of their own, a graph each, so they run with their prompts again, in the layout's static shape (more
+FLOPs, as under gradient checkpointing). The log-prob head's math of a chunk
 (`scoring.head.softmax_stats` and `logits_grad`, in both stages) and training's loss (each family's loss
 function, from its objective's forward) are regions of their own (`compiled_region`), with the number of tokens, rows
 or pairs dynamic from the first call, so that a new batch size compiles nothing (but a size of 1, which Dynamo
@@ -38,7 +41,7 @@ import logging
 import re
 from collections.abc import Callable
 
-from kto_pipeline.models import COMPILED_LAYERS, backbone_of, scorable
+from kto_pipeline.models import COMPILED_LAYERS, STATIC_LAYERS, backbone_of, scorable
 from kto_pipeline.runtime import CUDA_GRAPH_MODES
 
 BACKEND = "inductor"  # torch.compile's backend for the layers (the tests swap in one that fails)
@@ -80,12 +83,14 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
 
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, STATIC_RECOMPILE_LIMIT)
-    for layer in layers:
+    for index, layer in enumerate(layers):
         layer.compile(backend=BACKEND, dynamic=False if static else None, **_mode_option(mode))
-        layer._compiled_call_impl = _guarded(layer._call_impl, layer._compiled_call_impl, stats)
+        compiled = _guarded(layer._call_impl, layer._compiled_call_impl, stats)
+        layer._compiled_call_impl = _keeping_keys_values(compiled, index)
     if stats.cuda_graphs:
         backbone.register_forward_pre_hook(_new_step_of_graphs)
     setattr(backbone, COMPILED_LAYERS, True)
+    setattr(backbone, STATIC_LAYERS, bool(static or mode in CUDA_GRAPH_MODES))
     setattr(scorable(model), STATS, stats)
     why = "" if asked else f" (on by default on {device.type}; --no-torch-compile runs eagerly)"
     say(f"{stats}{why}")
@@ -147,6 +152,73 @@ def _guarded(eager_call, compiled_call, stats: CompileStats):
         return eager_call(*args, **kwargs)
 
     return call
+
+
+class KeptKeysValues:
+    """Training's key/value cache where the decoder layers are compiled (`keys_values_cache`), read by
+    `score_policy` as a `DynamicCache` (`layers[i].keys`, `.values`; `get_seq_length`).
+
+    A layer's `update(keys, values, layer_idx)` ignores its index: a graph that used it would be one graph per layer.
+    In the first forward it hands the keys and values out (`latest`: outputs of the graph) and returns them; its
+    call's wrapper (`_keeping_keys_values`, outside the graph) files them as that layer's. In a later forward the
+    wrapper hands the layer its own first (`past`), and `update` returns them followed by the new tokens', as
+    DynamicCache does."""
+
+    def __init__(self):
+        self.layers: list[_Kept] = []
+        self.latest: tuple | None = None  # the keys and values the last layer call handed out
+        self.past: _Kept | None = None  # the keys and values of the layer being called, in a later forward
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        import torch
+
+        if self.past is not None:
+            return (
+                torch.cat([self.past.keys, key_states], dim=-2),
+                torch.cat([self.past.values, value_states], dim=-2),
+            )
+        self.latest = (key_states.detach(), value_states.detach())  # read without gradients
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[0].keys.shape[-2] if self.layers else 0
+
+
+class _Kept:
+    """A layer's kept keys and values (as a DynamicCache layer holds them)."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+
+def keys_values_cache(model):
+    """The key/value cache training's first forward keeps for the KL forward: a `KeptKeysValues` where the layers
+    are compiled by region (their calls file it), else transformers' `DynamicCache`."""
+    if getattr(backbone_of(model), COMPILED_LAYERS, False):
+        return KeptKeysValues()
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def _keeping_keys_values(call, index: int):
+    """Layer `index`'s call, filing the keys and values it hands a `KeptKeysValues` (a first forward), or handing
+    it its own first (a later forward), outside the compiled graph."""
+
+    def call_keeping(*args, **kwargs):
+        kept = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not isinstance(kept, KeptKeysValues):
+            return call(*args, **kwargs)
+        kept.past = kept.layers[index] if index < len(kept.layers) else None
+        try:
+            out = call(*args, **kwargs)
+            if kept.past is None:
+                kept.layers.append(_Kept(*kept.latest))
+        finally:
+            kept.past = kept.latest = None
+        return out
+
+    return call_keeping
 
 
 def compiled_region(owner, fn: Callable) -> Callable:
@@ -248,12 +320,13 @@ class CompileStats:
         return self.compiled_regions[fn]
 
     def fall_back(self, error: Exception) -> None:
-        """Every region eager from now on, and the key/value cache kept again, as in an eager run."""
+        """Every region eager from now on (the layers' calls still filing the keys/values a `KeptKeysValues` keeps:
+        the forward under way may hold one)."""
         reason = " ".join(str(error).split())[:400] or type(error).__name__
         self.eager_fallback = f"{type(error).__name__}: {reason}"
-        for layer in self.backbone.layers:
-            layer._compiled_call_impl = None
-        setattr(self.backbone, COMPILED_LAYERS, False)
+        for index, layer in enumerate(self.backbone.layers):
+            layer._compiled_call_impl = _keeping_keys_values(layer._call_impl, index)
+        setattr(self.backbone, STATIC_LAYERS, False)  # eager: the next forwards keep keys/values whatever the shapes
         self.say(f"--torch-compile: compiling failed; running eagerly ({self.eager_fallback})")
 
     def recompiled(self, message: str) -> None:

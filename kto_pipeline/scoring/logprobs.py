@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kto_pipeline.models import backbone_of, keeps_keys_values, scorable, sliding_window
+from kto_pipeline.runtime.compiled import keys_values_cache
 from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs, tree_mask
 from kto_pipeline.scoring.head import DEFAULT_CHUNK_SIZE, head_logps
 from kto_pipeline.scoring.images import join_images, token_inputs
@@ -197,21 +198,19 @@ def score_policy(
     1. the rows' prompts and completions (columns before `layout.split`), with gradients; their keys/values
        are kept;
     2. (`with_kl`) the KL completions alone, without gradients, attending to the cached keys/values of their
-       prompts (detached): K tokens instead of P + K. They run either in their rows (columns from
+       prompts (detached; `keys_values_cache`): K tokens instead of P + K. They run either in their rows (columns from
        `layout.split`, padded to the row with the most) or gathered from every row into one unpadded row
        that attends to all rows' caches laid end to end; `gather_kl` forces one way, by default whichever
        costs less. A model that keeps no keys/values while training (`keeps_keys_values`: gradient checkpointing
-       recomputes the layers; compiled layers) runs the whole layout again without gradients instead.
+       recomputes the layers) runs the whole layout again without gradients instead.
 
     `images`: the prompts' images in the layout's order (`Layout.prompt_order`); the KL forward needs none."""
-    from transformers import DynamicCache
-
     model = scorable(model)
     assert layout.branches == 2, "(prompt, [completion, KL completion]) trees"
     rows, width, split, device = *layout.input_ids.shape, layout.split, layout.input_ids.device
     grid = torch.arange(rows * width, device=device).reshape(rows, width)
     main = grid[:, :split]  # (R, S) flat indices
-    cache = DynamicCache() if with_kl and keeps_keys_values(model) else None
+    cache = keys_values_cache(model) if with_kl and keeps_keys_values(model) else None
     extra = {"output_router_logits": True} if output_router_logits else {}
     outputs = _forward(model, layout, main, cache=cache, images=images, **extra)
     aux_loss = None
