@@ -426,3 +426,39 @@ def test_compiled_layers_with_gradient_checkpointing_stay_compiled_with_step_one
     for a, b in zip(with_checkpoints, without, strict=True):
         for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
+
+
+def test_kept_keys_values_files_each_layer_or_keeps_nothing():
+    """What compiled layers keep for the KL forward: a first forward files each layer's keys/values under its index;
+    a later one hands each layer its own, followed by the new tokens'. Layers called out of order, or a call without
+    an update, keep nothing (so the KL completions run with their prompts again) rather than another layer's."""
+    import torch
+
+    from kto_pipeline.runtime.compiled import KeptKeysValues, _keeping_keys_values
+
+    def layer(i: int, updates: bool = True):
+        def call(hidden, cache=None):
+            keys = torch.full((1, 1, 2, 1), float(i))
+            return cache.update(keys, keys + 10, i)[0] if updates else keys
+
+        return _keeping_keys_values(call, i)
+
+    calls = [layer(i) for i in range(3)]
+    kept = KeptKeysValues()
+    for call in calls:
+        call(None, cache=kept)
+    assert kept.get_seq_length() == 2 and [float(k.keys[0, 0, 0, 0]) for k in kept.layers] == [0, 1, 2]
+    assert [float(k.values[0, 0, 0, 0]) for k in kept.layers] == [10, 11, 12]
+    keys = calls[1](None, cache=kept)  # the KL forward: layer 1's own, then the new
+    assert keys.shape == (1, 1, 4, 1) and keys.eq(1).all() and kept.past is None and kept.latest is None
+    for order in ((0, 2, 1), (1,)):
+        shuffled = KeptKeysValues()
+        for i in order:
+            calls[i](None, cache=shuffled)
+        assert shuffled.layers == [] and shuffled.get_seq_length() == 0, order
+    silent = KeptKeysValues()
+    calls[0](None, cache=silent)
+    layer(1, updates=False)(None, cache=silent)
+    calls[2](None, cache=silent)
+    assert silent.layers == [] and silent.get_seq_length() == 0
+    assert layer(0, updates=False)(None, cache=None).shape == (1, 1, 2, 1)  # no KeptKeysValues: the call as it is

@@ -22,8 +22,9 @@ STATIC_SHAPES_HELP = (
 )
 TORCH_COMPILE_HELP = (
     "Compile the decoder layer once for every layer, the log-prob head's softmax and the loss (torch.compile, by "
-    "region): fewer ops dispatched a step. The first steps pay the compile; under --static-shapes training's KL "
-    "completions run with their prompts again (alone, each of their shapes would compile a graph). Unset: train "
+    "region): fewer ops dispatched a step. The first steps pay the compile; under static shapes (--static-shapes, or a "
+    "CUDA graph --torch-compile-mode) training's KL completions run with their prompts again (alone, each of their "
+    "shapes would compile a graph). Unset: train "
     "compiles on CUDA GPUs (measured 2x faster steps on an H100) and not on the CPU (there the compile costs more "
     "than it saves); precompute only when asked. Where compiling fails the run says why and runs eagerly."
 )

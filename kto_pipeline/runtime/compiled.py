@@ -7,7 +7,8 @@ step's `DynamicCache` at its layer index would specialise on that index, one gra
 limit reached at 4 layers). So training's first forward keeps its keys/values in a `KeptKeysValues` instead: a layer's
 graph hands its keys and values out as outputs, and its call's wrapper (outside the graph) files them by layer, then
 hands each layer its own to the KL completions' forward, which runs on the prompts' cached keys/values as in an eager
-run (two graphs in all: the first forward's and the KL forward's). Not under static shapes: the KL completions alone
+run (the same graphs for every layer: the first forward's and the KL forward's, for each shape and grad mode they
+meet, as without a cache). Not under static shapes: the KL completions alone
 would take shapes of their own, a graph each, so they run with their prompts again, in the layout's static shape (more
 FLOPs, as under gradient checkpointing). The log-prob head's math of a chunk
 (`scoring.head.softmax_stats` and `logits_grad`, in both stages) and training's loss (each family's loss
@@ -162,12 +163,14 @@ class KeptKeysValues:
     In the first forward it hands the keys and values out (`latest`: outputs of the graph) and returns them; its
     call's wrapper (`_keeping_keys_values`, outside the graph) files them as that layer's. In a later forward the
     wrapper hands the layer its own first (`past`), and `update` returns them followed by the new tokens', as
-    DynamicCache does."""
+    DynamicCache does. Where the layers are not called once each, in order, each calling `update` once, it keeps
+    nothing (`get_seq_length` 0: the KL completions then run with their prompts again)."""
 
     def __init__(self):
         self.layers: list[_Kept] = []
         self.latest: tuple | None = None  # the keys and values the last layer call handed out
         self.past: _Kept | None = None  # the keys and values of the layer being called, in a later forward
+        self.unusable = False  # a layer called out of order, or without an update: nothing kept (never guessed)
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
         import torch
@@ -212,8 +215,11 @@ def _keeping_keys_values(call, index: int):
         kept.past = kept.layers[index] if index < len(kept.layers) else None
         try:
             out = call(*args, **kwargs)
-            if kept.past is None:
-                kept.layers.append(_Kept(*kept.latest))
+            if kept.past is None and not kept.unusable:
+                if kept.latest is None or index != len(kept.layers):  # not one update a layer, in order
+                    kept.unusable, kept.layers = True, []  # keeps nothing: the KL completions run with their prompts
+                else:
+                    kept.layers.append(_Kept(*kept.latest))
         finally:
             kept.past = kept.latest = None
         return out

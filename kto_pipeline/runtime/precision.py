@@ -133,13 +133,13 @@ class StepCasts:
     """The decoder layers' float32 weights cast to the autocast dtype once an optimizer step, not once a call.
 
     Under bf16/fp16 autocast every call of a linear layer casts its weight, and a step calls each layer several times:
-    the completions' forward, the KL completions' (a call of its own where the layers are compiled, which keep no
-    keys/values), again for every micro-batch of --gradient-accumulation-steps. Compiled layers cast inside their
-    graphs, a kernel a weight and call. While a `StepCasts` is open, each nn.Linear of the decoder layers computes on
-    a cast made at the step's start (`open`) and dropped after its last backward (`close`), before the optimizer
-    changes the weights: the same values (a cast is a rounding; autocast casts the input as before), the gradient
-    reaching the float32 weight through the cast, as under autocast. The layers' forward is replaced once, at
-    construction, so that a compiled layer's graph takes the casts as inputs from the first step on.
+    the completions' forward, the KL completions', again for every micro-batch of --gradient-accumulation-steps.
+    Compiled layers cast inside their graphs, a kernel a weight and call. While a `StepCasts` is open, each nn.Linear
+    of the decoder layers computes on a cast made at the step's start (`open`) and dropped after its last backward
+    (`close`), before the optimizer changes the weights: the same values (a cast is a rounding; autocast casts the
+    input as before), the gradient reaching the float32 weight through the cast, as under autocast. The layers'
+    forward is replaced once, at construction, so that a compiled layer's graph takes the casts as inputs from the
+    first step on.
 
     Active only where it changes the work and not the peak memory: under autocast, with an engine whose processes hold
     whole weights (one process, DDP; not FSDP2's or ZeRO-3's shards, gathered a layer at a time), without gradient

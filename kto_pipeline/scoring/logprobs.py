@@ -202,7 +202,8 @@ def score_policy(
        `layout.split`, padded to the row with the most) or gathered from every row into one unpadded row
        that attends to all rows' caches laid end to end; `gather_kl` forces one way, by default whichever
        costs less. A model that keeps no keys/values while training (`keeps_keys_values`: gradient checkpointing
-       recomputes the layers) runs the whole layout again without gradients instead.
+       recomputes the layers; compiled layers under static shapes) runs the whole layout again without gradients
+       instead.
 
     `images`: the prompts' images in the layout's order (`Layout.prompt_order`); the KL forward needs none."""
     model = scorable(model)
