@@ -516,36 +516,22 @@ def main() -> None:
     print(f"building the models and data in {work} ...", flush=True)
     env = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"} if args.device == "cpu" else {}
     built = harness.run_worker(Path(__file__), "build", work, ["--device", args.device], env=env)
-    first = MODELS[args.device][0]
-    check_flags = ["--preset", first, "--device", args.device]
-    check_name = "step_one_default_compiled" if args.device == "cuda" else "step_one_default"
-    where = group_work(work, first, "kto")
-    check = harness.run_worker(
-        Path(bench_gpu.__file__), check_name, where, check_flags, must_succeed=False, timeout=ends - time.time()
-    )
-    check.setdefault("device_name", built["device_name"])
-    graphs = harness.run_worker(
-        Path(__file__),
-        "cuda_graphs_check",
-        work,
-        ["--device", args.device],
-        env=env,
-        must_succeed=False,
-        timeout=ends - time.time(),
-    )
-    layouts_flags = ["--device", args.device, "--preset", first, "--model", str(work / f"{first}-model")]
-    layouts = harness.run_worker(
-        Path(step_one_layouts.__file__),
-        "step_one_layouts",
-        work,
-        layouts_flags,
-        env=env,
-        must_succeed=False,
-        timeout=min(LAYOUTS_S, ends - time.time()),
-    )
+
+    def check(script: str, name: str, where: Path, flags: list[str], env=env, most_s: float = float("inf")) -> dict:
+        """A check before the cases, in a process of its own: its result, or why it failed."""
+        timeout = min(most_s, ends - time.time())
+        return harness.run_worker(Path(script), name, where, flags, env=env, must_succeed=False, timeout=timeout)
+
+    first, device = MODELS[args.device][0], ["--device", args.device]
+    step_one = "step_one_default_compiled" if args.device == "cuda" else "step_one_default"
+    step_one = check(bench_gpu.__file__, step_one, group_work(work, first, "kto"), ["--preset", first, *device], None)
+    step_one.setdefault("device_name", built["device_name"])
+    graphs = check(__file__, "cuda_graphs_check", work, device)
+    model_flags = ["--preset", first, "--model", str(work / f"{first}-model")]
+    layouts = check(step_one_layouts.__file__, "step_one_layouts", work, [*device, *model_flags], most_s=LAYOUTS_S)
     results = run_groups(work, args.device, ends)
     peak = args.peak_tflops * 1e12 if args.device == "cuda" else None
-    checks = dict(step_one=check, graphs=graphs, layouts=layouts)
+    checks = dict(step_one=step_one, graphs=graphs, layouts=layouts)
     report = render(results, checks, args.device, peak, time.perf_counter() - started, sys.argv[1:])
     harness.publish_run(report, harness.default_results(args.results, args.device == "cuda", "RESULTS-gpu.md"))
 

@@ -53,7 +53,8 @@ LAYOUTS = (
 
 def trees_of(preset: dict) -> list[tuple[list[int], list[list[int]]]]:
     """4 trees with HH-RLHF's lengths scaled to the preset's max_length (each KL completion another row's
-    completion), then the fillers: 128 tokens, 100 and 28 (together 128), and 512; random token ids, seeded."""
+    completion), then the fillers: 128 tokens, 100 and 28 (together 128: the row as wide), and 512; random token
+    ids, seeded."""
     real, max_length = bench_gpu.hh_rlhf_lengths(), preset["max_length"]
     scale = max_length / max(p + c for p, c in real)
     rng = random.Random(0)
@@ -64,7 +65,8 @@ def trees_of(preset: dict) -> list[tuple[list[int], list[list[int]]]]:
     picked = [real[rng.randrange(len(real))] for _ in range(TREES + 1)]
     lengths = [(round(p * scale), round(c * scale)) for p, c in picked]
     trees = [(ids(p), [ids(c), ids(lengths[i + 1][1])]) for i, (p, c) in enumerate(lengths[:TREES])]
-    fillers = [(ids(n // 2), [ids(n // 4), ids(n - n // 2 - n // 4)]) for n in (SHIFT_ALIGNED, 100, 28, WIDER)]
+    sizes = (SHIFT_ALIGNED, SHIFT_UNALIGNED, SHIFT_ALIGNED - SHIFT_UNALIGNED, WIDER)
+    fillers = [(ids(n // 2), [ids(n // 4), ids(n - n // 2 - n // 4)]) for n in sizes]
     return trees + fillers
 
 

@@ -78,7 +78,8 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
         return None
     if mode in CUDA_GRAPH_MODES:
         mode = _cuda_graph_mode(mode, static, device, engine, say)
-        request_static_shapes(model, static or mode in CUDA_GRAPH_MODES)  # (not where the engine ruled them out)
+    static_layouts = static or mode in CUDA_GRAPH_MODES  # (a CUDA graph mode's, not where the engine ruled it out)
+    request_static_shapes(model, static_layouts)
     stats = CompileStats(backbone, say, mode)
     if static:  # a graph per shape: up to STATIC_RECOMPILE_LIMIT of them before new shapes run eagerly
         import torch._dynamo
@@ -92,7 +93,7 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
     if stats.cuda_graphs:
         backbone.register_forward_pre_hook(_new_step_of_graphs)
     setattr(backbone, COMPILED_LAYERS, True)
-    setattr(backbone, STATIC_LAYERS, bool(static or mode in CUDA_GRAPH_MODES))
+    setattr(backbone, STATIC_LAYERS, static_layouts)
     setattr(scorable(model), STATS, stats)
     why = "" if asked else f" (on by default on {device.type}; --no-torch-compile runs eagerly)"
     say(f"{stats}{why}")
