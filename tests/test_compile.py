@@ -141,6 +141,38 @@ def test_passing_the_recompile_limit_is_said_with_its_reason(tmp_path, capsys):
     assert state["compile"]["recompile_limit"], state["compile"]
 
 
+def test_a_run_evaluating_with_one_row_batches_stays_within_the_raised_recompile_limit(tmp_path, capsys, monkeypatch):
+    """The compiled layer meets training's two forwards and evaluation's two (in eval mode), each static, dynamic and
+    for one row: more graphs than torch's default limit (8) keeps, so compiling raises it (to 16), and no shape runs
+    eagerly. A limit the user set stays (`test_passing_the_recompile_limit_is_said_with_its_reason`)."""
+    import torch
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from kto_pipeline import PrecomputeConfig, precompute, train
+    from kto_pipeline.runtime import compiled
+
+    model_dir = _tiny_model_dir(tmp_path, layers=2)
+    caches = {}
+    for name, rows in (("train", 21), ("eval", 11)):  # batches of 4 and 5: the last of each, one row
+        data = write_jsonl(tmp_path / f"{name}.jsonl", unpaired_rows(rows))
+        config = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / name), max_length=64)
+        caches[name] = precompute(config)
+    with torch._dynamo.config.patch(recompile_limit=min(torch._dynamo.config.recompile_limit, 8)):
+        monkeypatch.setattr(compiled, "_RAISED", {8})  # torch's own limit (8), as a user who set none has it
+        run = tmp_path / "run"
+        settings = dict(eval_cache=str(caches["eval"]), eval_steps=2, per_device_eval_batch_size=5)
+        train(train_config(caches["train"], run, max_steps=6, attention_kernel="dense", torch_compile=True, **settings))
+        assert torch._dynamo.config.recompile_limit == compiled.DYNAMIC_RECOMPILE_LIMIT
+    from transformers import AutoModelForCausalLM
+
+    layer_code = type(AutoModelForCausalLM.from_pretrained(model_dir).model.layers[0]).forward.__code__
+    assert 8 < len(_debug_get_cache_entry_list(layer_code)) <= compiled.DYNAMIC_RECOMPILE_LIMIT
+    assert "recompile limit" not in capsys.readouterr().out
+    state = json.loads((run / "trainer_state.json").read_text())
+    assert "recompile_limit" not in state["compile"] and state["compile"]["graph_breaks"] == 0, state["compile"]
+    assert any("eval_loss" in record for record in read_metrics(run))
+
+
 def _asked(torch_compile: bool | None, mode: str = "default", static: bool = False) -> SimpleNamespace:
     """The options `compile_layers` reads (train's and precompute's alike)."""
     return SimpleNamespace(torch_compile=torch_compile, torch_compile_mode=mode, static_shapes=static)

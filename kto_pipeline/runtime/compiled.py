@@ -34,7 +34,9 @@ here: on a CPU inductor compiles the same graphs without CUDA graphs, and says s
 `CompileStats` reads Dynamo's counters over a stage: graphs compiled, graph breaks, recompiles (the layer compiled
 again for new guards: grad mode, a new shape) and seconds spent compiling; trainer_state.json and the cache's
 manifest record them as `compile`, with `eager_fallback` (why the layers ran eagerly) and `recompile_limit`
-(the shapes that passed Dynamo's recompile limit, after which new shapes run eagerly) where they happened.
+(the shapes that passed Dynamo's recompile limit, after which new shapes run eagerly) where they happened. That
+limit is raised where the user set none: to `DYNAMIC_RECOMPILE_LIMIT` (a layer's variants), or
+`STATIC_RECOMPILE_LIMIT` under static shapes (a graph per shape).
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ BACKEND = "inductor"  # torch.compile's backend for the layers (the tests swap i
 WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 TRAIN_COMPILES_ON = ("cuda",)  # device types where training compiles when --torch-compile is unset
 STATIC_RECOMPILE_LIMIT = 64  # with --static-shapes, Dynamo's recompile limit is raised to this (a graph per shape)
+# Otherwise to this: a layer meets 4 calls (training's forward with gradients, its KL forward on the kept keys/values,
+# evaluation's two in eval mode), each compiled static, then dynamic, then for one row (Dynamo specialises a size of
+# 1); measured: 10 graphs of the layer in 16 steps evaluating at each, with one-row batches in both (torch's default
+# limit, 8, passed by the 6th step)
+DYNAMIC_RECOMPILE_LIMIT = 16
 STATS = "_kto_compile_stats"  # on a model compiled by region: its CompileStats (the head and the loss ask it)
 
 
@@ -81,11 +88,7 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
     static_layouts = static or mode in CUDA_GRAPH_MODES  # (a CUDA graph mode's, not where the engine ruled it out)
     request_static_shapes(model, static_layouts)
     stats = CompileStats(backbone, say, mode)
-    if static:  # a graph per shape: up to STATIC_RECOMPILE_LIMIT of them before new shapes run eagerly
-        import torch._dynamo
-
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, STATIC_RECOMPILE_LIMIT)
+    _raise_recompile_limit(STATIC_RECOMPILE_LIMIT if static else DYNAMIC_RECOMPILE_LIMIT)
     for index, layer in enumerate(layers):
         layer.compile(backend=BACKEND, dynamic=False if static else None, **_mode_option(mode))
         compiled = _guarded(layer._call_impl, layer._compiled_call_impl, stats)
@@ -98,6 +101,22 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
     why = "" if asked else f" (on by default on {device.type}; --no-torch-compile runs eagerly)"
     say(f"{stats}{why}")
     return stats
+
+
+_RAISED: set[int] = set()  # the recompile limits `_raise_recompile_limit` set
+
+
+def _raise_recompile_limit(to: int) -> None:
+    """Dynamo's recompile limit (`torch._dynamo.config.recompile_limit`, per compiled function: the graphs it keeps
+    before new shapes run eagerly) raised to `to`, where it is torch's own or one this module set; a limit the user
+    set (in code or the environment) stays as it is."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    is_default = getattr(config, "_is_default", lambda name: False)  # (a private helper: where missing, keep theirs)
+    if (is_default("recompile_limit") or config.recompile_limit in _RAISED) and config.recompile_limit < to:
+        config.recompile_limit = to
+        _RAISED.add(to)
 
 
 def _cuda_graph_mode(mode: str, static_asked: bool, device, engine, say: Callable[[str], None]) -> str:
