@@ -196,7 +196,7 @@ def checkpointing(model) -> bool:
     return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
 
 
-COMPILED_LAYERS = "_kto_compiled_layers"  # set on a backbone whose decoder layers were compiled (--torch-compile)
+COMPILED_LAYERS = "_kto_compiled_layers"  # set on a `decoder_body` whose layers were compiled (--torch-compile)
 STATIC_LAYERS = "_kto_static_layers"  # set on one whose compiled layers take a few static shapes (a graph each)
 
 
@@ -205,7 +205,7 @@ def keeps_keys_values(model) -> bool:
     layers are recomputed in the backward (gradient checkpointing), nor where compiled layers take static shapes (the
     KL completions alone would take shapes of their own, a graph each: they run with their prompts again, in the
     layout's shape). Compiled layers keep them in a `runtime.compiled.KeptKeysValues`."""
-    return not checkpointing(model) and not getattr(backbone_of(model), STATIC_LAYERS, False)
+    return not checkpointing(model) and not getattr(decoder_body(model), STATIC_LAYERS, False)
 
 
 def sliding_window(model) -> int | None:
@@ -241,3 +241,22 @@ def scorable(model):
     """The causal LM whose backbone and head we call: a PEFT model is scored through its base model, whose
     layers carry the adapters."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def language_model(body):
+    """A vision-language model's language model within its `body` (`language_model`; Idefics3's `text_model`), or
+    None for a text model's."""
+    for name in ("language_model", "text_model"):
+        language = getattr(body, name, None)
+        if isinstance(language, torch.nn.Module):
+            return language
+    return None
+
+
+def decoder_body(model):
+    """The module whose `layers` are `model`'s decoder layers: a causal LM's backbone, a vision-language model's
+    language model, a PEFT model's through the model it wraps. Its layers are what --torch-compile compiles (marking
+    this module with COMPILED_LAYERS and STATIC_LAYERS) and what bf16 casts once a step."""
+    body = backbone_of(scorable(model))
+    language = language_model(body)
+    return body if language is None else language

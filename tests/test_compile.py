@@ -173,6 +173,32 @@ def test_a_run_evaluating_with_one_row_batches_stays_within_the_raised_recompile
     assert any("eval_loss" in record for record in read_metrics(run))
 
 
+def test_a_vision_language_model_with_lora_compiles_its_language_models_layers_with_the_eager_numbers(tmp_path):
+    """The decoder layers are found through PEFT's wrapper and a vision-language model's body: its language model's
+    are compiled (the vision tower runs eagerly), and the numbers are the eager run's. (LoRA's dropout is off here:
+    compiled and eager draw different dropout masks.)"""
+    from vision_trl import vision_rows, write_vision_jsonl
+
+    from kto_pipeline import PrecomputeConfig, precompute, train
+    from kto_pipeline.demo.tiny_vision import save_tiny_vlm
+
+    model_dir = save_tiny_vlm("llava", tmp_path / "model")
+    data = write_vision_jsonl(vision_rows(8, seed=1), tmp_path / "data")
+    config = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / "cache"), max_length=80)
+    cache = precompute(dataclasses.replace(config, dtype="float32"))
+    runs = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        runs[name] = tmp_path / name
+        lora = dict(use_peft=True, lora_r=4, lora_dropout=0.0)
+        train(train_config(cache, runs[name], max_steps=2, attention_kernel="dense", torch_compile=compiled, **lora))
+    state = json.loads((runs["compiled"] / "trainer_state.json").read_text())
+    assert state["compile"]["graphs"] >= 2 and "eager_fallback" not in state["compile"], state["compile"]
+    assert state["kl_forward"] == "on the prompts' cached keys/values"
+    for a, b in zip(read_metrics(runs["compiled"]), read_metrics(runs["eager"]), strict=True):
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+
+
 def _asked(torch_compile: bool | None, mode: str = "default", static: bool = False) -> SimpleNamespace:
     """The options `compile_layers` reads (train's and precompute's alike)."""
     return SimpleNamespace(torch_compile=torch_compile, torch_compile_mode=mode, static_shapes=static)

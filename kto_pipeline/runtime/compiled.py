@@ -45,7 +45,7 @@ import logging
 import re
 from collections.abc import Callable
 
-from kto_pipeline.models import COMPILED_LAYERS, STATIC_LAYERS, backbone_of, scorable
+from kto_pipeline.models import COMPILED_LAYERS, STATIC_LAYERS, decoder_body, scorable
 from kto_pipeline.runtime import CUDA_GRAPH_MODES
 
 BACKEND = "inductor"  # torch.compile's backend for the layers (the tests swap in one that fails)
@@ -76,11 +76,12 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
     request_static_shapes(model, static)
     if not (asked if asked is not None else device.type in by_default):
         return None
-    backbone = backbone_of(model)
+    backbone = decoder_body(model)
     layers = getattr(backbone, "layers", None)
     if layers is None or len(layers) == 0:
         say(
-            f"--torch-compile: {type(model).__name__} has no decoder layers (`layers` of its backbone); running eagerly"
+            f"--torch-compile: {type(model).__name__} has no decoder layers (`layers` of its backbone or language "
+            "model); running eagerly"
         )
         return None
     if mode in CUDA_GRAPH_MODES:
@@ -218,7 +219,7 @@ class _Kept:
 def keys_values_cache(model):
     """The key/value cache training's first forward keeps for the KL forward: a `KeptKeysValues` where the layers
     are compiled by region (their calls file it), else transformers' `DynamicCache`."""
-    if getattr(backbone_of(model), COMPILED_LAYERS, False):
+    if getattr(decoder_body(model), COMPILED_LAYERS, False):
         return KeptKeysValues()
     from transformers import DynamicCache
 

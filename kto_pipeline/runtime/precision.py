@@ -188,17 +188,17 @@ class StepCasts:
 
 
 def _decoder_linears(scorer: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The plain nn.Linear modules with floating weights of the policy's decoder layers (`backbone.layers`; LoRA's
+    """The plain nn.Linear modules with floating weights of the policy's decoder layers (`decoder_body`; LoRA's
     frozen base layers and adapters alike), under the engine's and the scorer's wrappers; none where there are no
     such layers."""
-    from kto_pipeline.models import backbone_of, scorable
+    from kto_pipeline.models import decoder_body
 
     model = scorer
     while hasattr(model, "module"):  # DistributedDataParallel
         model = model.module
     model = getattr(model, "model", model)  # the stage's scorer wraps the causal LM
     try:
-        layers = getattr(backbone_of(scorable(model)), "layers", None)
+        layers = getattr(decoder_body(model), "layers", None)
     except ValueError:
         return []
     if layers is None:

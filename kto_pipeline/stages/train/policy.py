@@ -16,7 +16,7 @@ import torch
 from kto_pipeline.cache import Manifest, tokenizer_hash
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.models import load_model, load_tokenizer
+from kto_pipeline.models import language_model, load_model, load_tokenizer
 from kto_pipeline.rundir import InitPoint, read_init_point
 from kto_pipeline.runtime.launch import print0
 from kto_pipeline.scoring.attention import enable_checkpointing
@@ -179,8 +179,7 @@ def language_model_targets(model, names: str | list[str]) -> str | list[str]:
     """LoRA's target modules: `names` ("all-linear" or module names) as peft takes them; for a vision-language model,
     only the linear layers of its language model (not the vision tower, whose layers share names such as q_proj,
     nor the projector), as full module names."""
-    body = getattr(model, "base_model", model)
-    language = getattr(body, "language_model", None) or getattr(body, "text_model", None)
+    language = language_model(getattr(model, "base_model", model))
     if vision_tower(model) is None or language is None:
         return names
     prefix = next(name for name, module in model.named_modules() if module is language)
