@@ -64,13 +64,18 @@ def completion_room(prompt_ids, max_length: int) -> int:
 
 
 def token_sum(values) -> float:
-    """A sequence log-prob from its per-token float32 values: summed one token after the other, in float32.
+    """A sequence log-prob from its per-token float32 values: summed in float64, one token after the other, and
+    rounded to float32 once.
 
-    This is the order in which training sums the policy's token log-probs (`index_add` on the CPU), so that a
-    policy equal to the reference gives a reward of exactly 0 (numpy's pairwise `sum` rounds differently: 1.6e-3
-    apart over 1000 tokens)."""
+    Training sums the policy's token log-probs so too (`loss.sequence_sums`), so that a policy equal to the
+    reference gives a reward of exactly 0: the same additions in the same order on the CPU; on a GPU (whose
+    index_add adds in any order) float64 sums about 1e-16 apart, a difference the rounding to float32 drops unless
+    the sum lies that close to a float32 rounding boundary (an estimate: about one sequence in 10^7). Summed in
+    float32, one order against another differs in the last bits (numpy's pairwise `sum` against a running sum:
+    1.6e-3 apart over 1000 tokens). Caches written before this summed in float32; training sums every row's cached
+    values again (`objectives.items.with_sums`), whichever version wrote them."""
     values = np.asarray(values, dtype=np.float32)
-    return float(np.cumsum(values, dtype=np.float32)[-1]) if len(values) else 0.0
+    return float(np.float32(np.cumsum(values, dtype=np.float64)[-1])) if len(values) else 0.0
 
 
 # ------------------------------------------------------------------------------------------ hashing

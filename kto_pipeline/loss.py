@@ -221,6 +221,16 @@ def _one_pair_loss(
     raise ValueError(f"unknown pair loss type {loss_type!r}")
 
 
+def sequence_sums(values: torch.Tensor, sequence: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """The sums of token values (N,) by their sequence (N,), (num_sequences,) in the values' dtype: accumulated in
+    float64 and rounded once, as `cache.token_sum` sums the cached reference values. A sequence's sum then does not
+    depend on the order of the additions (a GPU's index_add adds in any order; float32 sums in another order than
+    the reference's differ in their last bits), so a policy equal to the reference gives rewards of exactly 0. Kept
+    connected to the graph where no token is scored."""
+    wide = torch.float32 if values.device.type == "mps" else torch.float64  # (Apple's GPUs have no float64)
+    return values.new_zeros(num_sequences, dtype=wide).index_add(0, sequence, values.to(wide)).to(values.dtype)
+
+
 def length_desensitized(
     token_logps: torch.Tensor,
     sequence: torch.Tensor,
@@ -240,4 +250,4 @@ def length_desensitized(
     starts = torch.cumsum(counts, 0) - counts
     position = torch.arange(len(sequence), device=sequence.device) - starts[sequence]
     weight = torch.where(position < shared.to(sequence.device)[sequence], 1.0, ld_alpha).to(token_logps.dtype)
-    return token_logps.new_zeros(num_sequences).index_add(0, sequence, token_logps * weight)
+    return sequence_sums(token_logps * weight, sequence, num_sequences)

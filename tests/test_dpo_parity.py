@@ -166,7 +166,7 @@ def test_training_matches_trl(name, parity_data, tiny_model_dir):
     work, data_file, cache = parity_data
     case, steps = CASES[name], 3
     ours_only = {k: v for k, v in case.items() if k in OURS_ONLY}
-    if ours_only:  # the reference pass computed as training computes: step 1's rewards exactly 0 in both
+    if ours_only:  # the reference pass computed as training computes
         cache = _cache(tiny_model_dir, data_file, work / name / "cache", **ours_only)
     trainer = _trl_trainer(
         tiny_model_dir, data_file, work / name, max_steps=steps, warmup_steps=0, **TRAIN_SETTINGS, **_trl_options(case)
@@ -192,6 +192,12 @@ def test_training_matches_trl(name, parity_data, tiny_model_dir):
     assert [h["step"] for h in theirs] == [r["step"] for r in ours] == list(range(1, steps + 1))
     for step, (mine, expected) in enumerate(zip(ours, theirs, strict=True), start=1):
         for metric in COMPARED:
+            if ours_only and step == 1 and metric == "rewards/accuracies":
+                # compiled, the reference pass's graph (no gradients) and training's round a few token log-probs 1
+                # ulp apart (4.8e-7), so step 1's rewards are within 1e-6 of trl's 0 and their signs, which decide
+                # the accuracy, are noise
+                assert max(abs(mine[f"rewards/{k}"]) for k in ("chosen", "rejected")) < 1e-6, mine
+                continue
             assert mine[metric] == pytest.approx(expected[metric], rel=2e-3, abs=1e-5), (step, metric, mine, expected)
         assert mine["learning_rate"] == pytest.approx(expected["learning_rate"], rel=1e-6)
     # the check discriminates: the policy moved beyond the tolerance

@@ -82,3 +82,27 @@ def test_rejects_bad_input():
         kto_loss(torch.zeros(1), torch.zeros(1), torch.tensor([True]), 0.0, 0.1, loss_type="sigmoid")
     with pytest.raises(ValueError, match="at least one"):
         kto_loss(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool), 0.0, 0.1)
+
+
+def test_sequence_sums_do_not_depend_on_the_order_of_the_additions():
+    """Training's sums of token log-probs (`sequence_sums`) equal the cache's (`token_sum`) in any order of the
+    additions, as a GPU's index_add makes them: float64 accumulation rounded once. Summed in float32, the same values
+    in another order give other sums (the test's power)."""
+    import numpy as np
+
+    from kto_pipeline.cache import token_sum
+    from kto_pipeline.loss import sequence_sums
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 600, (200,), generator=generator)
+    values = torch.log(torch.rand(int(lengths.sum()), generator=generator)) * 3  # log-prob like: -3 * Exp(1)
+    sequence = torch.arange(len(lengths)).repeat_interleave(lengths)
+    cached = [token_sum(v.numpy()) for v in values.split(lengths.tolist())]
+    in_float32 = []
+    for seed in range(5):
+        order = torch.randperm(len(values), generator=torch.Generator().manual_seed(seed))
+        sums = sequence_sums(values[order], sequence[order], len(lengths))
+        assert sums.dtype == torch.float32 and sums.tolist() == cached
+        in_float32.append(torch.zeros(len(lengths)).index_add(0, sequence[order], values[order]))
+    assert any(not torch.equal(in_float32[0], other) for other in in_float32[1:])
+    assert np.float32(cached[0]) == cached[0] and sequence_sums(values[:0], sequence[:0], 2).tolist() == [0.0, 0.0]

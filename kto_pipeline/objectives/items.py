@@ -1,4 +1,4 @@
-"""What the loss families' items share: a cache row cut at a train-time max length (`truncated`), a micro-batch
+"""What the loss families' items share: a cache row as training reads it (`with_sums`), a micro-batch
 laid out packed (`packed_batch`: trees side by side in rows, `scoring/packing.py`, no padding) or padded
 (`padded_batch`), the layout a packed batch carries (`batch_layout`, which the train stage's scorer reads), and
 which items of an uneven last batch are real (`real_rows`)."""
@@ -18,15 +18,16 @@ COMPLETION = ("completion_ids", "ref_token_logps", "ref_logp")
 KL_COMPLETION = ("kl_completion_ids", "ref_kl_token_logps", "ref_kl_logp")
 
 
-def truncated(row: dict[str, Any], max_length: int, with_kl: bool) -> dict[str, Any]:
-    """A cache row cut at a train-time `max_length`: each sequence after the prompt keeps the room the prompt leaves,
-    its reference log-prob the sum of the kept tokens' cached values (what precomputing at that length gives)."""
+def with_sums(row: dict[str, Any], max_length: int, with_kl: bool) -> dict[str, Any]:
+    """A cache row as training reads it: each sequence after the prompt cut at a train-time `max_length` (it keeps
+    the room the prompt leaves), its reference log-prob the sum of the kept tokens' cached values (`token_sum`: what
+    precomputing at that length gives, and how training sums the policy's, whichever version wrote the cache)."""
     room = completion_room(row["prompt_ids"], max_length)
     for ids, logps, total in (COMPLETION, KL_COMPLETION) if with_kl else (COMPLETION,):
         if len(row[ids]) > room:
             row[ids] = row[ids][:room]
             row[logps] = row[logps][:room]
-            row[total] = token_sum(row[logps])
+        row[total] = token_sum(row[logps])
     return row
 
 

@@ -232,7 +232,6 @@ class CacheRows:
 
         self.table = cache.table
         self.max_length = max_length
-        self.truncate = max_length < cache.manifest.max_length
         prompt_lens = pc.list_value_length(self.table.column("prompt_ids")).to_numpy()
         self.indices = np.flatnonzero(prompt_lens < max_length)
         self.labels = self.table.column("label").to_numpy(zero_copy_only=False)[self.indices]
@@ -270,12 +269,12 @@ class CacheRows:
         return out
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        from kto_pipeline.objectives.items import truncated
+        from kto_pipeline.objectives.items import with_sums
 
         row = self.table.slice(int(self.indices[i]), 1).to_pylist()[0]
         if self.images is not None:
             row["pixels"] = self.images.pixels(row["image_row"])
-        return truncated(row, self.max_length, with_kl=True) if self.truncate else row
+        return with_sums(row, self.max_length, with_kl=True)
 
 
 @dataclass

@@ -317,7 +317,6 @@ class CachePairs:
             ["example_id", "label", "prompt_ids", "pair_example_id", *COMPLETION, *image_row]
         )
         self.max_length = max_length
-        self.truncate = max_length < cache.manifest.max_length
         ids = self.table.column("example_id").to_numpy()
         partner = self.table.column("pair_example_id").to_numpy()
         label = self.table.column("label").to_numpy(zero_copy_only=False)
@@ -344,10 +343,10 @@ class CachePairs:
         return np.minimum(np.maximum(total(self.chosen), total(self.rejected)), self.max_length)
 
     def _row(self, index: int) -> dict[str, Any]:
-        from kto_pipeline.objectives.items import truncated
+        from kto_pipeline.objectives.items import with_sums
 
         row = self.table.slice(int(index), 1).to_pylist()[0]
-        return truncated(row, self.max_length, with_kl=False) if self.truncate else row
+        return with_sums(row, self.max_length, with_kl=False)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         chosen, rejected = self._row(self.chosen[i]), self._row(self.rejected[i])

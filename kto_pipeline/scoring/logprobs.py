@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kto_pipeline.loss import sequence_sums
 from kto_pipeline.models import backbone_of, keeps_keys_values, scorable, sliding_window
 from kto_pipeline.runtime.compiled import keys_values_cache
 from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs, tree_mask
@@ -102,8 +103,7 @@ def score_sequences(
 
 
 def _scores(logps, sequence, num_sequences, mean_logits, entropy, aux_loss=None) -> Scores:
-    # index_add keeps the sum connected to the graph even if no token is scored
-    totals = logps.new_zeros(num_sequences).index_add(0, sequence, logps)
+    totals = sequence_sums(logps, sequence, num_sequences)
     return Scores(totals, logps, sequence, mean_logits, entropy, aux_loss)
 
 
