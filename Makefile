@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first and pinned: an unpinned torch (or a package that depends on it) pulls the newest CUDA build.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo demo-tiny demo-vision test test-assets lint format docs clean bench bench-gpu bench-memory profile
+.PHONY: install demo demo-tiny demo-vision test test-assets lint format docs clean bench bench-gpu gpu-wheels bench-memory profile
 
 install: $(VENV)/.installed
 
@@ -64,6 +64,11 @@ bench: install
 # On a CUDA GPU (H100): Qwen2-0.5B-sized model, bf16, vs trl; writes benchmarks/RESULTS-gpu.md
 bench-gpu: install
 	$(PY) benchmarks/bench_gpu_matrix.py --device cuda
+
+# The wheels benchmarks/gpu_machine.sh installs on a lent GPU machine (no network there; its Python 3.12): into .whl/
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+		trl==1.16.0 datasets==5.2.0 liger-kernel==0.8.5 dill==0.4.1 multiprocess==0.70.19
 
 # Peak GPU memory of a training step, ours vs trl, simulated on fake tensors (no GPU); writes benchmarks/RESULTS-memory.md
 bench-memory: install

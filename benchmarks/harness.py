@@ -46,7 +46,8 @@ def run_worker(
     timeout: float | None = None,
 ) -> dict:
     """`script worker NAME` in a fresh, offline process: its RESULT dict plus process_seconds (failed: {failed});
-    killed after `timeout` seconds where given (a failure)."""
+    killed after `timeout` seconds where given (a failure). Everything it printed is kept in OUT/worker.log (a
+    failure's traceback, what a killed worker had printed)."""
     out = work / "runs" / name
     quiet = dict(TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     env = {**os.environ, **quiet, "HF_DATASETS_CACHE": str(work / "hf-datasets-cache"), **(env or {})}
@@ -54,8 +55,14 @@ def run_worker(
     start = time.perf_counter()
     try:
         proc = subprocess.run([*cmd, *flags], env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc = subprocess.CompletedProcess(cmd, -9, "", f"killed: still running after {timeout:.0f} s")
+    except subprocess.TimeoutExpired as stopped:
+        printed = [
+            p.decode(errors="replace") if isinstance(p, bytes) else p or "" for p in (stopped.output, stopped.stderr)
+        ]
+        killed = f"{printed[1]}\nkilled: still running after {timeout:.0f} s"
+        proc = subprocess.CompletedProcess(cmd, -9, printed[0], killed)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "worker.log").write_text(f"{' '.join(map(str, [*cmd, *flags]))}\n\n{proc.stdout}\n{proc.stderr}")
     if proc.returncode != 0:
         if must_succeed:
             raise SystemExit(f"worker {name} failed:\n{proc.stderr[-4000:]}")

@@ -165,6 +165,11 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
     goals = table_lines(text.split("## Against the goals")[1])
     assert any(r[0].startswith("step >= 1.5x trl's best (tiny, kto, batch 4)") for r in goals), goals
     assert any(r[0].startswith("step-1 rewards exactly 0") and r[1] == "yes" for r in goals), goals
+    # what a GPU run brings back besides the report: the raw results, and every worker's output
+    raw = json.loads((Path(work) / "matrix-results.json").read_text())
+    assert set(raw["checks"]) == {"step_one", "graphs", "layouts"}
+    assert "step_seconds" in raw["cases"]["tiny / kto / kto-pipeline eager @ 4"], raw["cases"]
+    assert "Traceback" not in (Path(work) / "runs" / "build" / "worker.log").read_text()
 
 
 def test_bench_gpu_matrix_reports_what_the_budget_left_out_as_not_run(tmp_path, monkeypatch):

@@ -199,9 +199,12 @@ def test_a_vision_language_model_with_lora_compiles_its_language_models_layers_w
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
 
 
-def _asked(torch_compile: bool | None, mode: str = "default", static: bool = False) -> SimpleNamespace:
-    """The options `compile_layers` reads (train's and precompute's alike)."""
-    return SimpleNamespace(torch_compile=torch_compile, torch_compile_mode=mode, static_shapes=static)
+def _asked(
+    torch_compile: bool | None, mode: str = "default", static: bool = False, checkpointing: bool = False
+) -> SimpleNamespace:
+    """The options `compile_layers` reads (train's and precompute's alike; precompute has no checkpointing)."""
+    options = dict(torch_compile=torch_compile, torch_compile_mode=mode, static_shapes=static)
+    return SimpleNamespace(**options, gradient_checkpointing=checkpointing)
 
 
 ONE_PROCESS = SimpleNamespace(name="single", fixed_parameter_addresses=True, caches_whole_casts=True)
@@ -311,6 +314,11 @@ def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each
         assert not model.model._forward_pre_hooks  # no steps of CUDA graph trees to mark
         compiled.compile_layers(model, _asked(None, mode, static=True), cuda, sharded, said.append)
         assert attention_costs(model, torch.device("cpu")).static  # --static-shapes given: kept
+        # gradient checkpointing: recomputing a layer around its recorded graph is what CUDA graph trees cannot do
+        model = build_tiny_model(build_char_tokenizer())
+        stats = compiled.compile_layers(model, _asked(None, mode, checkpointing=True), cuda, ONE_PROCESS, said.append)
+        assert stats.mode == without and not stats.cuda_graphs and "gradient checkpointing" in said[-2], said[-2:]
+        assert not attention_costs(model, torch.device("cpu")).static and not model.model._forward_pre_hooks
 
 
 @pytest.mark.parametrize("kernel", ["by-tree", "dense"])

@@ -33,7 +33,7 @@ TORCH_COMPILE_MODE_HELP = (
     "layers replayed as CUDA graphs on a CUDA GPU: a launch a layer call; the packed forwards take --static-shapes' "
     "few shapes, a graph recorded for each, compiled once for all unless --static-shapes is given), max-autotune "
     "(autotuned kernels and CUDA graphs), max-autotune-no-cudagraphs. A mode other than default turns --torch-compile "
-    "on. CUDA graphs run on one process or DDP (not under FSDP2, which gathers the parameters anew, or DeepSpeed) "
-    "and have never run on a GPU here; elsewhere the layers run as compiled kernels. trainer_state.json and the "
-    "manifest count the graphs that ran without CUDA graphs, with torch's reasons."
+    "on. CUDA graphs run on one process or DDP (not under FSDP2, which gathers the parameters anew, DeepSpeed, or "
+    "gradient checkpointing) and have never run on a GPU here; elsewhere the layers run as compiled kernels. "
+    "trainer_state.json and the manifest count the graphs that ran without CUDA graphs, with torch's reasons."
 )

@@ -85,7 +85,7 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
         )
         return None
     if mode in CUDA_GRAPH_MODES:
-        mode = _cuda_graph_mode(mode, static, device, engine, say)
+        mode = _cuda_graph_mode(mode, static, device, engine, say, getattr(config, "gradient_checkpointing", False))
     static_layouts = static or mode in CUDA_GRAPH_MODES  # (a CUDA graph mode's, not where the engine ruled it out)
     request_static_shapes(model, static_layouts)
     stats = CompileStats(backbone, say, mode)
@@ -120,10 +120,22 @@ def _raise_recompile_limit(to: int) -> None:
         _RAISED.add(to)
 
 
-def _cuda_graph_mode(mode: str, static_asked: bool, device, engine, say: Callable[[str], None]) -> str:
+def _cuda_graph_mode(
+    mode: str, static_asked: bool, device, engine, say: Callable[[str], None], checkpointing: bool = False
+) -> str:
     """The mode the layers compile in, where `mode` replays CUDA graphs: the same where the engine keeps the
     parameters in place (the packed forwards then take static shapes; on a CPU too, which runs the same path
-    without the graphs), else the mode without CUDA graphs; what it implies, said."""
+    without the graphs), else the mode without CUDA graphs; what it implies, said. Not under gradient
+    checkpointing either: the backward recomputes each layer, and a checkpoint around a layer recorded as a CUDA
+    graph fails in torch's CUDA graph trees (pytorch/pytorch#154306, open; transformers 5.17 checkpoints the
+    layer's whole call, the compiled one included). Never tried on a GPU here."""
+    if checkpointing:
+        say(
+            f"--torch-compile-mode {mode}: gradient checkpointing recomputes each layer in the backward, which CUDA "
+            f"graph trees cannot replay around a recorded layer (pytorch/pytorch#154306); compiling in "
+            f"{WITHOUT_CUDA_GRAPHS[mode]} mode"
+        )
+        return WITHOUT_CUDA_GRAPHS[mode]
     if not engine.fixed_parameter_addresses:
         say(
             f"--torch-compile-mode {mode}: {engine.name} may move the parameters between forwards, which recorded "

@@ -40,6 +40,8 @@ class PeakMemory:
     its end, whichever way it ends (an error, an append with no new rows), so no sampling thread outlives it."""
 
     def __init__(self, interval_seconds: float = 0.01):
+        if torch.cuda.is_initialized():  # from the start of the stage, not of the process (an earlier stage's peak)
+            torch.cuda.reset_peak_memory_stats()
         self.peak_private_kib = _status_kib("RssAnon").get("RssAnon", 0)
         self.loaded_private_kib: int | None = None
         self._stop = threading.Event()
