@@ -207,14 +207,19 @@ def _asked(
     return SimpleNamespace(**options, gradient_checkpointing=checkpointing)
 
 
-ONE_PROCESS = SimpleNamespace(name="single", fixed_parameter_addresses=True, caches_whole_casts=True)
+ONE_PROCESS = SimpleNamespace(
+    name="single", fixed_parameter_addresses=True, caches_whole_casts=True, compiles_layers=True
+)
 
 
 def test_unset_compiles_training_on_cuda_only_and_a_model_without_layers_runs_eagerly():
+    """Unset, training compiles on CUDA and the reference pass only when asked; a model without decoder layers, or
+    DeepSpeed ZeRO-3 (whose parameter hooks break every compiled layer's graph), runs eagerly and says why."""
     import torch
 
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
     from kto_pipeline.runtime.compiled import TRAIN_COMPILES_ON, compile_layers
+    from kto_pipeline.runtime.engines.deepspeed import DeepSpeed
 
     said, cpu, cuda = [], torch.device("cpu"), torch.device("cuda")
     model = build_tiny_model(build_char_tokenizer())
@@ -223,6 +228,10 @@ def test_unset_compiles_training_on_cuda_only_and_a_model_without_layers_runs_ea
     stats = compile_layers(model, _asked(None), cuda, ONE_PROCESS, said.append, TRAIN_COMPILES_ON)
     assert stats is not None and said[-1].endswith("(on by default on cuda; --no-torch-compile runs eagerly)")
     assert stats.mode == "default" and not stats.cuda_graphs and "mode" not in stats.report()
+    model = build_tiny_model(build_char_tokenizer())
+    assert compile_layers(model, _asked(True), cuda, DeepSpeed(2, zero_stage=3), said.append) is None
+    assert said[-1].startswith("--torch-compile: DeepSpeed ZeRO-3 gathers") and said[-1].endswith("running eagerly")
+    assert compile_layers(model, _asked(True), cuda, DeepSpeed(2, zero_stage=2), said.append) is not None
     model.model.layers = torch.nn.ModuleList()
     assert compile_layers(model, _asked(True), cpu, ONE_PROCESS, said.append) is None
     assert "has no decoder layers" in said[-1] and said[-1].endswith("running eagerly")
@@ -304,7 +313,7 @@ def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each
         else:
             assert all(p.grad is None for p in params)
 
-    sharded = SimpleNamespace(name="fsdp2", fixed_parameter_addresses=False)
+    sharded = SimpleNamespace(name="fsdp2", fixed_parameter_addresses=False, compiles_layers=True)
     for mode, without in (("reduce-overhead", "default"), ("max-autotune", "max-autotune-no-cudagraphs")):
         model = build_tiny_model(build_char_tokenizer())
         stats = compiled.compile_layers(model, _asked(None, mode), cuda, sharded, said.append)

@@ -76,6 +76,9 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
     request_static_shapes(model, static)
     if not (asked if asked is not None else device.type in by_default):
         return None
+    if engine is not None and not engine.compiles_layers:
+        say(f"--torch-compile: {engine.compile_refusal}; running eagerly")
+        return None
     backbone = decoder_body(model)
     layers = getattr(backbone, "layers", None)
     if layers is None or len(layers) == 0:
