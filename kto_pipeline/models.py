@@ -190,6 +190,15 @@ def text_config(model):
     return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
+def load_balancing_coef(model, asked: float | None) -> float:
+    """A mixture-of-experts model's load-balancing weight, as trl's: `asked` (--router-aux-loss-coef), else its
+    config's; 0 for a model that returns no router logits."""
+    config = text_config(model)
+    if not hasattr(config, "output_router_logits"):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) if asked is None else asked)
+
+
 def checkpointing(model) -> bool:
     """Whether the model recomputes its layers in the backward (gradient checkpointing) and so keeps no keys/values."""
     on = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x; older: the next

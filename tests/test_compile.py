@@ -213,9 +213,12 @@ ONE_PROCESS = SimpleNamespace(
 
 
 def test_unset_compiles_training_on_cuda_only_and_a_model_without_layers_runs_eagerly():
-    """Unset, training compiles on CUDA and the reference pass only when asked; a model without decoder layers, or
-    DeepSpeed ZeRO-3 (whose parameter hooks break every compiled layer's graph), runs eagerly and says why."""
+    """Unset, training compiles on CUDA and the reference pass only when asked, but not a mixture-of-experts model
+    trained with its load-balancing loss (transformers' router-logit hooks break the layers' graphs); a model
+    without decoder layers, or DeepSpeed ZeRO-3 (whose parameter hooks break every compiled layer's graph), runs
+    eagerly and says why."""
     import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
 
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
     from kto_pipeline.runtime.compiled import TRAIN_COMPILES_ON, compile_layers
@@ -228,6 +231,13 @@ def test_unset_compiles_training_on_cuda_only_and_a_model_without_layers_runs_ea
     stats = compile_layers(model, _asked(None), cuda, ONE_PROCESS, said.append, TRAIN_COMPILES_ON)
     assert stats is not None and said[-1].endswith("(on by default on cuda; --no-torch-compile runs eagerly)")
     assert stats.mode == "default" and not stats.cuda_graphs and "mode" not in stats.report()
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    moe = MixtralForCausalLM(MixtralConfig(**sizes, num_local_experts=4, router_aux_loss_coef=0.02))
+    assert compile_layers(moe, _asked(None), cuda, ONE_PROCESS, said.append, TRAIN_COMPILES_ON) is None
+    assert "not by default for a mixture-of-experts model" in said[-1], said[-1]
+    no_loss = SimpleNamespace(**vars(_asked(None)), router_aux_loss_coef=0.0)
+    assert compile_layers(moe, no_loss, cuda, ONE_PROCESS, said.append, TRAIN_COMPILES_ON) is not None
+    assert compile_layers(moe, _asked(True), cuda, ONE_PROCESS, said.append, TRAIN_COMPILES_ON) is not None
     model = build_tiny_model(build_char_tokenizer())
     assert compile_layers(model, _asked(True), cuda, DeepSpeed(2, zero_stage=3), said.append) is None
     assert said[-1].startswith("--torch-compile: DeepSpeed ZeRO-3 gathers") and said[-1].endswith("running eagerly")

@@ -45,7 +45,7 @@ import logging
 import re
 from collections.abc import Callable
 
-from kto_pipeline.models import COMPILED_LAYERS, STATIC_LAYERS, decoder_body, scorable
+from kto_pipeline.models import COMPILED_LAYERS, STATIC_LAYERS, decoder_body, load_balancing_coef, scorable
 from kto_pipeline.runtime import CUDA_GRAPH_MODES
 
 BACKEND = "inductor"  # torch.compile's backend for the layers (the tests swap in one that fails)
@@ -78,6 +78,14 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
         return None
     if engine is not None and not engine.compiles_layers:
         say(f"--torch-compile: {engine.compile_refusal}; running eagerly")
+        return None
+    if asked is None and load_balancing_coef(model, getattr(config, "router_aux_loss_coef", None)):
+        say(
+            "--torch-compile: not by default for a mixture-of-experts model trained with its load-balancing loss: "
+            "transformers collects the router logits in hooks inside each layer, where a compiled layer's graph "
+            "breaks (a tiny Mixtral on the CPU: 17 graph breaks and 30 recompiles in 3 steps); --torch-compile "
+            "compiles it anyway"
+        )
         return None
     backbone = decoder_body(model)
     layers = getattr(backbone, "layers", None)

@@ -16,7 +16,7 @@ import torch
 from kto_pipeline.cache import Manifest, tokenizer_hash
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.models import language_model, load_model, load_tokenizer
+from kto_pipeline.models import language_model, load_balancing_coef, load_model, load_tokenizer, text_config
 from kto_pipeline.rundir import InitPoint, read_init_point
 from kto_pipeline.runtime.launch import print0
 from kto_pipeline.scoring.attention import enable_checkpointing
@@ -143,17 +143,12 @@ def make_optimizer(config: TrainConfig, model) -> torch.optim.Optimizer:
 
 def router_aux_coef(model, config: TrainConfig) -> float:
     """The MoE load-balancing weight (as trl): the flag's, else the model config's; 0 when not a MoE model."""
-    text_config = model.config.get_text_config()
-    is_moe = hasattr(text_config, "output_router_logits")
-    if config.router_aux_loss_coef and not is_moe:
+    if config.router_aux_loss_coef and not hasattr(text_config(model), "output_router_logits"):
         raise KTOPipelineError(
             f"--router-aux-loss-coef {config.router_aux_loss_coef}: {type(model).__name__} is not a "
             "mixture-of-experts model that returns router logits, so there is no load-balancing loss to weight."
         )
-    if not is_moe:
-        return 0.0
-    coef = config.router_aux_loss_coef
-    return float(getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+    return load_balancing_coef(model, config.router_aux_loss_coef)
 
 
 def add_lora(model, config: TrainConfig):
