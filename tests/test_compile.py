@@ -125,12 +125,15 @@ def test_compiling_that_fails_runs_eagerly_with_the_eager_numbers(tmp_path, monk
             assert a[key] == b[key], key
 
 
-def test_passing_the_recompile_limit_is_said_with_its_reason(tmp_path, capsys):
+def test_passing_the_recompile_limit_is_said_with_its_reason(tmp_path, capsys, monkeypatch):
     """Past torch's recompile limit new shapes run eagerly: the log and trainer_state.json say so, with the guard
-    that failed (here the grad mode: the KL completions' forward runs without gradients)."""
+    that failed (here the grad mode: the KL completions' forward runs without gradients). Dynamo's side: aot_eager."""
     import torch
 
     from kto_pipeline import train
+    from kto_pipeline.runtime import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
 
     cache = _tiny(tmp_path)
     with torch._dynamo.config.patch(recompile_limit=1):
@@ -144,12 +147,15 @@ def test_passing_the_recompile_limit_is_said_with_its_reason(tmp_path, capsys):
 def test_a_run_evaluating_with_one_row_batches_stays_within_the_raised_recompile_limit(tmp_path, capsys, monkeypatch):
     """The compiled layer meets training's two forwards and evaluation's two (in eval mode), each static, dynamic and
     for one row: more graphs than torch's default limit (8) keeps, so compiling raises it (to 16), and no shape runs
-    eagerly. A limit the user set stays (`test_passing_the_recompile_limit_is_said_with_its_reason`)."""
+    eagerly. A limit the user set stays (`test_passing_the_recompile_limit_is_said_with_its_reason`). Dynamo's
+    graphs are what counts here, so they compile with aot_eager (inductor's kernels: the other tests)."""
     import torch
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from kto_pipeline import PrecomputeConfig, precompute, train
     from kto_pipeline.runtime import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
 
     model_dir = _tiny_model_dir(tmp_path, layers=2)
     caches = {}
@@ -173,24 +179,29 @@ def test_a_run_evaluating_with_one_row_batches_stays_within_the_raised_recompile
     assert any("eval_loss" in record for record in read_metrics(run))
 
 
-def test_a_vision_language_model_with_lora_compiles_its_language_models_layers_with_the_eager_numbers(tmp_path):
+def test_a_vision_language_model_with_lora_compiles_its_language_models_layers_with_the_eager_numbers(
+    tmp_path, monkeypatch
+):
     """The decoder layers are found through PEFT's wrapper and a vision-language model's body: its language model's
     are compiled (the vision tower runs eagerly), and the numbers are the eager run's. (LoRA's dropout is off here:
-    compiled and eager draw different dropout masks.)"""
+    compiled and eager draw different dropout masks.) Which layers compile is Dynamo's side: aot_eager."""
     from vision_trl import vision_rows, write_vision_jsonl
 
     from kto_pipeline import PrecomputeConfig, precompute, train
     from kto_pipeline.demo.tiny_vision import save_tiny_vlm
+    from kto_pipeline.runtime import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
 
     model_dir = save_tiny_vlm("llava", tmp_path / "model")
     data = write_vision_jsonl(vision_rows(8, seed=1), tmp_path / "data")
     config = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / "cache"), max_length=80)
     cache = precompute(dataclasses.replace(config, dtype="float32"))
     runs = {}
-    for name, compiled in (("eager", False), ("compiled", True)):
+    for name, asked in (("eager", False), ("compiled", True)):
         runs[name] = tmp_path / name
         lora = dict(use_peft=True, lora_r=4, lora_dropout=0.0)
-        train(train_config(cache, runs[name], max_steps=2, attention_kernel="dense", torch_compile=compiled, **lora))
+        train(train_config(cache, runs[name], max_steps=2, attention_kernel="dense", torch_compile=asked, **lora))
     state = json.loads((runs["compiled"] / "trainer_state.json").read_text())
     assert state["compile"]["graphs"] >= 2 and "eager_fallback" not in state["compile"], state["compile"]
     assert state["kl_forward"] == "on the prompts' cached keys/values"
