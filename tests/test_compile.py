@@ -219,7 +219,7 @@ def _asked(
 
 
 ONE_PROCESS = SimpleNamespace(
-    name="single", fixed_parameter_addresses=True, caches_whole_casts=True, compiles_layers=True
+    name="single", fixed_parameter_addresses=True, caches_whole_casts=True, compile_refusal=None
 )
 
 
@@ -334,7 +334,7 @@ def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each
         else:
             assert all(p.grad is None for p in params)
 
-    sharded = SimpleNamespace(name="fsdp2", fixed_parameter_addresses=False, compiles_layers=True)
+    sharded = SimpleNamespace(name="fsdp2", fixed_parameter_addresses=False, compile_refusal=None)
     for mode, without in (("reduce-overhead", "default"), ("max-autotune", "max-autotune-no-cudagraphs")):
         model = build_tiny_model(build_char_tokenizer())
         stats = compiled.compile_layers(model, _asked(None, mode), cuda, sharded, said.append)

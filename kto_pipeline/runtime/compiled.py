@@ -76,7 +76,7 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
     request_static_shapes(model, static)
     if not (asked if asked is not None else device.type in by_default):
         return None
-    if engine is not None and not engine.compiles_layers:
+    if engine is not None and engine.compile_refusal is not None:
         say(f"--torch-compile: {engine.compile_refusal}; running eagerly")
         return None
     if asked is None and load_balancing_coef(model, getattr(config, "router_aux_loss_coef", None)):
@@ -141,17 +141,16 @@ def _cuda_graph_mode(
     graph fails in torch's CUDA graph trees (pytorch/pytorch#154306, open; transformers 5.17 checkpoints the
     layer's whole call, the compiled one included). Never tried on a GPU here."""
     if checkpointing:
-        say(
-            f"--torch-compile-mode {mode}: gradient checkpointing recomputes each layer in the backward, which CUDA "
-            f"graph trees cannot replay around a recorded layer (pytorch/pytorch#154306); compiling in "
-            f"{WITHOUT_CUDA_GRAPHS[mode]} mode"
+        why = (
+            "gradient checkpointing recomputes each layer in the backward, which CUDA graph trees cannot replay "
+            "around a recorded layer (pytorch/pytorch#154306)"
         )
-        return WITHOUT_CUDA_GRAPHS[mode]
-    if not engine.fixed_parameter_addresses:
-        say(
-            f"--torch-compile-mode {mode}: {engine.name} may move the parameters between forwards, which recorded "
-            f"CUDA graphs cannot follow; compiling in {WITHOUT_CUDA_GRAPHS[mode]} mode"
-        )
+    elif not engine.fixed_parameter_addresses:
+        why = f"{engine.name} may move the parameters between forwards, which recorded CUDA graphs cannot follow"
+    else:
+        why = None
+    if why is not None:
+        say(f"--torch-compile-mode {mode}: {why}; compiling in {WITHOUT_CUDA_GRAPHS[mode]} mode")
         return WITHOUT_CUDA_GRAPHS[mode]
     if not static_asked:
         say(

@@ -33,8 +33,7 @@ class Engine:
     activation_checkpointing = False  # the launch config asks for gradient checkpointing
     caches_whole_casts = True  # a step may keep casts of the whole weights, under torch.autocast (`StepCasts`)
     fixed_parameter_addresses = True  # the parameters stay where they are from step to step (what CUDA graphs need)
-    compiles_layers = True  # the decoder layers can be compiled by region (--torch-compile; else `compile_refusal`)
-    compile_refusal = ""  # why not, where they cannot
+    compile_refusal: str | None = None  # why the decoder layers cannot be compiled by region (None: they can)
 
     @staticmethod
     def gathers_in_forward(module: torch.nn.Module) -> bool:

@@ -53,11 +53,11 @@ class DeepSpeed(Engine):
         # ZeRO-3 gathers a layer's parameters in hooks on each of its modules, which a compiled layer traces: a graph
         # for each layer and graph breaks at the hooks (measured, 2 CPU processes, 4-layer Llama: 88 graph breaks,
         # torch's recompile limit passed within 3 steps, 35 s of compiling for the eager run's numbers)
-        self.compiles_layers = zero_stage != 3
-        self.compile_refusal = (
-            "DeepSpeed ZeRO-3 gathers each layer's parameters in hooks that compiled layers break at (a graph for "
-            "every layer, graph breaks at the hooks)"
-        )
+        if zero_stage == 3:
+            self.compile_refusal = (
+                "DeepSpeed ZeRO-3 gathers each layer's parameters in hooks that compiled layers break at (a graph for "
+                "every layer, graph breaks at the hooks)"
+            )
         self.loaded: list[int] | None = None  # after a partitioned load: the parameters each process holds, by rank
 
     @classmethod
