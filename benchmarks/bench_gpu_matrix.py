@@ -4,20 +4,24 @@
     python benchmarks/bench_gpu_matrix.py --device cpu             # the code path on a CPU, tiny shapes (~1 min)
 
 First the accelerator's default path (the block mask, compiled, bf16; on a CPU its default, by tree and eager) runs
-both stages and one step, and its step-1 rewards must be exactly 0 (`bench_gpu.py`'s check); CUDA graphs must give
-the numbers of the compiled run without them (a tiny model, accumulation and evaluation). Then, for Qwen2-0.5B
+both stages and one step, and its step-1 rewards must be exactly 0 (`bench_gpu.py`'s check); later, before their
+cases, CUDA graphs must give the numbers of the compiled run without them (a tiny model, accumulation and
+evaluation). For Qwen2-0.5B
 and a ~1.5B shape (Qwen2-1.5B's, at max_length 2048 with HH lengths), KTO against trl.KTOTrainer and the `sigmoid`
 pair loss against trl.DPOTrainer, at batch 8 and 64: kto-pipeline's training compiled (without, then with CUDA
 graphs: `--torch-compile-mode reduce-overhead`) and eager, trl precomputed with and without liger's fused loss. It
 reports each case's step time, MFU and peak memory, and the goals.
 
-A budget keeps it within 8 minutes (--budget-s 480, building and the check included). Each group of cases (one
-tool, one model, one loss) runs in a fresh process that measures its cases one after another (one process start, one
-reference pass for ours); the groups run in the order the goals ask for them (Qwen2-0.5B KTO, the ~1.5B KTO, then
-the pair loss); every case is written down the moment it ends, and what the budget leaves no time for is reported as
-not run, never guessed. A case that runs out of memory says so and the rest go on. Model and data as `bench_gpu.py`
-builds them (random weights, random characters with HH-RLHF's lengths); its single-configuration report (trl online,
-the attention kernels' table) stays there.
+A budget keeps it within 8 minutes (--budget-s 480, building and the checks included), and the run goes in the
+order of what answers the goals (`plan`), so that what the budget leaves out answers the least: the step-1 check;
+KTO on Qwen2-0.5B, ours compiled and trl's two settings at both batches (the speed and memory goals); the ~1.5B shape
+compiled at its larger batch (the MFU goal); CUDA graphs after their check; the layouts' diagnosis of step 1; then
+every other case (eager, the ~1.5B shape's others, the pair loss). Each step of cases (one tool, one model, one loss)
+runs in a fresh process that measures them one after another (ours' reference pass once for the model and loss,
+its cache kept for the later steps); every case is written down the moment it ends, and what the budget leaves no
+time for is reported as not run, never guessed. A case that runs out of memory says so and the rest go on. Model
+and data as `bench_gpu.py` builds them (random weights, random characters with HH-RLHF's lengths); its
+single-configuration report (trl online, the attention kernels' table) stays there.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import bench_gpu
@@ -56,6 +61,8 @@ OURS = (
 COMPILED = ("kto-pipeline compiled", "kto-pipeline CUDA graphs")  # ours' best of these against trl's best
 TRL = (("trl precomputed", False), ("trl precomputed + liger", True))
 COLUMNS = (*(c for c, _ in OURS), *(c for c, _ in TRL))
+REFERENCE = "kto-pipeline reference pass"  # ours' first case of a (model, loss): the cache its training cases read
+TOOLS = ("ours", "trl")
 GRAPHS_EQUAL = 1e-3  # CUDA graphs' numbers against the run without them: the parity tests' tolerance
 GOALS = dict(speedup=1.5, memory=0.5, mfu=0.40, mfu_tokens=16384)
 # the whole run's seconds (8 minutes): no case starts in its last STARTS_UNTIL seconds, and a worker still running at
@@ -128,19 +135,51 @@ def case_name(column: str, batch: int) -> str:
 
 
 def group_cases(tool: str, device: str) -> list[str]:
-    """The cases a group measures, in order."""
+    """The cases a group (one tool, one model, one loss) measures, in order."""
     columns = OURS if tool == "ours" else TRL
-    first = ["kto-pipeline reference pass"] if tool == "ours" else []
+    first = [REFERENCE] if tool == "ours" else []
     return first + [case_name(column, batch) for column, _ in columns for batch in BATCHES[device]]
 
 
-def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases) -> None:
-    """One reference pass over the rows the largest batch trains, then each setting at every batch: compiled, with
-    CUDA graphs (on a CPU: the same code path, inductor skipping the CUDA graphs), eager."""
+def plan(device: str) -> list[tuple]:
+    """The run's steps in the order of what answers the goals: `("check", name)`, or `(tool, model, loss, cases)`, a
+    group's cases that run in one process. First the default path's step-1 check; then KTO on the first model, ours
+    compiled and trl's settings at every batch (the speed and memory goals); the last model compiled at the largest
+    batch (on a GPU the ~1.5B shape: the MFU goal, at >= 16k tokens a step); the CUDA graphs check, then CUDA graphs'
+    cases; the layouts' diagnosis of step 1; then every case not yet planned, group by group in the goals' order
+    (loss, model, tool). Each case once."""
+    first, last, large = MODELS[device][0], MODELS[device][-1], max(BATCHES[device])
+    compiled, graphs = COMPILED
+    wanted = [
+        ("check", "step_one"),
+        ("ours", first, "kto", [REFERENCE, *(case_name(compiled, b) for b in BATCHES[device])]),
+        ("trl", first, "kto", group_cases("trl", device)),
+        ("ours", last, "kto", [REFERENCE, case_name(compiled, large)]),
+        ("check", "graphs"),
+        ("ours", first, "kto", [case_name(graphs, b) for b in BATCHES[device]]),
+        ("check", "layouts"),
+    ]
+    wanted += [(tool, m, loss, group_cases(tool, device)) for loss in LOSSES for m in MODELS[device] for tool in TOOLS]
+    steps, planned = [], set()
+    for step in wanted:
+        if step[0] == "check":
+            steps.append(step)
+            continue
+        cases = [case for case in step[3] if (*step[:3], case) not in planned]
+        planned.update((*step[:3], case) for case in cases)
+        if cases:
+            steps.append((*step[:3], cases))
+    return steps
+
+
+def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wanted: list[str]) -> None:
+    """The `wanted` cases of ours, in order: the reference pass over the rows the largest batch trains (its cache in
+    `where`, for every step of the group), and settings at a batch: compiled, with CUDA graphs (on a CPU: the same
+    code path, inductor skipping the CUDA graphs), eager."""
     from kto_pipeline import PrecomputeConfig, precompute, train
     from kto_pipeline.cache import open_cache
 
-    preset, cache_dir = preset_of(model, loss, device), cases.path.parent / "cache"
+    preset, cache_dir = preset_of(model, loss, device), where / "ours-cache"
     ml, steps = preset["max_length"], preset["steps"]
 
     def reference() -> dict:
@@ -152,41 +191,44 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases) ->
         seconds = cache.manifest.timing["reference_pass_seconds"]
         return dict(ref_seconds=seconds, ref_lengths=lengths, ref_peak_mib=bench_gpu.peak_memory_mib(device))
 
-    cases.run("kto-pipeline reference pass", reference)
-    for column, compiling in OURS:  # each setting at every batch, in OURS' order
-        for batch in BATCHES[device]:
-            if "torch_compile_mode" in compiling and CHECKPOINTING.get(model, False):
-                no_graphs = "no CUDA graphs under gradient checkpointing (the mode compiles without them)"
-                cases.write(dict(case=case_name(column, batch), skipped=no_graphs))
-                continue
+    settings_of = {case_name(column, b): (column, compiling, b) for column, compiling in OURS for b in BATCHES[device]}
+    for case in wanted:
+        if case == REFERENCE:
+            cases.run(REFERENCE, reference)
+            continue
+        column, compiling, batch = settings_of[case]
+        if "torch_compile_mode" in compiling and CHECKPOINTING.get(model, False):
+            no_graphs = "no CUDA graphs under gradient checkpointing (the mode compiles without them)"
+            cases.write(dict(case=case, skipped=no_graphs))
+            continue
 
-            def step(batch=batch, compiling=compiling, column=column) -> dict:
-                out = cases.path.parent / f"run-{batch}-{column.split(' ', 1)[1].replace(' ', '-')}"
-                settings = dict(batch=batch, steps=steps, learning_rate=LEARNING_RATE, bf16=device == "cuda")
-                settings |= dict(beta=bench_gpu.BETA, loss_type=loss, save_steps=0, **compiling)
-                if column in COMPILED and device == "cpu":
-                    settings["attention_kernel"] = "dense"  # by tree, attention's shapes follow the trees
-                config = harness.ours_train_config(cache_dir, out, **settings)
-                res = train(dataclasses.replace(config, gradient_checkpointing=CHECKPOINTING.get(model, False)))
-                state = harness.trainer_state(out) or {}
-                rows = open_cache(cache_dir).table.slice(0, steps * batch)
-                n = steps * batch
-                lengths = bench_gpu.pair_lengths(where, n) if pairs(preset) else bench_gpu.row_lengths(rows, ml)
-                return dict(
-                    step_seconds=res.step_seconds,
-                    train_peak_mib=bench_gpu.peak_memory_mib(device),
-                    train_lengths=lengths,
-                    kernel=state.get("attention_kernel"),
-                    compile=state.get("compile"),
-                )
+        def step(batch=batch, compiling=compiling, column=column) -> dict:
+            out = cases.path.parent / f"run-{batch}-{column.split(' ', 1)[1].replace(' ', '-')}"
+            settings = dict(batch=batch, steps=steps, learning_rate=LEARNING_RATE, bf16=device == "cuda")
+            settings |= dict(beta=bench_gpu.BETA, loss_type=loss, save_steps=0, **compiling)
+            if column in COMPILED and device == "cpu":
+                settings["attention_kernel"] = "dense"  # by tree, attention's shapes follow the trees
+            config = harness.ours_train_config(cache_dir, out, **settings)
+            res = train(dataclasses.replace(config, gradient_checkpointing=CHECKPOINTING.get(model, False)))
+            state = harness.trainer_state(out) or {}
+            rows = open_cache(cache_dir).table.slice(0, steps * batch)
+            n = steps * batch
+            lengths = bench_gpu.pair_lengths(where, n) if pairs(preset) else bench_gpu.row_lengths(rows, ml)
+            return dict(
+                step_seconds=res.step_seconds,
+                train_peak_mib=bench_gpu.peak_memory_mib(device),
+                train_lengths=lengths,
+                kernel=state.get("attention_kernel"),
+                compile=state.get("compile"),
+            )
 
-            torch._dynamo.reset()  # each case compiles from its own first step, as a fresh run would
-            cases.run(case_name(column, batch), step)
+        torch._dynamo.reset()  # each case compiles from its own first step, as a fresh run would
+        cases.run(case, step)
 
 
-def trl_group(where: Path, model: str, loss: str, device: str, cases: Cases) -> None:
-    """Each batch, trl precomputed without and with liger: its reference pass (in the constructor) then the steps,
-    on the rows that batch trains."""
+def trl_group(where: Path, model: str, loss: str, device: str, cases: Cases, wanted: list[str]) -> None:
+    """The `wanted` cases of trl, in TRL's order (precomputed without, then with liger), each at its batch: its
+    reference pass (in the constructor) then the steps, on the rows that batch trains."""
     from trl import DPOTrainer, KTOTrainer
 
     preset = preset_of(model, loss, device)
@@ -203,6 +245,8 @@ def trl_group(where: Path, model: str, loss: str, device: str, cases: Cases) -> 
     # the plain cases first: liger patches the model's module (its norms, MLP, rotary) for the rest of the process
     for column, liger in TRL:
         for batch in BATCHES[device]:
+            if case_name(column, batch) not in wanted:
+                continue
             n = steps * batch
             data = cases.path.parent / f"data-{batch}-{'liger' if liger else 'plain'}.jsonl"  # no reused reference
             data.write_text("".join(lines[:n]))
@@ -274,9 +318,9 @@ def cuda_graphs_check(work: Path, device: str) -> dict:
     return dict(values=len(pairs_of), max_rel_diff=worst, compile=compiled["reduce-overhead"])
 
 
-def worker(name: str, work: Path, device: str, out: Path, deadline: float) -> dict:
-    """`TOOL_MODEL_LOSS`: that group's cases, into OUT/cases.jsonl; `build`: every model and data set (in a process
-    of its own, so that the driver holds no GPU memory)."""
+def worker(name: str, work: Path, device: str, out: Path, deadline: float, wanted: list[str]) -> dict:
+    """`STEP_TOOL_MODEL_LOSS`: that group's `wanted` cases (a step of the plan), into OUT/cases.jsonl; `build`: every
+    model and data set (in a process of its own, so that the driver holds no GPU memory)."""
     if name == "build":
         for model in MODELS[device]:
             for loss in LOSSES:
@@ -285,12 +329,12 @@ def worker(name: str, work: Path, device: str, out: Path, deadline: float) -> di
         return dict(device_name=torch.cuda.get_device_name(0) if device == "cuda" else cpu)
     if name == "cuda_graphs_check":
         return harness.measured(lambda: cuda_graphs_check(work, device), rss=False)
-    tool, model, loss = name.split("_")
+    _, tool, model, loss = name.split("_")
     cases = Cases(out, deadline, device)
 
     def run() -> dict:
         group = ours_group if tool == "ours" else trl_group
-        group(group_work(work, model, loss), model, loss, device, cases)
+        group(group_work(work, model, loss), model, loss, device, cases, wanted)
         return dict(cases=str(cases.path))
 
     return harness.measured(run, rss=False)
@@ -462,7 +506,7 @@ def reference_table(results: dict, device: str, flops: dict, peak: float | None)
     rows = []
     for model in MODELS[device]:
         for loss in LOSSES:
-            cases = ["kto-pipeline reference pass", *(case_name("trl precomputed", b) for b in BATCHES[device])]
+            cases = [REFERENCE, *(case_name("trl precomputed", b) for b in BATCHES[device])]
             cells = []
             for case in cases:
                 res = results.get((model, loss, case))
@@ -479,29 +523,33 @@ def reference_table(results: dict, device: str, flops: dict, peak: float | None)
     return harness.table(header, rows)
 
 
-def run_groups(work: Path, device: str, ends: float) -> dict:
-    """Every group in the goals' order, each worker stopped at `ends`; (model, loss, case) -> its record, a case
-    that did not run saying why."""
-    deadline, results = ends - STARTS_UNTIL, {}  # the last moment a case may start
-    for loss in LOSSES:
-        for model in MODELS[device]:
-            for tool in ("ours", "trl"):
-                name, why = f"{tool}_{model}_{loss}", "not run within the budget"
-                if time.time() < deadline:
-                    flags = ["--device", device, "--deadline", str(deadline)]
-                    env = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"} if device == "cpu" else {}
-                    res = harness.run_worker(
-                        Path(__file__), name, work, flags, env=env, must_succeed=False, timeout=ends - time.time()
-                    )
-                    if "failed" in res and not res["failed"].startswith("killed"):
-                        why = f"not run: its group's process failed ({res['failed'][:200]})"
-                path = work / "runs" / name / "cases.jsonl"
-                for line in path.read_text().splitlines() if path.exists() else []:
-                    record = json.loads(line)
-                    results[(model, loss, record.pop("case"))] = record
-                for case in group_cases(tool, device):  # what the group did not get to
-                    results.setdefault((model, loss, case), dict(skipped=why))
-    return results
+def run_plan(work: Path, device: str, ends: float, checks: dict[str, Callable[[float], dict]]) -> tuple[dict, dict]:
+    """`plan`'s steps in order, none started past the budget's last start (`ends` - STARTS_UNTIL) and every worker
+    stopped at `ends`. `checks`: name -> a check's run, given the seconds left. Returns (model, loss, case) -> its
+    record, every case that did not run saying why, and each check's result (one not run: {failed: why})."""
+    deadline, results, checked = ends - STARTS_UNTIL, {}, {}
+    for index, step in enumerate(plan(device)):
+        if step[0] == "check":
+            late = time.time() >= deadline
+            checked[step[1]] = {"failed": "not run within the budget"} if late else checks[step[1]](ends - time.time())
+            continue
+        tool, model, loss, wanted = step
+        name, why = f"{index}_{tool}_{model}_{loss}", "not run within the budget"
+        if time.time() < deadline:
+            flags = ["--device", device, "--deadline", str(deadline), "--cases", json.dumps(wanted)]
+            env = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"} if device == "cpu" else {}
+            res = harness.run_worker(
+                Path(__file__), name, work, flags, env=env, must_succeed=False, timeout=ends - time.time()
+            )
+            if "failed" in res and not res["failed"].startswith("killed"):
+                why = f"not run: its group's process failed ({res['failed'][:200]})"
+        path = work / "runs" / name / "cases.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            record = json.loads(line)
+            results[(model, loss, record.pop("case"))] = record
+        for case in wanted:  # what the step did not get to
+            results.setdefault((model, loss, case), dict(skipped=why))
+    return results, checked
 
 
 def main() -> None:
@@ -510,12 +558,14 @@ def main() -> None:
     budget_help = "seconds the whole run may take (building, the check, the cases); what does not fit: not run"
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help=budget_help)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # worker: when to stop starting cases
+    parser.add_argument("--cases", help=argparse.SUPPRESS)  # worker: its step's cases, a JSON list
     peak_help = "the device's bf16 dense peak for MFU (H100 and H200 SXM: 989)"
     parser.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help=peak_help)
     args = parser.parse_args()
     work = Path(args.work or harness.WORK_DIR / f"gpu-matrix-{args.device}")
     if args.mode == "worker":
-        harness.print_result(worker(args.name, work, args.device, Path(args.out), args.deadline))
+        wanted = json.loads(args.cases) if args.cases else []
+        harness.print_result(worker(args.name, work, args.device, Path(args.out), args.deadline, wanted))
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible to torch (use --device cpu)")
@@ -525,26 +575,32 @@ def main() -> None:
     env = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"} if args.device == "cpu" else {}
     built = harness.run_worker(Path(__file__), "build", work, ["--device", args.device], env=env)
 
-    def check(kind: str, script: str, name: str, where: Path, flags: list[str], env=env) -> dict:
-        """A check before the cases, in a process of its own: its result, or why it failed."""
-        timeout = min(CHECK_S[args.device].get(kind, float("inf")), ends - time.time())
-        return harness.run_worker(Path(script), name, where, flags, env=env, must_succeed=False, timeout=timeout)
+    def check(kind: str, script: str, name: str, where: Path, flags: list[str], env=env) -> Callable[[float], dict]:
+        """A check, to run in a process of its own for at most its CHECK_S and the seconds left: its result, or why
+        it failed."""
+
+        def run(left: float) -> dict:
+            timeout = min(CHECK_S[args.device].get(kind, float("inf")), left)
+            return harness.run_worker(Path(script), name, where, flags, env=env, must_succeed=False, timeout=timeout)
+
+        return run
 
     first, device = MODELS[args.device][0], ["--device", args.device]
     step_one = "step_one_default_compiled" if args.device == "cuda" else "step_one_default"
     step_one_flags = ["--preset", first, *device]
-    step_one = check("step_one", bench_gpu.__file__, step_one, group_work(work, first, "kto"), step_one_flags, None)
-    step_one.setdefault("device_name", built["device_name"])
-    graphs = check("graphs", __file__, "cuda_graphs_check", work, device)
     model_flags = ["--preset", first, "--model", str(work / f"{first}-model")]
-    layouts = check("layouts", step_one_layouts.__file__, "step_one_layouts", work, [*device, *model_flags])
-    results = run_groups(work, args.device, ends)
+    checks = dict(
+        step_one=check("step_one", bench_gpu.__file__, step_one, group_work(work, first, "kto"), step_one_flags, None),
+        graphs=check("graphs", __file__, "cuda_graphs_check", work, device),
+        layouts=check("layouts", step_one_layouts.__file__, "step_one_layouts", work, [*device, *model_flags]),
+    )
+    results, checked = run_plan(work, args.device, ends, checks)
+    checked["step_one"].setdefault("device_name", built["device_name"])
     cases = {" / ".join(key): record for key, record in results.items()}  # (model, loss, case)
-    raw = dict(cases=cases, checks=dict(step_one=step_one, graphs=graphs, layouts=layouts))  # whatever the report does
+    raw = dict(cases=cases, checks=checked)  # whatever the report does
     (work / "matrix-results.json").write_text(json.dumps(raw, default=str))
     peak = args.peak_tflops * 1e12 if args.device == "cuda" else None
-    checks = dict(step_one=step_one, graphs=graphs, layouts=layouts)
-    report = render(results, checks, args.device, peak, time.perf_counter() - started, sys.argv[1:])
+    report = render(results, checked, args.device, peak, time.perf_counter() - started, sys.argv[1:])
     harness.publish_run(report, harness.default_results(args.results, args.device == "cuda", "RESULTS-gpu.md"))
 
 

@@ -1,7 +1,7 @@
 """Where a GPU's step-1 difference comes from: the same sequences scored in layouts that differ in one thing at a time.
 
     python benchmarks/step_one_layouts.py                              # a CUDA GPU: Qwen2-0.5B shapes (`make bench-gpu`
-                                                                       # runs it after its checks)
+                                                                       # runs it after the cases of its goals)
     python benchmarks/step_one_layouts.py --device cpu --preset tiny   # the code path (seconds)
 
 At step 1 the policy is the reference, so its rewards are exactly 0 where both stages compute each sequence bit for

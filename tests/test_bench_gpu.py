@@ -180,20 +180,24 @@ def test_bench_gpu_matrix_reports_what_the_budget_left_out_as_not_run(tmp_path, 
 
     import bench_gpu_matrix
 
-    results = bench_gpu_matrix.run_groups(tmp_path, "cpu", time.time() - 1)
+    def never(left):
+        raise AssertionError("a check started past the budget")
+
+    checks = dict(step_one=never, graphs=never, layouts=never)
+    results, checked = bench_gpu_matrix.run_plan(tmp_path, "cpu", time.time() - 1, checks)
     assert not (tmp_path / "runs").exists()  # no worker ran
-    failed = {"failed": "did not run"}
-    checks = dict(step_one=failed, graphs=failed, layouts=failed)
-    text = bench_gpu_matrix.render(results, checks, "cpu", None, 1.0, ["--device", "cpu"])
+    assert checked == {name: {"failed": "not run within the budget"} for name in checks}
+    text = bench_gpu_matrix.render(results, checked, "cpu", None, 1.0, ["--device", "cpu"])
     header, *rows = table_lines(text.split("## Training steps")[1])
     assert len(rows) == 2
     for row in rows:
         assert row[4:9] == ["not run within the budget"] * 5 and row[3] == "-" and row[-1] == "-", row
     _, *passes = table_lines(text.split("## Reference passes: needed tokens/s")[1])
     assert all(c == "not run within the budget" for r in passes for c in r[2:]), passes
-    assert "- failed: did not run" in text.split("## The default path's step-1 check")[1].split("##")[0]
-    assert "- failed: did not run" in text.split("## CUDA graphs against the compiled run without them")[1]
-    assert "- failed: did not run" in text.split("## Step 1 by layout")[1].split("##")[0]
+    not_run = "- failed: not run within the budget"
+    assert not_run in text.split("## The default path's step-1 check")[1].split("##")[0]
+    assert not_run in text.split("## CUDA graphs against the compiled run without them")[1]
+    assert not_run in text.split("## Step 1 by layout")[1].split("##")[0]
 
 
 def test_bench_gpu_matrix_cases_record_a_failure_and_go_on(tmp_path, monkeypatch):
