@@ -88,3 +88,76 @@ def test_step_one_under_bf16_is_one_process_for_every_engine(tmp_path, caches, e
         assert record[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
     # the backward's bf16 matmuls run on 4-row instead of 8-row batches: rounded apart by about 4e-5
     assert record["grad_norm"] == pytest.approx(one["grad_norm"], rel=2e-3)
+
+
+def test_a_cpu_half_precision_product_computes_every_row_in_a_call_of_the_same_rows(monkeypatch):
+    """On a CPU a bf16 product may round a row by the call's shape (oneDNN's AMX kernels: SmolLM2's step-1 rewards
+    0.03 off on such a machine). `precision.linear` runs every call in blocks of ROW_BLOCK rows: a row's result is the
+    same whatever rows share its call, the backward is F.linear's to the bit, the LM head's chunks are whole blocks,
+    and float32 keeps F.linear's one call."""
+    import torch
+
+    from kto_pipeline.runtime import precision
+    from kto_pipeline.scoring.head import chunked_token_logps
+
+    functional, calls = torch.nn.functional, []
+
+    def counted(input, weight, bias=None):
+        calls.append(input.shape[0])
+        return functional.linear(input, weight, bias)
+
+    monkeypatch.setattr(precision, "F", type("F", (), {"linear": staticmethod(counted), "pad": functional.pad}))
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64, requires_grad=True), torch.randn(96, requires_grad=True)
+    rows = torch.randn(2000, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        alone = precision.linear(rows[300:340], weight, bias)
+        for start, stop in ((0, 2000), (290, 1100), (300, 340), (250, 900)):
+            got = precision.linear(rows[None, start:stop], weight, bias)[0, 300 - start : 340 - start]
+            assert got.dtype == torch.bfloat16 and torch.equal(got, alone), (start, stop)
+        assert set(calls) == {precision.ROW_BLOCK}, calls
+        want = functional.linear(rows[:700], weight, bias)
+        assert (precision.linear(rows[:700], weight, bias).float() - want.float()).abs().max() <= 0.05
+    grads = []
+    for product in (precision.linear, functional.linear):
+        x = rows[:700].clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            product(x, weight, bias).float().square().sum().backward()
+        grads.append([t.grad.clone() for t in (x, weight, bias)])
+        weight.grad = bias.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the head: blocks of rows, its chunks whole blocks
+        chunked_token_logps(rows[:1100].bfloat16(), torch.randn(40000, 64), torch.randint(0, 40000, (1100,)))
+    assert set(calls) == {precision.ROW_BLOCK}, calls
+    calls.clear()
+    assert torch.equal(precision.linear(rows[:700], weight, bias), functional.linear(rows[:700], weight, bias))
+    assert calls == [700]  # float32: one call, whole
+
+
+def test_rows_alike_makes_the_linear_layers_compute_in_blocks_only_for_a_cpus_half_precision(tmp_path):
+    """Both stages make a model's plain nn.Linear modules `precision.Linear` where they compute in half precision on
+    a CPU (autocast or half weights), and nowhere else; the model keeps its parameters, saves and pickles."""
+    import pickle
+
+    import torch
+
+    from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
+    from kto_pipeline.runtime.precision import Linear, Regime, rows_alike
+
+    cpu = torch.device("cpu")
+    for regime, device, made in (
+        (Regime("float32", "bfloat16"), cpu, True),
+        (Regime("bfloat16"), cpu, True),
+        (Regime("float32"), cpu, False),
+        (Regime("float32", "bfloat16"), torch.device("cuda"), False),
+    ):
+        model = build_tiny_model(build_char_tokenizer())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        assert rows_alike(model, regime, device) is made
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert len(linears) >= 15 and all((type(m) is Linear) is made for m in linears), regime
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        pickle.loads(pickle.dumps(model))
+    model.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "config.json").exists()

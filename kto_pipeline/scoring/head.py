@@ -18,11 +18,11 @@ gradient.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kto_pipeline.models import lm_head_settings
 from kto_pipeline.runtime.compiled import compiled_region
 from kto_pipeline.runtime.engines.base import Engine
+from kto_pipeline.runtime.precision import ROW_BLOCK, half_on_cpu, linear
 
 # A chunk is as many scored tokens as make this many bytes of float32 logits (Qwen2's 152k vocabulary: 220 tokens;
 # SmolLM2's 49k: 682), so that the head's transients stay small beside the activations whatever the vocabulary.
@@ -54,7 +54,7 @@ def _chunk_logits(
         else:
             torch.addmm(bias, hidden, weight.t(), out=logits)
     else:
-        logits.copy_(F.linear(hidden, weight, bias))  # (n, V) in bf16, then float32
+        logits.copy_(linear(hidden, weight, bias))  # (n, V) in bf16, then float32; a CPU's in blocks of rows
     if logit_scale != 1.0:
         logits.mul_(logit_scale)
     tanh = None
@@ -195,14 +195,16 @@ def chunked_token_logps(
         entropy (N,) float32 of the next-token distribution. The last two carry no gradient, and are
         zeros with `with_stats=False` (which saves two passes over each chunk's logits).
     """
-    if chunk_size is None:
-        chunk_size = max(16, CHUNK_LOGITS_BYTES // (4 * weight.shape[0]))
     # Under autocast the custom Function would see mixed dtypes; cast explicitly to what autocast would use.
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
     else:
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    if chunk_size is None:
+        chunk_size = max(16, CHUNK_LOGITS_BYTES // (4 * weight.shape[0]))
+        if half_on_cpu(hidden.device, dtype):  # whole blocks of the rows a CPU's half-precision product takes
+            chunk_size = max(ROW_BLOCK, chunk_size - chunk_size % ROW_BLOCK)
     # keep the logits for the backward when there will be one and they are small (soft-capped logits would need
     # their tanh kept too: those recompute)
     keep_logits = (

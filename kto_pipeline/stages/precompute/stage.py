@@ -53,7 +53,7 @@ from kto_pipeline.runtime.compiled import compile_layers
 from kto_pipeline.runtime.engines import engine_for
 from kto_pipeline.runtime.launch import print0, process_state
 from kto_pipeline.runtime.peak_memory import PeakMemory
-from kto_pipeline.runtime.precision import reference_regime
+from kto_pipeline.runtime.precision import reference_regime, rows_alike
 from kto_pipeline.scoring.attention import packing_unsupported, request_attention_kernel
 from kto_pipeline.scoring.logprobs import ReferenceScorer
 from kto_pipeline.stages.precompute.append import NewRows, find_new_rows, open_base, partner_from_cache, plan_append
@@ -378,6 +378,7 @@ def load_reference(run: Pass) -> None:
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
     run.padded_because = packing_unsupported(model)
     kernel, kernel_note = request_attention_kernel(model, config.attention_kernel, state.device)
+    rows_alike(model, regime, state.device)  # as training's products compute them
     say = functools.partial(print0, state)
     compiled = compile_layers(model, config, state.device, run.engine, say)
     scorer = run.engine.prepare_scorer(ReferenceScorer(model), model, regime, state.device)

@@ -59,7 +59,7 @@ from kto_pipeline.runtime.compiled import TRAIN_COMPILES_ON, CompileStats, compi
 from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.launch import launched_processes, print0, process_state, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
-from kto_pipeline.runtime.precision import Regime, StepCasts, check_regime, policy_regime
+from kto_pipeline.runtime.precision import Regime, StepCasts, check_regime, policy_regime, rows_alike
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported, request_attention_kernel
 from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer
@@ -185,6 +185,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
         kernel, kernel_note = request_attention_kernel(model.train(), config.attention_kernel, accelerator.device)
         print0(accelerator, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
     say, device = functools.partial(print0, accelerator), accelerator.device
+    rows_alike(model, regime, device)  # as the reference pass's products compute them
     compiled = compile_layers(model, config, device, engine, say, TRAIN_COMPILES_ON)
     sampler, loader, eval_loader = _loaders(
         config, objective, cache, max_length, accelerator, tokenizer, model, padded_because
@@ -370,13 +371,8 @@ def fit(run: Run) -> None:
     """The loop: micro-batches accumulate into optimizer steps until the run's last step. A stop request (SIGTERM,
     SIGUSR1: a scheduler preempting the run) is acted on at the next step boundary, all processes together."""
     accelerator, p = run.accelerator, run.progress
-    bar = tqdm(
-        total=run.total_steps,
-        initial=p.global_step,
-        desc="train",
-        unit="step",
-        disable=not shows_progress(accelerator),
-    )
+    steps, shown = dict(total=run.total_steps, initial=p.global_step), shows_progress(accelerator)
+    bar = tqdm(**steps, desc="train", unit="step", disable=not shown)
     p.started = p.step_started = time.perf_counter()
     run.scorer.train()
     with StopRequests() as stop, StepCasts(run.scorer, run.regime, run.engine, run.config) as casts:
