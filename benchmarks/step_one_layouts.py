@@ -23,7 +23,10 @@ training's (`score_policy`, prompts and completions with gradients, then the KL 
 
 Each cell is the largest difference from the first layout, over the trees' scored tokens' last hidden states and over
 their 8 sequences' log-probs (nats): "0 / 0" is bit for bit. The kernel that attends ("block-mask" is an accelerator's
-default) is the column. Nothing here is a fix; it says which of these a fix has to hold fixed.
+default) is the column; the block mask and attention by tree are then measured again with every matrix product (the
+model's linear layers, the LM head) in calls of 512 rows, as a CPU computes in half precision (on a CPU with AMX, a
+product's kernel, and a row's rounding, follow the call's number of rows): whether that takes a GPU's products out of
+the differences. It says which of these a fix has to hold fixed.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ import torch
 HEADING = "## Step 1 on a GPU: which difference between layouts moves a sequence's log-prob"
 TREES, SHIFT_ALIGNED, SHIFT_UNALIGNED, WIDER, HEAD_SHIFT = 4, 128, 100, 512, 100
 KERNELS = ("block-mask", "by-tree", "dense")
+# then these again with every product of the model and the head in calls of a fixed number of rows (what a CPU does in
+# half precision, `precision.linear`): whether that takes a GPU's matrix products out of the differences
+BLOCKED = ("block-mask", "by-tree")
 LAYOUTS = (
     ("the first layout again", "nothing (is the kernel deterministic?)"),
     (f"moved {SHIFT_ALIGNED} tokens along the row", "their rows in the matrix products (attention's tiles as before)"),
@@ -73,6 +79,7 @@ def trees_of(preset: dict) -> list[tuple[list[int], list[list[int]]]]:
 def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) -> dict:
     """kernel -> [(hidden diff or None, log-prob diff) or the reason it did not run, per LAYOUTS]."""
     from kto_pipeline.models import backbone_of, load_model
+    from kto_pipeline.runtime.precision import ROW_BLOCK, ROW_BLOCK_DEVICES, Regime, rows_alike
     from kto_pipeline.scoring.attention import request_attention_kernel
     from kto_pipeline.scoring.head import head_logps
     from kto_pipeline.scoring.logprobs import score_layout, score_policy
@@ -100,11 +107,15 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
         return float((x - y).abs().max())
 
     results = {}
-    for kernel in kernels:
-        chosen, why = request_attention_kernel(model, kernel, device)
+    for kernel, blocked in [*((k, False) for k in kernels), *((k, True) for k in BLOCKED if k in kernels)]:
+        chosen, why = request_attention_kernel(model.eval(), kernel, device)  # (for the reference pass)
+        column = f"{chosen}, products in blocks of {ROW_BLOCK} rows" if blocked else chosen
         if why is not None:
-            results[kernel] = f"not run: {why}"
+            results[column] = f"not run: {why}"
             continue
+        if blocked:  # from here on (the model's linear layers stay blocked)
+            ROW_BLOCK_DEVICES.add(torch.device(device).type)
+            rows_alike(model, Regime("float32", "bfloat16"), torch.device(device))
         cells = []
         with torch.autocast(device, dtype=torch.bfloat16):
             model.eval()
@@ -127,7 +138,7 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
                 policy = score_policy(model, layout, with_stats=False)
             for i, part in enumerate((policy.completions, policy.kl)):
                 cells.append((None, diff(part.logps.detach().float(), base[i::2])))
-        results[chosen] = cells
+        results[column] = cells
     return results
 
 

@@ -134,24 +134,29 @@ def autocast_forward(module: torch.nn.Module, regime: Regime, cache: bool = True
 
 HALF = (torch.bfloat16, torch.float16)
 ROW_BLOCK = 512  # rows of every half-precision product on a CPU (`linear`): 1.6x one call's time there, 2.4x at 256
+# the device types whose half-precision products run in blocks of rows: a CPU's (a benchmark adds "cuda" to measure
+# what blocks do to a GPU's, `benchmarks/step_one_layouts.py`)
+ROW_BLOCK_DEVICES = {"cpu"}
 
 
-def half_on_cpu(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether a product on `device` of `dtype` inputs computes in half precision on a CPU (autocast's dtype where it
-    is on): there, it runs in blocks of ROW_BLOCK rows (`linear`)."""
-    if torch.device(device).type != "cpu":
+def in_row_blocks(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a product on `device` of `dtype` inputs runs in blocks of ROW_BLOCK rows (`linear`): in half precision
+    (autocast's dtype where it is on) on a CPU."""
+    kind = torch.device(device).type
+    if kind not in ROW_BLOCK_DEVICES:
         return False
-    return (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else dtype) in HALF
+    return (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else dtype) in HALF
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, as autocast would run it; in half precision on a CPU, in calls of ROW_BLOCK rows, so that every row
     computes alike whatever the call's other rows (the module's docstring)."""
-    if not half_on_cpu(input.device, input.dtype):
+    if not in_row_blocks(input.device, input.dtype):
         return F.linear(input, weight, bias)
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else input.dtype
+    kind = input.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else input.dtype
     cast = [None if t is None else t.to(dtype) for t in (input, weight, bias)]
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast(kind, enabled=False):
         return torch.ops.kto_pipeline.linear_in_row_blocks(*cast, ROW_BLOCK)
 
 
@@ -205,7 +210,7 @@ class Linear(torch.nn.Linear):
 def rows_alike(model: torch.nn.Module, regime: Regime, device: torch.device) -> bool:
     """Where `regime` computes in half precision on a CPU, every plain nn.Linear of `model` made a `Linear` (in place:
     the class only), so that each row of a product computes alike in both stages. Whether it did."""
-    if torch.device(device).type != "cpu" or (regime.autocast is None and regime.dtype not in HALF):
+    if torch.device(device).type not in ROW_BLOCK_DEVICES or (regime.autocast is None and regime.dtype not in HALF):
         return False
     for module in model.modules():
         if type(module) is torch.nn.Linear:

@@ -22,7 +22,7 @@ import torch
 from kto_pipeline.models import lm_head_settings
 from kto_pipeline.runtime.compiled import compiled_region
 from kto_pipeline.runtime.engines.base import Engine
-from kto_pipeline.runtime.precision import ROW_BLOCK, half_on_cpu, linear
+from kto_pipeline.runtime.precision import ROW_BLOCK, in_row_blocks, linear
 
 # A chunk is as many scored tokens as make this many bytes of float32 logits (Qwen2's 152k vocabulary: 220 tokens;
 # SmolLM2's 49k: 682), so that the head's transients stay small beside the activations whatever the vocabulary.
@@ -203,7 +203,7 @@ def chunked_token_logps(
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
     if chunk_size is None:
         chunk_size = max(16, CHUNK_LOGITS_BYTES // (4 * weight.shape[0]))
-        if half_on_cpu(hidden.device, dtype):  # whole blocks of the rows a CPU's half-precision product takes
+        if in_row_blocks(hidden.device, dtype):  # whole blocks of the rows a CPU's half-precision product takes
             chunk_size = max(ROW_BLOCK, chunk_size - chunk_size % ROW_BLOCK)
     # keep the logits for the backward when there will be one and they are small (soft-capped logits would need
     # their tanh kept too: those recompute)
