@@ -199,12 +199,20 @@ def _backward(ctx, grad):
 _linear_in_row_blocks.register_autograd(_backward, setup_context=_save_for_backward)
 
 
+STEP_CAST = "_kto_step_cast"  # on a decoder layer's Linear while a step is open: its (weight, bias) cast once
+
+
 class Linear(torch.nn.Linear):
-    """nn.Linear computing through `linear`: on a CPU in half precision, in blocks of rows. Its parameters, state
-    dict and everything else are nn.Linear's; `rows_alike` makes a model's plain nn.Linear modules ones."""
+    """nn.Linear computing through `linear` (on a CPU in half precision, in blocks of rows), on the weight and bias
+    cast once for the step where a `StepCasts` holds them (and autocast is on: a model that turns it off around a
+    layer gets the float32 weights). Its parameters, state dict and everything else are nn.Linear's; `rows_alike`
+    and `StepCasts` make a model's plain nn.Linear modules ones (the class only)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return linear(input, self.weight, self.bias)
+        cast = self.__dict__.get(STEP_CAST)
+        if cast is None or not torch.is_autocast_enabled(input.device.type):
+            return linear(input, self.weight, self.bias)
+        return linear(input, cast[0], cast[1])
 
 
 def rows_alike(model: torch.nn.Module, regime: Regime, device: torch.device) -> bool:
@@ -218,18 +226,6 @@ def rows_alike(model: torch.nn.Module, regime: Regime, device: torch.device) -> 
     return True
 
 
-STEP_CAST = "_kto_step_cast"  # on a decoder layer's nn.Linear while a step is open: its (weight, bias) cast once
-
-
-def _linear_with_step_cast(self, input: torch.Tensor) -> torch.Tensor:
-    """nn.Linear's forward (`linear`), on the weight and bias cast once for the step where a `StepCasts` holds them
-    (and autocast is on: a model that turns it off around a layer gets the float32 weights)."""
-    cast = self.__dict__.get(STEP_CAST)
-    if cast is None or not torch.is_autocast_enabled(input.device.type):
-        return linear(input, self.weight, self.bias)
-    return linear(input, cast[0], cast[1])
-
-
 class StepCasts:
     """The decoder layers' float32 weights cast to the autocast dtype once an optimizer step, not once a call.
 
@@ -238,9 +234,9 @@ class StepCasts:
     Compiled layers cast inside their graphs, a kernel a weight and call. While a `StepCasts` is open, each nn.Linear
     of the decoder layers computes on a cast made at the step's start (`open`) and dropped after its last backward
     (`close`), before the optimizer changes the weights: the same values (a cast is a rounding; autocast casts the
-    input as before), the gradient reaching the float32 weight through the cast, as under autocast. The layers'
-    forward is replaced once, at construction, so that a compiled layer's graph takes the casts as inputs from the
-    first step on.
+    input as before), the gradient reaching the float32 weight through the cast, as under autocast. The layers are
+    made `Linear`s once, at construction, so that a compiled layer's graph takes the casts as inputs from the first
+    step on, and given back as they were at the run's end.
 
     Active only where it changes the work and not the peak memory: under autocast, with an engine whose processes hold
     whole weights (one process, DDP; not FSDP2's or ZeRO-3's shards, gathered a layer at a time), without gradient
@@ -259,18 +255,19 @@ class StepCasts:
         active = active and not replays_cuda_graphs(scorer)  # a graph replays its casts, no launch
         self.dtype = WEIGHT_DTYPES[regime.autocast] if active else None
         self.linears = _decoder_linears(scorer) if active else []
+        self.classes = [type(linear) for linear in self.linears]  # (nn.Linear, or a `rows_alike` Linear)
         for linear in self.linears:
-            linear.forward = _linear_with_step_cast.__get__(linear)
+            linear.__class__ = Linear
         self.open_now = False
 
     def __enter__(self) -> StepCasts:
         return self
 
     def __exit__(self, *exc) -> None:
-        """The run's end: the casts dropped and the layers' own forward back (the model pickles as it loaded)."""
+        """The run's end: the casts dropped and the layers' classes back as they were."""
         self.close()
-        for linear in self.linears:
-            linear.__dict__.pop("forward", None)
+        for linear, cls in zip(self.linears, self.classes, strict=True):
+            linear.__class__ = cls
 
     def open(self) -> None:
         """At a micro-batch's start: the casts for the step, if not made yet (idempotent)."""
