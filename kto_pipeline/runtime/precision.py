@@ -139,24 +139,30 @@ ROW_BLOCK = 512  # rows of every half-precision product on a CPU (`linear`): 1.6
 ROW_BLOCK_DEVICES = {"cpu"}
 
 
+def _row_block_dtype(device: torch.device | str, dtype: torch.dtype) -> torch.dtype | None:
+    """The half-precision dtype a product on `device` of `dtype` inputs computes in (autocast's where it is on),
+    where it runs in blocks of ROW_BLOCK rows (a CPU's); else None."""
+    kind = torch.device(device).type
+    if kind not in ROW_BLOCK_DEVICES:
+        return None
+    computes = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else dtype
+    return computes if computes in HALF else None
+
+
 def in_row_blocks(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether a product on `device` of `dtype` inputs runs in blocks of ROW_BLOCK rows (`linear`): in half precision
     (autocast's dtype where it is on) on a CPU."""
-    kind = torch.device(device).type
-    if kind not in ROW_BLOCK_DEVICES:
-        return False
-    return (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else dtype) in HALF
+    return _row_block_dtype(device, dtype) is not None
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, as autocast would run it; in half precision on a CPU, in calls of ROW_BLOCK rows, so that every row
     computes alike whatever the call's other rows (the module's docstring)."""
-    if not in_row_blocks(input.device, input.dtype):
+    dtype = _row_block_dtype(input.device, input.dtype)
+    if dtype is None:
         return F.linear(input, weight, bias)
-    kind = input.device.type
-    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else input.dtype
     cast = [None if t is None else t.to(dtype) for t in (input, weight, bias)]
-    with torch.autocast(kind, enabled=False):
+    with torch.autocast(input.device.type, enabled=False):
         return torch.ops.kto_pipeline.linear_in_row_blocks(*cast, ROW_BLOCK)
 
 
