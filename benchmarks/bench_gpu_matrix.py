@@ -343,13 +343,23 @@ def worker(name: str, work: Path, device: str, out: Path, deadline: float, wante
 # ------------------------------------------------------------------------------------------ the report
 
 
+def compiling(res: dict) -> list[int]:
+    """The steps of a case that compiled (ours, compiled: its trainer_state.json's `compile.compiling_steps`)."""
+    return (res.get("compile") or {}).get("compiling_steps", [])
+
+
+def median(res: dict) -> float:
+    """A case's median step: steps 2..n, leaving out those that compiled (`harness.median_step`)."""
+    return harness.median_step(res["step_seconds"], compiling(res))
+
+
 def mfu(flops: Flops, res: dict, batch: int, peak: float | None) -> float | None:
     """Model FLOPs of a step (the mean over steps 2..n's needed tokens) over the median step's time, against `peak`
-    (None on a CPU): a step that recompiled does not count, as in the median."""
+    (None on a CPU): a step that compiled does not count, as in the median."""
     times = res["step_seconds"]
     if peak is None or len(times) < 2:
         return None
-    return flops.train(res["train_lengths"][batch:]) / (len(times) - 1) / harness.median_step(times) / peak
+    return flops.train(res["train_lengths"][batch:]) / (len(times) - 1) / median(res) / peak
 
 
 def cell(res: dict | None, flops: Flops, batch: int, peak: float | None) -> str:
@@ -360,8 +370,12 @@ def cell(res: dict | None, flops: Flops, batch: int, peak: float | None) -> str:
     if "started" in res:
         return "stopped at the budget's end while running"
     value = mfu(flops, res, batch, peak)
-    text = f"{harness.median_step(res['step_seconds']):.4f} s"
+    text = f"{median(res):.4f} s"
     text += f", {value:.1%} MFU" if value is not None else ""
+    compiled_steps, timed = harness.steps_compiling(res["step_seconds"], compiling(res))
+    if compiled_steps:
+        left = "every timed step compiled" if compiled_steps == timed else f"{compiled_steps} compiling left out"
+        text += f" (steps 2..{timed + 1}: {left})"
     compiled = res.get("compile") or {}
     text += " (ran eagerly: compiling failed)" if compiled.get("eager_fallback") else ""
     text += " (some shapes eagerly: past the recompile limit)" if compiled.get("recompile_limit") else ""
@@ -395,8 +409,9 @@ def render(results: dict, checks: dict, device: str, peak: float | None, seconds
         + "".join(f"on for {m} (every tool), " for m in MODELS[device] if CHECKPOINTING.get(m))
         + "off otherwise; steps: "
         + ", ".join(f"{m} {STEPS[m]} (max_length {MAX_LENGTH[m]})" for m in MODELS[device])
-        + f"; a cell: the median step of steps 2..n, its MFU (model FLOPs as bench_gpu.py counts them, {peak_text}), "
-        + "peak memory"
+        + "; a cell: the median step of steps 2..n (leaving out those that compiled, where others are left: "
+        + "trainer_state.json's compile.compiling_steps), its MFU (model FLOPs as bench_gpu.py counts them, "
+        + f"{peak_text}), peak memory"
     ]
     exact = check.get("step_one") and all(v == 0 for v in check["step_one"].values())
     lines += ["", "## The default path's step-1 check", ""]
@@ -439,7 +454,7 @@ def render(results: dict, checks: dict, device: str, peak: float | None, seconds
 def ours_compiled(got: dict) -> dict | None:
     """kto-pipeline's faster compiled case that ran (with or without CUDA graphs): its result."""
     ran = [got[c] for c in COMPILED if got.get(c) and "step_seconds" in got[c]]
-    return min(ran, key=lambda res: harness.median_step(res["step_seconds"]), default=None)
+    return min(ran, key=median, default=None)
 
 
 def cuda_graphs_line(graphs: dict, device: str) -> str:
@@ -467,10 +482,10 @@ def cuda_graphs_line(graphs: dict, device: str) -> str:
 def speedup(got: dict) -> float | None:
     """trl's best step (the faster setting that ran) over kto-pipeline's best compiled one."""
     ours = ours_compiled(got)
-    trl = [harness.median_step(got[c]["step_seconds"]) for c, _ in TRL if got.get(c) and "step_seconds" in got[c]]
+    trl = [median(got[c]) for c, _ in TRL if got.get(c) and "step_seconds" in got[c]]
     if ours is None or not trl:
         return None
-    return min(trl) / harness.median_step(ours["step_seconds"])
+    return min(trl) / median(ours)
 
 
 def goal_lines(model, loss, batch, got, ratio, flops, peak, tokens) -> list[tuple]:

@@ -200,8 +200,17 @@ def utc_stamp() -> str:  # as the results write their date: 2026-11-22 07:15 UTC
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def median_step(times: list[float]) -> float:  # after the first step, which pays one-off warm-up costs
-    return statistics.median(times[1:] if len(times) > 1 else times)
+def median_step(times: list[float], compiling: Sequence[int] = ()) -> float:
+    """The median of steps 2..n (the first pays one-off warm-up costs), leaving out the steps that compiled
+    (`compiling`, numbered from 1: trainer_state.json's `compile.compiling_steps`) where any step is left."""
+    timed = times[1:] if len(times) > 1 else times
+    steady = [t for step, t in enumerate(times, start=1) if step > 1 and step not in set(compiling)]
+    return statistics.median(steady or timed)
+
+
+def steps_compiling(times: list[float], compiling: Sequence[int] = ()) -> tuple[int, int]:
+    """Of steps 2..n: how many compiled, and how many there are (what `median_step` left out, where it could)."""
+    return sum(1 for step in set(compiling) if 1 < step <= len(times)), max(len(times) - 1, 0)
 
 
 def step_timer(synchronize: Callable[[], None] | None = None):

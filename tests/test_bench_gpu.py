@@ -119,7 +119,10 @@ def table_lines(text: str) -> list[list[str]]:
     return rows
 
 
-STEP_CELL = re.compile(r"^\d+\.\d{4} s, [\d,]+ MiB$")  # on a CPU: no MFU (no peak to compare with)
+# on a CPU: no MFU (no peak to compare with); a compiled case says which of its timed steps compiled
+STEP_CELL = re.compile(
+    r"^\d+\.\d{4} s( \(steps 2\.\.\d+: (every timed step compiled|\d+ compiling left out)\))?, [\d,]+ MiB$"
+)
 SKIPPED_CUDA_GRAPHS = re.compile(r"^\d+\.\d{4} s \(\d+ graph\(s\) without CUDA graphs\), [\d,]+ MiB$")
 
 
@@ -172,6 +175,25 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
     assert set(raw["checks"]) == {"step_one", "graphs", "layouts"}
     assert "step_seconds" in raw["cases"]["tiny / kto / kto-pipeline eager @ 4"], raw["cases"]
     assert "Traceback" not in (Path(work) / "runs" / "build" / "worker.log").read_text()
+
+
+def test_a_median_step_leaves_out_the_steps_that_compiled(monkeypatch):
+    """Steps 2..n, without the steps trainer_state.json says compiled, where any step is left; the matrix's cell says
+    how many it left out."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_gpu_matrix
+    import harness
+
+    times = [30.0, 9.0, 0.5, 0.7, 0.6, 8.0]
+    assert harness.median_step(times) == 0.7  # steps 2..6
+    assert harness.median_step(times, [1, 2, 6]) == 0.6  # steps 3..5
+    assert harness.median_step(times, [1, 2, 3, 4, 5, 6]) == 0.7  # none left: steps 2..6 again
+    assert harness.steps_compiling(times, [1, 2, 6]) == (2, 5)
+    res = dict(step_seconds=times, train_peak_mib=100.0, compile=dict(compiling_steps=[1, 2, 6]))
+    assert bench_gpu_matrix.cell(res, None, 4, None) == "0.6000 s (steps 2..6: 2 compiling left out), 100 MiB"
+    res["compile"]["compiling_steps"] = [1, 2, 3, 4, 5, 6]
+    assert bench_gpu_matrix.cell(res, None, 4, None) == "0.7000 s (steps 2..6: every timed step compiled), 100 MiB"
+    assert bench_gpu_matrix.cell(dict(res, compile=None), None, 4, None) == "0.7000 s, 100 MiB"  # eager, trl
 
 
 def test_bench_gpu_matrix_reports_what_the_budget_left_out_as_not_run(tmp_path, monkeypatch):

@@ -72,6 +72,10 @@ def test_compiled_layers_give_the_eager_numbers(tmp_path):
     # the layer (with gradients, keeping its keys/values; without, on the kept ones), the head's statistics and
     # gradient, the loss: for all 4 layers (a graph per layer would be 8 of the layer alone)
     assert 4 <= state["compile"]["graphs"] <= 8 and state["compile"]["seconds"] > 0, state["compile"]
+    # the steps that compiled, in order: the first, and at most one a recompile after it
+    steps_compiling = state["compile"]["compiling_steps"]
+    assert steps_compiling[0] == 1 and steps_compiling == sorted(set(steps_compiling)), steps_compiling
+    assert set(steps_compiling) <= {1, 2, 3, 4} and len(steps_compiling) <= 1 + state["compile"]["recompiles"]
     eager_state = json.loads((runs["eager"] / "trainer_state.json").read_text())
     assert "compile" not in eager_state
     # the KL completions on the prompts' cached keys/values, as eager: the same tokens run, each prompt once
@@ -522,6 +526,26 @@ def test_compiled_layers_with_gradient_checkpointing_stay_compiled_with_step_one
     for a, b in zip(with_checkpoints, without, strict=True):
         for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
+
+
+def test_a_step_counts_as_compiling_where_a_region_compiled_since_the_last_step(monkeypatch):
+    """`CompileStats.step_ended`: a step is noted where Dynamo compiled a frame (a first graph or a recompile) since
+    the step before ended, and trainer_state.json's `compile` reports them (`compiling_steps`), none where none."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kto_pipeline.runtime import compiled
+
+    frames = iter([3, 3, 5, 5, 6, 6, 6])  # at the start, a report, after each step (1 and 3 compiled), a report
+    counts = dict(cudagraph_skips=0, graphs=0, graph_breaks=0, seconds=0.0)
+    monkeypatch.setattr(compiled, "_counts", lambda: dict(counts, frames=next(frames)))
+    stats = compiled.CompileStats(SimpleNamespace(layers=[torch.nn.Linear(1, 1)]), say=lambda _: None)
+    assert "compiling_steps" not in stats.report()
+    for step in (1, 2, 3, 4):
+        stats.step_ended(step)
+    assert stats.compiling_steps == [1, 3]
+    assert stats.report()["compiling_steps"] == [1, 3]
 
 
 def test_kept_keys_values_files_each_layer_or_keeps_nothing():

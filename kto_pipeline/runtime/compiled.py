@@ -335,6 +335,8 @@ class CompileStats:
         self.cudagraph_sizes: int | None = None  # where inductor warned: the most sizes a function recorded
         self.compiled_regions: dict[Callable, Callable] = {}  # the head and the loss, each compiled once (`region`)
         self.start = _counts()
+        self.compiling_steps: list[int] = []  # training's optimizer steps that compiled (`step_ended`)
+        self._frames_seen = self.start["frames"]
         _Heard.watch(_Heard.RECOMPILES, self.recompiled)
         _Heard.watch(_Heard.CUDA_GRAPHS, self.cuda_graphs_said)
 
@@ -407,11 +409,20 @@ class CompileStats:
         if reason not in self.cudagraph_skip_reasons:
             self.cudagraph_skip_reasons.append(reason)
 
+    def step_ended(self, step: int) -> None:
+        """Training's optimizer step `step` has ended: it is one that compiled where a region compiled (a first
+        graph or a recompile) since the last step ended (an evaluation run between two steps counts for the next).
+        A benchmark leaves those steps out of its median."""
+        frames = _counts()["frames"]
+        if frames > self._frames_seen:
+            self.compiling_steps.append(step)
+        self._frames_seen = frames
+
     def report(self) -> dict:
         """{graphs, graph_breaks, recompiles, seconds} since the layers were compiled; with `eager_fallback` and
         `recompile_limit` where they happened; in another mode than default, `mode`, and where it replays CUDA
         graphs, `cudagraph_skips` (graphs that run without them: on a CPU every one), their reasons and
-        `cudagraph_sizes` (a GPU's)."""
+        `cudagraph_sizes` (a GPU's); in training, `compiling_steps` (the optimizer steps that compiled)."""
         now = {k: v - self.start[k] for k, v in _counts().items()}
         out: dict = {
             "graphs": int(now["graphs"]),
@@ -428,6 +439,7 @@ class CompileStats:
             "recompile_limit": self.recompile_limit,
             "cudagraph_skip_reasons": self.cudagraph_skip_reasons,
             "cudagraph_sizes": self.cudagraph_sizes,
+            "compiling_steps": self.compiling_steps,
         }
         return out | {k: v for k, v in extra.items() if v}
 

@@ -442,6 +442,8 @@ def after_step(run: Run, micro_step: int, bar) -> None:
     now = time.perf_counter()
     p.step_seconds.append(now - p.step_started)
     p.step_started = now
+    if run.compiled is not None:
+        run.compiled.step_ended(p.global_step)  # (a benchmark's median leaves out the steps that compiled)
     bar.update(1)
     elapsed = max(now - p.started, 1e-9)
     bar.set_postfix_str(
