@@ -344,7 +344,8 @@ class Flops:
             peak_text = f"{peak / 1e12:g}e12 FLOP/s (--peak-tflops)"
         return [
             "- MFU = model FLOPs of the needed tokens / wall seconds / peak: train step, a step's FLOPs (the mean over "
-            "steps 2..n) over the median step's time (a step that recompiled counts no more than in the median); "
+            "steps 2..n) over the median step's time (the median of steps 2..n leaves out kto-pipeline's steps that "
+            "compiled, trainer_state.json's compile.compiling_steps, where other steps are left); "
             f"reference pass, every row over its time; peak = {peak_text}.",
             *(
                 [

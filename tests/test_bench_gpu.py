@@ -120,14 +120,13 @@ def table_lines(text: str) -> list[list[str]]:
 
 
 # on a CPU: no MFU (no peak to compare with); a compiled case says which of its timed steps compiled
-STEP_CELL = re.compile(
-    r"^\d+\.\d{4} s( \(steps 2\.\.\d+: (every timed step compiled|\d+ compiling left out)\))?, [\d,]+ MiB$"
-)
-SKIPPED_CUDA_GRAPHS = re.compile(r"^\d+\.\d{4} s \(\d+ graph\(s\) without CUDA graphs\), [\d,]+ MiB$")
+COMPILING = r"( \(steps 2\.\.\d+: (every timed step compiled|\d+ compiling left out)\))?"
+STEP_CELL = re.compile(rf"^\d+\.\d{{4}} s{COMPILING}, [\d,]+ MiB$")
+SKIPPED_CUDA_GRAPHS = re.compile(rf"^\d+\.\d{{4}} s{COMPILING} \(\d+ graph\(s\) without CUDA graphs\), [\d,]+ MiB$")
 
 
 @pytest.mark.slow
-def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path):
+def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path, monkeypatch):
     """`make bench-gpu`'s matrix at tiny shapes on the CPU: the default path's step-1 check, the CUDA graphs check and
     the step-1 differences by layout, then every (loss, batch) row with ours compiled (without and with CUDA graphs,
     which a CPU skips) and eager and trl precomputed measured (liger skipped with its reason), the reference passes and
@@ -172,8 +171,20 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
     assert any(r[0].startswith("step-1 rewards exactly 0") and r[1] == "yes" for r in goals), goals
     # what a GPU run brings back besides the report: the raw results, and every worker's output
     raw = json.loads((Path(work) / "matrix-results.json").read_text())
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import harness
+
     assert set(raw["checks"]) == {"step_one", "graphs", "layouts"}
     assert "step_seconds" in raw["cases"]["tiny / kto / kto-pipeline eager @ 4"], raw["cases"]
+    # a compiled case's cell: its median without the steps that compiled (trainer_state.json), saying how many
+    compiled_cells = {r[1]: dict(zip(header, r, strict=True))["kto-pipeline compiled"] for r in rows}
+    for loss, text in compiled_cells.items():
+        res = raw["cases"][f"tiny / {loss} / kto-pipeline compiled @ 4"]
+        steps = res["compile"]["compiling_steps"]
+        assert steps[0] == 1, res["compile"]  # its first step compiled
+        left, timed = harness.steps_compiling(res["step_seconds"], steps)
+        said = {0: "", timed: " (steps 2..3: every timed step compiled)"}.get(left, f" (steps 2..3: {left} compiling")
+        assert text.startswith(f"{harness.median_step(res['step_seconds'], steps):.4f} s{said}"), (text, steps)
     assert "Traceback" not in (Path(work) / "runs" / "build" / "worker.log").read_text()
 
 
