@@ -203,8 +203,8 @@ def utc_stamp() -> str:  # as the results write their date: 2026-11-22 07:15 UTC
 def median_step(times: list[float], compiling: Sequence[int] = ()) -> float:
     """The median of steps 2..n (the first pays one-off warm-up costs), leaving out the steps that compiled
     (`compiling`, numbered from 1: trainer_state.json's `compile.compiling_steps`) where any step is left."""
-    timed = times[1:] if len(times) > 1 else times
-    steady = [t for step, t in enumerate(times, start=1) if step > 1 and step not in set(compiling)]
+    timed, left_out = (times[1:] if len(times) > 1 else times), set(compiling)
+    steady = [t for step, t in enumerate(times, start=1) if step > 1 and step not in left_out]
     return statistics.median(steady or timed)
 
 
