@@ -373,7 +373,7 @@ def _column(res: dict, ref: dict, batch: int, flops: Flops | None, peak: float |
     """One column: ref tokens/s and MFU, step seconds and MFU, peak memory (MFU None without a peak)."""
     if "skipped" in res or "failed" in res:
         return {"note": res.get("skipped") or f"failed: {res['failed']}"}
-    compiling = (res.get("compile") or {}).get("compiling_steps", ())  # left out of the median where others are left
+    compiling = harness.compiling_steps(res)  # left out of the median where other steps are left
     c: dict = {"step_seconds": res["step_seconds"], "step": median_step(res["step_seconds"], compiling)}
     timed_rows = res["train_lengths"][batch:] if len(res["step_seconds"]) > 1 else res["train_lengths"]
     timed_steps = max(len(res["step_seconds"]) - 1, 1)  # a step's FLOPs (their mean) over the median step's time

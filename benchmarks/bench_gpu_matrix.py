@@ -343,14 +343,9 @@ def worker(name: str, work: Path, device: str, out: Path, deadline: float, wante
 # ------------------------------------------------------------------------------------------ the report
 
 
-def compiling(res: dict) -> list[int]:
-    """The steps of a case that compiled (ours, compiled: its trainer_state.json's `compile.compiling_steps`)."""
-    return (res.get("compile") or {}).get("compiling_steps", [])
-
-
 def median(res: dict) -> float:
     """A case's median step: steps 2..n, leaving out those that compiled (`harness.median_step`)."""
-    return harness.median_step(res["step_seconds"], compiling(res))
+    return harness.median_step(res["step_seconds"], harness.compiling_steps(res))
 
 
 def mfu(flops: Flops, res: dict, batch: int, peak: float | None) -> float | None:
@@ -372,7 +367,7 @@ def cell(res: dict | None, flops: Flops, batch: int, peak: float | None) -> str:
     value = mfu(flops, res, batch, peak)
     text = f"{median(res):.4f} s"
     text += f", {value:.1%} MFU" if value is not None else ""
-    compiled_steps, timed = harness.steps_compiling(res["step_seconds"], compiling(res))
+    compiled_steps, timed = harness.steps_compiling(res["step_seconds"], harness.compiling_steps(res))
     if compiled_steps:
         left = "every timed step compiled" if compiled_steps == timed else f"{compiled_steps} compiling left out"
         text += f" (steps 2..{timed + 1}: {left})"

@@ -208,6 +208,12 @@ def median_step(times: list[float], compiling: Sequence[int] = ()) -> float:
     return statistics.median(steady or timed)
 
 
+def compiling_steps(res: dict) -> list[int]:
+    """The steps of a training result that compiled (kto-pipeline compiled: its trainer_state.json's
+    `compile.compiling_steps`; none for an eager run or trl's)."""
+    return (res.get("compile") or {}).get("compiling_steps", [])
+
+
 def steps_compiling(times: list[float], compiling: Sequence[int] = ()) -> tuple[int, int]:
     """Of steps 2..n: how many compiled, and how many there are (what `median_step` left out, where it could)."""
     return sum(1 for step in set(compiling) if 1 < step <= len(times)), max(len(times) - 1, 0)
