@@ -4,24 +4,22 @@
     python benchmarks/bench_gpu_matrix.py --device cpu             # the code path on a CPU, tiny shapes (~1 min)
 
 First the accelerator's default path (the block mask, compiled, bf16; on a CPU its default, by tree and eager) runs
-both stages and one step, and its step-1 rewards must be exactly 0 (`bench_gpu.py`'s check); later, before their
-cases, CUDA graphs must give the numbers of the compiled run without them (a tiny model, accumulation and
-evaluation). For Qwen2-0.5B
-and a ~1.5B shape (Qwen2-1.5B's, at max_length 2048 with HH lengths), KTO against trl.KTOTrainer and the `sigmoid`
-pair loss against trl.DPOTrainer, at batch 8 and 64: kto-pipeline's training compiled (without, then with CUDA
-graphs: `--torch-compile-mode reduce-overhead`) and eager, trl precomputed with and without liger's fused loss. It
-reports each case's step time, MFU and peak memory, and the goals.
+both stages and one step, and its step-1 rewards must be exactly 0 (`step_one_check`); later, before their cases, CUDA
+graphs must give the numbers of the compiled run without them (a tiny model, accumulation and evaluation). For
+Qwen2-0.5B and a ~1.5B shape (Qwen2-1.5B's, at max_length 2048 with HH lengths), KTO against trl.KTOTrainer and the
+`sigmoid` pair loss against trl.DPOTrainer, at batch 8 and 64: kto-pipeline's training compiled (without, then with
+CUDA graphs: `--torch-compile-mode reduce-overhead`) and eager, trl precomputed with and without liger's fused loss.
+It reports each case's step time, MFU and peak memory, and the goals.
 
-A budget keeps it within 8 minutes (--budget-s 480, building and the checks included), and the run goes in the
-order of what answers the goals (`plan`), so that what the budget leaves out answers the least: the step-1 check;
-KTO on Qwen2-0.5B, ours compiled and trl's two settings at both batches (the speed and memory goals); the ~1.5B shape
+A budget keeps it within 8 minutes (--budget-s 480, building and the checks included), and the run goes in the order
+of what answers the goals (`plan`), so that what the budget leaves out answers the least: the step-1 check; KTO on
+Qwen2-0.5B, ours compiled and trl's two settings at both batches (the speed and memory goals); the ~1.5B shape
 compiled at its larger batch (the MFU goal); CUDA graphs after their check; the layouts' diagnosis of step 1; then
 every other case (eager, the ~1.5B shape's others, the pair loss). Each step of cases (one tool, one model, one loss)
-runs in a fresh process that measures them one after another (ours' reference pass once for the model and loss,
-its cache kept for the later steps); every case is written down the moment it ends, and what the budget leaves no
-time for is reported as not run, never guessed. A case that runs out of memory says so and the rest go on. Model
-and data as `bench_gpu.py` builds them (random weights, random characters with HH-RLHF's lengths); its
-single-configuration report (trl online, the attention kernels' table) stays there.
+runs in a fresh process that measures them one after another (ours' reference pass once for the model and loss, its
+cache kept for the later steps); every case is written down the moment it ends, and what the budget leaves no time for
+is reported as not run, never guessed. A case that runs out of memory says so and the rest go on. Model and data as
+`gpu_harness.py` builds them (random weights, random characters with HH-RLHF's lengths).
 """
 
 from __future__ import annotations
@@ -36,18 +34,17 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-import bench_gpu
+import gpu_harness
 import harness
 import step_one_layouts
 import torch
-from bench_gpu import LEARNING_RATE, OURS_PRECOMPUTE, PEAK_FLOPS_CUDA, Flops, pairs
+from gpu_harness import LEARNING_RATE, OURS_PRECOMPUTE, PEAK_FLOPS_CUDA, Flops, pairs
 
 HEADING = "# GPU matrix: `make bench-gpu`"
 MODELS = {"cuda": ("qwen2-0.5b", "qwen2-1.5b"), "cpu": ("tiny",)}
 BATCHES = {"cuda": (8, 64), "cpu": (4,)}  # a CPU run checks the code path
 LOSSES = ("kto", "sigmoid")
 STEPS = {"qwen2-0.5b": 8, "qwen2-1.5b": 6, "tiny": 3}
-MAX_LENGTH = {"qwen2-0.5b": 1024, "qwen2-1.5b": 2048, "tiny": 128}
 # every tool's cases of the ~1.5B shape recompute activations: without, ours at batch 64 (~20k tokens) needs 91 GiB
 # (`estimate-memory`, 64 rows x 320 tokens: 74 GiB of activations), 26 GiB with
 CHECKPOINTING = {"qwen2-1.5b": True}
@@ -63,6 +60,9 @@ TRL = (("trl precomputed", False), ("trl precomputed + liger", True))
 COLUMNS = (*(c for c, _ in OURS), *(c for c, _ in TRL))
 REFERENCE = "kto-pipeline reference pass"  # ours' first case of a (model, loss): the cache its training cases read
 TOOLS = ("ours", "trl")
+# the step-1 check: the first rows of the first model's KTO data, one step of a batch, the metrics read
+STEP_ONE_ROWS, STEP_ONE_BATCH = 64, 8
+STEP_ONE_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl")
 GRAPHS_EQUAL = 1e-3  # CUDA graphs' numbers against the run without them: the parity tests' tolerance
 GOALS = dict(speedup=1.5, memory=0.5, mfu=0.40, mfu_tokens=16384)
 # the whole run's seconds (8 minutes): no case starts in its last STARTS_UNTIL seconds, and a worker still running at
@@ -74,10 +74,9 @@ CHECK_S = {"cuda": dict(step_one=150, graphs=90, layouts=90), "cpu": {}}
 
 
 def preset_of(model: str, loss: str, device: str) -> dict:
-    """bench_gpu's preset of `model`, for `loss`, with the rows the largest batch trains."""
+    """harness.GPU_PRESETS' preset of `model`, for `loss`, with the rows the largest batch trains."""
     steps, batch = STEPS[model], max(BATCHES[device])
-    preset = dict(harness.GPU_PRESETS[model], loss_type=loss, static_shapes=False, steps=steps, batch=batch)
-    return dict(preset, max_length=MAX_LENGTH[model], rows=steps * batch)
+    return dict(harness.GPU_PRESETS[model], loss_type=loss, steps=steps, batch=batch, rows=steps * batch)
 
 
 def group_work(work: Path, model: str, loss: str) -> Path:
@@ -93,7 +92,7 @@ def prepare(work: Path, model: str, loss: str, device: str) -> dict:
     harness.random_qwen2(shared, preset_of(model, loss, device), device=device)
     if not (where / "model").exists():
         (where / "model").symlink_to(shared.resolve(), target_is_directory=True)
-    return bench_gpu.build_data(where / "data.jsonl", preset_of(model, loss, device))
+    return gpu_harness.build_data(where / "data.jsonl", preset_of(model, loss, device))
 
 
 # ------------------------------------------------------------------------------------------ the workers
@@ -110,7 +109,7 @@ class Cases:
         if time.time() > self.deadline:
             return self.write(dict(case=name, skipped="not run within the budget"))
         self.write(dict(case=name, started=time.time()))  # replaced by its result; alone: stopped while running
-        bench_gpu.reset_peak_memory(self.device)
+        gpu_harness.reset_peak_memory(self.device)
         try:
             result = measure()
         except torch.OutOfMemoryError as error:  # the rest of the group goes on
@@ -187,9 +186,9 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
         paths = dict(model=str(where / "model"), dataset=str(where / "data.jsonl"), output=str(cache_dir))
         config = PrecomputeConfig(**paths, overwrite=True, max_length=ml, dtype=dtype, **OURS_PRECOMPUTE)
         cache = open_cache(precompute(dataclasses.replace(config, pairs_only=pairs(preset))))
-        lengths = bench_gpu.pair_lengths(where) if pairs(preset) else bench_gpu.row_lengths(cache.table, ml)
+        lengths = gpu_harness.pair_lengths(where) if pairs(preset) else gpu_harness.row_lengths(cache.table, ml)
         seconds = cache.manifest.timing["reference_pass_seconds"]
-        return dict(ref_seconds=seconds, ref_lengths=lengths, ref_peak_mib=bench_gpu.peak_memory_mib(device))
+        return dict(ref_seconds=seconds, ref_lengths=lengths, ref_peak_mib=gpu_harness.peak_memory_mib(device))
 
     settings_of = {case_name(column, b): (column, compiling, b) for column, compiling in OURS for b in BATCHES[device]}
     for case in wanted:
@@ -205,7 +204,7 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
         def step(batch=batch, compiling=compiling, column=column) -> dict:
             out = cases.path.parent / f"run-{batch}-{column.split(' ', 1)[1].replace(' ', '-')}"
             settings = dict(batch=batch, steps=steps, learning_rate=LEARNING_RATE, bf16=device == "cuda")
-            settings |= dict(beta=bench_gpu.BETA, loss_type=loss, save_steps=0, **compiling)
+            settings |= dict(beta=gpu_harness.BETA, loss_type=loss, save_steps=0, **compiling)
             if column in COMPILED and device == "cpu":
                 settings["attention_kernel"] = "dense"  # by tree, attention's shapes follow the trees
             config = harness.ours_train_config(cache_dir, out, **settings)
@@ -213,10 +212,10 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
             state = harness.trainer_state(out) or {}
             rows = open_cache(cache_dir).table.slice(0, steps * batch)
             n = steps * batch
-            lengths = bench_gpu.pair_lengths(where, n) if pairs(preset) else bench_gpu.row_lengths(rows, ml)
+            lengths = gpu_harness.pair_lengths(where, n) if pairs(preset) else gpu_harness.row_lengths(rows, ml)
             return dict(
                 step_seconds=res.step_seconds,
-                train_peak_mib=bench_gpu.peak_memory_mib(device),
+                train_peak_mib=gpu_harness.peak_memory_mib(device),
                 train_lengths=lengths,
                 kernel=state.get("attention_kernel"),
                 compile=state.get("compile"),
@@ -250,30 +249,30 @@ def trl_group(where: Path, model: str, loss: str, device: str, cases: Cases, wan
             n = steps * batch
             data = cases.path.parent / f"data-{batch}-{'liger' if liger else 'plain'}.jsonl"  # no reused reference
             data.write_text("".join(lines[:n]))
-            if liger and bench_gpu.liger_unavailable(device):
-                cases.write(dict(case=case_name(column, batch), skipped=bench_gpu.liger_unavailable(device)))
+            if liger and gpu_harness.liger_unavailable(device):
+                cases.write(dict(case=case_name(column, batch), skipped=gpu_harness.liger_unavailable(device)))
                 continue
 
             def step(batch=batch, liger=liger, data=data, n=n) -> dict:
                 timing.clear()
                 run = dict(batch=batch, max_length=ml, precompute=True, bf16=device == "cuda")
                 run["gradient_checkpointing"] = CHECKPOINTING.get(model, False)
-                run |= dict(beta=bench_gpu.BETA, learning_rate=LEARNING_RATE, max_steps=steps, use_liger_kernel=liger)
+                run |= dict(beta=gpu_harness.BETA, learning_rate=LEARNING_RATE, max_steps=steps, use_liger_kernel=liger)
                 run |= dict(precompute_ref_batch_size=batch, train_sampling_strategy="sequential", **harness.TRL_RUN)
                 if pairs(preset):
                     run |= dict(pairs=True, loss_type=[loss])
                 out = cases.path.parent / f"trl-{batch}-{'liger' if liger else 'plain'}"
                 trainer = harness.trl_trainer(where / "model", data, out, **run)
                 if pairs(preset):
-                    lengths = bench_gpu.pair_lengths(where, n)
+                    lengths = gpu_harness.pair_lengths(where, n)
                 else:
-                    lengths = bench_gpu.row_lengths(trainer.train_dataset[:n], ml, "KL_completion_ids")
-                ref = dict(timing, ref_lengths=lengths, ref_peak_mib=bench_gpu.peak_memory_mib(device))
+                    lengths = gpu_harness.row_lengths(trainer.train_dataset[:n], ml, "KL_completion_ids")
+                ref = dict(timing, ref_lengths=lengths, ref_peak_mib=gpu_harness.peak_memory_mib(device))
                 timer = harness.step_timer(synchronize=sync)
                 trainer.add_callback(timer)
-                bench_gpu.reset_peak_memory(device)
+                gpu_harness.reset_peak_memory(device)
                 trainer.train()
-                peak = bench_gpu.peak_memory_mib(device)
+                peak = gpu_harness.peak_memory_mib(device)
                 del trainer
                 return dict(ref, step_seconds=timer.times, train_peak_mib=peak, train_lengths=lengths)
 
@@ -290,7 +289,7 @@ def cuda_graphs_check(work: Path, device: str) -> dict:
     where, preset = work / "cuda-graphs-check", dict(harness.GPU_PRESETS["tiny"], loss_type="kto", rows=32)
     where.mkdir(parents=True, exist_ok=True)
     harness.random_qwen2(where / "model", preset, device=device)
-    bench_gpu.build_data(where / "data.jsonl", preset)
+    gpu_harness.build_data(where / "data.jsonl", preset)
     bf16, kernel = device == "cuda", "auto" if device == "cuda" else "dense"  # (a CPU's by-tree unrolls its trees)
     paths = dict(model=str(where / "model"), dataset=str(where / "data.jsonl"), output=str(where / "cache"))
     settings = dict(attention_kernel=kernel, torch_compile=True, static_shapes=True)
@@ -318,6 +317,29 @@ def cuda_graphs_check(work: Path, device: str) -> dict:
     return dict(values=len(pairs_of), max_rel_diff=worst, compile=compiled["reduce-overhead"])
 
 
+def step_one_check(work: Path, device: str) -> dict:
+    """The default path (attention "auto": the block mask on a GPU, by tree on a CPU; compiled on a GPU, eager on a
+    CPU) runs both stages in one precision regime (float32 weights under bf16 autocast on a GPU) over the first
+    STEP_ONE_ROWS rows of the first model's KTO data, then one step of STEP_ONE_BATCH rows: at step 1 the policy is the
+    reference, so its rewards and KL are 0 where both stages compute each sequence alike."""
+    from kto_pipeline import PrecomputeConfig, precompute, train
+
+    model, where = MODELS[device][0], work / "step-one-check"
+    source, data = group_work(work, model, "kto"), where / "data.jsonl"
+    where.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join((source / "data.jsonl").read_text().splitlines(keepends=True)[:STEP_ONE_ROWS]))
+    common = dict(bf16=device == "cuda", attention_kernel="auto", torch_compile=device == "cuda")
+    paths = dict(model=str(source / "model"), dataset=str(data), output=str(where / "cache"), overwrite=True)
+    config = PrecomputeConfig(**paths, max_length=harness.GPU_PRESETS[model]["max_length"], **OURS_PRECOMPUTE)
+    cache = precompute(dataclasses.replace(config, **common))
+    settings = dict(batch=STEP_ONE_BATCH, steps=1, learning_rate=LEARNING_RATE, beta=gpu_harness.BETA, **common)
+    train(harness.ours_train_config(cache, where / "run", **settings))
+    first = json.loads((where / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    manifest, state = json.loads((cache / "manifest.json").read_text()), harness.trainer_state(where / "run")
+    kernels = f"{manifest['reference_pass'].get('attention_kernel')} / {state.get('attention_kernel')}"
+    return dict(step_one={k: first[k] for k in STEP_ONE_KEYS}, kernel=kernels, precision=state.get("precision"))
+
+
 def worker(name: str, work: Path, device: str, out: Path, deadline: float, wanted: list[str]) -> dict:
     """`STEP_TOOL_MODEL_LOSS`: that group's `wanted` cases (a step of the plan), into OUT/cases.jsonl; `build`: every
     model and data set (in a process of its own, so that the driver holds no GPU memory)."""
@@ -327,8 +349,9 @@ def worker(name: str, work: Path, device: str, out: Path, deadline: float, wante
                 prepare(work, model, loss, device)
         cpu = f"{harness.cpu_name()} ({torch.get_num_threads()} torch threads)"
         return dict(device_name=torch.cuda.get_device_name(0) if device == "cuda" else cpu)
-    if name == "cuda_graphs_check":
-        return harness.measured(lambda: cuda_graphs_check(work, device), rss=False)
+    if name in ("cuda_graphs_check", "step_one_check"):
+        check = cuda_graphs_check if name == "cuda_graphs_check" else step_one_check
+        return harness.measured(lambda: check(work, device), rss=False)
     _, tool, model, loss = name.split("_")
     cases = Cases(out, deadline, device)
 
@@ -398,14 +421,14 @@ def render(results: dict, checks: dict, device: str, peak: float | None, seconds
     lines += [f"- date: {harness.utc_stamp()}; total time {seconds:.0f} s; device: {name} ({device})"]
     lines += [f"- versions: {harness.versions('kto-pipeline', 'torch', 'transformers', 'trl')}"]
     lines += [
-        "- settings: random weights, random characters with HH-RLHF's lengths (bench_gpu.py's data); "
+        "- settings: random weights, random characters with HH-RLHF's lengths (gpu_harness.py's data); "
         + ("bf16 autocast over float32 weights in training, the reference pass in bf16 weights; " if peak else "")
         + "the same rows in order, AdamW lr 1e-06, beta 0.1; gradient checkpointing "
         + "".join(f"on for {m} (every tool), " for m in MODELS[device] if CHECKPOINTING.get(m))
         + "off otherwise; steps: "
-        + ", ".join(f"{m} {STEPS[m]} (max_length {MAX_LENGTH[m]})" for m in MODELS[device])
+        + ", ".join(f"{m} {STEPS[m]} (max_length {harness.GPU_PRESETS[m]['max_length']})" for m in MODELS[device])
         + "; a cell: the median step of steps 2..n (leaving out those that compiled, where others are left: "
-        + "trainer_state.json's compile.compiling_steps), its MFU (model FLOPs as bench_gpu.py counts them, "
+        + "trainer_state.json's compile.compiling_steps), its MFU (model FLOPs as gpu_harness.py counts them, "
         + f"{peak_text}), peak memory"
     ]
     exact = check.get("step_one") and all(v == 0 for v in check["step_one"].values())
@@ -443,6 +466,8 @@ def render(results: dict, checks: dict, device: str, peak: float | None, seconds
     lines += ["## Reference passes: needed tokens/s", "", *reference_table(results, device, flops, peak), ""]
     goal_rows.append(("step-1 rewards exactly 0 in bf16, the default path", "yes" if exact else "NO", bool(exact)))
     lines += ["## Against the goals", "", *harness.goals_table(*goal_rows), ""]
+    models = {m: flops[m, LOSSES[0]] for m in MODELS[device]}  # a model's N is the same for every loss
+    lines += ["## Formula", "", *gpu_harness.formula(models, peak), ""]
     return "\n".join(lines)
 
 
@@ -585,24 +610,22 @@ def main() -> None:
     env = {"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"} if args.device == "cpu" else {}
     built = harness.run_worker(Path(__file__), "build", work, ["--device", args.device], env=env)
 
-    def check(kind: str, script: str, name: str, where: Path, flags: list[str], env=env) -> Callable[[float], dict]:
-        """A check, to run in a process of its own for at most its CHECK_S and the seconds left: its result, or why
-        it failed."""
+    def check(kind: str, script: str, name: str, flags: list[str]) -> Callable[[float], dict]:
+        """A check in a process of its own, for at most its CHECK_S and the seconds left: its result, or why it
+        failed."""
 
         def run(left: float) -> dict:
             timeout = min(CHECK_S[args.device].get(kind, float("inf")), left)
-            return harness.run_worker(Path(script), name, where, flags, env=env, must_succeed=False, timeout=timeout)
+            return harness.run_worker(Path(script), name, work, flags, env=env, must_succeed=False, timeout=timeout)
 
         return run
 
     first, device = MODELS[args.device][0], ["--device", args.device]
-    step_one = "step_one_default_compiled" if args.device == "cuda" else "step_one_default"
-    step_one_flags = ["--preset", first, *device]
-    model_flags = ["--preset", first, "--model", str(work / f"{first}-model")]
+    layouts = [*device, "--preset", first, "--model", str(work / f"{first}-model")]
     checks = dict(
-        step_one=check("step_one", bench_gpu.__file__, step_one, group_work(work, first, "kto"), step_one_flags, None),
-        graphs=check("graphs", __file__, "cuda_graphs_check", work, device),
-        layouts=check("layouts", step_one_layouts.__file__, "step_one_layouts", work, [*device, *model_flags]),
+        step_one=check("step_one", __file__, "step_one_check", device),
+        graphs=check("graphs", __file__, "cuda_graphs_check", device),
+        layouts=check("layouts", step_one_layouts.__file__, "step_one_layouts", layouts),
     )
     results, checked = run_plan(work, args.device, ends, checks)
     checked["step_one"].setdefault("device_name", built["device_name"])

@@ -2,7 +2,7 @@
 # `make bench-gpu` on a lent GPU machine, which has no network: its own torch, transformers and accelerate; trl,
 # datasets and liger-kernel from the wheels `make gpu-wheels` downloads into .whl/ here (carry .whl with the run).
 #   BENCH_TIMEOUT=570 bash benchmarks/gpu_machine.sh      # the matrix (its --budget-s 480 unless given)
-#   BENCH=bench_gpu.py bash benchmarks/gpu_machine.sh --preset qwen2-0.5b   # one configuration in detail
+#   BENCH=step_one_layouts.py bash benchmarks/gpu_machine.sh               # one script alone (here: step 1 by layout)
 # What it measured comes back under $OUT: the log, RESULTS-gpu.md, and runs.tgz (every worker's output and records).
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/gpu-out}

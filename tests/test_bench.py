@@ -41,8 +41,8 @@ def test_benchmarks_share_the_harness_without_cycles():
     assert graph["harness.py"] == set()  # the base: it imports no benchmark
     assert "bench" not in graph["bench_scale.py"]  # bench dispatches to bench_scale, never the other way
     assert "bench_dpo" not in graph["bench.py"]  # bench_dpo builds on bench, never the other way
-    assert graph["bench_gpu.py"] == {"harness"}
-    for name in ("bench.py", "bench_dpo.py", "bench_scale.py", "bench_gpu.py", "profile_step.py", "lora_memory.py"):
+    assert graph["gpu_harness.py"] == {"harness"}
+    for name in ("bench.py", "bench_dpo.py", "bench_scale.py", "gpu_harness.py", "profile_step.py", "lora_memory.py"):
         assert "harness" in graph[name], name
     for name, found in imports.items():
         private = [f"{module}.{n}" for module, n in found if n.startswith("_")]

@@ -1,4 +1,4 @@
-"""The GPU benchmark's code path, run on CPU at the tiny preset: every case runs and every number is reported."""
+"""The GPU benchmarks' code path, run on CPU at the tiny preset: every case runs and every number is reported."""
 
 import ast
 import json
@@ -9,101 +9,41 @@ import pytest
 from helpers import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
-NUMBER = re.compile(r"^\d+(\.\d+)?$")
 
 
-def test_bench_gpu_runs_workers_through_the_harness(monkeypatch):
-    """No second copy of the worker runner, the step median or the memory readings: bench_gpu uses harness's."""
+def test_gpu_benchmarks_use_the_harness(monkeypatch):
+    """No second copy of the worker runner, the step median or the memory readings: the GPU benchmarks use harness's."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import bench_gpu
+    import bench_gpu_matrix
+    import gpu_harness
     import harness
 
-    source = ROOT / "benchmarks" / "bench_gpu.py"
-    defined = {n.name for n in ast.walk(ast.parse(source.read_text())) if isinstance(n, ast.FunctionDef)}
-    shared = {"run_worker", "median_step", "rss_mib", "peak_rss_mib", "machine", "cpu_name", "step_timer"}
-    assert not defined & shared
-    for name in ("run_worker", "median_step", "peak_rss_mib", "step_timer", "time_calls", "fresh_runs"):
-        assert getattr(bench_gpu, name) is getattr(harness, name), name
+    shared = {"run_worker", "median_step", "rss_mib", "peak_rss_mib", "machine", "cpu_name", "step_timer", "measured"}
+    for module in (gpu_harness, bench_gpu_matrix):
+        source = Path(module.__file__).read_text()
+        defined = {n.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)}
+        assert not defined & shared, module
+    assert gpu_harness.harness is harness and bench_gpu_matrix.harness is harness
 
 
-def table_rows(text: str) -> dict[str, list[str]]:
-    """First markdown table of `text`: measurement -> its cells."""
-    rows = {}
-    for line in text.splitlines():
-        if line.startswith("| ") and not line.startswith("| ---"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            rows.setdefault(cells[0], cells[1:])
-    return rows
-
-
-@pytest.mark.slow
-def test_bench_gpu_tiny_on_cpu(tmp_path):
-    results = tmp_path / "R.md"
-    flags = ["--device", "cpu", "--preset", "tiny", "--work", str(tmp_path / "w"), "--results", str(results)]
-    proc = run_script(ROOT / "benchmarks" / "bench_gpu.py", *flags, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = results.read_text()
-    rows = table_rows(text)
-    header = rows["measurement"]
-    assert header == ["kto-pipeline", "trl online", "trl precomputed", "trl precomputed + liger"]
-    ours, online, precomputed, liger = range(4)
-
-    def positive(label: str, *columns: int) -> None:
-        for col in columns:
-            cell = rows[label][col]
-            assert NUMBER.match(cell) and float(cell) > 0, f"{label}, {header[col]}: {cell!r}"
-
-    positive("reference pass, needed tokens/s", ours, precomputed)
-    positive("reference pass, peak memory (MiB)", ours, precomputed)
-    positive("train step (s), median of steps 2..3", ours, online, precomputed)
-    positive("train, peak memory (MiB)", ours, online, precomputed)
-    assert rows["reference pass, needed tokens/s"][online] == "-"  # its reference runs inside each step
-    assert rows["train step, MFU %"][ours] == "n/a"  # no peak to compare with on CPU
-    # the attention kernels' table: on the CPU the default is attention by tree
-    kernels = table_rows(text.split("## Attention kernel: block mask vs dense mask (kto-pipeline)")[1])
-    assert kernels["kernel that ran (reference pass / train)"][:2] == ["by-tree / by-tree", "dense / dense"]
-    for label in ("reference pass, needed tokens/s", "train step (s), median of steps 2..3"):
-        assert all(NUMBER.match(c) and float(c) > 0 for c in kernels[label][:2]), kernels[label]
-    assert rows["train step (s), median of steps 2..3"][liger].startswith("skipped:")
-    # the step-1 check, run first: on the CPU, by tree in float32, both stages compute each sequence alike
-    check = table_rows(text.split("## Step 1 is the reference: the check run first")[1])
-    assert check["auto"][0] == "by-tree / by-tree" and check["auto"][-1] == "yes", check
-    assert "auto, --torch-compile" not in check and "dense" not in check, check  # a CPU's default path: eager
-    # the goals, the formula and the run's provenance are written beside the numbers
-    for needle in ("## Against the goals", "faster than trl's best setting", "<= 0.6x trl online", "MFU >= 40%"):
-        assert needle in text
-    assert "f(L) = 2 N + 2 n_layers L d" in text
-    assert "--device cpu --preset tiny" in text
-    assert "trl 1.16" in text and "transformers " in text and "torch " in text
-
-
-@pytest.mark.slow
-def test_bench_gpu_for_a_pair_loss_checks_step_one_and_counts_pair_flops(tmp_path, monkeypatch):
-    """--loss-type sigmoid: pairs (prompt, chosen, rejected) with HH lengths, both answers trained (their FLOPs:
-    forward and backward), and the step-1 check on our pairs-only cache, the pair loss's accuracy 0 (the timing
-    cases run as in the KTO run above, against trl.DPOTrainer: not repeated here)."""
+def test_gpu_data_has_hh_lengths_and_a_pair_loss_counts_both_answers_trained(tmp_path, monkeypatch):
+    """A pair loss's data: pairs (prompt, chosen, rejected) with HH lengths within max_length; both answers are
+    trained (forward and backward), where KTO runs its KL completion forward only."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import bench_gpu
+    import gpu_harness
     import harness
 
-    preset = dict(harness.GPU_PRESETS["tiny"], loss_type="sigmoid", static_shapes=False)
-    data = bench_gpu.build_data(tmp_path / "data.jsonl", preset)
-    lengths = bench_gpu.pair_lengths(tmp_path)
+    preset = dict(harness.GPU_PRESETS["tiny"], loss_type="sigmoid")
+    data = gpu_harness.build_data(tmp_path / "data.jsonl", preset)
+    lengths = gpu_harness.pair_lengths(tmp_path)
     assert len(lengths) == preset["rows"] and data["max"] <= preset["max_length"]
     assert all(p + c <= preset["max_length"] and p + k <= preset["max_length"] for p, c, k in lengths)
-    kto = bench_gpu.Flops(dict(preset, loss_type="kto"))
-    pairs = bench_gpu.Flops(preset)
+    kto = gpu_harness.Flops(dict(preset, loss_type="kto"))
+    pairs = gpu_harness.Flops(preset)
     (p, c, k) = lengths[0]
     assert pairs.train([lengths[0]]) - kto.train([lengths[0]]) == 2 * k * pairs.per_token(p + k)
-    results = tmp_path / "R.md"
-    flags = ["--device", "cpu", "--preset", "tiny", "--loss-type", "sigmoid", "--check-only"]
-    flags += ["--work", str(tmp_path / "w"), "--results", str(results)]
-    proc = run_script(ROOT / "benchmarks" / "bench_gpu.py", *flags, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    check = table_rows(results.read_text().split("## Step 1 is the reference: the check run first")[1])
-    assert check["--attention-kernel"][-2:] == ["rewards/accuracies", "exactly 0"], check
-    assert check["auto"] == ["by-tree / by-tree", "0", "0", "0", "0", "yes"], check
-    assert check["auto, --torch-compile"][0] == "dense / dense" and check["auto, --torch-compile"][-1] == "yes"
+    reference = (p + c) * kto.per_token(p + c) + k * kto.per_token(p + k)
+    assert pairs.reference([lengths[0]]) == kto.reference([lengths[0]]) == reference
 
 
 def table_lines(text: str) -> list[list[str]]:
@@ -169,6 +109,9 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
     goals = table_lines(text.split("## Against the goals")[1])
     assert any(r[0].startswith("step >= 1.5x trl's best (tiny, kto, batch 4)") for r in goals), goals
     assert any(r[0].startswith("step-1 rewards exactly 0") and r[1] == "yes" for r in goals), goals
+    formula = text.split("## Formula")[1]
+    assert "f(L) = 2 N + 2 n_layers L d" in formula and "- tiny: N = " in formula, formula
+    assert "none on CPU (MFU is reported as n/a)" in formula, formula
     # what a GPU run brings back besides the report: the raw results, and every worker's output
     raw = json.loads((Path(work) / "matrix-results.json").read_text())
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
