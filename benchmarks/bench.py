@@ -54,10 +54,18 @@ def build_assets(work: Path, size: dict) -> None:
         harness.write_jsonl(data, [dict(row, label=i % 2 == 0) for i, row in enumerate(rows)])
 
 
-def trl_settings(size: dict, steps: int = 1, beta: float = 0.1) -> dict:
-    """harness.trl_trainer's settings for this benchmark's trl runs: float32, `steps` steps, `beta`."""
+def trl_settings(size: dict, steps: int = 1, beta: float = 0.1, **more) -> dict:
+    """harness.trl_trainer's settings for the trl runs here and in bench_dpo.py: float32, `steps` steps, `beta`."""
     run = dict(batch=size["batch"], max_length=size["max_length"], precompute_ref_batch_size=size["batch"])
-    return dict(run, max_steps=steps, beta=beta, learning_rate=LEARNING_RATE, **harness.TRL_RUN)
+    return dict(run, max_steps=steps, beta=beta, learning_rate=LEARNING_RATE, **harness.TRL_RUN, **more)
+
+
+def ours_train(work: Path, size: dict, out: Path, **more):
+    """kto-pipeline's `train` on ours_precompute's cache, set as trl's runs (bench_dpo.py's too), plus `more`."""
+    from kto_pipeline import train
+
+    settings = dict(batch=size["batch"], steps=size["steps"], learning_rate=LEARNING_RATE, **more)
+    return train(harness.ours_train_config(work / "runs" / "ours_precompute", out, **settings))
 
 
 def ours_precompute_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -77,11 +85,8 @@ def trl_precompute_worker(name: str, work: Path, size: dict, out: Path, model: P
 
 def ours_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
     """ours_train / ours_train_lora on ours_precompute's cache: step times and (ours_train) the tokens it recorded."""
-    from kto_pipeline import train
-
     lora = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"]) if "lora" in name else {}
-    settings = dict(batch=size["batch"], steps=size["steps"], learning_rate=LEARNING_RATE, **lora)
-    res = train(harness.ours_train_config(work / "runs" / "ours_precompute", out, **settings))
+    res = ours_train(work, size, out, **lora)
     return dict(step_seconds=res.step_seconds, **({} if lora else {"token_counts": ours_train_tokens(out)}))
 
 
@@ -114,7 +119,7 @@ def trl_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, 
     harness.time_calls(KTOTrainer, "_precompute_ref_logps", lambda seconds, *args, **kwargs: passes.append(seconds))
     start = time.perf_counter()
     for beta in SWEEP_BETAS:
-        settings = dict(trl_settings(size, size["sweep_steps"], beta), precompute=name.endswith("precomputed"))
+        settings = trl_settings(size, size["sweep_steps"], beta, precompute=name.endswith("precomputed"))
         harness.trl_trainer(model, data, out / f"beta{beta}", **settings).train()
     seconds = time.perf_counter() - start
     return dict(seconds=seconds, reference_passes=len(passes), reference_pass_seconds=[round(p, 2) for p in passes])
@@ -180,18 +185,21 @@ def main() -> None:
         rows = tuple(int(x) for x in args.scale_rows.split(",")) if args.scale_rows else None
         run = bench_scale.run_scale if args.only == "scale" else bench_scale.run_append
         run(work / args.only, args.size, results, rows, args.scale_tokenizer)
-    elif args.only == "lora":
-        run_lora(work, args.size, results)
     else:
-        run_main(work, args.size, results)
+        run_random(work, args.size, results, lora=args.only == "lora")
 
 
-def run_main(work: Path, size_name: str, results: Path | None) -> None:
-    """The main table: both tools' reference pass, training (online and precomputed) and 4-run sweep."""
-    size = SIZES[size_name]
-    started = time.perf_counter()
+def run_random(work: Path, size_name: str, results: Path | None, lora: bool = False) -> None:
+    """The random case's main table (both tools' reference pass, training online and precomputed, 4-run sweep), or
+    with `lora` (`--only lora`) its section: both tools' LoRA training on the main table's cache (made if absent)."""
+    size, started = SIZES[size_name], time.perf_counter()
     print(f"building the model and data in {work} ...", flush=True)
     build_assets(work, size)
+    if lora:
+        if not (work / "runs" / "ours_precompute" / "manifest.json").exists():
+            bench_worker("ours_precompute", work, size_name)
+        r = {name: bench_worker(name, work, size_name) for name in ("ours_train_lora", "trl_train_lora")}
+        return harness.publish(render_lora(r, size, size_name), results, LORA_HEADING)
     r, n_common, max_diff = harness.measure(MAIN_NAMES, lambda name: bench_worker(name, work, size_name), work)
     report = render(r, size, size_name, max_diff, n_common, time.perf_counter() - started)
     print("\n" + report)
@@ -207,24 +215,12 @@ def with_other_sections(report: str, old: str) -> str:
     return report + "".join("\n" + harness.get_section(old, heading) for heading in kept)
 
 
-def run_lora(work: Path, size_name: str, results: Path | None) -> None:
-    """`--only lora`: both tools' LoRA training on the main table's cache (precomputed first if absent)."""
-    size = SIZES[size_name]
-    print(f"building the model and data in {work} ...", flush=True)
-    build_assets(work, size)
-    if not (work / "runs" / "ours_precompute" / "manifest.json").exists():
-        bench_worker("ours_precompute", work, size_name)
-    r = {name: bench_worker(name, work, size_name) for name in ("ours_train_lora", "trl_train_lora")}
-    harness.publish(render_lora(r, size, size_name), results, LORA_HEADING)
-
-
 def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
     """`--only smollm2`: both tools on the real model, each stage in a fresh process, written to its own section, with
     the (query, key) pairs of its batches, dense against block mask (counted: nothing runs)."""
     from kto_pipeline import PrecomputeConfig
 
-    size = SMOLLM2_SIZES[size_name]
-    started = time.perf_counter()
+    size, started = SMOLLM2_SIZES[size_name], time.perf_counter()
     print(f"SmolLM2-135M-Instruct and {size['pairs']} HH-RLHF pairs in {work} ...", flush=True)
     # the first `pairs` single-turn pairs as unpaired rows (chosen desirable, then rejected), one file for both tools
     rows = harness.unpaired_rows(harness.hh_rlhf_pairs(work / "pairs.jsonl", size["pairs"], size["max_turns"]))
@@ -235,14 +231,7 @@ def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
     )
     cache, reference_batch = work / "runs" / "ours_precompute", size.get("reference_batch", PrecomputeConfig.batch_size)
     counts = count_pairs(cache, size["batch"], size["steps"], reference_batch, PrecomputeConfig.max_tokens_per_batch)
-    pairs = [
-        "Attention on an accelerator, counted (`bench.count_pairs` on the cache above; millions of (query, key) pairs; "
-        "rows packed as each kernel runs them; the block mask runs each tile it touches whole, 128 x 128 pairs):",
-        "",
-        *pairs_table(counts),
-    ]
-    print("\n".join(pairs), flush=True)
-    section = render_smollm2(r, size, size_name, max_diff, n_common, time.perf_counter() - started, pairs)
+    section = render_smollm2(r, size, size_name, max_diff, n_common, time.perf_counter() - started, counts)
     harness.publish(section, results, SMOLLM2_HEADING)
 
 
@@ -293,30 +282,20 @@ def count_pairs(cache_dir: Path, batch: int, steps: int, reference_batch: int, m
 def pairs_table(counts: dict) -> list[str]:
     """Markdown rows: one per training batch, then the training total and the reference pass."""
 
-    def row(what: str, pairs: dict) -> str:
+    def cells(pairs: dict) -> tuple:  # (query, key) pairs needed and computed, dense mask then block mask
         dense, block = pairs["dense"], pairs["block-mask"]
-        millions = (f"{n / 1e6:.2f}" for n in (dense.needed, dense.dense, block.needed, block.block_mask))
-        return harness.md_row(what, *millions, f"{dense.dense / max(block.block_mask, 1):.2f}x")
+        return dense.needed, dense.dense, block.needed, block.block_mask
 
-    lines = harness.table_head(
-        "| forwards | needed (dense layout) | dense mask | needed (block-mask layout) | block mask (whole tiles) "
-        "| dense / block |"
-    )
-    total = {}
-    for i, pairs in enumerate(counts["train"], 1):
-        lines.append(row(f"training batch {i}", pairs))
-        for kernel, p in pairs.items():
-            t = total.setdefault(kernel, type(p)())
-            t.needed, t.dense, t.block_mask = t.needed + p.needed, t.dense + p.dense, t.block_mask + p.block_mask
-    if total:
-        lines.append(row(f"**training, {len(counts['train'])} batches**", total))
-    lines.append(row("**reference pass**", counts["reference"]))
-    return lines
+    def row(what: str, n: tuple) -> str:
+        return harness.md_row(what, *(f"{x / 1e6:.2f}" for x in n), f"{n[1] / max(n[3], 1):.2f}x")
 
-
-def _rate(run: dict, what: str) -> float:
-    """A reference pass's rows or tokens per second."""
-    return run[what] / run["seconds"]
+    head = "| forwards | needed (dense layout) | dense mask | needed (block-mask layout) | block mask (whole tiles) "
+    lines = harness.table_head(head + "| dense / block |")
+    batches = [cells(pairs) for pairs in counts["train"]]
+    lines += [row(f"training batch {i}", n) for i, n in enumerate(batches, 1)]
+    if batches:
+        lines.append(row(f"**training, {len(batches)} batches**", [sum(x) for x in zip(*batches, strict=True)]))
+    return [*lines, row("**reference pass**", cells(counts["reference"]))]
 
 
 def _ratio_cells(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours") -> tuple:
@@ -326,8 +305,9 @@ def _ratio_cells(what: str, ours: float, trl_: float, fmt: str, per: str = "trl 
 
 
 def render_smollm2(
-    r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float, pairs: list[str]
+    r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float, counts: dict
 ) -> str:
+    """The `--only smollm2` section: the table against trl and its notes, then count_pairs' `counts`."""
     from kto_pipeline import PrecomputeConfig
 
     reference_batch = size.get("reference_batch", PrecomputeConfig.batch_size)
@@ -335,12 +315,13 @@ def render_smollm2(
     o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
     o_proc, on_proc, pre_proc = (x["process_seconds"] for x in (ot, tto, ttp))
     o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
+    tokens_s, rows_s = ([x[what] / x["seconds"] for x in (op, tp)] for what in ("tokens", "rows"))
     steps, batch = size["steps"], size["batch"]
     steps_text, both = f"{steps} steps x batch {batch}", op["process_seconds"] + o_proc
     whole = f"train, whole process (s, {steps_text})"
     rows = [
-        vs_row("reference pass, tokens/s", _rate(op, "tokens"), _rate(tp, "tokens"), ".0f", "ours / trl", ">= 3x"),
-        vs_row("reference pass, rows/s", _rate(op, "rows"), _rate(tp, "rows"), ".2f", "ours / trl"),
+        vs_row("reference pass, tokens/s", *tokens_s, ".0f", "ours / trl", ">= 3x"),
+        vs_row("reference pass, rows/s", *rows_s, ".2f", "ours / trl"),
         vs_row("train, median step (s), vs trl online", o_step, on_step, ".2f", goal=">= 4x"),
         vs_row(f"{whole}, vs trl online", o_proc, on_proc, ".1f", goal=">= 4x"),
         vs_row("train, median step (s), vs trl precomputed", o_step, pre_step, ".2f"),
@@ -384,7 +365,10 @@ def render_smollm2(
         f"twice the tokens ({harness.efficiency(tto.get('token_counts'))[0]} for the policy).",
         *harness.run_notes({"ours": ot, "trl online": tto, "trl precomputed": ttp}),
         "",
-        *pairs,
+        "Attention on an accelerator, counted (`bench.count_pairs` on the cache above; millions of (query, key) pairs; "
+        "rows packed as each kernel runs them; the block mask runs each tile it touches whole, 128 x 128 pairs):",
+        "",
+        *pairs_table(counts),
         "",
     ]
     return "\n".join(lines)
@@ -396,13 +380,14 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
     o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
     o_grow, on_grow, pre_grow = (x["peak_rss_mib"] - x["baseline_rss_mib"] for x in (ot, tto, ttp))
     o_sweep, on_sweep, pre_sweep = (r[x]["seconds"] for x in MAIN_NAMES[5:])
+    rows_s, tokens_s = ([x[what] / x["seconds"] for x in (op, tp)] for what in ("rows", "tokens"))
     hidden = size["hidden"]
     params = size["vocab"] * hidden * 2 + size["layers"] * (4 * hidden**2 + 3 * hidden * size["intermediate"])
     ref_mib = params * 4 / 2**20
     sweep, stamp = f"sweep of {len(SWEEP_BETAS)} runs", harness.utc_stamp()
     rows = [
-        ("reference pass, rows/s", _rate(op, "rows"), _rate(tp, "rows"), ".1f", "ours / trl"),
-        ("reference pass, tokens/s", _rate(op, "tokens"), _rate(tp, "tokens"), ".0f", "ours / trl"),
+        ("reference pass, rows/s", *rows_s, ".1f", "ours / trl"),
+        ("reference pass, tokens/s", *tokens_s, ".0f", "ours / trl"),
         ("train step (s), vs trl online", o_step, on_step, ".3f"),
         ("train step (s), vs trl precomputed", o_step, pre_step, ".3f"),
         ("train peak RSS (MiB), vs trl online", o_rss, on_rss, ".0f"),
@@ -412,6 +397,9 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         (f"{sweep} x {size['sweep_steps']} steps (s), vs trl online", o_sweep, on_sweep, ".1f"),
         (f"{sweep} (s), vs trl precomputed", o_sweep, pre_sweep, ".1f"),
     ]
+    below, sweep, sweep_ratio = tto["peak_rss_mib"] - o_rss, r["trl_sweep_precomputed"], on_sweep / o_sweep
+    ref_ratio = rows_s[0] / rows_s[1]
+    below_goal = f"train peak RSS below trl online by >= the reference model ({ref_mib:.0f} MiB)"
     lines = [
         "# Benchmark: kto-pipeline vs trl.KTOTrainer",
         "",
@@ -428,11 +416,6 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         "",
         *table("| measurement | kto-pipeline | trl | ratio (trl / ours) |", (_ratio_cells(*row) for row in rows)),
         "",
-    ]
-    below, sweep, sweep_ratio = tto["peak_rss_mib"] - o_rss, r["trl_sweep_precomputed"], on_sweep / o_sweep
-    ref_ratio = _rate(op, "rows") / _rate(tp, "rows")
-    below_goal = f"train peak RSS below trl online by >= the reference model ({ref_mib:.0f} MiB)"
-    lines += [
         "## Against the goals",
         "",
         f"- date: {stamp} (the run above)",

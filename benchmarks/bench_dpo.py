@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import harness
-from bench import LEARNING_RATE, PACKAGES
+from bench import LEARNING_RATE, PACKAGES, ours_train, trl_settings
+from harness import efficiency, median_step, vs_row
 
 # --size: the first `pairs` single-turn HH-RLHF pairs, `steps` training steps of `batch` pairs
 DPO_SIZES = {
@@ -33,13 +34,6 @@ LABELS = ("ours", "trl precomputed", "trl online")  # the three training runs, a
 NAMES = ("ours_precompute", "trl_precompute", *TRAIN_NAMES, *FLOP_NAMES)
 
 
-def trl_settings(size: dict, precompute: bool) -> dict:
-    """harness.trl_trainer's settings: DPOTrainer, float32 and gradient checkpointing off (trl's defaults: on)."""
-    run = dict(batch=size["batch"], max_length=size["max_length"], max_steps=size["steps"], precompute=precompute)
-    run |= dict(precompute_ref_batch_size=size["batch"], train_sampling_strategy="sequential", pairs=True)
-    return dict(run, learning_rate=LEARNING_RATE, beta=BETA, loss_type=["sigmoid"], **harness.TRL_RUN)
-
-
 def build_assets(work: Path, size: dict) -> Path:
     """Write the pairs and return the model's directory (SmolLM2 fetched once, or the tiny model built)."""
     harness.hh_rlhf_pairs(work / PAIRS, size["pairs"], size["max_turns"])
@@ -50,46 +44,36 @@ def build_assets(work: Path, size: dict) -> Path:
     return harness.smollm2_dir()
 
 
-def ours_train_run(work: Path, size: dict, out: Path):
-    from kto_pipeline import train
-
-    settings = dict(batch=size["batch"], steps=size["steps"], learning_rate=LEARNING_RATE, loss_type="sigmoid")
-    return train(harness.ours_train_config(work / "runs" / "ours_precompute", out, **settings))
-
-
 def worker(name: str, work: Path, size: dict, out: Path, model: Path) -> dict:
     """One measurement of NAMES, in this fresh process."""
-    pairs, trl = work / PAIRS, trl_settings(size, name.endswith("precompute") or name.endswith("precomputed"))
+    # trl: DPOTrainer as bench.py's trl runs (float32, gradient checkpointing off), sequential, sigmoid loss
+    dpo = dict(pairs=True, train_sampling_strategy="sequential", loss_type=["sigmoid"])
+    trl = trl_settings(size, size["steps"], BETA, precompute=name.endswith(("precompute", "precomputed")), **dpo)
+    pairs = work / PAIRS
     if name == "ours_precompute":  # each pair one tree, no KL completions
         paths = dict(model=str(model), dataset=str(pairs), output=str(out))
         return harness.ours_reference_pass(**paths, max_length=size["max_length"], dtype="float32", pairs_only=True)
     if name == "trl_precompute":
         return harness.trl_reference_pass(model, pairs, out, **trl)
     if name == "ours_train":
-        res = ours_train_run(work, size, out)
+        res = ours_train(work, size, out, loss_type="sigmoid")
         return dict(step_seconds=res.step_seconds, token_counts=harness.ours_train_tokens(out))
     if name in TRAIN_NAMES:
         return harness.trl_train(model, pairs, out, **trl)
     # FLOP_NAMES: the timed run's training under the counter (trl's reference pass, in its constructor, is outside)
     from torch.utils.flop_counter import FlopCounterMode
 
-    if name == "ours_flops":
-        with FlopCounterMode(display=False) as counter:
-            steps = ours_train_run(work, size, out).global_step
-    else:
-        trainer = harness.trl_trainer(model, pairs, out, **trl)
-        with FlopCounterMode(display=False) as counter:
-            trainer.train()
-        steps = trainer.state.global_step
-    total = counter.get_total_flops() / 1e9
+    trainer = None if name == "ours_flops" else harness.trl_trainer(model, pairs, out, **trl)
+    with FlopCounterMode(display=False) as counter:
+        run = ours_train(work, size, out, loss_type="sigmoid") if trainer is None else trainer.train()
+    steps, total = run.global_step, counter.get_total_flops() / 1e9
     by_op = {str(op): n / 1e9 for op, n in counter.get_flop_counts()["Global"].items()}
     return dict(steps=steps, gflop=total, gflop_per_step=total / max(steps, 1), gflop_by_op=by_op)
 
 
 def main() -> None:
-    parser = harness.script_parser(
-        __doc__, str(harness.WORK_DIR / "dpo"), results="Markdown file (default: RESULTS.md for full)"
-    )
+    work_dir, results_help = str(harness.WORK_DIR / "dpo"), "Markdown file (default: RESULTS.md for full)"
+    parser = harness.script_parser(__doc__, work_dir, results=results_help)
     parser.add_argument("--size", default="full", choices=sorted(DPO_SIZES))
     parser.add_argument("--model", help=argparse.SUPPRESS)  # workers: model directory
     args = parser.parse_args()
@@ -121,32 +105,29 @@ def _ops(run_: dict) -> str:
 def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float) -> str:
     from kto_pipeline import PrecomputeConfig
 
-    op, tp = r["ours_precompute"], r["trl_precompute"]
-    ot, ttp, tto = (r[x] for x in TRAIN_NAMES)
-    of, tfp, tfo = (r[x] for x in FLOP_NAMES)
-    step = [harness.median_step(x["step_seconds"]) for x in (ot, ttp, tto)]
-    steps, batch = size["steps"], size["batch"]
-    steps_text = f"{steps} steps x batch {batch} pairs"
+    op, tp, ot, ttp, tto, of, tfp, tfo = (r[x] for x in NAMES)
+    step = [median_step(x["step_seconds"]) for x in (ot, ttp, tto)]
     rate = [x["tokens"] / x["seconds"] for x in (op, tp)]
     process = [x["process_seconds"] for x in (op, ot, ttp, tto)]
     rss = [x["peak_rss_mib"] for x in (ot, ttp, tto)]
     gflop = [x["gflop_per_step"] for x in (of, tfp, tfo)]
+    steps, batch = size["steps"], size["batch"]
+    steps_text = f"{steps} steps x batch {batch} pairs"
+    whole = f"train, whole process (s, {steps_text})"
     table = [
-        harness.vs_row("reference pass, tokens/s (ours `--pairs-only`)", *rate, ".0f", "ours / trl"),
-        harness.vs_row("train, median step (s), vs trl precomputed", step[0], step[1], ".2f", goal=">= 1.5x"),
-        harness.vs_row("train, median step (s), vs trl online", step[0], step[2], ".2f"),
-        harness.vs_row(f"train, whole process (s, {steps_text}), vs trl precomputed", process[1], process[2], ".1f"),
-        harness.vs_row(f"train, whole process (s, {steps_text}), vs trl online", process[1], process[3], ".1f"),
-        harness.vs_row(
-            "precompute + train processes (s) vs one trl online process", sum(process[:2]), process[3], ".1f"
-        ),
-        harness.vs_row("train peak RSS (MiB), vs trl precomputed", rss[0], rss[1], ".0f", "ours / trl"),
-        harness.vs_row("train peak RSS (MiB), vs trl online", rss[0], rss[2], ".0f", "ours / trl"),
-        harness.vs_row("GFLOP per step, vs trl precomputed", gflop[0], gflop[1], ".4g"),
-        harness.vs_row("GFLOP per step, vs trl online", gflop[0], gflop[2], ".4g"),
+        vs_row("reference pass, tokens/s (ours `--pairs-only`)", *rate, ".0f", "ours / trl"),
+        vs_row("train, median step (s), vs trl precomputed", step[0], step[1], ".2f", goal=">= 1.5x"),
+        vs_row("train, median step (s), vs trl online", step[0], step[2], ".2f"),
+        vs_row(f"{whole}, vs trl precomputed", process[1], process[2], ".1f"),
+        vs_row(f"{whole}, vs trl online", process[1], process[3], ".1f"),
+        vs_row("precompute + train processes (s) vs one trl online process", sum(process[:2]), process[3], ".1f"),
+        vs_row("train peak RSS (MiB), vs trl precomputed", rss[0], rss[1], ".0f", "ours / trl"),
+        vs_row("train peak RSS (MiB), vs trl online", rss[0], rss[2], ".0f", "ours / trl"),
+        vs_row("GFLOP per step, vs trl precomputed", gflop[0], gflop[1], ".4g"),
+        vs_row("GFLOP per step, vs trl online", gflop[0], gflop[2], ".4g"),
     ]
     for what, ours, theirs in (("reference pass", op, tp), (f"training ({steps_text})", ot, ttp)):
-        cells = (harness.efficiency(x.get("token_counts"), recorded=False)[0] for x in (ours, theirs))
+        cells = (efficiency(x.get("token_counts"), recorded=False)[0] for x in (ours, theirs))
         table.append(harness.md_row(f"token efficiency (needed / executed), {what}", *cells, "", "-", "-"))
     ceiling = "; ".join(
         f"vs {what}, FLOP ratio {gflop[i] / gflop[0]:.2f}x, step-time ratio measured {step[i] / step[0]:.2f}x"
@@ -187,7 +168,7 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         "ours as its cache's manifest.json and run's trainer_state.json record it (else n/a). trl's collator pads the "
         f"2 x {batch} sequences of a batch to the longest: executed = 2 x {batch} x width, over the reference pass's "
         f"and the {steps} training batches. Training counts the policy's forward; trl online's reference model runs "
-        f"it again ({harness.efficiency(tto.get('token_counts'), recorded=False)[0]} for its policy alone).",
+        f"it again ({efficiency(tto.get('token_counts'), recorded=False)[0]} for its policy alone).",
         *harness.run_notes(dict(zip(LABELS, (ot, ttp, tto), strict=True))),
         "",
     ]
