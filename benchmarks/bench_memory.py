@@ -1,14 +1,14 @@
 """Peak accelerator memory of one training step, kto-pipeline vs trl.KTOTrainer 1.16, simulated without an accelerator.
 
     python benchmarks/bench_memory.py            # `make bench-memory`: writes benchmarks/RESULTS-memory.md
-    python benchmarks/bench_memory.py --quick    # the 0.5B rows only, no CPU check
+    python benchmarks/bench_memory.py --quick    # the 0.5B rows only, no levers, no CPU check
 
-Simulated by `kto_pipeline/memory` (`kto-pipeline estimate-memory`; its docstring says how), as a GPU user runs: float32
-weights, bf16 autocast, fused AdamW with its moments there (a steady step); ours as `train_step` (FSDP2: `FSDP2.shard`).
-trl, real: `trl.KTOTrainer` on the same fake model, its own tokenization, collator, `training_step`, `clip_grad_norm_`
-and fused AdamW, changed only where fake tensors need it (`.item()` reads 0; LM head on its CUDA path, `_use_triton`,
-Triton kernels no-ops; reference log-probs given). trl, modelled: `memory.simulate_trl` (`--against-trl`), held to the
-real trl. `memory.cpu_check`: against a real float32 CPU step.
+Simulated by `kto_pipeline/memory` (`kto-pipeline estimate-memory`; its docstring says how) as on a GPU: float32
+weights, bf16 autocast, fused AdamW, moments alive (a steady step); ours as `train_step` (FSDP2: `FSDP2.shard`). trl:
+the real `trl.KTOTrainer` step (its tokenization, collator, `training_step`, clipping, fused AdamW) on the same fake
+model, patched only where fake tensors need it (`.item()` reads 0, LM head on its CUDA path, Triton kernels no-ops,
+reference log-probs given), and modelled (`memory.simulate_trl`, `--against-trl`). `memory.cpu_check`: against a real
+float32 CPU step.
 """
 
 import argparse
@@ -21,21 +21,11 @@ import warnings
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from harness import (
-    HERE,
-    QWEN2,
-    SMOLLM2,
-    WORK_DIR,
-    get_section,
-    machine,
-    replace_section,
-    table_head,
-    trl_trainer,
-    utc_stamp,
-    versions,
-)
+import harness
+from harness import HERE, QWEN2, SMOLLM2, WORK_DIR, table_head, trl_trainer
 
 RESULTS = HERE / "RESULTS-memory.md"
+VISION_HEADING = "## Vision-language: a LLaVA-1.5-7B-shaped step"  # bench_memory_vision.py's section of RESULTS
 GIB = 1 << 30
 
 
@@ -165,17 +155,16 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer._inner_training_loop
     init_optimizer_state(model, optimizer, mode)
     inputs = next(iter(trainer.get_train_dataloader()))
-    tracker = memory_tracker()
+    tracker, dev = memory_tracker(), torch.device("cpu")
     tracker.track_external(model, optimizer)
     if trainer.ref_model is not None:
         tracker.track_external(trainer.ref_model)
     with patched(trl_on_a_cuda_device()), device_decisions(settings.device_type), mode, tracker:
-        before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])
+        before = tracker._device_total(tracker.get_tracker_snapshot()[dev])
         trainer.training_step(model, inputs)  # the loss it returns is dropped at once
         trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         model.zero_grad()
-    dev = torch.device("cpu")
     width, kl_width = inputs["input_ids"].shape[1], inputs["KL_input_ids"].shape[1]
     memory = StepMemory(
         peak_bytes=tracker._peak_mem[dev],
@@ -200,8 +189,7 @@ def comparison(name: str, max_length: int, gradient_checkpointing: bool, work: P
     """One table row: ours, trl online and precomputed (real and modelled), the floor, on 8 kto-mix-like rows."""
     from kto_pipeline.memory import StepSettings, floor_bytes, simulate_ours, simulate_trl, synthetic_rows
 
-    config = qwen2(name)
-    settings = StepSettings(gradient_checkpointing=gradient_checkpointing)
+    config, settings = qwen2(name), StepSettings(gradient_checkpointing=gradient_checkpointing)
     rows = synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
     out = {"model": name, "max_length": max_length, "gradient_checkpointing": gradient_checkpointing}
     started = time.perf_counter()
@@ -214,7 +202,7 @@ def comparison(name: str, max_length: int, gradient_checkpointing: bool, work: P
     out["floor"] = floor_bytes(config, settings, out["tokens_needed"])
     out["lengths"] = [(len(r["prompt_ids"]), len(r["completion_ids"]), len(r["kl_completion_ids"])) for r in trl_rows]
     out["seconds"] = time.perf_counter() - started
-    peaks = f"ours {gib(out['ours']['peak_bytes'])}, trl online {gib(out['trl_online']['peak_bytes'])} GiB"
+    peaks = f"ours {gib(peak(out, 'ours'))}, trl online {gib(peak(out, 'trl_online'))} GiB"
     print(f"  {name} {max_length} AC={gradient_checkpointing}: {peaks} ({out['seconds']:.0f} s)", flush=True)
     return out
 
@@ -224,8 +212,7 @@ FSDP2_LEVERS = {
     "FSDP2 x8 + activation checkpointing": dict(fsdp_world_size=8, gradient_checkpointing=True),
     "FSDP2 x8 + AC + CPUOffloadPolicy": dict(fsdp_world_size=8, gradient_checkpointing=True, cpu_offload=True),
 }
-LEVERS = (
-    # (label, model, max_length, StepSettings fields)
+LEVERS = (  # (label, model, max_length, StepSettings fields)
     *((label, "qwen2-7b", max_length, fields) for max_length in (1024, 2048) for label, fields in FSDP2_LEVERS.items()),
     ("LoRA r=16 (all linear)", "qwen2-0.5b", 1024, dict(lora_r=16)),
     ("LoRA r=16 (all linear)", "qwen2-7b", 1024, dict(lora_r=16)),
@@ -236,26 +223,25 @@ LEVERS = (
 
 
 def lever(label: str, name: str, max_length: int, fields: dict) -> dict:
+    """Ours with one memory lever (`fields` of StepSettings) and its floor; a lever that fails here is a result too."""
     from kto_pipeline.memory import StepSettings, floor_bytes, simulate_ours, synthetic_rows
 
-    config = qwen2(name)
-    settings = StepSettings(**fields)
+    config, settings = qwen2(name), StepSettings(**fields)
     rows = synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
     out = {"label": label, "model": name, "max_length": max_length, "settings": fields}
     try:
         out["ours"] = simulate_ours(config, rows, settings).to_dict()
-    except Exception as exc:  # a lever that does not run here is a result too
+    except Exception as exc:
         out["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         print(f"  lever {label} {name} {max_length}: - GiB {out['failed']}", flush=True)
         return out
     out["tokens_needed"] = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
-    floor = floor_bytes(config, settings, out["tokens_needed"])
+    out["floor"] = floor_bytes(config, settings, out["tokens_needed"])
     if settings.cpu_offload:
-        floor.update(parameters=0, gradients=0, optimizer=0)
+        out["floor"].update(parameters=0, gradients=0, optimizer=0)
     if settings.optimizer == "bnb-adamw8bit":  # two 8-bit moments (+ a float32 scale per 256-value block each)
-        floor["optimizer"] = floor["optimizer"] // 4
-    out["floor"] = floor
-    print(f"  lever {label} {name} {max_length}: {gib(out['ours']['peak_bytes'])} GiB", flush=True)
+        out["floor"]["optimizer"] //= 4
+    print(f"  lever {label} {name} {max_length}: {gib(peak(out, 'ours'))} GiB", flush=True)
     return out
 
 
@@ -273,7 +259,7 @@ def redo_ours(data: dict) -> None:
         settings = StepSettings(gradient_checkpointing=r["gradient_checkpointing"])
         r.setdefault("ours_before", r["ours"])
         r["ours"] = simulate_ours(config, rows, settings, attribute=True).to_dict()
-        change = f"{gib(r['ours_before']['peak_bytes'])} -> {gib(r['ours']['peak_bytes'])}"
+        change = f"{gib(peak(r, 'ours_before'))} -> {gib(peak(r, 'ours'))}"
         print(f"  ours {r['model']} {r['max_length']} AC={r['gradient_checkpointing']}: {change} GiB", flush=True)
 
 
@@ -354,10 +340,12 @@ def accelerate_estimate(name: str) -> dict:
 
 
 def gib(x) -> str:
+    """Bytes as GiB with two decimals ("-" for none)."""
     return "-" if x is None else f"{x / GIB:.2f}"
 
 
 def breakdown_text(memory: dict) -> str:
+    """A StepMemory dict's breakdown: parameters / gradients / optimizer / activations / temporaries, in GiB."""
     from kto_pipeline.memory import CATEGORIES
 
     return " / ".join(gib(memory["breakdown"][k]) for k in CATEGORIES)
@@ -462,9 +450,10 @@ def render(data: dict) -> str:
         "function marked as skipped ... MemTracker.__torch_dispatch__`); not a dependency (transformers warns in every "
         "process when present). bitsandbytes 0.50.2 (CPU backend, not a dependency) runs, built outside the fake mode.",
         "",
-    ]
-    out += ["## The simulation against a real CPU step (measured)", "", f"- date: {_when(data, 'cpu')}", ""]
-    out += [
+        "## The simulation against a real CPU step (measured)",
+        "",
+        f"- date: {_when(data, 'cpu')}",
+        "",
         "Float32, CPU attention, the same 8 rows: the real step in a fresh process (MALLOC_MMAP_THRESHOLD_=65536, one "
         "thread), its resident high water mark (VmHWM, reset before the step) against the simulation. step: what the "
         "step adds to what was resident before it; total: the peak above the process before the model existed.",
@@ -476,11 +465,11 @@ def render(data: dict) -> str:
     ]
     mib = 1 << 20
     for c in data["cpu_checks"]:
+        step, total = (c[f"simulated_{k}_bytes"] / c[f"real_{k}_bytes"] for k in ("step", "total"))
         out.append(
             f"| {c['label']} | {c['tokens_needed']} | {c['real_step_bytes'] / mib:.1f} "
-            f"| {c['simulated_step_bytes'] / mib:.1f} | {c['simulated_step_bytes'] / c['real_step_bytes']:.3f} "
-            f"| {c['real_total_bytes'] / mib:.1f} | {c['simulated_total_bytes'] / mib:.1f} "
-            f"| {c['simulated_total_bytes'] / c['real_total_bytes']:.3f} | {c['tracked_real_step_bytes'] / mib:.1f} |"
+            f"| {c['simulated_step_bytes'] / mib:.1f} | {step:.3f} | {c['real_total_bytes'] / mib:.1f} "
+            f"| {c['simulated_total_bytes'] / mib:.1f} | {total:.3f} | {c['tracked_real_step_bytes'] / mib:.1f} |"
         )
     out += [
         "",
@@ -506,8 +495,7 @@ def render(data: dict) -> str:
             f"| {gib(cli.get('peak_bytes'))} | {gib(cli.get('trl_online_peak_bytes'))} "
             f"| {gib(peaks.get(False))} | {gib(peaks.get(True))} |"
         )
-    out.append("")
-    return "\n".join(out)
+    return "\n".join([*out, ""])
 
 
 def findings(data: dict) -> list[str]:
@@ -565,10 +553,8 @@ def findings(data: dict) -> list[str]:
 
 def write_keeping_vision(out: Path, text: str) -> None:
     """Write `text` to `out`, keeping the vision-language section that bench_memory_vision.py writes there."""
-    import bench_memory_vision
-
-    old = get_section(out.read_text(), bench_memory_vision.HEADING) if out.exists() else None
-    out.write_text(text if old is None else replace_section(text, bench_memory_vision.HEADING, old))
+    old = harness.get_section(out.read_text(), VISION_HEADING) if out.exists() else None
+    out.write_text(text if old is None else harness.replace_section(text, VISION_HEADING, old))
 
 
 def main() -> None:
@@ -594,18 +580,14 @@ def main() -> None:
             redo_ours(data)
         data["seconds"] = data.get("seconds", 0) + time.perf_counter() - started
         data["command"] += f"; python benchmarks/bench_memory.py --redo {args.redo}"
-        data.setdefault("redone", {})[args.redo] = utc_stamp()
+        data.setdefault("redone", {})[args.redo] = harness.utc_stamp()
         partial.write_text(json.dumps(data))
     if args.redo or args.render:
         write_keeping_vision(Path(args.out), render(json.loads(partial.read_text())))
         return
     command = "python benchmarks/bench_memory.py" + (" --quick" if args.quick else "")
-    data = dict(
-        command=command,
-        date=utc_stamp()[:10],
-        machine=machine(),
-        versions=versions("transformers", "accelerate", "trl"),
-    )
+    data = dict(command=command, date=harness.utc_stamp()[:10], machine=harness.machine())
+    data |= dict(versions=harness.versions("transformers", "accelerate", "trl"))
     data |= dict(comparisons=[], levers=[], cpu_checks=[], accelerate={})
     names = ["qwen2-0.5b"] if args.quick else ["qwen2-0.5b", "qwen2-7b"]
     partial.parent.mkdir(parents=True, exist_ok=True)

@@ -2,119 +2,76 @@
 
     python benchmarks/bench_memory_vision.py     # writes its section of benchmarks/RESULTS-memory.md
 
-A LLaVA-1.5-7B-shaped model built from its config alone (CLIP ViT-L/14 at 336 px: 24 layers, hidden 1024; the
-two-layer GELU projector; a Llama-2-7B language model: 32 layers, hidden 4096, vocabulary 32,064), on fake tensors:
-`kto_pipeline/memory` (`kto-pipeline estimate-memory`) runs our step as `train` runs it and its model of trl's
-(`simulate_trl`): every forward of trl's step (the policy's, its KL forward, the reference's two) gets the batch's
-pictures, and trl trains the vision tower (it has no option to freeze it). Ours: the tower frozen (train's
-default) and trained (`--no-freeze-vision-tower`). Each row: one picture (576 image tokens) at the start of a
+A LLaVA-1.5-7B-shaped model from its config alone (CLIP ViT-L/14 at 336 px: 24 layers, hidden 1024; the two-layer
+GELU projector; Llama-2-7B: 32 layers, hidden 4096, vocabulary 32,064) on fake tensors: `kto_pipeline/memory` runs
+our step as `train` runs it, tower frozen (train's default) and trained (`--no-freeze-vision-tower`), and its model
+of trl's (`simulate_trl`): every forward (the policy's, its KL forward, the reference's two) gets the batch's
+pictures, and trl trains the tower (it cannot freeze it). Each row: one picture (576 image tokens) at the start of a
 kto-mix-like prompt (`memory.synthetic_rows`), bf16 autocast over float32 weights, fused AdamW, batch 8.
 
-The model of trl's step is the one `bench_memory.py` holds to the real trl on text (within 5.3% there); its image
-side (the pictures handed to each forward) follows trl's vision collator and `_compute_loss` as read in trl 1.16's
-source, and was not run against the real trl here.
+That model of trl is held to the real trl on text by `bench_memory.py` (within 5.3% there); its image side follows
+trl 1.16's vision collator and `_compute_loss` as read in its source, not run against the real trl here.
 """
 
 import argparse
 import time
 import warnings
 
-from harness import HERE, provenance, publish, table
-
-HEADING = "## Vision-language: a LLaVA-1.5-7B-shaped step"
-GIB = 1 << 30
+from bench_memory import RESULTS, VISION_HEADING, breakdown_text, gib
+from harness import provenance, publish, table
 
 
 def llava_15_7b():
+    """LLaVA-1.5-7B's config: CLIP ViT-L/14-336 vision tower, GELU projector, Llama-2-7B."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
-    vision = CLIPVisionConfig(
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        image_size=336,
-        patch_size=14,
-        projection_dim=768,
-        hidden_act="quick_gelu",
-    )
-    text = LlamaConfig(
-        vocab_size=32064,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        pad_token_id=0,
-    )
-    return LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=32000,
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,
-        projector_hidden_act="gelu",
-        image_seq_length=576,
-    )
+    vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)
+    vision |= dict(image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu")
+    text = dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, pad_token_id=0)
+    text |= dict(num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5)
+    llava = dict(image_token_index=32000, vision_feature_select_strategy="default", vision_feature_layer=-2)
+    llava |= dict(projector_hidden_act="gelu", image_seq_length=576)
+    return LlavaConfig(vision_config=CLIPVisionConfig(**vision), text_config=LlamaConfig(**text), **llava)
 
 
 CASES = ((1024, False), (1024, True), (2048, True))  # (max length, activation checkpointing)
 
 
 def case(max_length: int, checkpointing: bool) -> dict:
+    """Ours (tower frozen, tower trained) and trl online's model on 8 rows of one picture each."""
     import dataclasses
 
     from kto_pipeline.memory import StepSettings, simulate_ours, simulate_trl, synthetic_rows
     from kto_pipeline.memory.simulation import image_shape
 
     config = llava_15_7b()
-    image = image_shape(config)
-    rows = synthetic_rows(8, max_length, "kto-mix", config.text_config.vocab_size, image=image)
+    rows = synthetic_rows(8, max_length, "kto-mix", config.text_config.vocab_size, image=image_shape(config))
     frozen = StepSettings(gradient_checkpointing=checkpointing)
     trained = dataclasses.replace(frozen, freeze_vision_tower=False)
     started = time.perf_counter()
-    out = {"max_length": max_length, "gradient_checkpointing": checkpointing, "image_tokens": image.tokens}
+    out = {"max_length": max_length, "gradient_checkpointing": checkpointing}
     out["ours_frozen"] = simulate_ours(config, rows, frozen).to_dict()
     out["ours_trained"] = simulate_ours(config, rows, trained).to_dict()
     out["trl_online"] = simulate_trl(config, rows, trained, online=True).to_dict()
-    out["tokens"] = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
     out["seconds"] = time.perf_counter() - started
     print(f"  {max_length} AC={checkpointing}: {out['seconds']:.0f} s", flush=True)
     return out
 
 
 def render(results: list[dict], command: str, seconds: float) -> str:
-    def gib(x: int) -> str:
-        return f"{x / GIB:.2f}"
-
-    def parts(memory: dict) -> str:
-        b = memory["breakdown"]
-        return " / ".join(gib(b[k]) for k in ("parameters", "gradients", "optimizer", "activations", "temporaries"))
-
+    """The section: provenance, a row per case, and what the columns show."""
     rows = []
     for r in results:
-        trl = r["trl_online"]["peak_bytes"]
-        rows.append(
-            (
-                r["max_length"],
-                "yes" if r["gradient_checkpointing"] else "no",
-                f"**{gib(r['ours_frozen']['peak_bytes'])}**",
-                parts(r["ours_frozen"]),
-                gib(r["ours_trained"]["peak_bytes"]),
-                gib(trl),
-                parts(r["trl_online"]),
-                f"{r['ours_frozen']['peak_bytes'] / trl:.2f}",
-                f"{r['ours_trained']['peak_bytes'] / trl:.2f}",
-            )
-        )
+        frozen, trained, trl = (r[k]["peak_bytes"] for k in ("ours_frozen", "ours_trained", "trl_online"))
+        ac = "yes" if r["gradient_checkpointing"] else "no"
+        ours = (r["max_length"], ac, f"**{gib(frozen)}**", breakdown_text(r["ours_frozen"]), gib(trained))
+        rows.append((*ours, gib(trl), breakdown_text(r["trl_online"]), f"{frozen / trl:.2f}", f"{trained / trl:.2f}"))
     header = (
         "| max len | AC | ours, tower frozen | its breakdown | ours, tower trained | trl online (tower trained) | "
         "trl breakdown | ours frozen / trl | ours trained / trl |"
     )
     lines = [
-        HEADING,
+        VISION_HEADING,
         "",
         *provenance(command, seconds, "transformers", "torch"),
         "",
@@ -127,10 +84,9 @@ def render(results: list[dict], command: str, seconds: float) -> str:
         "",
         *table(header, rows),
         "",
-        "What the columns show: trl online holds a second LLaVA (the reference, float32, vision tower included) and "
-        "runs each prompt with its 576 image tokens twice per model (completion, KL completion); ours holds the "
-        "policy alone and runs each prompt once. With the tower frozen ours also keeps no gradients or AdamW moments "
-        "for its 0.30B parameters.",
+        "trl online holds a second LLaVA (the reference, float32, tower included) and runs each prompt with its 576 "
+        "image tokens twice per model (completion, KL completion); ours holds the policy alone and runs each prompt "
+        "once. With the tower frozen ours also keeps no gradients or AdamW moments for its 0.30B parameters.",
     ]
     for r in results:
         ours, theirs = (r[k]["breakdown"]["activations"] for k in ("ours_frozen", "trl_online"))
@@ -147,13 +103,13 @@ def render(results: list[dict], command: str, seconds: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=str(HERE / "RESULTS-memory.md"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     started = time.perf_counter()
     results = [case(*c) for c in CASES]
     report = render(results, "python benchmarks/bench_memory_vision.py", time.perf_counter() - started)
-    publish(report, args.out, heading=HEADING)
+    publish(report, args.out, heading=VISION_HEADING)
 
 
 if __name__ == "__main__":
