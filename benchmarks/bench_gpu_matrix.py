@@ -14,12 +14,13 @@ It reports each case's step time, MFU and peak memory, and the goals.
 A budget keeps it within 8 minutes (--budget-s 480, building and the checks included), and the run goes in the order
 of what answers the goals (`plan`), so that what the budget leaves out answers the least: the step-1 check; KTO on
 Qwen2-0.5B, ours compiled and trl's two settings at both batches (the speed and memory goals); the ~1.5B shape
-compiled at its larger batch (the MFU goal); CUDA graphs after their check; the layouts' diagnosis of step 1; then
-every other case (eager, the ~1.5B shape's others, the pair loss). Each step of cases (one tool, one model, one loss)
-runs in a fresh process that measures them one after another (ours' reference pass once for the model and loss, its
-cache kept for the later steps); every case is written down the moment it ends, and what the budget leaves no time for
-is reported as not run, never guessed. A case that runs out of memory says so and the rest go on. Model and data as
-`gpu_harness.py` builds them (random weights, random characters with HH-RLHF's lengths).
+compiled at its larger batch (the MFU goal); CUDA graphs after their check; the layouts' diagnosis of step 1; the
+first model's KTO reference pass compiled, in static shapes and on the dense mask (which pays); then every other case
+(eager, the ~1.5B shape's others, the pair loss). Each step of cases (one tool, one model, one loss) runs in a fresh
+process that measures them one after another (ours' reference pass once for the model and loss, its cache kept for the
+later steps); every case is written down the moment it ends, and what the budget leaves no time for is reported as not
+run, never guessed. A case that runs out of memory says so and the rest go on. Model and data as `gpu_harness.py`
+builds them (random weights, random characters with HH-RLHF's lengths).
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ COMPILED = ("kto-pipeline compiled", "kto-pipeline CUDA graphs")  # ours' best o
 TRL = (("trl precomputed", False), ("trl precomputed + liger", True))
 COLUMNS = (*(c for c, _ in OURS), *(c for c, _ in TRL))
 REFERENCE = "kto-pipeline reference pass"  # ours' first case of a (model, loss): the cache its training cases read
+# the first model's KTO reference pass again with one setting changed, each into a cache of its own: which pays on the
+# device (the reference pass is eager by default; on a CPU the compiled one attends on the dense mask)
+REFERENCE_VARIANTS = {
+    f"{REFERENCE}, --torch-compile": dict(torch_compile=True),
+    f"{REFERENCE}, --static-shapes": dict(static_shapes=True),
+    f"{REFERENCE}, dense mask": dict(attention_kernel="dense"),
+}
 TOOLS = ("ours", "trl")
 # the step-1 check: the first rows of the first model's KTO data, one step of a batch, the metrics read
 STEP_ONE_ROWS, STEP_ONE_BATCH = 64, 8
@@ -145,7 +153,8 @@ def plan(device: str) -> list[tuple]:
     group's cases that run in one process. First the default path's step-1 check; then KTO on the first model, ours
     compiled and trl's settings at every batch (the speed and memory goals); the last model compiled at the largest
     batch (on a GPU the ~1.5B shape: the MFU goal, at >= 16k tokens a step); the CUDA graphs check, then CUDA graphs'
-    cases; the layouts' diagnosis of step 1; then every case not yet planned, group by group in the goals' order
+    cases; the layouts' diagnosis of step 1; the first model's KTO reference pass with one setting changed (compiled,
+    static shapes, the dense mask); then every case not yet planned, group by group in the goals' order
     (loss, model, tool). Each case once."""
     first, last, large = MODELS[device][0], MODELS[device][-1], max(BATCHES[device])
     compiled, graphs = COMPILED
@@ -157,6 +166,7 @@ def plan(device: str) -> list[tuple]:
         ("check", "graphs"),
         ("ours", first, "kto", [case_name(graphs, b) for b in BATCHES[device]]),
         ("check", "layouts"),
+        ("ours", first, "kto", list(REFERENCE_VARIANTS)),
     ]
     wanted += [(tool, m, loss, group_cases(tool, device)) for loss in LOSSES for m in MODELS[device] for tool in TOOLS]
     steps, planned = [], set()
@@ -181,19 +191,27 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
     preset, cache_dir = preset_of(model, loss, device), where / "ours-cache"
     ml, steps = preset["max_length"], preset["steps"]
 
-    def reference() -> dict:
+    def reference(output: Path = cache_dir, **changed) -> dict:
         dtype = "bfloat16" if device == "cuda" else "float32"
-        paths = dict(model=str(where / "model"), dataset=str(where / "data.jsonl"), output=str(cache_dir))
+        paths = dict(model=str(where / "model"), dataset=str(where / "data.jsonl"), output=str(output))
         config = PrecomputeConfig(**paths, overwrite=True, max_length=ml, dtype=dtype, **OURS_PRECOMPUTE)
-        cache = open_cache(precompute(dataclasses.replace(config, pairs_only=pairs(preset))))
+        if changed.get("torch_compile") and device == "cpu":
+            changed = dict(changed, attention_kernel="dense")  # by tree, attention's shapes follow the trees
+        cache = open_cache(precompute(dataclasses.replace(config, pairs_only=pairs(preset), **changed)))
         lengths = gpu_harness.pair_lengths(where) if pairs(preset) else gpu_harness.row_lengths(cache.table, ml)
-        seconds = cache.manifest.timing["reference_pass_seconds"]
-        return dict(ref_seconds=seconds, ref_lengths=lengths, ref_peak_mib=gpu_harness.peak_memory_mib(device))
+        seconds, compiled = cache.manifest.timing["reference_pass_seconds"], cache.manifest.timing.get("compile")
+        peak = gpu_harness.peak_memory_mib(device)
+        return dict(ref_seconds=seconds, ref_lengths=lengths, ref_peak_mib=peak, compile=compiled)
 
     settings_of = {case_name(column, b): (column, compiling, b) for column, compiling in OURS for b in BATCHES[device]}
     for case in wanted:
         if case == REFERENCE:
             cases.run(REFERENCE, reference)
+            continue
+        if case in REFERENCE_VARIANTS:
+            output = cases.path.parent / f"cache-{case.removeprefix(REFERENCE + ', ').lstrip('-').replace(' ', '-')}"
+            torch._dynamo.reset()
+            cases.run(case, lambda output=output, changed=REFERENCE_VARIANTS[case]: reference(output, **changed))
             continue
         column, compiling, batch = settings_of[case]
         if "torch_compile_mode" in compiling and CHECKPOINTING.get(model, False):
@@ -424,8 +442,9 @@ def render(results: dict, checks: dict, device: str, peak: float | None, seconds
         "- settings: random weights, random characters with HH-RLHF's lengths (gpu_harness.py's data); "
         + ("bf16 autocast over float32 weights in training, the reference pass in bf16 weights; " if peak else "")
         + "the same rows in order, AdamW lr 1e-06, beta 0.1; gradient checkpointing "
-        + "".join(f"on for {m} (every tool), " for m in MODELS[device] if CHECKPOINTING.get(m))
-        + "off otherwise; steps: "
+        + "".join(f"on for {m} (every tool), off otherwise" for m in MODELS[device] if CHECKPOINTING.get(m))
+        + ("" if any(CHECKPOINTING.get(m) for m in MODELS[device]) else "off")
+        + "; steps: "
         + ", ".join(f"{m} {STEPS[m]} (max_length {harness.GPU_PRESETS[m]['max_length']})" for m in MODELS[device])
         + "; a cell: the median step of steps 2..n (leaving out those that compiled, where others are left: "
         + "trainer_state.json's compile.compiling_steps), its MFU (model FLOPs as gpu_harness.py counts them, "
@@ -464,6 +483,11 @@ def render(results: dict, checks: dict, device: str, peak: float | None, seconds
         "",
     ]
     lines += ["## Reference passes: needed tokens/s", "", *reference_table(results, device, flops, peak), ""]
+    lines += [
+        "trl's at precompute_ref_batch_size = the batch; ours over the rows the largest batch trains, at its default "
+        "settings, then (the first model's KTO data) with one setting changed: which pays on this device.",
+        "",
+    ]
     goal_rows.append(("step-1 rewards exactly 0 in bf16, the default path", "yes" if exact else "NO", bool(exact)))
     lines += ["## Against the goals", "", *harness.goals_table(*goal_rows), ""]
     models = {m: flops[m, LOSSES[0]] for m in MODELS[device]}  # a model's N is the same for every loss
@@ -537,14 +561,19 @@ def goal_lines(model, loss, batch, got, ratio, flops, peak, tokens) -> list[tupl
 def reference_table(results: dict, device: str, flops: dict, peak: float | None) -> list[str]:
     """Needed tokens/s (and MFU on a GPU) of each tool's reference pass; trl's at precompute_ref_batch_size = batch.
     `flops`: (model, loss) -> its Flops."""
-    header = "| model | loss | kto-pipeline | " + " | ".join(f"trl precomputed @ {b}" for b in BATCHES[device]) + " |"
+    variants = [name.removeprefix(f"{REFERENCE}, ") for name in REFERENCE_VARIANTS]
+    header = "| model | loss | kto-pipeline | " + " | ".join(f"trl precomputed @ {b}" for b in BATCHES[device])
+    header += " | " + " | ".join(f"kto-pipeline, {v}" for v in variants) + " |"
     rows = []
     for model in MODELS[device]:
         for loss in LOSSES:
-            cases = [REFERENCE, *(case_name("trl precomputed", b) for b in BATCHES[device])]
+            cases = [REFERENCE, *(case_name("trl precomputed", b) for b in BATCHES[device]), *REFERENCE_VARIANTS]
             cells = []
             for case in cases:
                 res = results.get((model, loss, case))
+                if case in REFERENCE_VARIANTS and (model, loss) != (MODELS[device][0], "kto"):
+                    cells.append("-")  # measured for the first model's KTO data only
+                    continue
                 if not res or "ref_seconds" not in res:
                     stopped = "stopped at the budget's end while running" if res and "started" in res else "-"
                     cells.append(res.get("skipped", stopped) if res else "not run within the budget")
@@ -553,6 +582,8 @@ def reference_table(results: dict, device: str, flops: dict, peak: float | None)
                 text = f"{tokens / res['ref_seconds']:,.0f}"
                 if peak:
                     text += f" ({flops[model, loss].reference(res['ref_lengths']) / res['ref_seconds'] / peak:.1%} MFU)"
+                if res.get("compile"):  # compiling is part of the pass's seconds
+                    text += f", {res['compile']['seconds']:.0f} s of its {res['ref_seconds']:.0f} s compiling"
                 cells.append(text)
             rows.append((model, loss, *cells))
     return harness.table(header, rows)
