@@ -186,20 +186,14 @@ def main() -> None:
         run = bench_scale.run_scale if args.only == "scale" else bench_scale.run_append
         run(work / args.only, args.size, results, rows, args.scale_tokenizer)
     else:
-        run_random(work, args.size, results, lora=args.only == "lora")
+        (run_lora if args.only == "lora" else run_main)(work, args.size, results)
 
 
-def run_random(work: Path, size_name: str, results: Path | None, lora: bool = False) -> None:
-    """The random case's main table (both tools' reference pass, training online and precomputed, 4-run sweep), or
-    with `lora` (`--only lora`) its section: both tools' LoRA training on the main table's cache (made if absent)."""
+def run_main(work: Path, size_name: str, results: Path | None) -> None:
+    """The main table: both tools' reference pass, training (online and precomputed) and 4-run sweep."""
     size, started = SIZES[size_name], time.perf_counter()
     print(f"building the model and data in {work} ...", flush=True)
     build_assets(work, size)
-    if lora:
-        if not (work / "runs" / "ours_precompute" / "manifest.json").exists():
-            bench_worker("ours_precompute", work, size_name)
-        r = {name: bench_worker(name, work, size_name) for name in ("ours_train_lora", "trl_train_lora")}
-        return harness.publish(render_lora(r, size, size_name), results, LORA_HEADING)
     r, n_common, max_diff = harness.measure(MAIN_NAMES, lambda name: bench_worker(name, work, size_name), work)
     report = render(r, size, size_name, max_diff, n_common, time.perf_counter() - started)
     print("\n" + report)
@@ -213,6 +207,17 @@ def with_other_sections(report: str, old: str) -> str:
     written = {line for line in report.splitlines() if line.startswith("## ")}
     kept = [line for line in old.splitlines() if line.startswith("## ") and line not in written]
     return report + "".join("\n" + harness.get_section(old, heading) for heading in kept)
+
+
+def run_lora(work: Path, size_name: str, results: Path | None) -> None:
+    """`--only lora`: both tools' LoRA training on the main table's cache (precomputed first if absent)."""
+    size = SIZES[size_name]
+    print(f"building the model and data in {work} ...", flush=True)
+    build_assets(work, size)
+    if not (work / "runs" / "ours_precompute" / "manifest.json").exists():
+        bench_worker("ours_precompute", work, size_name)
+    r = {name: bench_worker(name, work, size_name) for name in ("ours_train_lora", "trl_train_lora")}
+    harness.publish(render_lora(r, size, size_name), results, LORA_HEADING)
 
 
 def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
@@ -397,7 +402,7 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
         (f"{sweep} x {size['sweep_steps']} steps (s), vs trl online", o_sweep, on_sweep, ".1f"),
         (f"{sweep} (s), vs trl precomputed", o_sweep, pre_sweep, ".1f"),
     ]
-    below, sweep, sweep_ratio = tto["peak_rss_mib"] - o_rss, r["trl_sweep_precomputed"], on_sweep / o_sweep
+    below, trl_sweep, sweep_ratio = tto["peak_rss_mib"] - o_rss, r["trl_sweep_precomputed"], on_sweep / o_sweep
     ref_ratio = rows_s[0] / rows_s[1]
     below_goal = f"train peak RSS below trl online by >= the reference model ({ref_mib:.0f} MiB)"
     lines = [
@@ -429,8 +434,8 @@ def render(r: dict, size: dict, size_name: str, max_diff: float, n_common: int, 
             ("4-run sweep >= 1.5x faster than 4 trl online runs", f"{sweep_ratio:.2f}x", sweep_ratio >= 1.5),
         ),
         "",
-        f"- reference passes in the sweeps: kto-pipeline 1; trl precomputed {sweep['reference_passes']} "
-        f"({sweep['reference_pass_seconds']} s): its cache did not carry over from one beta to the next.",
+        f"- reference passes in the sweeps: kto-pipeline 1; trl precomputed {trl_sweep['reference_passes']} "
+        f"({trl_sweep['reference_pass_seconds']} s): its cache did not carry over from one beta to the next.",
         f"- the reference model's own float32 footprint is about {ref_mib:.0f} MiB; trl online holds it in memory "
         f"during training, kto-pipeline does not (peak RSS difference vs trl online: {below:.0f} MiB).",
         f"- step times are medians over steps 2..{size['steps']}; raw: ours {raw_steps(ot)}, trl online "

@@ -4,23 +4,24 @@
     python benchmarks/bench_gpu_matrix.py --device cpu             # the code path on a CPU, tiny shapes (~1 min)
 
 First the accelerator's default path (the block mask, compiled, bf16; on a CPU its default, by tree and eager) runs
-both stages and one step, and its step-1 rewards must be exactly 0 (`step_one_check`); later, before their cases, CUDA
-graphs must give the numbers of the compiled run without them (a tiny model, accumulation and evaluation). For
-Qwen2-0.5B and a ~1.5B shape (Qwen2-1.5B's, at max_length 2048 with HH lengths), KTO against trl.KTOTrainer and the
-`sigmoid` pair loss against trl.DPOTrainer, at batch 8 and 64: kto-pipeline's training compiled (without, then with
-CUDA graphs: `--torch-compile-mode reduce-overhead`) and eager, trl precomputed with and without liger's fused loss.
-It reports each case's step time, MFU and peak memory, and the goals.
+both stages (the reference pass compiled alike) and one step, and its step-1 rewards must be exactly 0
+(`step_one_check`); later, before their cases, CUDA graphs must give the numbers of the compiled run without them (a
+tiny model, accumulation and evaluation). For Qwen2-0.5B and a ~1.5B shape (Qwen2-1.5B's, at max_length 2048 with HH
+lengths), KTO against trl.KTOTrainer and the `sigmoid` pair loss against trl.DPOTrainer, at batch 8 and 64:
+kto-pipeline's training compiled (without, then with CUDA graphs: `--torch-compile-mode reduce-overhead`) and eager,
+trl precomputed with and without liger's fused loss. It reports each case's step time, MFU and peak memory, and the
+goals.
 
 A budget keeps it within 8 minutes (--budget-s 480, building and the checks included), and the run goes in the order
 of what answers the goals (`plan`), so that what the budget leaves out answers the least: the step-1 check; KTO on
 Qwen2-0.5B, ours compiled and trl's two settings at both batches (the speed and memory goals); the ~1.5B shape
 compiled at its larger batch (the MFU goal); CUDA graphs after their check; the layouts' diagnosis of step 1; the
-first model's KTO reference pass compiled, in static shapes and on the dense mask (which pays); then every other case
-(eager, the ~1.5B shape's others, the pair loss). Each step of cases (one tool, one model, one loss) runs in a fresh
-process that measures them one after another (ours' reference pass once for the model and loss, its cache kept for the
-later steps); every case is written down the moment it ends, and what the budget leaves no time for is reported as not
-run, never guessed. A case that runs out of memory says so and the rest go on. Model and data as `gpu_harness.py`
-builds them (random weights, random characters with HH-RLHF's lengths).
+first model's KTO reference pass again, compiled, in static shapes and on the dense mask (which pays); then every
+other case (eager, the ~1.5B shape's others, the pair loss). Each step of cases (one tool, one model, one loss) runs
+in a fresh process that measures them one after another (ours' reference pass once for the model and loss, its cache
+kept for the later steps); every case is written down the moment it ends, and what the budget leaves no time for is
+reported as not run, never guessed. A case that runs out of memory says so and the rest go on. Model and data as
+`gpu_harness.py` builds them (random weights, random characters with HH-RLHF's lengths).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -60,13 +62,13 @@ COMPILED = ("kto-pipeline compiled", "kto-pipeline CUDA graphs")  # ours' best o
 TRL = (("trl precomputed", False), ("trl precomputed + liger", True))
 COLUMNS = (*(c for c, _ in OURS), *(c for c, _ in TRL))
 REFERENCE = "kto-pipeline reference pass"  # ours' first case of a (model, loss): the cache its training cases read
-# the first model's KTO reference pass again with one setting changed, each into a cache of its own: which pays on the
-# device (the reference pass is eager by default; on a CPU the compiled one attends on the dense mask)
-REFERENCE_VARIANTS = {
-    f"{REFERENCE}, --torch-compile": dict(torch_compile=True),
-    f"{REFERENCE}, --static-shapes": dict(static_shapes=True),
-    f"{REFERENCE}, dense mask": dict(attention_kernel="dense"),
-}
+# the first model's KTO reference pass again, in one process, each into a cache of its own: at its defaults (their
+# control: the first case ran in another process, and a block-mask pass compiles FlexAttention within its seconds),
+# then with one setting changed: which pays on the device (the reference pass is eager by default; on a CPU the
+# compiled one attends on the dense mask, as by tree attention's shapes follow the trees). label -> the settings
+VARIANTS = {"again": {}, "--torch-compile": dict(torch_compile=True), "--static-shapes": dict(static_shapes=True)}
+VARIANTS["dense mask"] = dict(attention_kernel="dense")
+REFERENCE_VARIANTS = {f"{REFERENCE}, {label}": (label, changed) for label, changed in VARIANTS.items()}
 TOOLS = ("ours", "trl")
 # the step-1 check: the first rows of the first model's KTO data, one step of a batch, the metrics read
 STEP_ONE_ROWS, STEP_ONE_BATCH = 64, 8
@@ -153,8 +155,8 @@ def plan(device: str) -> list[tuple]:
     group's cases that run in one process. First the default path's step-1 check; then KTO on the first model, ours
     compiled and trl's settings at every batch (the speed and memory goals); the last model compiled at the largest
     batch (on a GPU the ~1.5B shape: the MFU goal, at >= 16k tokens a step); the CUDA graphs check, then CUDA graphs'
-    cases; the layouts' diagnosis of step 1; the first model's KTO reference pass with one setting changed (compiled,
-    static shapes, the dense mask); then every case not yet planned, group by group in the goals' order
+    cases; the layouts' diagnosis of step 1; the first model's KTO reference pass again and with one setting changed
+    (compiled, static shapes, the dense mask); then every case not yet planned, group by group in the goals' order
     (loss, model, tool). Each case once."""
     first, last, large = MODELS[device][0], MODELS[device][-1], max(BATCHES[device])
     compiled, graphs = COMPILED
@@ -183,8 +185,9 @@ def plan(device: str) -> list[tuple]:
 
 def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wanted: list[str]) -> None:
     """The `wanted` cases of ours, in order: the reference pass over the rows the largest batch trains (its cache in
-    `where`, for every step of the group), and settings at a batch: compiled, with CUDA graphs (on a CPU: the same
-    code path, inductor skipping the CUDA graphs), eager."""
+    `where`, for every step of the group), the same pass again and with one setting changed (REFERENCE_VARIANTS, each
+    into a cache of its own), and settings at a batch: compiled, with CUDA graphs (on a CPU: the same code path,
+    inductor skipping the CUDA graphs), eager."""
     from kto_pipeline import PrecomputeConfig, precompute, train
     from kto_pipeline.cache import open_cache
 
@@ -196,7 +199,7 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
         paths = dict(model=str(where / "model"), dataset=str(where / "data.jsonl"), output=str(output))
         config = PrecomputeConfig(**paths, overwrite=True, max_length=ml, dtype=dtype, **OURS_PRECOMPUTE)
         if changed.get("torch_compile") and device == "cpu":
-            changed = dict(changed, attention_kernel="dense")  # by tree, attention's shapes follow the trees
+            changed = dict(changed, attention_kernel="dense")  # (VARIANTS)
         cache = open_cache(precompute(dataclasses.replace(config, pairs_only=pairs(preset), **changed)))
         lengths = gpu_harness.pair_lengths(where) if pairs(preset) else gpu_harness.row_lengths(cache.table, ml)
         seconds, compiled = cache.manifest.timing["reference_pass_seconds"], cache.manifest.timing.get("compile")
@@ -209,9 +212,10 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
             cases.run(REFERENCE, reference)
             continue
         if case in REFERENCE_VARIANTS:
-            output = cases.path.parent / f"cache-{case.removeprefix(REFERENCE + ', ').lstrip('-').replace(' ', '-')}"
+            label, changed = REFERENCE_VARIANTS[case]
+            output = cases.path.parent / f"cache-{label.lstrip('-').replace(' ', '-')}"
             torch._dynamo.reset()
-            cases.run(case, lambda output=output, changed=REFERENCE_VARIANTS[case]: reference(output, **changed))
+            cases.run(case, lambda output=output, changed=changed: reference(output, **changed))
             continue
         column, compiling, batch = settings_of[case]
         if "torch_compile_mode" in compiling and CHECKPOINTING.get(model, False):
@@ -336,8 +340,9 @@ def cuda_graphs_check(work: Path, device: str) -> dict:
 
 
 def step_one_check(work: Path, device: str) -> dict:
-    """The default path (attention "auto": the block mask on a GPU, by tree on a CPU; compiled on a GPU, eager on a
-    CPU) runs both stages in one precision regime (float32 weights under bf16 autocast on a GPU) over the first
+    """Training's default path (attention "auto": the block mask on a GPU, by tree on a CPU; compiled on a GPU, eager
+    on a CPU), the reference pass run alike (compiled on a GPU too, where by default it is eager), both stages in one
+    precision regime (float32 weights under bf16 autocast on a GPU) over the first
     STEP_ONE_ROWS rows of the first model's KTO data, then one step of STEP_ONE_BATCH rows: at step 1 the policy is the
     reference, so its rewards and KL are 0 where both stages compute each sequence alike."""
     from kto_pipeline import PrecomputeConfig, precompute, train
@@ -365,11 +370,11 @@ def worker(name: str, work: Path, device: str, out: Path, deadline: float, wante
         for model in MODELS[device]:
             for loss in LOSSES:
                 prepare(work, model, loss, device)
-        cpu = f"{harness.cpu_name()} ({torch.get_num_threads()} torch threads)"
+        cpu = f"{harness.cpu_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
         return dict(device_name=torch.cuda.get_device_name(0) if device == "cuda" else cpu)
-    if name in ("cuda_graphs_check", "step_one_check"):
-        check = cuda_graphs_check if name == "cuda_graphs_check" else step_one_check
-        return harness.measured(lambda: check(work, device), rss=False)
+    checks = dict(cuda_graphs_check=cuda_graphs_check, step_one_check=step_one_check)
+    if name in checks:
+        return harness.measured(lambda: checks[name](work, device), rss=False)
     _, tool, model, loss = name.split("_")
     cases = Cases(out, deadline, device)
 
@@ -432,6 +437,7 @@ def render(results: dict, checks: dict, device: str, peak: float | None, seconds
     """The report: the checks (`checks`: step 1; CUDA graphs against the run without them; step 1 by layout), a row
     per (model, loss, batch), the reference passes, the goals (`peak`: the device's FLOP/s for MFU, None on a CPU)."""
     check, graphs, layouts = checks["step_one"], checks["graphs"], checks["layouts"]
+    on = [m for m in MODELS[device] if CHECKPOINTING.get(m)]  # gradient checkpointing
     command = " ".join(["python benchmarks/bench_gpu_matrix.py", *argv])
     lines = [HEADING, "", f"- command: `{command}`" + (" (`make bench-gpu`)" if device == "cuda" else "")]
     name = next((r.get("device_name") for r in [check, *results.values()] if r.get("device_name")), "unknown")
@@ -442,8 +448,7 @@ def render(results: dict, checks: dict, device: str, peak: float | None, seconds
         "- settings: random weights, random characters with HH-RLHF's lengths (gpu_harness.py's data); "
         + ("bf16 autocast over float32 weights in training, the reference pass in bf16 weights; " if peak else "")
         + "the same rows in order, AdamW lr 1e-06, beta 0.1; gradient checkpointing "
-        + "".join(f"on for {m} (every tool), off otherwise" for m in MODELS[device] if CHECKPOINTING.get(m))
-        + ("" if any(CHECKPOINTING.get(m) for m in MODELS[device]) else "off")
+        + (f"on for {', '.join(on)} (every tool), off otherwise" if on else "off")
         + "; steps: "
         + ", ".join(f"{m} {STEPS[m]} (max_length {harness.GPU_PRESETS[m]['max_length']})" for m in MODELS[device])
         + "; a cell: the median step of steps 2..n (leaving out those that compiled, where others are left: "
@@ -485,7 +490,9 @@ def render(results: dict, checks: dict, device: str, peak: float | None, seconds
     lines += ["## Reference passes: needed tokens/s", "", *reference_table(results, device, flops, peak), ""]
     lines += [
         "trl's at precompute_ref_batch_size = the batch; ours over the rows the largest batch trains, at its default "
-        "settings, then (the first model's KTO data) with one setting changed: which pays on this device.",
+        "settings, then (the first model's KTO data, in one process) again and with one setting changed: which pays "
+        "on this device, against `again`. A block-mask pass's seconds include compiling FlexAttention's kernel"
+        + ("; on a CPU the --torch-compile pass attends on the dense mask too." if device == "cpu" else "."),
         "",
     ]
     goal_rows.append(("step-1 rewards exactly 0 in bf16, the default path", "yes" if exact else "NO", bool(exact)))
@@ -561,9 +568,8 @@ def goal_lines(model, loss, batch, got, ratio, flops, peak, tokens) -> list[tupl
 def reference_table(results: dict, device: str, flops: dict, peak: float | None) -> list[str]:
     """Needed tokens/s (and MFU on a GPU) of each tool's reference pass; trl's at precompute_ref_batch_size = batch.
     `flops`: (model, loss) -> its Flops."""
-    variants = [name.removeprefix(f"{REFERENCE}, ") for name in REFERENCE_VARIANTS]
     header = "| model | loss | kto-pipeline | " + " | ".join(f"trl precomputed @ {b}" for b in BATCHES[device])
-    header += " | " + " | ".join(f"kto-pipeline, {v}" for v in variants) + " |"
+    header += " | " + " | ".join(f"kto-pipeline, {label}" for label in VARIANTS) + " |"
     rows = []
     for model in MODELS[device]:
         for loss in LOSSES:
@@ -582,8 +588,11 @@ def reference_table(results: dict, device: str, flops: dict, peak: float | None)
                 text = f"{tokens / res['ref_seconds']:,.0f}"
                 if peak:
                     text += f" ({flops[model, loss].reference(res['ref_lengths']) / res['ref_seconds'] / peak:.1%} MFU)"
-                if res.get("compile"):  # compiling is part of the pass's seconds
-                    text += f", {res['compile']['seconds']:.0f} s of its {res['ref_seconds']:.0f} s compiling"
+                compiled = res.get("compile") or {}
+                if compiled:  # compiling the layers is part of the pass's seconds
+                    text += f", {compiled['seconds']:.0f} s of its {res['ref_seconds']:.0f} s compiling"
+                text += " (ran eagerly: compiling failed)" if compiled.get("eager_fallback") else ""
+                text += " (some shapes eagerly: past the recompile limit)" if compiled.get("recompile_limit") else ""
                 cells.append(text)
             rows.append((model, loss, *cells))
     return harness.table(header, rows)

@@ -84,9 +84,10 @@ def render(results: list[dict], command: str, seconds: float) -> str:
         "",
         *table(header, rows),
         "",
-        "trl online holds a second LLaVA (the reference, float32, tower included) and runs each prompt with its 576 "
-        "image tokens twice per model (completion, KL completion); ours holds the policy alone and runs each prompt "
-        "once. With the tower frozen ours also keeps no gradients or AdamW moments for its 0.30B parameters.",
+        "What the columns show: trl online holds a second LLaVA (the reference, float32, vision tower included) and "
+        "runs each prompt with its 576 image tokens twice per model (completion, KL completion); ours holds the "
+        "policy alone and runs each prompt once. With the tower frozen ours also keeps no gradients or AdamW moments "
+        "for its 0.30B parameters.",
     ]
     for r in results:
         ours, theirs = (r[k]["breakdown"]["activations"] for k in ("ours_frozen", "trl_online"))

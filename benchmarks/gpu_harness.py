@@ -3,8 +3,9 @@ model FLOPs their MFU divides.
 
 Nothing is downloaded: a preset's Qwen2 with random weights (`harness.random_qwen2`), a character tokenizer padded to
 its vocabulary, rows of random characters with the lengths of the bundled HH-RLHF sample. Used by
-`bench_gpu_matrix.py` (`make bench-gpu`) and `step_one_layouts.py`. (Until the matrix took its place, a script of
-this name also timed one configuration in detail; its reports stand in RESULTS-gpu.md.)
+`bench_gpu_matrix.py` (`make bench-gpu`) and `step_one_layouts.py`. (Until the matrix took its place,
+`benchmarks/bench_gpu.py`, in git at b791089, also timed one configuration in detail; its reports stand in
+RESULTS-gpu.md.)
 """
 
 from __future__ import annotations
