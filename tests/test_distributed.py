@@ -1,5 +1,6 @@
 """Resume reproduces an uninterrupted run exactly (after a SIGKILL); checkpointing options; the 1-process cache
-and settings that the 2-process DDP tests (tests/test_multinode.py) compare with."""
+and settings that the 2-process DDP tests (tests/test_multinode.py) compare with; compiled layers (the GPU default)
+under DDP and FSDP2 on 2 processes equal to one eager process."""
 
 import json
 import signal
@@ -8,6 +9,8 @@ import time
 
 import pytest
 from helpers import (
+    FSDP_ENV,
+    assert_same_steps,
     cli_args,
     cli_cmd,
     launch,
@@ -43,6 +46,27 @@ STEP_KEYS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen",
 
 
 # (2 processes equal to one, DDP, both stages: tests/test_multinode.py, with the processes on two launchers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_compiled_layers_on_two_processes_equal_one_eager_process(tmp_path, cache_1proc, engine):
+    """Training's decoder layers compiled (`--torch-compile`, the default on CUDA GPUs) under DDP and under FSDP2: 2
+    processes x 4 rows give the steps of one eager process x 8 (within the compiled-against-eager tolerance of
+    tests/test_compile.py), with no graph break and no eager fallback. The dense mask: by tree, attention's calls
+    follow the trees."""
+    config = dict(per_device_train_batch_size=4, attention_kernel="dense", **TRAIN)
+    args = cli_args(cache=cache_1proc, output_dir=tmp_path / "two", **config)
+    env = FSDP_ENV if engine == "fsdp2" else None
+    launch(2, "train", *args, "--torch-compile", env=env, log_dir=tmp_path / "logs", timeout=600)
+    train(train_config(cache_1proc, tmp_path / "one", **{**config, "per_device_train_batch_size": 8}))
+    two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
+    assert len(two) == 4
+    assert_same_steps(two, one, 1e-3, STEP_KEYS)
+    state = json.loads((tmp_path / "two" / "trainer_state.json").read_text())
+    assert state["distributed"]["engine"] == engine and state["distributed"]["world_size"] == 2, state["distributed"]
+    compiled = state["compile"]
+    assert compiled["graphs"] > 0 and compiled["graph_breaks"] == 0 and not compiled.get("eager_fallback"), compiled
 
 
 @pytest.mark.slow
