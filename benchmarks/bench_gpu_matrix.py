@@ -16,7 +16,7 @@ A budget keeps it within 8 minutes (--budget-s 480, building and the checks incl
 of what answers the goals (`plan`), so that what the budget leaves out answers the least: the step-1 check; KTO on
 Qwen2-0.5B, ours compiled and trl's two settings at both batches (the speed and memory goals); the ~1.5B shape
 compiled at its larger batch (the MFU goal); CUDA graphs after their check; the layouts' diagnosis of step 1; the
-first model's KTO reference pass again, compiled, in static shapes and on the dense mask (which pays); then every
+first model's KTO reference pass again, on the dense mask, in static shapes and compiled (which pays); then every
 other case (eager, the ~1.5B shape's others, the pair loss). Each step of cases (one tool, one model, one loss) runs
 in a fresh process that measures them one after another (ours' reference pass once for the model and loss, its cache
 kept for the later steps); every case is written down the moment it ends, and what the budget leaves no time for is
@@ -65,9 +65,10 @@ REFERENCE = "kto-pipeline reference pass"  # ours' first case of a (model, loss)
 # the first model's KTO reference pass again, in one process, each into a cache of its own: at its defaults (their
 # control: the first case ran in another process, and a block-mask pass compiles FlexAttention within its seconds),
 # then with one setting changed: which pays on the device (the reference pass is eager by default; on a CPU the
-# compiled one attends on the dense mask, as by tree attention's shapes follow the trees). label -> the settings
-VARIANTS = {"again": {}, "--torch-compile": dict(torch_compile=True), "--static-shapes": dict(static_shapes=True)}
-VARIANTS["dense mask"] = dict(attention_kernel="dense")
+# compiled one attends on the dense mask, as by tree attention's shapes follow the trees). label -> the settings;
+# compiled last (never run on a GPU: a failure there could leave the device unusable for what follows in the process)
+VARIANTS = {"again": {}, "dense mask": dict(attention_kernel="dense"), "--static-shapes": dict(static_shapes=True)}
+VARIANTS["--torch-compile"] = dict(torch_compile=True)
 REFERENCE_VARIANTS = {f"{REFERENCE}, {label}": (label, changed) for label, changed in VARIANTS.items()}
 TOOLS = ("ours", "trl")
 # the step-1 check: the first rows of the first model's KTO data, one step of a batch, the metrics read
@@ -156,7 +157,7 @@ def plan(device: str) -> list[tuple]:
     compiled and trl's settings at every batch (the speed and memory goals); the last model compiled at the largest
     batch (on a GPU the ~1.5B shape: the MFU goal, at >= 16k tokens a step); the CUDA graphs check, then CUDA graphs'
     cases; the layouts' diagnosis of step 1; the first model's KTO reference pass again and with one setting changed
-    (compiled, static shapes, the dense mask); then every case not yet planned, group by group in the goals' order
+    (the dense mask, static shapes, compiled); then every case not yet planned, group by group in the goals' order
     (loss, model, tool). Each case once."""
     first, last, large = MODELS[device][0], MODELS[device][-1], max(BATCHES[device])
     compiled, graphs = COMPILED
