@@ -217,3 +217,37 @@ def test_bench_gpu_matrix_cases_record_a_failure_and_go_on(tmp_path, monkeypatch
     assert records["b"]["skipped"] == "failed: ValueError: a bad shape"
     assert records["c"] == {"case": "c", "step_seconds": [1.0, 0.5]}
     assert records["d"] == {"case": "d", "skipped": "not run within the budget"}
+
+
+def test_the_gpu_plan_runs_what_answers_the_goals_first_and_every_case_once(monkeypatch):
+    """`make bench-gpu` on a GPU (8 minutes; what the budget leaves out is not run): the step-1 check, then the speed
+    and memory goals' cases (KTO on Qwen2-0.5B: ours compiled, trl's two settings), the MFU goal's (the ~1.5B shape
+    compiled at batch 64), CUDA graphs after their check, the layouts, the reference pass's variants (compiled last),
+    then the rest; every case of every group exactly once."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_gpu_matrix as m
+
+    steps = m.plan("cuda")
+    reference, compiled, graphs = m.REFERENCE, "kto-pipeline compiled", "kto-pipeline CUDA graphs"
+    assert steps[:8] == [
+        ("check", "step_one"),
+        ("ours", "qwen2-0.5b", "kto", [reference, f"{compiled} @ 8", f"{compiled} @ 64"]),
+        ("trl", "qwen2-0.5b", "kto", m.group_cases("trl", "cuda")),
+        ("ours", "qwen2-1.5b", "kto", [reference, f"{compiled} @ 64"]),
+        ("check", "graphs"),
+        ("ours", "qwen2-0.5b", "kto", [f"{graphs} @ 8", f"{graphs} @ 64"]),
+        ("check", "layouts"),
+        ("ours", "qwen2-0.5b", "kto", list(m.REFERENCE_VARIANTS)),
+    ]
+    assert list(m.REFERENCE_VARIANTS)[-1].endswith("--torch-compile")
+    planned = [(s[0], *s[1:3], case) for s in steps if s[0] != "check" for case in s[3]]
+    assert len(planned) == len(set(planned))
+    wanted = {
+        (tool, model, loss, case)
+        for tool in m.TOOLS
+        for model in m.MODELS["cuda"]
+        for loss in m.LOSSES
+        for case in m.group_cases(tool, "cuda")
+    }
+    variants = {("ours", "qwen2-0.5b", "kto", case) for case in m.REFERENCE_VARIANTS}
+    assert set(planned) == wanted | variants
