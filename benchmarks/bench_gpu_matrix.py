@@ -90,6 +90,18 @@ def preset_of(model: str, loss: str, device: str) -> dict:
     return dict(harness.GPU_PRESETS[model], loss_type=loss, steps=steps, batch=batch, rows=steps * batch)
 
 
+def compiled_attention(device: str) -> str:
+    """The attention kernel of a compiled case: the device's default ("auto"), but on a CPU the dense mask (its
+    default, by tree, attends once a tree: a compiled graph unrolls the trees, and a new layout compiles again)."""
+    return "auto" if device == "cuda" else "dense"
+
+
+def compile_notes(compiled: dict) -> str:
+    """What a compiled case's record (trainer_state.json's or the manifest's `compile`) says ran eagerly."""
+    text = " (ran eagerly: compiling failed)" if compiled.get("eager_fallback") else ""
+    return text + (" (some shapes eagerly: past the recompile limit)" if compiled.get("recompile_limit") else "")
+
+
 def group_work(work: Path, model: str, loss: str) -> Path:
     """A (model, loss)'s folder: the model (one per shape, shared by both losses) and that loss's data."""
     return work / f"{model}-{loss}"
@@ -199,8 +211,8 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
         dtype = "bfloat16" if device == "cuda" else "float32"
         paths = dict(model=str(where / "model"), dataset=str(where / "data.jsonl"), output=str(output))
         config = PrecomputeConfig(**paths, overwrite=True, max_length=ml, dtype=dtype, **OURS_PRECOMPUTE)
-        if changed.get("torch_compile") and device == "cpu":
-            changed = dict(changed, attention_kernel="dense")  # (VARIANTS)
+        if changed.get("torch_compile"):
+            changed = dict(changed, attention_kernel=compiled_attention(device))
         cache = open_cache(precompute(dataclasses.replace(config, pairs_only=pairs(preset), **changed)))
         lengths = gpu_harness.pair_lengths(where) if pairs(preset) else gpu_harness.row_lengths(cache.table, ml)
         seconds, compiled = cache.manifest.timing["reference_pass_seconds"], cache.manifest.timing.get("compile")
@@ -228,8 +240,8 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
             out = cases.path.parent / f"run-{batch}-{column.split(' ', 1)[1].replace(' ', '-')}"
             settings = dict(batch=batch, steps=steps, learning_rate=LEARNING_RATE, bf16=device == "cuda")
             settings |= dict(beta=gpu_harness.BETA, loss_type=loss, save_steps=0, **compiling)
-            if column in COMPILED and device == "cpu":
-                settings["attention_kernel"] = "dense"  # by tree, attention's shapes follow the trees
+            if column in COMPILED:
+                settings["attention_kernel"] = compiled_attention(device)
             config = harness.ours_train_config(cache_dir, out, **settings)
             res = train(dataclasses.replace(config, gradient_checkpointing=CHECKPOINTING.get(model, False)))
             state = harness.trainer_state(out) or {}
@@ -313,7 +325,7 @@ def cuda_graphs_check(work: Path, device: str) -> dict:
     where.mkdir(parents=True, exist_ok=True)
     harness.random_qwen2(where / "model", preset, device=device)
     gpu_harness.build_data(where / "data.jsonl", preset)
-    bf16, kernel = device == "cuda", "auto" if device == "cuda" else "dense"  # (a CPU's by-tree unrolls its trees)
+    bf16, kernel = device == "cuda", compiled_attention(device)
     paths = dict(model=str(where / "model"), dataset=str(where / "data.jsonl"), output=str(where / "cache"))
     settings = dict(attention_kernel=kernel, torch_compile=True, static_shapes=True)
     dtype = "bfloat16" if bf16 else "float32"
@@ -343,9 +355,9 @@ def cuda_graphs_check(work: Path, device: str) -> dict:
 def step_one_check(work: Path, device: str) -> dict:
     """Training's default path (attention "auto": the block mask on a GPU, by tree on a CPU; compiled on a GPU, eager
     on a CPU), the reference pass run alike (compiled on a GPU too, where by default it is eager), both stages in one
-    precision regime (float32 weights under bf16 autocast on a GPU) over the first
-    STEP_ONE_ROWS rows of the first model's KTO data, then one step of STEP_ONE_BATCH rows: at step 1 the policy is the
-    reference, so its rewards and KL are 0 where both stages compute each sequence alike."""
+    precision regime (float32 weights under bf16 autocast on a GPU) over the first STEP_ONE_ROWS rows of the first
+    model's KTO data, then one step of STEP_ONE_BATCH rows: at step 1 the policy is the reference, so its rewards and
+    KL are 0 where both stages compute each sequence alike."""
     from kto_pipeline import PrecomputeConfig, precompute, train
 
     model, where = MODELS[device][0], work / "step-one-check"
@@ -419,8 +431,7 @@ def cell(res: dict | None, flops: Flops, batch: int, peak: float | None) -> str:
         left = "every timed step compiled" if compiled_steps == timed else f"{compiled_steps} compiling left out"
         text += f" (steps 2..{timed + 1}: {left})"
     compiled = res.get("compile") or {}
-    text += " (ran eagerly: compiling failed)" if compiled.get("eager_fallback") else ""
-    text += " (some shapes eagerly: past the recompile limit)" if compiled.get("recompile_limit") else ""
+    text += compile_notes(compiled)
     skips = compiled.get("cudagraph_skips")
     text += f" ({skips} graph(s) without CUDA graphs)" if skips else ""
     return f"{text}, {res['train_peak_mib']:,.0f} MiB"
@@ -592,8 +603,7 @@ def reference_table(results: dict, device: str, flops: dict, peak: float | None)
                 compiled = res.get("compile") or {}
                 if compiled:  # compiling the layers is part of the pass's seconds
                     text += f", {compiled['seconds']:.0f} s of its {res['ref_seconds']:.0f} s compiling"
-                text += " (ran eagerly: compiling failed)" if compiled.get("eager_fallback") else ""
-                text += " (some shapes eagerly: past the recompile limit)" if compiled.get("recompile_limit") else ""
+                text += compile_notes(compiled)
                 cells.append(text)
             rows.append((model, loss, *cells))
     return harness.table(header, rows)
