@@ -25,6 +25,8 @@ import pyarrow as pa
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.manifest import FORMAT_VERSION, READABLE_VERSIONS, Manifest
 
+VERIFIED_DIR_ENV = "KTO_PIPELINE_VERIFIED_DIR"  # where the marks of verified shards go (`verified_dir`)
+
 MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
 
@@ -88,6 +90,49 @@ def sha256_file(path: str | Path, into=None) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def sha256_matches(path: Path, expected: str, again: bool = False) -> bool:
+    """Whether the file at `path` has the sha256 `expected`, reading it only where no mark says it had it when last
+    read (or written) as it is now (path, size, modification time, inode); `again`: read it whatever the marks say.
+    A match leaves a mark (`verified_mark`), so a cache is read in full once, not by every run of a sweep."""
+    mark = None if again else verified_mark(path, expected)
+    if mark is not None and mark.exists():
+        return True
+    if sha256_file(path) != expected:
+        return False
+    remember_verified(path, expected)
+    return True
+
+
+def verified_mark(path: Path, sha256: str) -> Path | None:
+    """The empty file whose presence says `path` had `sha256` as it is now; None where it cannot be named."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{sha256}"
+    return verified_dir() / hashlib.sha256(key.encode()).hexdigest()[:40]
+
+
+def remember_verified(path: Path, sha256: str) -> None:
+    """Mark `path` as having `sha256` now (where the marks' folder cannot be written, nothing is remembered)."""
+    mark = verified_mark(path, sha256)
+    if mark is None:
+        return
+    try:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.touch()
+    except OSError:
+        pass
+
+
+def verified_dir() -> Path:
+    """Where the marks of verified shards go: $KTO_PIPELINE_VERIFIED_DIR, else kto-pipeline/verified in the user's
+    cache folder ($XDG_CACHE_HOME, else ~/.cache); never inside a cache, which may be shared or read-only."""
+    if os.environ.get(VERIFIED_DIR_ENV):
+        return Path(os.environ[VERIFIED_DIR_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kto-pipeline" / "verified"
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -181,7 +226,9 @@ def write_table(cache_dir: Path, name: str, table: pa.Table) -> dict[str, Any]:
         os.fsync(f.fileno())
     os.replace(tmp, final)
     _fsync_dir(final.parent)
-    return {"file": name, "rows": table.num_rows, "bytes": final.stat().st_size, "sha256": sha256_file(final)}
+    digest = sha256_file(final)
+    remember_verified(final, digest)  # read back from the disk: training need not read it again
+    return {"file": name, "rows": table.num_rows, "bytes": final.stat().st_size, "sha256": digest}
 
 
 def write_manifest(cache_dir: Path, manifest: dict[str, Any]) -> None:
@@ -217,8 +264,9 @@ def read_manifest(cache_dir: str | Path) -> Manifest:
 
 
 def check_cache(cache_dir: str | Path, manifest: Manifest, full: bool = False) -> list[str]:
-    """Problems with a cache, cheapest checks first: completeness, files, sizes, schema, row counts;
-    with `full`, also every shard's sha256 and the KL partner ids. An empty list means the cache is sound."""
+    """Problems with a cache, cheapest checks first: completeness, files, sizes, schema, row counts, the sha256 of
+    each shard not verified since it was written or last changed (`sha256_matches`); with `full`, every shard's
+    sha256 again, the keys files' and the KL partner and pair ids. An empty list means the cache is sound."""
     cache_dir = Path(cache_dir)
     problems = []
     if not manifest.complete:
@@ -243,7 +291,7 @@ def check_cache(cache_dir: str | Path, manifest: Manifest, full: bool = False) -
             continue
         if rows != shard["rows"]:
             problems.append(f"{shard['file']}: {rows} rows, the manifest says {shard['rows']}")
-        if full and sha256_file(path) != shard["sha256"]:
+        if not sha256_matches(path, shard["sha256"], again=full):
             problems.append(f"{shard['file']}: sha256 differs from the manifest (the file was altered or corrupted)")
     if not problems:
         problems += check_segments(cache_dir, manifest, full)

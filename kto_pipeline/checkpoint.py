@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.rundir import STATE_FILE, TrainerState
+from kto_pipeline.rundir import RUN_CONFIG_FILE, STATE_FILE, TrainerState
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -125,25 +125,35 @@ def list_checkpoints(out: Path) -> list[Path]:
 
 def resolve_resume(out: Path, resume: bool, resume_from: str | None, autoresume: bool = False) -> Path | None:
     """The checkpoint a run restarts from, or None to start: --autoresume's newest complete checkpoint in OUT
-    (falling back to --resume-from, then to a start), --resume-from's, or --resume's newest."""
+    (falling back to --resume-from, then to a start), --resume-from's (a checkpoint, or a run's output directory:
+    its newest), or --resume's newest."""
     if autoresume:
         found = list_checkpoints(out)
         if found:
             return found[-1]
     if resume_from:
         path = Path(resume_from)
+        if (path / RUN_CONFIG_FILE).exists():  # a run's output directory: its newest checkpoint
+            found = list_checkpoints(path)
+            if not found:
+                raise KTOPipelineError(
+                    f"--resume-from {path}: a run's output directory with no checkpoint in it (OUT/checkpoint-STEP, "
+                    "written every --save-steps). Start a new run, or --init-from it to train on from its final model."
+                )
+            return found[-1]
         if not (path / STATE_FILE).exists():
             raise KTOPipelineError(
                 f"--resume-from {path}: not a kto-pipeline checkpoint (no {STATE_FILE}). "
-                f"Point it at an OUT/checkpoint-STEP directory."
+                f"Point it at an OUT/checkpoint-STEP directory, or at a run's OUT (its newest checkpoint)."
             )
         return path
     if resume:
         found = list_checkpoints(out)
         if not found:
             raise KTOPipelineError(
-                f"--resume: {out} holds no checkpoint to resume from. Train with --save-steps N to write "
-                "checkpoints, or drop --resume to start over."
+                f"--resume: {out} holds no checkpoint to resume from (checkpoints are written every --save-steps). "
+                "To start it over: --overwrite-output-dir instead of --resume, or --autoresume, which starts again "
+                "an unfinished run of the same settings that wrote no checkpoint."
             )
         return found[-1]
     return None

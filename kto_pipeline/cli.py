@@ -97,8 +97,9 @@ def inspect_command(
     verify: Annotated[
         bool,
         typer.Option(
-            help="Also check every shard's sha256 (reads the whole cache) and, for rows with images, every image "
-            "against its pixel hash (reads the dataset's images)."
+            help="Check every shard's sha256 again (reads the whole cache; without it, the shards not verified "
+            "since they last changed) and, for rows with images, every image against its pixel hash (reads the "
+            "dataset's images)."
         ),
     ] = False,
 ) -> None:

@@ -15,6 +15,13 @@ class Preempted(KTOPipelineError):
     exit_code = PREEMPTED_EXIT
 
 
+class Interrupted(Preempted):
+    """Training stopped at a step boundary on Ctrl-C, its checkpoint written; the command line exits with 130, the
+    shell's status for a command ended by SIGINT."""
+
+    exit_code = 130
+
+
 def flag(name: str) -> str:
     """A config field's name as its command-line flag: loss_type -> --loss-type."""
     return "--" + name.replace("_", "-")

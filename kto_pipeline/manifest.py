@@ -8,6 +8,7 @@ and the files (schema, hashing, atomic writes, verification, memory-mapping) in 
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 FORMAT_VERSION = 2  # what this version writes for text data
@@ -35,6 +36,13 @@ class Manifest(dict):
     @property
     def shards(self) -> list[dict[str, Any]]:
         return self.get("shards", [])
+
+    @property
+    def content_id(self) -> str:
+        """What the cache's rows are, whatever its path: a hash of its shards' sha256s (a cache made again, or
+        appended to, has another; the same cache moved or copied, the same)."""
+        listed = sorted(f"{s['file']}:{s['sha256']}" for s in self.shards)
+        return "sha256:" + hashlib.sha256("\n".join(listed).encode()).hexdigest()
 
     @property
     def images(self) -> dict[str, Any] | None:

@@ -48,6 +48,7 @@ class TrainerState:
     pending_metrics: dict[str, list[float]] = field(default_factory=dict)
     run_config: dict[str, Any] | None = None
     distributed: dict[str, Any] | None = None  # how the run was spread: {"engine": "fsdp2", "world_size": 2}
+    cache_rows: dict[str, Any] | None = None  # the rows trained on: {"content_id", "rows"} (`Manifest.content_id`)
     # the final state only: this run's work (since a resume, if resumed)
     train_seconds: float | None = None
     tokens_executed: int | None = None  # tokens the forwards ran, padding included

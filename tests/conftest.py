@@ -15,6 +15,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 # tokenized datasets (precompute's datasets.map) go to a fresh cache per test session, not ~/.cache
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="kto-pipeline-tests-datasets-"))
+os.environ.setdefault("KTO_PIPELINE_VERIFIED_DIR", tempfile.mkdtemp(prefix="kto-pipeline-tests-verified-"))
 
 
 from helpers import unpaired_rows, write_jsonl

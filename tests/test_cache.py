@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -66,6 +67,48 @@ def test_flipped_byte_caught_by_verify(small_cache, tmp_path):
     with pytest.raises(KTOPipelineError, match="sha256 differs"):
         train(train_cfg(cache, tmp_path / "run", verify=True))
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_shard_is_read_once_then_again_after_it_changes_and_a_flipped_byte_is_refused(
+    small_cache, tmp_path, monkeypatch
+):
+    """Without --verify: a shard's sha256 is checked the first time it is read as it is now (a copied cache), not
+    by the runs after (a sweep), and again once it was written to: a flipped byte is refused before training."""
+    import kto_pipeline.cache as cache_module
+
+    cache, reads = copy_cache(small_cache, tmp_path / "c"), []
+    real = cache_module.sha256_file
+
+    def counted(path, into=None):  # the shards' reads (--verify reads the keys files too)
+        reads.extend([path] if Path(path).parent.name == "shards" else [])
+        return real(path, into)
+
+    monkeypatch.setattr(cache_module, "sha256_file", counted)
+    shards = len(read_manifest(cache).shards)
+    assert open_cache(cache) and len(reads) == shards  # a copy: every shard read
+    assert open_cache(cache) and inspect_cache(cache) == [] and len(reads) == shards  # marked: none again
+    assert open_cache(cache, verify=True) and len(reads) == 2 * shards  # --verify: every shard again
+    time.sleep(0.05)  # past the file system clock's tick: the write gives the shard another modification time
+    shard = first_shard(cache)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(KTOPipelineError, match="sha256 differs"):
+        train(train_cfg(cache, tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+    assert any("sha256 differs" in p for p in inspect_cache(cache))
+
+
+def test_precompute_marks_the_shards_it_wrote_as_verified(tmp_path, tiny_model_dir, monkeypatch):
+    """The shards precompute wrote are not read again by the first run on them."""
+    import kto_pipeline.cache as cache_module
+
+    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows(12))
+    config = PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c"), shard_size=4)
+    cache, reads = precompute(config), []
+    real = cache_module.sha256_file
+    monkeypatch.setattr(cache_module, "sha256_file", lambda path, into=None: reads.append(path) or real(path, into))
+    assert len(read_manifest(cache).shards) == 3 and open_cache(cache) and reads == []
 
 
 def test_missing_and_truncated_shards_refused_by_cheap_checks(small_cache, tmp_path):

@@ -4,6 +4,7 @@ continues from the newest checkpoint or starts. The multi-process versions (FSDP
 SIGKILLed under torchrun --max-restarts) are in tests/test_fsdp.py."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,10 +34,11 @@ def _signal_after_step(monkeypatch, step: int, sig: signal.Signals) -> None:
     monkeypatch.setattr(train_stage, "after_step", after_step_then_signal)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
 def test_a_stop_signal_checkpoints_the_step_and_autoresume_equals_the_uninterrupted_run(
     small_cache, tmp_path, monkeypatch, sig
 ):
+    """SIGTERM, SIGUSR1 (a scheduler) and Ctrl-C (SIGINT, exit status 130) alike."""
     from safetensors.torch import load_file
 
     train(train_config(small_cache, tmp_path / "full", **RUN))
@@ -44,7 +46,7 @@ def test_a_stop_signal_checkpoints_the_step_and_autoresume_equals_the_uninterrup
     _signal_after_step(monkeypatch, 3, sig)
     with pytest.raises(Preempted, match=rf"{sig.name} received: stopped at step 3 of 6") as stopped:
         train(train_config(small_cache, out, **RUN))
-    assert stopped.value.exit_code == 75
+    assert stopped.value.exit_code == (130 if sig == signal.SIGINT else 75)
     assert "autoresume=True" in str(stopped.value)  # called from Python: the API's way to continue
     assert (out / "checkpoint-3" / "trainer_state.json").exists()  # not a --save-steps step: written for the stop
     assert not (out / "model.safetensors").exists() and not (out / "trainer_state.json").exists()
@@ -73,6 +75,59 @@ def test_handlers_are_given_back():
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.agreed(None) == "SIGUSR1"  # the first one received
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
+
+
+def test_a_second_ctrl_c_stops_at_once(capfd):
+    """Training's first Ctrl-C is a stop request, said at once; the second raises KeyboardInterrupt there."""
+    before = signal.getsignal(signal.SIGINT)
+    with StopRequests(interactive=True) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agreed(None) == "SIGINT"
+        assert "Ctrl-C: stopping after this step, with a checkpoint" in capfd.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # (the handler runs between two bytecodes)
+    assert signal.getsignal(signal.SIGINT) == before
+    with StopRequests() as stop:  # precompute's: Ctrl-C interrupts at once, its written shards kept
+        assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_resume_from_a_runs_directory_takes_its_newest_checkpoint(small_cache, tmp_path, capsys):
+    done = tmp_path / "done"
+    train(train_config(small_cache, done, max_steps=4, save_steps=2))
+    train(train_config(small_cache, tmp_path / "more", max_steps=6, resume_from=str(done)))
+    assert f"resuming from {done / 'checkpoint-4'} at step 4" in capsys.readouterr().out
+    train(train_config(small_cache, tmp_path / "none", max_steps=2))
+    with pytest.raises(KTOPipelineError, match="a run's output directory with no checkpoint in it"):
+        train(train_config(small_cache, tmp_path / "x", max_steps=4, resume_from=str(tmp_path / "none")))
+
+
+def test_resume_knows_the_cache_by_its_rows_not_its_path(small_cache, tmp_path, tiny_model_dir):
+    """The same cache spelled otherwise or moved continues; a cache made again in place with other rows does not."""
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    shutil.copytree(small_cache, cache)
+    train(train_config(cache, out, max_steps=4, save_steps=2))
+    train(train_config(f"{cache}/", out, max_steps=4, save_steps=2, resume=True))  # (finished: nothing to do)
+    moved = cache.rename(tmp_path / "moved")
+    train(train_config(moved, out, max_steps=6, save_steps=2, resume=True))
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    data = write_jsonl(tmp_path / "other.jsonl", unpaired_rows(30))
+    precompute(
+        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(moved), max_length=64, overwrite=True)
+    )
+    with pytest.raises(KTOPipelineError, match=r"not the rows the checkpoint trained on \(24 rows then, 30 now\)"):
+        train(train_config(moved, out, max_steps=8, save_steps=2, resume=True))
+
+
+def test_a_busy_output_dir_says_how_to_continue_it(small_cache, tmp_path):
+    out = tmp_path / "run"
+    train(train_config(small_cache, out, max_steps=2, save_steps=2))
+    with pytest.raises(KTOPipelineError, match="newest checkpoint is checkpoint-2: --resume continues from there"):
+        train(train_config(small_cache, out, max_steps=4))
+    shutil.rmtree(out / "checkpoint-2")
+    (out / "trainer_state.json").unlink()  # an unfinished run that wrote no checkpoint
+    with pytest.raises(KTOPipelineError, match="unfinished run of these settings.*--autoresume starts it again"):
+        train(train_config(small_cache, out, max_steps=2, save_steps=2))
 
 
 def test_autoresume_starts_a_run_continues_it_and_refuses_another_runs_dir(small_cache, tmp_path):

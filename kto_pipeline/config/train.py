@@ -236,7 +236,11 @@ class TrainConfig(ConfigMixin):
         default=False, **described("Resume from the newest checkpoint in --output-dir.", panel=CHECKPOINTS)
     )
     resume_from: str | None = field(
-        default=None, **described("Resume from this checkpoint directory.", panel=CHECKPOINTS)
+        default=None,
+        **described(
+            "Resume from this checkpoint directory (OUT/checkpoint-STEP), or from a run's OUT: its newest checkpoint.",
+            panel=CHECKPOINTS,
+        ),
     )
     autoresume: bool = field(
         default=False,
@@ -244,7 +248,7 @@ class TrainConfig(ConfigMixin):
             "Resume from the newest complete checkpoint in --output-dir if there is one (else from --resume-from, "
             "else start): the same command starts a run and continues it after a preemption or a crash, so "
             "`torchrun --max-restarts N` brings a run back by itself. A run stopped by SIGTERM or SIGUSR1 writes a "
-            "checkpoint and exits with status 75.",
+            "checkpoint and exits with status 75; Ctrl-C, at the end of its step, with status 130.",
             panel=CHECKPOINTS,
         ),
     )
@@ -305,7 +309,8 @@ class TrainConfig(ConfigMixin):
     verify: bool = field(
         default=False,
         **described(
-            "Check every shard's sha256 before training (reads the whole cache once). Cheap checks always run.",
+            "Check every shard's sha256 again before training (reads the whole cache), and every KL partner id. "
+            "Without it the cheap checks run, and the sha256 of each shard not verified since it last changed.",
             panel=MODEL_AND_DATA,
         ),
     )

@@ -7,11 +7,13 @@ signals only note the request (`StopRequests`). At each step boundary (train: ev
 every round of shards) the processes agree whether any of them was asked, in one small collective, so that all
 stop at the same step: train writes a checkpoint there, precompute keeps the shards written so far, and the
 stage ends with `errors.Preempted`, which the command line turns into exit status 75 (`PREEMPTED_EXIT`) and a
-message with the command that continues the run.
+message with the command that continues the run. Training takes Ctrl-C (SIGINT) as a stop request too (exit
+status 130, as an interrupted command's), where it would otherwise lose the steps since the last checkpoint.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import sys
@@ -21,20 +23,29 @@ from pathlib import Path
 import torch
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+INTERRUPT_NOTE = (
+    b"\nCtrl-C: stopping after this step, with a checkpoint to continue from. Ctrl-C again stops at once, losing "
+    b"the steps since the last checkpoint.\n"
+)
 
 
 class StopRequests:
     """Within `with StopRequests() as stop:` SIGTERM and SIGUSR1 are noted instead of ending the process (their
     previous handlers come back on exit). `stop.agreed(device)` is a collective: every process calls it at the same
-    step boundary and gets the signal any of them received (its name), or None."""
+    step boundary and gets the signal any of them received (its name), or None.
 
-    def __init__(self) -> None:
+    `interactive` (training, where an interruption would lose every step since the last checkpoint): Ctrl-C
+    (SIGINT) is a stop request too, said at once; a second Ctrl-C stops at once (KeyboardInterrupt)."""
+
+    def __init__(self, interactive: bool = False) -> None:
         self.received: int = 0  # the first signal's number; 0: none
+        self.signals = (*STOP_SIGNALS, signal.SIGINT) if interactive else STOP_SIGNALS
+        self._ctrl_c = False
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():  # Python handles signals in the main thread only
-            for sig in STOP_SIGNALS:
+            for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._note)
         return self
 
@@ -44,6 +55,12 @@ class StopRequests:
         self._previous.clear()
 
     def _note(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT:
+            if self._ctrl_c:
+                raise KeyboardInterrupt
+            self._ctrl_c = True
+            if os.environ.get("RANK", "0") == "0":  # (a terminal's Ctrl-C reaches every process of a launch)
+                os.write(2, INTERRUPT_NOTE)  # (a signal handler may not use sys.stderr's buffer)
         self.received = self.received or signum
 
     def agreed(self, device: torch.device) -> str | None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kto_pipeline.checkpoint import list_checkpoints
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.lock import holds_files
+from kto_pipeline.manifest import Manifest
 from kto_pipeline.objectives import objective_for
-from kto_pipeline.rundir import finished_at, run_config
+from kto_pipeline.rundir import TrainerState, finished_at, run_config
 
 
 def check_output_dir(out: Path, config: TrainConfig) -> None:
@@ -19,13 +21,17 @@ def check_output_dir(out: Path, config: TrainConfig) -> None:
         return
     if config.autoresume and same_unfinished_run(out, config):
         return
+    if config.autoresume:
+        why = " (--autoresume found no checkpoint in it, and it is not an unfinished run of these settings.)"
+    elif found := list_checkpoints(out):
+        why = f" Its newest checkpoint is {found[-1].name}: --resume continues from there."
+    elif same_unfinished_run(out, config):
+        why = " It holds an unfinished run of these settings that wrote no checkpoint: --autoresume starts it again."
+    else:
+        why = ""
     raise KTOPipelineError(
         f"--output-dir {out} is not empty. Choose a new directory, or pass --overwrite-output-dir to write into it."
-        + (
-            " (--autoresume found no checkpoint in it, and it is not an unfinished run of these settings.)"
-            if config.autoresume
-            else ""
-        )
+        + why
     )
 
 
@@ -34,7 +40,18 @@ def same_unfinished_run(out: Path, config: TrainConfig) -> bool:
     saved = run_config(out)
     if not saved or finished_at(out) is not None:
         return False
-    return all(saved.get(k) == getattr(config, k) for k in RESUME_INVARIANTS)
+    return all(same_setting(k, saved.get(k), getattr(config, k)) for k in RESUME_INVARIANTS)
+
+
+PATH_SETTINGS = ("cache", "model")  # a directory (or a hub id, for the model): the same however it is spelled
+
+
+def same_setting(name: str, saved, now) -> bool:
+    """Whether a run's saved setting and this one's are the same: paths compared as the directories they name
+    (`cache_dir`, `./cache_dir/` and its absolute path alike), other values as they are."""
+    if name in PATH_SETTINGS and isinstance(saved, str) and isinstance(now, str) and saved != now:
+        return Path(saved).exists() and Path(now).exists() and Path(saved).resolve() == Path(now).resolve()
+    return saved == now
 
 
 # settings that fix what a checkpoint's step and data position mean; resuming with others would be wrong
@@ -51,12 +68,24 @@ RESUME_INVARIANTS = (
 )
 
 
-def check_resume_compatible(saved: dict, config: TrainConfig, path: Path) -> None:
+def check_resume_compatible(state: TrainerState, config: TrainConfig, path: Path, manifest: Manifest) -> None:
+    """A checkpoint continues only with the settings that fix what its step and data position mean, and on the
+    rows it trained on: the cache it read, by content (moved or copied, the same; made again or appended to since,
+    another), where the checkpoint recorded it (else by its path)."""
+    saved, rows = state.run_config or {}, state.cache_rows
+    by_content = rows is not None and "cache" in saved
     diff = [
         f"--{k.replace('_', '-')}: checkpoint {saved[k]!r}, now {getattr(config, k)!r}"
         for k in RESUME_INVARIANTS
-        if k in saved and saved[k] != getattr(config, k)
+        if k in saved and not (k == "cache" and by_content) and not same_setting(k, saved[k], getattr(config, k))
     ]
+    if by_content and rows["content_id"] != manifest.content_id:
+        rows_now = sum(s["rows"] for s in manifest.shards)
+        diff.append(
+            f"--cache {config.cache}: not the rows the checkpoint trained on ({rows['rows']} rows then, {rows_now} "
+            "now): "
+            "the cache was made again or appended to since"
+        )
     # a pair loss's batches count pairs, KTO's rows: another data position
     was, now = objective_for(saved.get("loss_type", "kto")).unit, objective_for(config.loss_type).unit
     if was != now:

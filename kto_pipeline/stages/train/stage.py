@@ -41,7 +41,7 @@ from kto_pipeline.checkpoint import (
     skip_model_weights_in_accelerate_state,
 )
 from kto_pipeline.config import TrainConfig
-from kto_pipeline.errors import KTOPipelineError, Preempted
+from kto_pipeline.errors import Interrupted, KTOPipelineError, Preempted
 from kto_pipeline.hub import push_run
 from kto_pipeline.lock import main_process_lock
 from kto_pipeline.model_card import write_model_card
@@ -307,7 +307,7 @@ def resume(run: Run) -> TrainResult | None:
         return None
     config, p, resume_dir = run.config, run.progress, run.resume_dir
     state = load_checkpoint(run.engine, run.scorer, run.optimizer, resume_dir)
-    check_resume_compatible(state.run_config or {}, config, resume_dir)
+    check_resume_compatible(state, config, resume_dir, run.manifest)
     p.global_step, p.epoch, p.skip_batches = state.global_step, state.epoch_index, state.batches_in_epoch
     p.epoch_index, p.batches_in_epoch = state.epoch_index, state.batches_in_epoch
     p.fractional_epoch, p.history = state.epoch, state.log_history
@@ -369,13 +369,13 @@ def prepare_output_dir(run: Run) -> None:
 
 def fit(run: Run) -> None:
     """The loop: micro-batches accumulate into optimizer steps until the run's last step. A stop request (SIGTERM,
-    SIGUSR1: a scheduler preempting the run) is acted on at the next step boundary, all processes together."""
+    SIGUSR1: a scheduler preempting the run; Ctrl-C) is acted on at the next step boundary, all processes together."""
     accelerator, p = run.accelerator, run.progress
     steps, shown = dict(total=run.total_steps, initial=p.global_step), shows_progress(accelerator)
     bar = tqdm(**steps, desc="train", unit="step", disable=not shown)
     p.started = p.step_started = time.perf_counter()
     run.scorer.train()
-    with StopRequests() as stop, StepCasts(run.scorer, run.regime, run.engine, run.config) as casts:
+    with StopRequests(interactive=True) as stop, StepCasts(run.scorer, run.regime, run.engine, run.config) as casts:
         while p.global_step < run.total_steps:
             run.sampler.use_epoch(p.epoch)
             batches = accelerator.skip_first_batches(run.loader, p.skip_batches) if p.skip_batches else run.loader
@@ -479,7 +479,8 @@ def write_checkpoint(run: Run) -> Path:
 
 def stop_here(run: Run, signal_name: str) -> None:
     """Every process received a stop request at this step boundary: write this step's checkpoint (unless it was
-    just written), let go of what the run holds, and end with `Preempted` (the command line's exit status 75)."""
+    just written), let go of what the run holds, and end with `Preempted` (the command line's exit status 75; on
+    Ctrl-C `Interrupted`, 130)."""
     p = run.progress
     path = run.out / f"checkpoint-{p.global_step}"
     if not _checkpoint_due(run.config, p.global_step, last_step=False):
@@ -487,7 +488,8 @@ def stop_here(run: Run, signal_name: str) -> None:
     if run.trackers:
         run.accelerator.end_training()
     run.engine.close(run.scorer)
-    raise Preempted(
+    stopped = Interrupted if signal_name == "SIGINT" else Preempted
+    raise stopped(
         f"{signal_name} received: stopped at step {p.global_step} of {run.total_steps}, its checkpoint written "
         f"({path}). Continue with {continue_command('--autoresume', unless=('--resume',))}."
     )
@@ -505,6 +507,7 @@ def trainer_state(run: Run) -> TrainerState:
         log_history=p.history,
         pending_metrics=dict(p.log.values),
         distributed=run.engine.record(),
+        cache_rows=dict(content_id=run.manifest.content_id, rows=sum(s["rows"] for s in run.manifest.shards)),
     )
 
 
