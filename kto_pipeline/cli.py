@@ -247,17 +247,25 @@ def _close_process_group(finished: bool) -> None:
 
 def trl_spellings(argv: list[str]) -> list[str]:
     """`argv` with trl's option spellings (`--per_device_train_batch_size`, `--no_bf16`, `--output_dir=DIR`) in
-    ours, hyphens for underscores, as trl's parser takes both; only where the hyphenated name is an option of a
-    command, and nothing after a bare `--`."""
+    ours, hyphens for underscores, as trl's parser takes both, and trl's names for options of ours
+    (`--model_name_or_path`, `--resume_from_checkpoint`: recipe.TRL_NAMES) as ours; only where the result is an
+    option of a command, and nothing after a bare `--`."""
+    from kto_pipeline.recipe import TRL_NAMES
+
     group = typer.main.get_command(app)
     known = {opt for command in group.commands.values() for p in command.params for opt in (*p.opts, *p.secondary_opts)}
+    theirs = {f"--{k.replace('_', '-')}": f"--{v.replace('_', '-')}" for k, v in TRL_NAMES.items()}
     out = list(argv)
     for i, arg in enumerate(argv):
         if arg == "--":
             break
         name, equals, value = arg.partition("=")
-        if name.startswith("--") and "_" in name and (hyphenated := name.replace("_", "-")) in known:
-            out[i] = hyphenated + equals + value
+        if not name.startswith("--"):
+            continue
+        hyphenated = name.replace("_", "-")
+        ours = theirs.get(hyphenated, hyphenated) if hyphenated not in known else hyphenated
+        if ours != name and ours in known:
+            out[i] = ours + equals + value
     return out
 
 

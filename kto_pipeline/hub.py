@@ -36,6 +36,6 @@ def push_run(out: Path, hub_model_id: str | None, api=None) -> str:
     except Exception as exc:  # unreachable hub, no token, no rights: the run itself is complete on disk
         raise KTOPipelineError(
             f"--push-to-hub: the run is saved in {out}, but uploading it to {repo} failed ({type(exc).__name__}: "
-            f"{exc}). Push it later with `huggingface-cli upload {repo} {out}`."
+            f"{exc}). Push it later with `hf upload {repo} {out}` (huggingface_hub's command line)."
         ) from None
     return repo

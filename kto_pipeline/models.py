@@ -35,7 +35,8 @@ def is_gguf(name: str) -> bool:
 
 def check_model_path(name: str, flag: str) -> None:
     path = Path(name).expanduser()
-    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or is_gguf(name)
+    # a hub id is `name` or `owner/name`: a trailing slash, or more than one, names a local path
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/") or is_gguf(name)
     if looks_local and not path.exists():
         what = "file" if is_gguf(name) else "directory"
         raise KTOPipelineError(f"{flag} {name}: no such {what}. Pass a local model directory or a hub id.")
@@ -46,6 +47,11 @@ def check_model_path(name: str, flag: str) -> None:
                 "(or `pip install 'kto-pipeline[gguf]'`), or pass a Hugging Face model directory."
             )
         return
+    if path.is_file():
+        raise KTOPipelineError(
+            f"{flag} {name}: a file, not a model directory. Pass the directory a model was saved in "
+            "(save_pretrained: config.json and the weights), a hub id, or a .gguf file."
+        )
     if path.exists() and not ((path / "config.json").exists() or (path / "adapter_config.json").exists()):
         raise KTOPipelineError(
             f"{flag} {name}: the directory has no config.json (nor adapter_config.json), so it is not a saved model."
@@ -78,7 +84,7 @@ def _check_hub_reachable(name: str, flag: str) -> None:
         raise KTOPipelineError(
             f"{flag} {name}: this looks like a hub id, but the Hugging Face Hub ({endpoint.hostname}) cannot be "
             f"reached ({exc.strerror or exc}) and the model is not in the local cache. On a machine with network, "
-            f"`huggingface-cli download {name} --local-dir DIR`, copy DIR here and pass {flag} DIR."
+            f"`hf download {name} --local-dir DIR` (huggingface_hub's command line), copy DIR here and pass {flag} DIR."
         ) from None
 
 
@@ -107,6 +113,13 @@ def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bo
             source, revision=revision, trust_remote_code=trust_remote_code, **extra
         )
     except Exception as exc:
+        path = Path(name).expanduser()
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if path.is_dir() and not any((path / f).exists() for f in tokenizer_files):
+            raise KTOPipelineError(
+                f"{flag} {name}: the directory has no tokenizer ({', '.join(tokenizer_files)}). Save the tokenizer "
+                "beside the model (`tokenizer.save_pretrained(DIR)`)."
+            ) from exc
         raise KTOPipelineError(f"{flag} {name}: could not load its tokenizer ({type(exc).__name__}: {exc})") from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # as trl does; padding is masked out anyway

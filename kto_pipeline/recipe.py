@@ -41,6 +41,7 @@ TRL_NAMES = {
     "torch_dtype": "dtype",
     "dataset_num_proc": "num_proc",
     "precompute_ref_batch_size": "batch_size",
+    "resume_from_checkpoint": "resume_from",  # (TrainingArguments': trl's scripts pass it to trainer.train)
 }
 # trl's keys with no counterpart here: read, and said to have no effect (a trl YAML runs as it is)
 TRL_UNUSED = {

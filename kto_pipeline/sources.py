@@ -78,7 +78,16 @@ def load_source(name: str, split: str = "train", config: str | None = None):
         if bad_line:
             raise KTOPipelineError(f"--dataset {name}: {bad_line}. Fix or remove that line.") from exc
         cause = f"; {type(exc.__cause__).__name__}: {exc.__cause__}" if exc.__cause__ else ""
-        raise KTOPipelineError(f"--dataset {name}: could not load it ({type(exc).__name__}: {exc}{cause})") from exc
+        hint = ""
+        if not path.exists():  # a hub id
+            hint = (
+                ". Where the Hugging Face Hub cannot be reached, download it on a machine with network (`hf download "
+                f"{name} --repo-type dataset --local-dir DIR`, huggingface_hub's command line), copy DIR here and "
+                "pass --dataset DIR"
+            )
+        raise KTOPipelineError(
+            f"--dataset {name}: could not load it ({type(exc).__name__}: {exc}{cause}){hint}"
+        ) from exc
 
 
 def _first_bad_json_line(path: Path) -> str | None:

@@ -115,17 +115,21 @@ def test_demo_learns(tmp_path):
 
 def test_the_command_line_takes_trls_underscore_spellings(tiny_model_dir, unpaired_file, tmp_path, monkeypatch):
     """trl's parser takes `--max_length` as `--max-length`: so does ours, for every option of every command (and
-    `--no_` for a flag's negation), never after a bare `--` nor for what is no option."""
+    `--no_` for a flag's negation), never after a bare `--` nor for what is no option; trl's names for options of
+    ours (`--resume_from_checkpoint`, `--model_name_or_path`) too."""
     from kto_pipeline.cli import main, trl_spellings
 
     argv = ["train", "--per_device_train_batch_size", "4", "--output_dir=x", "--no_gradient_checkpointing"]
-    argv += ["--not_an_option", "a_b", "--", "--max_length"]
+    argv += ["--resume_from_checkpoint", "c", "--model-name-or-path=m", "--not_an_option", "a_b", "--", "--max_length"]
     assert trl_spellings(argv) == [
         "train",
         "--per-device-train-batch-size",
         "4",
         "--output-dir=x",
         "--no-gradient-checkpointing",
+        "--resume-from",  # trl's names for options of ours
+        "c",
+        "--model=m",
         "--not_an_option",
         "a_b",
         "--",

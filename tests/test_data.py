@@ -120,3 +120,15 @@ def test_mixed_standard_and_conversational_rows_are_explained():
         normalize(Dataset.from_list([{"prompt": conv, "completion": " hello", "label": True}]))
     with pytest.raises(KTOPipelineError, match="row 0: 'completion' must be a string or a non-empty list"):
         normalize(Dataset.from_list([{"prompt": "hi", "completion": [], "label": True}]))
+
+
+def test_messages_without_content_are_refused_naming_their_keys():
+    """`{"role", "text"}` messages (a misspelt key) would render as empty turns: refused, as a column and row by row."""
+    user, answer = [{"role": "user", "text": "hi"}], [{"role": "assistant", "text": "hello"}]
+    with pytest.raises(KTOPipelineError, match=r"row 0: 'prompt' must be .* messages with the keys \['role', 'text'\]"):
+        normalize(Dataset.from_list([{"prompt": user, "completion": answer, "label": True}]))
+    # among rows with content (one Arrow struct of role, content, text): the row that has none
+    good = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}
+    rows = [{**good, "label": True}, {"prompt": user, "completion": answer, "label": False}]
+    with pytest.raises(KTOPipelineError, match=r"row 1: 'prompt' must be .* messages with the keys \['role', 'text'\]"):
+        normalize(Dataset.from_list(rows))

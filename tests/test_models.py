@@ -38,7 +38,7 @@ def test_hub_id_without_network_fails_fast_and_says_how_to_pass_a_directory(tmp_
     assert result.returncode == 1 and "Traceback" not in result.stderr
     err = result.stderr
     assert err.startswith("error: --model some-org/some-model: ") and err.count("\n") == 1
-    assert "cannot be reached" in err and "--model DIR" in err and "huggingface-cli download some-org/some-model" in err
+    assert "cannot be reached" in err and "--model DIR" in err and "hf download some-org/some-model" in err
     assert not (tmp_path / "c").exists()
 
 
@@ -65,3 +65,17 @@ def test_missing_gguf_file_is_named(tmp_path):
 def test_directory_without_config_is_not_a_model(tmp_path):
     with pytest.raises(KTOPipelineError, match="has no config.json"):
         load_model(str(tmp_path), dtype=None)
+
+
+def test_a_file_a_trailing_slash_and_a_model_without_its_tokenizer_are_named(tmp_path, tiny_model_dir):
+    import shutil
+
+    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows(4))
+    with pytest.raises(KTOPipelineError, match=r"d\.jsonl: a file, not a model directory"):
+        load_tokenizer(str(data))
+    with pytest.raises(KTOPipelineError, match="missing/: no such directory"):  # not read as a hub id
+        load_tokenizer("missing/")
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    with pytest.raises(KTOPipelineError, match=r"bare: the directory has no tokenizer .*save_pretrained"):
+        load_tokenizer(str(bare))

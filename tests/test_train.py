@@ -270,3 +270,28 @@ def test_length_grouped_sampler_is_a_seeded_permutation_with_sorted_groups():
     assert list(sampler) != order
     plain = EpochSampler(103, seed=3, shuffle=True)
     assert sorted(list(plain)) == list(range(103)) and list(plain) != order
+
+
+def test_a_model_other_than_the_caches_reference_is_noted(small_cache, tiny_model_dir, tmp_path, capsys):
+    """--model naming another model than the reference's (here a copy elsewhere) says the policy may start away from
+    its reference; the reference's own directory, however spelled, says nothing."""
+    import shutil
+
+    reference = open_cache(small_cache).manifest.reference_model
+    train(cfg(small_cache, tmp_path / "same", max_steps=1, model=f"{reference}/"))
+    assert "is not the model the cache's reference log-probs came from" not in capsys.readouterr().out
+    other = shutil.copytree(tiny_model_dir, tmp_path / "other")
+    train(cfg(small_cache, tmp_path / "other-run", max_steps=1, model=str(other)))
+    assert (
+        f"note: --model {other} is not the model the cache's reference log-probs came from" in capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize("inside", ["", "runs/a"])
+def test_an_output_dir_inside_the_cache_is_refused(small_cache, tmp_path, inside):
+    import shutil
+
+    cache = shutil.copytree(small_cache, tmp_path / "cache")
+    with pytest.raises(KTOPipelineError, match="is inside the cache --cache .*Choose a directory outside the cache"):
+        train(cfg(cache, cache / inside, max_steps=1, overwrite_output_dir=True))
+    assert open_cache(cache, verify=True) and not (cache / "model.safetensors").exists()

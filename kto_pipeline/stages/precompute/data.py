@@ -149,6 +149,9 @@ def _column_kind(name: str, column) -> str:
 
 def _bad_text(name: str, row: int, value: Any) -> None:
     got = "an empty list" if value == [] else "None" if value is None else type(value).__name__
+    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        keys = sorted({k for m in value for k, v in m.items() if v is not None})
+        got = f"messages with the keys {keys}"
     raise KTOPipelineError(
         f"row {row}: '{_key(name)}' must be a string or a non-empty list of {{role, content}} messages, got {got}."
     )
@@ -185,7 +188,9 @@ def _text_kind(arrow_type) -> str | None:
         return "string"
     if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
         item = arrow_type.value_type
-        if pa.types.is_null(item) or (pa.types.is_struct(item) and item.get_field_index("role") >= 0):
+        if pa.types.is_null(item) or (
+            pa.types.is_struct(item) and item.get_field_index("role") >= 0 and item.get_field_index("content") >= 0
+        ):
             return "messages"  # list<null>: every list empty (allowed for prompts; completions are checked)
     return None
 
@@ -200,7 +205,14 @@ def _first(mask) -> int | None:
 
 
 def is_conversational(value: Any) -> bool:
-    return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict) and "role" in value[0]
+    """A non-empty list of {role, content} messages (a message may have no content, an assistant's tool calls;
+    not every one)."""
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(isinstance(m, dict) and "role" in m for m in value)
+        and any(m.get("content") is not None for m in value)
+    )
 
 
 def extract_prompt(chosen, rejected):

@@ -1,4 +1,5 @@
-"""Stage 2's checks of where a run starts: its output directory, and a checkpoint it resumes from."""
+"""Stage 2's checks of where a run starts: its output directory, the policy's first weights, and a checkpoint it
+resumes from."""
 
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ def check_output_dir(out: Path, config: TrainConfig) -> None:
     """A run starts in an empty directory, or with --overwrite-output-dir; with --autoresume also in the directory
     of an unfinished run of the same settings that wrote no checkpoint yet (it starts that run again)."""
     # (a file at --output-dir is refused by the lock, taken before this check)
+    where = out.resolve()
+    for flag_name, cache in (("--cache", config.cache), ("--eval-cache", config.eval_cache)):
+        if cache is not None and (where == Path(cache).resolve() or Path(cache).resolve() in where.parents):
+            raise KTOPipelineError(
+                f"--output-dir {out} is inside the cache {flag_name} {cache}: a run writes its model, metrics and "
+                "checkpoints there. Choose a directory outside the cache."
+            )
     if not out.is_dir() or not holds_files(out) or config.overwrite_output_dir:  # our own lock does not count
         return
     if config.autoresume and same_unfinished_run(out, config):
@@ -52,6 +60,19 @@ def same_setting(name: str, saved, now) -> bool:
     if name in PATH_SETTINGS and isinstance(saved, str) and isinstance(now, str) and saved != now:
         return Path(saved).exists() and Path(now).exists() and Path(saved).resolve() == Path(now).resolve()
     return saved == now
+
+
+def policy_start_note(config: TrainConfig, manifest: Manifest) -> str | None:
+    """A note where --model names another model than the one the cache's reference log-probs came from: the
+    policy then starts away from its reference (trl's setting with a ref_model other than the model)."""
+    reference = manifest.reference_model
+    if config.model is None or same_setting("model", config.model, reference):
+        return None
+    return (
+        f"note: --model {config.model} is not the model the cache's reference log-probs came from ({reference}). "
+        "Unless it holds the same weights, the policy starts away from its reference and step 1's rewards are not "
+        "0. Without --model, training starts from the reference."
+    )
 
 
 # settings that fix what a checkpoint's step and data position mean; resuming with others would be wrong

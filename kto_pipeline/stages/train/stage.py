@@ -63,7 +63,7 @@ from kto_pipeline.runtime.precision import Regime, StepCasts, check_regime, poli
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported, request_attention_kernel
 from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer
-from kto_pipeline.stages.train.checks import check_output_dir, check_resume_compatible
+from kto_pipeline.stages.train.checks import check_output_dir, check_resume_compatible, policy_start_note
 from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
 
 
@@ -179,6 +179,8 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
         print0(accelerator, warning)
     print0(accelerator, f"policy: {regime}, {engine}")
     init = init_point(config, cache.manifest, accelerator)
+    if note := policy_start_note(config, cache.manifest):
+        print0(accelerator, note)
     tokenizer, model, aux_coef = load_policy(config, cache.manifest, init, engine)
     padded_because, kernel = packing_unsupported(model), None
     if padded_because is None:  # (asked of the model in training mode, as its steps will run)
