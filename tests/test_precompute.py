@@ -160,6 +160,14 @@ def test_conversational_and_paired(tmp_path, tiny_model_dir):
     assert [r["label"] for r in rows] == [True, False] * 5
 
 
+def test_unpaired_and_paired_columns_together_are_read_as_unpaired_and_said(tmp_path, tiny_model_dir, capsys):
+    both = [dict(r, chosen=" good", rejected=" bad") for r in unpaired_rows(6)]
+    data = write_jsonl(tmp_path / "both.jsonl", both)
+    out = precompute(PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c")))
+    assert len(read_rows(out)) == 6
+    assert "its rows are read as unpaired, and chosen and rejected are not used" in capsys.readouterr().out
+
+
 def test_rerun_same_inputs_does_nothing(small_cache, tiny_model_dir, capsys):
     manifest = json.loads((small_cache / "manifest.json").read_text())
     before = {s["file"]: (small_cache / s["file"]).stat().st_mtime_ns for s in manifest["shards"]}

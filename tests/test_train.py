@@ -179,6 +179,8 @@ def test_imbalance_warning_matches_trl_rule():
     assert imbalance_warning(100, 100, 1.0, 1.0) is None
     assert imbalance_warning(100, 120, 1.3, 1.0) is None  # 1.3 * 100 / 120 is in [1, 4/3]
     assert "[1.2, 1.6]" in imbalance_warning(100, 120, 1.1, 1.0)
+    assert "with no undesirable rows, KTO's undesirable term is absent" in imbalance_warning(24, 0, 1.0, 1.0)
+    assert "no weight balances" in imbalance_warning(0, 5, 1.0, 1.0)
     msg = imbalance_warning(100, 300, 1.0, 1.0)
     assert "--desirable-weight in [3.0, 3.99]" in msg and "--undesirable-weight in [0.25, 0.33]" in msg
     assert imbalance_warning(100, 300, 3.5, 1.0) is None

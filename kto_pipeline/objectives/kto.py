@@ -314,8 +314,16 @@ class Collator:
 
 
 def imbalance_warning(num_desirable: int, num_undesirable: int, desirable_weight: float, undesirable_weight: float):
-    """trl's advice (KTO paper eq. 8): desirable_weight * n_D / (undesirable_weight * n_U) in [1, 4/3]."""
-    n_d, n_u = max(num_desirable, 1), max(num_undesirable, 1)
+    """trl's advice (KTO paper eq. 8): desirable_weight * n_D / (undesirable_weight * n_U) in [1, 4/3]. With rows
+    of one kind only, no weight balances them: that is said instead."""
+    if min(num_desirable, num_undesirable) == 0:
+        missing, present = ("undesirable", "desirable") if num_undesirable == 0 else ("desirable", "undesirable")
+        return (
+            f"the data has {num_desirable} desirable and {num_undesirable} undesirable rows: with no {missing} "
+            f"rows, KTO's {missing} term is absent and training moves only the {present} rows' rewards against the "
+            "KL estimate (no weight balances this). Label some rows the other way for KTO's contrast."
+        )
+    n_d, n_u = num_desirable, num_undesirable
     if n_d == n_u:
         return None
     d_lo = round(n_u * undesirable_weight / n_d, 2)

@@ -271,6 +271,11 @@ def _preprocess(config: PrecomputeConfig, tokenizer, out: Path, base: Manifest |
     tokenized; None when the cache holds them all."""
     source = load_source(config.dataset, config.split, config.dataset_config)
     layout = check_source(source)  # seconds, even for millions of rows: columns, types, nulls, labels
+    if layout == "unpaired" and {"chosen", "rejected"} <= set(source.column_names):
+        print(
+            "note: the dataset has unpaired (completion, label) and paired (chosen, rejected) columns: its rows are "
+            "read as unpaired, and chosen and rejected are not used. For the pairs, drop completion and label."
+        )
     if config.pairs_only and layout == "unpaired":
         raise KTOPipelineError(
             f"--pairs-only needs paired data (prompt/chosen/rejected, or chosen/rejected): {config.dataset} holds "
