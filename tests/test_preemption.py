@@ -119,6 +119,15 @@ def test_resume_knows_the_cache_by_its_rows_not_its_path(small_cache, tmp_path, 
         train(train_config(moved, out, max_steps=8, save_steps=2, resume=True))
 
 
+def test_resuming_with_another_beta_or_rate_says_so(small_cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    train(train_config(small_cache, out, max_steps=2, save_steps=2, beta=0.1))
+    capsys.readouterr()
+    train(train_config(small_cache, out, max_steps=3, save_steps=2, beta=0.3, learning_rate=2e-6, resume=True))
+    printed = capsys.readouterr().out
+    assert "note: resuming with other settings than the checkpoint's: --beta 0.1 -> 0.3, --learning-rate" in printed
+
+
 def test_a_busy_output_dir_says_how_to_continue_it(small_cache, tmp_path):
     out = tmp_path / "run"
     train(train_config(small_cache, out, max_steps=2, save_steps=2))

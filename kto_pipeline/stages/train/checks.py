@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kto_pipeline.checkpoint import list_checkpoints
 from kto_pipeline.config import TrainConfig
-from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.errors import KTOPipelineError, flag
 from kto_pipeline.lock import holds_files
 from kto_pipeline.manifest import Manifest
 from kto_pipeline.objectives import objective_for
@@ -87,6 +87,34 @@ RESUME_INVARIANTS = (
     "lora_r",
     "lora_target_modules",
 )
+
+
+# settings a resumed run may change, but that change what the steps after the checkpoint do: said when they differ
+RESUME_CHANGES = (
+    "loss_type",
+    "loss_weights",
+    "beta",
+    "desirable_weight",
+    "undesirable_weight",
+    "label_smoothing",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "optim",
+)
+
+
+def resume_changes_note(state: TrainerState, config: TrainConfig) -> str | None:
+    """A note naming the settings of RESUME_CHANGES that differ from the checkpoint's."""
+    saved = state.run_config or {}
+    changed = [
+        f"{flag(k)} {saved[k]!r} -> {getattr(config, k)!r}"
+        for k in RESUME_CHANGES
+        if k in saved and saved[k] != getattr(config, k)
+    ]
+    return f"note: resuming with other settings than the checkpoint's: {', '.join(changed)}" if changed else None
 
 
 def check_resume_compatible(state: TrainerState, config: TrainConfig, path: Path, manifest: Manifest) -> None:

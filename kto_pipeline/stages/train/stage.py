@@ -63,7 +63,12 @@ from kto_pipeline.runtime.precision import Regime, StepCasts, check_regime, poli
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
 from kto_pipeline.scoring.attention import attention_costs, packing_unsupported, request_attention_kernel
 from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer
-from kto_pipeline.stages.train.checks import check_output_dir, check_resume_compatible, policy_start_note
+from kto_pipeline.stages.train.checks import (
+    check_output_dir,
+    check_resume_compatible,
+    policy_start_note,
+    resume_changes_note,
+)
 from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
 
 
@@ -310,6 +315,8 @@ def resume(run: Run) -> TrainResult | None:
     config, p, resume_dir = run.config, run.progress, run.resume_dir
     state = load_checkpoint(run.engine, run.scorer, run.optimizer, resume_dir)
     check_resume_compatible(state, config, resume_dir, run.manifest)
+    if note := resume_changes_note(state, config):
+        print0(run.accelerator, note)
     p.global_step, p.epoch, p.skip_batches = state.global_step, state.epoch_index, state.batches_in_epoch
     p.epoch_index, p.batches_in_epoch = state.epoch_index, state.batches_in_epoch
     p.fractional_epoch, p.history = state.epoch, state.log_history
