@@ -71,7 +71,9 @@ def generate(config: GenerateConfig) -> None:
 def label(
     file: Annotated[
         str,
-        typer.Argument(help="A .jsonl of prompt/completion rows, e.g. `generate --num-return-sequences` output."),
+        typer.Argument(
+            metavar="FILE", help="A .jsonl of prompt/completion rows, e.g. `generate --num-return-sequences` output."
+        ),
     ],
     label_with: Annotated[
         str,
@@ -93,7 +95,9 @@ def label(
 @app.command("inspect", cls=RecipeCommand)
 @options()
 def inspect_command(
-    cache_dir: Annotated[str, typer.Argument(help="Cache directory written by `kto-pipeline precompute`.")],
+    cache_dir: Annotated[
+        str, typer.Argument(metavar="CACHE_DIR", help="Cache directory written by `kto-pipeline precompute`.")
+    ],
     verify: Annotated[
         bool,
         typer.Option(
@@ -147,8 +151,9 @@ def report(
     paths: Annotated[
         list[str],
         typer.Argument(
+            metavar="PATHS",
             help="Train --output-dirs or sweep directories; several (e.g. the rounds of a training in "
-            "rounds) are shown side by side."
+            "rounds) are shown side by side.",
         ),
     ],
     output: Annotated[
