@@ -130,10 +130,10 @@ def check_resume_compatible(state: TrainerState, config: TrainConfig, path: Path
     ]
     if by_content and rows["content_id"] != manifest.content_id:
         rows_now = sum(s["rows"] for s in manifest.shards)
+        then = f"{rows['rows']} rows then, {rows_now} now"
         diff.append(
-            f"--cache {config.cache}: not the rows the checkpoint trained on ({rows['rows']} rows then, {rows_now} "
-            "now): "
-            "the cache was made again or appended to since"
+            f"--cache {config.cache}: not the rows the checkpoint trained on ({then}): the cache was made again or "
+            "appended to since"
         )
     # a pair loss's batches count pairs, KTO's rows: another data position
     was, now = objective_for(saved.get("loss_type", "kto")).unit, objective_for(config.loss_type).unit
