@@ -129,8 +129,7 @@ def check_resume_compatible(state: TrainerState, config: TrainConfig, path: Path
         if k in saved and not (k == "cache" and by_content) and not same_setting(k, saved[k], getattr(config, k))
     ]
     if by_content and rows["content_id"] != manifest.content_id:
-        rows_now = sum(s["rows"] for s in manifest.shards)
-        then = f"{rows['rows']} rows then, {rows_now} now"
+        then = f"{rows['rows']} rows then, {manifest.counts['rows']} now"
         diff.append(
             f"--cache {config.cache}: not the rows the checkpoint trained on ({then}): the cache was made again or "
             "appended to since"

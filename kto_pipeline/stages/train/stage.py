@@ -516,7 +516,7 @@ def trainer_state(run: Run) -> TrainerState:
         log_history=p.history,
         pending_metrics=dict(p.log.values),
         distributed=run.engine.record(),
-        cache_rows=dict(content_id=run.manifest.content_id, rows=sum(s["rows"] for s in run.manifest.shards)),
+        cache_rows=dict(content_id=run.manifest.content_id, rows=run.manifest.counts["rows"]),
     )
 
 
