@@ -268,7 +268,7 @@ def trl_spellings(argv: list[str]) -> list[str]:
         if not name.startswith("--"):
             continue
         hyphenated = name.replace("_", "-")
-        ours = theirs.get(hyphenated, hyphenated) if hyphenated not in known else hyphenated
+        ours = hyphenated if hyphenated in known else theirs.get(hyphenated, hyphenated)
         if ours != name and ours in known:
             out[i] = ours + equals + value
     return out
