@@ -124,7 +124,7 @@ def check_resume_compatible(state: TrainerState, config: TrainConfig, path: Path
     saved, rows = state.run_config or {}, state.cache_rows
     by_content = rows is not None and "cache" in saved
     diff = [
-        f"--{k.replace('_', '-')}: checkpoint {saved[k]!r}, now {getattr(config, k)!r}"
+        f"{flag(k)}: checkpoint {saved[k]!r}, now {getattr(config, k)!r}"
         for k in RESUME_INVARIANTS
         if k in saved and not (k == "cache" and by_content) and not same_setting(k, saved[k], getattr(config, k))
     ]
