@@ -17,6 +17,7 @@ from test_packing import make_model, random_trees
 from kto_pipeline.scoring import attention
 from kto_pipeline.scoring.attention import (
     BLOCK_SIZE,
+    KEY_TILE,
     AttentionPairs,
     attention_costs,
     attention_kernel,
@@ -25,16 +26,19 @@ from kto_pipeline.scoring.attention import (
     tree_mask,
 )
 from kto_pipeline.scoring.logprobs import score_layout, score_policy
-from kto_pipeline.scoring.packing import AttentionCosts, block_pairs, layout_trees, pack_rows
+from kto_pipeline.scoring.packing import AttentionCosts, block_pairs, last_continuations, layout_trees, pack_rows
 
 
 def forwards(model, trees, kernel: str, bf16: bool) -> list[torch.Tensor]:
     """Per-token log-probs of the reference pass's layout and of training's two forwards (KL in rows, gathered)."""
     assert request_attention_kernel(model, kernel, "cpu") == (kernel, None)
+    align = attention_costs(model, "cpu").align  # as the stages lay them out: segments on the key tiles (block mask)
+    assert align == (KEY_TILE if kernel == "block-mask" else 1)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        out = [score_layout(model, layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5)).token_logps]
+        reference = layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5, align=align)
+        out = [score_layout(model, reference).token_logps]
         for gather in (False, True):
-            layout = layout_trees(trees, [[0, 5], [1, 2, 3], [4]], split_last=True)
+            layout = layout_trees(trees, [[0, 5], [1, 2, 3], [4]], split_last=True, align=align)
             scores = score_policy(model, layout, gather_kl=gather)
             assert scores.kl_on_cached_prompt
             out += [scores.completions.token_logps, scores.kl.token_logps]
@@ -72,9 +76,10 @@ def test_block_mask_equals_attention_by_tree(kind, bf16, monkeypatch):
 
 
 def test_block_mask_holds_the_tree_masks_tiles():
-    """The BlockMask's tiles are the tree mask's: a tile with no visible pair is skipped, a tile of visible pairs only
-    runs without mask_mod, the others call mask_mod, which agrees with the mask pair by pair (sliding window
-    included); rows of several tiles, the last one partial."""
+    """The BlockMask's tiles are the tree mask's: a tile with no visible pair is skipped, the others run in column
+    order, every one with mask_mod (none as full: which tiles are full depends on a tree's neighbours, and the
+    kernel would run them last), which agrees with the mask pair by pair (sliding window included); rows of several
+    tiles, the last one partial."""
     g = torch.Generator().manual_seed(3)
     trees = [
         (torch.randint(3, 90, (int(n) * 3,), generator=g).tolist(), [[7] * int(c1), [8] * int(c2)])
@@ -91,19 +96,103 @@ def test_block_mask_holds_the_tree_masks_tiles():
         tiles = torch.nn.functional.pad(visible[:, 0], edges)
         tiles = tiles.unflatten(1, (-1, BLOCK_SIZE)).unflatten(3, (-1, BLOCK_SIZE)).sum((2, 4))
         assert torch.equal(dense[:, 0].bool(), tiles > 0)
-        full = torch.zeros_like(tiles, dtype=torch.bool)
+        assert mask.full_kv_num_blocks is None and mask.full_kv_indices is None
+        assert bool((tiles == BLOCK_SIZE * BLOCK_SIZE).any()) is (window is None)  # whole tiles, run with mask_mod
         for n in range(2):
             for qb in range(tiles.shape[1]):
-                for i in mask.full_kv_indices[n, 0, qb, : mask.full_kv_num_blocks[n, 0, qb]]:
-                    full[n, qb, i] = True
-        assert torch.equal(full, tiles == BLOCK_SIZE * BLOCK_SIZE) and (~full & (tiles > 0)).any()
-        assert bool(full.any()) is (window is None)  # a window of 50 leaves no tile whole
+                run = mask.kv_indices[n, 0, qb, : mask.kv_num_blocks[n, 0, qb]]
+                assert torch.equal(run, (tiles[n, qb] > 0).nonzero()[:, 0].to(run.dtype))  # in column order
         grid = torch.meshgrid(*(torch.arange(s) for s in visible[:, 0].shape), indexing="ij")
         n, q, k = (x.reshape(-1) for x in grid)
         assert torch.equal(mask.mask_mod(n, torch.zeros_like(n), q, k), visible[n, 0, q, k])
         pairs = AttentionPairs().add(visible)
         assert pairs.needed == int(visible.sum()) and pairs.dense == visible.numel()
         assert pairs.block_mask == int((tiles > 0).sum()) * BLOCK_SIZE**2 < pairs.dense
+
+
+def tiled_attention(layout, forwards, tile: int) -> dict[int, torch.Tensor]:
+    """A model of the fused kernel's forward: each query's keys summed tile by tile (`tile` keys at a time, in the
+    order of the forward's key list), an online softmax, every sum within a tile one term after another. q, k, v of a
+    token are fixed functions of its id and position (one layer: at step 1 they are the same in every layout).
+    `forwards`: (queries, keys) flat-index vectors of each forward. Returns flat index -> the query's output."""
+    g = torch.Generator().manual_seed(0)
+    tables = [torch.randn(100, 8, generator=g) * 2 for _ in range(3)] + [
+        torch.randn(64, 8, generator=g) for _ in range(3)
+    ]
+    ids, pos = layout.input_ids.reshape(-1), layout.position_ids.reshape(-1)
+
+    def features(index, which):
+        return tables[which][ids[index]] + tables[3 + which][pos[index]]
+
+    out = {}
+    for queries, keys in forwards:
+        visible = tree_mask(layout, queries[None], keys[None], None)[0, 0]
+        q, k, v = features(queries, 0), features(keys, 1), features(keys, 2)
+        m, total, acc = torch.full((len(queries),), -torch.inf), torch.zeros(len(queries)), torch.zeros(len(queries), 8)
+        for start in range(0, len(keys), tile):
+            scores = (q @ k[start : start + tile].T).masked_fill(~visible[:, start : start + tile], -torch.inf)
+            new = torch.maximum(m, scores.amax(1))
+            safe = torch.where(new == -torch.inf, 0.0, new)
+            alpha, p = torch.exp(m - safe), torch.exp(scores - safe[:, None])
+            total, acc = total * alpha, acc * alpha[:, None]
+            for j in range(p.shape[1]):  # one term after another, as a tile's sum runs in a fixed order
+                total, acc = total + p[:, j], acc + p[:, j, None] * v[start + j]
+            m = new
+        out.update(zip(queries.tolist(), acc / total[:, None], strict=True))
+    return out
+
+
+def test_aligned_segments_make_a_tiled_kernel_score_alike_in_every_layout():
+    """Why every segment starts at a multiple of the key tile under a block mask: a kernel that sums a query's keys tile
+    by tile (`tiled_attention`, a model of FlexAttention's fused forward) gives each sequence token exactly the same
+    output in the reference pass's rows, in training's two forwards (KL completions in rows and gathered) and in a
+    pair's tree (its rejected answer the second continuation, where the reference pass scored it the first), when the
+    segments are aligned; and not when they lie back to back."""
+    g = torch.Generator().manual_seed(7)
+
+    def seq(lo, hi):
+        return torch.randint(3, 100, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+
+    trees = [(seq(3, 40), [seq(2, 30), seq(2, 30)]) for _ in range(6)]
+    tile = 8
+
+    def outputs(align: int) -> list[torch.Tensor]:
+        """Per layout: the outputs at the predictors of every (completion, KL completion) sequence token, in order."""
+        reference = layout_trees(trees, [[0, 1, 2], [3, 4], [5]], align=align)
+        rows = [(r, r) for r in torch.arange(reference.input_ids.numel()).reshape(reference.input_ids.shape)]
+        got = [tiled_attention(reference, rows, tile)]
+        training = layout_trees(trees, [[4, 1], [0, 2, 3], [5]], split_last=True, align=align)
+        grid = torch.arange(training.input_ids.numel()).reshape(training.input_ids.shape)
+        main = [(r[: training.split], r[: training.split]) for r in grid]
+        in_rows = [(r[training.split :], r) for r in grid]
+        kl = last_continuations(training)
+        got.append(tiled_attention(training, main + in_rows, tile))
+        got.append(
+            tiled_attention(training, main + [(kl, torch.cat([grid[:, : training.split].reshape(-1), kl]))], tile)
+        )
+        layouts = [reference, training, training]
+        return [torch.stack([o[int(i)] for i in lay.predictor]) for o, lay in zip(got, layouts, strict=True)]
+
+    def pair_outputs(align: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pair (chosen = tree 0's completion, rejected = tree 1's, one prompt): the reference pass's rows score each
+        as its row's completion; the pair's tree as its two continuations."""
+        prompt, (chosen, kl_a), (rejected, kl_b) = trees[0][0], trees[0][1], trees[1][1]
+        rows = layout_trees([(prompt, [chosen, kl_a]), (prompt, [rejected, kl_b])], [[0, 1]], align=align)
+        pair = layout_trees([(trees[2][0], trees[2][1]), (prompt, [chosen, rejected])], [[0, 1]], align=align)
+        scored = []
+        for layout, sequences in ((rows, (0, 2)), (pair, (2, 3))):
+            grid = torch.arange(layout.input_ids.numel())
+            out = tiled_attention(layout, [(grid, grid)], tile)
+            scored.append(torch.stack([out[int(i)] for s in sequences for i in layout.predictor[layout.sequence == s]]))
+        return scored[0], scored[1]
+
+    aligned = outputs(tile)
+    assert all(torch.equal(aligned[0], other) for other in aligned[1:])
+    assert torch.equal(*pair_outputs(tile))
+    packed = outputs(1)  # back to back: a sequence's keys fall on other tiles in each layout
+    assert not all(torch.equal(packed[0], other) for other in packed[1:])
+    torch.testing.assert_close(packed[1], aligned[1], atol=1e-5, rtol=1e-5)  # the same values, rounded otherwise
+    assert not torch.equal(*pair_outputs(1))
 
 
 def test_block_pairs_counts_the_tiles_of_causal_trees():

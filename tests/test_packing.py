@@ -18,7 +18,7 @@ from kto_pipeline.scoring.attention import (
     request_attention_kernel,
 )
 from kto_pipeline.scoring.logprobs import score_layout, score_policy, score_sequences
-from kto_pipeline.scoring.packing import MAX_ROW_TOKENS, AttentionCosts, layout_trees, pack_rows
+from kto_pipeline.scoring.packing import MAX_ROW_TOKENS, AttentionCosts, last_continuations, layout_trees, pack_rows
 
 ATOL = 1e-5
 
@@ -215,6 +215,39 @@ def test_split_layout_puts_the_last_continuations_after_the_rest():
         assert int((branch == 2).sum()) == sum(len(trees[t][1][1]) for t in row)
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_aligned_layouts_start_every_segment_on_a_tile(static):
+    """`align`: every segment (prompt, each continuation) starts at a multiple of it, back to back otherwise (the
+    columns between them padding), the split too; the needed tokens are the same; `last_continuations` takes each
+    row's KL completions with the padding between them, up to the last one's aligned end."""
+    trees = random_trees(7, seed=6)
+    rows = [[0, 1, 2], [3], [4, 5, 6]]
+    for split_last in (False, True):
+        layout = layout_trees(trees, rows, pad_id=5, split_last=split_last, static=static, align=8)
+        assert layout.align == 8 and (layout.split % 8 == 0 or not split_last)
+        assert layout.tokens() == sum(len(p) + sum(map(len, c)) for p, c in trees)
+        for r, row in enumerate(rows):
+            tree, branch = layout.tree[r].tolist(), layout.branch[r].tolist()
+            starts = [
+                c
+                for c in range(len(tree))
+                if tree[c] >= 0 and (c == 0 or (tree[c - 1], branch[c - 1]) != (tree[c], branch[c]))
+            ]
+            assert all(c % 8 == 0 for c in starts)
+            assert len(starts) == 3 * len(row)  # each segment one run
+            assert [tree[c] for c in starts if branch[c] == 0] == row
+        if split_last:
+            kl = last_continuations(layout)
+            assert (layout.branch.reshape(-1)[kl] == 2).sum() == sum(len(c[1]) for _, c in trees)
+            assert set(kl.tolist()) >= set((layout.branch.reshape(-1) == 2).nonzero()[:, 0].tolist())
+            assert (
+                len(kl) % 8 == 0
+                and len(kl) < layout.input_ids.shape[0] * (layout.input_ids.shape[1] - layout.split) + 1
+            )
+    plain = layout_trees(trees, rows, pad_id=5, split_last=True)
+    assert torch.equal(last_continuations(plain), (plain.branch.reshape(-1) == 2).nonzero()[:, 0])
+
+
 def test_unsupported_models_are_named():
     model = make_model("llama", attn_implementation="eager")
     model.config._attn_implementation = "flash_attention_2"
@@ -269,9 +302,9 @@ def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
 def test_a_sequence_scores_alike_in_every_layout(dtype):
     """Attention sequence by sequence makes a sequence's log-probs one computation wherever it lies: the reference
     pass's rows of several trees, one tree alone, and training's rows with the KL completions on the cached prompts
-    (in rows and gathered). Under bf16 autocast on the CPU they are equal bit for bit (the dense mask's extra masked
-    keys moved them by up to 4e-3 a value); in float32, to float32 rounding (the CPU's float32 matmuls round a
-    single row apart from a batch)."""
+    (in rows and gathered), each also with every segment aligned (as under a block mask). Under bf16 autocast on the
+    CPU they are equal bit for bit (the dense mask's extra masked keys moved them by up to 4e-3 a value); in float32,
+    to float32 rounding (the CPU's float32 matmuls round a single row apart from a batch)."""
     model = make_model("llama")
     with torch.no_grad():
         for p in model.parameters():  # scaled up so that precision shows (a random tiny model is nearly uniform)
@@ -286,12 +319,13 @@ def test_a_sequence_scores_alike_in_every_layout(dtype):
         packed = score_layout(model, layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5)).per_sequence()
         alone = [t for i in range(len(trees)) for t in score_layout(model, layout_trees([trees[i]])).per_sequence()]
         policy = []
-        for gather in (False, True):
-            scores = score_policy(
-                model, layout_trees(trees, [[0, 5], [1, 2, 3], [4]], split_last=True), gather_kl=gather
-            )
+        for gather, align in ((False, 1), (True, 1), (False, 8), (True, 8)):  # align: segments as under a block mask
+            layout = layout_trees(trees, [[0, 5], [1, 2, 3], [4]], split_last=True, align=align)
+            scores = score_policy(model, layout, gather_kl=gather)
             completions, kl = scores.completions.per_sequence(), scores.kl.per_sequence()
             policy.append([t for pair in zip(completions, kl, strict=True) for t in pair])
+        aligned = layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5, align=8)
+        policy.append(score_layout(model, aligned).per_sequence())
     for other in (alone, *policy):
         for a, b in zip(packed, other, strict=True):
             if exact:

@@ -68,13 +68,15 @@ def packed_batch(
     `sizes`, `attention`: the model's costs); with `split_last`, each row's last continuations after the others
     (`layout_trees`), to run apart without gradients on the prompts' cached keys/values. `items` (one a tree): their
     `pixels`, where they have images, join the batch in the order the layout holds the prompts."""
-    static = attention is not None and attention.static
-    layout = layout_trees(trees, pack_rows(sizes, None, attention), pad_id, split_last=split_last, static=static)
+    static, align = (attention.static, attention.align) if attention is not None else (False, 1)
+    rows = pack_rows(sizes, None, attention)
+    layout = layout_trees(trees, rows, pad_id, split_last=split_last, static=static, align=align)
     batch = {LAYOUT_KEY + k: v for k, v in vars(layout).items() if isinstance(v, torch.Tensor)}
     if items and "pixels" in items[0]:
         batch.update(image_batch([items[t]["pixels"] for t in layout.prompt_order()]))
     batch[LAYOUT_KEY + "num_trees"] = torch.tensor(layout.num_trees)
     batch[LAYOUT_KEY + "branches"] = torch.tensor(layout.branches)
+    batch[LAYOUT_KEY + "align"] = torch.tensor(layout.align)
     if split_last:
         batch[LAYOUT_KEY + "split"] = torch.tensor(layout.split)
     return batch
@@ -100,7 +102,7 @@ def batch_layout(batch: dict[str, torch.Tensor]) -> Layout | None:
     if LAYOUT_KEY + "input_ids" not in batch:
         return None
     fields = {k.removeprefix(LAYOUT_KEY): v for k, v in batch.items() if k.startswith(LAYOUT_KEY)}
-    for name in ("num_trees", "branches"):
+    for name in ("num_trees", "branches", "align"):
         fields[name] = int(fields[name])
     fields["split"] = int(fields["split"]) if "split" in fields else fields["input_ids"].shape[1]
     return Layout(**fields)

@@ -291,10 +291,11 @@ class Collator:
         import torch
 
         from kto_pipeline.objectives.items import packed_batch, padded_batch
+        from kto_pipeline.scoring.packing import tree_tokens
 
         if self.packed:
             trees = [(r["prompt_ids"], [r["completion_ids"], r["kl_completion_ids"]]) for r in rows]
-            sizes = [len(p) + len(c) for p, (c, _) in trees]  # the KL completions run apart, in one unpadded row
+            sizes = [tree_tokens([len(p), len(c)], self.attention) for p, (c, _) in trees]  # KL completions apart
             batch = packed_batch(trees, sizes, self.pad_id, self.attention, split_last=True, items=rows)
         else:
             batch = padded_batch(rows, ("completion_ids",), self.pad_id)

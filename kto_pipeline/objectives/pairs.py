@@ -389,10 +389,11 @@ class PairCollator:
 
         from kto_pipeline.loss import length_desensitized
         from kto_pipeline.objectives.items import packed_batch, padded_batch
+        from kto_pipeline.scoring.packing import tree_tokens
 
         if self.packed:
             trees = [(p["prompt_ids"], [p["chosen_ids"], p["rejected_ids"]]) for p in pairs]
-            sizes = [len(prompt) + sum(map(len, answers)) for prompt, answers in trees]
+            sizes = [tree_tokens([len(prompt), *map(len, answers)], self.attention) for prompt, answers in trees]
             batch = packed_batch(trees, sizes, self.pad_id, self.attention, items=pairs)
         else:
             batch = padded_batch(pairs, ("chosen_ids", "rejected_ids"), self.pad_id)

@@ -40,6 +40,11 @@ from kto_pipeline.scoring.packing import BRANCH_PROMPT, AttentionCosts, Layout
 logger = logging.getLogger(__name__)
 
 BLOCK_SIZE = 128  # FlexAttention's tile: (query, key) blocks of 128 x 128 pairs
+KEY_TILE = 16  # the keys its forward kernel sums at a time on an accelerator; every segment starts at a multiple
+# The forward's options there: its keys in tiles of KEY_TILE (the default's 64 or 128 would take 4x or 8x the
+# alignment padding), and the same kernel for short queries (torch would run its split-key decoding kernel, which
+# sums a row's keys in another order, below 128 queries).
+KERNEL_OPTIONS = {"fwd_BLOCK_N": KEY_TILE, "FORCE_USE_FLEX_ATTENTION": True}
 _KERNEL_ATTRIBUTE = "kto_attention_kernel"  # the kernel asked for, kept on the model (`request_attention_kernel`)
 _STATIC_ATTRIBUTE = "kto_static_shapes"  # packed layouts padded to static shapes (`request_static_shapes`)
 
@@ -104,7 +109,7 @@ def attention_costs(model, device) -> AttentionCosts:
     if kernel == "by-tree":
         return AttentionCosts(pair, pair * TREE_CALL_FLOPS / (4 * _attention_width(config)), static=static)
     if kernel == "block-mask":
-        return AttentionCosts(pair, block=BLOCK_SIZE, static=static)
+        return AttentionCosts(pair, block=BLOCK_SIZE, static=static, align=KEY_TILE)
     return AttentionCosts(pair, static=static)
 
 
@@ -323,10 +328,20 @@ def attention_inputs(
 #
 # On an accelerator a launch per tree and layer is dear, and one dense masked kernel computes every (query, key)
 # pair of a row: a row of 8 trees of ~500 tokens computes 8x the pairs it needs. FlexAttention takes the mask as
-# tiles of BLOCK_SIZE x BLOCK_SIZE pairs: tiles the mask leaves empty are skipped, full ones run without reading
-# the mask, and only the partial ones (a tree's diagonal and its edges) call `mask_mod`. The forward is torch.compile'd
-# on accelerators (a fused Triton kernel); on the CPU FlexAttention runs its unfused reference implementation, forward
-# only (torch has no FlexAttention backward on the CPU), which is what the tests compare with the other kernels.
+# tiles of BLOCK_SIZE x BLOCK_SIZE pairs: tiles the mask leaves empty are skipped, the others call `mask_mod`. The
+# forward is torch.compile'd on accelerators (a fused Triton kernel); on the CPU FlexAttention runs its unfused
+# reference implementation, forward only (torch has no FlexAttention backward on the CPU), which is what the tests
+# compare with the other kernels.
+#
+# Step 1 exact: the fused forward sums each query's keys tile by tile (KEY_TILE keys at a time, in the order of
+# their columns), and a sum's rounding follows where its terms fall in the tiles. On one H100 a sequence's log-prob
+# moved by up to 0.09 nats when its tree moved 100 columns along its row, and not at all when it moved 128
+# (benchmarks/RESULTS-gpu.md, "Step 1 by layout"). So every segment of a tree (prompt, each continuation) starts
+# at a multiple of KEY_TILE in every layout (`AttentionCosts.align`): a sequence's keys then fall on the tiles alike
+# in the reference pass's rows, training's and a pair's; a tile that holds none of a query's keys changes nothing
+# (its masked scores add exact zeros). For the same reason no tile is taken as "full" (run without `mask_mod`):
+# the kernel runs full tiles after the partial ones, and which tiles are full depends on the neighbours a layout
+# gives a tree, which would reorder a query's sum.
 
 BLOCK_MASK_ATTENTION = "kto_block_mask_flex"
 
@@ -351,14 +366,13 @@ def block_mask_unsupported(model, device) -> str | None:
 
 def block_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, window: int | None):
     """`visible` (N, 1, Q, K) as FlexAttention's `BlockMask`: for each block of BLOCK_SIZE queries, the key blocks
-    that hold a visible pair (partial, where `mask_mod` decides pair by pair, or full), and `mask_mod`: the rule of
-    `tree_mask`, read from per-token vectors (tree, branch, position, flat index) instead of the (Q, K) matrix."""
+    that hold a visible pair, in column order, all of them run with `mask_mod` (none as full: see above), and
+    `mask_mod`: the rule of `tree_mask`, read from per-token vectors (tree, branch, position, flat index) instead of
+    the (Q, K) matrix."""
     from torch.nn.attention.flex_attention import BlockMask
 
     n, _, q_len, k_len = visible.shape
     counts = block_counts(visible)  # (N, QB, KB)
-    full = counts == BLOCK_SIZE * BLOCK_SIZE
-    partial = (counts > 0) & ~full
     qb, kb = counts.shape[1:]
     t, b, p = (x.reshape(-1) for x in (layout.tree, layout.branch, layout.position_ids))
 
@@ -382,12 +396,11 @@ def block_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visibl
             ok = ok & (pq[batch, q] - pk[batch, k] < window)
         return ok
 
-    def ordered(selected):  # (N, QB, KB) bool -> (N, 1, QB) counts, (N, 1, QB, KB) block indices, selected first
-        order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)
-        return selected.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
-
+    selected = counts > 0  # (N, QB, KB): the blocks to run, first and in column order (a stable sort)
+    order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)
+    num_blocks = selected.sum(-1, dtype=torch.int32)[:, None]
     return BlockMask.from_kv_blocks(
-        *ordered(partial), *ordered(full), BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=(q_len, k_len)
+        num_blocks, order.to(torch.int32)[:, None], BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=(q_len, k_len)
     )
 
 
@@ -437,6 +450,7 @@ def block_mask_attention(module, query, key, value, attention_mask, scaling=None
         block_mask=attention_mask,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
+        kernel_options=None if query.device.type == "cpu" else KERNEL_OPTIONS,
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -26,7 +26,16 @@ from kto_pipeline.runtime.compiled import keys_values_cache
 from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs, tree_mask
 from kto_pipeline.scoring.head import DEFAULT_CHUNK_SIZE, head_logps
 from kto_pipeline.scoring.images import join_images, token_inputs
-from kto_pipeline.scoring.packing import Layout, ScoredSequence, Tree, layout_trees, pack_batches, pack_trees
+from kto_pipeline.scoring.packing import (
+    Layout,
+    ScoredSequence,
+    Tree,
+    last_continuations,
+    layout_trees,
+    pack_batches,
+    pack_trees,
+    tree_tokens,
+)
 
 
 class Scores(NamedTuple):
@@ -218,7 +227,7 @@ def score_policy(
     if output_router_logits:  # padding excluded, as in the padded path
         aux_loss = _load_balancing_loss(model, outputs.router_logits, (layout.branch[:, :split] >= 0).long())
     main_hidden = outputs.last_hidden_state.reshape(rows * split, -1)
-    kl_tokens = (layout.branch.reshape(-1) == 2).nonzero()[:, 0]  # row by row, in order
+    kl_tokens = last_continuations(layout)  # row by row, in order (with the padding that aligns them)
     # flat index -> row of cat(main hidden states, KL hidden states)
     where = torch.full((rows * width,), -1, dtype=torch.long, device=device)
     where[main.reshape(-1)] = torch.arange(rows * split, device=device)
@@ -274,7 +283,7 @@ def policy_attention(layout: Layout, pair_cost: float) -> list[tuple[torch.Tenso
     For counting attention pairs (`attention.AttentionPairs`)."""
     rows, width, split = *layout.input_ids.shape, layout.split
     grid = torch.arange(rows * width).reshape(rows, width)
-    main, kl_tokens = grid[:, :split], (layout.branch.reshape(-1) == 2).nonzero()[:, 0]
+    main, kl_tokens = grid[:, :split], last_continuations(layout)
     if kl_gathered(layout, len(kl_tokens), pair_cost):
         return [(main, main), (kl_tokens[None], torch.cat([main.reshape(-1), kl_tokens])[None])]
     return [(main, main), (grid[:, split:], grid)]
@@ -332,9 +341,9 @@ def score_shard(
     branches = len(trees[0][1]) if trees else 2
     out: list[list[np.ndarray]] = [[np.empty(0, np.float32)] * branches for _ in trees]
     if packed:
-        sizes = [len(p) + sum(map(len, conts)) for p, conts in trees]
         model = getattr(scorer, "module", scorer).model  # (DeepSpeed's engine keeps the scorer in .module)
         costs = attention_costs(model, device)
+        sizes = [tree_tokens([len(p), *map(len, conts)], costs) for p, conts in trees]
         passes = pack_trees(sizes, batch_size, max_tokens, costs)
     else:
         seqs = [
@@ -349,13 +358,13 @@ def score_shard(
             members = [t for row in batch for t in row]
             local = {t: i for i, t in enumerate(members)}
             rows = [[local[t] for t in row] for row in batch]
-            layout = layout_trees([trees[t] for t in members], rows, pad_id, static=costs.static)
+            layout = layout_trees([trees[t] for t in members], rows, pad_id, static=costs.static, align=costs.align)
             pixels = None if images is None else join_images([images(t) for t in members], device)
             per_sequence = scorer(layout=layout.to(device), images=pixels).per_sequence()
             for i, t in enumerate(members):
                 out[t] = [v.float().cpu().numpy() for v in per_sequence[branches * i : branches * (i + 1)]]
             if on_batch is not None:
-                on_batch(branches * len(members), sum(sizes[t] for t in members), layout.input_ids.numel())
+                on_batch(branches * len(members), layout.tokens(), layout.input_ids.numel())
             continue
         ids, attn, comp = (
             t.to(device) for t in pad_sequences([s.ids for s in batch], [s.prompt_len for s in batch], pad_id)

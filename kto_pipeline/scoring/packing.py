@@ -18,6 +18,11 @@ against those cached keys/values.
 The reference pass groups trees into forward passes (`pack_trees`); models that take no packed layout run
 each sequence on its own, padded and length-sorted (`pack_batches`).
 
+Under a block mask (an accelerator's default) every segment of a tree (its prompt, each continuation) starts at a
+multiple of the kernel's key tile (`AttentionCosts.align`, `layout_trees(align=)`), the columns between them padding:
+the kernel sums a query's keys tile by tile, so a sequence's keys must fall on the tiles alike in every layout (the
+reference pass's rows, training's, a pair's) for a policy equal to its reference to score exactly its cached values.
+
 Static shapes (`--static-shapes`): every layout padded to a shape from a small set, rows a power of two and widths
 `static_width` (4 sizes a doubling), so that compiled layers see a handful of shapes and each can run as one
 static graph; `pack_rows` counts that padding in its cost, and the token counters count it as run.
@@ -46,6 +51,18 @@ def static_width(n: int) -> int:
     return base + -(-(n - base) // step) * step
 
 
+def aligned(n: int, align: int) -> int:
+    """`n` rounded up to a multiple of `align`."""
+    return -(-n // align) * align
+
+
+def tree_tokens(lengths, costs: AttentionCosts | None) -> int:
+    """The columns a tree of segments (`lengths`: its prompt, then its continuations) takes in a packed row, each
+    segment starting at a multiple of `costs.align`: what `pack_rows` balances."""
+    align = costs.align if costs is not None else 1
+    return sum(aligned(n, align) for n in lengths)
+
+
 def static_rows(n: int) -> int:
     """The smallest power of two at least `n` (and 1)."""
     return 1 << max(n - 1, 0).bit_length()
@@ -66,6 +83,7 @@ class Layout:
     num_trees: int
     branches: int  # continuations per tree
     split: int  # with `layout_trees(split_last=True)`, the column where the last continuations start; else width
+    align: int = 1  # every segment starts at a column that is a multiple of this (`layout_trees(align=)`)
 
     @property
     def width(self) -> int:
@@ -97,12 +115,15 @@ class AttentionCosts:
     block: the tile size when attention runs under a block mask (`attention.block_mask`): the pairs of every tile
         a row's trees touch run, whatever the row's width; None where it does not run that way;
     static: layouts padded to static shapes (`static_rows` x `static_width`): a row count and width cost what
-        they are padded to."""
+        they are padded to;
+    align: every segment of a tree starts at a multiple of this (the block mask's key tile; 1: back to back), which
+        callers count in the sizes they pack (`tree_tokens`)."""
 
     pair: float = 0.0
     tree_call: float | None = None
     block: int | None = None
     static: bool = False
+    align: int = 1
 
 
 def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCosts | None = None) -> list[list[int]]:
@@ -175,6 +196,7 @@ def layout_trees(
     pad_id: int = 0,
     split_last: bool = False,
     static: bool = False,
+    align: int = 1,
 ) -> Layout:
     """Lay out `(prompt, [continuation, ...])` trees, every tree with the same number of continuations.
 
@@ -182,7 +204,8 @@ def layout_trees(
     the longest. With `split_last`, every row holds its prompts and other continuations in columns
     [0, split) and its last continuations in [split, width), so that the two parts can run as two
     forwards (training: completions with grad, then the KL completions on the cached prompts). With `static`, the
-    row count is padded to a power of two with empty rows, the width (and the split) to a `static_width`.
+    row count is padded to a power of two with empty rows, the width (and the split) to a `static_width`. With
+    `align`, every segment (prompt, continuation) starts at a column that is a multiple of it, and so does the split.
     A prompt must have at least one token: it predicts the first continuation token."""
     branches = len(trees[0][1])
     rows = [list(range(len(trees)))] if rows is None else rows
@@ -191,16 +214,24 @@ def layout_trees(
     if any(len(trees[t][1]) != branches for row in rows for t in row):
         raise ValueError("every tree needs the same number of continuations")
 
-    def tokens(row: list[int], last: bool) -> int:
-        return sum(len(trees[t][1][-1]) if last else len(trees[t][0]) + sum(map(len, trees[t][1][:-1])) for t in row)
+    def segments(t: int, part: int | None) -> list[list[int]]:  # part 0: all but the last continuation, 1: it
+        prompt, continuations = trees[t]
+        return [prompt, *continuations] if part is None else [[prompt, *continuations[:-1]], continuations[-1:]][part]
+
+    def fill(row: list[int], part: int | None) -> int:  # the columns a row's part takes, segments aligned
+        col = 0
+        for t in row:
+            for segment in segments(t, part):
+                col = aligned(col, align) + len(segment)
+        return col
 
     if split_last:
-        split, last = (max(tokens(row, last=part) for row in rows) for part in (False, True))
-        if static:
-            split = static_width(split)
-        width = static_width(split + last) if static else split + last
+        split, last = (max(fill(row, part) for row in rows) for part in (0, 1))
+        split = aligned(static_width(split) if static else split, align)
+        width = split + aligned(last, align)
+        width = static_width(width) if static else width
     else:
-        split = width = max(tokens(row, False) + tokens(row, True) for row in rows)
+        split = width = max(fill(row, None) for row in rows)
         if static:
             split = width = static_width(width)
     if static:
@@ -218,8 +249,8 @@ def layout_trees(
             prompt, continuations = trees[t]
             for b, segment in enumerate([prompt, *continuations]):
                 part = 1 if split_last and b == branches else 0
-                col, n = cols[part], len(segment)
-                cols[part] += n
+                col, n = aligned(cols[part], align), len(segment)
+                cols[part] = col + n
                 start_pos = 0 if b == 0 else len(prompt)
                 ids[r, col : col + n] = segment
                 pos[r, col : col + n] = np.arange(start_pos, start_pos + n)
@@ -236,7 +267,20 @@ def layout_trees(
     order = np.argsort(np.concatenate(sequence), kind="stable")
     sequence, target, predictor = (torch.from_numpy(np.concatenate(c)[order]) for c in (sequence, target, predictor))
     ids, pos, tree_of, branch_of = (torch.from_numpy(x) for x in (ids, pos, tree_of, branch_of))
-    return Layout(ids, pos, tree_of, branch_of, target, predictor, sequence, len(trees), branches, split)
+    return Layout(ids, pos, tree_of, branch_of, target, predictor, sequence, len(trees), branches, split, align)
+
+
+def last_continuations(layout: Layout) -> torch.Tensor:
+    """Flat indices of a `split_last` layout's last continuations (training's KL completions), row after row, as
+    training's KL forward runs them gathered into one row: each row's columns from the split to its last such token,
+    rounded up to `layout.align` (the padding that keeps each segment aligned comes along; none where align is 1)."""
+    rows, width = layout.branch.shape
+    columns = torch.arange(width - layout.split, device=layout.branch.device)
+    last = layout.branch[:, layout.split :] == layout.branches
+    used = ((columns + 1) * last).amax(1) if width > layout.split else columns.new_zeros(rows)
+    used = -(-used // layout.align) * layout.align
+    grid = torch.arange(rows * width, device=layout.branch.device).reshape(rows, width)[:, layout.split :]
+    return grid[columns[None] < used[:, None]]
 
 
 Tree = tuple[list[int], list[list[int]]]  # (prompt, [completion, KL completion]), already truncated
