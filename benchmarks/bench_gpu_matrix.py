@@ -13,15 +13,16 @@ trl precomputed with and without liger's fused loss. It reports each case's step
 goals.
 
 A budget keeps it within 8 minutes (--budget-s 480, building and the checks included), and the run goes in the order
-of what answers the goals (`plan`), so that what the budget leaves out answers the least: the step-1 check; KTO on
-Qwen2-0.5B, ours compiled and trl's two settings at both batches (the speed and memory goals); the ~1.5B shape
-compiled at its larger batch (the MFU goal); CUDA graphs after their check; the layouts' diagnosis of step 1; the
-first model's KTO reference pass again, on the dense mask, in static shapes and compiled (which pays); then every
-other case (eager, the ~1.5B shape's others, the pair loss). Each step of cases (one tool, one model, one loss) runs
-in a fresh process that measures them one after another (ours' reference pass once for the model and loss, its cache
-kept for the later steps); every case is written down the moment it ends, and what the budget leaves no time for is
-reported as not run, never guessed. A case that runs out of memory says so and the rest go on. Model and data as
-`gpu_harness.py` builds them (random weights, random characters with HH-RLHF's lengths).
+of what answers the goals (`plan`), so that what the budget leaves out answers the least: the step-1 check and the
+layouts' diagnosis of step 1; KTO on Qwen2-0.5B, ours compiled and trl's two settings at both batches (the speed and
+memory goals); the ~1.5B shape compiled at its larger batch (the MFU goal); CUDA graphs after their check; the first
+model's KTO reference pass again, on the dense mask, in static shapes and compiled (which pays); then every other case
+(eager, the ~1.5B shape's others, the pair loss). `--first pairs` (or `large`, `graphs`) moves that goal's cases right
+after the checks, for a run that follows one whose budget ended before them. Each step of cases (one tool, one model,
+one loss) runs in a fresh process that measures them one after another (ours' reference pass once for the model and
+loss, its cache kept for the later steps); every case is written down the moment it ends, and what the budget leaves
+no time for is reported as not run, never guessed. A case that runs out of memory says so and the rest go on. Model
+and data as `gpu_harness.py` builds them (random weights, random characters with HH-RLHF's lengths).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ BUDGET_S, STARTS_UNTIL = 480, 60
 # at most, for each check before the cases on a GPU (step 1 of the default path, CUDA graphs against the run without
 # them, step_one_layouts: what moves a sequence's log-prob between layouts), so that the cases keep most of the budget
 CHECK_S = {"cuda": dict(step_one=150, graphs=90, layouts=90), "cpu": {}}
+FIRST = ("speed", "large", "graphs", "pairs")  # `--first`: a goal's steps right after the checks (`plan`)
 
 
 def preset_of(model: str, loss: str, device: str) -> dict:
@@ -163,26 +165,33 @@ def group_cases(tool: str, device: str) -> list[str]:
     return first + [case_name(column, batch) for column, _ in columns for batch in BATCHES[device]]
 
 
-def plan(device: str) -> list[tuple]:
+def plan(device: str, first: str | None = None) -> list[tuple]:
     """The run's steps in the order of what answers the goals: `("check", name)`, or `(tool, model, loss, cases)`, a
-    group's cases that run in one process. First the default path's step-1 check; then KTO on the first model, ours
-    compiled and trl's settings at every batch (the speed and memory goals); the last model compiled at the largest
-    batch (on a GPU the ~1.5B shape: the MFU goal, at >= 16k tokens a step); the CUDA graphs check, then CUDA graphs'
-    cases; the layouts' diagnosis of step 1; the first model's KTO reference pass again and with one setting changed
-    (the dense mask, static shapes, compiled); then every case not yet planned, group by group in the goals' order
-    (loss, model, tool). Each case once."""
-    first, last, large = MODELS[device][0], MODELS[device][-1], max(BATCHES[device])
+    group's cases that run in one process. First the checks of step 1 (the default path's, then the layouts'
+    diagnosis); then KTO on the first model, ours compiled and trl's settings at every batch (the speed and memory
+    goals); the last model compiled at the largest batch (on a GPU the ~1.5B shape: the MFU goal, at >= 16k tokens a
+    step); the CUDA graphs check, then CUDA graphs' cases; the first model's KTO reference pass again and with one
+    setting changed (the dense mask, static shapes, compiled); then every case not yet planned, group by group in the
+    goals' order (loss, model, tool). `first` (one of FIRST) puts that goal's steps right after the checks, for a run
+    that follows one whose budget ended before them. Each case once."""
+    first_model, last, large = MODELS[device][0], MODELS[device][-1], max(BATCHES[device])
     compiled, graphs = COMPILED
-    wanted = [
-        ("check", "step_one"),
-        ("ours", first, "kto", [REFERENCE, *(case_name(compiled, b) for b in BATCHES[device])]),
-        ("trl", first, "kto", group_cases("trl", device)),
-        ("ours", last, "kto", [REFERENCE, case_name(compiled, large)]),
-        ("check", "graphs"),
-        ("ours", first, "kto", [case_name(graphs, b) for b in BATCHES[device]]),
-        ("check", "layouts"),
-        ("ours", first, "kto", list(REFERENCE_VARIANTS)),
-    ]
+    goals = {
+        "speed": [
+            ("ours", first_model, "kto", [REFERENCE, *(case_name(compiled, b) for b in BATCHES[device])]),
+            ("trl", first_model, "kto", group_cases("trl", device)),
+        ],
+        "large": [("ours", last, "kto", [REFERENCE, case_name(compiled, large)])],
+        "graphs": [("check", "graphs"), ("ours", first_model, "kto", [case_name(graphs, b) for b in BATCHES[device]])],
+        "pairs": [
+            ("ours", first_model, "sigmoid", [REFERENCE, *(case_name(compiled, b) for b in BATCHES[device])]),
+            ("trl", first_model, "sigmoid", group_cases("trl", device)),
+        ],
+    }
+    order = [goal for goal in ("speed", "large", "graphs") if goal != first]
+    wanted = [("check", "step_one"), ("check", "layouts")]
+    wanted += [step for goal in ([first] if first else []) + order for step in goals[goal]]
+    wanted.append(("ours", first_model, "kto", list(REFERENCE_VARIANTS)))
     wanted += [(tool, m, loss, group_cases(tool, device)) for loss in LOSSES for m in MODELS[device] for tool in TOOLS]
     steps, planned = [], set()
     for step in wanted:
@@ -609,12 +618,15 @@ def reference_table(results: dict, device: str, flops: dict, peak: float | None)
     return harness.table(header, rows)
 
 
-def run_plan(work: Path, device: str, ends: float, checks: dict[str, Callable[[float], dict]]) -> tuple[dict, dict]:
-    """`plan`'s steps in order, none started past the budget's last start (`ends` - STARTS_UNTIL) and every worker
-    stopped at `ends`. `checks`: name -> a check's run, given the seconds left. Returns (model, loss, case) -> its
-    record, every case that did not run saying why, and each check's result (one not run: {failed: why})."""
+def run_plan(
+    work: Path, device: str, ends: float, checks: dict[str, Callable[[float], dict]], first: str | None = None
+) -> tuple[dict, dict]:
+    """`plan(device, first)`'s steps in order, none started past the budget's last start (`ends` - STARTS_UNTIL) and
+    every worker stopped at `ends`. `checks`: name -> a check's run, given the seconds left. Returns (model, loss,
+    case) -> its record, every case that did not run saying why, and each check's result (one not run: {failed:
+    why})."""
     deadline, results, checked = ends - STARTS_UNTIL, {}, {}
-    for index, step in enumerate(plan(device)):
+    for index, step in enumerate(plan(device, first)):
         if step[0] == "check":
             late = time.time() >= deadline
             checked[step[1]] = {"failed": "not run within the budget"} if late else checks[step[1]](ends - time.time())
@@ -645,6 +657,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help=budget_help)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # worker: when to stop starting cases
     parser.add_argument("--cases", help=argparse.SUPPRESS)  # worker: its step's cases, a JSON list
+    first_help = "run this goal's cases right after the checks (a run that follows one whose budget ended before them)"
+    parser.add_argument("--first", choices=FIRST, help=first_help)
     peak_help = "the device's bf16 dense peak for MFU (H100 and H200 SXM: 989)"
     parser.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help=peak_help)
     args = parser.parse_args()
@@ -678,7 +692,7 @@ def main() -> None:
         graphs=check("graphs", __file__, "cuda_graphs_check", device),
         layouts=check("layouts", step_one_layouts.__file__, "step_one_layouts", layouts),
     )
-    results, checked = run_plan(work, args.device, ends, checks)
+    results, checked = run_plan(work, args.device, ends, checks, args.first)
     checked["step_one"].setdefault("device_name", built["device_name"])
     cases = {" / ".join(key): record for key, record in results.items()}  # (model, loss, case)
     raw = dict(cases=cases, checks=checked)  # whatever the report does

@@ -42,6 +42,7 @@ import torch
 
 HEADING = "## Step 1 on a GPU: which difference between layouts moves a sequence's log-prob"
 TREES, SHIFT_ALIGNED, SHIFT_UNALIGNED, WIDER, HEAD_SHIFT = 4, 128, 100, 512, 100
+SHIFT_TILE = 16  # the block mask's forward key tile (attention.KEY_TILE)
 KERNELS = ("block-mask", "by-tree", "dense")
 # then these again with every product of the model and the head in calls of a fixed number of rows (what a CPU does in
 # half precision, `precision.linear`): whether that takes a GPU's matrix products out of the differences
@@ -50,17 +51,19 @@ LAYOUTS = (
     ("the first layout again", "nothing (is the kernel deterministic?)"),
     (f"moved {SHIFT_ALIGNED} tokens along the row", "their rows in the matrix products (attention's tiles as before)"),
     (f"moved {SHIFT_UNALIGNED} tokens along the row", "the same, and where attention's 128-token tiles fall"),
+    (f"moved {SHIFT_TILE} tokens along the row", f"where 128-token tiles fall, not {SHIFT_TILE}-token ones"),
     (f"a row {WIDER} tokens wider", "the matrix products' shapes"),
     (f"the LM head alone, {HEAD_SHIFT} rows before them", "the head's chunks' shapes"),
     ("training's first forward: the 4 trees' completions", "everything step 1's rewards compare"),
     ("training's KL forward, on the cached prompts", "everything step 1's KL compares"),
+    ("the same two, segments as the stages lay them out", "step 1 as it runs (block mask: on its key tiles)"),
 )
 
 
 def trees_of(preset: dict) -> list[tuple[list[int], list[list[int]]]]:
     """4 trees with HH-RLHF's lengths scaled to the preset's max_length (each KL completion another row's
-    completion), then the fillers: 128 tokens, 100 and 28 (together 128: the row as wide), and 512; random token
-    ids, seeded."""
+    completion), then the fillers: 128 tokens, 100 and 28 (together 128: the row as wide), 512, then 16 and 112;
+    random token ids, seeded."""
     real, max_length = gpu_harness.hh_rlhf_lengths(), preset["max_length"]
     scale = max_length / max(p + c for p, c in real)
     rng = random.Random(0)
@@ -71,7 +74,7 @@ def trees_of(preset: dict) -> list[tuple[list[int], list[list[int]]]]:
     picked = [real[rng.randrange(len(real))] for _ in range(TREES + 1)]
     lengths = [(round(p * scale), round(c * scale)) for p, c in picked]
     trees = [(ids(p), [ids(c), ids(lengths[i + 1][1])]) for i, (p, c) in enumerate(lengths[:TREES])]
-    sizes = (SHIFT_ALIGNED, SHIFT_UNALIGNED, SHIFT_ALIGNED - SHIFT_UNALIGNED, WIDER)
+    sizes = (SHIFT_ALIGNED, SHIFT_UNALIGNED, SHIFT_ALIGNED - SHIFT_UNALIGNED, WIDER, SHIFT_TILE, 128 - SHIFT_TILE)
     fillers = [(ids(n // 2), [ids(n // 4), ids(n - n // 2 - n // 4)]) for n in sizes]
     return trees + fillers
 
@@ -80,15 +83,16 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
     """kernel -> [(hidden diff or None, log-prob diff) or the reason it did not run, per LAYOUTS]."""
     from kto_pipeline.models import backbone_of, load_model
     from kto_pipeline.runtime.precision import ROW_BLOCK, ROW_BLOCK_DEVICES, Regime, rows_alike
-    from kto_pipeline.scoring.attention import request_attention_kernel
+    from kto_pipeline.scoring.attention import attention_costs, request_attention_kernel
     from kto_pipeline.scoring.head import head_logps
     from kto_pipeline.scoring.logprobs import score_layout, score_policy
     from kto_pipeline.scoring.packing import layout_trees
 
     model = load_model(str(model_dir), torch.float32).to(device)
     trees, first = trees_of(preset), list(range(TREES))
-    a, b, c, wide = range(TREES, TREES + 4)  # the fillers' indices: 128, 100, 28 and 512 tokens
-    rows = dict(first=[[*first, a]], aligned=[[a, *first]], unaligned=[[b, *first, c]], wider=[[*first, a, wide]])
+    a, b, c, wide, d, e = range(TREES, TREES + 6)  # the fillers' indices: 128, 100, 28, 512, 16 and 112 tokens
+    rows = dict(first=[[*first, a]], aligned=[[a, *first]], unaligned=[[b, *first, c]], tile=[[d, *first, e]])
+    rows["wider"] = [[*first, a, wide]]
     hidden: list[torch.Tensor] = []
     backbone_of(model).register_forward_hook(lambda module, args, out: hidden.append(out.last_hidden_state))
     ours = torch.arange(2 * TREES)  # the 4 trees' sequences (completion, KL completion): numbered first
@@ -120,7 +124,7 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
         with torch.autocast(device, dtype=torch.bfloat16):
             model.eval()
             base_hidden, base, targets = scored(layout_trees(trees, rows["first"]))
-            for name in ("first", "aligned", "unaligned", "wider"):
+            for name in ("first", "aligned", "unaligned", "tile", "wider"):
                 h, logps, _ = scored(layout_trees(trees, rows[name]))
                 cells.append((diff(h, base_hidden), diff(logps, base)))
             with torch.no_grad():  # the head alone: HEAD_SHIFT other rows first, then the same hidden states
@@ -130,14 +134,23 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
                 alone = head_logps(model, base_hidden, targets, None, False)
             cells.append((None, diff(shifted[0][HEAD_SHIFT:].float(), alone[0].float())))
             # training's forwards, in training mode with gradients where the kernel has a backward (FlexAttention on a
-            # CPU has none: there it runs them as the forwards they are, without)
+            # CPU has none: there it runs them as the forwards they are, without); then again with the segments
+            # aligned as the stages align them, against the reference pass's rows laid out alike (the larger of the
+            # two forwards' differences)
             grad = not (chosen == "block-mask" and device == "cpu")
-            model.train(grad)
-            layout = layout_trees(trees[:TREES], [first], split_last=True).to(device)
-            with torch.set_grad_enabled(grad):
-                policy = score_policy(model, layout, with_stats=False)
-            for i, part in enumerate((policy.completions, policy.kl)):
-                cells.append((None, diff(part.logps.detach().float(), base[i::2])))
+            align = attention_costs(model, device).align
+            for stage_align, as_staged in ((1, False), (align, True)):
+                if as_staged:
+                    model.eval()
+                    base = scored(layout_trees(trees, rows["first"], align=stage_align))[1]
+                model.train(grad)
+                layout = layout_trees(trees[:TREES], [first], split_last=True, align=stage_align).to(device)
+                with torch.set_grad_enabled(grad):
+                    policy = score_policy(model, layout, with_stats=False)
+                parts = [
+                    diff(p.logps.detach().float(), base[i::2]) for i, p in enumerate((policy.completions, policy.kl))
+                ]
+                cells += [(None, max(parts))] if as_staged else [(None, parts[0]), (None, parts[1])]
         results[column] = cells
     return results
 

@@ -220,10 +220,11 @@ def test_bench_gpu_matrix_cases_record_a_failure_and_go_on(tmp_path, monkeypatch
 
 
 def test_the_gpu_plan_runs_what_answers_the_goals_first_and_every_case_once(monkeypatch):
-    """`make bench-gpu` on a GPU (8 minutes; what the budget leaves out is not run): the step-1 check, then the speed
-    and memory goals' cases (KTO on Qwen2-0.5B: ours compiled, trl's two settings), the MFU goal's (the ~1.5B shape
-    compiled at batch 64), CUDA graphs after their check, the layouts, the reference pass's variants (compiled last),
-    then the rest; every case of every group exactly once."""
+    """`make bench-gpu` on a GPU (8 minutes; what the budget leaves out is not run): the step-1 check and the layouts,
+    then the speed and memory goals' cases (KTO on Qwen2-0.5B: ours compiled, trl's two settings), the MFU goal's
+    (the ~1.5B shape compiled at batch 64), CUDA graphs after their check, the reference pass's variants (compiled
+    last), then the rest; every case of every group exactly once. `--first pairs` runs the pair loss's cases (ours
+    compiled, trl's two settings) right after the checks, and still every case once."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_gpu_matrix as m
 
@@ -231,17 +232,21 @@ def test_the_gpu_plan_runs_what_answers_the_goals_first_and_every_case_once(monk
     reference, compiled, graphs = m.REFERENCE, "kto-pipeline compiled", "kto-pipeline CUDA graphs"
     assert steps[:8] == [
         ("check", "step_one"),
+        ("check", "layouts"),
         ("ours", "qwen2-0.5b", "kto", [reference, f"{compiled} @ 8", f"{compiled} @ 64"]),
         ("trl", "qwen2-0.5b", "kto", m.group_cases("trl", "cuda")),
         ("ours", "qwen2-1.5b", "kto", [reference, f"{compiled} @ 64"]),
         ("check", "graphs"),
         ("ours", "qwen2-0.5b", "kto", [f"{graphs} @ 8", f"{graphs} @ 64"]),
-        ("check", "layouts"),
         ("ours", "qwen2-0.5b", "kto", list(m.REFERENCE_VARIANTS)),
     ]
     assert list(m.REFERENCE_VARIANTS)[-1].endswith("--torch-compile")
-    planned = [(s[0], *s[1:3], case) for s in steps if s[0] != "check" for case in s[3]]
-    assert len(planned) == len(set(planned))
+    pairs = m.plan("cuda", first="pairs")
+    assert pairs[2:4] == [
+        ("ours", "qwen2-0.5b", "sigmoid", [reference, f"{compiled} @ 8", f"{compiled} @ 64"]),
+        ("trl", "qwen2-0.5b", "sigmoid", m.group_cases("trl", "cuda")),
+    ]
+    assert pairs[4][:3] == ("ours", "qwen2-0.5b", "kto")
     wanted = {
         (tool, model, loss, case)
         for tool in m.TOOLS
@@ -250,4 +255,8 @@ def test_the_gpu_plan_runs_what_answers_the_goals_first_and_every_case_once(monk
         for case in m.group_cases(tool, "cuda")
     }
     variants = {("ours", "qwen2-0.5b", "kto", case) for case in m.REFERENCE_VARIANTS}
-    assert set(planned) == wanted | variants
+    for run in (steps, pairs):
+        planned = [(s[0], *s[1:3], case) for s in run if s[0] != "check" for case in s[3]]
+        assert len(planned) == len(set(planned))
+        assert set(planned) == wanted | variants
+        assert sorted(s[1] for s in run if s[0] == "check") == ["graphs", "layouts", "step_one"]
