@@ -147,6 +147,9 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
                 layout = layout_trees(trees[:TREES], [first], split_last=True, align=stage_align).to(device)
                 with torch.set_grad_enabled(grad):
                     policy = score_policy(model, layout, with_stats=False)
+                if grad and as_staged:  # and its backward runs (the kernel's gradient under the same mask)
+                    policy.completions.logps.float().sum().backward()
+                    model.zero_grad(set_to_none=True)
                 parts = [
                     diff(p.logps.detach().float(), base[i::2]) for i, p in enumerate((policy.completions, policy.kl))
                 ]
@@ -182,7 +185,7 @@ def render(results: dict, preset_name: str, device_name: str, seconds: float, ar
     return "\n".join([*lines, settings(preset_name), "", *table_lines(results)]) + "\n"
 
 
-def worker(work: Path, preset_name: str, device: str, model: Path | None) -> dict:
+def worker(work: Path, preset_name: str, device: str, model: Path | None, kernels=KERNELS) -> dict:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     preset = harness.GPU_PRESETS[preset_name]
@@ -190,7 +193,7 @@ def worker(work: Path, preset_name: str, device: str, model: Path | None) -> dic
         model = work / f"{preset_name}-model"
         harness.random_qwen2(model, preset, device=device)
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else harness.cpu_name()
-    return dict(results=run(model, preset, device, KERNELS), device_name=device_name)
+    return dict(results=run(model, preset, device, tuple(kernels)), device_name=device_name)
 
 
 def main() -> None:
@@ -198,13 +201,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--preset", default="qwen2-0.5b", choices=sorted(harness.GPU_PRESETS))
     parser.add_argument("--model", help="a model directory of the preset's shape (default: built in --work)")
+    kernels_help = f"the attention kernels to measure, comma-separated (default: {','.join(KERNELS)})"
+    parser.add_argument("--kernels", default=",".join(KERNELS), help=kernels_help)
     args = parser.parse_args()
     work, model = Path(args.work), args.model and Path(args.model)
     if args.mode == "worker":
-        harness.print_result(worker(work, args.preset, args.device, model))
+        harness.print_result(worker(work, args.preset, args.device, model, args.kernels.split(",")))
         return
     started = time.perf_counter()
-    res = worker(work, args.preset, args.device, model)
+    res = worker(work, args.preset, args.device, model, args.kernels.split(","))
     report = render(res["results"], args.preset, res["device_name"], time.perf_counter() - started, sys.argv[1:])
     harness.publish(report, args.results, HEADING)
 
