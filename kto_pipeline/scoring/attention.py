@@ -40,7 +40,7 @@ from kto_pipeline.scoring.packing import BRANCH_PROMPT, AttentionCosts, Layout
 logger = logging.getLogger(__name__)
 
 BLOCK_SIZE = 128  # FlexAttention's tile: (query, key) blocks of 128 x 128 pairs
-KEY_TILE = 16  # the keys its forward kernel sums at a time on an accelerator; every segment starts at a multiple
+KEY_TILE = 16  # the keys its forward kernel sums at a time on a CUDA GPU; every segment starts at a multiple
 # The forward's options there: its keys in tiles of KEY_TILE (the default's 64 or 128 would take 4x or 8x the
 # alignment padding), and the same kernel for short queries (torch would run its split-key decoding kernel, which
 # sums a row's keys in another order, below 128 queries).
@@ -450,7 +450,7 @@ def block_mask_attention(module, query, key, value, attention_mask, scaling=None
         block_mask=attention_mask,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
-        kernel_options=None if query.device.type == "cpu" else KERNEL_OPTIONS,
+        kernel_options=KERNEL_OPTIONS if query.device.type == "cuda" else None,  # (Triton's kernel; measured there)
     )
     return out.transpose(1, 2).contiguous(), None
 
