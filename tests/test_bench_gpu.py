@@ -88,11 +88,11 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
     # in blocks of rows, every layout; by tree, a CPU's default (its sequences attend alone), nothing does
     header, *rows = table_lines(text.split("## Step 1 by layout")[1].split("##")[0])
     blocked = [f"{k}, products in blocks of 512 rows" for k in ("block-mask", "by-tree")]
-    assert header[2:] == ["block-mask", "by-tree", "dense", *blocked] and len(rows) == 7, (header, rows)
+    assert header[2:] == ["block-mask", "by-tree", "dense", *blocked] and len(rows) == 9, (header, rows)
     number = re.compile(r"^(-|[\d.e+-]+) / [\d.e+-]+$")
     assert rows[0][2:] == ["0 / 0"] * 5 and all(number.match(c) for r in rows for c in r[2:]), rows
     for by_tree in (3, 6):
-        assert [r[by_tree] for r in rows] == ["0 / 0"] * 4 + ["- / 0"] * 3, rows
+        assert [r[by_tree] for r in rows] == ["0 / 0"] * 5 + ["- / 0"] * 4, rows
     header, *rows = table_lines(text.split("## Training steps")[1])
     assert header[:4] == ["model", "loss", "batch", "needed tokens a step"] and len(rows) == 2, (header, rows)
     assert {(r[1], r[2]) for r in rows} == {("kto", "4"), ("sigmoid", "4")}
