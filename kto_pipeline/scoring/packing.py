@@ -214,26 +214,23 @@ def layout_trees(
     if any(len(trees[t][1]) != branches for row in rows for t in row):
         raise ValueError("every tree needs the same number of continuations")
 
-    def segments(t: int, part: int | None) -> list[list[int]]:  # part 0: all but the last continuation, 1: it
-        prompt, continuations = trees[t]
-        return [prompt, *continuations] if part is None else [[prompt, *continuations[:-1]], continuations[-1:]][part]
-
-    def fill(row: list[int], part: int | None) -> int:  # the columns a row's part takes, segments aligned
-        col = 0
+    # each segment's place: (row, tree, branch, part, column within its part), segments aligned; part 1 holds the
+    # last continuations (`split_last`) and starts at the split
+    placed, fills = [], [[0, 0] for _ in rows]  # per row: the next free column of each part
+    for r, row in enumerate(rows):
         for t in row:
-            for segment in segments(t, part):
-                col = aligned(col, align) + len(segment)
-        return col
-
+            for b, segment in enumerate([trees[t][0], *trees[t][1]]):
+                part = 1 if split_last and b == branches else 0
+                col = aligned(fills[r][part], align)
+                fills[r][part] = col + len(segment)
+                placed.append((r, t, b, part, col))
+    split, last = (max(f[part] for f in fills) for part in (0, 1))
     if split_last:
-        split, last = (max(fill(row, part) for row in rows) for part in (0, 1))
         split = aligned(static_width(split) if static else split, align)
         width = split + aligned(last, align)
         width = static_width(width) if static else width
     else:
-        split = width = max(fill(row, None) for row in rows)
-        if static:
-            split = width = static_width(width)
+        split = width = static_width(split) if static else split
     if static:
         rows = rows + [[] for _ in range(static_rows(len(rows)) - len(rows))]
     # built in numpy and handed to torch once a field: a fixed number of tensor ops whatever the trees
@@ -243,26 +240,20 @@ def layout_trees(
     tree_of = np.full(shape, -1, dtype=np.int64)
     branch_of = np.full(shape, BRANCH_PAD, dtype=np.int64)
     sequence, target, predictor = [], [], []  # per continuation: its sequence number and flat index ranges
-    for r, row in enumerate(rows):
-        base, cols = r * width, [0, split]  # next free column of each part
-        for t in row:
-            prompt, continuations = trees[t]
-            for b, segment in enumerate([prompt, *continuations]):
-                part = 1 if split_last and b == branches else 0
-                col, n = aligned(cols[part], align), len(segment)
-                cols[part] = col + n
-                start_pos = 0 if b == 0 else len(prompt)
-                ids[r, col : col + n] = segment
-                pos[r, col : col + n] = np.arange(start_pos, start_pos + n)
-                tree_of[r, col : col + n] = t
-                branch_of[r, col : col + n] = b
-                if b == 0:
-                    last_prompt = base + col + n - 1
-                elif n:
-                    targets = np.arange(base + col, base + col + n)
-                    sequence.append(np.full(n, t * branches + b - 1))
-                    target.append(targets)
-                    predictor.append(np.concatenate(([last_prompt], targets[:-1])))
+    for r, t, b, part, col in placed:  # (a tree's prompt before its continuations)
+        segment, base, start_pos = [trees[t][0], *trees[t][1]][b], r * width, 0 if b == 0 else len(trees[t][0])
+        col, n = col + part * split, len(segment)
+        ids[r, col : col + n] = segment
+        pos[r, col : col + n] = np.arange(start_pos, start_pos + n)
+        tree_of[r, col : col + n] = t
+        branch_of[r, col : col + n] = b
+        if b == 0:
+            last_prompt = base + col + n - 1
+        elif n:
+            targets = np.arange(base + col, base + col + n)
+            sequence.append(np.full(n, t * branches + b - 1))
+            target.append(targets)
+            predictor.append(np.concatenate(([last_prompt], targets[:-1])))
     # by sequence, then position: each sequence's tokens in order (a sequence's tokens are already in order)
     order = np.argsort(np.concatenate(sequence), kind="stable")
     sequence, target, predictor = (torch.from_numpy(np.concatenate(c)[order]) for c in (sequence, target, predictor))
