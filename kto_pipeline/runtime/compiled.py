@@ -48,7 +48,9 @@ from collections.abc import Callable
 from kto_pipeline.models import COMPILED_LAYERS, STATIC_LAYERS, decoder_body, load_balancing_coef, scorable
 from kto_pipeline.runtime import CUDA_GRAPH_MODES
 
-BACKEND = "inductor"  # torch.compile's backend for the layers (the tests swap in one that fails)
+# torch.compile's backend for every region (the tests swap in one that fails; the GPU matrix's CPU rehearsal,
+# aot_eager); a backend other than inductor is recorded with the stage's `compile`
+BACKEND = "inductor"
 WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 TRAIN_COMPILES_ON = ("cuda",)  # device types where training compiles when --torch-compile is unset
 STATIC_RECOMPILE_LIMIT = 64  # with --static-shapes, Dynamo's recompile limit is raised to this (a graph per shape)
@@ -166,8 +168,9 @@ def _cuda_graph_mode(
 
 
 def _mode_option(mode: str) -> dict:
-    """torch.compile's `mode` argument: none for the default (a backend other than inductor takes no mode)."""
-    return {} if mode == "default" else {"mode": mode}
+    """torch.compile's `mode` argument: none for the default, nor for a backend other than inductor (which takes no
+    mode: its graphs then run as that backend makes them, in the mode's fixed shapes)."""
+    return {} if mode == "default" or BACKEND != "inductor" else {"mode": mode}
 
 
 def _new_step_of_graphs(backbone, args) -> None:
@@ -422,7 +425,8 @@ class CompileStats:
         """{graphs, graph_breaks, recompiles, seconds} since the layers were compiled; with `eager_fallback` and
         `recompile_limit` where they happened; in another mode than default, `mode`, and where it replays CUDA
         graphs, `cudagraph_skips` (graphs that run without them: on a CPU every one), their reasons and
-        `cudagraph_sizes` (a GPU's); in training, `compiling_steps` (the optimizer steps that compiled)."""
+        `cudagraph_sizes` (a GPU's); in training, `compiling_steps` (the optimizer steps that compiled); `backend`
+        where it is not inductor."""
         now = {k: v - self.start[k] for k, v in _counts().items()}
         out: dict = {
             "graphs": int(now["graphs"]),
@@ -432,6 +436,8 @@ class CompileStats:
         }
         if self.mode != "default":
             out["mode"] = self.mode
+        if BACKEND != "inductor":  # (a name, or a function's)
+            out["backend"] = BACKEND if isinstance(BACKEND, str) else getattr(BACKEND, "__name__", repr(BACKEND))
         if self.cuda_graphs:
             out["cudagraph_skips"] = int(now["cudagraph_skips"])
         extra = {
