@@ -12,19 +12,19 @@ kto-pipeline's training compiled (without, then with CUDA graphs: `--torch-compi
 trl precomputed with and without liger's fused loss. It reports each case's step time, MFU and peak memory, and the
 goals.
 
-A budget keeps it within 8 minutes (--budget-s 480, building and the checks included), and the run goes in the order
-of what answers the goals (`plan`), so that what the budget leaves out answers the least: the step-1 check and the
-layouts' diagnosis of step 1; KTO on Qwen2-0.5B, ours compiled and trl's two settings at both batches (the speed and
-memory goals); the ~1.5B shape compiled at its larger batch (the MFU goal); CUDA graphs after their check; the first
+A budget keeps it within 8 minutes (--budget-s 480, building and the checks included), and the run goes in the order of
+what answers the goals (`plan`), so that what the budget leaves out answers the least: the step-1 check and the layouts'
+diagnosis of step 1; KTO on Qwen2-0.5B, ours compiled and trl's two settings at both batches (the speed and memory
+goals), with where ours' compiled step's time goes at batch 8 (torch.profiler: the GPU's kernel time against the wall,
+launches, ops); the ~1.5B shape compiled at its larger batch (the MFU goal); CUDA graphs after their check; the first
 model's KTO reference pass again, on the dense mask, in static shapes and compiled (which pays); then every other case
 (eager, the ~1.5B shape's others, the pair loss). `--first pairs` (or `large`, `graphs`) moves that goal's cases right
 after the checks, for a run that follows one whose budget ended before them. Each step of cases (one tool, one model,
 one loss) runs in a fresh process that measures them one after another (ours' reference pass once for the model and
-loss, its cache kept for the later steps); every case is written down the moment it ends, and what the budget leaves
-no time for is reported as not run, never guessed. A case that runs out of memory says so and the rest go on. Model
-and data as `gpu_harness.py` builds them (random weights, random characters with HH-RLHF's lengths). On a CPU the
-compiled cases compile with torch's aot_eager backend (`CPU_BACKEND`: traced as on a GPU, no kernels generated).
-"""
+loss, its cache kept for the later steps); every case is written down the moment it ends, and what the budget leaves no
+time for is reported as not run, never guessed. A case that runs out of memory says so and the rest go on. Model and
+data as `gpu_harness.py` builds them (random weights, random characters with HH-RLHF's lengths). On a CPU the compiled
+cases compile with torch's aot_eager backend (`CPU_BACKEND`: traced as on a GPU, no kernels generated)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,11 @@ OURS = (
     ("kto-pipeline CUDA graphs", dict(torch_compile_mode="reduce-overhead")),  # static shapes implied
 )
 COMPILED = ("kto-pipeline compiled", "kto-pipeline CUDA graphs")  # ours' best of these against trl's best
+# where a compiled step's time goes: KTO on the first model at the smallest batch (the step the host bounds), compiled,
+# in the process that ran the compiled cases (its graphs compiled), a run of PROFILED_STEPS[1] steps minus one of
+# PROFILED_STEPS[0] under torch.profiler: per step, the wall (profiled), the GPU's kernel time, launches, aten ops
+PROFILED, PROFILED_STEPS = "kto-pipeline compiled, profiled", (2, 5)
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 TRL = (("trl precomputed", False), ("trl precomputed + liger", True))
 COLUMNS = (*(c for c, _ in OURS), *(c for c, _ in TRL))
 REFERENCE = "kto-pipeline reference pass"  # ours' first case of a (model, loss): the cache its training cases read
@@ -172,18 +177,21 @@ def group_cases(tool: str, device: str) -> list[str]:
 
 def plan(device: str, first: str | None = None) -> list[tuple]:
     """The run's steps in the order of what answers the goals: `("check", name)`, or `(tool, model, loss, cases)`, a
-    group's cases that run in one process. First the checks of step 1 (the default path's, then the layouts'
-    diagnosis); then KTO on the first model, ours compiled and trl's settings at every batch (the speed and memory
-    goals); the last model compiled at the largest batch (on a GPU the ~1.5B shape: the MFU goal, at >= 16k tokens a
-    step); the CUDA graphs check, then CUDA graphs' cases; the first model's KTO reference pass again and with one
-    setting changed (the dense mask, static shapes, compiled); then every case not yet planned, group by group in the
-    goals' order (loss, model, tool). `first` (one of FIRST) puts that goal's steps right after the checks, for a run
-    that follows one whose budget ended before them. Each case once."""
+    group's cases that run in one process. First the checks of step 1 (the default path's, then the layouts' diagnosis);
+    then KTO on the first model, ours compiled and trl's settings at every batch (the speed and memory goals; ours'
+    smallest batch profiled right after it ran, in its process); the last model compiled at the largest batch (on a GPU
+    the ~1.5B shape: the MFU goal, at >= 16k tokens a step); the CUDA graphs check, then CUDA graphs' cases; the first
+    model's KTO reference pass again and with one setting changed (the dense mask, static shapes, compiled); then every
+    case not yet planned, group by group in the goals' order (loss, model, tool). `first` (one of FIRST) puts that
+    goal's steps right after the checks, for a run that follows one whose budget ended before them. Each case once."""
     first_model, last, large = MODELS[device][0], MODELS[device][-1], max(BATCHES[device])
     compiled, graphs = COMPILED
+    # the profiled steps right after the compiled case they profile, in its process (its graphs compiled)
+    speed_cases = [case_name(compiled, b) for b in BATCHES[device]]
+    speed_cases.insert(1, case_name(PROFILED, BATCHES[device][0]))
     goals = {
         "speed": [
-            ("ours", first_model, "kto", [REFERENCE, *(case_name(compiled, b) for b in BATCHES[device])]),
+            ("ours", first_model, "kto", [REFERENCE, *speed_cases]),
             ("trl", first_model, "kto", group_cases("trl", device)),
         ],
         "large": [("ours", last, "kto", [REFERENCE, case_name(compiled, large)])],
@@ -244,6 +252,10 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
             torch._dynamo.reset()
             cases.run(case, lambda output=output, changed=changed: reference(output, **changed))
             continue
+        if case.startswith(PROFILED):
+            batch = int(case.rsplit(" @ ", 1)[1])
+            cases.run(case, lambda batch=batch: profiled_steps(cache_dir, cases.path.parent, loss, batch, device))
+            continue
         column, compiling, batch = settings_of[case]
         if "torch_compile_mode" in compiling and CHECKPOINTING.get(model, False):
             no_graphs = "no CUDA graphs under gradient checkpointing (the mode compiles without them)"
@@ -272,6 +284,80 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
 
         torch._dynamo.reset()  # each case compiles from its own first step, as a fresh run would
         cases.run(case, step)
+
+
+def profiled_steps(cache_dir: Path, out: Path, loss: str, batch: int, device: str) -> dict:
+    """Where a compiled step's time goes: a PROFILED_STEPS[1]-step minus a PROFILED_STEPS[0]-step compiled run under
+    torch.profiler (CPU and, on a GPU, CUDA activity), per step: the wall (the runs' step times, profiled), the GPU's
+    kernel time (every CUDA event's duration: kernels, copies, memsets), kernel launches (CUDA graph launches apart),
+    aten ops, and the kernels that took longest. The dynamo cache is kept: the graphs the compiled cases compiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kto_pipeline import train
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    runs = {}
+    for steps in PROFILED_STEPS:
+        settings = dict(batch=batch, steps=steps, learning_rate=LEARNING_RATE, bf16=device == "cuda")
+        settings |= dict(beta=gpu_harness.BETA, loss_type=loss, save_steps=0, torch_compile=True)
+        settings["attention_kernel"] = compiled_attention(device)
+        config = harness.ours_train_config(cache_dir, out / f"run-{batch}-profiled-{steps}", **settings)
+        with profile(activities=activities) as prof:
+            res = train(config)
+        compiled = (harness.trainer_state(Path(config.output_dir)) or {}).get("compile") or {}
+        runs[steps] = dict(profile_counts(prof), wall=sum(res.step_seconds), graphs=compiled.get("graphs", 0))
+    few, many = (runs[n] for n in PROFILED_STEPS)
+    n = PROFILED_STEPS[1] - PROFILED_STEPS[0]
+    per_step = {k: (many[k] - few[k]) / n for k in ("wall", "device_s", "launches", "graph_launches", "ops")}
+    kernels = {name: (t - few["kernels"].get(name, 0.0)) / n for name, t in many["kernels"].items()}
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:5]
+    graphs = few["graphs"] + many["graphs"]  # compiled anew in the profiled runs (0: the cases' graphs served)
+    return dict(profiled=per_step, top_kernels=top, steps=list(PROFILED_STEPS), graphs_compiled=graphs)
+
+
+def profile_counts(prof) -> dict:
+    """A profile's totals: the GPU's time in its CUDA events (seconds; by kernel name), launches, CUDA graph
+    launches, aten ops."""
+    from torch.autograd import DeviceType
+
+    events, kernels = prof.events(), {}
+    for event in events:
+        if event.device_type == DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e6
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    return dict(
+        device_s=sum(kernels.values()),
+        kernels=kernels,
+        launches=sum(e.name in LAUNCHES for e in cpu),
+        graph_launches=sum(e.name == "cudaGraphLaunch" for e in cpu),
+        ops=sum(e.name.startswith("aten::") for e in cpu),
+    )
+
+
+def profiled_lines(results: dict, device: str) -> list[str]:
+    """The profiled case's section: where a compiled step's time goes."""
+    model, batch = MODELS[device][0], BATCHES[device][0]
+    res = results.get((model, "kto", case_name(PROFILED, batch))) or {}
+    lines = ["## Where a compiled step's time goes (torch.profiler)", ""]
+    if "profiled" not in res:
+        return [*lines, f"- {res.get('skipped', 'not run')}"]
+    p, (few, many) = res["profiled"], res["steps"]
+    gpu = (
+        f"the GPU's kernels {p['device_s']:.4f} s ({p['device_s'] / p['wall']:.0%} of the wall), "
+        f"{p['launches']:,.0f} kernel launches, {p['graph_launches']:,.0f} CUDA graph launches, "
+        if device == "cuda"
+        else "no GPU (a CPU run: ops only), "
+    )
+    lines.append(
+        f"- {model}, KTO, batch {batch}, compiled (the graphs the compiled cases compiled), per step: a {many}-step "
+        f"minus a {few}-step run under torch.profiler: wall {p['wall']:.4f} s (profiled), {gpu}"
+        f"{p['ops']:,.0f} aten ops dispatched"
+        + (f" ({res['graphs_compiled']} graphs compiled in the profiled runs)" if res.get("graphs_compiled") else "")
+    )
+    if res.get("top_kernels"):
+        top = "; ".join(f"{name[:80]} {seconds * 1e3:.2f} ms" for name, seconds in res["top_kernels"])
+        lines.append(f"- the longest kernels a step: {top}")
+    return lines
 
 
 def trl_group(where: Path, model: str, loss: str, device: str, cases: Cases, wanted: list[str]) -> None:
@@ -515,6 +601,7 @@ def render(results: dict, checks: dict, device: str, peak: float | None, seconds
         "setting that ran (its fastest step).",
         "",
     ]
+    lines += [*profiled_lines(results, device), ""]
     lines += ["## Reference passes: needed tokens/s", "", *reference_table(results, device, flops, peak), ""]
     lines += [
         "trl's at precompute_ref_batch_size = the batch; ours over the rows the largest batch trains, at its default "

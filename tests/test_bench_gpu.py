@@ -46,6 +46,12 @@ def test_gpu_data_has_hh_lengths_and_a_pair_loss_counts_both_answers_trained(tmp
     assert pairs.reference([lengths[0]]) == kto.reference([lengths[0]]) == reference
 
 
+def raw_ops(work: str) -> float:
+    """The aten ops a profiled compiled step dispatched, from the CPU run's raw results."""
+    raw = json.loads((Path(work) / "matrix-results.json").read_text())
+    return raw["cases"]["tiny / kto / kto-pipeline compiled, profiled @ 4"]["profiled"]["ops"]
+
+
 def table_lines(text: str) -> list[list[str]]:
     """Every row of the first markdown table of `text` (its header first), as cells."""
     rows, started = [], False
@@ -103,6 +109,13 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
         assert cells["trl precomputed + liger"].startswith("skipped: liger-kernel"), row
         assert re.match(r"^\d+\.\d\dx$", cells["ours compiled vs trl's best"]), row
         assert int(cells["needed tokens a step"]) > 0, row
+    profiled = text.split("## Where a compiled step's time goes (torch.profiler)")[1].split("##")[0]
+    assert re.search(
+        r"per step: a 5-step minus a 2-step run under torch.profiler: wall \d+\.\d{4} s \(profiled\), "
+        r"no GPU \(a CPU run: ops only\), [\d,]+ aten ops dispatched",
+        profiled,
+    ), profiled
+    assert raw_ops(work) > 0
     head, *passes = table_lines(text.split("## Reference passes: needed tokens/s")[1])
     variants = ["kto-pipeline, again", "kto-pipeline, dense mask", "kto-pipeline, --static-shapes"]
     variants += ["kto-pipeline, --torch-compile"]
@@ -220,7 +233,8 @@ def test_bench_gpu_matrix_cases_record_a_failure_and_go_on(tmp_path, monkeypatch
 
 def test_the_gpu_plan_runs_what_answers_the_goals_first_and_every_case_once(monkeypatch):
     """`make bench-gpu` on a GPU (8 minutes; what the budget leaves out is not run): the step-1 check and the layouts,
-    then the speed and memory goals' cases (KTO on Qwen2-0.5B: ours compiled, trl's two settings), the MFU goal's
+    then the speed and memory goals' cases (KTO on Qwen2-0.5B: ours compiled, where its step's time goes at batch 8
+    under the profiler, trl's two settings), the MFU goal's
     (the ~1.5B shape compiled at batch 64), CUDA graphs after their check, the reference pass's variants (compiled
     last), then the rest; every case of every group exactly once. `--first pairs` runs the pair loss's cases (ours
     compiled, trl's two settings) right after the checks, and still every case once."""
@@ -232,7 +246,7 @@ def test_the_gpu_plan_runs_what_answers_the_goals_first_and_every_case_once(monk
     assert steps[:8] == [
         ("check", "step_one"),
         ("check", "layouts"),
-        ("ours", "qwen2-0.5b", "kto", [reference, f"{compiled} @ 8", f"{compiled} @ 64"]),
+        ("ours", "qwen2-0.5b", "kto", [reference, f"{compiled} @ 8", f"{m.PROFILED} @ 8", f"{compiled} @ 64"]),
         ("trl", "qwen2-0.5b", "kto", m.group_cases("trl", "cuda")),
         ("ours", "qwen2-1.5b", "kto", [reference, f"{compiled} @ 64"]),
         ("check", "graphs"),
@@ -253,7 +267,7 @@ def test_the_gpu_plan_runs_what_answers_the_goals_first_and_every_case_once(monk
         for loss in m.LOSSES
         for case in m.group_cases(tool, "cuda")
     }
-    variants = {("ours", "qwen2-0.5b", "kto", case) for case in m.REFERENCE_VARIANTS}
+    variants = {("ours", "qwen2-0.5b", "kto", case) for case in [*m.REFERENCE_VARIANTS, f"{m.PROFILED} @ 8"]}
     for run in (steps, pairs):
         planned = [(s[0], *s[1:3], case) for s in run if s[0] != "check" for case in s[3]]
         assert len(planned) == len(set(planned))
