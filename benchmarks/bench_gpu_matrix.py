@@ -254,7 +254,8 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
             continue
         if case.startswith(PROFILED):
             batch = int(case.rsplit(" @ ", 1)[1])
-            cases.run(case, lambda batch=batch: profiled_steps(cache_dir, cases.path.parent, loss, batch, device))
+            profiling = (cache_dir, cases.path.parent, model, loss, device, batch)
+            cases.run(case, lambda profiling=profiling: profiled_steps(*profiling))
             continue
         column, compiling, batch = settings_of[case]
         if "torch_compile_mode" in compiling and CHECKPOINTING.get(model, False):
@@ -264,12 +265,8 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
 
         def step(batch=batch, compiling=compiling, column=column) -> dict:
             out = cases.path.parent / f"run-{batch}-{column.split(' ', 1)[1].replace(' ', '-')}"
-            settings = dict(batch=batch, steps=steps, learning_rate=LEARNING_RATE, bf16=device == "cuda")
-            settings |= dict(beta=gpu_harness.BETA, loss_type=loss, save_steps=0, **compiling)
-            if column in COMPILED:
-                settings["attention_kernel"] = compiled_attention(device)
-            config = harness.ours_train_config(cache_dir, out, **settings)
-            res = train(dataclasses.replace(config, gradient_checkpointing=CHECKPOINTING.get(model, False)))
+            config = ours_config(cache_dir, out, model, loss, device, batch, steps, column in COMPILED, **compiling)
+            res = train(config)
             state = harness.trainer_state(out) or {}
             rows = open_cache(cache_dir).table.slice(0, steps * batch)
             n = steps * batch
@@ -286,7 +283,20 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
         cases.run(case, step)
 
 
-def profiled_steps(cache_dir: Path, out: Path, loss: str, batch: int, device: str) -> dict:
+def ours_config(
+    cache: Path, out: Path, model: str, loss: str, device: str, batch: int, steps: int, compiled: bool, **compiling
+):
+    """The TrainConfig of ours' training case: `steps` steps at `batch` (bf16 on a GPU), `compiling` (its compile
+    options; `compiled`: on the compiled cases' attention kernel), checkpointing where the model's preset needs it."""
+    settings = dict(batch=batch, steps=steps, learning_rate=LEARNING_RATE, bf16=device == "cuda")
+    settings |= dict(beta=gpu_harness.BETA, loss_type=loss, save_steps=0, **compiling)
+    if compiled:
+        settings["attention_kernel"] = compiled_attention(device)
+    config = harness.ours_train_config(cache, out, **settings)
+    return dataclasses.replace(config, gradient_checkpointing=CHECKPOINTING.get(model, False))
+
+
+def profiled_steps(cache_dir: Path, out: Path, model: str, loss: str, device: str, batch: int) -> dict:
     """Where a compiled step's time goes: a PROFILED_STEPS[1]-step minus a PROFILED_STEPS[0]-step compiled run under
     torch.profiler (CPU and, on a GPU, CUDA activity), per step: the wall (the runs' step times, profiled), the GPU's
     kernel time (every CUDA event's duration: kernels, copies, memsets), kernel launches (CUDA graph launches apart),
@@ -298,13 +308,11 @@ def profiled_steps(cache_dir: Path, out: Path, loss: str, batch: int, device: st
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     runs = {}
     for steps in PROFILED_STEPS:
-        settings = dict(batch=batch, steps=steps, learning_rate=LEARNING_RATE, bf16=device == "cuda")
-        settings |= dict(beta=gpu_harness.BETA, loss_type=loss, save_steps=0, torch_compile=True)
-        settings["attention_kernel"] = compiled_attention(device)
-        config = harness.ours_train_config(cache_dir, out / f"run-{batch}-profiled-{steps}", **settings)
+        where = out / f"run-{batch}-profiled-{steps}"
+        config = ours_config(cache_dir, where, model, loss, device, batch, steps, True, torch_compile=True)
         with profile(activities=activities) as prof:
             res = train(config)
-        compiled = (harness.trainer_state(Path(config.output_dir)) or {}).get("compile") or {}
+        compiled = (harness.trainer_state(where) or {}).get("compile") or {}
         runs[steps] = dict(profile_counts(prof), wall=sum(res.step_seconds), graphs=compiled.get("graphs", 0))
     few, many = (runs[n] for n in PROFILED_STEPS)
     n = PROFILED_STEPS[1] - PROFILED_STEPS[0]

@@ -234,10 +234,10 @@ def test_bench_gpu_matrix_cases_record_a_failure_and_go_on(tmp_path, monkeypatch
 def test_the_gpu_plan_runs_what_answers_the_goals_first_and_every_case_once(monkeypatch):
     """`make bench-gpu` on a GPU (8 minutes; what the budget leaves out is not run): the step-1 check and the layouts,
     then the speed and memory goals' cases (KTO on Qwen2-0.5B: ours compiled, where its step's time goes at batch 8
-    under the profiler, trl's two settings), the MFU goal's
-    (the ~1.5B shape compiled at batch 64), CUDA graphs after their check, the reference pass's variants (compiled
-    last), then the rest; every case of every group exactly once. `--first pairs` runs the pair loss's cases (ours
-    compiled, trl's two settings) right after the checks, and still every case once."""
+    under the profiler, trl's two settings), the MFU goal's (the ~1.5B shape compiled at batch 64), CUDA graphs after
+    their check, the reference pass's variants (compiled last), then the rest; every case of every group exactly once.
+    `--first pairs` runs the pair loss's cases (ours compiled, trl's two settings) right after the checks, and still
+    every case once."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_gpu_matrix as m
 
