@@ -66,6 +66,8 @@ COMPILED = ("kto-pipeline compiled", "kto-pipeline CUDA graphs")  # ours' best o
 # PROFILED_STEPS[0] under torch.profiler: per step, the wall (profiled), the GPU's kernel time, launches, aten ops
 PROFILED, PROFILED_STEPS = "kto-pipeline compiled, profiled", (2, 5)
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+# the host waiting for the device (`.item()`, `.tolist()`, a copy to the host): while it waits, no launch runs ahead
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cuStreamSynchronize")
 TRL = (("trl precomputed", False), ("trl precomputed + liger", True))
 COLUMNS = (*(c for c, _ in OURS), *(c for c, _ in TRL))
 REFERENCE = "kto-pipeline reference pass"  # ours' first case of a (model, loss): the cache its training cases read
@@ -88,7 +90,7 @@ GOALS = dict(speedup=1.5, memory=0.5, mfu=0.40, mfu_tokens=16384)
 BUDGET_S, STARTS_UNTIL = 480, 60
 # at most, for each check before the cases on a GPU (step 1 of the default path, CUDA graphs against the run without
 # them, step_one_layouts: what moves a sequence's log-prob between layouts), so that the cases keep most of the budget
-CHECK_S = {"cuda": dict(step_one=150, graphs=90, layouts=90), "cpu": {}}
+CHECK_S = {"cuda": dict(step_one=150, graphs=120, layouts=90), "cpu": {}}
 FIRST = ("speed", "large", "graphs", "pairs")  # `--first`: a goal's steps right after the checks (`plan`)
 # what compiles ours' regions in a CPU run (the code path's check): Dynamo and AOTAutograd trace them as on a GPU, and
 # no kernels are generated (inductor's CPU kernels are not what a GPU runs: tests/test_compile.py holds them to the
@@ -299,8 +301,9 @@ def ours_config(
 def profiled_steps(cache_dir: Path, out: Path, model: str, loss: str, device: str, batch: int) -> dict:
     """Where a compiled step's time goes: a PROFILED_STEPS[1]-step minus a PROFILED_STEPS[0]-step compiled run under
     torch.profiler (CPU and, on a GPU, CUDA activity), per step: the wall (the runs' step times, profiled), the GPU's
-    kernel time (every CUDA event's duration: kernels, copies, memsets), kernel launches (CUDA graph launches apart),
-    aten ops, and the kernels that took longest. The dynamo cache is kept: the graphs the compiled cases compiled."""
+    kernel time (every CUDA event's duration: kernels, copies, memsets), the kernels run, kernel launches (CUDA graph
+    launches apart), the host's waits for the device, aten ops, and the kernels that took longest. The dynamo cache
+    is kept: the graphs the compiled cases compiled."""
     from torch.profiler import ProfilerActivity, profile
 
     from kto_pipeline import train
@@ -316,7 +319,8 @@ def profiled_steps(cache_dir: Path, out: Path, model: str, loss: str, device: st
         runs[steps] = dict(profile_counts(prof), wall=sum(res.step_seconds), graphs=compiled.get("graphs", 0))
     few, many = (runs[n] for n in PROFILED_STEPS)
     n = PROFILED_STEPS[1] - PROFILED_STEPS[0]
-    per_step = {k: (many[k] - few[k]) / n for k in ("wall", "device_s", "launches", "graph_launches", "ops")}
+    counted = ("wall", "device_s", "kernels_run", "launches", "graph_launches", "syncs", "ops")
+    per_step = {k: (many[k] - few[k]) / n for k in counted}
     kernels = {name: (t - few["kernels"].get(name, 0.0)) / n for name, t in many["kernels"].items()}
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:5]
     graphs = few["graphs"] + many["graphs"]  # compiled anew in the profiled runs (0: the cases' graphs served)
@@ -324,20 +328,25 @@ def profiled_steps(cache_dir: Path, out: Path, model: str, loss: str, device: st
 
 
 def profile_counts(prof) -> dict:
-    """A profile's totals: the GPU's time in its CUDA events (seconds; by kernel name), launches, CUDA graph
-    launches, aten ops."""
+    """A profile's totals: the GPU's time in its CUDA events (seconds; by kernel name), the kernels run (copies and
+    memsets apart: without CUDA graphs, one a launch), launches, CUDA graph launches, the host's waits, aten ops.
+    The device's copies of annotated ranges (inductor's `## Call CompiledFxGraph ##` around each compiled call, the
+    optimizer's step) are no kernels: they span the kernels they hold, and are left out, as torch's own tables do."""
     from torch.autograd import DeviceType
 
-    events, kernels = prof.events(), {}
+    events, kernels, run = prof.events(), {}, 0
     for event in events:
-        if event.device_type == DeviceType.CUDA:
+        if event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
             kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e6
+            run += not event.name.startswith(("Memcpy", "Memset"))
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
     return dict(
         device_s=sum(kernels.values()),
         kernels=kernels,
+        kernels_run=run,
         launches=sum(e.name in LAUNCHES for e in cpu),
         graph_launches=sum(e.name == "cudaGraphLaunch" for e in cpu),
+        syncs=sum(e.name in SYNCS for e in cpu),
         ops=sum(e.name.startswith("aten::") for e in cpu),
     )
 
@@ -352,7 +361,8 @@ def profiled_lines(results: dict, device: str) -> list[str]:
     p, (few, many) = res["profiled"], res["steps"]
     gpu = (
         f"the GPU's kernels {p['device_s']:.4f} s ({p['device_s'] / p['wall']:.0%} of the wall), "
-        f"{p['launches']:,.0f} kernel launches, {p['graph_launches']:,.0f} CUDA graph launches, "
+        f"{p['kernels_run']:,.0f} kernels run, {p['launches']:,.0f} kernel launches, "
+        f"{p['graph_launches']:,.0f} CUDA graph launches, {p['syncs']:,.0f} waits of the host for the device, "
         if device == "cuda"
         else "no GPU (a CPU run: ops only), "
     )
@@ -438,8 +448,11 @@ def cuda_graphs_check(work: Path, device: str) -> dict:
     paths = dict(model=str(where / "model"), dataset=str(where / "data.jsonl"), output=str(where / "cache"))
     settings = dict(attention_kernel=kernel, torch_compile=True, static_shapes=True)
     dtype = "bfloat16" if bf16 else "float32"
+    # the cache both runs read, scored eagerly: what is compared is training (one cold compile fewer)
     cache = precompute(
-        PrecomputeConfig(**paths, overwrite=True, max_length=preset["max_length"], dtype=dtype, **settings)
+        PrecomputeConfig(
+            **paths, overwrite=True, max_length=preset["max_length"], dtype=dtype, **settings | {"torch_compile": False}
+        )
     )
     logged, compiled = {}, {}
     for mode in ("default", "reduce-overhead"):
@@ -543,6 +556,8 @@ def cell(res: dict | None, flops: Flops, batch: int, peak: float | None) -> str:
     text += compile_notes(compiled)
     skips = compiled.get("cudagraph_skips")
     text += f" ({skips} graph(s) without CUDA graphs)" if skips else ""
+    if peak is not None and compiled.get("cudagraph_recorded_inputs") == 0:  # (a GPU's CUDA graphs case)
+        text += " (no CUDA graph recorded)"
     return f"{text}, {res['train_peak_mib']:,.0f} MiB"
 
 
@@ -646,6 +661,9 @@ def cuda_graphs_line(graphs: dict, device: str) -> str:
     )
     skips = compiled.get("cudagraph_skips")
     text += f"; graphs run without CUDA graphs: {skips}" + (" (a CPU has none)" if device == "cpu" else "")
+    if device == "cuda":  # (a skip can go uncounted; a recorded graph cannot)
+        recorded = compiled.get("cudagraph_recorded_inputs")
+        text += f"; CUDA graphs recorded: {'yes' if recorded else 'NONE'} ({recorded} inputs of recorded graphs)"
     reasons = compiled.get("cudagraph_skip_reasons")
     text += f" ({'; '.join(reasons)})" if reasons else ""
     return text + (

@@ -267,3 +267,39 @@ def test_the_gpu_plan_runs_what_answers_the_goals_first_and_every_case_once(monk
         assert len(planned) == len(set(planned))
         assert set(planned) == wanted | variants
         assert sorted(s[1] for s in run if s[0] == "check") == ["graphs", "layouts", "step_one"]
+
+
+def test_a_profiled_steps_gpu_time_counts_kernels_not_the_ranges_annotated_around_them(monkeypatch):
+    """`profile_counts` on a GPU's events (made here: a CPU profiles none): the device's copies of annotated ranges
+    (inductor's `## Call CompiledFxGraph ##` around a compiled call, the optimizer's step), which span the kernels
+    they hold, count neither as kernel time nor as kernels; copies count as time, not as kernels run; the host's
+    launches, CUDA graph launches, waits for the device and aten ops are counted by name."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_gpu_matrix
+
+    def event(name, device, us=0.0, annotation=False):
+        span = SimpleNamespace(elapsed_us=lambda: us)
+        return SimpleNamespace(name=name, device_type=device, time_range=span, is_user_annotation=annotation)
+
+    gpu, cpu = DeviceType.CUDA, DeviceType.CPU
+    events = [
+        event("## Call CompiledFxGraph fabc ##", gpu, 900.0, annotation=True),
+        event("Optimizer.step#AdamW.step", gpu, 300.0, annotation=True),
+        event("triton_red_fused_mm_0", gpu, 400.0),
+        event("triton_red_fused_mm_0", gpu, 200.0),
+        event("sm90_xmma_gemm_bf16", gpu, 250.0),
+        event("Memcpy DtoH (Device -> Pinned)", gpu, 50.0),
+        *(event(name, cpu) for name in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernelEx", "cudaGraphLaunch")),
+        *(event(name, cpu) for name in ("cudaStreamSynchronize", "cudaMemcpyAsync", "aten::mm", "aten::add_")),
+    ]
+    counts = bench_gpu_matrix.profile_counts(SimpleNamespace(events=lambda: events))
+    assert counts["device_s"] == pytest.approx(900e-6)  # 400 + 200 + 250 + 50 us: no annotated range
+    assert counts["kernels"] == pytest.approx(
+        {"triton_red_fused_mm_0": 600e-6, "sm90_xmma_gemm_bf16": 250e-6, "Memcpy DtoH (Device -> Pinned)": 50e-6}
+    )
+    assert (counts["kernels_run"], counts["launches"], counts["graph_launches"]) == (3, 3, 1)
+    assert (counts["syncs"], counts["ops"]) == (1, 2)

@@ -271,6 +271,7 @@ def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each
     layers' weights are not cast once a step (inside a graph a cast costs no launch); the report counts the graphs
     compiled without CUDA graphs, with inductor's reasons."""
     import torch
+    from torch._dynamo.utils import counters
     from torch._inductor.cudagraph_utils import cudagraphs_log, log_cudagraph_skip_and_bump_counter
 
     from kto_pipeline.config.train import TrainConfig
@@ -314,6 +315,9 @@ def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each
     assert report["mode"] == "reduce-overhead" and report["cudagraph_skips"] >= 2, report
     assert report["cudagraph_skip_reasons"] == ["skipping cudagraphs due to mutated inputs"], report
     assert report["cudagraph_sizes"] == 9, report  # a warning, not a skip
+    assert report["cudagraph_recorded_inputs"] == 0, report  # a CPU records no CUDA graph
+    counters["inductor"]["cudagraph_recorded_non_static_inputs"] += 3  # (as inductor counts a graph recorded)
+    assert stats.report()["cudagraph_recorded_inputs"] == 3
 
     # accumulating micro-batches, the gradients are allocated up front and zeroed in place: autograd adds each layer's
     # backward graph's output (its memory, overwritten by the next replay) into them, never keeps one as the gradient
@@ -528,24 +532,32 @@ def test_compiled_layers_with_gradient_checkpointing_stay_compiled_with_step_one
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
 
 
-def test_a_step_counts_as_compiling_where_a_region_compiled_since_the_last_step(monkeypatch):
-    """`CompileStats.step_ended`: a step is noted where Dynamo compiled a frame (a first graph or a recompile) since
-    the step before ended, and trainer_state.json's `compile` reports them (`compiling_steps`), none where none."""
+def test_a_step_counts_as_compiling_where_a_region_compiled_or_a_cuda_graph_was_recorded_since_the_last_step(
+    monkeypatch,
+):
+    """`CompileStats.step_ended`: a step is noted where Dynamo compiled a frame (a first graph or a recompile) or
+    CUDA graph trees recorded a graph (inductor's count of the recorded graphs' inputs grew: a function's second
+    call, a new size) since the step before ended, and trainer_state.json's `compile` reports them
+    (`compiling_steps`), none where none."""
     from types import SimpleNamespace
 
     import torch
 
     from kto_pipeline.runtime import compiled
 
-    frames = iter([3, 3, 5, 5, 6, 6, 6])  # at the start, a report, after each step (1 and 3 compiled), a report
+    # at the start, a report, after each step (1 and 3 compiled, 2 and 5 recorded a CUDA graph), a report
+    frames = iter([3, 3, 5, 5, 6, 6, 6, 6])
+    recorded = iter([0, 0, 0, 4, 4, 4, 6, 6])
     counts = dict(cudagraph_skips=0, graphs=0, graph_breaks=0, seconds=0.0)
-    monkeypatch.setattr(compiled, "_counts", lambda: dict(counts, frames=next(frames)))
+    monkeypatch.setattr(
+        compiled, "_counts", lambda: dict(counts, frames=next(frames), cudagraph_recorded=next(recorded))
+    )
     stats = compiled.CompileStats(SimpleNamespace(layers=[torch.nn.Linear(1, 1)]), say=lambda _: None)
     assert "compiling_steps" not in stats.report()
-    for step in (1, 2, 3, 4):
+    for step in (1, 2, 3, 4, 5):
         stats.step_ended(step)
-    assert stats.compiling_steps == [1, 3]
-    assert stats.report()["compiling_steps"] == [1, 3]
+    assert stats.compiling_steps == [1, 2, 3, 5]
+    assert stats.report()["compiling_steps"] == [1, 2, 3, 5]
 
 
 def test_kept_keys_values_files_each_layer_or_keeps_nothing():

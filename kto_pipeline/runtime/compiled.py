@@ -315,6 +315,9 @@ def _counts() -> dict[str, float]:
 
     return {
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],  # graphs of a CUDA graph mode run without them
+        # the inputs (not parameters or buffers) of the CUDA graphs recorded: grows with each one recorded; a skip
+        # can go uncounted (inductor's graph partitions turn CUDA graphs off without one), this cannot
+        "cudagraph_recorded": counters["inductor"]["cudagraph_recorded_non_static_inputs"],
         "graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": sum(counters["graph_break"].values()),
         "frames": counters["frames"]["total"],  # compilations of a frame: a region's first, then its recompiles
@@ -339,7 +342,7 @@ class CompileStats:
         self.compiled_regions: dict[Callable, Callable] = {}  # the head and the loss, each compiled once (`region`)
         self.start = _counts()
         self.compiling_steps: list[int] = []  # training's optimizer steps that compiled (`step_ended`)
-        self._frames_seen = self.start["frames"]
+        self._seen = (self.start["frames"], self.start["cudagraph_recorded"])  # at the last step's end
         _Heard.watch(_Heard.RECOMPILES, self.recompiled)
         _Heard.watch(_Heard.CUDA_GRAPHS, self.cuda_graphs_said)
 
@@ -414,12 +417,13 @@ class CompileStats:
 
     def step_ended(self, step: int) -> None:
         """Training's optimizer step `step` has ended: it is one that compiled where a region compiled (a first
-        graph or a recompile) since the last step ended (an evaluation run between two steps counts for the next).
-        A benchmark leaves those steps out of its median."""
-        frames = _counts()["frames"]
-        if frames > self._frames_seen:
+        graph or a recompile) or a CUDA graph was recorded (a function's second call, each new size after) since
+        the last step ended (an evaluation run between two steps counts for the next). A benchmark leaves those
+        steps out of its median."""
+        now = _counts()
+        seen, self._seen = self._seen, (now["frames"], now["cudagraph_recorded"])
+        if self._seen[0] > seen[0] or self._seen[1] > seen[1]:
             self.compiling_steps.append(step)
-        self._frames_seen = frames
 
     def report(self) -> dict:
         """{graphs, graph_breaks, recompiles, seconds} since the layers were compiled; with `eager_fallback` and
@@ -440,6 +444,7 @@ class CompileStats:
             out["backend"] = BACKEND if isinstance(BACKEND, str) else getattr(BACKEND, "__name__", repr(BACKEND))
         if self.cuda_graphs:
             out["cudagraph_skips"] = int(now["cudagraph_skips"])
+            out["cudagraph_recorded_inputs"] = int(now["cudagraph_recorded"])
         extra = {
             "eager_fallback": self.eager_fallback,
             "recompile_limit": self.recompile_limit,
