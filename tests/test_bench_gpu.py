@@ -303,3 +303,32 @@ def test_a_profiled_steps_gpu_time_counts_kernels_not_the_ranges_annotated_aroun
     )
     assert (counts["kernels_run"], counts["launches"], counts["graph_launches"]) == (3, 3, 1)
     assert (counts["syncs"], counts["ops"]) == (1, 2)
+
+
+def test_flops_recompute_counts_what_checkpointing_runs_again(tmp_path):
+    """benchmarks/flops_recompute.py at the tiny preset: a KTO step executes more FLOPs with gradient checkpointing
+    (the layers' forwards again, the KL completions with their prompts again) than without, the depths' fit carried
+    to the preset's depth reproduces a measured depth, and the MFU ceiling is said."""
+    proc = run_script(
+        ROOT / "benchmarks" / "flops_recompute.py",
+        *("--preset", "tiny", "--max-length", "128", "--layers", "1", "2", "--work", str(tmp_path)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith(("1 layer", "2 layer")):
+            ratio = [float(re.search(r"\(([\d.]+)\)", c).group(1)) for c in cells[2:4]]
+            rows[cells[0]] = (*ratio, cells[4])
+    assert set(rows) == {"1 layer(s), measured", "2 layer(s), measured", "2 layers, fitted"}, proc.stdout
+    for name, (without, with_checkpointing, _) in rows.items():
+        assert 0 < without < with_checkpointing, name
+    assert rows["2 layers, fitted"][:2] == rows["2 layer(s), measured"][:2]  # two depths: the fit goes through both
+    without, with_checkpointing, needed = map(
+        int, re.match(r"(\d+) / (\d+) \((\d+)\)", rows["2 layer(s), measured"][2]).groups()
+    )
+    assert needed <= without < with_checkpointing  # the prompts run again for the KL forward
+    assert "with checkpointing: with the prompts run again" in proc.stdout
+    assert re.search(
+        r"an MFU of 40% needs \d+% of the peak on executed FLOPs without checkpointing, \d+% with", proc.stdout
+    )
