@@ -428,9 +428,10 @@ class CompileStats:
     def report(self) -> dict:
         """{graphs, graph_breaks, recompiles, seconds} since the layers were compiled; with `eager_fallback` and
         `recompile_limit` where they happened; in another mode than default, `mode`, and where it replays CUDA
-        graphs, `cudagraph_skips` (graphs that run without them: on a CPU every one), their reasons and
-        `cudagraph_sizes` (a GPU's); in training, `compiling_steps` (the optimizer steps that compiled); `backend`
-        where it is not inductor."""
+        graphs, `cudagraph_skips` (graphs that run without them: on a CPU every one), their reasons,
+        `cudagraph_recorded_inputs` (the inputs of the graphs recorded: 0, none recorded) and `cudagraph_sizes` (a
+        GPU's); in training, `compiling_steps` (the optimizer steps that compiled or recorded a CUDA graph);
+        `backend` where it is not inductor."""
         now = {k: v - self.start[k] for k, v in _counts().items()}
         out: dict = {
             "graphs": int(now["graphs"]),
