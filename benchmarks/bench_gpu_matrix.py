@@ -16,15 +16,16 @@ A budget keeps it within 8 minutes (--budget-s 480, building and the checks incl
 what answers the goals (`plan`), so that what the budget leaves out answers the least: the step-1 check and the layouts'
 diagnosis of step 1; KTO on Qwen2-0.5B, ours compiled and trl's two settings at both batches (the speed and memory
 goals), with where ours' compiled step's time goes at batch 8 (torch.profiler: the GPU's kernel time against the wall,
-kernels run, launches, the host's waits for the device, ops); the ~1.5B shape compiled at its larger batch (the MFU goal); CUDA graphs after their check; the first
-model's KTO reference pass again, on the dense mask, in static shapes and compiled (which pays); then every other case
-(eager, the ~1.5B shape's others, the pair loss). `--first pairs` (or `large`, `graphs`) moves that goal's cases right
-after the checks, for a run that follows one whose budget ended before them. Each step of cases (one tool, one model,
-one loss) runs in a fresh process that measures them one after another (ours' reference pass once for the model and
-loss, its cache kept for the later steps); every case is written down the moment it ends, and what the budget leaves no
-time for is reported as not run, never guessed. A case that runs out of memory says so and the rest go on. Model and
-data as `gpu_harness.py` builds them (random weights, random characters with HH-RLHF's lengths). On a CPU the compiled
-cases compile with torch's aot_eager backend (`CPU_BACKEND`: traced as on a GPU, no kernels generated)."""
+kernels run, launches, the host's waits for the device, ops); the ~1.5B shape compiled at its larger batch (the MFU
+goal); CUDA graphs after their check; the first model's KTO reference pass again, on the dense mask, in static shapes
+and compiled (which pays); then every other case (eager, the ~1.5B shape's others, the pair loss). `--first pairs` (or
+`large`, `graphs`) moves that goal's cases right after the checks, for a run that follows one whose budget ended before
+them. Each step of cases (one tool, one model, one loss) runs in a fresh process that measures them one after another
+(ours' reference pass once for the model and loss, its cache kept for the later steps); every case is written down the
+moment it ends, and what the budget leaves no time for is reported as not run, never guessed. A case that runs out of
+memory says so and the rest go on. Model and data as `gpu_harness.py` builds them (random weights, random characters
+with HH-RLHF's lengths). On a CPU the compiled cases compile with torch's aot_eager backend (`CPU_BACKEND`: traced as on
+a GPU, no kernels generated)."""
 
 from __future__ import annotations
 
