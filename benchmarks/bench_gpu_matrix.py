@@ -64,7 +64,7 @@ OURS = (
 COMPILED = ("kto-pipeline compiled", "kto-pipeline CUDA graphs")  # ours' best of these against trl's best
 # where a compiled step's time goes: KTO on the first model at the smallest batch (the step the host bounds), compiled,
 # in the process that ran the compiled cases (its graphs compiled), a run of PROFILED_STEPS[1] steps minus one of
-# PROFILED_STEPS[0] under torch.profiler: per step, the wall (profiled), the GPU's kernel time, launches, aten ops
+# PROFILED_STEPS[0] under torch.profiler: per step, the wall (profiled), the GPU's kernel time, launches, waits, ops
 PROFILED, PROFILED_STEPS = "kto-pipeline compiled, profiled", (2, 5)
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 # the host waiting for the device (`.item()`, `.tolist()`, a copy to the host): while it waits, no launch runs ahead
@@ -302,9 +302,9 @@ def ours_config(
 def profiled_steps(cache_dir: Path, out: Path, model: str, loss: str, device: str, batch: int) -> dict:
     """Where a compiled step's time goes: a PROFILED_STEPS[1]-step minus a PROFILED_STEPS[0]-step compiled run under
     torch.profiler (CPU and, on a GPU, CUDA activity), per step: the wall (the runs' step times, profiled), the GPU's
-    kernel time (every CUDA event's duration: kernels, copies, memsets), the kernels run, kernel launches (CUDA graph
-    launches apart), the host's waits for the device, aten ops, and the kernels that took longest. The dynamo cache
-    is kept: the graphs the compiled cases compiled."""
+    kernel time (kernels', copies' and memsets' durations: `profile_counts`), the kernels run, kernel launches (CUDA
+    graph launches apart), the host's waits for the device, aten ops, and the kernels that took longest. The dynamo
+    cache is kept: the graphs the compiled cases compiled."""
     from torch.profiler import ProfilerActivity, profile
 
     from kto_pipeline import train
@@ -452,7 +452,7 @@ def cuda_graphs_check(work: Path, device: str) -> dict:
     # the cache both runs read, scored eagerly: what is compared is training (one cold compile fewer)
     cache = precompute(
         PrecomputeConfig(
-            **paths, overwrite=True, max_length=preset["max_length"], dtype=dtype, **settings | {"torch_compile": False}
+            **paths, overwrite=True, max_length=preset["max_length"], dtype=dtype, **dict(settings, torch_compile=False)
         )
     )
     logged, compiled = {}, {}

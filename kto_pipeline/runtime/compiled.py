@@ -422,7 +422,7 @@ class CompileStats:
         steps out of its median."""
         now = _counts()
         seen, self._seen = self._seen, (now["frames"], now["cudagraph_recorded"])
-        if self._seen[0] > seen[0] or self._seen[1] > seen[1]:
+        if self._seen != seen:  # (counters: they only grow)
             self.compiling_steps.append(step)
 
     def report(self) -> dict:
