@@ -5,8 +5,9 @@
 
 MFU counts model FLOPs (gpu_harness.Flops: forward and backward of each prompt and completion, the KL completion's
 forward), not the FLOPs a step executes. Gradient checkpointing executes more: each layer's forward again in the
-backward, and the KL completions' forward runs with their prompts again (a recomputed layer keeps no keys/values to
-attend to). So a step's MFU is at most its share of the device's peak on executed FLOPs times model / executed FLOPs.
+backward (the KL completions' forward still runs on the prompts' cached keys/values: the checkpointed layers take
+the cache along). So a step's MFU is at most its share of the device's peak on executed FLOPs times model / executed
+FLOPs.
 
 Measured here on the CPU, eagerly, float32: torch's FlopCounterMode around one KTO step of a random model of the
 preset's shape cut to a few depths (`--layers`; the LM head's 151,936 x 1,536 products make the full depth a CPU's

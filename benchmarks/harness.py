@@ -451,13 +451,14 @@ APPEND_SIZES = {
 }
 # the GPU benchmarks' presets (bench_gpu_matrix.py's models, step_one_layouts.py --preset): a shape and the
 # max_length its row lengths are scaled to (the longest is max_length). qwen2-0.5b and qwen2-1.5b: their
-# architectures (random weights); tiny: the same code paths at a size a 2-core CPU runs in about a minute (the tests)
+# architectures (random weights); tiny: the same code paths at a size a 2-core CPU runs in about a minute (the tests),
+# with their few key/value heads (a token's keys/values at most half its hidden size: kept under checkpointing)
 GPU_PRESETS = {
     "qwen2-0.5b": {short: QWEN2["qwen2-0.5b"][field] for short, field in SHAPE.items()}
     | dict(max_position_embeddings=32768, max_length=1024),
     "qwen2-1.5b": {short: QWEN2["qwen2-1.5b"][field] for short, field in SHAPE.items()}
     | dict(max_position_embeddings=32768, max_length=2048),
-    "tiny": dict(TINY, tie_word_embeddings=True, rope_theta=1e6, rows=32, max_length=128),
+    "tiny": dict(TINY, kv_heads=1, tie_word_embeddings=True, rope_theta=1e6, rows=32, max_length=128),
 }
 
 

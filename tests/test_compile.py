@@ -83,13 +83,13 @@ def test_compiled_layers_give_the_eager_numbers(tmp_path):
     assert state["tokens_executed"] == eager_state["tokens_executed"]  # (the dense mask pads its rows)
 
 
-def _tiny_model_dir(tmp_path, layers: int = 4):
+def _tiny_model_dir(tmp_path, layers: int = 4, **overrides):
     """A saved tiny Llama of 4 layers: a graph per layer would pass Dynamo's recompile limit (8)."""
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
 
     model_dir = tmp_path / "model"
     tokenizer = build_char_tokenizer()
-    build_tiny_model(tokenizer, num_layers=layers).save_pretrained(model_dir)
+    build_tiny_model(tokenizer, num_layers=layers, **overrides).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     return model_dir
 
@@ -502,12 +502,13 @@ def test_compiled_layers_under_bf16_take_their_weights_cast_once_a_step(tmp_path
 def test_compiled_layers_with_gradient_checkpointing_stay_compiled_with_step_one_exact(tmp_path):
     """--torch-compile with --gradient-checkpointing (what a large model needs): the layers compile (torch.compile
     takes the checkpoint without the eager recomputation's attention context, the attention being in the graph), no
-    fallback, under bf16: step 1's rewards to the bit and the later losses those of the compiled run without
-    checkpointing (whose KL completions run on the prompts' cached keys/values, where checkpointing runs them with
-    their prompts again: under bf16 on the dense mask step 1's KL differs, by ~1e-4)."""
+    graph break (the keys/values the checkpointed layers keep for the KL completions' forward are noted once, in the
+    forward), no fallback, under bf16: the KL completions run on the prompts' cached keys/values as without
+    checkpointing (one key/value head: small keys/values), and every step's numbers are those of the compiled run
+    without checkpointing."""
     from kto_pipeline import PrecomputeConfig, precompute, train
 
-    model_dir = _tiny_model_dir(tmp_path)
+    model_dir = _tiny_model_dir(tmp_path, num_key_value_heads=1)
     data = write_jsonl(tmp_path / "data.jsonl", unpaired_rows(16))
     settings = dict(bf16=True, attention_kernel="dense", torch_compile=True)
     config = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / "cache"), max_length=64)
@@ -520,16 +521,15 @@ def test_compiled_layers_with_gradient_checkpointing_stay_compiled_with_step_one
     state = json.loads((runs[True] / "trainer_state.json").read_text())
     assert state["compile"]["graphs"] > 0 and state["compile"]["graph_breaks"] == 0, state["compile"]
     assert "eager_fallback" not in state["compile"], state["compile"]
+    for run in runs.values():
+        assert json.loads((run / "trainer_state.json").read_text())["kl_forward"] == (
+            "on the prompts' cached keys/values"
+        )
     with_checkpoints, without = read_metrics(runs[True]), read_metrics(runs[False])
-    for key in ("rewards/chosen", "rewards/rejected"):  # step 1: the same forward, to the bit
+    for key in ("rewards/chosen", "rewards/rejected", "kl"):  # step 1: the same forwards, to the bit
         assert with_checkpoints[0][key] == without[0][key], key
-    assert with_checkpoints[0]["kl"] == pytest.approx(without[0]["kl"], abs=1e-3)
-    assert state["kl_forward"] == "with the prompts run again"
-    assert json.loads((runs[False] / "trainer_state.json").read_text())["kl_forward"] == (
-        "on the prompts' cached keys/values"
-    )
     for a, b in zip(with_checkpoints, without, strict=True):
-        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected"):
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
 
 

@@ -14,6 +14,7 @@ from kto_pipeline.scoring import attention
 from kto_pipeline.scoring.attention import (
     attention_kernel,
     checkpointing_kwargs,
+    enable_checkpointing,
     packing_unsupported,
     request_attention_kernel,
 )
@@ -189,6 +190,52 @@ def test_gradient_checkpointing_runs_the_prompt_again_for_the_kl():
     assert_same(scores.kl.per_sequence(), want[1::2])
     no_kl = score_policy(model, layout, with_kl=False)
     assert no_kl.kl is None and no_kl.tokens_executed == rows * layout.split
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_checkpointed_layers_keep_the_prompts_keys_values_for_the_kl(gather):
+    """Gradient checkpointing as train enables it (`enable_checkpointing`), on a model with one key/value head (a
+    token's keys and values: half its hidden size): the layers take training's cache along into their checkpoints,
+    so the KL completions run on the prompts' cached keys/values (the K tokens, not P + K again), and the cache is
+    closed before the backward recomputes the layers (which would otherwise file their keys/values twice: a size
+    error). Every value equals the run's without checkpointing to the bit, the gradients to float32 rounding."""
+    trees = random_trees(5, seed=3)
+    layout = layout_trees(trees, [[0, 1], [2, 3, 4]], split_last=True)
+    results = {}
+    for checkpointing in (False, True):
+        model = make_model("llama", num_key_value_heads=1)
+        if checkpointing:
+            enable_checkpointing(model)
+        model.train()
+        scores = score_policy(model, layout, gather_kl=gather)
+        assert scores.kl_on_cached_prompt
+        scores.completions.logps.sum().backward()
+        results[checkpointing] = scores, [p.grad for p in model.parameters()]
+    (plain, plain_grads), (checkpointed, grads) = results[False], results[True]
+    rows, width = layout.input_ids.shape
+    kl_run = sum(len(c[1]) for _, c in trees) if gather else rows * (width - layout.split)
+    assert checkpointed.tokens_executed == plain.tokens_executed == rows * layout.split + kl_run
+    assert torch.equal(checkpointed.completions.token_logps, plain.completions.token_logps)
+    assert torch.equal(checkpointed.kl.token_logps, plain.kl.token_logps)
+    for a, b in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_checkpointed_layers_with_large_keys_values_run_the_prompts_again_for_the_kl():
+    """Where a token's keys and values are more than half its hidden size (here equal to it: two key/value heads
+    of 16 in 64), the cache would cost checkpointing's memory back: the KL completions run with their prompts
+    again, the same values."""
+    model = make_model("llama")
+    enable_checkpointing(model)
+    model.train()
+    trees = random_trees(5, seed=3)
+    layout = layout_trees(trees, [[0, 1], [2, 3, 4]], split_last=True)
+    scores = score_policy(model, layout)
+    assert not scores.kl_on_cached_prompt
+    rows, width = layout.input_ids.shape
+    assert scores.tokens_executed == rows * layout.split + rows * width
+    model.eval()
+    assert_same(scores.kl.per_sequence(), padded_logps(model, trees)[1::2])
 
 
 def test_pack_rows():

@@ -48,7 +48,7 @@ def build_tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    settings = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -60,8 +60,8 @@ def build_tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         tie_word_embeddings=False,
-        **overrides,
     )
+    config = LlamaConfig(**(settings | overrides))
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     return model.to(torch.float32)

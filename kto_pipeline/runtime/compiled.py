@@ -45,7 +45,14 @@ import logging
 import re
 from collections.abc import Callable
 
-from kto_pipeline.models import COMPILED_LAYERS, STATIC_LAYERS, decoder_body, load_balancing_coef, scorable
+from kto_pipeline.models import (
+    COMPILED_LAYERS,
+    STATIC_LAYERS,
+    checkpointing,
+    decoder_body,
+    load_balancing_coef,
+    scorable,
+)
 from kto_pipeline.runtime import CUDA_GRAPH_MODES
 
 # torch.compile's backend for every region (the tests swap in one that fails; the GPU matrix's CPU rehearsal,
@@ -106,6 +113,8 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
     for index, layer in enumerate(layers):
         layer.compile(backend=BACKEND, dynamic=False if static else None, **_mode_option(mode))
         compiled = _guarded(layer._call_impl, layer._compiled_call_impl, stats)
+        if checkpointing(model):
+            compiled = _filing_once_under_checkpoints(compiled, layer)
         layer._compiled_call_impl = _keeping_keys_values(compiled, index)
     if stats.cuda_graphs:
         backbone.register_forward_pre_hook(_new_step_of_graphs)
@@ -186,6 +195,30 @@ def _new_step_of_graphs(backbone, args) -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
+def _filing_once_under_checkpoints(call, layer):
+    """A compiled layer's call under gradient checkpointing, where it checkpoints inside its graph: the keys/values it
+    hands a `KeptKeysValues` (`update` notes them: a Python side effect within the checkpoint) are noted once, by
+    the forward, and the backward's recomputation (in the compiled graph) notes nothing, as the eager layer's
+    recomputation files nothing in a closed cache (`close_keys_values`). Dynamo graph-breaks on a side effect within
+    a checkpoint unless told that this is so (`skip_fwd_side_effects_in_bwd_under_checkpoint`, which torchtitan
+    sets too; read while tracing); a torch without that switch keeps no keys/values under checkpointing (the layer
+    does not take the cache along: the KL completions run with their prompts again)."""
+    import torch._dynamo
+
+    if not hasattr(torch._dynamo.config, SIDE_EFFECTS_ONCE):
+        layer._can_checkpoint_with_cache = False
+        return call
+
+    def call_noting_once(*args, **kwargs):
+        with torch._dynamo.config.patch(**{SIDE_EFFECTS_ONCE: True}):
+            return call(*args, **kwargs)
+
+    return call_noting_once
+
+
+SIDE_EFFECTS_ONCE = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
 def _guarded(eager_call, compiled_call, stats: CompileStats):
     """A region's compiled call; where compiling fails, every region runs eagerly from then on. Dynamo raises before
     the graph runs, so the call that failed runs again eagerly, nothing of it done twice."""
@@ -218,10 +251,13 @@ class KeptKeysValues:
         self.latest: tuple | None = None  # the keys and values the last layer call handed out
         self.past: _Kept | None = None  # the keys and values of the layer being called, in a later forward
         self.unusable = False  # a layer called out of order, or without an update: nothing kept (never guessed)
+        self.closed = False  # after the KL forward (`close_keys_values`)
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
         import torch
 
+        if self.closed:
+            return key_states, value_states
         if self.past is not None:
             return (
                 torch.cat([self.past.keys, key_states], dim=-2),
@@ -232,6 +268,10 @@ class KeptKeysValues:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[0].keys.shape[-2] if self.layers else 0
+
+    def close(self) -> None:
+        """Nothing kept from now on, nothing read: a layer recomputed in the backward gets its keys/values back."""
+        self.layers, self.closed = [], True
 
 
 class _Kept:
@@ -249,6 +289,25 @@ def keys_values_cache(model):
     from transformers import DynamicCache
 
     return DynamicCache()
+
+
+def close_keys_values(cache) -> None:
+    """After training's KL forward: `cache` drops the keys/values it kept, and from then on hands a layer that calls
+    its `update` (a layer recomputed in the backward under gradient checkpointing, which takes the cache along) its
+    keys/values back as they are, as the first forward's call returned them: nothing filed twice, nothing read."""
+    if isinstance(cache, KeptKeysValues):
+        cache.close()
+    else:  # transformers' DynamicCache: its `update(..., layer_idx)` is its layer's
+        cache.layers = [_HandedBack() for _ in cache.layers]
+
+
+class _HandedBack:
+    """A closed cache's layer: keeps nothing, hands the keys and values back."""
+
+    keys = values = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return key_states, value_states
 
 
 def _keeping_keys_values(call, index: int):

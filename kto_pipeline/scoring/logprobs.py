@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from kto_pipeline.loss import sequence_sums
-from kto_pipeline.models import backbone_of, keeps_keys_values, scorable, sliding_window
-from kto_pipeline.runtime.compiled import keys_values_cache
+from kto_pipeline.models import backbone_of, checkpointing, keeps_keys_values, scorable, sliding_window
+from kto_pipeline.runtime.compiled import close_keys_values, keys_values_cache
 from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs, tree_mask
 from kto_pipeline.scoring.head import DEFAULT_CHUNK_SIZE, head_logps
 from kto_pipeline.scoring.images import join_images, token_inputs
@@ -125,13 +125,15 @@ def _forward(model, layout: Layout, queries: torch.Tensor, keys=None, cache=None
     visible = tree_mask(layout, queries, keys, window)
     kernel, mask, more = attention_inputs(model, layout, queries, keys, visible, window)
     backbone = backbone_of(model)
+    # a given cache is used whatever `use_cache` says; transformers warns of `use_cache` under checkpointing
+    use_cache = cache is not None and not (checkpointing(model) and torch.is_grad_enabled())
     with attending_with(model, kernel):
         return backbone(
             **token_inputs(model, layout.input_ids.reshape(-1)[queries], images),
             position_ids=layout.position_ids.reshape(-1)[queries],
             attention_mask=mask,
             **{_cache_keyword(type(backbone)): cache},
-            use_cache=cache is not None,
+            use_cache=use_cache,
             **extra,
             **more,
         )
@@ -210,9 +212,10 @@ def score_policy(
        prompts (detached; `keys_values_cache`): K tokens instead of P + K. They run either in their rows (columns from
        `layout.split`, padded to the row with the most) or gathered from every row into one unpadded row
        that attends to all rows' caches laid end to end; `gather_kl` forces one way, by default whichever
-       costs less. A model that keeps no keys/values while training (`keeps_keys_values`: gradient checkpointing
-       recomputes the layers; compiled layers under static shapes) runs the whole layout again without gradients
-       instead.
+       costs less. The cache is closed then (`close_keys_values`): under gradient checkpointing the layers take it
+       along, and the backward's recomputation hands it the same keys/values again. A model that keeps no
+       keys/values while training (`keeps_keys_values`: compiled layers under static shapes; checkpointed layers
+       where transformers drops their cache) runs the whole layout again without gradients instead.
 
     `images`: the prompts' images in the layout's order (`Layout.prompt_order`); the KL forward needs none."""
     model = scorable(model)
@@ -266,6 +269,8 @@ def score_policy(
             where = grid.reshape(-1)
             executed += rows * width
         kl = _score_branch(model, layout, hidden, where, 2, chunk_size, with_stats=False)
+    if cache is not None:
+        close_keys_values(cache)  # (a layer recomputed in the backward files nothing in it)
     return PolicyScores(completions, kl, executed, on_cache)
 
 
