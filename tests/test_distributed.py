@@ -112,10 +112,15 @@ def test_resume_without_checkpoint_is_explained(tmp_path, small_cache):
 
 
 def test_gradient_checkpointing_gives_the_same_steps(tmp_path, small_cache):
+    """The tiny model's keys/values are as large as its hidden states (2 key/value heads of 16 in 64): checkpointed,
+    its KL completions run with their prompts again (tests/test_packing.py has the kept cache)."""
     train(train_config(small_cache, tmp_path / "plain"))
     train(train_config(small_cache, tmp_path / "ckpt", gradient_checkpointing=True))
     for a, b in zip(read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "ckpt"), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"])
+    assert json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())["kl_forward"] == (
+        "with the prompts run again"
+    )
 
 
 def test_fp16_needs_a_gpu(tmp_path, small_cache):

@@ -214,7 +214,9 @@ class TrainConfig(ConfigMixin):
     gradient_checkpointing: bool = field(
         default=False,
         **described(
-            "Recompute activations in the backward pass: less memory, about 30% more compute.", panel=OPTIMISATION
+            "Recompute each layer's activations in the backward pass: less memory, more compute (a KTO step of "
+            "Qwen2-1.5B's shape at max_length 2048: 1.2x the FLOPs without it).",
+            panel=OPTIMISATION,
         ),
     )
     attention_kernel: str = field(default="auto", **described(ATTENTION_KERNEL_HELP, panel=OPTIMISATION))

@@ -9,15 +9,16 @@ graph hands its keys and values out as outputs, and its call's wrapper (outside 
 hands each layer its own to the KL completions' forward, which runs on the prompts' cached keys/values as in an eager
 run (the same graphs for every layer: the first forward's and the KL forward's, for each shape and grad mode they
 meet, as without a cache). Not under static shapes: the KL completions alone would take shapes of their own, a graph
-each, so they run with their prompts again, in the layout's static shape (more FLOPs, as under gradient
-checkpointing). The log-prob head's math of a chunk
+each, so they run with their prompts again, in the layout's static shape (more FLOPs). The log-prob head's math
+of a chunk
 (`scoring.head.softmax_stats` and `logits_grad`, in both stages) and training's loss (each family's loss
 function, from its objective's forward) are regions of their own (`compiled_region`), with the number of tokens, rows
 or pairs dynamic from the first call, so that a new batch size compiles nothing (but a size of 1, which Dynamo
 specialises); the embedding, the layouts' gathers, the head's matmuls and the optimizer run eagerly.
 
 Under gradient checkpointing a layer checkpoints inside its graph (`attention.enable_checkpointing`: while compiling,
-without the eager recomputation's attention context, the attention being traced into the graph).
+without the eager recomputation's attention context, the attention being traced into the graph), noting the
+keys/values it keeps once, in the forward (`_filing_once_under_checkpoints`).
 
 Unset, training compiles on CUDA (measured on one H100: the step 2.03x the eager one's) and nowhere else (on the
 CPU a run pays more in compiling than its steps save); the reference pass compiles only when asked (never timed on a
