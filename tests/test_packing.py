@@ -172,11 +172,18 @@ def test_kl_forward_on_cached_prompt_equals_separate_forwards(kind, rows, gather
         torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_gradient_checkpointing_runs_the_prompt_again_for_the_kl():
-    """A model that keeps no keys/values while training (gradient checkpointing) scores the KL completions in a
-    forward over the prompts and KL completions: same values, P + K more tokens."""
+@pytest.mark.parametrize("enabled_by", ["transformers", "train"])
+def test_gradient_checkpointing_without_the_cache_runs_the_prompt_again_for_the_kl(enabled_by):
+    """Checkpointed layers that keep no keys/values for the KL forward: transformers' own checkpointing (which drops
+    a checkpointed layer's cache), or train's (`enable_checkpointing`) on a model whose keys/values of a token are
+    more than half its hidden size (here equal to it: two key/value heads of 16 in 64), where the cache would cost
+    back the memory checkpointing saves. The KL completions run in a forward over the prompts and KL completions:
+    same values, P + K more tokens."""
     model = make_model("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
+    if enabled_by == "transformers":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
+    else:
+        enable_checkpointing(model)
     model.train()
     trees = random_trees(5, seed=3)
     layout = layout_trees(trees, [[0, 1], [2, 3, 4]], split_last=True)
@@ -219,23 +226,6 @@ def test_checkpointed_layers_keep_the_prompts_keys_values_for_the_kl(gather):
     assert torch.equal(checkpointed.kl.token_logps, plain.kl.token_logps)
     for a, b in zip(grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-
-
-def test_checkpointed_layers_with_large_keys_values_run_the_prompts_again_for_the_kl():
-    """Where a token's keys and values are more than half its hidden size (here equal to it: two key/value heads
-    of 16 in 64), the cache would cost checkpointing's memory back: the KL completions run with their prompts
-    again, the same values."""
-    model = make_model("llama")
-    enable_checkpointing(model)
-    model.train()
-    trees = random_trees(5, seed=3)
-    layout = layout_trees(trees, [[0, 1], [2, 3, 4]], split_last=True)
-    scores = score_policy(model, layout)
-    assert not scores.kl_on_cached_prompt
-    rows, width = layout.input_ids.shape
-    assert scores.tokens_executed == rows * layout.split + rows * width
-    model.eval()
-    assert_same(scores.kl.per_sequence(), padded_logps(model, trees)[1::2])
 
 
 def test_pack_rows():
