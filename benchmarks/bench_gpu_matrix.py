@@ -280,6 +280,7 @@ def ours_group(where: Path, model: str, loss: str, device: str, cases: Cases, wa
                 train_lengths=lengths,
                 kernel=state.get("attention_kernel"),
                 compile=state.get("compile"),
+                kl_forward=state.get("kl_forward"),
             )
 
         torch._dynamo.reset()  # each case compiles from its own first step, as a fresh run would
@@ -570,6 +571,18 @@ def tokens_per_step(res: dict | None, batch: int) -> int | None:
     return round(sum(sum(r) for r in rows) / max(len(rows) // batch, 1))
 
 
+def kl_forward_lines(results: dict) -> list[str]:
+    """How ours ran the KL completions under gradient checkpointing (trainer_state.json's `kl_forward`), per model:
+    on the prompts' cached keys/values where its keys/values are small, else with the prompts again (more FLOPs)."""
+    seen: dict[str, set] = {}
+    for (model, _, _), res in results.items():
+        if CHECKPOINTING.get(model) and isinstance(res, dict) and res.get("kl_forward"):
+            seen.setdefault(model, set()).add(res["kl_forward"])
+    return [f"ours' KL forward under gradient checkpointing, {m}: {'; '.join(sorted(k))}" for m, k in seen.items()] + (
+        [""] if seen else []
+    )
+
+
 def render(results: dict, checks: dict, device: str, peak: float | None, seconds: float, argv: list[str]) -> str:
     """The report: the checks (`checks`: step 1; CUDA graphs against the run without them; step 1 by layout), a row
     per (model, loss, batch), the reference passes, the goals (`peak`: the device's FLOP/s for MFU, None on a CPU)."""
@@ -625,6 +638,7 @@ def render(results: dict, checks: dict, device: str, peak: float | None, seconds
         "setting that ran (its fastest step).",
         "",
     ]
+    lines += kl_forward_lines(results)
     lines += [*profiled_lines(results, device), ""]
     lines += ["## Reference passes: needed tokens/s", "", *reference_table(results, device, flops, peak), ""]
     lines += [

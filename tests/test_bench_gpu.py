@@ -163,6 +163,25 @@ def test_a_median_step_leaves_out_the_steps_that_compiled(monkeypatch):
     assert bench_gpu_matrix.cell(dict(res, compile=None), None, 4, None) == "0.7000 s, 100 MiB"  # eager, trl
 
 
+def test_bench_gpu_matrix_says_how_ours_ran_the_kl_forward_under_checkpointing(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_gpu_matrix
+
+    kept = "on the prompts' cached keys/values"
+    results = {
+        ("qwen2-1.5b", "kto", "a"): dict(kl_forward=kept),
+        ("qwen2-1.5b", "kto", "b"): dict(kl_forward=kept),
+        ("qwen2-1.5b", "sigmoid", "a"): dict(kl_forward="none (loss without KL)"),
+        ("qwen2-0.5b", "kto", "a"): dict(kl_forward=kept),  # not checkpointed
+        ("qwen2-1.5b", "kto", "trl"): dict(step_seconds=[1.0]),  # trl's: none
+    }
+    assert bench_gpu_matrix.kl_forward_lines(results) == [
+        f"ours' KL forward under gradient checkpointing, qwen2-1.5b: none (loss without KL); {kept}",
+        "",
+    ]
+    assert bench_gpu_matrix.kl_forward_lines({}) == []
+
+
 def test_bench_gpu_matrix_reports_what_the_budget_left_out_as_not_run(tmp_path, monkeypatch):
     """With a budget already spent no group starts, and every case of the report says so: no number stands in for
     one it did not measure."""
