@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kto_pipeline import GenerateConfig, PrecomputeConfig, TrainConfig, generate_samples, precompute, train
+from kto_pipeline import GenerateConfig, PrecomputeConfig, TrainConfig, generate_samples, models, precompute, train
 from kto_pipeline.cache import open_cache
 from kto_pipeline.demo.hh_rlhf import bundled_path, convert_file
 
@@ -250,11 +250,13 @@ def test_greedy_answer_of_the_converted_model(smollm2):
     assert "Paris" in answer
 
 
-def test_step_one_is_exactly_the_reference_in_bf16_for_every_family(smollm2, real_data, tmp_path):
+def test_step_one_is_exactly_the_reference_in_bf16_for_every_family(smollm2, real_data, tmp_path, monkeypatch):
     """Both stages under bf16 autocast: KTO on the paired cache, DPO on the same cache (made with KL completions)
     and DPO on a `--pairs-only` cache start exactly at the reference (rewards 0, trl's accuracy 0 at step 1). Where
     a sequence computes differently in the reference pass's layout and in training's, bf16 shows it here (the tiny
-    model's tests hid such a slip once)."""
+    model's tests hid such a slip once). KTO again under gradient checkpointing with the prompts' keys/values kept
+    (SmolLM2's are too large for that by default, `models.small_keys_values`: forced here, as a grouped-query model
+    keeps them): the same step 1, to the bit."""
     caches = {
         name: precompute(
             PrecomputeConfig(
@@ -268,11 +270,21 @@ def test_step_one_is_exactly_the_reference_in_bf16_for_every_family(smollm2, rea
         )
         for name in ("with-kl", "pairs-only")
     }
-    for cache, loss_type, batch in (("with-kl", "kto", 8), ("with-kl", "sigmoid", 4), ("pairs-only", "sigmoid", 4)):
-        out = tmp_path / f"{cache}-{loss_type}"
+    monkeypatch.setattr(models, "small_keys_values", lambda model: True)
+    runs = [("with-kl", "kto", 8), ("with-kl", "sigmoid", 4), ("pairs-only", "sigmoid", 4), ("with-kl", "kto", 8)]
+    firsts = []
+    for n, (cache, loss_type, batch) in enumerate(runs):
+        out = tmp_path / f"{n}-{cache}-{loss_type}"
         settings = dict(max_steps=1, per_device_train_batch_size=batch, learning_rate=1e-6, logging_steps=1)
+        settings["gradient_checkpointing"] = n == 3
         train(TrainConfig(cache=str(caches[cache]), output_dir=str(out), loss_type=loss_type, bf16=True, **settings))
         first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
         for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
             assert first[key] == 0.0, (cache, loss_type, key, first)
         assert first["kl"] == 0.0 if loss_type == "kto" else first["rewards/accuracies"] == 0.0, (cache, first)
+        if loss_type == "kto":
+            state = json.loads((out / "trainer_state.json").read_text())
+            assert state["kl_forward"] == "on the prompts' cached keys/values", state["kl_forward"]
+        firsts.append(first)
+    assert firsts[3]["loss"] == firsts[0]["loss"], (firsts[0], firsts[3])  # checkpointed: the same step
+    assert firsts[3]["grad_norm"] == pytest.approx(firsts[0]["grad_norm"], rel=1e-4), (firsts[0], firsts[3])
