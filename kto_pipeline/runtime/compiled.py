@@ -68,6 +68,8 @@ STATIC_RECOMPILE_LIMIT = 64  # with --static-shapes, Dynamo's recompile limit is
 # limit, 8, passed by the 6th step)
 DYNAMIC_RECOMPILE_LIMIT = 16
 STATS = "_kto_compile_stats"  # on a model compiled by region: its CompileStats (the head and the loss ask it)
+# Dynamo's switch for a Python side effect inside a checkpoint: applied once, in the forward, not in the recomputation
+SIDE_EFFECTS_ONCE = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
 def compile_layers(model, config, device, engine, say: Callable[[str], None], by_default=()) -> CompileStats | None:
@@ -215,9 +217,6 @@ def _filing_once_under_checkpoints(call, layer):
             return call(*args, **kwargs)
 
     return call_noting_once
-
-
-SIDE_EFFECTS_ONCE = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
 def _guarded(eager_call, compiled_call, stats: CompileStats):

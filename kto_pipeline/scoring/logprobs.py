@@ -215,7 +215,8 @@ def score_policy(
        costs less. The cache is closed then (`close_keys_values`): under gradient checkpointing the layers take it
        along, and the backward's recomputation hands it the same keys/values again. A model that keeps no
        keys/values while training (`keeps_keys_values`: compiled layers under static shapes; checkpointed layers
-       where transformers drops their cache) runs the whole layout again without gradients instead.
+       whose keys/values are large, or where transformers drops their cache) runs the whole layout again without
+       gradients instead.
 
     `images`: the prompts' images in the layout's order (`Layout.prompt_order`); the KL forward needs none."""
     model = scorable(model)
