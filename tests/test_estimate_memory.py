@@ -73,14 +73,26 @@ def test_json_answer(answer):
     assert answer["settings"]["lengths"] == "full"
 
 
-def test_checkpointing_and_table(monkeypatch, capsys, answer):
+def test_checkpointing_and_table(monkeypatch, capsys, answer, tmp_path):
+    """Checkpointing keeps each layer's input only; the KL completions run on the prompts' cached keys/values, under
+    checkpointing only where a token's keys/values are at most half its hidden size (one key/value head of 16 in
+    64, not two)."""
+    from transformers import Qwen2Config
+
     code, out, err = estimate(monkeypatch, capsys, *answer["flags"], "--gradient-checkpointing", "--json")
     assert code == 0, err
-    # checkpointing keeps each layer's input only: fewer activations at the peak
-    assert json.loads(out)["breakdown"]["activations"] < answer["breakdown"]["activations"]
+    checkpointed = json.loads(out)
+    assert checkpointed["breakdown"]["activations"] < answer["breakdown"]["activations"]
+    assert answer["kl_forward"] == "on the prompts' cached keys/values"
+    assert checkpointed["kl_forward"] == "with the prompts run again"
     code, out, err = estimate(monkeypatch, capsys, *answer["flags"], "--lengths", "kto-mix")
     assert code == 0, err
     assert "peak per device" in out and "(kto-mix)" in out and "activations" in out
+    Qwen2Config(**(TINY | dict(num_key_value_heads=1))).save_pretrained(tmp_path)
+    flags = ["--model", str(tmp_path), *answer["flags"][2:], "--gradient-checkpointing"]
+    code, out, err = estimate(monkeypatch, capsys, *flags)
+    assert code == 0, err
+    assert "  KL forward        on the prompts' cached keys/values" in out, out
 
 
 def test_a_pair_loss_step(monkeypatch, capsys, answer):

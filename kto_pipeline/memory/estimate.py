@@ -54,6 +54,7 @@ def estimate(config: MemoryEstimateConfig) -> dict[str, Any]:
         "floor": floor,
         "tokens_needed": needed,
         "tokens_with_grad": ours.tokens_with_grad,
+        "kl_forward": ours.kl_forward,
         "trl_online_peak_bytes": None,
         **({"image_tokens": image.tokens, "image_size": image.size} if image is not None else {}),
     }
@@ -94,6 +95,7 @@ def describe(result: dict[str, Any]) -> str:
     for name in CATEGORIES:
         lines.append(f"    {name:<15} {gib(result['breakdown'][name])}")
     lines.append(f"  floor             {gib(result['floor_bytes'])}   (weights, grads, AdamW, needed activations)")
+    lines.append(f"  KL forward        {result['kl_forward']}")
     if result.get("trl_online_peak_bytes") is not None:
         ratio = result["peak_bytes"] / result["trl_online_peak_bytes"]
         lines.append(f"  trl online        {gib(result['trl_online_peak_bytes'])}   (ours / trl = {ratio:.2f})")

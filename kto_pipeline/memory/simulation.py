@@ -68,6 +68,7 @@ class StepMemory:
     tokens_with_grad: int  # tokens the forward with gradients ran (padding included)
     tokens_executed: int  # every token any forward ran (padding, the KL and reference forwards included)
     top: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # largest live tensors at the peak
+    kl_forward: str = ""  # how the step ran the KL completions (trainer_state.json's `kl_forward`; ours only)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -122,6 +122,7 @@ def _run_ours(
             before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])
             out = objective.forward(engine.accelerator, scorer, batch, config, with_stats=True)
             tokens_with_grad, tokens_executed = _layout_tokens(batch), out.scored.tokens_executed
+            kl_forward = objective.kl_forward(config, out.scored.kl_on_cached_prompt)
             loss = out.loss
             del out
             engine.backward(loss)
@@ -136,6 +137,7 @@ def _run_ours(
         tokens_with_grad=tokens_with_grad,
         tokens_executed=tokens_executed,
         top=tracker.top or [],
+        kl_forward=kl_forward,
     )
 
 
