@@ -91,7 +91,7 @@ def render(results: list[dict], command: str, seconds: float) -> str:
     ]
     for r in results:
         ours, theirs = (r[k]["breakdown"]["activations"] for k in ("ours_frozen", "trl_online"))
-        if ours > theirs and not r["gradient_checkpointing"]:  # (checkpointed, its layers keep none: as many k/v heads)
+        if ours > theirs and not r["gradient_checkpointing"]:  # (checkpointed, LLaVA-7B keeps none: large keys/values)
             lines += [
                 "",
                 f"At max length {r['max_length']} without activation checkpointing ours keeps more activations than "
