@@ -41,9 +41,9 @@ logger = logging.getLogger(__name__)
 
 BLOCK_SIZE = 128  # FlexAttention's tile: (query, key) blocks of 128 x 128 pairs
 KEY_TILE = 16  # the keys its forward kernel sums at a time on a CUDA GPU; every segment starts at a multiple
-# The forward's options there: its keys in tiles of KEY_TILE (the default's 64 or 128 would take 4x or 8x the
-# alignment padding), and the same kernel for short queries (torch would run its split-key decoding kernel, which
-# sums a row's keys in another order, below 128 queries).
+# The forward's options there: its keys in tiles of KEY_TILE (the default's 64 or 128 would take 5x or 12x the
+# alignment padding on HH-RLHF's lengths), and the same kernel for short queries (torch would run its split-key
+# decoding kernel, which sums a row's keys in another order, below 128 queries).
 KERNEL_OPTIONS = {"fwd_BLOCK_N": KEY_TILE, "FORCE_USE_FLEX_ATTENTION": True}
 _KERNEL_ATTRIBUTE = "kto_attention_kernel"  # the kernel asked for, kept on the model (`request_attention_kernel`)
 _STATIC_ATTRIBUTE = "kto_static_shapes"  # packed layouts padded to static shapes (`request_static_shapes`)
