@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 
@@ -114,20 +115,50 @@ def reference(variant: str, batch: int, work: Path):
     return run
 
 
+# what reads a tensor's values back to the host: on an accelerator, each read of a device tensor waits for the device
+# to finish what was queued before it (the host cannot launch ahead)
+TENSOR_READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+@contextmanager
+def reads_counted():
+    """Counts the values read back from tensors (`TENSOR_READS`) while it is open: a list of one count."""
+    import torch
+
+    count, originals = [0], {name: getattr(torch.Tensor, name) for name in TENSOR_READS}
+
+    def counting(original):
+        def read(self, *args, **kwargs):
+            count[0] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(original))
+    try:
+        yield count
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
 def counted(run, counts: tuple[int, int]) -> dict:
-    """Ops (every profiler event; aten ops alone) of `run(counts[1])` minus `run(counts[0])`, per unit counted."""
+    """Ops (every profiler event; aten ops alone) and values read back from tensors of `run(counts[1])` minus
+    `run(counts[0])`, per unit counted."""
     from torch.profiler import ProfilerActivity, profile
 
     run(counts[1])  # imports, caches, and every shape the runs meet compiled (with --torch-compile) before counting
     totals = []
     for count in counts:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU]) as prof, reads_counted() as reads:
             run(count)
         events = prof.key_averages()
-        totals.append((sum(e.count for e in events), sum(e.count for e in events if e.key.startswith("aten::"))))
-    (ops_few, aten_few), (ops_many, aten_many) = totals
+        ops, aten = sum(e.count for e in events), sum(e.count for e in events if e.key.startswith("aten::"))
+        totals.append((ops, aten, reads[0]))
+    (ops_few, aten_few, reads_few), (ops_many, aten_many, reads_many) = totals
     n = counts[1] - counts[0]
-    return dict(ops=(ops_many - ops_few) / n, aten=(aten_many - aten_few) / n)
+    return dict(ops=(ops_many - ops_few) / n, aten=(aten_many - aten_few) / n, reads=(reads_many - reads_few) / n)
 
 
 def worker(name: str, work: Path, steps: tuple[int, int] = STEPS) -> dict:
@@ -151,6 +182,23 @@ def _table(measured: dict, kind: str, batches: tuple[int, ...], unit: str) -> li
             f"{r['ops']:,.0f} ({r['aten']:,.0f}) | {r['ops'] / trl[b]:.2f}x" for r, b in zip(runs, batches, strict=True)
         ]
         lines.append(harness.md_row(label, *cells, f"{runs[-1]['ops'] / runs[0]['ops']:.2f}x"))
+    return lines
+
+
+def _reads(measured: dict, batches: tuple[int, ...]) -> list[str]:
+    """Values read back from tensors a step: on an accelerator, each read of a device tensor is a wait for the
+    device, after which the host launches the step's next kernels from an idle device."""
+    lines = [
+        "Values read back from tensors a step, the same way (`.item()`, `.tolist()`, `int()`, `float()`, `bool()` of "
+        "a tensor, counted in the same runs; every step logs, as in the runs above): on an accelerator, each read of "
+        "a device tensor waits for the device, and the host launches nothing ahead of it. Ours: the step's metrics "
+        "(one copy to the host, which also finds a non-finite loss) and the grad norm where the step logs it; the "
+        "tree attention's reads are its trees' sizes, on the CPU, where it runs.",
+        "",
+        *harness.table_head("| tool | " + " | ".join(f"values read a step, {b} rows" for b in batches) + " |"),
+    ]
+    for variant, (label, _, _) in VARIANTS.items():
+        lines.append(harness.md_row(label, *(f"{measured[f'ops_{variant}_{b}']['reads']:g}" for b in batches)))
     return lines
 
 
@@ -190,6 +238,8 @@ def render(measured: dict, batches: tuple[int, ...], seconds: float, quick: bool
         f"brackets). Tiny Llama, {ROWS} short unpaired rows, max_length {MAX_LENGTH}, float32, sequential batches.",
         "",
         *_table(measured, "ops", batches, "step"),
+        "",
+        *_reads(measured, batches),
         "",
         *_per_layer(measured, batches),
         "",

@@ -347,3 +347,49 @@ def paired_conversational_rows(n: int = 12) -> list[dict]:
         }
         for i in range(n)
     ]
+
+
+# what reads a tensor's values back to the host: on an accelerator each such read of a device tensor waits for the
+# device to finish the work queued before it
+TENSOR_READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+def host_reads_per_step(monkeypatch) -> dict[str, list[int]]:
+    """Counts, for each call of the train stage's `train_step` (a micro-batch's forward, metrics and backward, the
+    optimizer step where it ends one) and `after_step` (an optimizer step's bookkeeping: logging, checkpoints), the
+    values read back from tensors in it. Patches torch.Tensor for the test; call before the run."""
+    import torch
+
+    from kto_pipeline.stages.train import stage
+
+    counts: dict[str, list[int]] = {"train_step": [], "after_step": []}
+    current: list[list[int] | None] = [None]
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if current[0] is not None:
+                current[0][-1] += 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    def phase(name):
+        original = getattr(stage, name)
+
+        def call(*args, **kwargs):
+            counts[name].append(0)
+            current[0] = counts[name]
+            try:
+                return original(*args, **kwargs)
+            finally:
+                current[0] = None
+
+        monkeypatch.setattr(stage, name, call)
+
+    for name in TENSOR_READS:
+        counting(name)
+    for name in counts:
+        phase(name)
+    return counts

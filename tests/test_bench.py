@@ -114,13 +114,15 @@ def test_ours_train_tokens_reads_the_trainer_state(monkeypatch, tmp_path):
 
 def test_ops_per_step_do_not_grow_with_rows(monkeypatch, tmp_path):
     """profile_step's measurement, in this process: with one attention call a layer, a steady training step
-    dispatches as many ops at 16 rows as at 4 (no per-row work in the collator or the scorer)."""
+    dispatches as many ops at 16 rows as at 4 (no per-row work in the collator or the scorer), and reads as few
+    values back from tensors."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from profile_step import worker
 
     few, many = (worker(f"ops_ours-dense_{rows}", tmp_path, steps=(2, 3)) for rows in (4, 16))
     assert few["ops"] > 100 and few["aten"] > 100
     assert many["ops"] <= 1.02 * few["ops"], (few, many)
+    assert few["reads"] == many["reads"] == 2  # every step logs here: its metrics and its grad norm
 
 
 def run_bench(tmp_path, results, *flags):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import read_metrics, train_config, write_jsonl
+from helpers import host_reads_per_step, read_metrics, train_config, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
@@ -101,6 +101,13 @@ def test_packed_training_equals_padded_training(pair_cache, tmp_path, monkeypatc
     assert state_b["packing"].startswith("padded")
     assert state_a["tokens_needed"] == state_b["tokens_needed"]
     assert state_a["tokens_executed"] < state_b["tokens_executed"]
+
+
+def test_a_pair_step_reads_the_device_once_and_the_grad_norm_only_where_it_logs(pair_cache, tmp_path, monkeypatch):
+    """As KTO's step: one read back from the device a step (its metrics), the grad norm where the step logs."""
+    reads = host_reads_per_step(monkeypatch)
+    train(cfg(pair_cache, tmp_path / "run", max_steps=4, logging_steps=2, attention_kernel="dense"))
+    assert reads == {"train_step": [1] * 4, "after_step": [0, 1, 0, 1]}
 
 
 def test_batches_count_pairs_and_eval_reports_pair_metrics(pair_cache, tmp_path):

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import read_metrics, train_config, unpaired_rows, write_jsonl
+from helpers import host_reads_per_step, read_metrics, train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute, train
 from kto_pipeline.cache import open_cache, sha256_file
@@ -86,6 +86,23 @@ def test_logged_loss_is_mean_over_forward_passes(small_cache, tmp_path):
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert b[0]["loss"] == pytest.approx((a[0]["loss"] + a[1]["loss"]) / 2, rel=1e-5)
     assert b[1]["loss"] == pytest.approx((a[2]["loss"] + a[3]["loss"]) / 2, rel=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["dense", "auto"])
+def test_a_step_reads_the_device_once_and_the_grad_norm_only_where_it_logs(small_cache, tmp_path, monkeypatch, kernel):
+    """A step reads values back from tensors once (its metrics: one copy to the host, which also finds a non-finite
+    loss), and the grad norm only at the steps that log it: on an accelerator each read waits for the device, and
+    the host cannot queue the next batch's copy and forward ahead of it. The packed layout's sizes and the token
+    count stay Python ints in the batch. (dense: one attention call a layer, as the accelerator's path makes; auto:
+    the CPU's tree attention, which reads each tree's size on the host, where it runs.)"""
+    reads = host_reads_per_step(monkeypatch)
+    train(cfg(small_cache, tmp_path / "run", max_steps=6, logging_steps=3, attention_kernel=kernel))
+    assert reads["after_step"] == [0, 0, 1, 0, 0, 1]
+    if kernel == "dense":
+        assert reads["train_step"] == [1] * 6
+    else:
+        assert len(reads["train_step"]) == 6 and min(reads["train_step"]) > 1  # the count can see the trees' reads
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [3, 6]
 
 
 def test_gradient_accumulation_counts_optimizer_steps(small_cache, tmp_path):

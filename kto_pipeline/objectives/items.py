@@ -74,11 +74,13 @@ def packed_batch(
     batch = {LAYOUT_KEY + k: v for k, v in vars(layout).items() if isinstance(v, torch.Tensor)}
     if items and "pixels" in items[0]:
         batch.update(image_batch([items[t]["pixels"] for t in layout.prompt_order()]))
-    batch[LAYOUT_KEY + "num_trees"] = torch.tensor(layout.num_trees)
-    batch[LAYOUT_KEY + "branches"] = torch.tensor(layout.branches)
-    batch[LAYOUT_KEY + "align"] = torch.tensor(layout.align)
+    # the layout's sizes stay Python ints: moving the batch to an accelerator leaves them on the host, so that
+    # reading them never waits for the device (a tensor read back with int() would, each step)
+    batch[LAYOUT_KEY + "num_trees"] = layout.num_trees
+    batch[LAYOUT_KEY + "branches"] = layout.branches
+    batch[LAYOUT_KEY + "align"] = layout.align
     if split_last:
-        batch[LAYOUT_KEY + "split"] = torch.tensor(layout.split)
+        batch[LAYOUT_KEY + "split"] = layout.split
     return batch
 
 
@@ -102,9 +104,7 @@ def batch_layout(batch: dict[str, torch.Tensor]) -> Layout | None:
     if LAYOUT_KEY + "input_ids" not in batch:
         return None
     fields = {k.removeprefix(LAYOUT_KEY): v for k, v in batch.items() if k.startswith(LAYOUT_KEY)}
-    for name in ("num_trees", "branches", "align"):
-        fields[name] = int(fields[name])
-    fields["split"] = int(fields["split"]) if "split" in fields else fields["input_ids"].shape[1]
+    fields.setdefault("split", fields["input_ids"].shape[1])
     return Layout(**fields)
 
 

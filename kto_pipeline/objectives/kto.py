@@ -307,7 +307,7 @@ class Collator:
             "ref_logp": torch.tensor([r["ref_logp"] for r in rows], dtype=torch.float32),
             "ref_kl_logp": torch.tensor([r["ref_kl_logp"] for r in rows], dtype=torch.float32),
             "example_id": torch.tensor([r["example_id"] for r in rows], dtype=torch.long),
-            "tokens_needed": torch.tensor(needed),  # each prompt once, no padding
+            "tokens_needed": needed,  # each prompt once, no padding (an int: it stays on the host)
         }
 
 

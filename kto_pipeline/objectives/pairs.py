@@ -418,5 +418,5 @@ class PairCollator:
             "rejected_length": rejected_lengths,
             "chosen_id": torch.tensor([p["chosen_id"] for p in pairs], dtype=torch.long),
             "rejected_id": torch.tensor([p["rejected_id"] for p in pairs], dtype=torch.long),
-            "tokens_needed": torch.tensor(needed),  # each prompt once, no padding
+            "tokens_needed": needed,  # each prompt once, no padding (an int: it stays on the host)
         }

@@ -64,7 +64,7 @@ class Engine:
         precision), the process group's timeout and the engine's settings."""
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState, GradientState
-        from accelerate.utils import InitProcessGroupKwargs
+        from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
         self.regime = regime
         AcceleratorState._reset_state(reset_partial_state=False)
@@ -74,6 +74,9 @@ class Engine:
                 cpu=use_cpu() if cpu is None else cpu,
                 mixed_precision=regime.mixed_precision,
                 kwargs_handlers=[InitProcessGroupKwargs(**process_group_kwargs(timeout_seconds))],
+                # a batch's copy to an accelerator does not wait for the device (train's loaders pin their batches
+                # there); on the CPU it changes nothing
+                dataloader_config=DataLoaderConfiguration(non_blocking=True),
                 **kwargs,
             )
         check_process_group(self.accelerator)

@@ -84,7 +84,7 @@ class Progress:
     fractional_epoch: float = 0.0
     history: list[dict[str, float]] = field(default_factory=list)
     log: MetricLog = field(default_factory=MetricLog)
-    grad_norm: float | None = None
+    grad_norm: torch.Tensor | float | None = None  # the last optimizer step's, before clipping (as the engine gives it)
     step_seconds: list[float] = field(default_factory=list)  # wall time of each optimizer step of this run
     started: float = 0.0
     step_started: float = 0.0
@@ -289,11 +289,15 @@ def _loaders(
     collator = objective.collator(
         tokenizer.pad_token_id, padded_because is None, attention_costs(model, accelerator.device), config
     )
-    loader = DataLoader(items, batch_size=config.per_device_train_batch_size, sampler=sampler, collate_fn=collator)
+    # On a GPU the batches are collated into pinned host memory and copied without waiting (the accelerator's
+    # `non_blocking`, `Engine.make_accelerator`): the host collates the next batch while the device still runs this
+    # step, as transformers' Trainer pins its batches (dataloader_pin_memory)
+    collating = dict(collate_fn=collator, pin_memory=accelerator.device.type == "cuda")
+    loader = DataLoader(items, batch_size=config.per_device_train_batch_size, sampler=sampler, **collating)
     eval_items = _open_eval_cache(config, objective, cache.manifest, max_length)
     if eval_items is None:
         return sampler, loader, None
-    return sampler, loader, DataLoader(eval_items, batch_size=config.per_device_eval_batch_size, collate_fn=collator)
+    return sampler, loader, DataLoader(eval_items, batch_size=config.per_device_eval_batch_size, **collating)
 
 
 def _scheduler(config: TrainConfig, optimizer, warmup_steps: int, total_steps: int):
@@ -418,7 +422,7 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], casts: StepCasts, last_
     scored, loss = out.scored, out.loss
     scores = scored.completions
     p.tokens_executed += scored.tokens_executed
-    p.tokens_needed += int(batch["tokens_needed"])
+    p.tokens_needed += batch["tokens_needed"]
     p.items_seen += len(out.ids)
     p.kl_on_cached_prompt = scored.kl_on_cached_prompt
     if scores.aux_loss is not None:  # MoE: keep the experts' load balanced, as the model's own loss does
@@ -438,7 +442,8 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], casts: StepCasts, last_
     if accelerator.sync_gradients:
         casts.close()  # before the optimizer changes the weights
     if accelerator.sync_gradients and config.max_grad_norm > 0:
-        p.grad_norm = float(run.engine.clip_grad_norm(run.scorer, config.max_grad_norm))
+        # kept on the device, read only when the step logs it (a read waits for the device)
+        p.grad_norm = run.engine.clip_grad_norm(run.scorer, config.max_grad_norm)
     run.engine.step(run.optimizer)
 
 
@@ -465,7 +470,7 @@ def after_step(run: Run, micro_step: int, bar) -> None:
     last_step = p.global_step >= run.total_steps
     stamp = {"epoch": round(p.fractional_epoch, 4), "step": p.global_step}
     if p.global_step % config.logging_steps == 0 or last_step:
-        grad_norm = {"grad_norm": p.grad_norm} if p.grad_norm is not None else {}
+        grad_norm = {"grad_norm": float(p.grad_norm)} if p.grad_norm is not None else {}
         run.metrics({**p.log.flush(), "learning_rate": learning_rate, **grad_norm, **stamp})
     if run.eval_loader is not None and (last_step or (config.eval_steps and p.global_step % config.eval_steps == 0)):
         run.metrics({**run.objective.evaluate(accelerator, run.scorer, run.eval_loader, config), **stamp})
