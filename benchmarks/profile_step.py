@@ -1,10 +1,12 @@
-"""Ops dispatched per optimizer step, kto-pipeline against trl.KTOTrainer with precomputed reference log-probs.
+"""Ops dispatched and values read back from tensors per optimizer step, kto-pipeline against trl.KTOTrainer with
+precomputed reference log-probs.
 
     python benchmarks/profile_step.py            # writes its section of RESULTS.md (part of `make bench`)
     python benchmarks/profile_step.py --quick    # batches of 4 and 8 rows, printed only: checks the code path
 
 On an accelerator every op the host dispatches is at least one kernel launch, so a step's op count bounds how
-fast a small step can go, whatever the GPU. Each measurement runs in a fresh process (`profile_step.py worker
+fast a small step can go, whatever the GPU; every value read back from a device tensor is a wait for the device.
+Each measurement runs in a fresh process (`profile_step.py worker
 NAME`): a 2-step and a 6-step training call in the same process under torch.profiler, every event counted (aten
 ops, autograd nodes, ranges); their difference over 4 steps is one steady step, without loading, set-up, the
 reference pass and the first steps. Data: the first 96 rows of `bench_scale.row_stream`, prompts cut at 60
@@ -193,7 +195,9 @@ def _reads(measured: dict, batches: tuple[int, ...]) -> list[str]:
         "a tensor, counted in the same runs; every step logs, as in the runs above): on an accelerator, each read of "
         "a device tensor waits for the device, and the host launches nothing ahead of it. Ours: the step's metrics "
         "(one copy to the host, which also finds a non-finite loss) and the grad norm where the step logs it; the "
-        "tree attention's reads are its trees' sizes, on the CPU, where it runs.",
+        "tree attention's reads are its trees' sizes, on the CPU, where it runs. A read of a CPU tensor waits for "
+        f"nothing: the data loader's seed, drawn once an epoch, is 0.5 a step at 64 rows ({ROWS} rows, 2 batches an "
+        "epoch).",
         "",
         *harness.table_head("| tool | " + " | ".join(f"values read a step, {b} rows" for b in batches) + " |"),
     ]
