@@ -257,6 +257,37 @@ def test_progress_is_reported_per_forward_pass(tiny_model_dir, packed):
     assert len(calls) > 1
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_forwards_values_are_read_once_the_next_forward_is_queued(tiny_model_dir, packed, monkeypatch):
+    """The reference pass copies a forward's log-probs to the host in one copy and reads them after queueing the
+    next forward (on an accelerator the host builds the next batch while the device runs the last), each sequence's
+    values split on the host: the values of every sequence scored alone."""
+    from transformers import AutoModelForCausalLM
+
+    from kto_pipeline.scoring import logprobs
+    from kto_pipeline.scoring.logprobs import HostCopy, ReferenceScorer, score_sequences, score_shard
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    trees = [([5, 6, 7 + i], [list(range(8, 10 + i)), list(range(8, 11 + 2 * i))]) for i in range(5)]
+    events = []
+    forward, read = ReferenceScorer.forward, HostCopy.read
+    monkeypatch.setattr(ReferenceScorer, "forward", lambda *a, **k: events.append("forward") or forward(*a, **k))
+    monkeypatch.setattr(HostCopy, "read", lambda self: events.append("read") or read(self))
+    monkeypatch.setattr(logprobs, "pack_trees", lambda sizes, *a: [[[t]] for t in range(len(sizes))])  # a tree a pass
+    monkeypatch.setattr(logprobs, "pack_batches", lambda seqs, *a: [[s] for s in seqs])  # a sequence a pass
+    out = score_shard(model, trees, 0, batch_size=3, max_tokens=40, device="cpu", packed=packed)
+    passes = events.count("forward")
+    assert passes == (5 if packed else 10) and events == ["forward"] + ["forward", "read"] * (passes - 1) + ["read"]
+    for (prompt, continuations), scored in zip(trees, out, strict=True):
+        for continuation, values in zip(continuations, scored, strict=True):
+            ids = torch.tensor([prompt + continuation])
+            completion = torch.tensor([[0] * len(prompt) + [1] * len(continuation)])
+            with torch.no_grad():
+                alone = score_sequences(model, ids, torch.ones_like(ids), completion).token_logps
+            assert values.dtype == np.float32 and len(values) == len(continuation)
+            np.testing.assert_allclose(values, alone.numpy(), rtol=1e-5, atol=1e-5)
+
+
 def test_pack_trees_respects_budgets():
     from kto_pipeline.scoring.packing import AttentionCosts, pack_trees
 

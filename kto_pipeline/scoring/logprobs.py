@@ -359,6 +359,7 @@ def score_shard(
         ]
         passes = pack_batches(seqs, batch_size, max_tokens)
     total = len(passes) if agree_on_forwards is None else agree_on_forwards(len(passes))
+    pending = None  # the last forward's log-probs on their way to the host, and (tree, continuation) of each sequence
     for batch in passes:
         if packed:
             members = [t for row in batch for t in row]
@@ -366,21 +367,24 @@ def score_shard(
             rows = [[local[t] for t in row] for row in batch]
             layout = layout_trees([trees[t] for t in members], rows, pad_id, static=costs.static, align=costs.align)
             pixels = None if images is None else join_images([images(t) for t in members], device)
-            per_sequence = scorer(layout=layout.to(device), images=pixels).per_sequence()
-            for i, t in enumerate(members):
-                out[t] = [v.float().cpu().numpy() for v in per_sequence[branches * i : branches * (i + 1)]]
-            if on_batch is not None:
-                on_batch(branches * len(members), layout.tokens(), layout.input_ids.numel())
-            continue
-        ids, attn, comp = (
-            t.to(device) for t in pad_sequences([s.ids for s in batch], [s.prompt_len for s in batch], pad_id)
-        )
-        pixels = None if images is None else join_images([images(s.row) for s in batch], device)
-        per_sequence = scorer(padded=(ids, attn, comp), images=pixels).per_sequence()
-        for s, values in zip(batch, per_sequence, strict=True):
-            out[s.row][s.kind] = values.float().cpu().numpy()
+            scores = scorer(layout=layout.to(device), images=pixels)
+            counts = torch.bincount(layout.sequence, minlength=branches * len(members)).tolist()  # (on the host)
+            sequences = [(t, k) for t in members for k in range(branches)]
+            counted = (branches * len(members), layout.tokens(), layout.input_ids.numel())
+        else:
+            ids, attn, comp = pad_sequences([s.ids for s in batch], [s.prompt_len for s in batch], pad_id)
+            pixels = None if images is None else join_images([images(s.row) for s in batch], device)
+            scores = scorer(padded=tuple(t.to(device) for t in (ids, attn, comp)), images=pixels)
+            counts = comp[:, 1:].sum(1).tolist()  # the scored tokens of each row, as `score_sequences` takes them
+            sequences = [(s.row, s.kind) for s in batch]
+            counted = (len(batch), sum(len(s.ids) for s in batch), ids.numel())
+        # this forward's values start for the host behind it; the last forward's are read meanwhile: on an
+        # accelerator the host builds and queues the next forward while the device runs this one
+        ready, pending = pending, (HostCopy(scores.token_logps, counts), sequences)
+        _file(out, ready)
         if on_batch is not None:
-            on_batch(len(batch), sum(len(s.ids) for s in batch), ids.numel())
+            on_batch(*counted)
+    _file(out, pending)
     for _ in range(total - len(passes)):
         prompt, image = image_filler or ([pad_id], {})  # a one-token prompt (or a one-image one) and one-token answers
         filler, pixels = (prompt, [[pad_id]] * branches), join_images([image], device)
@@ -390,6 +394,39 @@ def score_shard(
             sequence = pad_sequences([filler[0] + filler[1][0]], [len(filler[0])], pad_id)
             scorer(padded=tuple(t.to(device) for t in sequence), images=pixels)
     return [tuple(o) for o in out]
+
+
+class HostCopy:
+    """A forward's token log-probs copied to the host in one copy, queued behind the forward (into pinned memory on
+    a GPU, so that queueing it does not wait for the device), and split by sequence (`counts`: each sequence's
+    tokens, known on the host) when read."""
+
+    def __init__(self, token_logps: torch.Tensor, counts: list[int]):
+        values = token_logps.detach().float()
+        self.counts, self.done = counts, None
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = values.cpu()
+
+    def read(self) -> list[np.ndarray]:
+        """Each sequence's values (waits for the copy, on a GPU)."""
+        if self.done is not None:
+            self.done.synchronize()
+        values = self.host.numpy().copy()  # (out of the pinned buffer, which goes back to torch's cache)
+        return np.split(values, np.cumsum(self.counts)[:-1]) if self.counts else []
+
+
+def _file(out: list[list[np.ndarray]], pending: tuple[HostCopy, list[tuple[int, int]]] | None) -> None:
+    """Put a forward's values (`pending`: its copy, and (tree, continuation) of each sequence) in `out`."""
+    if pending is None:
+        return
+    copy, sequences = pending
+    for (tree, continuation), values in zip(sequences, copy.read(), strict=True):
+        out[tree][continuation] = values
 
 
 # ------------------------------------------------------------------------------------------ stage 1
