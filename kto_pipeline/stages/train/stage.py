@@ -392,6 +392,8 @@ def fit(run: Run) -> None:
         while p.global_step < run.total_steps:
             run.sampler.use_epoch(p.epoch)
             batches = accelerator.skip_first_batches(run.loader, p.skip_batches) if p.skip_batches else run.loader
+            if hasattr(batches, "_non_blocking"):  # (which accelerate's skip_first_batches drops: accelerate#4295)
+                batches._non_blocking = accelerator.non_blocking
             for micro_step, batch in enumerate(batches, start=p.skip_batches):
                 casts.open()
                 with accelerator.accumulate(run.scorer):  # decides whether this micro-step ends an optimizer step
