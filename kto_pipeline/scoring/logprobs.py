@@ -408,7 +408,7 @@ class HostCopy:
             self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self.host.copy_(values, non_blocking=True)
             self.done = torch.cuda.Event()
-            self.done.record()
+            self.done.record(torch.cuda.current_stream(values.device))  # (the stream the copy was queued on)
         else:
             self.host = values.cpu()
 
