@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 ACCELERATE_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "accelerate"
@@ -349,47 +350,32 @@ def paired_conversational_rows(n: int = 12) -> list[dict]:
     ]
 
 
-# what reads a tensor's values back to the host: on an accelerator each such read of a device tensor waits for the
-# device to finish the work queued before it
-TENSOR_READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
-
-
-def host_reads_per_step(monkeypatch) -> dict[str, list[int]]:
+@contextmanager
+def host_reads_per_step(monkeypatch):
     """Counts, for each call of the train stage's `train_step` (a micro-batch's forward, metrics and backward, the
     optimizer step where it ends one) and `after_step` (an optimizer step's bookkeeping: logging, checkpoints), the
-    values read back from tensors in it. Patches torch.Tensor for the test; call before the run."""
-    import torch
+    values read back from tensors in it, as `benchmarks/profile_step.py` counts them (`reads_counted`): yields
+    {name: [count of each call]}, filled while the block runs."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from profile_step import reads_counted
 
     from kto_pipeline.stages.train import stage
 
     counts: dict[str, list[int]] = {"train_step": [], "after_step": []}
-    current: list[list[int] | None] = [None]
 
-    def counting(name):
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *args, **kwargs):
-            if current[0] is not None:
-                current[0][-1] += 1
-            return original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, read)
-
-    def phase(name):
+    def phase(name, total):
         original = getattr(stage, name)
 
         def call(*args, **kwargs):
-            counts[name].append(0)
-            current[0] = counts[name]
+            before = total[0]
             try:
                 return original(*args, **kwargs)
             finally:
-                current[0] = None
+                counts[name].append(total[0] - before)
 
         monkeypatch.setattr(stage, name, call)
 
-    for name in TENSOR_READS:
-        counting(name)
-    for name in counts:
-        phase(name)
-    return counts
+    with reads_counted() as total:
+        for name in counts:
+            phase(name, total)
+        yield counts

@@ -105,8 +105,8 @@ def test_packed_training_equals_padded_training(pair_cache, tmp_path, monkeypatc
 
 def test_a_pair_step_reads_the_device_once_and_the_grad_norm_only_where_it_logs(pair_cache, tmp_path, monkeypatch):
     """As KTO's step: one read back from the device a step (its metrics), the grad norm where the step logs."""
-    reads = host_reads_per_step(monkeypatch)
-    train(cfg(pair_cache, tmp_path / "run", max_steps=4, logging_steps=2, attention_kernel="dense"))
+    with host_reads_per_step(monkeypatch) as reads:
+        train(cfg(pair_cache, tmp_path / "run", max_steps=4, logging_steps=2, attention_kernel="dense"))
     assert reads == {"train_step": [1] * 4, "after_step": [0, 1, 0, 1]}
 
 

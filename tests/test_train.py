@@ -95,8 +95,8 @@ def test_a_step_reads_the_device_once_and_the_grad_norm_only_where_it_logs(small
     the host cannot queue the next batch's copy and forward ahead of it. The packed layout's sizes and the token
     count stay Python ints in the batch. (dense: one attention call a layer, as the accelerator's path makes; auto:
     the CPU's tree attention, which reads each tree's size on the host, where it runs.)"""
-    reads = host_reads_per_step(monkeypatch)
-    train(cfg(small_cache, tmp_path / "run", max_steps=6, logging_steps=3, attention_kernel=kernel))
+    with host_reads_per_step(monkeypatch) as reads:
+        train(cfg(small_cache, tmp_path / "run", max_steps=6, logging_steps=3, attention_kernel=kernel))
     assert reads["after_step"] == [0, 0, 1, 0, 0, 1]
     if kernel == "dense":
         assert reads["train_step"] == [1] * 6
