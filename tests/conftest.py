@@ -3,22 +3,32 @@ supported format. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import unpaired_rows, write_jsonl
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def _scratch_dir(variable: str, prefix: str) -> None:
+    """`variable` names a fresh directory for this test session (unless already set), removed when the process that
+    made it exits (pytest-xdist's workers inherit the controller's, which outlives them)."""
+    if variable not in os.environ:
+        os.environ[variable] = path = tempfile.mkdtemp(prefix=prefix)
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+
+
 # tokenized datasets (precompute's datasets.map) go to a fresh cache per test session, not ~/.cache
-os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="kto-pipeline-tests-datasets-"))
-os.environ.setdefault("KTO_PIPELINE_VERIFIED_DIR", tempfile.mkdtemp(prefix="kto-pipeline-tests-verified-"))
-
-
-from helpers import unpaired_rows, write_jsonl
+_scratch_dir("HF_DATASETS_CACHE", "kto-pipeline-tests-datasets-")
+_scratch_dir("KTO_PIPELINE_VERIFIED_DIR", "kto-pipeline-tests-verified-")
 
 
 @pytest.fixture(scope="session")
