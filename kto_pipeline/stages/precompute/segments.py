@@ -31,8 +31,9 @@ from kto_pipeline.stages.precompute.data import cached_map, is_conversational, n
 KEY_DIR = "keys"
 KEY_BYTES = 16
 KEYS_SCHEMA = pa.schema([("example_id", pa.int64()), ("key", pa.binary(KEY_BYTES)), ("kept", pa.bool_())])
-# The rows a map over the source yields: one per normalized row (a paired source row gives two)
-ROW_KEYS_SCHEMA = pa.schema([("key", pa.binary(KEY_BYTES)), ("source_row", pa.int64()), ("conversational", pa.bool_())])
+# The rows a map over the source yields: one per normalized row (a paired source row gives two). Its keys are plain
+# binary: datasets before 5.1 has no fixed-size binary type (`key_array` reads either)
+ROW_KEYS_SCHEMA = pa.schema([("key", pa.binary()), ("source_row", pa.int64()), ("conversational", pa.bool_())])
 
 
 # ------------------------------------------------------------------------------------------- keys
@@ -76,7 +77,7 @@ def content_keys(source, layout: str, data_hash: str, num_proc: int = 1) -> list
     """The content key of every normalized row of `source`, computed with datasets.map into the datasets cache
     (named by the data's hash: a second run reads it). Returns its Arrow files (`open_keys` maps them): columns
     key, source_row, conversational. `layout`: `check_source(source)`."""
-    name = "kto-keys-" + hashlib.sha256(json.dumps([data_hash, layout, KEY_BYTES]).encode()).hexdigest()[:40]
+    name = "kto-keys-" + hashlib.sha256(json.dumps([data_hash, layout, KEY_BYTES, "binary"]).encode()).hexdigest()[:40]
     keyed = cached_map(
         source, _key_batch, {"layout": layout}, ROW_KEYS_SCHEMA, "keys", name, 1024, num_proc, "content keys"
     )
@@ -89,8 +90,11 @@ def open_keys(files: list[str]) -> pa.Table:
 
 
 def key_array(column) -> np.ndarray:
-    """A binary(16) Arrow column as a numpy array of 16-byte void scalars (sortable, comparable)."""
+    """A column of 16-byte keys (Arrow binary(16), or binary) as a numpy array of 16-byte void scalars (sortable,
+    comparable)."""
     column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if not pa.types.is_fixed_size_binary(column.type):
+        column = column.cast(pa.binary(KEY_BYTES))  # (fails on a key of another length)
     data = np.frombuffer(column.buffers()[1], dtype=np.uint8)[column.offset * KEY_BYTES :]
     return np.ascontiguousarray(data[: len(column) * KEY_BYTES]).view(f"V{KEY_BYTES}")
 
