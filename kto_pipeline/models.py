@@ -121,9 +121,28 @@ def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bo
                 "beside the model (`tokenizer.save_pretrained(DIR)`)."
             ) from exc
         raise KTOPipelineError(f"{flag} {name}: could not load its tokenizer ({type(exc).__name__}: {exc})") from exc
+    if is_gguf(name):
+        _set_gguf_special_tokens(tokenizer, name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # as trl does; padding is masked out anyway
     return tokenizer
+
+
+GGUF_SPECIAL_TOKENS = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token", "padding": "pad_token"}
+
+
+def _set_gguf_special_tokens(tokenizer, path: str) -> None:
+    """The special tokens a .gguf file names (`tokenizer.ggml.<kind>_token_id`) set on its tokenizer: transformers 4
+    converts some (SmolLM2's) with the beginning token as end and padding token too."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(Path(path).expanduser()), "r").fields
+    for kind, attribute in GGUF_SPECIAL_TOKENS.items():
+        field = fields.get(f"tokenizer.ggml.{kind}_token_id")
+        if field is not None:
+            token = tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0]))
+            if token is not None and getattr(tokenizer, attribute) != token:
+                setattr(tokenizer, attribute, token)
 
 
 def _auto_class(name: str, revision: str | None, trust_remote_code: bool):

@@ -73,6 +73,30 @@ def test_the_model_is_smollm2_with_its_chat_template(smollm2):
     assert tokenizer.eos_token == "<|im_end|>"
 
 
+def test_a_gguf_files_tokenizer_has_the_special_tokens_the_file_names(smollm2, monkeypatch):
+    """transformers 4 converts SmolLM2's GGUF tokenizer with its beginning token <|im_start|> as end and padding token
+    too; `load_tokenizer` sets those the file names (bos 1, eos 2, unknown 0, padding 2). Here transformers' conversion
+    is made to slip that way, so that the test holds whichever transformers runs it."""
+    from transformers import AutoTokenizer
+
+    from kto_pipeline.demo.smollm2 import GGUF_MEMBER
+
+    gguf = smollm2.parent / "gguf" / Path(GGUF_MEMBER).name
+    assert gguf.exists(), gguf
+    converted = AutoTokenizer.from_pretrained
+
+    def as_transformers_4(*args, **kwargs):
+        tokenizer = converted(*args, **kwargs)
+        tokenizer.eos_token = tokenizer.pad_token = "<|im_start|>"
+        return tokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", as_transformers_4)
+    tokenizer = models.load_tokenizer(str(gguf))
+    special = (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token)
+    assert special == ("<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>")
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (2, 2)
+
+
 def test_tokens_and_reference_logps_match_trl(smollm2, real_data, real_cache, tmp_path):
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -63,7 +63,6 @@ def build_tiny_vlm(kind: str, hidden_size: int = 32, num_layers: int = 2, seed: 
     torch.manual_seed(seed)
     if kind == "llava":
         from transformers import (
-            CLIPImageProcessorPil,
             CLIPVisionConfig,
             LlamaConfig,
             LlavaConfig,
@@ -82,7 +81,7 @@ def build_tiny_vlm(kind: str, hidden_size: int = 32, num_layers: int = 2, seed: 
         )
         size = dict(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
         processor = LlavaProcessor(
-            image_processor=CLIPImageProcessorPil(**size, do_center_crop=True, do_resize=True),
+            image_processor=_pil_image_processor("CLIPImageProcessor")(**size, do_center_crop=True, do_resize=True),
             tokenizer=tokenizer,
             chat_template=VISION_CHAT_TEMPLATE,
             patch_size=PATCH_SIZE,
@@ -94,7 +93,6 @@ def build_tiny_vlm(kind: str, hidden_size: int = 32, num_layers: int = 2, seed: 
         from transformers import (
             Idefics3Config,
             Idefics3ForConditionalGeneration,
-            Idefics3ImageProcessorPil,
             Idefics3Processor,
         )
 
@@ -108,13 +106,22 @@ def build_tiny_vlm(kind: str, hidden_size: int = 32, num_layers: int = 2, seed: 
         )
         edge = {"longest_edge": IMAGE_SIZE}
         processor = Idefics3Processor(
-            image_processor=Idefics3ImageProcessorPil(do_image_splitting=False, size=edge, max_image_size=edge),
+            image_processor=_pil_image_processor("Idefics3ImageProcessor")(
+                do_image_splitting=False, size=edge, max_image_size=edge
+            ),
             tokenizer=tokenizer,
             image_seq_len=(IMAGE_SIZE // PATCH_SIZE) ** 2 // scale**2,
             chat_template=VISION_CHAT_TEMPLATE,
         )
         model = Idefics3ForConditionalGeneration(config)
     return model.to(torch.float32), processor
+
+
+def _pil_image_processor(name: str):
+    """transformers' image processor `name` on PIL (no torchvision): `<name>Pil` in transformers 5, `name` before."""
+    import transformers
+
+    return getattr(transformers, f"{name}Pil", None) or getattr(transformers, name)
 
 
 def save_tiny_vlm(kind: str, directory: str | Path, **kwargs) -> Path:
