@@ -379,3 +379,15 @@ def host_reads_per_step(monkeypatch):
         for name in counts:
             phase(name, total)
         yield counts
+
+
+KL_ON_CACHED_PROMPTS = "on the prompts' cached keys/values"
+
+
+def kl_forward_checkpointed() -> str:
+    """What a gradient-checkpointed run that keeps its keys/values says of its KL forward (trainer_state.json's
+    `kl_forward`): on the prompts' cached keys/values where transformers lets a checkpointed layer take its cache along
+    (from transformers 5.15: `scoring.attention.checkpoints_take_caches`), else with the prompts run again."""
+    from kto_pipeline.scoring.attention import checkpoints_take_caches
+
+    return KL_ON_CACHED_PROMPTS if checkpoints_take_caches() else "with the prompts run again"

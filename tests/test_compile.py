@@ -10,7 +10,14 @@ from types import SimpleNamespace
 
 import pyarrow as pa
 import pytest
-from helpers import read_metrics, train_config, unpaired_rows, write_jsonl
+from helpers import (
+    KL_ON_CACHED_PROMPTS,
+    kl_forward_checkpointed,
+    read_metrics,
+    train_config,
+    unpaired_rows,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -521,10 +528,8 @@ def test_compiled_layers_with_gradient_checkpointing_stay_compiled_with_step_one
     state = json.loads((runs[True] / "trainer_state.json").read_text())
     assert state["compile"]["graphs"] > 0 and state["compile"]["graph_breaks"] == 0, state["compile"]
     assert "eager_fallback" not in state["compile"], state["compile"]
-    for run in runs.values():
-        assert json.loads((run / "trainer_state.json").read_text())["kl_forward"] == (
-            "on the prompts' cached keys/values"
-        )
+    assert json.loads((runs[False] / "trainer_state.json").read_text())["kl_forward"] == KL_ON_CACHED_PROMPTS
+    assert json.loads((runs[True] / "trainer_state.json").read_text())["kl_forward"] == kl_forward_checkpointed()
     with_checkpoints, without = read_metrics(runs[True]), read_metrics(runs[False])
     for key in ("rewards/chosen", "rewards/rejected", "kl"):  # step 1: the same forwards, to the bit
         assert with_checkpoints[0][key] == without[0][key], key

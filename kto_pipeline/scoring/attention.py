@@ -293,14 +293,14 @@ def enable_checkpointing(model) -> None:
         return torch.utils.checkpoint.checkpoint(function, *args, **kwargs, **more)
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with_cache = _checkpoints_take_caches()
+    with_cache = checkpoints_take_caches()
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):  # what transformers set on each layer
             module._gradient_checkpointing_func = checkpointed
             module._can_checkpoint_with_cache = with_cache
 
 
-def _checkpoints_take_caches() -> bool:
+def checkpoints_take_caches() -> bool:
     """Whether transformers lets a checkpointed layer take its key/value cache along (`_can_checkpoint_with_cache`,
     else it drops the cache). Training's caches may: each is filed by the first forward, read by the KL forward and
     closed before the backward (`runtime.compiled.close_keys_values`), so a layer recomputed there files nothing
