@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch first and pinned: an unpinned torch (or a package that depends on it) pulls the newest CUDA build.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo demo-tiny demo-vision test test-assets lint format docs clean bench bench-gpu gpu-wheels bench-memory profile
+.PHONY: install demo demo-tiny demo-vision test test-lowest test-assets lint format docs clean bench bench-gpu gpu-wheels bench-memory profile
 
 install: $(VENV)/.installed
 
@@ -50,8 +50,19 @@ TEST_WORKERS ?= 2
 test: lint test-assets
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
+# The suite against the lowest versions pyproject.toml allows: uv's lowest-direct resolution in a virtual environment
+# of its own (torch stays TORCH_VERSION, installed first; the dev extra's trl raises some floors to its own).
+VENV_LOWEST ?= .venv-lowest
+test-lowest:
+	$(PYTHON) -m venv $(VENV_LOWEST)
+	$(VENV_LOWEST)/bin/python -m pip install -q --upgrade pip uv
+	$(VENV_LOWEST)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(VENV_LOWEST)/bin/uv pip install -q --python $(VENV_LOWEST)/bin/python --resolution lowest-direct -e ".[dev,gguf]"
+	$(VENV_LOWEST)/bin/python scripts/prepare_tests.py
+	OMP_NUM_THREADS=1 $(VENV_LOWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
+
 clean:
-	rm -rf $(VENV) .demo .demo-tiny .demo-vision .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_LOWEST) .demo .demo-tiny .demo-vision .pytest_cache .ruff_cache
 
 bench: install
 	$(PY) benchmarks/bench.py --size full

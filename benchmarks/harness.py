@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent  # benchmarks/
@@ -197,7 +197,7 @@ def versions(*packages: str) -> str:
 
 
 def utc_stamp() -> str:  # as the results write their date: 2026-11-22 07:15 UTC
-    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def median_step(times: list[float], compiling: Sequence[int] = ()) -> float:

@@ -313,4 +313,7 @@ def test_step_one_is_exactly_the_reference_in_bf16_for_every_family(smollm2, rea
             assert state["kl_forward"] == kept, state["kl_forward"]
         firsts.append(first)
     assert firsts[3]["loss"] == firsts[0]["loss"], (firsts[0], firsts[3])  # checkpointed: the same step
-    assert firsts[3]["grad_norm"] == pytest.approx(firsts[0]["grad_norm"], rel=1e-4), (firsts[0], firsts[3])
+    # where the KL completions run with their prompts again (transformers before 5.15), the checkpointed step's grad
+    # norm was 3e-4 apart from the plain one's in bf16 (transformers 5.2); on the prompts' cached keys/values, closer
+    rel = 1e-4 if kl_forward_checkpointed() == KL_ON_CACHED_PROMPTS else 1e-3
+    assert firsts[3]["grad_norm"] == pytest.approx(firsts[0]["grad_norm"], rel=rel), (firsts[0], firsts[3])

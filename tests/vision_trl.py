@@ -152,6 +152,14 @@ def _dataset(rows: list[dict]):
     return datasets.Dataset.from_list(rows)
 
 
+def _checkpointing_argument() -> str:
+    """TrainingArguments' name for gradient checkpointing: activation_checkpointing from transformers 5.23."""
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
 def _common_args(output_dir: str, steps: int, batch_size: int, **settings) -> dict:
     """The TrainingArguments both oracles share; `settings` (trainer-specific and caller overrides) win."""
     return {
@@ -169,8 +177,8 @@ def _common_args(output_dir: str, steps: int, batch_size: int, **settings) -> di
         "use_cpu": True,
         "bf16": False,  # trl's configs default bf16 to True (autocast, also on the CPU)
         "fp16": False,
-        # trl's configs default gradient_checkpointing to True; transformers 5 renamed it (the old name warns)
-        "activation_checkpointing": False,
+        # trl's configs default gradient_checkpointing to True; transformers 5.23 renamed it (the old name warns)
+        _checkpointing_argument(): False,
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
         **settings,

@@ -160,7 +160,7 @@ def write_keys(cache_dir: Path, segment: int, example_ids: np.ndarray, keys: np.
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def new_segment(
