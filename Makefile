@@ -51,8 +51,9 @@ test: lint test-assets
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 # The suite against the lowest versions pyproject.toml allows: uv's lowest-direct resolution in a virtual environment
-# of its own (torch stays TORCH_VERSION, installed first; the dev extra's trl raises some floors to its own).
+# of its own (torch stays TORCH_VERSION, installed first); its real model converted by those versions, kept apart.
 VENV_LOWEST ?= .venv-lowest
+test-lowest: export KTO_PIPELINE_CACHE = $(HOME)/.cache/kto-pipeline-lowest
 test-lowest:
 	$(PYTHON) -m venv $(VENV_LOWEST)
 	$(VENV_LOWEST)/bin/python -m pip install -q --upgrade pip uv
