@@ -391,3 +391,16 @@ def kl_forward_checkpointed() -> str:
     from kto_pipeline.scoring.attention import checkpoints_take_caches
 
     return KL_ON_CACHED_PROMPTS if checkpoints_take_caches() else "with the prompts run again"
+
+
+def reorder_bound(terms: int, magnitude, dtype=None):
+    """The most two evaluations of the same sums can differ by when they add in another order (compiled and eager,
+    packed and padded, one process and two), elementwise: each lies within gamma_n * sum|term_i| of the exact sum
+    for a sum of n terms in any order (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., eq. 4.4),
+    gamma_n = n u / (1 - n u) with u the unit roundoff of `dtype` (half its machine epsilon), so the two lie within
+    twice that of each other. `terms`: the length of the longest chain of sums behind an element (the sums that feed
+    a sum add their lengths); `magnitude`: sum|term_i| for each element, computed exactly (float64) or bounded."""
+    import torch
+
+    u = torch.finfo(dtype or torch.float32).eps / 2
+    return 2 * terms * u / (1 - terms * u) * magnitude

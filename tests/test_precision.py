@@ -115,7 +115,7 @@ def test_a_cpu_half_precision_product_computes_every_row_in_a_call_of_the_same_r
         for start, stop in ((0, 2000), (290, 1100), (300, 340), (250, 900)):
             got = precision.linear(rows[None, start:stop], weight, bias)[0, 300 - start : 340 - start]
             assert got.dtype == torch.bfloat16 and torch.equal(got, alone), (start, stop)
-        assert set(calls) == {precision.ROW_BLOCK}, calls
+        assert set(calls) == {precision.row_block(torch.bfloat16)}, calls
         want = functional.linear(rows[:700], weight, bias)
         assert (precision.linear(rows[:700], weight, bias).float() - want.float()).abs().max() <= 0.05
     grads = []
@@ -129,7 +129,7 @@ def test_a_cpu_half_precision_product_computes_every_row_in_a_call_of_the_same_r
     calls.clear()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the head: blocks of rows, its chunks whole blocks
         chunked_token_logps(rows[:1100].bfloat16(), torch.randn(40000, 64), torch.randint(0, 40000, (1100,)))
-    assert set(calls) == {precision.ROW_BLOCK}, calls
+    assert set(calls) == {precision.row_block(torch.bfloat16)}, calls
     calls.clear()
     assert torch.equal(precision.linear(rows[:700], weight, bias), functional.linear(rows[:700], weight, bias))
     assert calls == [700]  # float32: one call, whole

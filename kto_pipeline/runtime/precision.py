@@ -25,6 +25,17 @@ nn.Linear of the model, made a `Linear` by `rows_alike`) and the LM head's chunk
 multiplies whole, as before: step 1 compares forwards only. The cost on that CPU, one thread, a (576 -> 1536)
 product of 2,400 rows: 4.7 ms against 2.9 ms in one call; float32 weights there take 22 ms, and bf16 without AMX
 (oneDNN limited to AVX-512 BF16, which gives rows alike by itself) 37 ms. A GPU's products are left as they are.
+
+Half precision on a CPU without oneDNN's half-precision kernels (no AVX-512: an AMD EPYC with AVX2 only). There
+torch multiplies bf16 with ATen's reference loops, measured on such a CPU (one thread, SmolLM2-135M, 150 tokens):
+a forward 7.4 s against 1.75 s in float32, a forward and backward 45 s against 4.3 s. Such a CPU multiplies half
+precision as float32 products of the half-precision values, rounded to half precision once (`half_product`): the
+products of two bf16 (or fp16) values are exact in float32 and the sums float32, as in ATen's loops and a GPU's
+tensor cores, only in another order; a (512 x 576) @ (576 x 1536) product 29 ms against 190 ms. In calls of a
+fixed number of rows a row's result is then the same wherever it lies and whatever lies beside it, and the same in a
+call of 4 rows or more as in one of 512 (measured on that CPU for SmolLM2's and Qwen2's shapes: every offset tried,
+zero padding, other neighbours; calls of 1 to 3 rows differ): there the blocks are HALF_PRODUCT_ROW_BLOCK rows,
+which pads a short call less (a training step of 132 tokens on SmolLM2 pads every product to 512 rows otherwise).
 """
 
 from __future__ import annotations
@@ -134,6 +145,7 @@ def autocast_forward(module: torch.nn.Module, regime: Regime, cache: bool = True
 
 HALF = (torch.bfloat16, torch.float16)
 ROW_BLOCK = 512  # rows of every half-precision product on a CPU (`linear`): 1.6x one call's time there, 2.4x at 256
+HALF_PRODUCT_ROW_BLOCK = 64  # the same where the CPU has no half-precision kernels (`half_product`)
 # the device types whose half-precision products run in blocks of rows: a CPU's (a benchmark adds "cuda" to measure
 # what blocks do to a GPU's, `benchmarks/step_one_layouts.py`)
 ROW_BLOCK_DEVICES = {"cpu"}
@@ -163,7 +175,30 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return F.linear(input, weight, bias)
     cast = [None if t is None else t.to(dtype) for t in (input, weight, bias)]
     with torch.autocast(input.device.type, enabled=False):
-        return torch.ops.kto_pipeline.linear_in_row_blocks(*cast, ROW_BLOCK)
+        return torch.ops.kto_pipeline.linear_in_row_blocks(*cast, row_block(dtype))
+
+
+def row_block(dtype: torch.dtype) -> int:
+    """The rows of each of a CPU's half-precision products of `dtype` (`linear`): ROW_BLOCK where oneDNN multiplies,
+    HALF_PRODUCT_ROW_BLOCK where `half_product` does."""
+    return ROW_BLOCK if native_half_products(dtype) else HALF_PRODUCT_ROW_BLOCK
+
+
+@functools.cache
+def native_half_products(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` (bf16, fp16) with oneDNN's kernels (AVX-512, AMX); where it does not,
+    torch falls back to ATen's reference loops (the module's docstring)."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def half_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b.T + bias in the dtype of `a` (half precision, on a CPU): torch's own product where this CPU has
+    half-precision kernels, else the float32 product of the same values rounded once to that dtype."""
+    if native_half_products(a.dtype):
+        return F.linear(a, b, bias)
+    return F.linear(a.float(), b.float(), None if bias is None else bias.float()).to(a.dtype)
 
 
 @torch.library.custom_op("kto_pipeline::linear_in_row_blocks", mutates_args=())
@@ -173,10 +208,10 @@ def _linear_in_row_blocks(
     """input @ weight.T + bias over the rows of `input` (..., K), `block` rows a call (the last zero-padded)."""
     rows = input.reshape(-1, input.shape[-1])
     whole = rows.shape[0] - rows.shape[0] % block
-    out = [F.linear(rows[start : start + block], weight, bias) for start in range(0, whole, block)]
+    out = [half_product(rows[start : start + block], weight, bias) for start in range(0, whole, block)]
     if whole < rows.shape[0]:
         tail = F.pad(rows[whole:], (0, 0, 0, block - (rows.shape[0] - whole)))
-        out.append(F.linear(tail, weight, bias)[: rows.shape[0] - whole])
+        out.append(half_product(tail, weight, bias)[: rows.shape[0] - whole])
     product = torch.cat(out) if out else rows.new_empty(0, weight.shape[0])
     return product.reshape(*input.shape[:-1], weight.shape[0])
 
@@ -193,11 +228,12 @@ def _save_for_backward(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad):
-    """A linear layer's backward, each product whole (as F.linear's): the gradients are not compared at step 1."""
+    """A linear layer's backward, each product whole (as F.linear's, `half_product`'s where this CPU has no
+    half-precision kernels): the gradients are not compared at step 1."""
     input, weight = ctx.saved_tensors
     rows, grads = input.reshape(-1, input.shape[-1]), grad.reshape(-1, grad.shape[-1])
-    grad_input = (grads @ weight).reshape(input.shape) if ctx.needs_input_grad[0] else None
-    grad_weight = grads.t() @ rows if ctx.needs_input_grad[1] else None
+    grad_input = half_product(grads, weight.t()).reshape(input.shape) if ctx.needs_input_grad[0] else None
+    grad_weight = half_product(grads.t(), rows.t()) if ctx.needs_input_grad[1] else None
     grad_bias = grads.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return grad_input, grad_weight, grad_bias, None
 

@@ -22,7 +22,7 @@ import torch
 from kto_pipeline.models import lm_head_settings
 from kto_pipeline.runtime.compiled import compiled_region
 from kto_pipeline.runtime.engines.base import Engine
-from kto_pipeline.runtime.precision import ROW_BLOCK, in_row_blocks, linear
+from kto_pipeline.runtime.precision import in_row_blocks, linear, row_block
 
 # A chunk is as many scored tokens as make this many bytes of float32 logits (Qwen2's 152k vocabulary: 220 tokens;
 # SmolLM2's 49k: 682), so that the head's transients stay small beside the activations whatever the vocabulary.
@@ -204,7 +204,8 @@ def chunked_token_logps(
     if chunk_size is None:
         chunk_size = max(16, CHUNK_LOGITS_BYTES // (4 * weight.shape[0]))
         if in_row_blocks(hidden.device, dtype):  # whole blocks of the rows a CPU's half-precision product takes
-            chunk_size = max(ROW_BLOCK, chunk_size - chunk_size % ROW_BLOCK)
+            block = row_block(dtype)
+            chunk_size = max(block, chunk_size - chunk_size % block)
     # keep the logits for the backward when there will be one and they are small (soft-capped logits would need
     # their tanh kept too: those recompute)
     keep_logits = (
