@@ -184,13 +184,17 @@ def row_block(dtype: torch.dtype) -> int:
     return ROW_BLOCK if native_half_products(dtype) else HALF_PRODUCT_ROW_BLOCK
 
 
-@functools.cache
+# whether this CPU multiplies bf16 / fp16 with oneDNN's kernels (AVX-512, AMX); where it does not, torch falls back to
+# ATen's reference loops (the module's docstring). Read once: a compiled region reads the table as a constant.
+NATIVE_HALF_PRODUCTS = {
+    torch.bfloat16: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    torch.float16: bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()),
+}
+
+
 def native_half_products(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies `dtype` (bf16, fp16) with oneDNN's kernels (AVX-512, AMX); where it does not,
-    torch falls back to ATen's reference loops (the module's docstring)."""
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    """Whether this CPU multiplies `dtype` (bf16, fp16) with oneDNN's kernels (NATIVE_HALF_PRODUCTS)."""
+    return NATIVE_HALF_PRODUCTS[dtype]
 
 
 def half_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,7 +202,9 @@ def half_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = N
     half-precision kernels, else the float32 product of the same values rounded once to that dtype."""
     if native_half_products(a.dtype):
         return F.linear(a, b, bias)
-    return F.linear(a.float(), b.float(), None if bias is None else bias.float()).to(a.dtype)
+    # autocast off: a compiled step traces the backward under the forward's autocast, which would multiply in bf16
+    with torch.autocast(a.device.type, enabled=False):
+        return F.linear(a.float(), b.float(), None if bias is None else bias.float()).to(a.dtype)
 
 
 @torch.library.custom_op("kto_pipeline::linear_in_row_blocks", mutates_args=())
