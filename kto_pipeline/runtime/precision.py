@@ -207,6 +207,17 @@ def half_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = N
         return F.linear(a.float(), b.float(), None if bias is None else bias.float()).to(a.dtype)
 
 
+@torch.library.custom_op("kto_pipeline::half_product", mutates_args=())
+def _half_product_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`half_product(a, b)` (no bias), as one op that a compiled graph calls as it is."""
+    return half_product(a, b)
+
+
+@_half_product_op.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], b.shape[0])
+
+
 @torch.library.custom_op("kto_pipeline::linear_in_row_blocks", mutates_args=())
 def _linear_in_row_blocks(
     input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block: int
@@ -234,12 +245,17 @@ def _save_for_backward(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad):
-    """A linear layer's backward, each product whole (as F.linear's, `half_product`'s where this CPU has no
+    """A linear layer's backward, each product whole (as F.linear's; `half_product`'s where this CPU has no
     half-precision kernels): the gradients are not compared at step 1."""
     input, weight = ctx.saved_tensors
     rows, grads = input.reshape(-1, input.shape[-1]), grad.reshape(-1, grad.shape[-1])
-    grad_input = half_product(grads, weight.t()).reshape(input.shape) if ctx.needs_input_grad[0] else None
-    grad_weight = half_product(grads.t(), rows.t()) if ctx.needs_input_grad[1] else None
+    if native_half_products(grads.dtype):
+        grad_input = (grads @ weight).reshape(input.shape) if ctx.needs_input_grad[0] else None
+        grad_weight = grads.t() @ rows if ctx.needs_input_grad[1] else None
+    else:  # opaque to a compiler, which would fuse the casts into a half-precision product of its own
+        product = torch.ops.kto_pipeline.half_product
+        grad_input = product(grads, weight.t()).reshape(input.shape) if ctx.needs_input_grad[0] else None
+        grad_weight = product(grads.t(), rows.t()) if ctx.needs_input_grad[1] else None
     grad_bias = grads.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return grad_input, grad_weight, grad_bias, None
 
