@@ -82,7 +82,7 @@ def trees_of(preset: dict) -> list[tuple[list[int], list[list[int]]]]:
 def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) -> dict:
     """kernel -> [(hidden diff or None, log-prob diff) or the reason it did not run, per LAYOUTS]."""
     from kto_pipeline.models import backbone_of, load_model
-    from kto_pipeline.runtime.precision import ROW_BLOCK, ROW_BLOCK_DEVICES, Regime, rows_alike
+    from kto_pipeline.runtime.precision import ROW_BLOCK_DEVICES, Regime, row_block, rows_alike
     from kto_pipeline.scoring.attention import attention_costs, request_attention_kernel
     from kto_pipeline.scoring.head import head_logps
     from kto_pipeline.scoring.logprobs import score_layout, score_policy
@@ -113,7 +113,8 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
     results = {}
     for kernel, blocked in [*((k, False) for k in kernels), *((k, True) for k in BLOCKED if k in kernels)]:
         chosen, why = request_attention_kernel(model.eval(), kernel, device)  # (for the reference pass)
-        column = f"{chosen}, products in blocks of {ROW_BLOCK} rows" if blocked else chosen
+        block = row_block(torch.bfloat16, torch.device(device).type)
+        column = f"{chosen}, products in blocks of {block} rows" if blocked else chosen
         if why is not None:
             results[column] = f"not run: {why}"
             continue

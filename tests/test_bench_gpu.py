@@ -87,7 +87,11 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
     # what moves a sequence's log-prob between layouts: every kernel, then the block mask and by tree with the products
     # in blocks of rows, every layout; by tree, a CPU's default (its sequences attend alone), nothing does
     header, *rows = table_lines(text.split("## Step 1 by layout")[1].split("##")[0])
-    blocked = [f"{k}, products in blocks of 512 rows" for k in ("block-mask", "by-tree")]
+    import torch
+
+    from kto_pipeline.runtime.precision import row_block
+
+    blocked = [f"{k}, products in blocks of {row_block(torch.bfloat16)} rows" for k in ("block-mask", "by-tree")]
     assert header[2:] == ["block-mask", "by-tree", "dense", *blocked] and len(rows) == 9, (header, rows)
     number = re.compile(r"^(-|[\d.e+-]+) / [\d.e+-]+$")
     assert rows[0][2:] == ["0 / 0"] * 5 and all(number.match(c) for r in rows for c in r[2:]), rows

@@ -27,8 +27,9 @@ product of 2,400 rows: 4.7 ms against 2.9 ms in one call; float32 weights there 
 (oneDNN limited to AVX-512 BF16, which gives rows alike by itself) 37 ms. A GPU's products are left as they are.
 
 Half precision on a CPU without oneDNN's half-precision kernels (no AVX-512: an AMD EPYC with AVX2 only). There
-torch multiplies bf16 with ATen's reference loops, measured on such a CPU (one thread, SmolLM2-135M, 150 tokens):
-a forward 7.4 s against 1.75 s in float32, a forward and backward 45 s against 4.3 s. Such a CPU multiplies half
+torch multiplies bf16 with ATen's reference loops, measured on such a CPU (one thread, SmolLM2-135M, 150 tokens,
+under bf16 autocast): a forward 4.1 s against 0.76 s in float32, a forward and backward 26.8 s against 3.0 s; with
+`half_product` 1.29 s and 3.70 s (docs/training.md, "Precision"). Such a CPU multiplies half
 precision as float32 products of the half-precision values, rounded to half precision once (`half_product`): the
 products of two bf16 (or fp16) values are exact in float32 and the sums float32, as in ATen's loops and a GPU's
 tensor cores, only in another order; a (512 x 576) @ (576 x 1536) product 29 ms against 190 ms. In calls of a
@@ -175,13 +176,13 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return F.linear(input, weight, bias)
     cast = [None if t is None else t.to(dtype) for t in (input, weight, bias)]
     with torch.autocast(input.device.type, enabled=False):
-        return torch.ops.kto_pipeline.linear_in_row_blocks(*cast, row_block(dtype))
+        return torch.ops.kto_pipeline.linear_in_row_blocks(*cast, row_block(dtype, input.device.type))
 
 
-def row_block(dtype: torch.dtype) -> int:
-    """The rows of each of a CPU's half-precision products of `dtype` (`linear`): ROW_BLOCK where oneDNN multiplies,
-    HALF_PRODUCT_ROW_BLOCK where `half_product` does."""
-    return ROW_BLOCK if native_half_products(dtype) else HALF_PRODUCT_ROW_BLOCK
+def row_block(dtype: torch.dtype, device_type: str = "cpu") -> int:
+    """The rows of each half-precision product of `dtype` in blocks (`linear`): ROW_BLOCK where the device's own
+    kernels multiply, HALF_PRODUCT_ROW_BLOCK where `half_product` does."""
+    return ROW_BLOCK if native_half_products(dtype, device_type) else HALF_PRODUCT_ROW_BLOCK
 
 
 # whether this CPU multiplies bf16 / fp16 with oneDNN's kernels (AVX-512, AMX); where it does not, torch falls back to
@@ -192,15 +193,16 @@ NATIVE_HALF_PRODUCTS = {
 }
 
 
-def native_half_products(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies `dtype` (bf16, fp16) with oneDNN's kernels (NATIVE_HALF_PRODUCTS)."""
-    return NATIVE_HALF_PRODUCTS[dtype]
+def native_half_products(dtype: torch.dtype, device_type: str = "cpu") -> bool:
+    """Whether `device_type` multiplies `dtype` (bf16, fp16) with kernels of its own: a CPU where oneDNN's do
+    (NATIVE_HALF_PRODUCTS), any other device."""
+    return device_type != "cpu" or NATIVE_HALF_PRODUCTS[dtype]
 
 
 def half_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b.T + bias in the dtype of `a` (half precision, on a CPU): torch's own product where this CPU has
     half-precision kernels, else the float32 product of the same values rounded once to that dtype."""
-    if native_half_products(a.dtype):
+    if native_half_products(a.dtype, a.device.type):
         return F.linear(a, b, bias)
     # autocast off: a compiled step traces the backward under the forward's autocast, which would multiply in bf16
     with torch.autocast(a.device.type, enabled=False):
@@ -249,7 +251,7 @@ def _backward(ctx, grad):
     half-precision kernels): the gradients are not compared at step 1."""
     input, weight = ctx.saved_tensors
     rows, grads = input.reshape(-1, input.shape[-1]), grad.reshape(-1, grad.shape[-1])
-    if native_half_products(grads.dtype):
+    if native_half_products(grads.dtype, grads.device.type):
         grad_input = (grads @ weight).reshape(input.shape) if ctx.needs_input_grad[0] else None
         grad_weight = grads.t() @ rows if ctx.needs_input_grad[1] else None
     else:  # opaque to a compiler, which would fuse the casts into a half-precision product of its own

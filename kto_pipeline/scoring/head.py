@@ -204,7 +204,7 @@ def chunked_token_logps(
     if chunk_size is None:
         chunk_size = max(16, CHUNK_LOGITS_BYTES // (4 * weight.shape[0]))
         if in_row_blocks(hidden.device, dtype):  # whole blocks of the rows a CPU's half-precision product takes
-            block = row_block(dtype)
+            block = row_block(dtype, device_type)
             chunk_size = max(block, chunk_size - chunk_size % block)
     # keep the logits for the backward when there will be one and they are small (soft-capped logits would need
     # their tanh kept too: those recompute)
