@@ -187,9 +187,16 @@ def row_block(dtype: torch.dtype, device_type: str = "cpu") -> int:
 
 # whether this CPU multiplies bf16 / fp16 with oneDNN's kernels (AVX-512, AMX); where it does not, torch falls back to
 # ATen's reference loops (the module's docstring). Read once: a compiled region reads the table as a constant.
+def _onednn_multiplies(name: str) -> bool:
+    try:
+        return bool(getattr(torch.ops.mkldnn, name)())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: ATen's loops
+        return False
+
+
 NATIVE_HALF_PRODUCTS = {
-    torch.bfloat16: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    torch.float16: bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()),
+    torch.bfloat16: _onednn_multiplies("_is_mkldnn_bf16_supported"),
+    torch.float16: _onednn_multiplies("_is_mkldnn_fp16_supported"),
 }
 
 
