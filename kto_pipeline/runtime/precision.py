@@ -185,8 +185,6 @@ def row_block(dtype: torch.dtype, device_type: str = "cpu") -> int:
     return ROW_BLOCK if native_half_products(dtype, device_type) else HALF_PRODUCT_ROW_BLOCK
 
 
-# whether this CPU multiplies bf16 / fp16 with oneDNN's kernels (AVX-512, AMX); where it does not, torch falls back to
-# ATen's reference loops (the module's docstring). Read once: a compiled region reads the table as a constant.
 def _onednn_multiplies(name: str) -> bool:
     try:
         return bool(getattr(torch.ops.mkldnn, name)())
@@ -194,6 +192,8 @@ def _onednn_multiplies(name: str) -> bool:
         return False
 
 
+# whether this CPU multiplies bf16 / fp16 with oneDNN's kernels (AVX-512, AMX); where it does not, torch falls back to
+# ATen's reference loops (the module's docstring). Read once: a compiled region reads the table as a constant.
 NATIVE_HALF_PRODUCTS = {
     torch.bfloat16: _onednn_multiplies("_is_mkldnn_bf16_supported"),
     torch.float16: _onednn_multiplies("_is_mkldnn_fp16_supported"),
