@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.models import dropout_restored
 from kto_pipeline.rundir import RUN_CONFIG_FILE, STATE_FILE, TrainerState
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -49,7 +50,8 @@ def save_model(engine, module, tokenizer, path: Path, run_config: dict[str, Any]
     state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
     model.config.kto_pipeline_run = run_config  # the run's settings travel with the weights
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, state_dict=state_dict)
+    with dropout_restored(model):  # the config's own dropout rates, not training's zeros
+        model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
 
 
@@ -67,7 +69,8 @@ def save_merged(engine, module, tokenizer, out: Path, load_base) -> None:
 
             with engine.whole_models():  # by this process alone: the others wait below
                 merged = PeftModel.from_pretrained(load_base(), out).merge_and_unload()
-        merged.save_pretrained(out / "merged")
+        with dropout_restored(merged):
+            merged.save_pretrained(out / "merged")
         tokenizer.save_pretrained(out / "merged")
     accelerator.wait_for_everyone()
 

@@ -13,6 +13,8 @@ import importlib.util
 import json
 import os
 import socket
+import weakref
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -329,3 +331,69 @@ def decoder_body(model):
     body = backbone_of(scorable(model))
     language = language_model(body)
     return body if language is None else language
+
+
+def _is_dropout_rate(name: str, value) -> bool:
+    """A dropout probability a layer reads at call time (`attention_dropout`, `residual_dropout`, `resid_pdrop`)."""
+    named = "dropout" in name or name.endswith("pdrop")
+    return named and isinstance(value, float | int) and not isinstance(value, bool) and value > 0
+
+
+# the dropout rates `disable_dropout` zeroed on a config: id(config) -> (a weak reference to it, {name: rate})
+_ZEROED_CONFIG_RATES: dict[int, tuple[weakref.ref, dict[str, float]]] = {}
+
+
+def disable_dropout(model) -> list[str]:
+    """Every form of dropout off, for training against a reference computed without it (KTO's and DPO's log-prob
+    differences). trl's `disable_dropout_in_model` zeroes the `nn.Dropout` modules; layers that call
+    `nn.functional.dropout` with a rate kept as an attribute (`self.residual_dropout`), or hand the attention kernel a
+    rate read from the module or its config (`config.attention_dropout`) in training, would still drop, so those
+    rates are zeroed too: on the modules, and on every config (its own rates as loaded come back when the model is
+    saved: `dropout_restored`). Returns the names zeroed besides the modules."""
+    zeroed: set[str] = set()
+    configs = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+            continue
+        for name, value in list(vars(module).items()):
+            if not name.startswith("_") and _is_dropout_rate(name, value):
+                setattr(module, name, 0.0)
+                zeroed.add(name)
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_dict") and all(config is not c for c in configs):
+            configs.append(config)
+    while configs:  # a config and those inside it (a vision-language model's text_config)
+        config = configs.pop()
+        rates = {}
+        for name, value in list(vars(config).items()):
+            if _is_dropout_rate(name, value):
+                rates[name] = value
+                setattr(config, name, 0.0)
+                zeroed.add(f"config.{name}")
+            elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                configs.append(value)
+        if rates:
+            _ZEROED_CONFIG_RATES[id(config)] = (weakref.ref(config), rates)
+    return sorted(zeroed)
+
+
+@contextmanager
+def dropout_restored(model):
+    """The dropout rates of `model`'s configs as they were loaded, within: a saved model keeps its own config."""
+    restored = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        configs = [config] + [v for v in vars(config).values() if hasattr(v, "model_type")] if config else []
+        for each in configs:
+            ref, rates = _ZEROED_CONFIG_RATES.get(id(each), (None, None))
+            if ref is not None and ref() is each and all(each is not c for c, _ in restored):
+                restored.append((each, {name: getattr(each, name) for name in rates}))
+                for name, rate in rates.items():
+                    setattr(each, name, rate)
+    try:
+        yield
+    finally:
+        for config, values in restored:
+            for name, value in values.items():
+                setattr(config, name, value)

@@ -73,3 +73,37 @@ def test_step_one_is_exactly_the_reference_with_both_stages_compiled_in_bf16(tmp
         for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
             assert first[key] == 0.0, (loss_type, key, first)
         assert first["kl"] == 0.0 if loss_type == "kto" else first["rewards/accuracies"] == 0.0, first
+
+
+def test_step_one_is_exactly_the_reference_where_dropout_is_functional_or_read_from_the_config(tmp_path):
+    """Dropout in every form is off in training: Starcoder2 drops with `nn.functional.dropout` at rates kept as
+    attributes (`residual_dropout`, `embedding_dropout`) and hands the attention kernel `attention_dropout`, no
+    `nn.Dropout` module among them (zeroing those, as trl's `disable_dropout_in_model` does, leaves all three on).
+    Step 1 is exactly the reference; the saved model's config keeps its own rates."""
+    import torch
+    from transformers import AutoConfig, Starcoder2Config, Starcoder2ForCausalLM
+
+    from kto_pipeline.demo.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    rates = dict(residual_dropout=0.3, embedding_dropout=0.3, attention_dropout=0.3)
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = Starcoder2Config(vocab_size=len(tokenizer), **sizes, num_key_value_heads=2, **rates)
+    torch.manual_seed(0)
+    model = Starcoder2ForCausalLM(config)
+    assert not any(isinstance(m, torch.nn.Dropout) for m in model.modules())
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = write_jsonl(tmp_path / "pairs.jsonl", paired_conversational_rows(6))
+    cache = precompute(
+        PrecomputeConfig(model=str(tmp_path / "model"), dataset=str(data), output=str(tmp_path / "c"), max_length=256)
+    )
+    for loss_type, batch in (("kto", 4), ("sigmoid", 2)):
+        settings = dict(loss_type=loss_type, per_device_train_batch_size=batch, max_steps=1, learning_rate=1e-6)
+        train(train_config(cache, tmp_path / loss_type, **settings))
+        first = read_metrics(tmp_path / loss_type)[0]
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert first[key] == 0.0, (loss_type, key, first)
+        assert first["kl"] == 0.0 if loss_type == "kto" else first["rewards/accuracies"] == 0.0, first
+        saved = AutoConfig.from_pretrained(tmp_path / loss_type)
+        assert {name: getattr(saved, name) for name in rates} == rates

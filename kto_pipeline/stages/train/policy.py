@@ -16,7 +16,14 @@ import torch
 from kto_pipeline.cache import Manifest, tokenizer_hash
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError
-from kto_pipeline.models import language_model, load_balancing_coef, load_model, load_tokenizer, text_config
+from kto_pipeline.models import (
+    disable_dropout,
+    language_model,
+    load_balancing_coef,
+    load_model,
+    load_tokenizer,
+    text_config,
+)
 from kto_pipeline.rundir import InitPoint, read_init_point
 from kto_pipeline.runtime.launch import print0
 from kto_pipeline.scoring.attention import enable_checkpointing
@@ -186,10 +193,3 @@ def language_model_targets(model, names: str | list[str]) -> str | list[str]:
             "these names."
         )
     return chosen
-
-
-def disable_dropout(model) -> None:
-    """KTO compares log-probs with the reference's, which were computed without dropout (as trl does)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
