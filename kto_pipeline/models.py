@@ -303,7 +303,9 @@ def lm_head_settings(model) -> tuple[float, float | None]:
 def backbone_of(model):
     """The transformer body (everything before the LM head) of a causal LM."""
     body = getattr(model, "base_model", None)
-    if body is None or body is model:
+    if body is None or body is model:  # a prefix naming no attribute (Llama 4's text model: `language_model`)
+        body = getattr(model, "model", None)
+    if not isinstance(body, torch.nn.Module) or body is model:
         raise ValueError(f"{type(model).__name__} exposes no backbone (`base_model`); cannot score it in chunks.")
     return body
 

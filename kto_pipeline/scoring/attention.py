@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kto_pipeline.models import text_config
+from kto_pipeline.models import backbone_of, decoder_body, text_config
 from kto_pipeline.scoring import ATTENTION_KERNELS as KERNELS  # what `--attention-kernel` takes
 from kto_pipeline.scoring.packing import BRANCH_PROMPT, AttentionCosts, Layout
 
@@ -95,6 +95,14 @@ def _choose(model, device) -> tuple[str, str | None]:
         reasons.append(f"no attention by tree ({why})")
         kernel = "dense"
     return kernel, f"{'; '.join(reasons)}: the {kernel} kernel runs" if reasons else None
+
+
+def _backbone(model):
+    """`model`'s body before the head (`models.backbone_of`), or None where it exposes none."""
+    try:
+        return backbone_of(model)
+    except ValueError:
+        return None
 
 
 def _unwrapped(model):
@@ -245,7 +253,7 @@ def _by_tree_unsupported(model) -> str | None:
 def _no_keywords_to_attention(model) -> str | None:
     """Why `model`'s backbone cannot hand a kernel its inputs (the runs, the block mask), or None: it must pass extra
     keyword arguments down to the attention."""
-    body = getattr(model, "base_model", None)
+    body = _backbone(model)
     if body is None or not _takes_any_keyword(type(body)):
         return f"{type(model).__name__}'s backbone passes no keyword arguments to its attention"
     return None
@@ -534,14 +542,51 @@ def packing_unsupported(model) -> str | None:
     if impl not in ("sdpa", "eager"):
         return f"attention implementation {impl!r} takes no custom 4-D mask"
     layer_types = getattr(config, "layer_types", None)
+    if (stateful := stateful_layers(model, layer_types)) is not None:
+        return f"layers that carry state along the sequence ({stateful}): packed sequences would leak into each other"
     if layer_types and len(set(layer_types)) > 1:
         return f"layers of several attention types ({', '.join(sorted(set(layer_types)))})"
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "rope") == "alibi":
         return "ALiBi attention biases ignore position ids"
-    body = getattr(model, "base_model", None)
+    body = _backbone(model)
     if body is None or "position_ids" not in inspect.signature(body.forward).parameters:
         return f"{type(model).__name__}'s backbone takes no position ids"
     return None
+
+
+# what the reference pass records (`unshared_because`) where its packed layout failed the packing check (a sequence
+# scored packed differed from it scored alone): training then pads its batches too (`packing_leaked`)
+PACKING_LEAKED = "a packed layout changed sequences' log-probs"
+
+
+def packing_leaked(manifest) -> str | None:
+    """Why the cache's reference pass found that packing leaks between sequences, or None."""
+    why = manifest.get("reference_pass", {}).get("unshared_because") or ""
+    return why if why.startswith(PACKING_LEAKED) else None
+
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# what a layer that carries state from token to token (an SSM, a convolution, linear attention) is named or holds
+_STATEFUL_NAMES = ("Mamba", "Mixer", "DeltaNet", "ShortConv", "Recurrent", "Rwkv", "SSM", "LinearAttention")
+
+
+def stateful_layers(model, layer_types=None) -> str | None:
+    """What in `model`'s decoder layers carries state along the sequence, or None: layer types other than attention
+    (`conv`, `linear_attention`, `hybrid`, `mamba`), and modules that hold a convolution over the sequence or are
+    named for a state-space or recurrent mixer. Such a layer lets one sequence of a packed row reach the next."""
+    found = sorted(set(layer_types or ()) - ATTENTION_LAYER_TYPES)
+    try:
+        layers = getattr(decoder_body(model), "layers", None) or [model]
+    except ValueError:  # no backbone: the whole model
+        layers = [model]
+    classes = set()
+    for layer in layers:
+        for module in layer.modules():
+            name = type(module).__name__
+            if isinstance(module, torch.nn.Conv1d) or any(part in name for part in _STATEFUL_NAMES):
+                classes.add(name)
+    found += sorted(classes - {"Conv1d"}) or sorted(classes)
+    return ", ".join(found) if found else None
 
 
 def attention_mask_for(model, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -18,13 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from accelerate.utils import gather_object
 
 from kto_pipeline.cache import SCHEMA, SHARD_DIR, completion_room, sha256_file, token_sum, write_manifest, write_shard
 from kto_pipeline.errors import KTOPipelineError, Preempted
 from kto_pipeline.manifest import Manifest
+from kto_pipeline.runtime.launch import print0
 from kto_pipeline.runtime.peak_memory import describe
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
+from kto_pipeline.scoring.attention import PACKING_LEAKED
 from kto_pipeline.scoring.logprobs import score_shard
 from kto_pipeline.scoring.packing import Tree
 from kto_pipeline.stages.precompute.phases import Pass, PreparedRows, ShardProgress, ShardStats
@@ -129,8 +132,75 @@ def _score_round(run: Pass, first: int, num_shards: int, pad_id: int) -> None:
     progress.end_round([s for _, s in entries])
 
 
+# the packing check (`check_packing`): the rows it scores both ways, and the most a token's log-prob may move between
+# a packed layout and the sequence alone, relative to 1 + its size, by the reference's compute dtype (float32: the
+# packed = padded tests' 1e-5, doubled; half precision: a few units in the last place of bf16, 2**-8)
+PACKING_CHECK_ROWS = 8
+PACKING_TOLERANCE = {"float32": 2e-5, "bfloat16": 2**-6, "float16": 2**-6}
+
+
+def check_packing(run: Pass) -> None:
+    """Before trusting a packed layout: the pass's first rows (PACKING_CHECK_ROWS), scored packed as the pass will
+    score them and each sequence alone, padded. A difference beyond float rounding (`PACKING_TOLERANCE` of the
+    reference's dtype) means something in the model carries state from one sequence of a row to the next (a layer
+    the static check did not recognise): the whole pass then runs padded, says so, and the manifest records why
+    (`prefix_shared: false`, `unshared_because`). Every process checks the same rows (the same forwards)."""
+    if run.padded_because is not None or run.prepared.image_rows is not None or not len(run.prepared.rows):
+        return
+    pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+    positions = np.arange(min(PACKING_CHECK_ROWS, len(run.prepared.rows)))
+    if run.config.pairs_only:
+        positions = positions[: len(positions) // 2 * 2]
+    trees, _ = _trees(run, positions)
+    scored = {}
+    for packed in (True, False):  # eagerly: compiled layers would compile the check's shapes too
+        with torch.compiler.set_stance("force_eager"):
+            scored[packed] = score_shard(
+                run.reference.scorer,
+                trees,
+                pad_id,
+                run.config.batch_size,
+                run.config.max_tokens_per_batch,
+                run.state.device,
+                packed=packed,
+                agree_on_forwards=run.engine.agree_on_forwards if run.engine.collective_forwards else None,
+            )
+    regime = run.reference.regime
+    tolerance = PACKING_TOLERANCE[regime.autocast or regime.weights]
+    worst = 0.0  # the largest difference of a token's log-prob, relative to 1 + its size
+    for packed_tree, alone_tree in zip(scored[True], scored[False], strict=True):
+        for packed_values, alone_values in zip(packed_tree, alone_tree, strict=True):
+            a, b = np.asarray(packed_values, dtype=np.float64), np.asarray(alone_values, dtype=np.float64)
+            if len(a):
+                worst = max(worst, float((np.abs(a - b) / (1 + np.abs(b))).max()))
+    if worst > tolerance:
+        run.padded_because = (
+            f"{PACKING_LEAKED}: by up to {worst:.1e} (relative) against each scored alone, over the first "
+            f"{len(trees)} rows; something in the model carries state from one sequence of a row to the next"
+        )
+        print0(run.state, f"note: {run.padded_because}; each sequence runs on its own, padded")
+
+
 def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> tuple[dict[str, list], list[Tree]]:
-    """Build and score the trees of the kept rows at `positions`; returns their shard's columns and the trees.
+    """Build and score the trees of the kept rows at `positions`; returns their shard's columns and the trees."""
+    prepared = run.prepared
+    ids, pair_ids = prepared.example_ids[positions], prepared.pair_ids[positions]
+    trees, kl_ids = _trees(run, positions)
+    images = None
+    if prepared.image_rows is not None:  # each tree's prompt holds its row's images (a pair's: both rows' own)
+        image_rows = prepared.rows.take(positions, "source_row")
+        tree_rows = image_rows[:: 2 if run.config.pairs_only else 1]
+        images = lambda tree: prepared.image_rows.pixels(tree_rows[tree])  # noqa: E731
+    scores = _score_trees(run, trees, pad_id, images)
+    columns = _columns(ids, prepared.rows.labels[positions], pair_ids, trees, scores, kl_ids)
+    if prepared.image_rows is not None:
+        columns["image_row"] = image_rows
+        columns["image_hashes"] = prepared.rows.take(positions, "image_hashes")
+    return columns, trees
+
+
+def _trees(run: Pass, positions: np.ndarray) -> tuple[list[Tree], Any]:
+    """The trees of the kept rows at `positions`, and their KL partners' example ids (None with --pairs-only).
 
     Each row is one tree: its prompt, then its completion and its KL completion. With --pairs-only the rows are
     whole pairs, each (chosen, rejected) next to each other, and each pair is one tree: its prompt, then both
@@ -147,17 +217,7 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> tuple[dict[str
     else:
         kl_ids, kl_completions = _kl_completions(prepared, positions)
         trees = [_tree(*row, max_length) for row in zip(prompts, completions, kl_completions, strict=True)]
-    images = None
-    if prepared.image_rows is not None:  # each tree's prompt holds its row's images (a pair's: both rows' own)
-        image_rows = prepared.rows.take(positions, "source_row")
-        tree_rows = image_rows[:: 2 if run.config.pairs_only else 1]
-        images = lambda tree: prepared.image_rows.pixels(tree_rows[tree])  # noqa: E731
-    scores = _score_trees(run, trees, pad_id, images)
-    columns = _columns(ids, prepared.rows.labels[positions], pair_ids, trees, scores, kl_ids)
-    if prepared.image_rows is not None:
-        columns["image_row"] = image_rows
-        columns["image_hashes"] = prepared.rows.take(positions, "image_hashes")
-    return columns, trees
+    return trees, kl_ids
 
 
 def _tree(prompt: list[int], first: list[int], second: list[int], max_length: int) -> Tree:

@@ -51,6 +51,7 @@ from kto_pipeline.manifest import Manifest, fingerprint_diff, new_manifest
 from kto_pipeline.models import load_model, load_tokenizer
 from kto_pipeline.runtime.compiled import compile_layers
 from kto_pipeline.runtime.engines import engine_for
+from kto_pipeline.runtime.experts import experts_rows_alike
 from kto_pipeline.runtime.launch import print0, process_state
 from kto_pipeline.runtime.peak_memory import PeakMemory
 from kto_pipeline.runtime.precision import reference_regime, rows_alike
@@ -79,7 +80,14 @@ from kto_pipeline.stages.precompute.phases import (
     on_main,
 )
 from kto_pipeline.stages.precompute.segments import KEY_DIR, content_keys, held_keys, key_array, match_keys, open_keys
-from kto_pipeline.stages.precompute.shards import finish, finished_shards, remove_leftovers, score_shards, segment_entry
+from kto_pipeline.stages.precompute.shards import (
+    check_packing,
+    finish,
+    finished_shards,
+    remove_leftovers,
+    score_shards,
+    segment_entry,
+)
 
 
 def precompute(config: PrecomputeConfig) -> Path:
@@ -96,6 +104,7 @@ def precompute(config: PrecomputeConfig) -> Path:
         if run.prepared is None:
             return run.out  # an append that found no new rows
         load_reference(run)
+        check_packing(run)  # shards.py: packed as each sequence alone, or the pass runs padded
         if plan_output(run):
             score_shards(run)  # shards.py
             finish(run)  # shards.py
@@ -384,6 +393,7 @@ def load_reference(run: Pass) -> None:
     run.padded_because = packing_unsupported(model)
     kernel, kernel_note = request_attention_kernel(model, config.attention_kernel, state.device)
     rows_alike(model, regime, state.device)  # as training's products compute them
+    experts_rows_alike(model)  # a token's experts compute it alike in both stages
     say = functools.partial(print0, state)
     compiled = compile_layers(model, config, state.device, run.engine, say)
     scorer = run.engine.prepare_scorer(ReferenceScorer(model), model, regime, state.device)

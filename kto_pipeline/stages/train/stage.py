@@ -57,11 +57,17 @@ from kto_pipeline.rundir import (
 )
 from kto_pipeline.runtime.compiled import TRAIN_COMPILES_ON, CompileStats, compile_layers
 from kto_pipeline.runtime.engines import Engine, engine_for
+from kto_pipeline.runtime.experts import experts_rows_alike
 from kto_pipeline.runtime.launch import launched_processes, print0, process_state, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, StepCasts, check_regime, policy_regime, rows_alike
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
-from kto_pipeline.scoring.attention import attention_costs, packing_unsupported, request_attention_kernel
+from kto_pipeline.scoring.attention import (
+    attention_costs,
+    packing_leaked,
+    packing_unsupported,
+    request_attention_kernel,
+)
 from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer
 from kto_pipeline.stages.train.checks import (
     check_output_dir,
@@ -187,12 +193,13 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     if note := policy_start_note(config, cache.manifest):
         print0(accelerator, note)
     tokenizer, model, aux_coef = load_policy(config, cache.manifest, init, engine)
-    padded_because, kernel = packing_unsupported(model), None
+    padded_because, kernel = packing_unsupported(model) or packing_leaked(cache.manifest), None
     if padded_because is None:  # (asked of the model in training mode, as its steps will run)
         kernel, kernel_note = request_attention_kernel(model.train(), config.attention_kernel, accelerator.device)
         print0(accelerator, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
     say, device = functools.partial(print0, accelerator), accelerator.device
     rows_alike(model, regime, device)  # as the reference pass's products compute them
+    experts_rows_alike(model)  # a token's experts compute it alike in both stages
     compiled = compile_layers(model, config, device, engine, say, TRAIN_COMPILES_ON)
     sampler, loader, eval_loader = _loaders(
         config, objective, cache, max_length, accelerator, tokenizer, model, padded_because
