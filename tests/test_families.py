@@ -127,3 +127,26 @@ def test_a_tokens_experts_compute_it_alike_however_many_tokens_they_get(family):
         whole = module(hidden, index, weights)
         for n in (1, 2, 3, 5):
             assert torch.equal(module(hidden[:n], index[:n], weights[:n]), whole[:n]), (family, n)
+
+
+def test_the_docs_table_says_what_each_family_runs():
+    """docs/models.md's table: each family this file builds, packed or padded with `packing_unsupported`'s reason."""
+    from pathlib import Path
+
+    from families import build_family
+
+    from kto_pipeline.demo.tiny import build_char_tokenizer
+    from kto_pipeline.scoring.attention import packing_unsupported
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in FAMILIES:
+            rows[cells[0]] = cells[1]
+    assert list(rows) == list(FAMILIES), rows
+    tokenizer = build_char_tokenizer()
+    for family in FAMILIES:
+        why = packing_unsupported(build_family(family, tokenizer))
+        said = "packed" if why is None else f"padded: {why.split(': packed sequences')[0]}"
+        assert rows[family] == said, (family, rows[family], said)
