@@ -99,6 +99,7 @@ LONGEST_FIRST = (
     "test_pair_engines.py",
     "test_slurm.py",
     "test_vision.py",
+    "test_families.py",
     "test_multinode.py",
     "test_cli.py",
     "test_bench_dpo.py",
