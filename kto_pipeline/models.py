@@ -345,6 +345,18 @@ def _is_dropout_rate(name: str, value) -> bool:
 _ZEROED_CONFIG_RATES: dict[int, tuple[weakref.ref, dict[str, float]]] = {}
 
 
+def _configs(model) -> list:
+    """Every config of `model`'s modules and the configs inside them (a vision-language model's text_config), once."""
+    found, pending = [], [getattr(module, "config", None) for module in model.modules()]
+    while pending:
+        config = pending.pop()
+        if config is None or not hasattr(config, "to_dict") or any(config is c for c in found):
+            continue
+        found.append(config)
+        pending += [v for v in vars(config).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")]
+    return found
+
+
 def disable_dropout(model) -> list[str]:
     """Every form of dropout off, for training against a reference computed without it (KTO's and DPO's log-prob
     differences). trl's `disable_dropout_in_model` zeroes the `nn.Dropout` modules; layers that call
@@ -353,7 +365,6 @@ def disable_dropout(model) -> list[str]:
     rates are zeroed too: on the modules, and on every config (its own rates as loaded come back when the model is
     saved: `dropout_restored`). Returns the names zeroed besides the modules."""
     zeroed: set[str] = set()
-    configs = []
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -362,19 +373,11 @@ def disable_dropout(model) -> list[str]:
             if not name.startswith("_") and _is_dropout_rate(name, value):
                 setattr(module, name, 0.0)
                 zeroed.add(name)
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "to_dict") and all(config is not c for c in configs):
-            configs.append(config)
-    while configs:  # a config and those inside it (a vision-language model's text_config)
-        config = configs.pop()
-        rates = {}
-        for name, value in list(vars(config).items()):
-            if _is_dropout_rate(name, value):
-                rates[name] = value
-                setattr(config, name, 0.0)
-                zeroed.add(f"config.{name}")
-            elif hasattr(value, "to_dict") and hasattr(value, "model_type"):
-                configs.append(value)
+    for config in _configs(model):
+        rates = {name: value for name, value in vars(config).items() if _is_dropout_rate(name, value)}
+        for name in rates:
+            setattr(config, name, 0.0)
+            zeroed.add(f"config.{name}")
         if rates:
             _ZEROED_CONFIG_RATES[id(config)] = (weakref.ref(config), rates)
     return sorted(zeroed)
@@ -384,15 +387,12 @@ def disable_dropout(model) -> list[str]:
 def dropout_restored(model):
     """The dropout rates of `model`'s configs as they were loaded, within: a saved model keeps its own config."""
     restored = []
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        configs = [config] + [v for v in vars(config).values() if hasattr(v, "model_type")] if config else []
-        for each in configs:
-            ref, rates = _ZEROED_CONFIG_RATES.get(id(each), (None, None))
-            if ref is not None and ref() is each and all(each is not c for c, _ in restored):
-                restored.append((each, {name: getattr(each, name) for name in rates}))
-                for name, rate in rates.items():
-                    setattr(each, name, rate)
+    for config in _configs(model):
+        ref, rates = _ZEROED_CONFIG_RATES.get(id(config), (None, None))
+        if ref is not None and ref() is config:
+            restored.append((config, {name: getattr(config, name) for name in rates}))
+            for name, rate in rates.items():
+                setattr(config, name, rate)
     try:
         yield
     finally:

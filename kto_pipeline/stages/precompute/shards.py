@@ -141,8 +141,8 @@ PACKING_TOLERANCE = {"float32": 1e-4, "half": 2**-2}
 
 def check_packing(run: Pass) -> None:
     """Before trusting a packed layout: the pass's first rows (PACKING_CHECK_ROWS), scored packed as the pass will
-    score them and each sequence alone, padded. A difference beyond float rounding (`PACKING_TOLERANCE` of the
-    reference's dtype) means something in the model carries state from one sequence of a row to the next (a layer
+    score them and each sequence alone, padded. A difference beyond float rounding (`PACKING_TOLERANCE` of the dtype
+    the check computes in) means something in the model carries state from one sequence of a row to the next (a layer
     the static check did not recognise): the whole pass then runs padded, says so, and the manifest records why
     (`prefix_shared: false`, `unshared_because`). Every process checks the same rows (the same forwards)."""
     if run.padded_because is not None or run.prepared.image_rows is not None or not len(run.prepared.rows):
@@ -169,7 +169,7 @@ def check_packing(run: Pass) -> None:
                 run.config.max_tokens_per_batch,
                 run.state.device,
                 packed=packed,
-                agree_on_forwards=run.engine.agree_on_forwards if run.engine.collective_forwards else None,
+                agree_on_forwards=run.engine.agree_on_forwards if collective else None,
             )
     tolerance = PACKING_TOLERANCE["half" if half else "float32"]
     worst = 0.0  # the largest difference of a token's log-prob, relative to 1 + its size
