@@ -231,8 +231,9 @@ def test_packing_under_a_block_mask_takes_the_fewest_rows():
 
 
 def test_a_kernel_that_cannot_run_falls_back_and_says_why_once(caplog):
-    """A model in training on the CPU (no FlexAttention backward there) falls back to by-tree; an eager-attention
-    model asked for by-tree to dense; "auto" on an accelerator is the block mask. Each reason is logged once."""
+    """A model in training on the CPU (no FlexAttention backward there) falls back to by-tree; a model whose attention
+    is neither sdpa nor eager (a flash kernel) asked for by-tree to dense; "auto" on an accelerator is the block mask.
+    Each reason is logged once."""
     model = make_model("llama").train()
     assert attention_kernel(model, "cuda") == "block-mask"
     request_attention_kernel(model, "auto", "cpu")
@@ -240,12 +241,13 @@ def test_a_kernel_that_cannot_run_falls_back_and_says_why_once(caplog):
     kernel, why = request_attention_kernel(model, "block-mask", "cpu")
     assert kernel == "by-tree" and "no FlexAttention backward on the CPU" in why and "by-tree kernel runs" in why
     assert attention_kernel(model.eval(), "cpu") == "block-mask"
-    eager = make_model("llama", attn_implementation="eager")
+    flash = make_model("llama")
+    flash.config._attn_implementation = "flash_attention_2"
     with caplog.at_level(logging.WARNING, logger="kto_pipeline.scoring.attention"):
         for _ in range(3):
-            request_attention_kernel(eager, "auto", "cpu")
-            assert attention_kernel(eager, "cpu") == "dense"
-    told = [r.getMessage() for r in caplog.records if "eager attention, not sdpa" in r.getMessage()]
+            request_attention_kernel(flash, "auto", "cpu")
+            assert attention_kernel(flash, "cpu") == "dense"
+    told = [r.getMessage() for r in caplog.records if "flash_attention_2 attention, not sdpa" in r.getMessage()]
     assert len(told) <= 1  # once in the process: this test or an earlier one may have said it
     with pytest.raises(ValueError, match="expected one of auto, by-tree, block-mask, dense"):
         request_attention_kernel(model, "flash", "cpu")

@@ -295,14 +295,19 @@ def test_unsupported_models_are_named():
     assert "several attention types" in packing_unsupported(model)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
-def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
-    """On the CPU, packed forwards attend tree by tree (`tree_attention`); the values and gradients equal the dense
-    mask's, for the reference pass's layout and for training's two forwards (KL in rows and gathered)."""
+@pytest.mark.parametrize(
+    ("kind", "implementation"), [("llama", "sdpa"), ("qwen2", "sdpa"), ("mistral", "sdpa"), ("llama", "eager")]
+)
+def test_tree_by_tree_attention_equals_the_dense_mask(kind, implementation, monkeypatch):
+    """On the CPU, packed forwards attend tree by tree (`tree_attention`: sdpa, or the model's own eager attention);
+    the values and gradients equal the dense mask's, for the reference pass's layout and for training's two forwards
+    (KL in rows and gathered)."""
 
-    model = make_model(kind)
+    model = make_model(kind, attn_implementation=implementation)
     assert attention_kernel(model, "cpu") == "by-tree"
-    assert attention_kernel(make_model(kind, attn_implementation="eager"), "cpu") == "dense"
+    flash = make_model(kind)
+    flash.config._attn_implementation = "flash_attention_2"
+    assert attention_kernel(flash, "cpu") == "dense"
     trees = random_trees(6, seed=5)
     calls = []
 
@@ -322,7 +327,7 @@ def test_tree_by_tree_attention_equals_the_dense_mask(kind, monkeypatch):
             results += [scores.completions.token_logps.detach(), scores.kl.token_logps]
             results += [p.grad.clone() for p in model.parameters()]
             model.zero_grad()
-        assert model.config._attn_implementation == "sdpa"  # restored after every forward
+        assert model.config._attn_implementation == implementation  # restored after every forward
         return results
 
     original = attention.tree_attention

@@ -5,9 +5,11 @@ attention mask lets each token see exactly what it would see in its own unpadded
 
     token q sees token k  <=>  same tree, k at or before q, and k is in the prompt or in q's continuation
 
-(and, for sliding-window models, position(q) - position(k) < window). A causal model's log-prob of a token depends
-only on the tokens it sees and their positions, so the values equal the padded computation (one sequence a row) up
-to float rounding; the tests hold them to 1e-5.
+and each layer type cuts that by its own reach (`layer_reaches`): a sliding-window layer sees the keys with
+position(q) - position(k) < window, a chunked layer those in q's chunk of positions. A model that mixes layer types
+(Gemma 2 and 3, gpt-oss, OLMo 3) gets one mask per type, which its backbone hands each layer by its type. A causal
+model's log-prob of a token depends only on the tokens it sees and their positions, so the values equal the padded
+computation (one sequence a row) up to float rounding; the tests hold them to 1e-5.
 
 How that mask reaches the attention is the *kernel* (`attention_kernel`), one of `KERNELS`:
 
@@ -28,12 +30,14 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from kto_pipeline.models import backbone_of, decoder_body, text_config
+from kto_pipeline.models import backbone_of, decoder_body, sliding_window, text_config
 from kto_pipeline.scoring import ATTENTION_KERNELS as KERNELS  # what `--attention-kernel` takes
 from kto_pipeline.scoring.packing import BRANCH_PROMPT, AttentionCosts, Layout
 
@@ -121,8 +125,37 @@ def attention_costs(model, device) -> AttentionCosts:
     return AttentionCosts(pair, static=static)
 
 
-def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
-    """(N, 1, Q, K) bool: may query token `queries[n, i]` attend to key token `keys[n, j]`?
+@dataclass(frozen=True)
+class Reach:
+    """Which keys of its own sequence a layer's query sees, beyond causality: the last `window` positions
+    (sliding-window attention), or those of its `chunk` of positions (chunked attention, Llama 4); None: all."""
+
+    window: int | None = None
+    chunk: int | None = None
+
+    def within(self, length: int) -> Reach:
+        """This reach for sequences of at most `length` tokens: a window or chunk that long cuts nothing."""
+        return Reach(*(None if x is None or x >= length else x for x in (self.window, self.chunk)))
+
+
+def layer_reaches(model) -> dict[str, Reach]:
+    """Each layer type of `model` (its config's `layer_types`, in order of first use) -> the `Reach` of those layers.
+    A model without layer types has one, "full_attention", windowed where all its layers are (Mistral:
+    `models.sliding_window`)."""
+    config = text_config(model)
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return {"full_attention": Reach(window=sliding_window(model))}
+    window, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
+    reaches = {"sliding_attention": Reach(window=window), "chunked_attention": Reach(chunk=chunk)}
+    return {kind: reaches.get(kind, Reach()) for kind in dict.fromkeys(types)}
+
+
+def tree_mask(
+    layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window: int | None, chunk: int | None = None
+) -> torch.Tensor:
+    """(N, 1, Q, K) bool: may query token `queries[n, i]` attend to key token `keys[n, j]`, in a layer that sees
+    the last `window` positions, or its `chunk` of positions (None: no limit)?
 
     Tokens are named by flat index (row * width + column): a forward may take a layout's rows as they are,
     or gather tokens of several rows into one (training's KL forward, which has no padding). Padding attends
@@ -131,8 +164,11 @@ def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window:
     tq, tk = t[queries][:, :, None], t[keys][:, None, :]
     bq, bk = b[queries][:, :, None], b[keys][:, None, :]
     visible = (tq == tk) & (keys[:, None, :] <= queries[:, :, None]) & ((bk == BRANCH_PROMPT) | (bk == bq))
+    pq, pk = p[queries][:, :, None], p[keys][:, None, :]
     if window is not None:
-        visible &= (p[queries][:, :, None] - p[keys][:, None, :]) < window
+        visible &= (pq - pk) < window
+    if chunk is not None:
+        visible &= (pq // chunk) == (pk // chunk)
     return visible[:, None]
 
 
@@ -151,6 +187,7 @@ def tree_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, window:
 # (`attention_kernel`: by-tree) it always runs, gradient checkpointing included (`checkpointing_kwargs`).
 
 TREE_ATTENTION = "kto_tree_sdpa"
+TREE_ATTENTION_EAGER = "kto_tree_eager"  # the same, with the model's own eager attention (soft-capping, sinks)
 
 
 @dataclass
@@ -164,16 +201,23 @@ class RowBlocks:
     widths: list[int]  # how many of `keys` belong to each sequence run
     masks: list[torch.Tensor | None]  # (1, 1, length, width) bool for each sequence run: its part of the row's mask;
     # None where that part is exactly causal (the run's queries are its keys): sdpa's causal kernel skips the
-    # masked half instead of computing it
+    # masked half instead of computing it. For eager attention (`additive`): every run's part, 0 / the dtype's minimum
 
 
-def tree_blocks(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> list[RowBlocks]:
+def tree_blocks(
+    layout: Layout,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    additive: torch.dtype | None = None,
+) -> list[RowBlocks]:
     """The `RowBlocks` of each row n of `queries` (N, Q) attending to `keys` (N, K) under the mask `visible`
     (N, 1, Q, K): runs of queries of one (tree, branch), each with the keys of its tree's prompt and, for a
     continuation, its own branch, in the keys' order. A prompt runs alone, never in one call with a continuation:
     which continuation follows a prompt depends on the layout (the reference pass lays a row's completion and its
     KL completion after its prompt, training a pair's two answers), and a sequence must compute alike in every
-    layout, so that a policy equal to its reference scores exactly the cached values."""
+    layout, so that a policy equal to its reference scores exactly the cached values. `additive`: the runs' masks
+    as eager attention adds them, in that dtype (0 where visible, the dtype's minimum elsewhere)."""
     t, b = layout.tree.reshape(-1), layout.branch.reshape(-1)
     tq, bq, tk, bk = t[queries], b[queries], t[keys], b[keys]
     out = []
@@ -188,8 +232,13 @@ def tree_blocks(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visib
                 own = (tk[n] == tree) & ((bk[n] == BRANCH_PROMPT) | (bk[n] == branch))
                 cols.append(own.nonzero()[:, 0])
                 mask = visible[n : n + 1, :, start : start + length].index_select(3, cols[-1])
-                causal = length == len(cols[-1]) and bool(mask[0, 0].equal(_lower_triangle(length, mask.device)))
-                masks.append(None if causal else mask)
+                if additive is not None:
+                    masks.append(torch.zeros(mask.shape, dtype=additive, device=mask.device))
+                    masks[-1].masked_fill_(~mask, torch.finfo(additive).min)
+                elif length == len(cols[-1]) and bool(mask[0, 0].equal(_lower_triangle(length, mask.device))):
+                    masks.append(None)  # exactly causal
+                else:
+                    masks.append(mask)
             start += length
         every = torch.cat(cols) if cols else tk.new_zeros(0)
         out.append(RowBlocks(lengths, is_tree, every, [len(c) for c in cols], masks))
@@ -213,16 +262,20 @@ def _attention_width(config) -> int:
     return config.num_attention_heads * head_dim
 
 
-def tree_attention(module, query, key, value, attention_mask, tree_blocks=None, **kwargs):
-    """transformers' sdpa attention, tree by tree when the forward brings `tree_blocks` (a `RowBlocks` per row).
-    query (N, H, Q, D), key/value (N, Hkv, K, D), attention_mask (N, 1, Q, K) bool; returns (N, Q, H, D).
+def tree_attention(module, query, key, value, attention_mask, tree_blocks=None, eager=False, **kwargs):
+    """transformers' sdpa attention (`eager`: the model's own eager attention), tree by tree when the forward brings
+    `tree_blocks` (a `RowBlocks` per row). query (N, H, Q, D), key/value (N, Hkv, K, D), attention_mask
+    (N, 1, Q, K); returns (N, Q, H, D).
 
     Each row's trees' keys and values are gathered with one index and split (one gather to undo in the
     backward, not one per tree), and the outputs are concatenated in the queries' order."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    attend = _eager_attention(module) if eager else sdpa_attention_forward
     if tree_blocks is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return attend(module, query, key, value, attention_mask, **kwargs)
+    if isinstance(tree_blocks, dict):  # layers of several types: this layer's runs
+        tree_blocks = tree_blocks[_layer_type(module)]
     rows = []
     for n, row in enumerate(tree_blocks):
         keys = iter(key[n : n + 1].index_select(2, row.keys).split(row.widths, dim=2))
@@ -230,11 +283,22 @@ def tree_attention(module, query, key, value, attention_mask, tree_blocks=None, 
         masks, outputs = iter(row.masks), []
         for q, is_tree in zip(query[n : n + 1].split(row.lengths, dim=2), row.is_tree, strict=True):
             if is_tree:
-                outputs.append(sdpa_attention_forward(module, q, next(keys), next(values), next(masks), **kwargs)[0])
+                outputs.append(attend(module, q, next(keys), next(values), next(masks), **kwargs)[0])
             else:
                 outputs.append(query.new_zeros(1, q.shape[2], query.shape[1], value.shape[-1]))
         rows.append(torch.cat(outputs, dim=1))
     return torch.cat(rows), None
+
+
+def _eager_attention(module):
+    """The eager attention function of the modeling file `module` (an attention layer) comes from, or None: what
+    transformers runs for it under `attn_implementation="eager"` (with the family's soft-capping or sinks)."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def _layer_type(module) -> str:
+    """The type (`layer_types`) of the layer whose attention `module` is."""
+    return module.config.layer_types[module.layer_idx]
 
 
 def _by_tree_unsupported(model) -> str | None:
@@ -245,8 +309,17 @@ def _by_tree_unsupported(model) -> str | None:
     (`checkpointing_kwargs`)."""
     model = _unwrapped(model)
     impl = getattr(text_config(model), "_attn_implementation", None)
-    if impl != "sdpa":
-        return f"{impl} attention, not sdpa"
+    if impl not in ("sdpa", "eager"):
+        return f"{impl} attention, not sdpa or eager"
+    layers = getattr(_backbone(model), "layers", None) or ()
+    attention = getattr(layers[0], "self_attn", None) if len(layers) else None
+    if impl == "eager" and (attention is None or _eager_attention(attention) is None):
+        return f"{type(model).__name__}'s eager attention is not transformers' eager_attention_forward"
+    if len(set(layer_reaches(model).values())) > 1:  # the runs of each layer's type: `tree_attention` reads its type
+        body = _backbone(model)
+        layers = getattr(body, "layers", None) or ()
+        if not all(hasattr(getattr(layer, "self_attn", None), "layer_idx") for layer in layers) or not layers:
+            return f"{type(model).__name__}'s attention does not say which type of layer it is in"
     return _no_keywords_to_attention(model)
 
 
@@ -323,27 +396,43 @@ def checkpoints_take_caches() -> bool:
 @contextmanager
 def attending_with(model, kernel: str):
     """Within the block, `model` attends with the implementation of `kernel` ("dense": its own); restored on exit."""
-    implementation = {"by-tree": TREE_ATTENTION, "block-mask": BLOCK_MASK_ATTENTION}.get(kernel)
+    config = text_config(model)
+    tree = TREE_ATTENTION_EAGER if config._attn_implementation == "eager" else TREE_ATTENTION
+    implementation = {"by-tree": tree, "block-mask": BLOCK_MASK_ATTENTION}.get(kernel)
     if implementation is None:
         yield
         return
     _register_attention()
-    with _attention_implementation(text_config(model), implementation):
+    with _attention_implementation(config, implementation):
         yield
 
 
-def attention_inputs(
-    model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, window: int | None
-):
-    """What a packed forward hands its backbone for the kernel it runs (`attention_kernel`): (kernel, the attention
-    mask, extra keyword arguments). `visible` (N, 1, Q, K) is `tree_mask(..., window)`'s."""
+def attention_inputs(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor):
+    """What a packed forward of the tokens `queries` (N, Q) attending to `keys` (N, K) hands its backbone for the
+    kernel it runs (`attention_kernel`): (kernel, the attention mask, extra keyword arguments). A model of several
+    layer types whose reaches differ on these sequences gets a mask (and runs) per type, as a dict by type, which its
+    backbone hands each layer by its type (`packing_unsupported` checks that it does); a reach that cuts nothing here
+    (a window longer than every sequence) shares the full mask."""
     kernel = attention_kernel(model, queries.device)
-    if kernel == "by-tree":  # each run takes its part of `visible`: the dense mask itself goes unread
-        return kernel, visible, {"tree_blocks": tree_blocks(layout, queries, keys, visible)}
-    if kernel == "block-mask":
-        return kernel, block_mask(layout, queries, keys, visible, window), {}
+    longest = int(layout.position_ids.max()) + 1
+    reaches = {kind: reach.within(longest) for kind, reach in layer_reaches(model).items()}
     dtype = _unwrapped(model).get_input_embeddings().weight.dtype
-    return kernel, attention_mask_for(model, visible, dtype), {}
+    masks, runs = {}, {}
+    for reach in dict.fromkeys(reaches.values()):
+        visible = tree_mask(layout, queries, keys, reach.window, reach.chunk)
+        if kernel == "by-tree":  # each run takes its part of `visible`: the dense mask itself goes unread
+            additive = dtype if text_config(model)._attn_implementation == "eager" else None
+            masks[reach], runs[reach] = visible, tree_blocks(layout, queries, keys, visible, additive)
+        elif kernel == "block-mask":
+            masks[reach] = block_mask(layout, queries, keys, visible, reach.window, reach.chunk)
+        else:
+            masks[reach] = attention_mask_for(model, visible, dtype)
+    if len(masks) == 1:
+        mask, blocks = next(iter(masks.values())), next(iter(runs.values()), None)
+    else:
+        mask = {kind: masks[reach] for kind, reach in reaches.items()}
+        blocks = {kind: runs[reach] for kind, reach in reaches.items()} if runs else None
+    return kernel, mask, ({"tree_blocks": blocks} if kernel == "by-tree" else {})
 
 
 # ------------------------------------------------------------------------------ FlexAttention under a block mask
@@ -386,7 +475,14 @@ def block_mask_unsupported(model, device) -> str | None:
     return None
 
 
-def block_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, window: int | None):
+def block_mask(
+    layout: Layout,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    window: int | None,
+    chunk: int | None = None,
+):
     """`visible` (N, 1, Q, K) as FlexAttention's `BlockMask`: for each block of BLOCK_SIZE queries, the key blocks
     that hold a visible pair, in column order, all of them run with `mask_mod` (none as full: see above), and
     `mask_mod`: the rule of `tree_mask`, read from per-token vectors (tree, branch, position, flat index) instead of
@@ -416,6 +512,8 @@ def block_mask(layout: Layout, queries: torch.Tensor, keys: torch.Tensor, visibl
         ok = ok & ((bk[batch, k] == BRANCH_PROMPT) | (bk[batch, k] == bq[batch, q]))
         if window is not None:
             ok = ok & (pq[batch, q] - pk[batch, k] < window)
+        if chunk is not None:
+            ok = ok & (pq[batch, q] // chunk == pk[batch, k] // chunk)
         return ok
 
     selected = counts > 0  # (N, QB, KB): the blocks to run, first and in column order (a stable sort)
@@ -454,10 +552,11 @@ class AttentionPairs:
 def block_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
     """FlexAttention under the `BlockMask` a packed forward brings (`block_mask`). query (N, H, Q, D), key/value
     (N, Hkv, K, D); returns (N, Q, H, D), as transformers' attention functions."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
     if dropout:
         raise ValueError("FlexAttention takes no attention dropout")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("FlexAttention under a block mask takes no attention sinks")
+    sinks = kwargs.get("s_aux")  # gpt-oss: a logit per head that joins every softmax's sum and carries no value
     score_mod = None
     if softcap is not None:
 
@@ -473,7 +572,11 @@ def block_mask_attention(module, query, key, value, attention_mask, scaling=None
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
         kernel_options=KERNEL_OPTIONS if query.device.type == "cuda" else None,  # (Triton's kernel; measured there)
+        **({} if sinks is None else {"return_aux": AuxRequest(lse=True)}),
     )
+    if sinks is not None:  # out's weights sum to 1 over the keys; with the sink they sum to sigmoid(lse - sink)
+        out, aux = out
+        out = (out * torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1))[..., None]).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -515,16 +618,23 @@ class _FusedFlexMemory(torch.autograd.Function):
         return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
     @staticmethod
-    def run(query, key, value, **kwargs):
-        return _FusedFlexMemory.apply(query, key, value)
+    def run(query, key, value, return_aux=None, **kwargs):
+        out = _FusedFlexMemory.apply(query, key, value)
+        if return_aux is None:
+            return out
+        from torch.nn.attention.flex_attention import AuxOutput
+
+        return out, AuxOutput(lse=query.new_empty(query.shape[:-1], dtype=torch.float32))
 
 
 def _register_attention() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, flex_attention_mask, sdpa_mask
 
     AttentionInterface.register(TREE_ATTENTION, tree_attention)
     AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)  # masks built by transformers stay sdpa's
+    AttentionInterface.register(TREE_ATTENTION_EAGER, functools.partial(tree_attention, eager=True))
+    AttentionMaskInterface.register(TREE_ATTENTION_EAGER, eager_mask)
     AttentionInterface.register(BLOCK_MASK_ATTENTION, block_mask_attention)
     AttentionMaskInterface.register(BLOCK_MASK_ATTENTION, flex_attention_mask)
 
@@ -533,8 +643,9 @@ def packing_unsupported(model) -> str | None:
     """Why this model cannot run packed layouts (so the padded path runs instead), or None if it can.
 
     The 4-D mask is handed to the attention as is, which transformers' `sdpa` and `eager` attention
-    take; flash-attention kernels take no arbitrary mask. Models that mix full and sliding-window layers
-    would need one mask per layer type; models without position ids (ALiBi) would see wrong distances."""
+    take; flash-attention kernels take no arbitrary mask. Models that mix layer types (full, sliding-window,
+    chunked) take a mask per type where their backbone hands each layer the mask of its type; models without
+    position ids (ALiBi) would see wrong distances."""
     if hasattr(model, "get_base_model"):  # peft
         model = model.get_base_model()
     config = text_config(model)
@@ -544,13 +655,39 @@ def packing_unsupported(model) -> str | None:
     layer_types = getattr(config, "layer_types", None)
     if (stateful := stateful_layers(model, layer_types)) is not None:
         return f"layers that carry state along the sequence ({stateful}): packed sequences would leak into each other"
-    if layer_types and len(set(layer_types)) > 1:
-        return f"layers of several attention types ({', '.join(sorted(set(layer_types)))})"
+    body = _backbone(model)
+    if len(set(layer_reaches(model).values())) > 1 and (body is None or not _takes_masks_by_type(type(body))):
+        types = ", ".join(sorted(set(layer_types)))
+        return f"layers of several attention types ({types}), and the backbone takes one mask for all of them"
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "rope") == "alibi":
         return "ALiBi attention biases ignore position ids"
-    body = _backbone(model)
     if body is None or "position_ids" not in inspect.signature(body.forward).parameters:
         return f"{type(model).__name__}'s backbone takes no position ids"
+    if (layer := _scaled_by_column(body)) is not None:
+        return (
+            f"{layer} scales its queries by their column in the row (attn_temperature_tuning), "
+            "which packing moves: packed sequences would be scaled otherwise"
+        )
+    return None
+
+
+@functools.cache
+def _takes_masks_by_type(backbone_class) -> bool:
+    """Whether a backbone's forward takes its attention mask as a dict by layer type, handing each layer its own
+    (transformers' models of several layer types: `if not isinstance(causal_mask_mapping := attention_mask, dict)`)."""
+    try:
+        source = inspect.getsource(backbone_class.forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"isinstance\((\w+\s*:=\s*)?attention_mask,\s*dict\)", source) is not None
+
+
+def _scaled_by_column(body) -> str | None:
+    """The first attention layer of `body` that scales its queries by the token's column in the row rather than its
+    position (Llama 4's layers without rope, under `attn_temperature_tuning`), or None."""
+    for module in body.modules():
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+            return f"{type(module).__name__} {module.layer_idx}"
     return None
 
 

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from kto_pipeline.loss import sequence_sums
-from kto_pipeline.models import backbone_of, checkpointing, keeps_keys_values, scorable, sliding_window
+from kto_pipeline.models import backbone_of, checkpointing, keeps_keys_values, scorable
 from kto_pipeline.runtime.compiled import close_keys_values, keys_values_cache
-from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs, tree_mask
+from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs
 from kto_pipeline.scoring.head import DEFAULT_CHUNK_SIZE, head_logps
 from kto_pipeline.scoring.images import join_images, token_inputs
 from kto_pipeline.scoring.packing import (
@@ -121,9 +121,7 @@ def _forward(model, layout: Layout, queries: torch.Tensor, keys=None, cache=None
     mask) to the tokens `keys` (N, K): themselves (default), or, with a `cache`, the cached tokens then themselves.
     `images`: those of the prompts among the queries, in their order (`token_inputs`)."""
     keys = queries if keys is None else keys
-    window = sliding_window(model)
-    visible = tree_mask(layout, queries, keys, window)
-    kernel, mask, more = attention_inputs(model, layout, queries, keys, visible, window)
+    kernel, mask, more = attention_inputs(model, layout, queries, keys)
     backbone = backbone_of(model)
     # a given cache is used whatever `use_cache` says; transformers warns of `use_cache` under checkpointing
     use_cache = cache is not None and not (checkpointing(model) and torch.is_grad_enabled())
