@@ -250,7 +250,8 @@ def count_pairs(cache_dir: Path, batch: int, steps: int, reference_batch: int, m
     from kto_pipeline.cache import open_cache
     from kto_pipeline.objectives.items import batch_layout
     from kto_pipeline.objectives.kto import CacheRows, Collator
-    from kto_pipeline.scoring.attention import BLOCK_SIZE, AttentionPairs, tree_mask
+    from kto_pipeline.scoring.attention import tree_mask
+    from kto_pipeline.scoring.block_mask import BLOCK_SIZE, AttentionPairs
     from kto_pipeline.scoring.logprobs import policy_attention
     from kto_pipeline.scoring.packing import AttentionCosts, layout_trees, pack_trees
 

@@ -310,6 +310,14 @@ def backbone_of(model):
     return body
 
 
+def backbone_or_none(model):
+    """`backbone_of(model)`, or None where the model exposes none."""
+    try:
+        return backbone_of(model)
+    except ValueError:
+        return None
+
+
 def scorable(model):
     """The causal LM whose backbone and head we call: a PEFT model is scored through its base model, whose
     layers carry the adapters."""

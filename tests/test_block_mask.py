@@ -16,16 +16,9 @@ import torch
 from test_packing import make_model, random_trees
 
 from kto_pipeline.scoring import attention
-from kto_pipeline.scoring.attention import (
-    BLOCK_SIZE,
-    KEY_TILE,
-    AttentionPairs,
-    attention_costs,
-    attention_kernel,
-    block_mask,
-    request_attention_kernel,
-    tree_mask,
-)
+from kto_pipeline.scoring import block_mask as flex_kernel
+from kto_pipeline.scoring.attention import attention_costs, attention_kernel, request_attention_kernel, tree_mask
+from kto_pipeline.scoring.block_mask import BLOCK_SIZE, KEY_TILE, AttentionPairs, block_mask
 from kto_pipeline.scoring.logprobs import score_layout, score_policy
 from kto_pipeline.scoring.packing import AttentionCosts, block_pairs, last_continuations, layout_trees, pack_rows
 
@@ -56,13 +49,13 @@ def test_block_mask_equals_attention_by_tree(kind, bf16, monkeypatch):
     model = make_model(kind)
     trees = random_trees(6, seed=5)
     masks = []
-    original = attention.block_mask_attention
+    original = flex_kernel.block_mask_attention
 
     def spy(module, query, key, value, attention_mask, **kwargs):
         masks.append(attention_mask)
         return original(module, query, key, value, attention_mask, **kwargs)
 
-    monkeypatch.setattr(attention, "block_mask_attention", spy)
+    monkeypatch.setattr(flex_kernel, "block_mask_attention", spy)
     by_tree = forwards(model, trees, "by-tree", bf16)
     assert not masks
     flex = forwards(model, trees, "block-mask", bf16)

@@ -15,7 +15,7 @@ from helpers import paired_conversational_rows, read_metrics, train_config, writ
 from kto_pipeline import PrecomputeConfig, precompute, train
 from kto_pipeline.cache import open_cache
 from kto_pipeline.runtime.experts import experts_rows_alike
-from kto_pipeline.scoring.attention import packing_unsupported
+from kto_pipeline.scoring.packable import packing_unsupported
 
 pytestmark = pytest.mark.slow
 KERNELS = ("by-tree", "dense", "block-mask")  # (block-mask: FlexAttention's forward, the reference pass, on the CPU)
@@ -97,7 +97,7 @@ def test_a_model_that_leaks_between_packed_sequences_is_caught_at_run_time_and_r
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama
 
-    from kto_pipeline.scoring.attention import PACKING_LEAKED
+    from kto_pipeline.scoring.packable import PACKING_LEAKED
 
     plain = modeling_llama.LlamaMLP.forward
     monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: plain(self, x) + 0.05 * x.cumsum(dim=1))

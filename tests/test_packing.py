@@ -11,14 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from kto_pipeline.scoring import attention
+from kto_pipeline.scoring import by_tree as by_tree_kernel
 from kto_pipeline.scoring.attention import (
     attention_kernel,
     checkpointing_kwargs,
     enable_checkpointing,
-    packing_unsupported,
     request_attention_kernel,
 )
 from kto_pipeline.scoring.logprobs import score_layout, score_policy, score_sequences
+from kto_pipeline.scoring.packable import packing_unsupported
 from kto_pipeline.scoring.packing import MAX_ROW_TOKENS, AttentionCosts, last_continuations, layout_trees, pack_rows
 
 ATOL = 1e-5
@@ -330,9 +331,9 @@ def test_tree_by_tree_attention_equals_the_dense_mask(kind, implementation, monk
         assert model.config._attn_implementation == implementation  # restored after every forward
         return results
 
-    original = attention.tree_attention
+    original = by_tree_kernel.tree_attention
     monkeypatch.setattr(
-        attention, "tree_attention", lambda *a, **k: calls.append(k.get("tree_blocks")) or original(*a, **k)
+        by_tree_kernel, "tree_attention", lambda *a, **k: calls.append(k.get("tree_blocks")) or original(*a, **k)
     )
     dense = run(False)
     assert not calls
@@ -385,9 +386,9 @@ def test_gradient_checkpointing_recomputes_with_the_forwards_attention(monkeypat
     gradients equal to float32 rounding."""
     trees = random_trees(5, seed=6)
     calls = []
-    original = attention.tree_attention
+    original = by_tree_kernel.tree_attention
     monkeypatch.setattr(
-        attention, "tree_attention", lambda *a, **k: calls.append(k.get("tree_blocks")) or original(*a, **k)
+        by_tree_kernel, "tree_attention", lambda *a, **k: calls.append(k.get("tree_blocks")) or original(*a, **k)
     )
     results = {}
     for checkpointing in (False, True):

@@ -94,7 +94,7 @@ def score_sequences(
     images: dict[str, torch.Tensor] | None = None,
 ) -> Scores:
     """Score the completion tokens of a padded batch, one sequence per row: the padded path, for models
-    that cannot run packed layouts (see `packing.packing_unsupported`) and as the tests' reference.
+    that cannot run packed layouts (see `packable.packing_unsupported`) and as the tests' reference.
 
     `with_stats=False` skips the metric-only mean logits and entropy (left as zeros).
     `output_router_logits=True` (mixture-of-experts models) also returns the load-balancing loss.

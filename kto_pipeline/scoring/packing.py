@@ -8,7 +8,7 @@ mask (`attention.tree_mask`) lets each token see exactly what it would see in it
 
 Trees are spread over rows (`pack_rows`), as many rows as balance the padding of narrow rows against the
 attention of wide ones: under the dense mask every query meets every key of its row. Where attention runs
-tree by tree (`attention.tree_attention`) or under a block mask (`attention.block_mask`), a row's width costs
+tree by tree (`by_tree.tree_attention`) or under a block mask (`block_mask.block_mask`), a row's width costs
 (almost) nothing and a batch packs into as few rows as the mask's memory allows, without padding.
 
 The layout also splits into two forwards: training runs the prompts and completions with gradients,
@@ -112,7 +112,7 @@ class AttentionCosts:
         layers for the weights, i.e. 1 / (6 * hidden);
     tree_call: per tree when attention runs tree by tree (`tree_attention`), the price of its calls
         (TREE_CALL_FLOPS a layer); None where it does not run that way;
-    block: the tile size when attention runs under a block mask (`attention.block_mask`): the pairs of every tile
+    block: the tile size when attention runs under a block mask (`block_mask.block_mask`): the pairs of every tile
         a row's trees touch run, whatever the row's width; None where it does not run that way;
     static: layouts padded to static shapes (`static_rows` x `static_width`): a row count and width cost what
         they are padded to;

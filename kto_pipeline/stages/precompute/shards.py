@@ -27,8 +27,8 @@ from kto_pipeline.manifest import Manifest
 from kto_pipeline.runtime.launch import print0
 from kto_pipeline.runtime.peak_memory import describe
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
-from kto_pipeline.scoring.attention import PACKING_LEAKED
 from kto_pipeline.scoring.logprobs import score_shard
+from kto_pipeline.scoring.packable import PACKING_LEAKED
 from kto_pipeline.scoring.packing import Tree
 from kto_pipeline.stages.precompute.phases import Pass, PreparedRows, ShardProgress, ShardStats
 from kto_pipeline.stages.precompute.segments import KEY_DIR, key_array, new_segment, open_keys, write_keys

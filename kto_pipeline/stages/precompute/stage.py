@@ -55,8 +55,9 @@ from kto_pipeline.runtime.experts import experts_rows_alike
 from kto_pipeline.runtime.launch import print0, process_state
 from kto_pipeline.runtime.peak_memory import PeakMemory
 from kto_pipeline.runtime.precision import reference_regime, rows_alike
-from kto_pipeline.scoring.attention import packing_unsupported, request_attention_kernel
+from kto_pipeline.scoring.attention import request_attention_kernel
 from kto_pipeline.scoring.logprobs import ReferenceScorer
+from kto_pipeline.scoring.packable import packing_unsupported
 from kto_pipeline.stages.precompute.append import NewRows, find_new_rows, open_base, partner_from_cache, plan_append
 from kto_pipeline.stages.precompute.data import (
     TokenizedRows,

@@ -62,12 +62,8 @@ from kto_pipeline.runtime.launch import launched_processes, print0, process_stat
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, StepCasts, check_regime, policy_regime, rows_alike
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
-from kto_pipeline.scoring.attention import (
-    attention_costs,
-    packing_leaked,
-    packing_unsupported,
-    request_attention_kernel,
-)
+from kto_pipeline.scoring.attention import attention_costs, request_attention_kernel
+from kto_pipeline.scoring.packable import packing_leaked, packing_unsupported
 from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer
 from kto_pipeline.stages.train.checks import (
     check_output_dir,
