@@ -24,7 +24,7 @@ def packing_unsupported(model) -> str | None:
     config = text_config(model)
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in ("sdpa", "eager"):
-        return f"attention implementation {impl!r} takes no custom 4-D mask"
+        return f"attention implementation {impl!r} takes no custom 4-D mask (sdpa or eager attention would pack)"
     layer_types = getattr(config, "layer_types", None)
     if (stateful := stateful_layers(model, layer_types)) is not None:
         return f"layers that carry state along the sequence ({stateful}): packed sequences would leak into each other"
