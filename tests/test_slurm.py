@@ -41,7 +41,8 @@ def _why_no_slurm() -> str | None:
         return "SLURM's daemons run as root here, and this is not root"
     missing = [d for d in DAEMONS if shutil.which(d) is None and not Path("/usr/sbin", d).exists()]
     if missing:
-        return f"slurm-wlm / munge not installed ({', '.join(missing)} missing; `make test-assets` installs them)"
+        installs = "`KTO_INSTALL_SLURM=1 make test-assets` installs them"
+        return f"slurm-wlm / munge not installed ({', '.join(missing)} missing; {installs})"
     if not Path("/etc/munge/munge.key").exists():
         return "no munge key (/etc/munge/munge.key)"
     return None
