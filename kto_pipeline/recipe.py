@@ -1,7 +1,7 @@
 """Recipes (`--config FILE.yaml` on every command) and the command-line options built from the config dataclasses.
 
 A command's options come from its config dataclass: `--field-name`, with the field's type, default, help
-and --help panel (bool fields are `--x/--no-x`), so each is written once, in kto_pipeline/config.py. A
+and --help panel (bool fields are `--x/--no-x`), so each is written once, in kto_pipeline/config/. A
 recipe is a YAML mapping of those option names (`learning_rate` or `learning-rate`) to values. A flag typed
 on the command line overrides the recipe, which overrides the dataclass default. The options a command
 requires may come from either, so click does not enforce them: `resolve` does, once the recipe is read

@@ -285,7 +285,7 @@ class Collator:
 
     pad_id: int
     packed: bool = True
-    attention: Any = None  # `packing.attention_costs` of the model: how wide packed rows should be
+    attention: Any = None  # `attention.attention_costs` of the model: how wide packed rows should be
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         import torch

@@ -1,2 +1,3 @@
 """Stage 2: the policy trains alone against a reference cache. The outline is `stage.py`; `policy.py` loads the
-policy and builds its optimizer, `batches.py` reads the cache into micro-batches, `kto_step.py` is one forward."""
+policy and builds its optimizer, `batches.py` reads the cache into micro-batches, `checks.py` checks where a run
+starts; a forward, its loss and metrics are the loss family's (`kto_pipeline.objectives`)."""
