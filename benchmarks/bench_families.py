@@ -1,7 +1,7 @@
 """What packing buys a family of mixed sliding-window and full layers: the reference pass and training steps, packed
 (each layer with the mask of its own type) against padded (each sequence on its own row), on one machine.
 
-    python benchmarks/bench_families.py              # gemma3_text and olmo3 shapes, 256 HH-RLHF pairs (minutes)
+    python benchmarks/bench_families.py              # gemma3_text and olmo3 shapes, 64 HH-RLHF pairs (minutes)
     python benchmarks/bench_families.py --pairs 16   # the code path (seconds)
 
 Each family is a random model of its transformers config (tests/families.py's layer pattern: three sliding-window
@@ -68,7 +68,7 @@ def run_layout(model: Path, data: Path, work: Path, padded: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", type=int, default=256, help="HH-RLHF pairs (each gives 2 KTO rows)")
+    parser.add_argument("--pairs", type=int, default=64, help="HH-RLHF pairs (each gives 2 KTO rows)")
     parser.add_argument("--work", default="/tmp/kto-bench-families")
     parser.add_argument("--results", default=str(RESULTS), help="the file whose section this rewrites ('-': print)")
     args = parser.parse_args()
@@ -95,7 +95,7 @@ def main() -> None:
             f"and a step {padded['step'] / packed['step']:.2f}x; cached log-probs packed against padded: at most "
             f"{apart:.1e} apart (relative to 1 + |logp|)"
         )
-    command = "python benchmarks/bench_families.py" + (f" --pairs {args.pairs}" if args.pairs != 256 else "")
+    command = "python benchmarks/bench_families.py" + (f" --pairs {args.pairs}" if args.pairs != 64 else "")
     seconds = time.perf_counter() - started
     body = [HEADING, "", *harness.provenance(command, seconds, "kto-pipeline", "transformers", "torch"), ""]
     body += [f"{args.pairs} HH-RLHF pairs ({2 * args.pairs} KTO rows), max_length {MAX_LENGTH}, KTO batch {BATCH}, "]
