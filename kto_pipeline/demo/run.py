@@ -330,7 +330,7 @@ def tiny_round_two(workdir: Path, model_dir: Path) -> dict:
         return [json.loads(line) for line in path.read_text().splitlines()]
 
     round1 = answers("run", "round2-rows.jsonl")
-    # the rounds grow their own copy of the train cache: cache-train stays the one docs/training.md's sweep uses
+    # the rounds grow their own copy of the train cache: cache-train stays the one docs/sweeps.md's sweep uses
     cache = workdir / "cache-rounds"
     if not cache.exists():
         shutil.copytree(workdir / "cache-train", cache)

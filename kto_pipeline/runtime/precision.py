@@ -29,7 +29,7 @@ product of 2,400 rows: 4.7 ms against 2.9 ms in one call; float32 weights there 
 Half precision on a CPU without oneDNN's half-precision kernels (no AVX-512: an AMD EPYC with AVX2 only). There
 torch multiplies bf16 with ATen's reference loops, measured on such a CPU (one thread, SmolLM2-135M, 150 tokens,
 under bf16 autocast): a forward 4.1 s against 0.76 s in float32, a forward and backward 26.8 s against 3.0 s; with
-`half_product` 1.29 s and 3.70 s (docs/training.md, "Precision"). Such a CPU multiplies half
+`half_product` 1.29 s and 3.70 s (docs/devices.md, "Precision"). Such a CPU multiplies half
 precision as float32 products of the half-precision values, rounded to half precision once (`half_product`): the
 products of two bf16 (or fp16) values are exact in float32 and the sums float32, as in ATen's loops and a GPU's
 tensor cores, only in another order; a (512 x 576) @ (576 x 1536) product 29 ms against 190 ms. In calls of a
