@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
+import importlib.util
 import time
 from pathlib import Path
 from unittest import mock
 
 import harness
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from families import save_family  # noqa: E402  (the tests' builder of each family's layer pattern)
 
 FAMILIES = ("gemma3_text", "olmo3")
 SHAPE = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=4)
@@ -36,6 +33,16 @@ SHAPE |= dict(
 BATCH, STEPS, MAX_LENGTH = 16, 4, 512
 RESULTS = Path(__file__).resolve().parent / "RESULTS-layouts.md"
 HEADING = "## Mixed-window families: packed against padded"
+
+
+def save_family(family: str, directory: Path, **overrides) -> Path:
+    """tests/families.py's `save_family`: the tests' builder of each family's layer pattern, loaded from its file."""
+    spec = importlib.util.spec_from_file_location(
+        "families", Path(__file__).resolve().parent.parent / "tests" / "families.py"
+    )
+    families = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(families)
+    return families.save_family(family, directory, **overrides)
 
 
 def run_layout(model: Path, data: Path, work: Path, padded: bool) -> dict:
