@@ -8,7 +8,7 @@ batches (`logprobs.py`) and the LM head they go through, in chunks (`head.py`)."
 ATTENTION_KERNELS = ("auto", "by-tree", "block-mask", "dense")
 ATTENTION_KERNEL_HELP = (
     "How packed rows attend: by-tree (sequence by sequence, sdpa or eager), block-mask (torch's FlexAttention under a "
-    "block mask: only the (query, key) tiles each row's trees need), dense (sdpa under the whole row's mask). "
-    "auto: by-tree on the CPU, block-mask on accelerators; a kernel the model or device cannot take falls back, "
-    "and the run says why."
+    "block mask: only the (query, key) tiles each row's trees need), dense (sdpa or eager attention under the whole "
+    "row's mask). auto: by-tree on the CPU, block-mask on accelerators; a kernel the model or device cannot take "
+    "falls back, and the run says why."
 )
