@@ -172,24 +172,21 @@ def _attention_width(config) -> int:
 
 
 def _by_tree_unsupported(model) -> str | None:
-    """Why `model` cannot attend sequence by sequence (`tree_attention`), or None: it takes sdpa models whose backbone
-    passes extra keyword arguments (the runs) down to the attention. On the CPU attention's FLOPs are dear and a
-    call is cheap, hence its default there; on a GPU a launch per tree and layer is not (never measured here).
+    """Why `model` cannot attend sequence by sequence (`tree_attention`), or None: it takes sdpa or eager models whose
+    backbone passes extra keyword arguments (the runs) down to the attention. On the CPU attention's FLOPs are dear
+    and a call is cheap, hence its default there; on a GPU a launch per tree and layer is not (never measured here).
     Under gradient checkpointing the backward recomputes each layer with the attention its forward used
     (`checkpointing_kwargs`)."""
     model = _unwrapped(model)
     impl = getattr(text_config(model), "_attn_implementation", None)
     if impl not in ("sdpa", "eager"):
         return f"{impl} attention, not sdpa or eager"
-    layers = getattr(backbone_or_none(model), "layers", None) or ()
-    attention = getattr(layers[0], "self_attn", None) if len(layers) else None
-    if impl == "eager" and (attention is None or by_tree.eager_attention(attention) is None):
+    attentions = [getattr(layer, "self_attn", None) for layer in getattr(backbone_or_none(model), "layers", None) or ()]
+    if impl == "eager" and (not attentions or by_tree.eager_attention(attentions[0]) is None):
         return f"{type(model).__name__}'s eager attention is not transformers' eager_attention_forward"
-    if len(set(layer_reaches(model).values())) > 1:  # the runs of each layer's type: `tree_attention` reads its type
-        body = backbone_or_none(model)
-        layers = getattr(body, "layers", None) or ()
-        if not all(hasattr(getattr(layer, "self_attn", None), "layer_idx") for layer in layers) or not layers:
-            return f"{type(model).__name__}'s attention does not say which type of layer it is in"
+    several_types = len(set(layer_reaches(model).values())) > 1  # `tree_attention` reads each layer's type
+    if several_types and not (attentions and all(hasattr(a, "layer_idx") for a in attentions)):
+        return f"{type(model).__name__}'s attention does not say which type of layer it is in"
     return _no_keywords_to_attention(model)
 
 
@@ -287,11 +284,11 @@ def attention_inputs(model, layout: Layout, queries: torch.Tensor, keys: torch.T
     longest = layout.input_ids.shape[1]  # no sequence is longer than its row (a shape: nothing read back)
     reaches = {kind: reach.within(longest) for kind, reach in layer_reaches(model).items()}
     dtype = _unwrapped(model).get_input_embeddings().weight.dtype
+    additive = dtype if text_config(model)._attn_implementation == "eager" else None  # (eager attention adds masks)
     masks, runs = {}, {}
     for reach in dict.fromkeys(reaches.values()):
         visible = tree_mask(layout, queries, keys, reach.window, reach.chunk)
         if kernel == "by-tree":  # each run takes its part of `visible`: the dense mask itself goes unread
-            additive = dtype if text_config(model)._attn_implementation == "eager" else None
             masks[reach], runs[reach] = visible, by_tree.tree_blocks(layout, queries, keys, visible, additive)
         elif kernel == "block-mask":
             masks[reach] = flex.block_mask(layout, queries, keys, visible, reach.window, reach.chunk)
