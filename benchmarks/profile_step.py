@@ -1,8 +1,9 @@
 """Ops dispatched and values read back from tensors per optimizer step, kto-pipeline against trl.KTOTrainer with
-precomputed reference log-probs.
+precomputed reference log-probs; and the host's work per needed token, by phase (`--host`: `host_worker`).
 
     python benchmarks/profile_step.py            # writes its section of RESULTS.md (part of `make bench`)
     python benchmarks/profile_step.py --quick    # batches of 4 and 8 rows, printed only: checks the code path
+    python benchmarks/profile_step.py --host     # only the host's work per needed token, by phase
 
 On an accelerator every op the host dispatches is at least one kernel launch, so a step's op count bounds how
 fast a small step can go, whatever the GPU; every value read back from a device tensor is a wait for the device.
@@ -163,9 +164,156 @@ def counted(run, counts: tuple[int, int]) -> dict:
     return dict(ops=(ops_many - ops_few) / n, aten=(aten_many - aten_few) / n, reads=(reads_many - reads_few) / n)
 
 
+# ------------------------------------------------------------------ the host's work per token, by phase
+
+HOST_HEADING = "## The host's work per needed token: the reference pass and a training step"
+HOST_ROWS, HOST_BATCH, HOST_STEPS = 2400, 64, (3, 9)
+# (phase, module or class, function): the time spent in each function is its phase's, less that of the phases run
+# inside it (the mask inside the forward); the pass's packing and laying out run ahead of the forwards, in a thread
+PHASES = (
+    ("pack", "kto_pipeline.scoring.logprobs", "pack_trees"),
+    ("collate", "kto_pipeline.scoring.logprobs", "layout_trees"),
+    ("collate", "kto_pipeline.scoring.packing:Layout", "to"),
+    ("mask", "kto_pipeline.scoring.logprobs", "attention_inputs"),
+    ("forward", "kto_pipeline.scoring.logprobs:ReferenceScorer", "forward"),
+    ("extract", "kto_pipeline.scoring.logprobs", "_file"),
+    ("write", "kto_pipeline.stages.precompute.shards", "_columns"),
+    ("write", "kto_pipeline.stages.precompute.shards", "write_shard"),
+)
+HOST_GOALS = {"reference pass": 2.5, "training step, compiled": 5.0}  # µs per needed token
+
+
+@contextmanager
+def phases_timed():
+    """{phase: seconds} of PHASES while open, each function's time less that of the timed calls inside it."""
+    import importlib
+    import threading
+
+    seconds, local = dict.fromkeys(dict.fromkeys(p for p, _, _ in PHASES), 0.0), threading.local()
+    patched = []
+    for phase, where, name in PHASES:
+        module, _, cls = where.partition(":")
+        owner = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
+        original = getattr(owner, name)
+
+        def timed(*args, _phase=phase, _original=original, **kwargs):
+            stack = local.__dict__.setdefault("stack", [])
+            stack.append(0.0)  # the time of the timed calls inside this one
+            started = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - started
+                seconds[_phase] += elapsed - stack.pop()
+                if stack:
+                    stack[-1] += elapsed
+
+        patched.append((owner, name, original))
+        setattr(owner, name, timed)
+    try:
+        yield seconds
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
+
+
+def host_assets(work: Path) -> tuple[Path, Path]:
+    """A micro Llama (1 layer, hidden 8, the character tokenizer: its arithmetic negligible beside the host's work)
+    and HOST_ROWS short rows."""
+    from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
+
+    model = work / "micro-model"
+    if not (model / "config.json").exists():
+        tok = build_char_tokenizer()
+        build_tiny_model(tok, hidden_size=8, num_layers=1).save_pretrained(model)
+        tok.save_pretrained(model)
+    rows = [dict(r, prompt=r["prompt"][:60], completion=r["completion"][:50]) for r in islice(row_stream(), HOST_ROWS)]
+    return model, harness.write_jsonl(work / "host-data.jsonl", rows)
+
+
+def host_worker(work: Path) -> dict:
+    """The reference pass's µs per needed token by phase, then a compiled training step's on its cache."""
+    measured, cache = reference_phases(work)
+    return measured | step_per_token(cache, measured["ref_needed"] / measured["ref_rows"])
+
+
+def reference_phases(work: Path) -> tuple[dict, Path]:
+    """The reference pass's µs per needed token by phase (`PHASES`) and in all: a second precompute, the first
+    warming every cache. Returns them and the cache."""
+    from kto_pipeline import PrecomputeConfig, precompute
+    from kto_pipeline.cache import open_cache
+
+    model, data = host_assets(work)
+    settings = dict(model=str(model), dataset=str(data), max_length=MAX_LENGTH, attention_kernel="dense")
+    precompute(PrecomputeConfig(**settings, output=str(work / "host-warm"), overwrite=True))
+    with phases_timed() as seconds:
+        cache = precompute(PrecomputeConfig(**settings, output=str(work / "host-cache"), overwrite=True))
+    timing = open_cache(cache).manifest.timing
+    needed = timing["tokens_needed"]
+    measured = {f"ref_{p}": s * 1e6 / needed for p, s in seconds.items()}
+    measured |= dict(ref_all=timing["reference_pass_seconds"] * 1e6 / needed, ref_forwards=timing["forwards"])
+    return measured | dict(ref_needed=needed, ref_rows=timing["rows_scored"]), cache
+
+
+def step_per_token(cache: Path, per_row: float) -> dict:
+    """A compiled training step at HOST_BATCH rows on `cache`: a HOST_STEPS[1]-step call minus a HOST_STEPS[0]-step
+    one (a first call compiles), per step, and per needed token (`per_row`: a row's prompt, completion and KL
+    completion)."""
+    from kto_pipeline import train
+
+    took = []
+    for steps in (HOST_STEPS[0], *HOST_STEPS):
+        with tempfile.TemporaryDirectory() as out:
+            config = harness.ours_train_config(
+                cache, Path(out), batch=HOST_BATCH, steps=steps, learning_rate=1e-5, save_steps=0
+            )
+            config.attention_kernel, config.torch_compile = "dense", True
+            started = time.perf_counter()
+            train(config)
+            took.append(time.perf_counter() - started)
+    step = (took[2] - took[1]) / (HOST_STEPS[1] - HOST_STEPS[0])
+    return dict(step_all=step * 1e6 / (HOST_BATCH * per_row), step_seconds=step)
+
+
+def render_host(measured: dict, seconds: float) -> str:
+    phases = [p for p in dict.fromkeys(p for p, _, _ in PHASES)]
+    timed = sum(measured[f"ref_{p}"] for p in phases)
+    ref, step = measured["ref_all"], measured["step_all"]
+    lines = [
+        HOST_HEADING,
+        "",
+        *harness.provenance("`python benchmarks/profile_step.py`", seconds),
+        f"- a micro Llama (1 layer, hidden 8, the character tokenizer), whose arithmetic is negligible, so that what "
+        f"is left is the host's work; one thread; the dense kernel; {measured['ref_rows']:,} short unpaired rows "
+        f"({measured['ref_needed']:,} needed tokens: each prompt once, its completion and KL completion), "
+        f"max_length {MAX_LENGTH}, default forwards ({measured['ref_forwards']} of them).",
+        "- each phase: the time spent in its functions (`PHASES` in the script), less that of the phases inside "
+        "them; packing and laying out run ahead of the forwards in a thread, so the phases may add up to more than "
+        "the pass's wall time.",
+        "",
+        *harness.table(
+            "| reference pass phase | µs per needed token |", [(p, f"{measured[f'ref_{p}']:.2f}") for p in phases]
+        ),
+        harness.md_row("phases, summed", f"{timed:.2f}"),
+        harness.md_row("**the pass, wall time**", f"**{ref:.2f}**"),
+        "",
+        f"A compiled training step (`--attention-kernel dense --torch-compile`) at {HOST_BATCH} rows, the same model "
+        f"and cache: a {HOST_STEPS[1]}-step minus a {HOST_STEPS[0]}-step call, per step, over its rows' needed "
+        f"tokens: {measured['step_seconds'] * 1e3:.1f} ms a step.",
+        "",
+        *harness.goals_table(
+            (f"reference pass <= {HOST_GOALS['reference pass']} µs per needed token", f"{ref:.2f}", ref <= 2.5),
+            (f"training step, compiled, <= {HOST_GOALS['training step, compiled']} µs", f"{step:.2f}", step <= 5.0),
+        ),
+    ]
+    return "\n".join([*lines, ""])
+
+
 def worker(name: str, work: Path, steps: tuple[int, int] = STEPS) -> dict:
     """`ops_<variant>_<rows>`: ops per steady step (a `steps[1]`-step minus a `steps[0]`-step call);
     `ref_<variant>_<rows>`: ops per row of the reference pass (over 96 rows minus over 48), `rows` rows a pass."""
+    if name == "host":
+        return host_worker(work)
     kind, variant, batch = name.split("_")
     if kind == "ref":
         return counted(reference(variant, int(batch), work), (ROWS // 2, ROWS))
@@ -259,6 +407,7 @@ def render(measured: dict, batches: tuple[int, ...], seconds: float, quick: bool
 def main() -> None:
     parser = harness.script_parser(__doc__, results="file to write the section into", default=None)
     parser.add_argument("--quick", action="store_true", help="batches of 4 and 8 rows, printed only")
+    parser.add_argument("--host", action="store_true", help="only the host's work per needed token")
     args = parser.parse_args()
     work = Path(args.work) / "ops"
     if args.mode == "worker":
@@ -268,15 +417,20 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)  # measured from scratch: a new cache
     work.mkdir(parents=True)
     batches = (4, 8) if args.quick else (8, 64)
-    measured = {}
-    for kind in ("ops", "ref"):
-        for variant in [*VARIANTS, *DEEPER] if kind == "ops" else VARIANTS:
-            for b in batches:
-                name = f"{kind}_{variant}_{b}"
-                env = {"OMP_NUM_THREADS": "1"}
-                measured[name] = harness.run_worker(Path(__file__), name, Path(args.work), env=env)
     results = None if args.quick else harness.default_results(args.results, True)
-    harness.publish(render(measured, batches, time.perf_counter() - started, args.quick), results, HEADING)
+    env = {"OMP_NUM_THREADS": "1"}
+    if not args.host:
+        measured = {}
+        for kind in ("ops", "ref"):
+            for variant in [*VARIANTS, *DEEPER] if kind == "ops" else VARIANTS:
+                for b in batches:
+                    name = f"{kind}_{variant}_{b}"
+                    measured[name] = harness.run_worker(Path(__file__), name, Path(args.work), env=env)
+        harness.publish(render(measured, batches, time.perf_counter() - started, args.quick), results, HEADING)
+    if not args.quick:
+        started = time.perf_counter()
+        host = harness.run_worker(Path(__file__), "host", Path(args.work), env=env)
+        harness.publish(render_host(host, time.perf_counter() - started), results, HOST_HEADING)
 
 
 if __name__ == "__main__":

@@ -352,3 +352,101 @@ def test_manifest_counts_executed_and_needed_tokens(tmp_path, tiny_model_dir, ba
     else:
         assert needed < timing["tokens_executed"] < scored  # trees share padded rows, prompts still run once
     assert timing["token_efficiency"] == round(needed / timing["tokens_executed"], 4)
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_forwards_are_filled_to_the_token_budget_not_a_row_count(tmp_path, tiny_model_dir, batch_size):
+    """By default the pass fills each forward to its token budget (the CPU's 16,384 tokens: 20 rows in one forward);
+    --batch-size stays a user's limit on the sequences a forward holds (4: two rows a forward, 10 forwards)."""
+    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows(20))
+    config = PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c"))
+    config.batch_size = batch_size
+    timing = open_cache(precompute(config)).manifest["timing"]
+    assert timing["forward_tokens"] == 16384
+    assert timing["forwards"] == (1 if batch_size is None else 10)
+
+
+def test_a_forwards_memory_stays_within_its_estimate(tiny_model_dir):
+    """`forward_bytes_per_token`, which sizes the forwards on a GPU, bounds what a forward holds at its peak, beyond
+    the weights (measured with torch's MemTracker on the CPU, one tree a row and four trees a row), without
+    overstating it more than twofold where the mask is not dense."""
+    from transformers import AutoModelForCausalLM
+
+    from kto_pipeline.memory.simulation import memory_tracker
+    from kto_pipeline.scoring.attention import CHUNK_LOGITS_BYTES, forward_bytes_per_token, request_attention_kernel
+    from kto_pipeline.scoring.logprobs import ReferenceScorer
+    from kto_pipeline.scoring.packing import layout_trees
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trees = [([5] * 60, [[6] * 50, [7] * 50]) for _ in range(32)]
+    for kernel in ("by-tree", "dense"):
+        request_attention_kernel(model, kernel, "cpu")
+        for per_row in (1, 4):
+            layout = layout_trees(trees, [list(range(i, i + per_row)) for i in range(0, 32, per_row)])
+            tracker = memory_tracker()
+            with torch.inference_mode(), tracker:
+                ReferenceScorer(model)(layout=layout)
+            peak = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+            tokens = layout.input_ids.numel()
+            held = peak - weights - min(2 * tokens * model.config.vocab_size * 4, 2 * CHUNK_LOGITS_BYTES)
+            estimate = forward_bytes_per_token(model, kernel) * tokens
+            assert held <= estimate, (kernel, per_row, held / tokens, estimate / tokens)
+            assert kernel == "dense" or estimate <= 2 * held, (kernel, per_row, held / tokens, estimate / tokens)
+
+
+def test_forward_budget_on_a_gpu_follows_the_free_memory(monkeypatch):
+    """On a CUDA device the budget is half the free memory over the bytes a token holds, at most 65,536 tokens, in
+    multiples of 1,024, never below the longest sequence; on the CPU 16,384."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from kto_pipeline.scoring.attention import forward_bytes_per_token, forward_tokens
+
+    config = Qwen2Config(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    per_token = forward_bytes_per_token(model, "block-mask")
+    assert per_token == 2 * (2 * 896 + 3 * 4864) * 2 + 64  # the MLP's tensors are the larger, in bf16
+    free = {"now": 80 << 30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["now"], 80 << 30))
+    assert forward_tokens(model, "cuda", "block-mask", 1024)[0] == 65536  # plenty: the cap
+    free["now"] = 1 << 30
+    budget, why = forward_tokens(model, "cuda", "block-mask", 1024)
+    assert budget == (2**29 - 2 * (128 << 20)) // per_token // 1024 * 1024 and "1.0 GiB free" in why
+    free["now"] = 100 << 20
+    assert forward_tokens(model, "cuda", "block-mask", 3000)[0] == 3000  # a sequence always fits
+    assert forward_tokens(model, "cpu", "by-tree", 1024)[0] == 16384
+
+
+def test_ahead_keeps_the_order_raises_where_the_item_failed_and_stops_when_left():
+    """`prefetch.ahead`, which prepares the next forwards in a thread: the items in order; an exception raised while
+    making item k is raised after items 0..k-1; a loop left early stops the thread."""
+    import threading
+
+    from kto_pipeline.runtime.prefetch import ahead
+
+    assert list(ahead(iter(range(50)), depth=3)) == list(range(50))
+
+    def failing():
+        yield from range(3)
+        raise ValueError("item 3")
+
+    got = []
+    with pytest.raises(ValueError, match="item 3"):
+        for item in ahead(failing()):
+            got.append(item)
+    assert got == [0, 1, 2]
+    made = []
+
+    def endless():
+        while True:
+            made.append(len(made))
+            yield made[-1]
+
+    for item in ahead(endless(), depth=2):
+        if item == 5:
+            break
+    assert len(made) <= 5 + 1 + 2 + 1  # at most the queue's depth and the one in the making beyond what was taken
+    assert not any(t.name == "kto-pipeline-prefetch" for t in threading.enumerate())

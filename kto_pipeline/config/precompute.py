@@ -89,17 +89,20 @@ class PrecomputeConfig(ConfigMixin):
             panel=REFERENCE_PASS,
         ),
     )
-    batch_size: int = field(
-        default=16,
+    batch_size: int | None = field(
+        default=None,
         **described(
-            "Most sequences per reference forward pass (two per row: completion and KL completion).",
+            "Most sequences per reference forward pass (two per row: completion and KL completion). Default: no "
+            "limit; each forward is filled to --max-tokens-per-batch.",
             panel=REFERENCE_PASS,
         ),
     )
-    max_tokens_per_batch: int = field(
-        default=16384,
+    max_tokens_per_batch: int | None = field(
+        default=None,
         **described(
-            "Token budget of one forward pass (rows are packed side by side, so passes carry little padding).",
+            "Token budget of one forward pass (rows are packed side by side, so passes carry little padding). "
+            "Default: 16384 on the CPU; on a GPU what half the memory free after loading the reference holds, at "
+            "most 65536.",
             panel=REFERENCE_PASS,
         ),
     )
@@ -154,10 +157,12 @@ class PrecomputeConfig(ConfigMixin):
         check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         check_kernel(self.attention_kernel)
         check_compile_mode(self.torch_compile_mode, self.torch_compile)
-        check(self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}")
+        check(
+            self.batch_size is None or self.batch_size >= 1, "batch_size", f"must be at least 1, got {self.batch_size}"
+        )
         check(self.num_proc >= 1, "num_proc", f"must be at least 1, got {self.num_proc}")
         check(
-            self.max_tokens_per_batch >= self.max_length,
+            self.max_tokens_per_batch is None or self.max_tokens_per_batch >= self.max_length,
             "max_tokens_per_batch",
             f"must be at least --max-length ({self.max_length}) so any sequence fits, got {self.max_tokens_per_batch}",
         )

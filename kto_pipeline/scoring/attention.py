@@ -41,6 +41,7 @@ from kto_pipeline.scoring import block_mask as flex
 from kto_pipeline.scoring import by_tree
 from kto_pipeline.scoring.block_mask import BLOCK_MASK_ATTENTION, BLOCK_SIZE, KEY_TILE
 from kto_pipeline.scoring.by_tree import TREE_ATTENTION, TREE_ATTENTION_EAGER
+from kto_pipeline.scoring.head import CHUNK_LOGITS_BYTES
 from kto_pipeline.scoring.packing import BRANCH_PROMPT, AttentionCosts, Layout
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,54 @@ def attention_costs(model, device) -> AttentionCosts:
     if kernel == "block-mask":
         return AttentionCosts(pair, block=BLOCK_SIZE, static=static, align=KEY_TILE)
     return AttentionCosts(pair, static=static)
+
+
+# The reference pass's forwards are sized by tokens (`forward_tokens`): on the CPU this many; on an accelerator as
+# many as FORWARD_MEMORY_SHARE of the memory free after loading holds, at most FORWARD_TOKENS_MAX (rounded down to
+# a multiple of 1,024; never below the longest sequence).
+CPU_FORWARD_TOKENS = 16384
+FORWARD_TOKENS_MAX = 65536
+FORWARD_MEMORY_SHARE = 0.5
+
+
+def forward_bytes_per_token(model, kernel: str) -> int:
+    """An upper estimate of what one more token of a no-grad forward holds at its peak, in bytes: inside a layer the
+    residual stream and the normed input (2 x hidden), then the larger of the attention's (queries, keys, values
+    and output) and the MLP's (gate, up, and their product: 3 x intermediate, times the experts a token visits)
+    tensors, in the weights' dtype, twice over for the allocator's transients; its ids, positions and layout
+    indices (64 bytes); under the dense kernel its row of the mask (bool, and the additive copy sdpa may make in
+    half precision), for rows up to MAX_ROW_TOKENS wide."""
+    from kto_pipeline.scoring.packing import MAX_ROW_TOKENS
+
+    config = text_config(model)
+    hidden = config.hidden_size
+    heads, kv_heads = (
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    )
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    intermediate = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 4 * hidden)
+    intermediate *= max(1, getattr(config, "num_experts_per_tok", 1) or 1)
+    attention = 2 * heads * head_dim + 2 * kv_heads * head_dim
+    element = next(_unwrapped(model).parameters()).element_size()
+    per_token = 2 * (2 * hidden + max(attention, 3 * intermediate)) * element + 64
+    return per_token + (3 * MAX_ROW_TOKENS if kernel == "dense" else 0)
+
+
+def forward_tokens(model, device, kernel: str, longest: int) -> tuple[int, str]:
+    """The token budget of one reference forward on `device`, and how it was chosen (for the log). On the CPU
+    CPU_FORWARD_TOKENS; on a CUDA device FORWARD_MEMORY_SHARE of the memory free now, less the LM head's chunk of
+    logits and its log-softmax (2 x CHUNK_LOGITS_BYTES, whatever the tokens), over `forward_bytes_per_token`, at
+    most FORWARD_TOKENS_MAX; at least `longest` (a sequence always fits)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return max(CPU_FORWARD_TOKENS, longest), f"{device.type}: {CPU_FORWARD_TOKENS:,} tokens"
+    free, _ = torch.cuda.mem_get_info(device)
+    per_token = forward_bytes_per_token(model, kernel)
+    fits = max(int(FORWARD_MEMORY_SHARE * free) - 2 * CHUNK_LOGITS_BYTES, 0) // per_token
+    budget = max(min(fits, FORWARD_TOKENS_MAX) // 1024 * 1024, longest)
+    why = f"{FORWARD_MEMORY_SHARE:.0%} of {free / 2**30:.1f} GiB free at ~{per_token / 1024:.1f} KiB a token"
+    return budget, why
 
 
 @dataclass(frozen=True)

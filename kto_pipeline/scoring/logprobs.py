@@ -23,6 +23,7 @@ import torch
 from kto_pipeline.loss import sequence_sums
 from kto_pipeline.models import backbone_of, checkpointing, keeps_keys_values, scorable
 from kto_pipeline.runtime.compiled import close_keys_values, keys_values_cache
+from kto_pipeline.runtime.prefetch import ahead
 from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs
 from kto_pipeline.scoring.head import DEFAULT_CHUNK_SIZE, head_logps
 from kto_pipeline.scoring.images import join_images, token_inputs
@@ -34,6 +35,7 @@ from kto_pipeline.scoring.packing import (
     layout_trees,
     pack_batches,
     pack_trees,
+    to_device,
     tree_tokens,
 )
 
@@ -314,7 +316,7 @@ def score_shard(
     scorer,
     trees: list[Tree],
     pad_id: int,
-    batch_size: int,
+    batch_size: int | None,
     max_tokens: int,
     device,
     on_batch=None,
@@ -357,25 +359,35 @@ def score_shard(
         ]
         passes = pack_batches(seqs, batch_size, max_tokens)
     total = len(passes) if agree_on_forwards is None else agree_on_forwards(len(passes))
+
+    def inputs():  # the host's part of each forward, run ahead of the device (`prefetch.ahead`)
+        for batch in passes:
+            if packed:
+                members = [t for row in batch for t in row]
+                local = {t: i for i, t in enumerate(members)}
+                rows = [[local[t] for t in row] for row in batch]
+                layout = layout_trees([trees[t] for t in members], rows, pad_id, static=costs.static, align=costs.align)
+                pixels = None if images is None else join_images([images(t) for t in members], device)
+                counts = torch.bincount(layout.sequence, minlength=branches * len(members)).tolist()  # (on the host)
+                sequences = [(t, k) for t in members for k in range(branches)]
+                counted = (branches * len(members), layout.tokens(), layout.input_ids.numel())
+                yield {"layout": layout.to(device), "images": pixels}, counts, sequences, counted
+            else:
+                ids, attn, comp = pad_sequences([s.ids for s in batch], [s.prompt_len for s in batch], pad_id)
+                pixels = None if images is None else join_images([images(s.row) for s in batch], device)
+                counts = comp[:, 1:].sum(1).tolist()  # the scored tokens of each row, as `score_sequences` takes them
+                sequences = [(s.row, s.kind) for s in batch]
+                counted = (len(batch), sum(len(s.ids) for s in batch), ids.numel())
+                yield (
+                    {"padded": tuple(to_device(t, device) for t in (ids, attn, comp)), "images": pixels},
+                    counts,
+                    sequences,
+                    counted,
+                )
+
     pending = None  # the last forward's log-probs on their way to the host, and (tree, continuation) of each sequence
-    for batch in passes:
-        if packed:
-            members = [t for row in batch for t in row]
-            local = {t: i for i, t in enumerate(members)}
-            rows = [[local[t] for t in row] for row in batch]
-            layout = layout_trees([trees[t] for t in members], rows, pad_id, static=costs.static, align=costs.align)
-            pixels = None if images is None else join_images([images(t) for t in members], device)
-            scores = scorer(layout=layout.to(device), images=pixels)
-            counts = torch.bincount(layout.sequence, minlength=branches * len(members)).tolist()  # (on the host)
-            sequences = [(t, k) for t in members for k in range(branches)]
-            counted = (branches * len(members), layout.tokens(), layout.input_ids.numel())
-        else:
-            ids, attn, comp = pad_sequences([s.ids for s in batch], [s.prompt_len for s in batch], pad_id)
-            pixels = None if images is None else join_images([images(s.row) for s in batch], device)
-            scores = scorer(padded=tuple(t.to(device) for t in (ids, attn, comp)), images=pixels)
-            counts = comp[:, 1:].sum(1).tolist()  # the scored tokens of each row, as `score_sequences` takes them
-            sequences = [(s.row, s.kind) for s in batch]
-            counted = (len(batch), sum(len(s.ids) for s in batch), ids.numel())
+    for forward, counts, sequences, counted in ahead(inputs()):
+        scores = scorer(**forward)
         # this forward's values start for the host behind it; the last forward's are read meanwhile: on an
         # accelerator the host builds and queues the next forward while the device runs this one
         ready, pending = pending, (HostCopy(scores.token_logps, counts), sequences)

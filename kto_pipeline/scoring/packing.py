@@ -30,8 +30,8 @@ static graph; `pack_rows` counts that padding in its cost, and the token counter
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -68,6 +68,15 @@ def static_rows(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """`tensor` on `device`; from the host to a GPU through pinned memory, the copy queued without waiting for it (the
+    host goes on to the next batch; torch keeps the pinned block until the copy has run)."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass
 class Layout:
     """A batch of trees laid out in rows. Every per-token tensor is (R, W); flat index = row * W + column."""
@@ -94,7 +103,7 @@ class Layout:
         return int((self.branch != BRANCH_PAD).sum())
 
     def to(self, device) -> Layout:
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        moved = {k: (to_device(v, device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         return Layout(**moved)
 
     def prompt_order(self) -> list[int]:
@@ -132,46 +141,68 @@ def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCo
     A row's tokens all run, padding included: R rows of width W cost R * W token-forwards, plus attention (see
     `AttentionCosts`): under the dense mask every token attends to the whole row, costs.pair * R * W^2, so few
     wide rows pad less and many narrow rows attend less; tree by tree, each tree attends to itself whatever the
-    row, at a price per tree; under a block mask, the tiles its trees touch (`block_pairs`). For each R, trees go
-    largest first to the emptiest row (which keeps the rows' widths within one tree of each other). At most
-    `max_trees` trees a row, and rows of about MAX_ROW_TOKENS at most (the row's (W, W) mask takes W^2 bytes
-    however attention runs)."""
+    row, at a price per tree; under a block mask, the tiles its trees touch (`block_pairs`). For each R, trees are
+    dealt largest first to the rows in serpentine order (rows 0..R-1, then R-1..0, ...), which keeps the rows' widths
+    within one tree of each other, in a few array operations whatever the number of trees. At most `max_trees`
+    trees a row, and rows of about MAX_ROW_TOKENS at most (the row's (W, W) mask takes W^2 bytes however attention
+    runs)."""
     costs = costs or AttentionCosts()
-    if not sizes:
+    if not len(sizes):
         return []
-    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    fewest = 1 if max_trees is None else -(-len(sizes) // max_trees)
-    fewest = min(len(sizes), max(fewest, -(-sum(sizes) // MAX_ROW_TOKENS)))
+    sizes = np.asarray(sizes, dtype=np.int64)
+    n = len(sizes)
+    order = np.argsort(-sizes, kind="stable")  # largest first
+    dealt = sizes[order]
+    fewest = 1 if max_trees is None else -(-n // max_trees)  # (serpentine rows hold ceil(n / R) trees at most)
+    fewest = min(n, max(fewest, -(-int(sizes.sum()) // MAX_ROW_TOKENS)))
     candidates, r = [], float(fewest)
-    while int(r) < len(sizes):  # row counts tried: every one up to 16, then 6% apart (static: powers of two)
+    while int(r) < n:  # row counts tried: every one up to 16, then 6% apart (static: powers of two)
         candidates.append(static_rows(int(r)) if costs.static else int(r))
         r = max(r + 1, r * 1.06)
     if costs.static:
-        candidates = sorted({n for n in candidates if n < len(sizes)})
-    best, best_cost = [], float("inf")
+        candidates = sorted({c for c in candidates if c < n})
+    best, best_cost = np.zeros(n, dtype=np.int64), float("inf")
     by_tree = float("inf")  # attention tree by tree: the same for every row count
     if costs.tree_call is not None:
-        by_tree = costs.pair * sum(n * n for n in sizes) + len(sizes) * costs.tree_call
-    for num_rows in [*candidates, len(sizes)]:
-        if num_rows * sizes[order[0]] >= best_cost:  # more rows cannot be cheaper: each is at least this wide
+        by_tree = costs.pair * float(np.square(sizes.astype(np.float64)).sum()) + n * costs.tree_call
+    for num_rows in [*candidates, n]:
+        if num_rows * int(dealt[0]) >= best_cost:  # more rows cannot be cheaper: each is at least this wide
             break
-        rows: list[list[int]] = [[] for _ in range(num_rows)]
-        heap = [(0, r) for r in range(num_rows)]  # (fill, row): the emptiest row on top
-        for i in order:
-            fill, r = heapq.heappop(heap)
-            rows[r].append(i)
-            if max_trees is None or len(rows[r]) < max_trees:
-                heapq.heappush(heap, (fill + sizes[i], r))
-        width = max(sum(sizes[i] for i in row) for row in rows)
+        row = _serpentine(n, num_rows)
+        width = int(np.bincount(row, weights=dealt, minlength=num_rows).max())
         if costs.static:
             num_rows, width = static_rows(num_rows), static_width(width)
         if costs.block is not None:
-            cost = num_rows * width + costs.pair * block_pairs(rows, sizes, costs.block)
+            cost = num_rows * width + costs.pair * _tiles(row, dealt, costs.block) * costs.block**2
         else:
             cost = num_rows * width + min(costs.pair * num_rows * width * width, by_tree)
         if cost < best_cost:
-            best, best_cost = rows, cost
-    return best
+            best, best_cost = row, cost
+    by_row = np.argsort(best, kind="stable")  # each row's trees in the order dealt
+    bounds = np.cumsum(np.bincount(best))[:-1]
+    return [part.tolist() for part in np.split(order[by_row], bounds)]
+
+
+def _serpentine(n: int, num_rows: int) -> np.ndarray:
+    """The row of each of `n` trees dealt to `num_rows` rows in serpentine order: 0..R-1, R-1..0, 0..R-1, ..."""
+    k = np.arange(n)
+    column, lap = k % num_rows, k // num_rows
+    return np.where(lap % 2 == 0, column, num_rows - 1 - column)
+
+
+def _tiles(row: np.ndarray, sizes: np.ndarray, block: int) -> int:
+    """The causal tiles a block mask computes over trees laid end to end in their rows (`row[i]`: tree i's row; a
+    row's trees in the order given), see `block_pairs`."""
+    by_row = np.argsort(row, kind="stable")
+    row, sizes = row[by_row], sizes[by_row]
+    ends = np.cumsum(sizes)
+    first_of_row = np.r_[True, row[1:] != row[:-1]]
+    row_start = np.maximum.accumulate(np.where(first_of_row, ends - sizes, 0))  # where each tree's row begins
+    start = ends - sizes - row_start
+    first, end = start // block, (start + sizes - 1) // block
+    span = end - first + 1
+    shared = ~first_of_row & (first == np.r_[-1, end[:-1]])  # the diagonal tile where the previous tree ends
+    return int((span * (span + 1) // 2).sum() - shared.sum())
 
 
 def block_pairs(rows: list[list[int]], sizes: list[int], block: int) -> int:
@@ -179,15 +210,9 @@ def block_pairs(rows: list[list[int]], sizes: list[int], block: int) -> int:
     causal tile (query block, key block) that one tree spans both sides of, block^2 pairs each. A tree spanning m
     blocks touches m (m + 1) / 2 tiles; a tree that starts in the block where the previous one ends shares that
     diagonal tile with it."""
-    tiles = 0
-    for row in rows:
-        start, last = 0, -1
-        for i in row:
-            first, end = start // block, (start + sizes[i] - 1) // block
-            span = end - first + 1
-            tiles += span * (span + 1) // 2 - (first == last)
-            start, last = start + sizes[i], end
-    return tiles * block * block
+    trees = [t for row in rows for t in row]
+    row = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+    return _tiles(row, np.asarray(sizes, dtype=np.int64)[trees], block) * block * block
 
 
 def layout_trees(
@@ -214,17 +239,24 @@ def layout_trees(
     if any(len(trees[t][1]) != branches for row in rows for t in row):
         raise ValueError("every tree needs the same number of continuations")
 
-    # each segment's place: (row, tree, branch, part, column within its part), segments aligned; part 1 holds the
-    # last continuations (`split_last`) and starts at the split
-    placed, fills = [], [[0, 0] for _ in rows]  # per row: the next free column of each part
-    for r, row in enumerate(rows):
-        for t in row:
-            for b, segment in enumerate([trees[t][0], *trees[t][1]]):
-                part = 1 if split_last and b == branches else 0
-                col = aligned(fills[r][part], align)
-                fills[r][part] = col + len(segment)
-                placed.append((r, t, b, part, col))
-    split, last = (max(f[part] for f in fills) for part in (0, 1))
+    # every segment (a tree's prompt, then its continuations), in the order the rows hold them, as arrays: built in
+    # numpy and handed to torch once a field, a fixed number of array operations whatever the trees
+    placed = np.fromiter(chain.from_iterable(rows), np.int64, count=sum(map(len, rows)))  # trees, row by row
+    per_tree = branches + 1
+    lengths = np.array([[len(trees[t][0]), *map(len, trees[t][1])] for t in placed.tolist()], dtype=np.int64)
+    seg_tree, seg_branch = np.repeat(placed, per_tree), np.tile(np.arange(per_tree), len(placed))
+    seg_row = np.repeat(np.repeat(np.arange(len(rows)), [len(row) for row in rows]), per_tree)
+    seg_len = lengths.reshape(-1)
+    seg_part = ((seg_branch == branches) & split_last).astype(np.int64)  # part 1: the last continuations
+    # a segment's column within its row's part: the aligned lengths of the segments before it there
+    room = -(-seg_len // align) * align
+    group = np.argsort(seg_row * 2 + seg_part, kind="stable")
+    ends = np.cumsum(room[group])
+    first = np.r_[True, np.diff((seg_row * 2 + seg_part)[group]) != 0]
+    seg_col = np.empty_like(seg_len)
+    seg_col[group] = ends - room[group] - np.maximum.accumulate(np.where(first, ends - room[group], 0))
+    fill = seg_col + seg_len
+    split, last = (int(fill[seg_part == part].max(initial=0)) for part in (0, 1))
     if split_last:
         split = aligned(static_width(split) if static else split, align)
         width = split + aligned(last, align)
@@ -233,30 +265,35 @@ def layout_trees(
         split = width = static_width(split) if static else split
     if static:
         rows = rows + [[] for _ in range(static_rows(len(rows)) - len(rows))]
-    # built in numpy and handed to torch once a field: a fixed number of tensor ops whatever the trees
     shape = (len(rows), width)
+    seg_start = seg_row * width + seg_part * split + seg_col  # flat index of each segment's first token
+    total = int(seg_len.sum())
+    within = np.arange(total) - np.repeat(np.cumsum(seg_len) - seg_len, seg_len)  # each token's place in its segment
+    where = np.repeat(seg_start, seg_len) + within
+    segments = chain.from_iterable((trees[t][0], *trees[t][1]) for t in placed.tolist())
     ids = np.full(shape, pad_id, dtype=np.int64)
     pos = np.zeros(shape, dtype=np.int64)
     tree_of = np.full(shape, -1, dtype=np.int64)
     branch_of = np.full(shape, BRANCH_PAD, dtype=np.int64)
-    sequence, target, predictor = [], [], []  # per continuation: its sequence number and flat index ranges
-    for r, t, b, part, col in placed:  # (a tree's prompt before its continuations)
-        segment, base, start_pos = [trees[t][0], *trees[t][1]][b], r * width, 0 if b == 0 else len(trees[t][0])
-        col, n = col + part * split, len(segment)
-        ids[r, col : col + n] = segment
-        pos[r, col : col + n] = np.arange(start_pos, start_pos + n)
-        tree_of[r, col : col + n] = t
-        branch_of[r, col : col + n] = b
-        if b == 0:
-            last_prompt = base + col + n - 1
-        elif n:
-            targets = np.arange(base + col, base + col + n)
-            sequence.append(np.full(n, t * branches + b - 1))
-            target.append(targets)
-            predictor.append(np.concatenate(([last_prompt], targets[:-1])))
-    # by sequence, then position: each sequence's tokens in order (a sequence's tokens are already in order)
-    order = np.argsort(np.concatenate(sequence), kind="stable")
-    sequence, target, predictor = (torch.from_numpy(np.concatenate(c)[order]) for c in (sequence, target, predictor))
+    ids.reshape(-1)[where] = np.fromiter(chain.from_iterable(segments), np.int64, count=total)
+    pos.reshape(-1)[where] = (
+        np.repeat(np.where(seg_branch == 0, 0, np.repeat(lengths[:, 0], per_tree)), seg_len) + within
+    )
+    tree_of.reshape(-1)[where] = np.repeat(seg_tree, seg_len)
+    branch_of.reshape(-1)[where] = np.repeat(seg_branch, seg_len)
+    # per scored token (every continuation token), by sequence, then position: its flat index, the flat index of the
+    # token that predicts it (the previous one; for a continuation's first, its prompt's last), its sequence
+    seg_sequence = seg_tree * branches + seg_branch - 1
+    scored = np.nonzero((seg_branch > 0) & (seg_len > 0))[0]
+    scored = scored[np.argsort(seg_sequence[scored], kind="stable")]
+    n = seg_len[scored]
+    starts = np.cumsum(n) - n
+    target = np.repeat(seg_start[scored], n) + (np.arange(int(n.sum())) - np.repeat(starts, n))
+    prompt = scored - seg_branch[scored]  # (a tree's segments are consecutive: its prompt comes first)
+    predictor = target - 1
+    predictor[starts] = seg_start[prompt] + seg_len[prompt] - 1
+    sequence = np.repeat(seg_sequence[scored], n)
+    sequence, target, predictor = (torch.from_numpy(x) for x in (sequence, target, predictor))
     ids, pos, tree_of, branch_of = (torch.from_numpy(x) for x in (ids, pos, tree_of, branch_of))
     return Layout(ids, pos, tree_of, branch_of, target, predictor, sequence, len(trees), branches, split, align)
 
@@ -285,8 +322,9 @@ class ScoredSequence:
     ids: list[int]  # prompt + (KL) completion, already truncated
 
 
-def pack_batches(seqs: list[ScoredSequence], batch_size: int, max_tokens: int) -> list[list[ScoredSequence]]:
-    """Longest first, then fill each batch while rows <= batch_size and padded tokens <= max_tokens."""
+def pack_batches(seqs: list[ScoredSequence], batch_size: int | None, max_tokens: int) -> list[list[ScoredSequence]]:
+    """Longest first, then fill each batch while rows <= batch_size (None: any) and padded tokens <= max_tokens."""
+    batch_size = batch_size or len(seqs)
     batches: list[list[ScoredSequence]] = []
     current: list[ScoredSequence] = []
     for seq in sorted(seqs, key=lambda s: len(s.ids), reverse=True):
@@ -301,13 +339,13 @@ def pack_batches(seqs: list[ScoredSequence], batch_size: int, max_tokens: int) -
 
 
 def pack_trees(
-    sizes: list[int], batch_size: int, max_tokens: int, costs: AttentionCosts | None = None
+    sizes: list[int], batch_size: int | None, max_tokens: int, costs: AttentionCosts | None = None
 ) -> list[list[list[int]]]:
     """Group trees (prompt + completion + KL completion, `sizes[i]` tokens) into forward passes of rows.
 
     Rows by `pack_rows` (several trees a row; `costs`: what attention costs); then rows into passes while rows x
     width <= max_tokens (static shapes: as padded) and trees <= batch_size / 2 (batch_size counts sequences, two per
-    tree; a tree always fits alone). Returns passes -> rows -> trees."""
+    tree; None: no limit; a tree always fits alone). Returns passes -> rows -> trees."""
     passes: list[list[list[int]]] = []
     current: list[list[int]] = []
     width = trees = 0
@@ -316,10 +354,12 @@ def pack_trees(
     def size(rows: int, width: int) -> int:  # the tokens a pass of `rows` rows as wide as `width` runs
         return static_rows(rows) * static_width(width) if static else rows * width
 
-    for row in pack_rows(sizes, max(batch_size // 2, 1), costs):
+    most_trees = None if batch_size is None else max(batch_size // 2, 1)
+    for row in pack_rows(sizes, most_trees, costs):
         row_width = sum(sizes[i] for i in row)
         new_width = max(width, row_width)
-        if current and (size(len(current) + 1, new_width) > max_tokens or 2 * (trees + len(row)) > max(batch_size, 2)):
+        too_many = most_trees is not None and trees + len(row) > most_trees
+        if current and (size(len(current) + 1, new_width) > max_tokens or too_many):
             passes.append(current)
             current, width, trees = [], 0, 0
             new_width = row_width

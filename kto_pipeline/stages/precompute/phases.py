@@ -75,6 +75,7 @@ class Reference:
     scorer: Any  # the scoring forward: a ReferenceScorer (the FSDP2 root when sharded), or ZeRO-3's engine
     regime: Regime  # weights dtype and autocast
     attention_kernel: str  # how packed rows attend (`attention.attention_kernel`)
+    forward_tokens: int  # the token budget of a forward: --max-tokens-per-batch, or `attention.forward_tokens`
     compiled: Any = None  # with --torch-compile: `compiled.CompileStats`, Dynamo's counters since the compile
 
 
@@ -92,12 +93,13 @@ class Output:
 @dataclass
 class ShardStats:
     """One process's shard of one round, gathered by the main process: rows, and tokens scored (each prompt with
-    each continuation), executed (padding included) and needed (each prompt once, no padding)."""
+    each continuation), executed (padding included) and needed (each prompt once, no padding); forwards run."""
 
     rows: int = 0
     scored: int = 0
     executed: int = 0
     needed: int = 0
+    forwards: int = 0
 
 
 class ShardProgress:
@@ -112,13 +114,15 @@ class ShardProgress:
         )
         self.total_rows, self.done_rows, self.processes = total_rows, done_rows, state.num_processes
         self.estimate_rows = self.estimate_tokens = 0.0
-        self.executed_here = 0  # tokens this process ran in this round (padding included)
-        # of this run, all processes: rows and tokens scored (prompts counted per sequence), executed and needed
-        self.rows_scored = self.tokens_scored = self.tokens_executed = self.tokens_needed = 0
+        self.executed_here = self.forwards_here = 0  # tokens (padding included) and forwards this process ran in
+        # this round; of this run, all processes: rows and tokens scored (prompts counted per sequence), executed and
+        # needed, and the forwards
+        self.rows_scored = self.tokens_scored = self.tokens_executed = self.tokens_needed = self.forwards = 0
 
     def on_batch(self, sequences: int, tokens: int, executed: int) -> None:
         """After each forward pass: sequences (two a row), the tokens they need, the tokens the pass ran."""
         self.executed_here += executed
+        self.forwards_here += 1
         self.estimate_rows += sequences / 2 * self.processes
         self.estimate_tokens += tokens * self.processes
         elapsed = max(time.perf_counter() - self.started, 1e-9)
@@ -132,6 +136,7 @@ class ShardProgress:
         self.tokens_scored += sum(s.scored for s in stats)
         self.tokens_executed += sum(s.executed for s in stats)
         self.tokens_needed += sum(s.needed for s in stats)
+        self.forwards += sum(s.forwards for s in stats)
         self.done_rows += sum(s.rows for s in stats)
         self.estimate_rows, self.estimate_tokens = 0.0, float(self.tokens_scored)
         elapsed = max(time.perf_counter() - self.started, 1e-9)

@@ -115,14 +115,14 @@ def _score_round(run: Pass, first: int, num_shards: int, pad_id: int) -> None:
     state, progress, output = run.state, run.progress, run.output
     shard_index = first + state.process_index
     entry, stats = None, ShardStats()
-    progress.executed_here = 0
+    progress.executed_here = progress.forwards_here = 0
     if shard_index < num_shards:
         size, n = run.config.shard_size, len(run.prepared.rows)
         positions = np.arange(shard_index * size, min(n, (shard_index + 1) * size))
         columns, trees = _score_rows(run, positions, pad_id)
         entry = write_shard(run.out, output.first_shard + shard_index, columns, output.manifest.format_version)
         needed, scored = _tree_tokens(trees)
-        stats = ShardStats(rows=len(positions), scored=scored, executed=progress.executed_here, needed=needed)
+        stats = ShardStats(len(positions), scored, progress.executed_here, needed, progress.forwards_here)
     elif run.engine.collective_forwards:  # no shard left for this process: it still runs the others' forwards
         _score_trees(run, [], pad_id)
     entries = gather_object([(entry, stats)]) if state.num_processes > 1 else [(entry, stats)]
@@ -166,7 +166,7 @@ def check_packing(run: Pass) -> None:
                 trees,
                 pad_id,
                 run.config.batch_size,
-                run.config.max_tokens_per_batch,
+                run.reference.forward_tokens,
                 run.state.device,
                 packed=packed,
                 agree_on_forwards=run.engine.agree_on_forwards if collective else None,
@@ -279,7 +279,7 @@ def _score_trees(run: Pass, trees: list[Tree], pad_id: int, images=None) -> list
         trees,
         pad_id,
         run.config.batch_size,
-        run.config.max_tokens_per_batch,
+        run.reference.forward_tokens,
         run.state.device,
         run.progress.on_batch,
         packed=run.padded_because is None,
@@ -318,6 +318,8 @@ def finish(run: Pass) -> None:
             "tokens_executed": progress.tokens_executed,
             "tokens_needed": progress.tokens_needed,
             "token_efficiency": round(progress.tokens_needed / max(progress.tokens_executed, 1), 4),
+            "forwards": progress.forwards,
+            "forward_tokens": run.reference.forward_tokens,
             "wall_seconds": round(time.perf_counter() - run.started, 3),
             "processes": run.state.num_processes,
             "peak_memory": peak_memory,
@@ -366,6 +368,8 @@ def _print_summary(manifest: Manifest, segment: dict[str, Any], out: Path, secon
         f"  tokens       {timing['tokens_scored']} scored ({scored_what}, with their prompts)\n"
         f"  efficiency   {timing['token_efficiency']:.1%}: {timing['tokens_needed']} tokens needed (each prompt once, "
         f"no padding) / {timing['tokens_executed']} executed\n"
+        f"  forwards     {timing['forwards']}: {timing['tokens_executed'] / max(timing['forwards'], 1):.0f} tokens "
+        f"each on average, up to {timing['forward_tokens']}\n"
         f"  tokenizing   {segment['normalized_rows']} rows of {segment['source']['source_rows']} source rows in "
         f"{timing['preprocess_seconds']:.1f} s: {timing['preprocess_rows_per_second']:.0f} source rows/s (load, "
         f"check, key, tokenize; datasets.map {timing['tokenize_seconds']:.1f} s with --num-proc "

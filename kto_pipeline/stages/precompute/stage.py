@@ -55,7 +55,7 @@ from kto_pipeline.runtime.experts import experts_rows_alike
 from kto_pipeline.runtime.launch import print0, process_state
 from kto_pipeline.runtime.peak_memory import PeakMemory
 from kto_pipeline.runtime.precision import reference_regime, rows_alike
-from kto_pipeline.scoring.attention import request_attention_kernel
+from kto_pipeline.scoring.attention import forward_tokens, request_attention_kernel
 from kto_pipeline.scoring.logprobs import ReferenceScorer
 from kto_pipeline.scoring.packable import packing_unsupported
 from kto_pipeline.stages.precompute.append import NewRows, find_new_rows, open_base, partner_from_cache, plan_append
@@ -398,9 +398,14 @@ def load_reference(run: Pass) -> None:
     say = functools.partial(print0, state)
     compiled = compile_layers(model, config, state.device, run.engine, say)
     scorer = run.engine.prepare_scorer(ReferenceScorer(model), model, regime, state.device)
-    run.reference = Reference(model, weights_hash, scorer, regime, kernel, compiled)
+    budget, chosen = config.max_tokens_per_batch, "--max-tokens-per-batch"
+    if budget is None:  # once loaded: what memory is left decides on an accelerator
+        budget, chosen = forward_tokens(model, state.device, kernel, config.max_length)
+    run.reference = Reference(model, weights_hash, scorer, regime, kernel, budget, compiled)
     run.peaks.loaded()  # the model read, then sharded or partitioned: loading's peak
     print0(state, f"reference: {regime}, {run.engine}")
+    rows = "" if config.batch_size is None else f", at most {config.batch_size} sequences"
+    print0(state, f"forwards: up to {budget:,} tokens each ({chosen}){rows}")
     if run.padded_because is None:
         print0(state, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
     else:

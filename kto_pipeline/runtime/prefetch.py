@@ -1,0 +1,60 @@
+"""The host ahead of the device: the next batch prepared while the current one computes.
+
+On an accelerator a forward only queues kernels; the host is free until it reads a result back. `ahead` runs the
+host's part of the next batches (packing, laying out, pinning and queueing the copy to the device) in a background
+thread during that time, so that the device does not wait for Python between forwards. Torch's kernels, numpy's
+array operations and the copies release the GIL, so the thread overlaps the main thread's forward on the CPU as well.
+Items come out in the order the iterable makes them: nothing it computes depends on the thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_DONE = object()
+
+
+def ahead(items: Iterable[T], depth: int = 2) -> Iterator[T]:
+    """Iterate `items`, computing up to `depth` of them ahead in a background thread. An exception raised while
+    making an item is raised here, where that item would have come; leaving the loop early stops the thread."""
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def make() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        ready.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ready.put((_DONE, None))
+        except BaseException as exc:  # handed to the consumer, raised there
+            ready.put((_DONE, exc))
+
+    thread = threading.Thread(target=make, name="kto-pipeline-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            if item is _DONE:
+                return
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # unblock a producer waiting on a full queue, then let it finish
+            try:
+                ready.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        thread.join()
