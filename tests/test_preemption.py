@@ -181,11 +181,12 @@ def test_precompute_stops_after_the_shards_in_flight_and_the_same_command_resume
     clean = precompute(PrecomputeConfig(output=str(tmp_path / "clean"), **config))
     score_round, rounds = precompute_stage._score_round, []
 
-    def round_then_signal(run, first, num_shards, pad_id):
-        score_round(run, first, num_shards, pad_id)
+    def round_then_signal(run, first, *args):
+        writing = score_round(run, first, *args)
         rounds.append(first)
         if len(rounds) == 2:
             os.kill(os.getpid(), signal.SIGUSR1)
+        return writing
 
     monkeypatch.setattr(precompute_stage, "_score_round", round_then_signal)
     out = tmp_path / "stopped"

@@ -5,14 +5,17 @@ shard of work and a rerun resumes after the intact ones (`finished_shards`; `rem
 Within a shard each row is one tree, its prompt followed by its completion and its KL completion, which both
 attend to the prompt (`scoring/packing.py`); with --pairs-only each pair is one tree, its prompt followed by its
 two answers. Either way the prompt runs once and every tree has two continuations: one path builds, scores and
-lays out both (`_score_rows`, `_columns`). Shards are written in rounds, one per process, and after each round
-the main process records the finished ones, so the manifest always lists a complete prefix of them; `finish`
-records the segment and the timing in one atomic manifest write.
+lays out both (`_score_rows`, `_columns`). Shards are scored in rounds, one per process; each is written by a
+background writer while the next round's forwards run, and once a round's shards are written the main process
+records them, so the manifest always lists a complete prefix of them; `finish` records the segment and the timing
+in one atomic manifest write.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -80,20 +83,27 @@ def segment_entry(run: Pass, index: int, format_version: int | None) -> dict[str
 
 
 def score_shards(run: Pass) -> None:
-    """Score the shards not yet written, in rounds: in round r, process k scores shard r * N + k. After each round
-    the main process records the finished shards, so the manifest always lists a complete prefix of them and the
-    shard layout (which rows go where) does not depend on the number of processes. An append's shards are
-    numbered after the cache's and recorded under `appending` until `finish`."""
+    """Score the shards not yet written, in rounds: in round r, process k scores shard r * N + k. A shard is
+    written by a background writer while the next round's forwards run; once it is, the main process records it,
+    so the manifest always lists a complete prefix of the shards and the shard layout (which rows go where) does
+    not depend on the number of processes. An append's shards are numbered after the cache's and recorded under
+    `appending` until `finish`."""
     config, state, written = run.config, run.state, run.output.written
     n = len(run.prepared.rows)
     pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
     num_shards = (n + config.shard_size - 1) // config.shard_size
     run.progress = progress = ShardProgress(n, sum(s["rows"] for s in written), state)
     try:
-        with StopRequests() as stop:
+        with ThreadPoolExecutor(1, thread_name_prefix="kto-pipeline-writer") as writer, StopRequests() as stop:
+            writing = None  # the last round's shard, being written
             for first in range(len(written), num_shards, state.num_processes):
-                _score_round(run, first, num_shards, pad_id)
+                scored = _score_round(run, first, num_shards, pad_id, writer)
+                _record(run, writing)
+                writing = scored
                 signal_name = stop.agreed(state.device)  # one small collective per round
+                if signal_name:
+                    _record(run, writing)
+                    writing = None
                 if signal_name and len(written) < num_shards:
                     progress.bar.close()
                     run.engine.close(run.reference.scorer)
@@ -101,6 +111,7 @@ def score_shards(run: Pass) -> None:
                         f"{signal_name} received: stopped after the shards in flight, {len(written)}/{num_shards} "
                         f"shards written in {run.out}. Continue with {continue_command()}: it resumes after them."
                     )
+            _record(run, writing)
     except KeyboardInterrupt:
         progress.bar.close()
         raise KTOPipelineError(
@@ -110,26 +121,42 @@ def score_shards(run: Pass) -> None:
     progress.bar.close()
 
 
-def _score_round(run: Pass, first: int, num_shards: int, pad_id: int) -> None:
-    """One round: process k scores shard `first + k` and writes it; the main process records the finished ones."""
+def _score_round(run: Pass, first: int, num_shards: int, pad_id: int, writer: ThreadPoolExecutor) -> Future:
+    """One round: process k scores shard `first + k` and hands it to `writer`; returns the write's future, whose
+    result is the shard's manifest entry (None where this process had no shard) and its `ShardStats`."""
     state, progress, output = run.state, run.progress, run.output
     shard_index = first + state.process_index
-    entry, stats = None, ShardStats()
     progress.executed_here = progress.forwards_here = 0
-    if shard_index < num_shards:
-        size, n = run.config.shard_size, len(run.prepared.rows)
-        positions = np.arange(shard_index * size, min(n, (shard_index + 1) * size))
-        columns, trees = _score_rows(run, positions, pad_id)
-        entry = write_shard(run.out, output.first_shard + shard_index, columns, output.manifest.format_version)
-        needed, scored = _tree_tokens(trees)
-        stats = ShardStats(len(positions), scored, progress.executed_here, needed, progress.forwards_here)
-    elif run.engine.collective_forwards:  # no shard left for this process: it still runs the others' forwards
-        _score_trees(run, [], pad_id)
+    if shard_index >= num_shards:
+        if run.engine.collective_forwards:  # no shard left for this process: it still runs the others' forwards
+            _score_trees(run, [], pad_id)
+        done: Future = Future()
+        done.set_result((None, ShardStats()))
+        return done
+    size, n = run.config.shard_size, len(run.prepared.rows)
+    positions = np.arange(shard_index * size, min(n, (shard_index + 1) * size))
+    columns, trees = _score_rows(run, positions, pad_id)
+    needed, scored = _tree_tokens(trees)
+    stats = ShardStats(len(positions), scored, progress.executed_here, needed, progress.forwards_here)
+
+    def write() -> tuple[dict[str, Any], ShardStats]:
+        shard = output.first_shard + shard_index
+        return write_shard(run.out, shard, columns(), output.manifest.format_version), stats
+
+    return writer.submit(write)
+
+
+def _record(run: Pass, writing: Future | None) -> None:
+    """Wait for a round's shards to be written (every process's), then the main process records them."""
+    if writing is None:
+        return
+    state, output = run.state, run.output
+    entry, stats = writing.result()
     entries = gather_object([(entry, stats)]) if state.num_processes > 1 else [(entry, stats)]
     if state.is_main_process:
         output.written.extend(sorted((e for e, _ in entries if e is not None), key=lambda e: e["file"]))
         write_manifest(run.out, output.manifest)
-    progress.end_round([s for _, s in entries])
+    run.progress.end_round([s for _, s in entries])
 
 
 # the packing check (`check_packing`): the rows it scores both ways, and the most a token's log-prob may move between
@@ -186,8 +213,9 @@ def check_packing(run: Pass) -> None:
         print0(run.state, f"note: {run.padded_because}; each sequence runs on its own, padded")
 
 
-def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> tuple[dict[str, list], list[Tree]]:
-    """Build and score the trees of the kept rows at `positions`; returns their shard's columns and the trees."""
+def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> tuple[Callable[[], dict[str, list]], list[Tree]]:
+    """Build and score the trees of the kept rows at `positions`; returns what makes their shard's columns (run by
+    the writer) and the trees."""
     prepared = run.prepared
     ids, pair_ids = prepared.example_ids[positions], prepared.pair_ids[positions]
     trees, kl_ids = _trees(run, positions)
@@ -197,11 +225,11 @@ def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> tuple[dict[str
         tree_rows = image_rows[:: 2 if run.config.pairs_only else 1]
         images = lambda tree: prepared.image_rows.pixels(tree_rows[tree])  # noqa: E731
     scores = _score_trees(run, trees, pad_id, images)
-    columns = _columns(ids, prepared.rows.labels[positions], pair_ids, trees, scores, kl_ids)
+    labels = prepared.rows.labels[positions]
+    more = {}
     if prepared.image_rows is not None:
-        columns["image_row"] = image_rows
-        columns["image_hashes"] = prepared.rows.take(positions, "image_hashes")
-    return columns, trees
+        more = {"image_row": image_rows, "image_hashes": prepared.rows.take(positions, "image_hashes")}
+    return lambda: _columns(ids, labels, pair_ids, trees, scores, kl_ids) | more, trees
 
 
 def _trees(run: Pass, positions: np.ndarray) -> tuple[list[Tree], Any]:
