@@ -218,14 +218,16 @@ def phases_timed():
 
 
 def host_assets(work: Path) -> tuple[Path, Path]:
-    """A micro Llama (1 layer, hidden 8, the character tokenizer: its arithmetic negligible beside the host's work)
-    and HOST_ROWS short rows."""
+    """A micro Llama (1 layer, hidden 8, one attention head, the character tokenizer: its arithmetic small beside the
+    host's work) and HOST_ROWS short rows."""
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
 
     model = work / "micro-model"
     if not (model / "config.json").exists():
         tok = build_char_tokenizer()
-        build_tiny_model(tok, hidden_size=8, num_layers=1).save_pretrained(model)
+        build_tiny_model(
+            tok, hidden_size=8, num_layers=1, num_attention_heads=1, num_key_value_heads=1
+        ).save_pretrained(model)
         tok.save_pretrained(model)
     rows = [dict(r, prompt=r["prompt"][:60], completion=r["completion"][:50]) for r in islice(row_stream(), HOST_ROWS)]
     return model, harness.write_jsonl(work / "host-data.jsonl", rows)
@@ -251,8 +253,25 @@ def reference_phases(work: Path) -> tuple[dict, Path]:
     timing = open_cache(cache).manifest.timing
     needed = timing["tokens_needed"]
     measured = {f"ref_{p}": s * 1e6 / needed for p, s in seconds.items()}
+    measured["ref_kernels"] = (
+        kernel_seconds(
+            lambda: precompute(PrecomputeConfig(**settings, output=str(work / "host-profiled"), overwrite=True))
+        )
+        * 1e6
+        / needed
+    )
     measured |= dict(ref_all=timing["reference_pass_seconds"] * 1e6 / needed, ref_forwards=timing["forwards"])
     return measured | dict(ref_needed=needed, ref_rows=timing["rows_scored"]), cache
+
+
+def kernel_seconds(run) -> float:
+    """The seconds torch's kernels take in `run()` (the self time of every aten op, under torch.profiler): what a
+    device would compute; the rest of the time is the host's (Python, torch's dispatch, numpy)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")) / 1e6
 
 
 def step_per_token(cache: Path, per_row: float) -> dict:
@@ -279,13 +298,15 @@ def render_host(measured: dict, seconds: float) -> str:
     phases = [p for p in dict.fromkeys(p for p, _, _ in PHASES)]
     timed = sum(measured[f"ref_{p}"] for p in phases)
     ref, step = measured["ref_all"], measured["step_all"]
+    kernels = f"{measured['ref_kernels']:.2f}"
     lines = [
         HOST_HEADING,
         "",
         *harness.provenance("`python benchmarks/profile_step.py`", seconds),
-        f"- a micro Llama (1 layer, hidden 8, the character tokenizer), whose arithmetic is negligible, so that what "
-        f"is left is the host's work; one thread; the dense kernel; {measured['ref_rows']:,} short unpaired rows "
-        f"({measured['ref_needed']:,} needed tokens: each prompt once, its completion and KL completion), "
+        f"- a micro Llama (1 layer, hidden 8, one attention head, the character tokenizer), whose weights' arithmetic "
+        "is negligible, so that what is left is mostly the host's work; one thread; the dense kernel; "
+        f"{measured['ref_rows']:,} short unpaired rows ({measured['ref_needed']:,} needed tokens: each prompt once, "
+        "its completion and KL completion), "
         f"max_length {MAX_LENGTH}, default forwards ({measured['ref_forwards']} of them).",
         "- each phase: the time spent in its functions (`PHASES` in the script), less that of the phases inside "
         "them; packing and laying out run ahead of the forwards in a thread, so the phases may add up to more than "
@@ -296,6 +317,12 @@ def render_host(measured: dict, seconds: float) -> str:
         ),
         harness.md_row("phases, summed", f"{timed:.2f}"),
         harness.md_row("**the pass, wall time**", f"**{ref:.2f}**"),
+        harness.md_row("of which torch's kernels (aten ops' own time, in a profiled run of the same pass)", kernels),
+        harness.md_row("the host's work (the wall time less the kernels)", f"{ref - measured['ref_kernels']:.2f}"),
+        "",
+        "What a device would compute (the kernels) is here mostly attention under the dense mask, whose work grows "
+        "with the row's width and the heads whatever the hidden size: a micro model makes the weights' arithmetic "
+        "negligible, not attention's.",
         "",
         f"A compiled training step (`--attention-kernel dense --torch-compile`) at {HOST_BATCH} rows, the same model "
         f"and cache: a {HOST_STEPS[1]}-step minus a {HOST_STEPS[0]}-step call, per step, over its rows' needed "

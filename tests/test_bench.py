@@ -220,3 +220,18 @@ def test_a_main_table_rerun_keeps_every_other_section(monkeypatch):
     old = "# B\n\n## Against the goals\n\nold table\n\n## LoRA\n\nlora\n\n## Demo: held-out\n\n59.4%\n"
     new = with_other_sections("# B\n\n## Against the goals\n\nnew table\n", old)
     assert new == "# B\n\n## Against the goals\n\nnew table\n\n## LoRA\n\nlora\n\n## Demo: held-out\n\n59.4%\n"
+
+
+def test_host_work_per_token_is_measured_phase_by_phase(monkeypatch, tmp_path):
+    """profile_step's host measurement, on a few rows: every phase of the reference pass takes time, the kernels
+    take less than the pass, and the phases (one thread ahead of the forwards) account for most of the pass."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import profile_step
+
+    monkeypatch.setattr(profile_step, "HOST_ROWS", 64)
+    measured, cache = profile_step.reference_phases(tmp_path)
+    phases = dict.fromkeys(p for p, _, _ in profile_step.PHASES)
+    assert all(measured[f"ref_{p}"] > 0 for p in phases), measured
+    assert 0 < measured["ref_kernels"] < measured["ref_all"]
+    assert measured["ref_rows"] == 64 and (cache / "manifest.json").exists()
+    assert sum(measured[f"ref_{p}"] for p in phases) > 0.5 * measured["ref_all"], measured

@@ -394,4 +394,5 @@ def attention_mask_for(model, visible: torch.Tensor, dtype: torch.dtype) -> torc
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
         fill = float("-inf")
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, fill)
+    values = [torch.full((), x, dtype=dtype, device=visible.device) for x in (0.0, fill)]
+    return torch.where(visible, *values)  # (one pass over the mask: no zeros filled first, no negated copy)
