@@ -3,9 +3,9 @@
     python benchmarks/bench_gpu_matrix.py                          # `make bench-gpu`: a CUDA GPU, RESULTS-gpu.md
     python benchmarks/bench_gpu_matrix.py --device cpu             # the code path on a CPU, tiny shapes (~2 min)
 
-First the accelerator's default path (the block mask, compiled, bf16; on a CPU its default, by tree and eager) runs
-both stages (the reference pass compiled alike) and one step, and its step-1 rewards must be exactly 0
-(`step_one_check`); later, before their cases, CUDA graphs must give the numbers of the compiled run without them (a
+The accelerator's default path (the block mask, compiled, bf16; on a CPU its default, by tree and eager) runs both
+stages (the reference pass compiled alike) and one step, and its step-1 rewards must be exactly 0 (`step_one_check`);
+before their cases, CUDA graphs must give the numbers of the compiled run without them (a
 tiny model, accumulation and evaluation). For Qwen2-0.5B and a ~1.5B shape (Qwen2-1.5B's, at max_length 2048 with HH
 lengths), KTO against trl.KTOTrainer and the `sigmoid` pair loss against trl.DPOTrainer, at batch 8 and 64:
 kto-pipeline's training compiled (without, then with CUDA graphs: `--torch-compile-mode reduce-overhead`) and eager,
@@ -13,15 +13,17 @@ trl precomputed with and without liger's fused loss. It reports each case's step
 goals.
 
 A budget keeps it within 8 minutes (--budget-s 480, building and the checks included), and the run goes in the order of
-what answers the goals (`plan`), so that what the budget leaves out answers the least: the step-1 check and the layouts'
-diagnosis of step 1; KTO on Qwen2-0.5B, ours compiled and trl's two settings at both batches (the speed and memory
-goals), with where ours' compiled step's time goes at batch 8 (torch.profiler: the GPU's kernel time against the wall,
-kernels run, launches, the host's waits for the device, ops); the ~1.5B shape compiled at its larger batch (the MFU
-goal); CUDA graphs after their check; the first model's KTO reference pass again, on the dense mask, in static shapes
-and compiled (which pays); then every other case (eager, the ~1.5B shape's others, the pair loss). `--first pairs` (or
-`large`, `graphs`) moves that goal's cases right after the checks, for a run that follows one whose budget ended before
-them. Each step of cases (one tool, one model, one loss) runs in a fresh process that measures them one after another
-(ours' reference pass once for the model and loss, its cache kept for the later steps); every case is written down the
+what answers the goals (`plan`), so that what the budget leaves out answers the least: the ~1.5B shape's reference pass
+at the defaults (forwards filled to the token budget: needed tokens/s, MFU) and its compiled training step at its
+larger batch (>= 16k tokens: MFU); the `sigmoid` pair loss against trl.DPOTrainer at batch 8 and 64 on Qwen2-0.5B; the
+default path's step-1 check end to end; CUDA graphs after their check; KTO on Qwen2-0.5B, ours compiled and trl's two
+settings at both batches (the speed and memory goals), with where ours' compiled step's time goes at batch 8
+(torch.profiler: the GPU's kernel time against the wall, kernels run, launches, the host's waits for the device, ops);
+the layouts' diagnosis of step 1; the first model's KTO reference pass again, on the dense mask, in static shapes and
+compiled (which pays); then every other case (eager, the ~1.5B shape's others). `--first speed` (or `large`, `graphs`,
+`pairs`, `step_one`) moves that goal's cases first, for a run that follows one whose budget ended before them. Each
+step of cases (one tool, one model, one loss) runs in a fresh process that measures them one after another (ours'
+reference pass once for the model and loss, its cache kept for the later steps); every case is written down the
 moment it ends, and what the budget leaves no time for is reported as not run, never guessed. A case that runs out of
 memory says so and the rest go on. Model and data as `gpu_harness.py` builds them (random weights, random characters
 with HH-RLHF's lengths). On a CPU the compiled cases compile with torch's aot_eager backend (`CPU_BACKEND`: traced as on
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -92,7 +95,7 @@ BUDGET_S, STARTS_UNTIL = 480, 60
 # at most, for each check before the cases on a GPU (step 1 of the default path, CUDA graphs against the run without
 # them, step_one_layouts: what moves a sequence's log-prob between layouts), so that the cases keep most of the budget
 CHECK_S = {"cuda": dict(step_one=150, graphs=120, layouts=90), "cpu": {}}
-FIRST = ("speed", "large", "graphs", "pairs")  # `--first`: a goal's steps right after the checks (`plan`)
+FIRST = ("speed", "large", "graphs", "pairs", "step_one")  # `--first`: a goal's steps first (`plan`)
 # what compiles ours' regions in a CPU run (the code path's check): Dynamo and AOTAutograd trace them as on a GPU, and
 # no kernels are generated (inductor's CPU kernels are not what a GPU runs: tests/test_compile.py holds them to the
 # eager numbers); measured: the CPU run from an empty compile cache, 136 s against 321 s with inductor
@@ -180,33 +183,37 @@ def group_cases(tool: str, device: str) -> list[str]:
 
 def plan(device: str, first: str | None = None) -> list[tuple]:
     """The run's steps in the order of what answers the goals: `("check", name)`, or `(tool, model, loss, cases)`, a
-    group's cases that run in one process. First the checks of step 1 (the default path's, then the layouts' diagnosis);
-    then KTO on the first model, ours compiled and trl's settings at every batch (the speed and memory goals; ours'
-    smallest batch profiled right after it ran, in its process); the last model compiled at the largest batch (on a GPU
-    the ~1.5B shape: the MFU goal, at >= 16k tokens a step); the CUDA graphs check, then CUDA graphs' cases; the first
-    model's KTO reference pass again and with one setting changed (the dense mask, static shapes, compiled); then every
-    case not yet planned, group by group in the goals' order (loss, model, tool). `first` (one of FIRST) puts that
-    goal's steps right after the checks, for a run that follows one whose budget ended before them. Each case once."""
+    group's cases that run in one process. First the last model's (on a GPU the ~1.5B shape's) reference pass at the
+    defaults and its compiled step at the largest batch (the MFU goals, at >= 16k tokens a step); then the `sigmoid`
+    pair loss on the first model, ours compiled and trl.DPOTrainer's settings at every batch; the default path's
+    step-1 check end to end; the CUDA graphs check, then CUDA graphs' cases; KTO on the first model, ours compiled
+    (its smallest batch profiled right after it ran, in its process) and trl's settings at every batch; the layouts'
+    diagnosis of step 1; the first model's KTO reference pass again and with one setting changed (the dense mask,
+    static shapes, compiled); then every case not yet planned, group by group in the goals' order (loss, model, tool).
+    `first` (one of FIRST) puts that goal's steps first, for a run that follows one whose budget ended before them.
+    Each case once."""
     first_model, last, large = MODELS[device][0], MODELS[device][-1], max(BATCHES[device])
     compiled, graphs = COMPILED
     # the profiled steps right after the compiled case they profile, in its process (its graphs compiled)
     speed_cases = [case_name(compiled, b) for b in BATCHES[device]]
     speed_cases.insert(1, case_name(PROFILED, BATCHES[device][0]))
     goals = {
-        "speed": [
-            ("ours", first_model, "kto", [REFERENCE, *speed_cases]),
-            ("trl", first_model, "kto", group_cases("trl", device)),
-        ],
         "large": [("ours", last, "kto", [REFERENCE, case_name(compiled, large)])],
-        "graphs": [("check", "graphs"), ("ours", first_model, "kto", [case_name(graphs, b) for b in BATCHES[device]])],
         "pairs": [
             ("ours", first_model, "sigmoid", [REFERENCE, *(case_name(compiled, b) for b in BATCHES[device])]),
             ("trl", first_model, "sigmoid", group_cases("trl", device)),
         ],
+        "step_one": [("check", "step_one")],
+        "graphs": [("check", "graphs"), ("ours", first_model, "kto", [case_name(graphs, b) for b in BATCHES[device]])],
+        "speed": [
+            ("ours", first_model, "kto", [REFERENCE, *speed_cases]),
+            ("trl", first_model, "kto", group_cases("trl", device)),
+        ],
     }
-    order = [goal for goal in ("speed", "large", "graphs") if goal != first]
-    wanted = [("check", "step_one"), ("check", "layouts")]
-    wanted += [step for goal in ([first] if first else []) + order for step in goals[goal]]
+    order = list(goals)
+    if first:
+        order.insert(0, order.pop(order.index(first)))
+    wanted = [step for goal in order for step in goals[goal]] + [("check", "layouts")]
     wanted.append(("ours", first_model, "kto", list(REFERENCE_VARIANTS)))
     wanted += [(tool, m, loss, group_cases(tool, device)) for loss in LOSSES for m in MODELS[device] for tool in TOOLS]
     steps, planned = [], set()
@@ -754,14 +761,21 @@ def reference_table(results: dict, device: str, flops: dict, peak: float | None)
 
 
 def run_plan(
-    work: Path, device: str, ends: float, checks: dict[str, Callable[[float], dict]], first: str | None = None
+    work: Path,
+    device: str,
+    ends: float,
+    checks: dict[str, Callable[[float], dict]],
+    first: str | None = None,
+    after: Callable[[dict, dict], None] | None = None,
 ) -> tuple[dict, dict]:
     """`plan(device, first)`'s steps in order, none started past the budget's last start (`ends` - STARTS_UNTIL) and
     every worker stopped at `ends`. `checks`: name -> a check's run, given the seconds left. Returns (model, loss,
     case) -> its record, every case that did not run saying why, and each check's result (one not run: {failed:
-    why})."""
+    why}). `after(results, checked)`: called with what is known after each step (the report written so far)."""
     deadline, results, checked = ends - STARTS_UNTIL, {}, {}
     for index, step in enumerate(plan(device, first)):
+        if index and after is not None:
+            after(results, checked)
         if step[0] == "check":
             late = time.time() >= deadline
             checked[step[1]] = {"failed": "not run within the budget"} if late else checks[step[1]](ends - time.time())
@@ -792,7 +806,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help=budget_help)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # worker: when to stop starting cases
     parser.add_argument("--cases", help=argparse.SUPPRESS)  # worker: its step's cases, a JSON list
-    first_help = "run this goal's cases right after the checks (a run that follows one whose budget ended before them)"
+    first_help = "run this goal's cases first (a run that follows one whose budget ended before them)"
     parser.add_argument("--first", choices=FIRST, help=first_help)
     peak_help = "the device's bf16 dense peak for MFU (H100 and H200 SXM: 989)"
     parser.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS_CUDA / 1e12, help=peak_help)
@@ -831,14 +845,27 @@ def main() -> None:
         graphs=check("graphs", __file__, "cuda_graphs_check", device),
         layouts=check("layouts", step_one_layouts.__file__, "step_one_layouts", layouts),
     )
-    results, checked = run_plan(work, args.device, ends, checks, args.first)
-    checked["step_one"].setdefault("device_name", built["device_name"])
-    cases = {" / ".join(key): record for key, record in results.items()}  # (model, loss, case)
-    raw = dict(cases=cases, checks=checked)  # whatever the report does
-    (work / "matrix-results.json").write_text(json.dumps(raw, default=str))
     peak = args.peak_tflops * 1e12 if args.device == "cuda" else None
-    report = render(results, checked, args.device, peak, time.perf_counter() - started, sys.argv[1:])
-    harness.publish_run(report, harness.default_results(args.results, args.device == "cuda", "RESULTS-gpu.md"))
+    destination = harness.default_results(args.results, args.device == "cuda", "RESULTS-gpu.md")
+
+    def publish(results: dict, checked: dict, why_missing: str | None = None) -> None:
+        """The report of what is known (`why_missing`: what a case or check not yet run says, the run going on)."""
+        results, checked = dict(results), {name: dict(value) for name, value in checked.items()}
+        for step in plan(args.device, args.first) if why_missing else ():
+            if step[0] == "check":
+                checked.setdefault(step[1], {"failed": why_missing})
+            for case in step[3] if step[0] != "check" else ():
+                results.setdefault((*step[1:3], case), dict(skipped=why_missing))
+        checked["step_one"].setdefault("device_name", built["device_name"])
+        cases = {" / ".join(key): record for key, record in results.items()}  # (model, loss, case)
+        raw = dict(cases=cases, checks=checked)  # whatever the report does
+        (work / "matrix-results.json").write_text(json.dumps(raw, default=str))
+        report = render(results, checked, args.device, peak, time.perf_counter() - started, sys.argv[1:])
+        harness.publish_run(report, destination)
+
+    # after each step the report so far is written, so that a run cut off keeps what it measured
+    so_far = functools.partial(publish, why_missing="not reached when this report was written (the run went on)")
+    publish(*run_plan(work, args.device, ends, checks, args.first, after=so_far))
 
 
 if __name__ == "__main__":

@@ -198,8 +198,19 @@ def test_bench_gpu_matrix_reports_what_the_budget_left_out_as_not_run(tmp_path, 
         raise AssertionError("a check started past the budget")
 
     checks = dict(step_one=never, graphs=never, layouts=never)
-    results, checked = bench_gpu_matrix.run_plan(tmp_path, "cpu", time.time() - 1, checks)
+    known = []  # what is known after each step: the report is written again from it
+    after = lambda results, checked: known.append((len(results), len(checked)))  # noqa: E731
+    results, checked = bench_gpu_matrix.run_plan(tmp_path, "cpu", time.time() - 1, checks, after=after)
     assert not (tmp_path / "runs").exists()  # no worker ran
+    assert (
+        len(known) == len(bench_gpu_matrix.plan("cpu")) - 1
+        and known == sorted(known)
+        and known[-1]
+        < (
+            len(results),
+            len(checked) + 1,
+        )
+    )
     assert checked == {name: {"failed": "not run within the budget"} for name in checks}
     text = bench_gpu_matrix.render(results, checked, "cpu", None, 1.0, ["--device", "cpu"])
     header, *rows = table_lines(text.split("## Training steps")[1])
@@ -249,34 +260,35 @@ def test_bench_gpu_matrix_cases_record_a_failure_and_go_on(tmp_path, monkeypatch
 
 
 def test_the_gpu_plan_runs_what_answers_the_goals_first_and_every_case_once(monkeypatch):
-    """`make bench-gpu` on a GPU (8 minutes; what the budget leaves out is not run): the step-1 check and the layouts,
-    then the speed and memory goals' cases (KTO on Qwen2-0.5B: ours compiled, where its step's time goes at batch 8
-    under the profiler, trl's two settings), the MFU goal's (the ~1.5B shape compiled at batch 64), CUDA graphs after
-    their check, the reference pass's variants (compiled last), then the rest; every case of every group exactly once.
-    `--first pairs` runs the pair loss's cases (ours compiled, trl's two settings) right after the checks, and still
-    every case once."""
+    """`make bench-gpu` on a GPU (8 minutes; what the budget leaves out is not run): first the ~1.5B shape's reference
+    pass at the defaults and its compiled step at batch 64 (the MFU goals), then the pair loss against trl (ours
+    compiled, trl's two settings), the default path's step-1 check, CUDA graphs after their check, the speed and memory
+    goals' cases (KTO on Qwen2-0.5B: ours compiled, where its step's time goes at batch 8 under the profiler, trl's two
+    settings), the layouts, the reference pass's variants (compiled last), then the rest; every case of every group
+    exactly once. `--first speed` runs KTO's speed cases first, and still every case once."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_gpu_matrix as m
 
     steps = m.plan("cuda")
     reference, compiled, graphs = m.REFERENCE, "kto-pipeline compiled", "kto-pipeline CUDA graphs"
-    assert steps[:8] == [
-        ("check", "step_one"),
-        ("check", "layouts"),
+    speed = [
         ("ours", "qwen2-0.5b", "kto", [reference, f"{compiled} @ 8", f"{m.PROFILED} @ 8", f"{compiled} @ 64"]),
         ("trl", "qwen2-0.5b", "kto", m.group_cases("trl", "cuda")),
+    ]
+    assert steps[:10] == [
         ("ours", "qwen2-1.5b", "kto", [reference, f"{compiled} @ 64"]),
+        ("ours", "qwen2-0.5b", "sigmoid", [reference, f"{compiled} @ 8", f"{compiled} @ 64"]),
+        ("trl", "qwen2-0.5b", "sigmoid", m.group_cases("trl", "cuda")),
+        ("check", "step_one"),
         ("check", "graphs"),
         ("ours", "qwen2-0.5b", "kto", [f"{graphs} @ 8", f"{graphs} @ 64"]),
+        *speed,
+        ("check", "layouts"),
         ("ours", "qwen2-0.5b", "kto", list(m.REFERENCE_VARIANTS)),
     ]
     assert list(m.REFERENCE_VARIANTS)[-1].endswith("--torch-compile")
-    pairs = m.plan("cuda", first="pairs")
-    assert pairs[2:4] == [
-        ("ours", "qwen2-0.5b", "sigmoid", [reference, f"{compiled} @ 8", f"{compiled} @ 64"]),
-        ("trl", "qwen2-0.5b", "sigmoid", m.group_cases("trl", "cuda")),
-    ]
-    assert pairs[4][:3] == ("ours", "qwen2-0.5b", "kto")
+    pairs = m.plan("cuda", first="speed")
+    assert pairs[:2] == speed and pairs[2][:3] == ("ours", "qwen2-1.5b", "kto")
     wanted = {
         (tool, model, loss, case)
         for tool in m.TOOLS
