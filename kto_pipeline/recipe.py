@@ -54,7 +54,6 @@ TRL_UNUSED = {
     "remove_unused_columns": "no dataset columns reach training",
     "precompute_ref_log_probs": "the reference is always precomputed here",
     "gradient_checkpointing_kwargs": "checkpointing is non-reentrant here",
-    "dataloader_num_workers": "batches are read from the memory-mapped cache",
     "lora_task_type": "LoRA adapters are for causal LMs (CAUSAL_LM) here",
     "torch_compile_backend": "the decoder layers compile with inductor (--torch-compile, --torch-compile-mode)",
 }

@@ -45,7 +45,7 @@ SHORT_NAMES = {
     "lr_scheduler_type": "",
 }
 # settings that do not change a run's results: a finished run with other values here still counts
-NO_EFFECT_FIELDS = ("report_to", "verify", "overwrite_output_dir", "resume", "resume_from")
+NO_EFFECT_FIELDS = ("report_to", "verify", "overwrite_output_dir", "resume", "resume_from", "dataloader_num_workers")
 
 
 def sweepable_fields() -> list[dataclasses.Field]:

@@ -314,3 +314,18 @@ def test_an_output_dir_inside_the_cache_is_refused(small_cache, tmp_path, inside
     with pytest.raises(KTOPipelineError, match="is inside the cache --cache .*Choose a directory outside the cache"):
         train(cfg(cache, cache / inside, max_steps=1, overwrite_output_dir=True))
     assert open_cache(cache, verify=True) and not (cache / "model.safetensors").exists()
+
+
+def test_loader_processes_collate_the_same_batches(small_cache, tmp_path):
+    """--dataloader-num-workers 1 (an accelerator's default: a process collates the next micro-batches while the device
+    computes) trains exactly as collating in the training process: the same metrics and weights, bit for bit, across
+    two epochs (its workers persist between them)."""
+    from transformers import AutoModelForCausalLM
+
+    runs = {}
+    for workers in (0, 1):
+        out = tmp_path / f"workers-{workers}"
+        result = train(cfg(small_cache, out, dataloader_num_workers=workers, max_steps=14, logging_steps=1))
+        runs[workers] = result.metrics, AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert len(runs[0][0]) == 14 and runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, runs[1][1][name]) for name, a in runs[0][1].items())

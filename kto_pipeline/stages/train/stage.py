@@ -293,9 +293,12 @@ def _loaders(
         tokenizer.pad_token_id, padded_because is None, attention_costs(model, accelerator.device), config
     )
     # On a GPU the batches are collated into pinned host memory and copied without waiting (the accelerator's
-    # `non_blocking`, `Engine.make_accelerator`): the host collates the next batch while the device still runs this
-    # step, as transformers' Trainer pins its batches (dataloader_pin_memory)
-    collating = dict(collate_fn=collator, pin_memory=accelerator.device.type == "cuda")
+    # `non_blocking`, `Engine.make_accelerator`), as transformers' Trainer pins its batches (dataloader_pin_memory),
+    # by a loader process that collates the next ones while the device runs this step (--dataloader-num-workers)
+    workers = config.dataloader_num_workers
+    workers = (0 if accelerator.device.type == "cpu" else 1) if workers is None else workers
+    collating = dict(collate_fn=collator, pin_memory=accelerator.device.type == "cuda", num_workers=workers)
+    collating |= dict(persistent_workers=True, prefetch_factor=2) if workers else {}
     loader = DataLoader(items, batch_size=config.per_device_train_batch_size, sampler=sampler, **collating)
     eval_items = _open_eval_cache(config, objective, cache.manifest, max_length)
     if eval_items is None:
