@@ -269,12 +269,18 @@ class CacheRows:
         return out
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, positions: list[int]) -> list[dict[str, Any]]:
+        """A micro-batch's rows in one read of the table (the loader asks for a batch at once)."""
         from kto_pipeline.objectives.items import with_sums
 
-        row = self.table.slice(int(self.indices[i]), 1).to_pylist()[0]
-        if self.images is not None:
-            row["pixels"] = self.images.pixels(row["image_row"])
-        return with_sums(row, self.max_length, with_kl=True)
+        rows = self.table.take(self.indices[list(positions)]).to_pylist()
+        for row in rows:
+            if self.images is not None:
+                row["pixels"] = self.images.pixels(row["image_row"])
+            with_sums(row, self.max_length, with_kl=True)
+        return rows
 
 
 @dataclass

@@ -342,14 +342,21 @@ class CachePairs:
 
         return np.minimum(np.maximum(total(self.chosen), total(self.rejected)), self.max_length)
 
-    def _row(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, positions: list[int]) -> list[dict[str, Any]]:
+        """A micro-batch's pairs in one read of the table (the loader asks for a batch at once)."""
+        import numpy as np
+
         from kto_pipeline.objectives.items import with_sums
 
-        row = self.table.slice(int(index), 1).to_pylist()[0]
-        return with_sums(row, self.max_length, with_kl=False)
+        positions = list(positions)
+        rows = self.table.take(np.concatenate([self.chosen[positions], self.rejected[positions]])).to_pylist()
+        rows = [with_sums(row, self.max_length, with_kl=False) for row in rows]
+        return [self._pair(c, r) for c, r in zip(rows[: len(positions)], rows[len(positions) :], strict=True)]
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        chosen, rejected = self._row(self.chosen[i]), self._row(self.rejected[i])
+    def _pair(self, chosen: dict[str, Any], rejected: dict[str, Any]) -> dict[str, Any]:
         if chosen["prompt_ids"] != rejected["prompt_ids"]:  # (precompute pairs only rows whose prompts tokenized alike)
             raise KTOPipelineError(
                 f"examples {chosen['example_id']} and {rejected['example_id']} are recorded as a pair but their "
