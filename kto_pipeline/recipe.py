@@ -144,11 +144,13 @@ def options(
         assert not {_CTX, _CONFIG} & {s.name for s in specs}
         names = {s.name for s in specs}
         aliases = {k: v for k, v in {**TRL_NAMES, **(recipe_names or {})}.items() if v in names}
-        ignored: set[str] = set()
+        ignored: dict[str, str] = {}  # the other command's keys -> its name (`PrecomputeConfig` -> precompute)
         if shares_recipe_with is not None:
             theirs = {f.name for f in dataclasses.fields(shares_recipe_with)} - names
             formerly = {s.formerly for s in specs if s.formerly}  # (precompute's `seed`: its KL seed, as before)
-            ignored = (theirs | {k for k, v in TRL_NAMES.items() if v in theirs}) - set(aliases) - formerly
+            keys = (theirs | {k for k, v in TRL_NAMES.items() if v in theirs}) - set(aliases) - formerly
+            other = shares_recipe_with.__name__.removesuffix("Config").lower()
+            ignored = dict.fromkeys(sorted(keys), other)
 
         def command(**values: Any) -> Any:
             ctx, path = values.pop(_CTX), values.pop(_CONFIG)
@@ -220,7 +222,7 @@ def resolve(
     values: dict[str, Any],
     path: str | None,
     aliases: dict[str, str] | None = None,
-    ignored: set[str] | None = None,
+    ignored: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Each option's value: typed on the command line, else from the recipe at `path`, else the default."""
     recipe = read_recipe(path, specs, aliases, ignored) if path is not None else {}
@@ -238,10 +240,11 @@ def resolve(
 
 
 def read_recipe(
-    path: str | Path, specs: list[Option], aliases: dict[str, str] | None = None, ignored: set[str] | None = None
+    path: str | Path, specs: list[Option], aliases: dict[str, str] | None = None, ignored: dict[str, str] | None = None
 ) -> dict[str, Any]:
     """The recipe's values by option name, each checked against its option's type. `aliases`: other names of this
-    command's options (trl's); `ignored`: keys another command reads from the same recipe."""
+    command's options (trl's); `ignored`: keys another command reads from the same recipe -> that command's name (an
+    unknown key's suggestion comes from both commands' keys)."""
     import yaml
 
     where = f"--config {path}"
@@ -270,7 +273,7 @@ def read_recipe(
     formerly = {s.formerly: s.name for s in specs if s.formerly}  # a recipe of an earlier release keeps working
     recipe: dict[str, Any] = {}
     keys: dict[str, Any] = {}
-    aliases, ignored = aliases or {}, ignored or set()
+    aliases, ignored = aliases or {}, ignored or {}
     for key, value in data.items():
         name = key.replace("-", "_") if isinstance(key, str) else None
         if name in ignored:
@@ -281,7 +284,7 @@ def read_recipe(
         name = formerly.get(name, name)
         name = aliases.get(name, name)
         if name not in by_name:
-            known = [*by_name, *aliases]
+            known = dict.fromkeys([*by_name, *aliases], "") | {k: f" ({c})" for k, c in ignored.items()}
             raise KTOPipelineError(f"{where}: unknown key {key!r}{_suggestion(key, known)}")
         if name in recipe:
             raise KTOPipelineError(
@@ -293,12 +296,16 @@ def read_recipe(
     return recipe
 
 
-def _suggestion(key: Any, names: list[str]) -> str:
+def _suggestion(key: Any, names: dict[str, str]) -> str:
+    """The nearest of `names` (a key -> what follows it in the suggestion: the command that reads it, where another
+    command reads the same recipe)."""
     if not isinstance(key, str):
         return " (keys are option names)"
     candidates = {(n.replace("_", "-") if "-" in key else n): n for n in names}
     close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else " (not an option of this command: see its --help)"
+    if not close:
+        return " (not an option of this command: see its --help)"
+    return f" (did you mean {close[0]!r}{names[candidates[close[0]]]}?)"
 
 
 def _expected(spec: Option) -> str:

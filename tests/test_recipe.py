@@ -519,11 +519,14 @@ def test_a_trl_yaml_runs_both_stages_as_the_flags_do(tmp_path, monkeypatch, caps
         ("dataset_name: d\ndataset: d\n", "'dataset_name' and 'dataset' are the same option (--dataset)"),
         ("learnig_rate: 1.0\n", "unknown key 'learnig_rate' (did you mean 'learning_rate'?)"),
         ("model_name_or_pth: a\n", "unknown key 'model_name_or_pth' (did you mean 'model_name_or_path'?)"),
+        # one file serves both stages: a typo gets the nearest key of either, naming the command that reads it
+        ("learnin_rate: 1.0\n", "unknown key 'learnin_rate' (did you mean 'learning_rate' (train)?)"),
+        ("precompute_ref_batch_sise: 8\n", "(did you mean 'precompute_ref_batch_size' (precompute)?)"),
     ],
 )
 def test_trl_yaml_mixed_or_misspelled_keys_are_refused(tmp_path, monkeypatch, capsys, captured, text, fragment):
     recipe = write(tmp_path, text)
-    command = "train" if text.startswith("learnig") else "precompute"
+    command = "train" if text.startswith(("learnig", "precompute_ref")) else "precompute"
     code, _, err = run_cli(monkeypatch, capsys, command, "--config", str(recipe))
     assert_clean_error(code, err, fragment)
 
