@@ -615,3 +615,34 @@ def test_kept_keys_values_files_each_layer_or_keeps_nothing():
     calls[2](None, cache=silent)
     assert silent.layers == [] and silent.get_seq_length() == 0
     assert layer(0, updates=False)(None, cache=None).shape == (1, 1, 2, 1)  # no KeptKeysValues: the call as it is
+
+
+def test_compile_seconds_count_the_backward_lowered_at_its_first_call():
+    """compile.seconds (trainer_state.json, the manifest) counts all of the compiling: the backward graphs too, which
+    AOT autograd lowers lazily at the first backward, outside Dynamo's compile (on a cold cache about as long as the
+    forward's). Here a backward compiler that takes a second, as a cold one would."""
+    import time
+
+    import torch
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from kto_pipeline.runtime.compiled import _counts
+
+    def slow_backward_compiler(graph, example_inputs):
+        time.sleep(1.0)
+        return make_boxed_func(graph.forward)
+
+    backend = aot_autograd(
+        fw_compiler=lambda graph, _: make_boxed_func(graph.forward), bw_compiler=slow_backward_compiler
+    )
+    f = torch.compile(
+        torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 1)), backend=backend
+    )
+    before = _counts()["seconds"]
+    loss = f(torch.randn(8, 16)).sum()
+    forward = _counts()["seconds"] - before
+    started = time.perf_counter()
+    loss.backward()  # the backward graph lowered now, at its first call
+    backward = time.perf_counter() - started
+    assert backward >= 1.0 and _counts()["seconds"] - before >= forward + 0.95 * backward
