@@ -435,9 +435,9 @@ def test_static_shapes_compile_a_graph_a_shape_with_the_same_numbers(tmp_path, m
     assert timing[True]["compile"]["mode"] == "reduce-overhead" and timing[True]["compile"]["cudagraph_skips"] > 0
     assert marks[False, "train"] == marks[False, "precompute"] == 0  # default mode: no CUDA graphs, no marks
     assert marks[True, "train"] == 8, marks  # 4 steps of 2 micro-batches: their KL forwards not marked
-    # a forward a batch (2 sequences a row), and the packing check's two before the pass (its 8 rows packed, then
-    # each sequence alone: 16 rows, one batch each)
-    assert marks[True, "precompute"] == 2 * 32 // out.batch_size + 2, marks
+    # a forward a batch (the manifest counts them), and the packing check's two before the pass (its 8 rows packed,
+    # then each sequence alone: 16 rows, one batch each)
+    assert marks[True, "precompute"] == timing[True]["forwards"] + 2, marks
 
 
 def _weight_casts(graphs) -> int:
