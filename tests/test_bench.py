@@ -224,7 +224,8 @@ def test_a_main_table_rerun_keeps_every_other_section(monkeypatch):
 
 def test_host_work_per_token_is_measured_phase_by_phase(monkeypatch, tmp_path):
     """profile_step's host measurement, on a few rows: every phase of the reference pass takes time, the kernels
-    take less than the pass, and the phases (one thread ahead of the forwards) account for most of the pass."""
+    take less than the profiled pass they ran in, and the phases (one thread ahead of the forwards) account for most
+    of the pass."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import profile_step
 
@@ -232,6 +233,6 @@ def test_host_work_per_token_is_measured_phase_by_phase(monkeypatch, tmp_path):
     measured, cache = profile_step.reference_phases(tmp_path)
     phases = dict.fromkeys(p for p, _, _ in profile_step.PHASES)
     assert all(measured[f"ref_{p}"] > 0 for p in phases), measured
-    assert 0 < measured["ref_kernels"] < measured["ref_all"]
+    assert 0 < measured["ref_kernels"] < measured["ref_profiled"]  # (both of the profiled run)
     assert measured["ref_rows"] == 64 and (cache / "manifest.json").exists()
     assert sum(measured[f"ref_{p}"] for p in phases) > 0.5 * measured["ref_all"], measured
