@@ -300,6 +300,7 @@ def render_host(measured: dict, seconds: float) -> str:
     timed = sum(measured[f"ref_{p}"] for p in phases)
     ref, step = measured["ref_all"], measured["step_all"]
     kernels = f"{measured['ref_kernels']:.2f}"
+    host = measured["ref_profiled"] - measured["ref_kernels"]
     lines = [
         HOST_HEADING,
         "",
@@ -327,7 +328,7 @@ def render_host(measured: dict, seconds: float) -> str:
             [
                 ("wall time", f"{measured['ref_profiled']:.2f}"),
                 ("torch's kernels", kernels),
-                ("**the host's work** (the rest)", f"**{measured['ref_profiled'] - measured['ref_kernels']:.2f}**"),
+                ("**the host's work** (the rest)", f"**{host:.2f}**"),
             ],
         ),
         "",
@@ -341,8 +342,12 @@ def render_host(measured: dict, seconds: float) -> str:
         "",
         *harness.goals_table(
             (f"reference pass <= {HOST_GOALS['reference pass']} µs per needed token", f"{ref:.2f}", ref <= 2.5),
+            ("the same, its host's work (the kernels aside)", f"{host:.2f}", host <= HOST_GOALS["reference pass"]),
             (f"training step, compiled, <= {HOST_GOALS['training step, compiled']} µs", f"{step:.2f}", step <= 5.0),
         ),
+        "",
+        f"torch's kernels (the dense mask and attention over rows as wide as a tree, in one thread) take "
+        f"{measured['ref_kernels']:.2f} µs per needed token of the pass, the host {host:.2f}.",
     ]
     return "\n".join([*lines, ""])
 
