@@ -304,7 +304,7 @@ def render_host(measured: dict, seconds: float) -> str:
     lines = [
         HOST_HEADING,
         "",
-        *harness.provenance("`python benchmarks/profile_step.py`", seconds),
+        *harness.provenance("`python benchmarks/profile_step.py --host` (and part of the full run)", seconds),
         f"- a micro Llama (1 layer, hidden 8, one attention head, the character tokenizer), whose weights' arithmetic "
         "is negligible, so that what is left is mostly the host's work; one thread; the dense kernel; "
         f"{measured['ref_rows']:,} short unpaired rows ({measured['ref_needed']:,} needed tokens: each prompt once, "
