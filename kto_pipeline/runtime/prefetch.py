@@ -14,6 +14,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 _DONE = object()
@@ -24,8 +26,13 @@ def ahead(items: Iterable[T], depth: int = 2) -> Iterator[T]:
     making an item is raised here, where that item would have come; leaving the loop early stops the thread."""
     ready: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
+    # a new thread starts on CUDA device 0: it pins and copies on the caller's device instead (else every process of a
+    # multi-GPU run would make a context on device 0)
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
     def make() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
         try:
             for item in items:
                 while not stop.is_set():
