@@ -427,6 +427,10 @@ def test_ahead_keeps_the_order_raises_where_the_item_failed_and_stops_when_left(
 
     from kto_pipeline.runtime.prefetch import ahead
 
+    def threads() -> int:
+        return sum(t.name == "kto-pipeline-prefetch" for t in threading.enumerate())
+
+    running = threads()
     assert list(ahead(iter(range(50)), depth=3)) == list(range(50))
 
     def failing():
@@ -449,4 +453,4 @@ def test_ahead_keeps_the_order_raises_where_the_item_failed_and_stops_when_left(
         if item == 5:
             break
     assert len(made) <= 5 + 1 + 2 + 1  # at most the queue's depth and the one in the making beyond what was taken
-    assert not any(t.name == "kto-pipeline-prefetch" for t in threading.enumerate())
+    assert threads() == running

@@ -15,6 +15,7 @@ prompts' cached keys/values: training). Layouts and masks are built in `packing.
 from __future__ import annotations
 
 import functools
+from contextlib import closing
 from typing import NamedTuple
 
 import numpy as np
@@ -386,14 +387,15 @@ def score_shard(
                 )
 
     pending = None  # the last forward's log-probs on their way to the host, and (tree, continuation) of each sequence
-    for forward, counts, sequences, counted in ahead(inputs()):
-        scores = scorer(**forward)
-        # this forward's values start for the host behind it; the last forward's are read meanwhile: on an
-        # accelerator the host builds and queues the next forward while the device runs this one
-        ready, pending = pending, (HostCopy(scores.token_logps, counts), sequences)
-        _file(out, ready)
-        if on_batch is not None:
-            on_batch(*counted)
+    with closing(ahead(inputs())) as forwards:  # (closed however the loop ends: its thread stops then)
+        for forward, counts, sequences, counted in forwards:
+            scores = scorer(**forward)
+            # this forward's values start for the host behind it; the last forward's are read meanwhile: on an
+            # accelerator the host builds and queues the next forward while the device runs this one
+            ready, pending = pending, (HostCopy(scores.token_logps, counts), sequences)
+            _file(out, ready)
+            if on_batch is not None:
+                on_batch(*counted)
     _file(out, pending)
     for _ in range(total - len(passes)):
         prompt, image = image_filler or ([pad_id], {})  # a one-token prompt (or a one-image one) and one-token answers
