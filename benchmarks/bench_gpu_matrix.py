@@ -214,6 +214,15 @@ def plan(device: str, first: str | None = None) -> list[tuple]:
     if first:
         order.insert(0, order.pop(order.index(first)))
     wanted = [step for goal in order for step in goals[goal]] + [("check", "layouts")]
+    # the profiled steps run in the process of the compiled case they profile: with the first group that holds it (on
+    # a CPU the one model's MFU step holds it too)
+    profiled, anchor = case_name(PROFILED, BATCHES[device][0]), case_name(compiled, BATCHES[device][0])
+    for index, step in enumerate(wanted):
+        if step[0] != "check" and step[1:3] == (first_model, "kto") and anchor in step[3] and profiled not in step[3]:
+            cases = list(step[3])
+            cases.insert(cases.index(anchor) + 1, profiled)
+            wanted[index] = (*step[:3], cases)
+            break
     wanted.append(("ours", first_model, "kto", list(REFERENCE_VARIANTS)))
     wanted += [(tool, m, loss, group_cases(tool, device)) for loss in LOSSES for m in MODELS[device] for tool in TOOLS]
     steps, planned = [], set()

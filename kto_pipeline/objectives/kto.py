@@ -273,9 +273,12 @@ class CacheRows:
 
     def __getitems__(self, positions: list[int]) -> list[dict[str, Any]]:
         """A micro-batch's rows in one read of the table (the loader asks for a batch at once)."""
+        import pyarrow as pa
+
         from kto_pipeline.objectives.items import with_sums
 
-        rows = self.table.take(self.indices[list(positions)]).to_pylist()
+        # (slices, not `take`: pyarrow's take joins a chunked column's chunks first, a copy of the whole cache's)
+        rows = pa.concat_tables([self.table.slice(int(i), 1) for i in self.indices[list(positions)]]).to_pylist()
         for row in rows:
             if self.images is not None:
                 row["pixels"] = self.images.pixels(row["image_row"])

@@ -348,11 +348,14 @@ class CachePairs:
     def __getitems__(self, positions: list[int]) -> list[dict[str, Any]]:
         """A micro-batch's pairs in one read of the table (the loader asks for a batch at once)."""
         import numpy as np
+        import pyarrow as pa
 
         from kto_pipeline.objectives.items import with_sums
 
         positions = list(positions)
-        rows = self.table.take(np.concatenate([self.chosen[positions], self.rejected[positions]])).to_pylist()
+        # (slices, not `take`: pyarrow's take joins a chunked column's chunks first, a copy of the whole cache's)
+        both = np.concatenate([self.chosen[positions], self.rejected[positions]])
+        rows = pa.concat_tables([self.table.slice(int(i), 1) for i in both]).to_pylist()
         rows = [with_sums(row, self.max_length, with_kl=False) for row in rows]
         return [self._pair(c, r) for c, r in zip(rows[: len(positions)], rows[len(positions) :], strict=True)]
 
