@@ -31,6 +31,15 @@ def with_sums(row: dict[str, Any], max_length: int, with_kl: bool) -> dict[str, 
     return row
 
 
+def cache_rows(table, indices, max_length: int, with_kl: bool) -> list[dict[str, Any]]:
+    """Rows `indices` of a cache's table as training reads them (`with_sums`), converted in one go: slices joined,
+    not `take` (pyarrow's take joins a chunked column's chunks first, a copy of the whole cache's column)."""
+    import pyarrow as pa
+
+    rows = pa.concat_tables([table.slice(int(i), 1) for i in indices]).to_pylist()
+    return [with_sums(row, max_length, with_kl) for row in rows]
+
+
 LAYOUT_KEY = "layout_"  # batch keys of a packed layout's tensors
 IMAGE_KEY = "image_"  # batch keys of the image processor's tensors (rows with images), in the forward's order
 

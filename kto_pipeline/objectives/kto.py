@@ -273,16 +273,11 @@ class CacheRows:
 
     def __getitems__(self, positions: list[int]) -> list[dict[str, Any]]:
         """A micro-batch's rows in one read of the table (the loader asks for a batch at once)."""
-        import pyarrow as pa
+        from kto_pipeline.objectives.items import cache_rows
 
-        from kto_pipeline.objectives.items import with_sums
-
-        # (slices, not `take`: pyarrow's take joins a chunked column's chunks first, a copy of the whole cache's)
-        rows = pa.concat_tables([self.table.slice(int(i), 1) for i in self.indices[list(positions)]]).to_pylist()
-        for row in rows:
-            if self.images is not None:
-                row["pixels"] = self.images.pixels(row["image_row"])
-            with_sums(row, self.max_length, with_kl=True)
+        rows = cache_rows(self.table, self.indices[list(positions)], self.max_length, with_kl=True)
+        for row in rows if self.images is not None else ():
+            row["pixels"] = self.images.pixels(row["image_row"])
         return rows
 
 

@@ -348,15 +348,12 @@ class CachePairs:
     def __getitems__(self, positions: list[int]) -> list[dict[str, Any]]:
         """A micro-batch's pairs in one read of the table (the loader asks for a batch at once)."""
         import numpy as np
-        import pyarrow as pa
 
-        from kto_pipeline.objectives.items import with_sums
+        from kto_pipeline.objectives.items import cache_rows
 
         positions = list(positions)
-        # (slices, not `take`: pyarrow's take joins a chunked column's chunks first, a copy of the whole cache's)
         both = np.concatenate([self.chosen[positions], self.rejected[positions]])
-        rows = pa.concat_tables([self.table.slice(int(i), 1) for i in both]).to_pylist()
-        rows = [with_sums(row, self.max_length, with_kl=False) for row in rows]
+        rows = cache_rows(self.table, both, self.max_length, with_kl=False)
         return [self._pair(c, r) for c, r in zip(rows[: len(positions)], rows[len(positions) :], strict=True)]
 
     def _pair(self, chosen: dict[str, Any], rejected: dict[str, Any]) -> dict[str, Any]:
