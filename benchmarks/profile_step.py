@@ -246,7 +246,9 @@ def reference_phases(work: Path) -> tuple[dict, Path]:
     from kto_pipeline.cache import open_cache
 
     model, data = host_assets(work)
+    # forwards of 16,384 tokens, an accelerator's smallest default (the CPU's default is smaller: arithmetic-bound)
     settings = dict(model=str(model), dataset=str(data), max_length=MAX_LENGTH, attention_kernel="dense")
+    settings |= dict(max_tokens_per_batch=16384)
     precompute(PrecomputeConfig(**settings, output=str(work / "host-warm"), overwrite=True))
     with phases_timed() as seconds:
         cache = precompute(PrecomputeConfig(**settings, output=str(work / "host-cache"), overwrite=True))

@@ -6,6 +6,7 @@ full logits; and for training's two forwards (prompt keys/values reused by the K
 values and gradients.
 """
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -422,6 +423,28 @@ def test_rows_stay_under_the_mask_budget():
     assert len(rows) >= 3  # (4 rows of 5,000: 3 would pad 400 tokens)
     assert max(sum(sizes[t] for t in row) for row in rows) <= MAX_ROW_TOKENS
     assert len(pack_rows([MAX_ROW_TOKENS * 2] * 3)) == 3  # trees wider than the budget: one a row
+
+
+@pytest.mark.parametrize(
+    "costs",
+    [AttentionCosts(pair=0.003), AttentionCosts(pair=0.003, tree_call=2.0), AttentionCosts(block=128, align=128)],
+    ids=["dense", "by-tree", "block-mask"],
+)
+def test_a_forward_stays_within_its_token_budget_under_every_kernel(costs):
+    """`pack_trees` keeps every forward within max_tokens, rows included: where a row's width costs nothing (tree by
+    tree, a block mask) rows still stop at the budget, not at MAX_ROW_TOKENS (a budget of 2,048 once ran forwards
+    of 7,741 tokens); a tree wider than the budget runs alone."""
+    from kto_pipeline.scoring.packing import pack_trees
+
+    sizes = [int(n) for n in np.random.default_rng(0).integers(40, 600, size=300)]
+    for max_tokens in (1024, 2048, 8192):
+        passes = pack_trees(sizes, None, max_tokens, costs)
+        assert sorted(t for rows in passes for row in rows for t in row) == list(range(len(sizes)))
+        for rows in passes:
+            assert len(rows) * max(sum(sizes[t] for t in row) for row in rows) <= max_tokens, (max_tokens, rows)
+        if max_tokens >= 3 * max(sizes):  # and filled (where a budget holds a few trees)
+            assert len(passes) <= 1.5 * sum(sizes) / max_tokens + 1, (max_tokens, len(passes))
+    assert [[[0]], [[1]]] == pack_trees([3000, 3000], None, 2048, costs)
 
 
 def test_static_shapes_pad_layouts_to_few_sizes_and_score_alike():

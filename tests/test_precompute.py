@@ -356,14 +356,19 @@ def test_manifest_counts_executed_and_needed_tokens(tmp_path, tiny_model_dir, ba
 
 @pytest.mark.parametrize("batch_size", [None, 4])
 def test_forwards_are_filled_to_the_token_budget_not_a_row_count(tmp_path, tiny_model_dir, batch_size):
-    """By default the pass fills each forward to its token budget (the CPU's 16,384 tokens: 20 rows in one forward);
-    --batch-size stays a user's limit on the sequences a forward holds (4: two rows a forward, 10 forwards)."""
-    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows(20))
+    """By default the pass fills each forward to its token budget (the CPU's: 1,024 tokens, the longest sequence
+    allowed at the default max_length): 80 rows, ~2,400 needed tokens, in as few forwards as the budget allows;
+    --batch-size stays a user's limit on the sequences a forward holds (4: two trees a forward, 40 forwards)."""
+    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows(80))
     config = PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c"))
     config.batch_size = batch_size
     timing = open_cache(precompute(config)).manifest["timing"]
-    assert timing["forward_tokens"] == 16384
-    assert timing["forwards"] == (1 if batch_size is None else 10)
+    assert timing["forward_tokens"] == 1024
+    if batch_size is None:
+        fewest = -(-timing["tokens_executed"] // 1024)
+        assert 2 <= fewest <= timing["forwards"] <= fewest + 1, timing
+    else:
+        assert timing["forwards"] == 40
 
 
 def test_a_forwards_memory_stays_within_its_estimate(tiny_model_dir):
@@ -397,7 +402,7 @@ def test_a_forwards_memory_stays_within_its_estimate(tiny_model_dir):
 
 def test_forward_budget_on_a_gpu_follows_the_free_memory(monkeypatch):
     """On a CUDA device the budget is half the free memory over the bytes a token holds, at most 65,536 tokens, in
-    multiples of 1,024, never below the longest sequence; on the CPU 16,384."""
+    multiples of 1,024, never below the longest sequence; on the CPU 1,024 or the longest sequence."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from kto_pipeline.scoring.attention import forward_bytes_per_token, forward_tokens
@@ -417,7 +422,8 @@ def test_forward_budget_on_a_gpu_follows_the_free_memory(monkeypatch):
     assert budget == (2**29 - 2 * (128 << 20)) // per_token // 1024 * 1024 and "1.0 GiB free" in why
     free["now"] = 100 << 20
     assert forward_tokens(model, "cuda", "block-mask", 3000)[0] == 3000  # a sequence always fits
-    assert forward_tokens(model, "cpu", "by-tree", 1024)[0] == 16384
+    assert forward_tokens(model, "cpu", "by-tree", 512)[0] == 1024
+    assert forward_tokens(model, "cpu", "by-tree", 3000)[0] == 3000
 
 
 def test_ahead_keeps_the_order_raises_where_the_item_failed_and_stops_when_left():

@@ -101,8 +101,8 @@ class PrecomputeConfig(ConfigMixin):
         default=None,
         **described(
             "Token budget of one forward pass (rows are packed side by side, so passes carry little padding). "
-            "Default: 16384 on the CPU; on a GPU what half the memory free after loading the reference holds, at "
-            "most 65536.",
+            "Default: 1024 on the CPU (or --max-length), where small forwards run fastest; on a GPU what half the "
+            "memory free after loading the reference holds, at most 65536. A packed row is never wider.",
             panel=REFERENCE_PASS,
         ),
     )

@@ -135,7 +135,12 @@ class AttentionCosts:
     align: int = 1
 
 
-def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCosts | None = None) -> list[list[int]]:
+def pack_rows(
+    sizes: list[int],
+    max_trees: int | None = None,
+    costs: AttentionCosts | None = None,
+    max_width: int = MAX_ROW_TOKENS,
+) -> list[list[int]]:
     """Trees (of `sizes[i]` tokens) into rows: the number of rows that costs least, trees balanced across them.
 
     A row's tokens all run, padding included: R rows of width W cost R * W token-forwards, plus attention (see
@@ -144,8 +149,8 @@ def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCo
     row, at a price per tree; under a block mask, the tiles its trees touch (`block_pairs`). For each R, trees are
     dealt largest first to the rows in serpentine order (rows 0..R-1, then R-1..0, ...), which keeps the rows' widths
     within one tree of each other, in a few array operations whatever the number of trees. At most `max_trees`
-    trees a row, and rows of about MAX_ROW_TOKENS at most (the row's (W, W) mask takes W^2 bytes however attention
-    runs)."""
+    trees a row, and rows of `max_width` tokens at most (default MAX_ROW_TOKENS: the row's (W, W) mask takes W^2 bytes
+    however attention runs; a tree wider than that gets a row of its own)."""
     costs = costs or AttentionCosts()
     if not len(sizes):
         return []
@@ -154,7 +159,7 @@ def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCo
     order = np.argsort(-sizes, kind="stable")  # largest first
     dealt = sizes[order]
     fewest = 1 if max_trees is None else -(-n // max_trees)  # (serpentine rows hold ceil(n / R) trees at most)
-    fewest = min(n, max(fewest, -(-int(sizes.sum()) // MAX_ROW_TOKENS)))
+    fewest = min(n, max(fewest, -(-int(sizes.sum()) // max_width)))
     candidates, r = [], float(fewest)
     while int(r) < n:  # row counts tried: every one up to 16, then 6% apart (static: powers of two)
         candidates.append(static_rows(int(r)) if costs.static else int(r))
@@ -170,8 +175,11 @@ def pack_rows(sizes: list[int], max_trees: int | None = None, costs: AttentionCo
             break
         row = _serpentine(n, num_rows)
         width = int(np.bincount(row, weights=dealt, minlength=num_rows).max())
+        last = num_rows == n  # one tree a row: always taken
         if costs.static:
             num_rows, width = static_rows(num_rows), static_width(width)
+        if width > max_width and not last:  # too wide: more rows
+            continue
         if costs.block is not None:
             cost = num_rows * width + costs.pair * _tiles(row, dealt, costs.block) * costs.block**2
         else:
@@ -343,9 +351,9 @@ def pack_trees(
 ) -> list[list[list[int]]]:
     """Group trees (prompt + completion + KL completion, `sizes[i]` tokens) into forward passes of rows.
 
-    Rows by `pack_rows` (several trees a row; `costs`: what attention costs); then rows into passes while rows x
-    width <= max_tokens (static shapes: as padded) and trees <= batch_size / 2 (batch_size counts sequences, two per
-    tree; None: no limit; a tree always fits alone). Returns passes -> rows -> trees."""
+    Rows by `pack_rows` (several trees a row, none wider than max_tokens; `costs`: what attention costs); then rows
+    into passes while rows x width <= max_tokens (static shapes: as padded) and trees <= batch_size / 2 (batch_size
+    counts sequences, two per tree; None: no limit; a tree always fits alone). Returns passes -> rows -> trees."""
     passes: list[list[list[int]]] = []
     current: list[list[int]] = []
     width = trees = 0
@@ -355,7 +363,7 @@ def pack_trees(
         return static_rows(rows) * static_width(width) if static else rows * width
 
     most_trees = None if batch_size is None else max(batch_size // 2, 1)
-    for row in pack_rows(sizes, most_trees, costs):
+    for row in pack_rows(sizes, most_trees, costs, max_width=min(max_tokens, MAX_ROW_TOKENS)):
         row_width = sum(sizes[i] for i in row)
         new_width = max(width, row_width)
         too_many = most_trees is not None and trees + len(row) > most_trees
