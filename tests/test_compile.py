@@ -414,7 +414,8 @@ def test_static_shapes_compile_a_graph_a_shape_with_the_same_numbers(tmp_path, m
             settings["torch_compile_mode"] = "reduce-overhead"
         out = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / f"cache-{static}"))
         counted.clear()
-        caches[static] = precompute(dataclasses.replace(out, max_length=128, **settings))
+        # (forwards of up to 4,096 tokens: the packing check's rows fit one forward packed and one alone)
+        caches[static] = precompute(dataclasses.replace(out, max_length=128, max_tokens_per_batch=4096, **settings))
         marks[static, "precompute"] = len(counted)
         counted.clear()
         runs[static] = tmp_path / f"run-{static}"
