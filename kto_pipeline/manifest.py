@@ -227,6 +227,7 @@ def new_manifest(
     attention_kernel: str | None = None,
     shards: list[dict[str, Any]],
     images: dict[str, Any] | None = None,
+    quantization: dict[str, Any] | None = None,
 ) -> Manifest:
     """The manifest of a cache being written (`complete` False until its last shard is recorded).
 
@@ -237,7 +238,9 @@ def new_manifest(
     `attention_kernel`: how its packed rows attended (`attention.attention_kernel`).
     `distributed`: how the reference ran, e.g. {"engine": "fsdp2", "world_size": 2} (not in the fingerprint: the
     values do not depend on it).
-    `images` (rows with images): {column, root, processor_hash, images}; the cache is then format version 3."""
+    `images` (rows with images): {column, root, processor_hash, images}; the cache is then format version 3.
+    `quantization`: how the reference's linear layers were quantized (`quantization.Quantization.record`), None:
+    not quantized."""
     return Manifest(
         {
             "format_version": FORMAT_VERSION if images is None else IMAGE_FORMAT_VERSION,
@@ -248,6 +251,7 @@ def new_manifest(
                 "revision": fingerprint["model_revision"],
                 "weights_hash": fingerprint["model_hash"],
                 "architecture": architecture,
+                **({"quantization": quantization} if quantization else {}),
             },
             "tokenizer": {
                 "name_or_path": fingerprint["model"],

@@ -194,9 +194,24 @@ def load_model(
     revision: str | None = None,
     trust_remote_code: bool = False,
     flag: str = "--model",
+    quantization=None,
 ):
+    """The model `name` in `dtype`; with `quantization` (`quantization.Quantization`) its linear layers quantized by
+    bitsandbytes as they load (on the current accelerator where there is one), the rest in `dtype`."""
+    from kto_pipeline.quantization import check_quantizable
+
     check_model_path(name, flag)
+    check_quantizable(name, flag, quantization)
     try:
+        if quantization is not None:
+            return _auto_class(name, revision, trust_remote_code).from_pretrained(
+                name,
+                dtype=dtype,
+                revision=revision,
+                trust_remote_code=trust_remote_code,
+                quantization_config=quantization.transformers_config(),
+                device_map=_kbit_device_map(),
+            )
         if is_gguf(name):
             return load_gguf_model(name, dtype)
         if _adapter_dir(name) is not None:
@@ -214,6 +229,16 @@ def load_model(
         )
     except Exception as exc:
         raise KTOPipelineError(f"{flag} {name}: could not load the model ({type(exc).__name__}: {exc})") from exc
+
+
+def _kbit_device_map() -> dict[str, int | str] | None:
+    """Where bitsandbytes quantizes the weights as they load: this process's accelerator (trl's
+    `get_kbit_device_map`), the CPU without one."""
+    if torch.cuda.is_available():
+        from accelerate import PartialState
+
+        return {"": PartialState().local_process_index}
+    return None
 
 
 # ------------------------------------------------------------------------------------------ probes

@@ -18,6 +18,13 @@ from kto_pipeline.config.fields import (
     check_kernel,
     described,
 )
+from kto_pipeline.quantization import (
+    LOAD_IN_4BIT_HELP,
+    LOAD_IN_8BIT_HELP,
+    NESTED_HELP,
+    QUANT_TYPE_HELP,
+    STORAGE_HELP,
+)
 from kto_pipeline.runtime import STATIC_SHAPES_HELP, TORCH_COMPILE_HELP, TORCH_COMPILE_MODE_HELP
 from kto_pipeline.scoring import ATTENTION_KERNEL_HELP
 
@@ -117,6 +124,11 @@ class PrecomputeConfig(ConfigMixin):
     trust_remote_code: bool = field(
         default=False, **described("Allow models and tokenizers that run their own code.", panel=MODEL)
     )
+    load_in_4bit: bool = field(default=False, **described(LOAD_IN_4BIT_HELP, panel=MODEL))
+    load_in_8bit: bool = field(default=False, **described(LOAD_IN_8BIT_HELP, panel=MODEL))
+    bnb_4bit_quant_type: str = field(default="nf4", **described(QUANT_TYPE_HELP, panel=MODEL))
+    use_bnb_nested_quant: bool = field(default=False, **described(NESTED_HELP, panel=MODEL))
+    bnb_4bit_quant_storage: str | None = field(default=None, **described(STORAGE_HELP, panel=MODEL))
     overwrite: bool = field(
         default=False, **described("Replace an existing cache made with other inputs or settings.", panel=OUTPUT)
     )

@@ -24,9 +24,18 @@ from kto_pipeline.config.fields import (
 )
 from kto_pipeline.objectives import check_loss_names, check_options
 from kto_pipeline.objectives.pairs import F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCE_TYPES, PAIR_LOSS_TYPES
+from kto_pipeline.quantization import (
+    LOAD_IN_4BIT_HELP,
+    LOAD_IN_8BIT_HELP,
+    NESTED_HELP,
+    QUANT_TYPE_HELP,
+    STORAGE_HELP,
+)
 from kto_pipeline.runtime import STATIC_SHAPES_HELP, TORCH_COMPILE_HELP, TORCH_COMPILE_MODE_HELP
 from kto_pipeline.scoring import ATTENTION_KERNEL_HELP
 
+# train's quantization options default to the cache's: its reference's quantization is the policy's base
+CACHES = " Default: the cache's (its reference's quantization); another is refused."
 TRL_LORA_R = 16  # trl ModelConfig.lora_r default: the rank --use-peft trains without --lora-r
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")
 
@@ -210,6 +219,11 @@ class TrainConfig(ConfigMixin):
     trust_remote_code: bool = field(
         default=False, **described("Allow models and tokenizers that run their own code.", panel=MODEL_AND_DATA)
     )
+    load_in_4bit: bool | None = field(default=None, **described(LOAD_IN_4BIT_HELP + CACHES, panel=MODEL_AND_DATA))
+    load_in_8bit: bool | None = field(default=None, **described(LOAD_IN_8BIT_HELP + CACHES, panel=MODEL_AND_DATA))
+    bnb_4bit_quant_type: str | None = field(default=None, **described(QUANT_TYPE_HELP + CACHES, panel=MODEL_AND_DATA))
+    use_bnb_nested_quant: bool | None = field(default=None, **described(NESTED_HELP + CACHES, panel=MODEL_AND_DATA))
+    bnb_4bit_quant_storage: str | None = field(default=None, **described(STORAGE_HELP + CACHES, panel=MODEL_AND_DATA))
     fp16: bool = field(default=False, **described("fp16 mixed precision (CUDA GPUs only).", panel=OPTIMISATION))
     gradient_checkpointing: bool = field(
         default=False,

@@ -77,6 +77,7 @@ class Reference:
     attention_kernel: str  # how packed rows attend (`attention.attention_kernel`)
     forward_tokens: int  # the token budget of a forward: --max-tokens-per-batch, or `attention.forward_tokens`
     compiled: Any = None  # with --torch-compile: `compiled.CompileStats`, Dynamo's counters since the compile
+    quantization: Any = None  # with --load-in-4bit/8bit: `quantization.Quantization`
 
 
 @dataclass

@@ -49,6 +49,7 @@ from kto_pipeline.images import (
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.manifest import Manifest, fingerprint_diff, new_manifest
 from kto_pipeline.models import load_model, load_tokenizer
+from kto_pipeline.quantization import fingerprint_of, quantization_of
 from kto_pipeline.runtime.compiled import compile_layers
 from kto_pipeline.runtime.engines import engine_for
 from kto_pipeline.runtime.experts import experts_rows_alike
@@ -377,8 +378,13 @@ def _kl_partners(
 def load_reference(run: Pass) -> None:
     config, state = run.config, run.state
     regime = reference_regime(config.dtype, config.bf16, state.device)
+    quantization = quantization_of(config, regime.weights)
+    if quantization is not None and config.torch_compile:
+        raise KTOPipelineError(f"--torch-compile: not with --load-in-{quantization.bits}bit (bitsandbytes' layers)")
     model = run.engine.load(
-        lambda: load_model(config.model, regime.dtype, config.revision, config.trust_remote_code),
+        lambda: load_model(
+            config.model, regime.dtype, config.revision, config.trust_remote_code, "--model", quantization
+        ),
         config.trust_remote_code,
         regime,
     ).eval()
@@ -401,9 +407,10 @@ def load_reference(run: Pass) -> None:
     budget, chosen = config.max_tokens_per_batch, "--max-tokens-per-batch"
     if budget is None:  # once loaded: what memory is left decides on an accelerator
         budget, chosen = forward_tokens(model, state.device, kernel, config.max_length)
-    run.reference = Reference(model, weights_hash, scorer, regime, kernel, budget, compiled)
+    run.reference = Reference(model, weights_hash, scorer, regime, kernel, budget, compiled, quantization)
     run.peaks.loaded()  # the model read, then sharded or partitioned: loading's peak
-    print0(state, f"reference: {regime}, {run.engine}")
+    quantized = f", linear layers {quantization}" if quantization is not None else ""
+    print0(state, f"reference: {regime}{quantized}, {run.engine}")
     rows = "" if config.batch_size is None else f", at most {config.batch_size} sequences"
     print0(state, f"forwards: up to {budget:,} tokens each ({chosen}){rows}")
     if run.padded_because is None:
@@ -435,6 +442,7 @@ def plan_output(run: Pass) -> bool:
         "dataset_hash": prepared.data_hash,
         "max_length": config.max_length,
         **reference.regime.record(),
+        **({"quantization": fingerprint_of(reference.quantization)} if reference.quantization else {}),
         "kl_seed": config.kl_seed,
         "shard_size": config.shard_size,
         **({"kl_completions": False} if config.pairs_only else {}),
@@ -460,6 +468,7 @@ def plan_output(run: Pass) -> bool:
         distributed=run.engine.record(),
         shards=done_shards,
         images=None if prepared.images is None else {**prepared.images, "rows": len(rows)},
+        quantization=reference.quantization.record() if reference.quantization else None,
     )
     segment = None
     if state.is_main_process:

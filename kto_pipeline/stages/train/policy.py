@@ -26,6 +26,7 @@ from kto_pipeline.models import (
 )
 from kto_pipeline.rundir import InitPoint, read_init_point
 from kto_pipeline.runtime.launch import print0
+from kto_pipeline.runtime.precision import WEIGHT_DTYPES
 from kto_pipeline.scoring.attention import enable_checkpointing
 
 
@@ -59,21 +60,24 @@ def init_point(config: TrainConfig, manifest: Manifest, accelerator) -> InitPoin
     return init
 
 
-def load_base(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None):
+def load_base(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None, quantization=None):
     """The full weights training started from, as loaded: the cache's reference unless --model, or --init-from's
-    weights (an adapter's base for an adapter)."""
+    weights (an adapter's base for an adapter); float32, or with `quantization` (the cache's) quantized as the
+    reference was, its other weights in the reference's dtype."""
+    dtype = torch.float32 if quantization is None else WEIGHT_DTYPES[manifest.precision[0]]
+    trust = config.trust_remote_code
     if init is not None:
-        return load_model(
-            str(init.run_dir) if init.kind == "full" else init.base, torch.float32, None, config.trust_remote_code
-        )
+        name = str(init.run_dir) if init.kind == "full" else init.base
+        return load_model(name, dtype, None, trust, "--init-from", quantization)
     model_name = config.model or manifest.reference_model
     revision = None if config.model else manifest.reference_revision
-    return load_model(model_name, torch.float32, revision, config.trust_remote_code)
+    return load_model(model_name, dtype, revision, trust, "--model", quantization)
 
 
-def load_policy(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None, engine=None):
+def load_policy(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None, engine=None, quantization=None):
     """(tokenizer, policy, MoE aux-loss weight): the policy only, with the cache's tokenizer, ready to train. Its
-    weights are loaded as `engine` loads a model (`Engine.load`: on a sharding engine, maybe by one process only)."""
+    weights are loaded as `engine` loads a model (`Engine.load`: on a sharding engine, maybe by one process only);
+    with `quantization`, its base quantized (QLoRA)."""
     if init is not None:
         model_name, revision = str(init.run_dir), None
     else:
@@ -87,10 +91,21 @@ def load_policy(config: TrainConfig, manifest: Manifest, init: InitPoint | None 
             "would not mean the same thing. Train a model that shares the cache's tokenizer, or precompute a "
             "new cache with this model."
         )
-    read = lambda: load_base(config, manifest, init)  # noqa: E731
+    read = lambda: load_base(config, manifest, init, quantization)  # noqa: E731
     model = engine.load(read, config.trust_remote_code) if engine is not None else read()
     aux_coef = router_aux_coef(model, config)
-    return tokenizer, ready_to_train(model, config, init), aux_coef
+    model = ready_to_train(model, config, init)
+    if quantization is not None:
+        adapters_in_bf16(model)
+    return tokenizer, model, aux_coef
+
+
+def adapters_in_bf16(model) -> None:
+    """On a quantized base the trainable LoRA weights are kept in bf16, as trl does after the QLoRA paper (section
+    3), but a DoRA magnitude vector (its updates can fall below bf16's resolution)."""
+    for name, param in model.named_parameters():
+        if param.requires_grad and "lora_magnitude_vector" not in name:
+            param.data = param.data.to(torch.bfloat16)
 
 
 def ready_to_train(model, config: TrainConfig, init: InitPoint | None = None):

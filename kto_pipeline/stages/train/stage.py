@@ -47,6 +47,7 @@ from kto_pipeline.lock import main_process_lock
 from kto_pipeline.model_card import write_model_card
 from kto_pipeline.objectives import Objective, objective_for
 from kto_pipeline.objectives.items import real_rows
+from kto_pipeline.quantization import quantized_run, train_quantization
 from kto_pipeline.rundir import (
     InitPoint,
     MetricLog,
@@ -168,6 +169,10 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     trackers = _trackers(config)
     regime = policy_regime(config.bf16, config.fp16)  # the policy loads in float32
     engine = engine_for(launched_processes())
+    quantization = train_quantization(config, cache.manifest.reference.get("quantization"))
+    if quantization is not None:  # the cache's quantized base under LoRA adapters, its other weights in its dtype
+        config = quantized_run(config, quantization, engine)
+        regime = dataclasses.replace(regime, weights=cache.manifest.precision[0])
     accelerator = engine.make_accelerator(
         regime,
         config.max_grad_norm,
@@ -184,11 +189,12 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     warning = check_regime(Regime(*cache.manifest.precision), regime, config.strict)
     if warning:
         print0(accelerator, warning)
-    print0(accelerator, f"policy: {regime}, {engine}")
+    quantized = f", its base's linear layers {quantization} (LoRA r {config.lora_r})" if quantization else ""
+    print0(accelerator, f"policy: {regime}{quantized}, {engine}")
     init = init_point(config, cache.manifest, accelerator)
     if note := policy_start_note(config, cache.manifest):
         print0(accelerator, note)
-    tokenizer, model, aux_coef = load_policy(config, cache.manifest, init, engine)
+    tokenizer, model, aux_coef = load_policy(config, cache.manifest, init, engine, quantization)
     padded_because, kernel = packing_unsupported(model) or packing_leaked(cache.manifest), None
     if padded_because is None:  # (asked of the model in training mode, as its steps will run)
         kernel, kernel_note = request_attention_kernel(model.train(), config.attention_kernel, accelerator.device)
