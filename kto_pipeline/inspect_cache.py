@@ -37,7 +37,13 @@ def inspect_cache(cache_dir: str | Path, verify: bool = False, console: Console 
     m = read_manifest(cache_dir)
     status = "complete" if m.complete else "INCOMPLETE (re-run precompute to finish)"
     console.print(f"[bold]cache[/bold] {cache_dir.resolve()}  format v{m.format_version}  {status}")
-    console.print(_kv_table("reference model", m.reference))
+    reference = dict(m.reference)
+    if reference.get("quantization"):
+        from kto_pipeline.quantization import Quantization
+
+        record = reference["quantization"]
+        reference["quantization"] = f"{Quantization.from_record(record)}; bitsandbytes {record['bitsandbytes_version']}"
+    console.print(_kv_table("reference model", reference))
     console.print(_kv_table("tokenizer", m.tokenizer))
     console.print(_kv_table("dataset", m.dataset))
     console.print(_kv_table("settings", m.settings))

@@ -137,10 +137,10 @@ def check_quantizable(name: str, flag: str, quantization: Quantization | None) -
 
 
 def train_quantization(config, cached: dict[str, Any] | None) -> Quantization | None:
-    """train's quantized base: the cache's (`cached`, its manifest's record) where train's options say nothing;
-    options given must ask for the cache's quantization (their unset parts trl's defaults), as the cached
-    log-probs are those of the quantized reference: another, or one on a cache made without, is refused naming
-    both."""
+    """train's quantized base: the cache's (`cached`, its manifest's record) where train's options say nothing.
+    Options given must ask for the cache's quantization (what they leave unset is the cache's, or trl's defaults
+    on a cache made without): its log-probs are the quantized reference's, and at step 1 the policy must be that
+    reference. Another, or one on a cache made without, is refused naming both."""
     cache = Quantization.from_record(cached)
     names = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")
     given = {name: getattr(config, name) for name in names if getattr(config, name) is not None}
@@ -150,11 +150,21 @@ def train_quantization(config, cached: dict[str, Any] | None) -> Quantization | 
         return cache
     from types import SimpleNamespace
 
-    defaults = dict(load_in_4bit=False, load_in_8bit=False, bnb_4bit_quant_type="nf4", use_bnb_nested_quant=False)
-    asked = quantization_of(
-        SimpleNamespace(**{**defaults, "bnb_4bit_quant_storage": None, **given}),
-        cache.compute_dtype if cache is not None and cache.bits == 4 else "float32",
-    )
+    unset = dict(load_in_4bit=False, load_in_8bit=False, bnb_4bit_quant_type="nf4", use_bnb_nested_quant=False)
+    unset["bnb_4bit_quant_storage"] = None
+    if cache is not None:
+        unset |= dict(load_in_4bit=cache.bits == 4, load_in_8bit=cache.bits == 8)
+        if cache.bits == 4:
+            unset |= dict(bnb_4bit_quant_type=cache.quant_type, use_bnb_nested_quant=cache.nested)
+            unset["bnb_4bit_quant_storage"] = cache.storage
+    if given.get("load_in_8bit"):
+        unset["load_in_4bit"] = False
+    if given.get("load_in_4bit"):
+        unset["load_in_8bit"] = False
+    if not {**unset, **given}["load_in_4bit"]:  # (the cache's 4-bit details do not apply)
+        unset |= dict(bnb_4bit_quant_type="nf4", use_bnb_nested_quant=False, bnb_4bit_quant_storage=None)
+    compute = cache.compute_dtype if cache is not None and cache.bits == 4 else "float32"
+    asked = quantization_of(SimpleNamespace(**{**unset, **given}), compute)
     if asked != cache:
         options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items())
         raise KTOPipelineError(

@@ -1,0 +1,203 @@
+"""Quantized bases (QLoRA): bitsandbytes' 4-bit and 8-bit layers, which run on this CPU (bitsandbytes >= 0.50's CPU
+backend). The reference pass scores with the quantized model, the manifest records it, train builds the same base
+under LoRA adapters (step 1 exactly the reference), and matches trl.KTOTrainer given the same quantization."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from helpers import paired_conversational_rows, read_metrics, train_config, unpaired_rows, write_jsonl
+
+from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
+
+pytest.importorskip("bitsandbytes")
+
+STEP_ONE = ("rewards/chosen", "rewards/rejected", "rewards/margins")
+
+
+def _precompute(model_dir, tmp_path, name="cache", rows=None, max_length=64, **quantization):
+    data = write_jsonl(tmp_path / f"{name}.jsonl", rows or unpaired_rows(16))
+    config = PrecomputeConfig(model=str(model_dir), dataset=str(data), output=str(tmp_path / name))
+    config.max_length = max_length
+    for key, value in quantization.items():
+        setattr(config, key, value)
+    return precompute(config)
+
+
+@pytest.fixture(scope="module")
+def nf4_cache(tiny_model_dir, tmp_path_factory):
+    return _precompute(tiny_model_dir, tmp_path_factory.mktemp("nf4"), load_in_4bit=True)
+
+
+def test_the_reference_runs_quantized_and_the_manifest_and_inspect_say_how(nf4_cache, tiny_model_dir, tmp_path):
+    """The cached log-probs are the quantized model's (not the float model's), and the manifest records the
+    quantization with the bitsandbytes version; `inspect` shows it."""
+    import bitsandbytes
+    from rich.console import Console
+
+    from kto_pipeline.cache import open_cache
+    from kto_pipeline.inspect_cache import inspect_cache
+
+    manifest = json.loads((nf4_cache / "manifest.json").read_text())
+    assert manifest["reference_model"]["quantization"] == {
+        "method": "bitsandbytes",
+        "bits": 4,
+        "quant_type": "nf4",
+        "compute_dtype": "float32",
+        "storage": "uint8",
+        "nested": False,
+        "bitsandbytes_version": bitsandbytes.__version__,
+    }
+    assert manifest["fingerprint"]["quantization"]["bits"] == 4
+    float_cache = _precompute(tiny_model_dir, tmp_path, "float")
+    quantized, plain = (open_cache(c).table.column("ref_logp").to_pylist() for c in (nf4_cache, float_cache))
+    differences = [abs(q - p) for q, p in zip(quantized, plain, strict=True)]
+    assert max(differences) > 1e-4  # the 4-bit weights moved the log-probs
+    assert "quantization" not in json.loads((float_cache / "manifest.json").read_text())["reference_model"]
+    console = Console(record=True, width=300)
+    assert inspect_cache(nf4_cache, console=console) == []
+    assert "4-bit nf4 (bitsandbytes, computing in float32, stored as uint8); bitsandbytes" in console.export_text()
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "sigmoid"])
+def test_train_builds_the_caches_quantized_base_under_lora_and_step_one_is_the_reference(
+    loss_type, tiny_model_dir, tmp_path
+):
+    """train without quantization options: the cache's quantized base, LoRA implied (rank 16, trl's --use-peft),
+    adapters trained in bf16 as trl's; step 1's rewards exactly 0, for KTO and a pair loss; the saved adapter is
+    what peft loads."""
+    rows = paired_conversational_rows(8) if loss_type == "sigmoid" else None
+    cache = _precompute(
+        tiny_model_dir, tmp_path, rows=rows, max_length=256, load_in_4bit=True, use_bnb_nested_quant=True
+    )
+    out = tmp_path / "run"
+    train(train_config(cache, out, loss_type=loss_type, per_device_train_batch_size=4 if rows is None else 2))
+    first = read_metrics(out)[0]
+    assert all(first[key] == 0.0 for key in STEP_ONE), first
+    assert first["kl"] == 0.0 if loss_type == "kto" else first["rewards/accuracies"] == 0.0
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["r"] == 16 and adapter["peft_type"] == "LORA"
+    state = json.loads((out / "run_config.json").read_text())
+    assert state["lora_r"] == 16
+
+
+def test_a_quantization_other_than_the_caches_is_refused_naming_both(nf4_cache, tiny_model_dir, tmp_path):
+    cases = {
+        "load_in_8bit": True,  # another method
+        "bnb_4bit_quant_type": "fp4",  # another 4-bit type
+        "use_bnb_nested_quant": True,  # nested where the cache's was not
+        "load_in_4bit": False,  # none, on a quantized cache
+    }
+    for option, value in cases.items():
+        with pytest.raises(KTOPipelineError, match=r"4-bit nf4 .*cache's reference was quantized|quantized 4-bit nf4"):
+            train(TrainConfig(cache=str(nf4_cache), output_dir=str(tmp_path / option), **{option: value}))
+    float_cache = _precompute(tiny_model_dir, tmp_path, "float")
+    with pytest.raises(KTOPipelineError, match="cache's reference was quantized not at all"):
+        train(TrainConfig(cache=str(float_cache), output_dir=str(tmp_path / "q"), load_in_4bit=True))
+    # the cache's own quantization given explicitly (a trl YAML serving both stages) is the cache's: it trains
+    train(train_config(nf4_cache, tmp_path / "same", load_in_4bit=True, bnb_4bit_quant_type="nf4", max_steps=1))
+
+
+def test_bad_quantization_options_are_refused_before_any_work(tiny_model_dir, tmp_path, monkeypatch):
+    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows(4))
+    base = dict(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c"))
+    refused = {
+        "choose one": dict(load_in_4bit=True, load_in_8bit=True),
+        "must be one of nf4, fp4, got 'nf5'": dict(load_in_4bit=True, bnb_4bit_quant_type="nf5"),
+        "--use-bnb-nested-quant: only applies with --load-in-4bit": dict(use_bnb_nested_quant=True),
+        "--torch-compile: not with --load-in-4bit": dict(load_in_4bit=True, torch_compile=True),
+    }
+    for message, options in refused.items():
+        with pytest.raises(KTOPipelineError, match=message.replace("(", r"\(")):
+            precompute(PrecomputeConfig(**base, **options))
+    # an already quantized checkpoint
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    quantized = tmp_path / "gptq"
+    quantized.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (quantized / f.name).write_bytes(f.read_bytes())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(KTOPipelineError, match=r"already quantized \(gptq\)"):
+        precompute(PrecomputeConfig(**{**base, "model": str(quantized)}, load_in_4bit=True))
+    # bitsandbytes missing: the install line
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(KTOPipelineError, match=r"bitsandbytes is not installed: pip install 'kto-pipeline\[qlora\]'"):
+        precompute(PrecomputeConfig(**base, load_in_8bit=True))
+
+
+def test_qlora_training_matches_trl_with_the_same_quantization(tiny_model_dir, tmp_path):
+    """trl.KTOTrainer given the model's path, BitsAndBytesConfig (NF4, nested, computing in float32) and a LoRA
+    config, its reference precomputed (the base with the adapters off), against ours from a cache made with
+    --load-in-4bit: the reference log-probs, then 3 steps of loss, grad norm and rewards."""
+    import datasets
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+    from trl import KTOConfig, KTOTrainer
+
+    from kto_pipeline.quantization import Quantization
+
+    data = write_jsonl(tmp_path / "data.jsonl", unpaired_rows(24))
+    settings = dict(learning_rate=3e-3, seed=42, beta=0.1, max_grad_norm=0.5, weight_decay=0.1, logging_steps=1)
+    settings |= dict(lr_scheduler_type="linear", max_steps=3, max_length=64)
+    quantization = Quantization(4, "nf4", "float32", "uint8", True)
+    dataset = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(tmp_path / "hf"))
+    trainer = KTOTrainer(
+        model=str(tiny_model_dir),
+        args=KTOConfig(
+            output_dir=str(tmp_path / "trl"),
+            precompute_ref_log_probs=True,
+            bf16=False,
+            per_device_train_batch_size=4,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            loss_type="apo_zero_unpaired",
+            warmup_steps=0,
+            model_init_kwargs={"dtype": torch.float32},
+            **settings,
+        ),
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        quantization_config=quantization.transformers_config(),
+        peft_config=LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        ),
+    )
+    assert trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.uint8
+    trainer.train()
+    theirs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+
+    cache = _precompute(
+        tiny_model_dir, tmp_path, "ours", unpaired_rows(24), load_in_4bit=True, use_bnb_nested_quant=True
+    )
+    run = {k: v for k, v in settings.items() if k != "max_length"}
+    train(
+        TrainConfig(
+            cache=str(cache),
+            output_dir=str(tmp_path / "run"),
+            loss_type="apo_zero_unpaired",
+            per_device_train_batch_size=4,
+            warmup_ratio=0.0,
+            bf16=False,
+            train_sampling_strategy="sequential",
+            lora_r=8,
+            lora_alpha=16,
+            lora_dropout=0.0,
+            **run,
+        )
+    )
+    ours = read_metrics(tmp_path / "run")
+    assert len(ours) == len(theirs) == 3
+    # the reference log-probs: at step 1 both policies are their reference (trl's: the base with the adapters off,
+    # scored by trl; ours: the cache), so the rewards are 0 and the policies' summed log-probs are the references'
+    assert ours[0]["rewards/chosen"] == 0.0 and abs(theirs[0]["rewards/chosen"]) < 1e-6
+    for name in ("logps/chosen", "logps/rejected"):
+        assert ours[0][name] == pytest.approx(theirs[0][name], rel=1e-4), name
+    for step, (mine, expected) in enumerate(zip(ours, theirs, strict=True), start=1):
+        for name in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+            if name in expected:
+                assert mine[name] == pytest.approx(expected[name], rel=2e-3, abs=1e-5), (step, name, mine, expected)
+    assert abs(theirs[-1]["loss"] - theirs[0]["loss"]) > 1e-3  # the adapters moved the policy
