@@ -55,14 +55,15 @@ def save_model(engine, module, tokenizer, path: Path, run_config: dict[str, Any]
     tokenizer.save_pretrained(path)
 
 
-def save_merged(engine, module, tokenizer, out: Path, load_base) -> None:
+def save_merged(engine, module, tokenizer, out: Path, load_base, into_loaded: bool = False) -> None:
     """--merge: the base model with the trained LoRA adapter merged in, whole, in OUT/merged (main process only;
-    after `save_model`). Where no process holds the whole adapter model (a sharded one), the main process merges the
+    after `save_model`). Where no process holds the whole adapter model (a sharded one), or `into_loaded` (the
+    trained base is quantized: the adapter goes into its float weights, as served), the main process merges the
     adapter just saved in OUT into a fresh copy of the base model (`load_base()`), as one would offline, while the
     others wait."""
     accelerator = engine.accelerator
     if accelerator.is_main_process:
-        if engine.holds_whole_model:
+        if engine.holds_whole_model and not into_loaded:
             merged = engine.unwrap(module).model.merge_and_unload()
         else:
             from peft import PeftModel

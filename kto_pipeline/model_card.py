@@ -220,6 +220,12 @@ def _settings_rows(
     return rows
 
 
+def _quantization(record: dict[str, Any]) -> str:
+    from kto_pipeline.quantization import Quantization
+
+    return f"{Quantization.from_record(record)}, bitsandbytes {record['bitsandbytes_version']}"
+
+
 def _cache_rows(config: dict[str, Any], manifest: Manifest) -> list[tuple[str, str]]:
     ref, tok, data = manifest.reference, manifest.tokenizer, manifest.dataset
     settings, counts = manifest.settings, manifest.counts
@@ -242,6 +248,11 @@ def _cache_rows(config: dict[str, Any], manifest: Manifest) -> list[tuple[str, s
         ("rows dropped", f"{n_dropped} ({', '.join(f'{k}: {v}' for k, v in dropped.items())})" if n_dropped else "0"),
         ("cached max_length", _num(settings["max_length"])),
         ("reference dtype", _code(settings.get("dtype"))),
+        *(
+            [("reference quantization (QLoRA base)", _quantization(ref["quantization"]))]
+            if ref.get("quantization")
+            else []
+        ),
         ("KL pairing seed", _num(settings.get("kl_seed"))),
         *_segment_rows(manifest),
         ("cache format version", _num(manifest.format_version)),

@@ -74,7 +74,17 @@ def test_train_builds_the_caches_quantized_base_under_lora_and_step_one_is_the_r
         tiny_model_dir, tmp_path, rows=rows, max_length=256, load_in_4bit=True, use_bnb_nested_quant=True
     )
     out = tmp_path / "run"
-    train(train_config(cache, out, loss_type=loss_type, per_device_train_batch_size=4 if rows is None else 2))
+    batch = 4 if rows is None else 2
+    train(
+        train_config(
+            cache,
+            out,
+            loss_type=loss_type,
+            per_device_train_batch_size=batch,
+            merge=rows is None,
+            use_peft=rows is None,
+        )
+    )
     first = read_metrics(out)[0]
     assert all(first[key] == 0.0 for key in STEP_ONE), first
     assert first["kl"] == 0.0 if loss_type == "kto" else first["rewards/accuracies"] == 0.0
@@ -82,6 +92,15 @@ def test_train_builds_the_caches_quantized_base_under_lora_and_step_one_is_the_r
     assert adapter["r"] == 16 and adapter["peft_type"] == "LORA"
     state = json.loads((out / "run_config.json").read_text())
     assert state["lora_r"] == 16
+    card = (out / "README.md").read_text()
+    quantized = "4-bit nf4 (bitsandbytes, computing in float32, stored as uint8, nested)"
+    assert f"| reference quantization (QLoRA base) | {quantized}" in card
+    if rows is None:  # --merge: the adapters merged into the float base, as served (no quantization left)
+        from transformers import AutoModelForCausalLM
+
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+        assert getattr(merged.config, "quantization_config", None) is None
+        assert {p.dtype for p in merged.parameters()} == {torch.float32}
 
 
 def test_a_quantization_other_than_the_caches_is_refused_naming_both(nf4_cache, tiny_model_dir, tmp_path):
@@ -201,3 +220,42 @@ def test_qlora_training_matches_trl_with_the_same_quantization(tiny_model_dir, t
             if name in expected:
                 assert mine[name] == pytest.approx(expected[name], rel=2e-3, abs=1e-5), (step, name, mine, expected)
     assert abs(theirs[-1]["loss"] - theirs[0]["loss"]) > 1e-3  # the adapters moved the policy
+
+
+QLORA_YAML = """# written for `trl kto --config` (QLoRA), plus the one line `cache:`
+model_name_or_path: {model}
+dataset_name: {data}
+output_dir: {out}
+cache: {cache}
+dtype: float32
+load_in_4bit: true
+bnb_4bit_quant_type: nf4
+use_bnb_nested_quant: true
+use_peft: true
+lora_r: 8
+lora_alpha: 16
+lora_target_modules: all-linear
+max_length: 64
+learning_rate: 1.0e-3
+per_device_train_batch_size: 4
+max_steps: 2
+logging_steps: 1
+bf16: false
+"""
+
+
+def test_a_trl_qlora_yaml_runs_both_stages(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """The documented QLoRA YAML (trl's keys) plus `cache:` runs precompute, then train on the cache's quantized
+    base, step 1 exactly the reference."""
+    from helpers import run_cli
+
+    data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows(12))
+    recipe = tmp_path / "qlora.yaml"
+    recipe.write_text(QLORA_YAML.format(model=tiny_model_dir, data=data, out=tmp_path / "run", cache=tmp_path / "c"))
+    code, _, err = run_cli(monkeypatch, capsys, "precompute", "--config", str(recipe))
+    assert code == 0, err
+    code, out, err = run_cli(monkeypatch, capsys, "train", "--config", str(recipe))
+    assert code == 0, err
+    assert "its base's linear layers 4-bit nf4 (bitsandbytes, computing in float32, stored as uint8, nested)" in out
+    first = read_metrics(tmp_path / "run")[0]
+    assert all(first[key] == 0.0 for key in STEP_ONE), first

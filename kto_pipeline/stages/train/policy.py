@@ -60,11 +60,15 @@ def init_point(config: TrainConfig, manifest: Manifest, accelerator) -> InitPoin
     return init
 
 
-def load_base(config: TrainConfig, manifest: Manifest, init: InitPoint | None = None, quantization=None):
+def load_base(
+    config: TrainConfig, manifest: Manifest, init: InitPoint | None = None, quantization=None, dtype: str | None = None
+):
     """The full weights training started from, as loaded: the cache's reference unless --model, or --init-from's
-    weights (an adapter's base for an adapter); float32, or with `quantization` (the cache's) quantized as the
-    reference was, its other weights in the reference's dtype."""
-    dtype = torch.float32 if quantization is None else WEIGHT_DTYPES[manifest.precision[0]]
+    weights (an adapter's base for an adapter); in float32 (or `dtype`), or with `quantization` (the cache's)
+    quantized as the reference was, its other weights in the reference's dtype."""
+    if quantization is not None:
+        dtype = manifest.precision[0]
+    dtype = WEIGHT_DTYPES[dtype or "float32"]
     trust = config.trust_remote_code
     if init is not None:
         name = str(init.run_dir) if init.kind == "full" else init.base

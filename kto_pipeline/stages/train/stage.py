@@ -549,8 +549,11 @@ def finish(run: Run) -> TrainResult:
     if run.trackers:
         accelerator.end_training()
     save_model(run.engine, run.scorer, run.tokenizer, out, config.to_dict())
-    if config.merge:
-        save_merged(run.engine, run.scorer, run.tokenizer, out, lambda: load_base(config, run.manifest, run.init))
+    if config.merge:  # (a quantized base: into its float weights, in the reference's dtype, as served)
+        quantized = run.manifest.reference.get("quantization") is not None
+        dtype = run.manifest.precision[0] if quantized else None
+        base = lambda: load_base(config, run.manifest, run.init, dtype=dtype)  # noqa: E731
+        save_merged(run.engine, run.scorer, run.tokenizer, out, base, into_loaded=quantized)
     executed, needed = (sum(gather_object([x])) for x in (p.tokens_executed, p.tokens_needed))
     state = trainer_state(run)
     state.train_seconds = round(time.perf_counter() - p.started, 3)
