@@ -190,3 +190,14 @@ def quantized_run(config, quantization: Quantization, engine):
     if config.lora_r is None:
         config = dataclasses.replace(config, lora_r=TRL_LORA_R, use_peft=True)
     return config
+
+
+# LLM.int8() computes a product one way for the reference pass (eval mode) and another in training: on a CPU training
+# runs bitsandbytes' dequantized float product (`MatMul8bitFp`), the reference pass the int8 one; on a GPU both run the
+# int8 product, whose outlier columns (inputs above `llm_int8_threshold`) are chosen over the whole batch. The tiny
+# Llama's step-1 rewards came 2.2e-4 off 0 on the CPU; 4-bit bases compute alike in both (exactly 0, tested).
+INT8_STEP_ONE = (
+    "note: an 8-bit base (LLM.int8()) computes its products otherwise in training than in the reference pass "
+    "(bitsandbytes' training path; outlier columns chosen per batch), so step 1's rewards and KL are near 0, not "
+    "exactly 0 as with a 4-bit base or none"
+)

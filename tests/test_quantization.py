@@ -259,3 +259,15 @@ def test_a_trl_qlora_yaml_runs_both_stages(tmp_path, monkeypatch, capsys, tiny_m
     assert "its base's linear layers 4-bit nf4 (bitsandbytes, computing in float32, stored as uint8, nested)" in out
     first = read_metrics(tmp_path / "run")[0]
     assert all(first[key] == 0.0 for key in STEP_ONE), first
+
+
+def test_an_8bit_base_trains_and_says_step_one_is_near_zero_not_exact(tiny_model_dir, tmp_path, capsys):
+    """LLM.int8(): the reference pass and train run on an 8-bit base; bitsandbytes computes training's products
+    otherwise than the reference pass's (on a CPU its dequantized float product), which train says; step 1 is then
+    near 0 (within 1e-3 here), not exactly."""
+    cache = _precompute(tiny_model_dir, tmp_path, load_in_8bit=True)
+    assert json.loads((cache / "manifest.json").read_text())["reference_model"]["quantization"]["bits"] == 8
+    train(train_config(cache, tmp_path / "run", max_steps=1))
+    assert "an 8-bit base (LLM.int8()) computes its products otherwise in training" in capsys.readouterr().out
+    first = read_metrics(tmp_path / "run")[0]
+    assert all(abs(first[key]) < 1e-3 for key in STEP_ONE), first

@@ -47,7 +47,7 @@ from kto_pipeline.lock import main_process_lock
 from kto_pipeline.model_card import write_model_card
 from kto_pipeline.objectives import Objective, objective_for
 from kto_pipeline.objectives.items import real_rows
-from kto_pipeline.quantization import quantized_run, train_quantization
+from kto_pipeline.quantization import INT8_STEP_ONE, quantized_run, train_quantization
 from kto_pipeline.rundir import (
     InitPoint,
     MetricLog,
@@ -191,6 +191,8 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
         print0(accelerator, warning)
     quantized = f", its base's linear layers {quantization} (LoRA r {config.lora_r})" if quantization else ""
     print0(accelerator, f"policy: {regime}{quantized}, {engine}")
+    if quantization is not None and quantization.bits == 8:
+        print0(accelerator, INT8_STEP_ONE)
     init = init_point(config, cache.manifest, accelerator)
     if note := policy_start_note(config, cache.manifest):
         print0(accelerator, note)
