@@ -271,3 +271,41 @@ def test_an_8bit_base_trains_and_says_step_one_is_near_zero_not_exact(tiny_model
     assert "an 8-bit base (LLM.int8()) computes its products otherwise in training" in capsys.readouterr().out
     first = read_metrics(tmp_path / "run")[0]
     assert all(abs(first[key]) < 1e-3 for key in STEP_ONE), first
+
+
+@pytest.mark.parametrize("bits,nested", [(4, False), (4, True), (8, False)], ids=["nf4", "nf4-nested", "int8"])
+def test_estimate_memory_counts_the_quantized_weights_bitsandbytes_holds(tiny_model_dir, bits, nested):
+    """estimate-memory's size of a quantized base's linear layers is what bitsandbytes holds for them (weights,
+    scales, nested scales), counted on a real quantized model; a QLoRA estimate keeps the LoRA step's activations
+    and moves its weights by exactly that."""
+    import dataclasses
+
+    import bitsandbytes as bnb
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kto_pipeline.config import MemoryEstimateConfig
+    from kto_pipeline.memory.estimate import estimate, quantized_bytes, quantized_linears
+    from kto_pipeline.quantization import Quantization
+
+    quantization = Quantization(bits, "nf4", "float32", "uint8", nested)
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, quantization_config=quantization.transformers_config(), dtype=torch.float32
+    )
+    held = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            state = module.weight.quant_state
+            held += module.weight.numel() + state.absmax.numel() * state.absmax.element_size()
+            held += state.state2.absmax.numel() * state.state2.absmax.element_size() if state.nested else 0
+        elif isinstance(module, bnb.nn.Linear8bitLt):
+            held += module.weight.numel() + module.weight.SCB.numel() * module.weight.SCB.element_size()
+    shapes, _, _ = quantized_linears(AutoConfig.from_pretrained(tiny_model_dir))
+    assert quantized_bytes(shapes, bits, nested) == held > 0
+    config = MemoryEstimateConfig(model=str(tiny_model_dir), per_device_train_batch_size=2, max_length=64, bf16=True)
+    lora = estimate(dataclasses.replace(config, lora_r=16))
+    quantized = estimate(
+        dataclasses.replace(config, load_in_4bit=bits == 4, load_in_8bit=bits == 8, use_bnb_nested_quant=nested)
+    )
+    assert quantized["settings"]["lora_r"] == 16
+    assert quantized["breakdown"]["activations"] == lora["breakdown"]["activations"]
+    assert quantized["breakdown"]["parameters"] < lora["breakdown"]["parameters"]

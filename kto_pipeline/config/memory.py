@@ -69,6 +69,20 @@ class MemoryEstimateConfig(ConfigMixin):
         default=None,
         **described("Train LoRA adapters of this rank (all linear layers) instead of all weights.", panel=LORA),
     )
+    load_in_4bit: bool = field(
+        default=False,
+        **described(
+            "The frozen base's linear layers in 4 bits (QLoRA, bitsandbytes NF4): LoRA r 16 implied; its other "
+            "weights and the adapters in bf16 under --bf16.",
+            panel=LORA,
+        ),
+    )
+    load_in_8bit: bool = field(
+        default=False, **described("The frozen base's linear layers in 8 bits (LLM.int8()), LoRA implied.", panel=LORA)
+    )
+    use_bnb_nested_quant: bool = field(
+        default=False, **described("With --load-in-4bit: the blocks' scales quantized too.", panel=LORA)
+    )
     freeze_vision_tower: bool = field(
         default=True,
         **described(
@@ -93,6 +107,15 @@ class MemoryEstimateConfig(ConfigMixin):
         check(self.lengths in LENGTHS, "lengths", f"must be one of {', '.join(LENGTHS)}, got {self.lengths!r}")
         check(self.fsdp_world_size >= 1, "fsdp_world_size", "must be at least 1")
         check(not self.cpu_offload or self.fsdp_world_size > 1, "cpu_offload", "needs --fsdp-world-size > 1")
+        check(not (self.load_in_4bit and self.load_in_8bit), "load_in_4bit", "and --load-in-8bit: choose one")
+        check(not self.use_bnb_nested_quant or self.load_in_4bit, "use_bnb_nested_quant", "needs --load-in-4bit")
+        if (self.load_in_4bit or self.load_in_8bit) and self.lora_r is None:
+            self.lora_r = 16  # a quantized base trains LoRA (trl's --use-peft rank)
+        check(
+            not ((self.load_in_4bit or self.load_in_8bit) and self.fsdp_world_size > 1),
+            "fsdp_world_size",
+            "not with a quantized base",
+        )
         check(self.lora_r is None or self.lora_r >= 1, "lora_r", "must be >= 1")
         check(
             self.lora_r is None or self.fsdp_world_size == 1,

@@ -7,9 +7,11 @@ import json
 from typing import Any
 
 from kto_pipeline.config import MemoryEstimateConfig
+from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.memory.simulation import (
     CATEGORIES,
     GIB,
+    StepMemory,
     StepSettings,
     image_shape,
     load_model_config,
@@ -39,10 +41,18 @@ def estimate(config: MemoryEstimateConfig) -> dict[str, Any]:
         freeze_vision_tower=config.freeze_vision_tower,
     )
     ours = simulate_ours(model_config, rows, settings, loss_type=config.loss_type)
+    bits = 4 if config.load_in_4bit else 8 if config.load_in_8bit else None
+    if bits is not None:
+        if image is not None:
+            raise KTOPipelineError("--load-in-4bit/8bit: estimated for text models only")
+        ours = quantized_step(ours, model_config, bits, config.use_bnb_nested_quant, config.bf16)
     # the tokens with gradients: each row's prompt and completion, or each pair's prompt and both answers
     objective = objective_for(config.loss_type)
     needed = sum(objective.tokens_with_grad(item) for item in objective.items_from_rows(rows))
     floor = floor_bytes(model_config, settings, needed)
+    if bits is not None:  # the floor's weights, gradients and moments as on the quantized base
+        change = quantized_change(model_config, bits, config.use_bnb_nested_quant, config.bf16)
+        floor.update({k: floor[k] + change[k] for k in ("parameters", "gradients", "optimizer")})
     if config.cpu_offload:  # the device holds no sharded weights, gradients or moments
         floor.update(parameters=0, gradients=0, optimizer=0)
     result: dict[str, Any] = {
@@ -59,10 +69,78 @@ def estimate(config: MemoryEstimateConfig) -> dict[str, Any]:
         **({"image_tokens": image.tokens, "image_size": image.size} if image is not None else {}),
     }
     if config.against_trl:  # (trl trains a vision tower: it has no option to freeze it)
-        trl = simulate_trl(model_config, rows, dataclasses.replace(settings, freeze_vision_tower=False), online=True)
+        # trl with peft scores its reference with the adapters off: no second model (its no-grad forwards' transients
+        # are gone by the policy's backward, the step's peak): on a quantized base, its step without a reference model
+        online = bits is None
+        trl = simulate_trl(model_config, rows, dataclasses.replace(settings, freeze_vision_tower=False), online=online)
+        if bits is not None:
+            trl = quantized_step(trl, model_config, bits, config.use_bnb_nested_quant, config.bf16)
         result["trl_online_peak_bytes"] = trl.peak_bytes
         result["trl_online_breakdown"] = trl.breakdown
     return result
+
+
+def quantized_linears(model_config) -> tuple[list[tuple[int, int]], int, int]:
+    """(the (out, in) shapes of the linear layers bitsandbytes quantizes: every nn.Linear but the output layer, as
+    transformers skips it; the parameters left in float; the LoRA parameters, rank 16 on every linear layer as
+    `ready_to_train` adds them) of a text model, counted on the meta device."""
+    import torch
+
+    from kto_pipeline.models import auto_class
+
+    with torch.device("meta"):
+        model = auto_class(model_config).from_config(model_config, dtype=torch.float32)
+    head = model.get_output_embeddings()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    shapes = [(m.out_features, m.in_features) for m in linears]
+    rest = sum(p.numel() for p in model.parameters()) - sum(o * i for o, i in shapes)
+    return shapes, rest, sum(16 * (o + i) for o, i in shapes)
+
+
+def quantized_bytes(shapes: list[tuple[int, int]], bits: int, nested: bool) -> int:
+    """What bitsandbytes holds for linear weights of these (out, in) shapes: 4 bits, half a byte a weight and a
+    float32 scale a block of 64 (nested: an 8-bit scale a block, and a float32 one a block of 256 of those); 8 bits,
+    a byte a weight and a float32 scale a row."""
+    total = 0
+    for out, inp in shapes:
+        n = out * inp
+        if bits == 8:
+            total += n + 4 * out
+            continue
+        blocks = -(-n // 64)
+        total += -(-n // 2) + (blocks + 4 * -(-blocks // 256) if nested else 4 * blocks)
+    return total
+
+
+def quantized_step(memory: StepMemory, model_config, bits: int, nested: bool, bf16: bool) -> StepMemory:
+    """A simulated LoRA step (float32 base, float32 adapters) as it runs on a quantized base (`quantized_change`)."""
+    change = quantized_change(model_config, bits, nested, bf16)
+    if not memory.breakdown["gradients"]:
+        change["gradients"] = 0
+    if not memory.breakdown["optimizer"]:
+        change["optimizer"] = 0
+    breakdown = {k: v + change.get(k, 0) for k, v in memory.breakdown.items()}
+    before = memory.before_step_bytes + change["parameters"] + change["optimizer"]
+    return dataclasses.replace(
+        memory, peak_bytes=memory.peak_bytes + sum(change.values()), breakdown=breakdown, before_step_bytes=before
+    )
+
+
+def quantized_change(model_config, bits: int, nested: bool, bf16: bool) -> dict[str, int]:
+    """What a quantized base changes in a LoRA step's categories (bytes): the linear layers' weights at
+    bitsandbytes' sizes (`quantized_bytes`), the other weights and the adapters (their gradients and AdamW moments
+    too) in bf16 under bf16 (as trl keeps adapters on a quantized base), plus the largest layer's weight dequantized
+    for its product (a temporary)."""
+    shapes, rest, lora = quantized_linears(model_config)
+    sizes = [out * inp for out, inp in shapes]
+    quantized = quantized_bytes(shapes, bits, nested)
+    half = 2 if bf16 else 4
+    return {
+        "parameters": quantized - 4 * sum(sizes) + (half - 4) * (rest + lora),
+        "gradients": (half - 4) * lora,
+        "optimizer": 2 * (half - 4) * lora,
+        "temporaries": max(sizes) * half,
+    }
 
 
 def describe(result: dict[str, Any]) -> str:
@@ -88,6 +166,8 @@ def describe(result: dict[str, Any]) -> str:
         )
         + (", gradient checkpointing" if s["gradient_checkpointing"] else "")
         + (f", LoRA r={s['lora_r']}" if s["lora_r"] else "")
+        + (", 4-bit base (NF4" + (", nested" if s["use_bnb_nested_quant"] else "") + ")" if s["load_in_4bit"] else "")
+        + (", 8-bit base (LLM.int8())" if s["load_in_8bit"] else "")
         + (f", FSDP2 x{s['fsdp_world_size']}" if s["fsdp_world_size"] > 1 else "")
         + (" + CPU offload" if s["cpu_offload"] else ""),
         f"  peak per device   {gib(result['peak_bytes'])}   (simulated; allocated tensors, no allocator slack)",
@@ -98,7 +178,8 @@ def describe(result: dict[str, Any]) -> str:
     lines.append(f"  KL forward        {result['kl_forward']}")
     if result.get("trl_online_peak_bytes") is not None:
         ratio = result["peak_bytes"] / result["trl_online_peak_bytes"]
-        lines.append(f"  trl online        {gib(result['trl_online_peak_bytes'])}   (ours / trl = {ratio:.2f})")
+        trl = "trl (peft)   " if s["load_in_4bit"] or s["load_in_8bit"] else "trl online   "
+        lines.append(f"  {trl}     {gib(result['trl_online_peak_bytes'])}   (ours / trl = {ratio:.2f})")
     return "\n".join(lines)
 
 

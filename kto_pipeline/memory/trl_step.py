@@ -166,6 +166,7 @@ def _trl_head(model, input_ids, attention_mask, completion_mask, with_stats: boo
     from kto_pipeline.models import backbone_of
 
     labels = input_ids.masked_fill(completion_mask == 0, -100)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a peft model: its LoRA layers)
     hidden = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(images or {}))
     hidden = hidden.last_hidden_state[:, :-1]
     labels = labels[:, 1:]
