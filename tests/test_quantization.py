@@ -309,3 +309,69 @@ def test_estimate_memory_counts_the_quantized_weights_bitsandbytes_holds(tiny_mo
     assert quantized["settings"]["lora_r"] == 16
     assert quantized["breakdown"]["activations"] == lora["breakdown"]["activations"]
     assert quantized["breakdown"]["parameters"] < lora["breakdown"]["parameters"]
+
+
+def test_qlora_sigmoid_matches_trl_dpo_with_the_same_quantization(tiny_model_dir, tmp_path):
+    """trl.DPOTrainer (sigmoid) given the model's path, the same BitsAndBytesConfig (NF4 computing in float32) and
+    LoRA config, its reference precomputed, against ours from a --load-in-4bit cache of the same pairs: step 1's
+    rewards 0 and log-probs equal (the reference), then 3 steps of loss, grad norm and rewards."""
+    import datasets
+    from peft import LoraConfig
+    from test_dpo_parity import paired_rows
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from kto_pipeline.quantization import Quantization
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", paired_rows())
+    settings = dict(learning_rate=3e-3, seed=42, beta=0.1, max_grad_norm=0.5, weight_decay=0.1, logging_steps=1)
+    settings |= dict(lr_scheduler_type="linear", max_steps=3)
+    dataset = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(tmp_path / "hf"))
+    trainer = DPOTrainer(
+        model=str(tiny_model_dir),
+        args=DPOConfig(
+            output_dir=str(tmp_path / "trl"),
+            precompute_ref_log_probs=True,
+            bf16=False,
+            per_device_train_batch_size=4,
+            train_sampling_strategy="sequential",
+            max_length=48,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            warmup_steps=0,
+            model_init_kwargs={"dtype": torch.float32},
+            **settings,
+        ),
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        quantization_config=Quantization(4, "nf4", "float32", "uint8", False).transformers_config(),
+        peft_config=LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        ),
+    )
+    trainer.train()
+    theirs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    cache = _precompute(tiny_model_dir, tmp_path, "ours", paired_rows(), max_length=48, load_in_4bit=True)
+    train(
+        TrainConfig(
+            cache=str(cache),
+            output_dir=str(tmp_path / "run"),
+            loss_type="sigmoid",
+            per_device_train_batch_size=4,
+            warmup_ratio=0.0,
+            bf16=False,
+            train_sampling_strategy="sequential",
+            lora_r=8,
+            lora_alpha=16,
+            lora_dropout=0.0,
+            **settings,
+        )
+    )
+    ours = read_metrics(tmp_path / "run")
+    assert len(ours) == len(theirs) == 3
+    assert ours[0]["rewards/chosen"] == 0.0 and abs(theirs[0]["rewards/chosen"]) < 1e-6
+    for step, (mine, expected) in enumerate(zip(ours, theirs, strict=True), start=1):
+        for name in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+            assert mine[name] == pytest.approx(expected[name], rel=2e-3, abs=1e-5), (step, name, mine, expected)
+    assert abs(theirs[-1]["loss"] - theirs[0]["loss"]) > 1e-3
