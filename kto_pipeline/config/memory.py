@@ -94,8 +94,9 @@ class MemoryEstimateConfig(ConfigMixin):
     against_trl: bool = field(
         default=False,
         **described(
-            "Also simulate trl.KTOTrainer online (a reference model beside the policy) on the same rows; a "
-            "vision-language model's tower trains there, as in trl.",
+            "Also simulate trl.KTOTrainer online (a reference model beside the policy; with LoRA, trl's reference is "
+            "the base with the adapters off: no second model) on the same rows; a vision-language model's tower "
+            "trains there, as in trl.",
             panel=OUTPUT,
         ),
     )

@@ -69,9 +69,9 @@ def estimate(config: MemoryEstimateConfig) -> dict[str, Any]:
         **({"image_tokens": image.tokens, "image_size": image.size} if image is not None else {}),
     }
     if config.against_trl:  # (trl trains a vision tower: it has no option to freeze it)
-        # trl with peft scores its reference with the adapters off: no second model (its no-grad forwards' transients
-        # are gone by the policy's backward, the step's peak): on a quantized base, its step without a reference model
-        online = bits is None
+        # trl with peft (LoRA, a quantized base) scores its reference with the adapters off: no second model (its
+        # no-grad forwards' transients are gone by the policy's backward, the step's peak): its step without one
+        online = settings.lora_r is None
         trl = simulate_trl(model_config, rows, dataclasses.replace(settings, freeze_vision_tower=False), online=online)
         if bits is not None:
             trl = quantized_step(trl, model_config, bits, config.use_bnb_nested_quant, config.bf16)
