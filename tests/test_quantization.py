@@ -141,6 +141,10 @@ def test_bad_quantization_options_are_refused_before_any_work(tiny_model_dir, tm
     (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
     with pytest.raises(KTOPipelineError, match=r"already quantized \(gptq\)"):
         precompute(PrecomputeConfig(**{**base, "model": str(quantized)}, load_in_4bit=True))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(KTOPipelineError, match="a GGUF file is quantized by llama.cpp's own scheme"):
+        precompute(PrecomputeConfig(**{**base, "model": str(gguf)}, load_in_4bit=True))
     # bitsandbytes missing: the install line
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(KTOPipelineError, match=r"bitsandbytes is not installed: pip install 'kto-pipeline\[qlora\]'"):

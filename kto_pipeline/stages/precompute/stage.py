@@ -49,7 +49,7 @@ from kto_pipeline.images import (
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.manifest import Manifest, fingerprint_diff, new_manifest
 from kto_pipeline.models import load_model, load_tokenizer
-from kto_pipeline.quantization import fingerprint_of, quantization_of
+from kto_pipeline.quantization import check_quantizable, fingerprint_of, quantization_of
 from kto_pipeline.runtime.compiled import compile_layers
 from kto_pipeline.runtime.engines import engine_for
 from kto_pipeline.runtime.experts import experts_rows_alike
@@ -121,6 +121,11 @@ def setup(config: PrecomputeConfig, peaks: PeakMemory) -> Pass:
     state = process_state(config.ddp_timeout)
     engine = engine_for(state.num_processes)
     print0(state, f"kto-pipeline precompute {__version__}\n{config.describe()}")
+    # a quantization's options, bitsandbytes and the checkpoint checked before any work
+    quantization = quantization_of(config, reference_regime(config.dtype, config.bf16, state.device).weights)
+    if quantization is not None and config.torch_compile:
+        raise KTOPipelineError(f"--torch-compile: not with --load-in-{quantization.bits}bit (bitsandbytes' layers)")
+    check_quantizable(config.model, "--model", quantization)
     tokenizer = load_tokenizer(config.model, config.revision, config.trust_remote_code)
     return Pass(config, out, state, engine, started, tokenizer, peaks)
 
@@ -378,9 +383,7 @@ def _kl_partners(
 def load_reference(run: Pass) -> None:
     config, state = run.config, run.state
     regime = reference_regime(config.dtype, config.bf16, state.device)
-    quantization = quantization_of(config, regime.weights)
-    if quantization is not None and config.torch_compile:
-        raise KTOPipelineError(f"--torch-compile: not with --load-in-{quantization.bits}bit (bitsandbytes' layers)")
+    quantization = quantization_of(config, regime.weights)  # (checked in `setup`)
     model = run.engine.load(
         lambda: load_model(
             config.model, regime.dtype, config.revision, config.trust_remote_code, "--model", quantization
