@@ -24,7 +24,7 @@ LOAD_IN_4BIT_HELP = (
 )
 LOAD_IN_8BIT_HELP = "Load the model's linear layers in 8 bits with bitsandbytes (LLM.int8(), as trl's --load_in_8bit)."
 QUANT_TYPE_HELP = "With --load-in-4bit: the 4-bit data type, nf4 (NormalFloat, QLoRA's) or fp4."
-NESTED_HELP = "With --load-in-4bit: quantize the blocks' scales too (QLoRA's double quantization: 0.37 bit a weight less)."
+NESTED_HELP = "With --load-in-4bit: quantize the blocks' scales too (double quantization: 0.37 bit a weight less)."
 STORAGE_HELP = "With --load-in-4bit: the dtype the packed 4-bit weights are stored in (default uint8)."
 
 
