@@ -367,7 +367,7 @@ def render(data: dict) -> str:
         "",
         f"Written by `{data['command']}`: first run on {data['date']}, {redone} ({data.get('seconds', 0) / 60:.0f} "
         f"min in all). Machine: {data['machine']}; {data['versions']}. No GPU: every number is **simulated** unless "
-        "marked measured (how: benchmarks/bench_memory.py's docstring, kto_pipeline/memory.py).",
+        "marked measured (how: benchmarks/bench_memory.py's docstring, kto_pipeline/memory/).",
         "",
         "GiB per device at a steady step's peak (moments alive): bf16 autocast over float32 weights, fused AdamW, "
         "batch 8, kto-mix-like rows (memory.synthetic_rows) cut at max length; trl: real trl.KTOTrainer 1.16, (model): "

@@ -105,6 +105,7 @@ LONGEST_FIRST = (
     "test_bench_dpo.py",
     "test_bench_gpu.py",
     "test_memory.py",
+    "test_quantization.py",
     "test_accumulation.py",
     "test_recipe.py",
 )
