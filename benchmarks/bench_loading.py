@@ -52,7 +52,8 @@ READERS = {  # who reads the weights, without and with the engine's one-reader l
 STATE = {
     "fsdp2": "3 x the shard in training: a gradient and two AdamW moments per parameter of the shard",
     "deepspeed": "in training 2 x the shard up front, DeepSpeed's float32 master copy and gradient partition, 5 x at "
-    "the step, with the gradient flattened anew and two AdamW moments (benchmarks/checks/deepspeed_step_memory.py, in git at 00274f3)",
+    "the step, with the gradient flattened anew and two AdamW moments (benchmarks/checks/deepspeed_step_memory.py, "
+    "in git at 00274f3)",
 }
 
 
