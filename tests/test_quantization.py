@@ -81,8 +81,7 @@ def test_train_builds_the_caches_quantized_base_under_lora_and_step_one_is_the_r
             out,
             loss_type=loss_type,
             per_device_train_batch_size=batch,
-            merge=rows is None,
-            use_peft=rows is None,
+            merge=rows is None,  # (no --lora-r: LoRA is implied by the cache's quantized base)
         )
     )
     first = read_metrics(out)[0]
@@ -116,6 +115,8 @@ def test_a_quantization_other_than_the_caches_is_refused_naming_both(nf4_cache, 
     float_cache = _precompute(tiny_model_dir, tmp_path, "float")
     with pytest.raises(KTOPipelineError, match="cache's reference was quantized not at all"):
         train(TrainConfig(cache=str(float_cache), output_dir=str(tmp_path / "q"), load_in_4bit=True))
+    with pytest.raises(KTOPipelineError, match="--merge: only applies with --lora-r"):  # (no base implies LoRA)
+        train(TrainConfig(cache=str(float_cache), output_dir=str(tmp_path / "m"), merge=True))
     # the cache's own quantization given explicitly (a trl YAML serving both stages) is the cache's: it trains
     train(train_config(nf4_cache, tmp_path / "same", load_in_4bit=True, bnb_4bit_quant_type="nf4", max_steps=1))
 

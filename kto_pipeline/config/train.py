@@ -379,7 +379,7 @@ class TrainConfig(ConfigMixin):
         check(not (self.fp16 and self.bf16), "fp16", "choose one of --fp16 and --bf16")
         check(self.lora_r is None or self.lora_r >= 1, "lora_r", "must be >= 1")
         check(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
-        check(not self.merge or self.lora_r is not None, "merge", "only applies with --lora-r")
+        # (--merge without --lora-r: checked in train's setup, where a cache's quantized base implies LoRA)
         check(
             "lm_head" not in self.lora_target_modules.split(","),
             "lora_target_modules",

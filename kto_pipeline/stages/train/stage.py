@@ -41,7 +41,7 @@ from kto_pipeline.checkpoint import (
     skip_model_weights_in_accelerate_state,
 )
 from kto_pipeline.config import TrainConfig
-from kto_pipeline.errors import Interrupted, KTOPipelineError, Preempted
+from kto_pipeline.errors import Interrupted, KTOPipelineError, Preempted, check_option
 from kto_pipeline.hub import push_run
 from kto_pipeline.lock import main_process_lock
 from kto_pipeline.model_card import write_model_card
@@ -173,6 +173,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     if quantization is not None:  # the cache's quantized base under LoRA adapters, its other weights in its dtype
         config = quantized_run(config, quantization, engine)
         regime = dataclasses.replace(regime, weights=cache.manifest.precision[0])
+    check_option(not config.merge or config.lora_r is not None, "merge", "only applies with --lora-r")
     accelerator = engine.make_accelerator(
         regime,
         config.max_grad_norm,
