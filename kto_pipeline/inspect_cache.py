@@ -41,8 +41,7 @@ def inspect_cache(cache_dir: str | Path, verify: bool = False, console: Console 
     if reference.get("quantization"):
         from kto_pipeline.quantization import Quantization
 
-        record = reference["quantization"]
-        reference["quantization"] = f"{Quantization.from_record(record)}; bitsandbytes {record['bitsandbytes_version']}"
+        reference["quantization"] = Quantization.describe(reference["quantization"])
     console.print(_kv_table("reference model", reference))
     console.print(_kv_table("tokenizer", m.tokenizer))
     console.print(_kv_table("dataset", m.dataset))

@@ -27,6 +27,7 @@ from kto_pipeline.cache import Manifest
 from kto_pipeline.markdown import code as _code
 from kto_pipeline.markdown import num as _num
 from kto_pipeline.objectives import objective_for
+from kto_pipeline.quantization import Quantization
 
 CARD_FILE = "README.md"
 QUESTION = "If you could visit any place in the world for one day, where would you go and why?"
@@ -220,12 +221,6 @@ def _settings_rows(
     return rows
 
 
-def _quantization(record: dict[str, Any]) -> str:
-    from kto_pipeline.quantization import Quantization
-
-    return f"{Quantization.from_record(record)}, bitsandbytes {record['bitsandbytes_version']}"
-
-
 def _cache_rows(config: dict[str, Any], manifest: Manifest) -> list[tuple[str, str]]:
     ref, tok, data = manifest.reference, manifest.tokenizer, manifest.dataset
     settings, counts = manifest.settings, manifest.counts
@@ -249,7 +244,7 @@ def _cache_rows(config: dict[str, Any], manifest: Manifest) -> list[tuple[str, s
         ("cached max_length", _num(settings["max_length"])),
         ("reference dtype", _code(settings.get("dtype"))),
         *(
-            [("reference quantization (QLoRA base)", _quantization(ref["quantization"]))]
+            [("reference quantization (QLoRA base)", Quantization.describe(ref["quantization"]))]
             if ref.get("quantization")
             else []
         ),

@@ -202,19 +202,13 @@ def load_model(
 
     check_model_path(name, flag)
     check_quantizable(name, flag, quantization)
+    quantized = {}
+    if quantization is not None:
+        quantized = dict(quantization_config=quantization.transformers_config(), device_map=_kbit_device_map())
     try:
-        if quantization is not None:
-            return _auto_class(name, revision, trust_remote_code).from_pretrained(
-                name,
-                dtype=dtype,
-                revision=revision,
-                trust_remote_code=trust_remote_code,
-                quantization_config=quantization.transformers_config(),
-                device_map=_kbit_device_map(),
-            )
-        if is_gguf(name):
+        if not quantized and is_gguf(name):
             return load_gguf_model(name, dtype)
-        if _adapter_dir(name) is not None:
+        if not quantized and _adapter_dir(name) is not None:
             # A saved LoRA model (e.g. from a first KTO round): its base with the adapter merged in is the model.
             from peft import AutoPeftModelForCausalLM
 
@@ -225,7 +219,7 @@ def load_model(
             merged.requires_grad_(True)  # peft froze the base; a merged model trains like any other
             return merged
         return _auto_class(name, revision, trust_remote_code).from_pretrained(
-            name, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code
+            name, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code, **quantized
         )
     except Exception as exc:
         raise KTOPipelineError(f"{flag} {name}: could not load the model ({type(exc).__name__}: {exc})") from exc

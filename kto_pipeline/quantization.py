@@ -51,6 +51,11 @@ class Quantization:
             return None
         return cls(record["bits"], record["quant_type"], record["compute_dtype"], record["storage"], record["nested"])
 
+    @staticmethod
+    def describe(record: dict[str, Any]) -> str:
+        """A manifest's record, as `inspect` and the model card show it."""
+        return f"{Quantization.from_record(record)}; bitsandbytes {record['bitsandbytes_version']}"
+
     def transformers_config(self):
         """transformers' BitsAndBytesConfig, as trl's `get_quantization_config` builds it."""
         from transformers import BitsAndBytesConfig

@@ -14,6 +14,7 @@ from kto_pipeline.config.fields import (
     check,
     described,
 )
+from kto_pipeline.config.train import TRL_LORA_R
 from kto_pipeline.objectives import check_loss_names, objective_for
 
 LENGTHS = ("full", "kto-mix")  # estimate-memory --lengths
@@ -111,7 +112,7 @@ class MemoryEstimateConfig(ConfigMixin):
         check(not (self.load_in_4bit and self.load_in_8bit), "load_in_4bit", "and --load-in-8bit: choose one")
         check(not self.use_bnb_nested_quant or self.load_in_4bit, "use_bnb_nested_quant", "needs --load-in-4bit")
         if (self.load_in_4bit or self.load_in_8bit) and self.lora_r is None:
-            self.lora_r = 16  # a quantized base trains LoRA (trl's --use-peft rank)
+            self.lora_r = TRL_LORA_R  # a quantized base trains LoRA (trl's --use-peft rank)
         check(
             not ((self.load_in_4bit or self.load_in_8bit) and self.fsdp_world_size > 1),
             "fsdp_world_size",

@@ -42,16 +42,17 @@ def estimate(config: MemoryEstimateConfig) -> dict[str, Any]:
     )
     ours = simulate_ours(model_config, rows, settings, loss_type=config.loss_type)
     bits = 4 if config.load_in_4bit else 8 if config.load_in_8bit else None
+    change = None  # what a quantized base changes in the step's categories (`quantized_change`)
     if bits is not None:
         if image is not None:
             raise KTOPipelineError("--load-in-4bit/8bit: estimated for text models only")
-        ours = quantized_step(ours, model_config, bits, config.use_bnb_nested_quant, config.bf16)
+        change = quantized_change(model_config, bits, config.use_bnb_nested_quant, config.bf16)
+        ours = quantized_step(ours, change)
     # the tokens with gradients: each row's prompt and completion, or each pair's prompt and both answers
     objective = objective_for(config.loss_type)
     needed = sum(objective.tokens_with_grad(item) for item in objective.items_from_rows(rows))
     floor = floor_bytes(model_config, settings, needed)
-    if bits is not None:  # the floor's weights, gradients and moments as on the quantized base
-        change = quantized_change(model_config, bits, config.use_bnb_nested_quant, config.bf16)
+    if change is not None:  # the floor's weights, gradients and moments as on the quantized base
         floor.update({k: floor[k] + change[k] for k in ("parameters", "gradients", "optimizer")})
     if config.cpu_offload:  # the device holds no sharded weights, gradients or moments
         floor.update(parameters=0, gradients=0, optimizer=0)
@@ -73,8 +74,8 @@ def estimate(config: MemoryEstimateConfig) -> dict[str, Any]:
         # no-grad forwards' transients are gone by the policy's backward, the step's peak): its step without one
         online = settings.lora_r is None
         trl = simulate_trl(model_config, rows, dataclasses.replace(settings, freeze_vision_tower=False), online=online)
-        if bits is not None:
-            trl = quantized_step(trl, model_config, bits, config.use_bnb_nested_quant, config.bf16)
+        if change is not None:
+            trl = quantized_step(trl, change)
         result["trl_online_peak_bytes"] = trl.peak_bytes
         result["trl_online_breakdown"] = trl.breakdown
     return result
@@ -112,13 +113,10 @@ def quantized_bytes(shapes: list[tuple[int, int]], bits: int, nested: bool) -> i
     return total
 
 
-def quantized_step(memory: StepMemory, model_config, bits: int, nested: bool, bf16: bool) -> StepMemory:
-    """A simulated LoRA step (float32 base, float32 adapters) as it runs on a quantized base (`quantized_change`)."""
-    change = quantized_change(model_config, bits, nested, bf16)
-    if not memory.breakdown["gradients"]:
-        change["gradients"] = 0
-    if not memory.breakdown["optimizer"]:
-        change["optimizer"] = 0
+def quantized_step(memory: StepMemory, change: dict[str, int]) -> StepMemory:
+    """A simulated LoRA step (float32 base, float32 adapters) as it runs on a quantized base (`change`:
+    `quantized_change`; gradients and moments only where the step's peak holds them)."""
+    change = {k: v if k not in ("gradients", "optimizer") or memory.breakdown[k] else 0 for k, v in change.items()}
     breakdown = {k: v + change.get(k, 0) for k, v in memory.breakdown.items()}
     before = memory.before_step_bytes + change["parameters"] + change["optimizer"]
     return dataclasses.replace(

@@ -22,7 +22,7 @@ from kto_pipeline.cache import MANIFEST, read_manifest, tokenizer_hash, write_ma
 from kto_pipeline.config import PrecomputeConfig
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.manifest import Manifest, fingerprint_diff
-from kto_pipeline.quantization import fingerprint_of, quantization_of
+from kto_pipeline.quantization import fingerprint_of
 from kto_pipeline.runtime.precision import reference_regime
 from kto_pipeline.stages.precompute.phases import Output, Pass, absolute_if_local, on_main
 from kto_pipeline.stages.precompute.segments import Match, require_keys
@@ -71,9 +71,7 @@ def open_base(run: Pass) -> Manifest:
                 "tokenizer_hash": tokenizer_hash(run.tokenizer),
                 "max_length": config.max_length,
                 **regime.record(),
-                "quantization": fingerprint_of(quantized)
-                if (quantized := quantization_of(config, regime.weights))
-                else None,
+                "quantization": fingerprint_of(run.quantization) if run.quantization else None,
                 "kl_seed": config.kl_seed,
                 "kl_completions": False if config.pairs_only else None,
             },

@@ -157,6 +157,7 @@ class Pass:
     started: float
     tokenizer: Any
     peaks: PeakMemory  # each process's peak memory, sampled from the start
+    quantization: Any = None  # `setup`: --load-in-4bit/8bit's `quantization.Quantization`, None: not quantized
     base: Manifest | None = None  # `open_base` (--append): the cache's manifest as this run found it
     prepared: PreparedRows | None = None  # `prepare_rows`
     reference: Reference | None = None  # `load_reference`

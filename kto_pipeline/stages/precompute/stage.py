@@ -127,7 +127,7 @@ def setup(config: PrecomputeConfig, peaks: PeakMemory) -> Pass:
         raise KTOPipelineError(f"--torch-compile: not with --load-in-{quantization.bits}bit (bitsandbytes' layers)")
     check_quantizable(config.model, "--model", quantization)
     tokenizer = load_tokenizer(config.model, config.revision, config.trust_remote_code)
-    return Pass(config, out, state, engine, started, tokenizer, peaks)
+    return Pass(config, out, state, engine, started, tokenizer, peaks, quantization)
 
 
 def _check_output(out: Path) -> None:
@@ -383,7 +383,7 @@ def _kl_partners(
 def load_reference(run: Pass) -> None:
     config, state = run.config, run.state
     regime = reference_regime(config.dtype, config.bf16, state.device)
-    quantization = quantization_of(config, regime.weights)  # (checked in `setup`)
+    quantization = run.quantization
     model = run.engine.load(
         lambda: load_model(
             config.model, regime.dtype, config.revision, config.trust_remote_code, "--model", quantization
