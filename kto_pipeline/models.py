@@ -218,11 +218,16 @@ def load_model(
             merged = peft_model.merge_and_unload()
             merged.requires_grad_(True)  # peft froze the base; a merged model trains like any other
             return merged
-        return _auto_class(name, revision, trust_remote_code).from_pretrained(
+        model = _auto_class(name, revision, trust_remote_code).from_pretrained(
             name, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code, **quantized
         )
     except Exception as exc:
         raise KTOPipelineError(f"{flag} {name}: could not load the model ({type(exc).__name__}: {exc})") from exc
+    if quantization is not None:
+        from kto_pipeline.quantization import one_product_in_eval_and_training
+
+        one_product_in_eval_and_training(model)
+    return model
 
 
 def _kbit_device_map() -> dict[str, int | str] | None:

@@ -197,6 +197,16 @@ def quantized_run(config, quantization: Quantization, engine):
     return config
 
 
+def one_product_in_eval_and_training(model) -> None:
+    """A 4-bit layer on a CPU with AVX512-BF16 computes its eval-mode, gradient-free products with another kernel
+    (bitsandbytes repacks the weight for it at the first such call): the reference pass would then score with other
+    products than training's forward, and step 1 would not be exactly the reference (trl's reference, computed in
+    training mode, never takes that kernel). Every 4-bit layer here runs bitsandbytes' dequantized product in both."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
 # LLM.int8() computes a product one way for the reference pass (eval mode) and another in training: on a CPU training
 # runs bitsandbytes' dequantized float product (`MatMul8bitFp`), the reference pass the int8 one; on a GPU both run the
 # int8 product, whose outlier columns (inputs above `llm_int8_threshold`) are chosen over the whole batch. The tiny

@@ -62,6 +62,26 @@ def test_the_reference_runs_quantized_and_the_manifest_and_inspect_say_how(nf4_c
     assert "4-bit nf4 (bitsandbytes, computing in float32, stored as uint8); bitsandbytes" in console.export_text()
 
 
+def test_a_4bit_layer_computes_its_product_alike_in_eval_and_training(tiny_model_dir):
+    """The reference pass (eval mode, no gradient) and training compute a 4-bit layer's product alike, on every CPU:
+    bitsandbytes would repack the weight for another kernel at the first eval-mode call on a CPU with AVX512-BF16
+    (there, without this, step 1's rewards came 5.8e-4 off 0, its KL 2.8e-3). Checked on the loaded model: no layer
+    takes that path, and an eval forward equals a training-mode one bit for bit."""
+    from kto_pipeline.models import load_model
+    from kto_pipeline.quantization import Quantization
+
+    nested_nf4 = Quantization(4, "nf4", "float32", "uint8", True)
+    model = load_model(str(tiny_model_dir), torch.float32, quantization=nested_nf4)
+    layers = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
+    ids = torch.arange(3, 40).reshape(1, -1)
+    with torch.no_grad():
+        evaluated = model.eval()(ids).logits
+    trained = model.train()(ids).logits
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+    assert torch.equal(evaluated, trained.detach())
+
+
 @pytest.mark.parametrize("loss_type", ["kto", "sigmoid"])
 def test_train_builds_the_caches_quantized_base_under_lora_and_step_one_is_the_reference(
     loss_type, tiny_model_dir, tmp_path
@@ -152,7 +172,18 @@ def test_bad_quantization_options_are_refused_before_any_work(tiny_model_dir, tm
         precompute(PrecomputeConfig(**base, load_in_8bit=True))
 
 
-def test_qlora_training_matches_trl_with_the_same_quantization(tiny_model_dir, tmp_path):
+
+def trl_with_one_product(monkeypatch) -> None:
+    """trl's 4-bit layers as ours: on a CPU with AVX512-BF16 bitsandbytes repacks a 4-bit weight at its first
+    eval-mode, gradient-free call (trl's reference pass, in the trainer's constructor) for a kernel whose products
+    differ from training's and that passes no gradient to the layer's input (measured: trl's step-1 grad norm 0.101
+    against 0.157); every layer built after this runs the dequantized product, as on every other machine."""
+    import bitsandbytes.nn.modules
+
+    monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: False)
+
+
+def test_qlora_training_matches_trl_with_the_same_quantization(tiny_model_dir, tmp_path, monkeypatch):
     """trl.KTOTrainer given the model's path, BitsAndBytesConfig (NF4, nested, computing in float32) and a LoRA
     config, its reference precomputed (the base with the adapters off), against ours from a cache made with
     --load-in-4bit: the reference log-probs, then 3 steps of loss, grad norm and rewards."""
@@ -168,6 +199,7 @@ def test_qlora_training_matches_trl_with_the_same_quantization(tiny_model_dir, t
     settings |= dict(lr_scheduler_type="linear", max_steps=3, max_length=64)
     quantization = Quantization(4, "nf4", "float32", "uint8", True)
     dataset = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(tmp_path / "hf"))
+    trl_with_one_product(monkeypatch)
     trainer = KTOTrainer(
         model=str(tiny_model_dir),
         args=KTOConfig(
@@ -316,7 +348,7 @@ def test_estimate_memory_counts_the_quantized_weights_bitsandbytes_holds(tiny_mo
     assert quantized["breakdown"]["parameters"] < lora["breakdown"]["parameters"]
 
 
-def test_qlora_sigmoid_matches_trl_dpo_with_the_same_quantization(tiny_model_dir, tmp_path):
+def test_qlora_sigmoid_matches_trl_dpo_with_the_same_quantization(tiny_model_dir, tmp_path, monkeypatch):
     """trl.DPOTrainer (sigmoid) given the model's path, the same BitsAndBytesConfig (NF4 computing in float32) and
     LoRA config, its reference precomputed, against ours from a --load-in-4bit cache of the same pairs: step 1's
     rewards 0 and log-probs equal (the reference), then 3 steps of loss, grad norm and rewards."""
@@ -332,6 +364,7 @@ def test_qlora_sigmoid_matches_trl_dpo_with_the_same_quantization(tiny_model_dir
     settings = dict(learning_rate=3e-3, seed=42, beta=0.1, max_grad_norm=0.5, weight_decay=0.1, logging_steps=1)
     settings |= dict(lr_scheduler_type="linear", max_steps=3)
     dataset = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(tmp_path / "hf"))
+    trl_with_one_product(monkeypatch)
     trainer = DPOTrainer(
         model=str(tiny_model_dir),
         args=DPOConfig(
