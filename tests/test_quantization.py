@@ -172,7 +172,6 @@ def test_bad_quantization_options_are_refused_before_any_work(tiny_model_dir, tm
         precompute(PrecomputeConfig(**base, load_in_8bit=True))
 
 
-
 def trl_with_one_product(monkeypatch) -> None:
     """trl's 4-bit layers as ours: on a CPU with AVX512-BF16 bitsandbytes repacks a 4-bit weight at its first
     eval-mode, gradient-free call (trl's reference pass, in the trainer's constructor) for a kernel whose products
