@@ -5,7 +5,8 @@
     setup -> resume -> prepare the output directory -> fit -> finish
 
 `setup` opens and checks the cache, loads the policy (never a reference model), builds the data loaders over
-the memory-mapped cache (`batches.py`), the optimizer and the schedule. `resume` restores a checkpoint, `fit` is the
+the memory-mapped cache (`data.py`; the items' order and a micro-batch's scores: `batches.py`), the optimizer and
+the schedule. `resume` restores a checkpoint, `fit` is the
 loop, `finish` writes the final model, its card and trainer state (`rundir.py`; --push-to-hub: `hub.py`). The policy
 is loaded and its optimizer built by `policy.py`; how it is spread over the processes, its backward, clipping and
 step are asked of the engine (`runtime/engines`), which this stage never names. accelerate is used as a library
@@ -31,7 +32,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from kto_pipeline import __version__
-from kto_pipeline.cache import CacheTable, Manifest, open_cache
+from kto_pipeline.cache import Manifest
 from kto_pipeline.checkpoint import (
     load_checkpoint,
     resolve_resume,
@@ -63,7 +64,7 @@ from kto_pipeline.runtime.launch import launched_processes, print0, process_stat
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, StepCasts, check_regime, policy_regime, rows_alike
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
-from kto_pipeline.scoring.attention import attention_costs, request_attention_kernel
+from kto_pipeline.scoring.attention import request_attention_kernel
 from kto_pipeline.scoring.packable import packing_leaked, packing_unsupported
 from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer
 from kto_pipeline.stages.train.checks import (
@@ -72,6 +73,7 @@ from kto_pipeline.stages.train.checks import (
     policy_start_note,
     resume_changes_note,
 )
+from kto_pipeline.stages.train.data import loaders, open_checked_cache
 from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
 
 
@@ -165,7 +167,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     if resume_dir is None or resume_dir.parent.resolve() != out.resolve():
         check_output_dir(out, config)  # a checkpoint of this same dir may continue it
     objective = objective_for(config.loss_type)
-    cache, max_length = _open_checked_cache(config, objective)
+    cache, max_length = open_checked_cache(config, objective)
     trackers = _trackers(config)
     regime = policy_regime(config.bf16, config.fp16)  # the policy loads in float32
     engine = engine_for(launched_processes())
@@ -206,7 +208,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     rows_alike(model, regime, device)  # as the reference pass's products compute them
     experts_rows_alike(model)  # a token's experts compute it alike in both stages
     compiled = compile_layers(model, config, device, engine, say, TRAIN_COMPILES_ON)
-    sampler, loader, eval_loader = _loaders(
+    sampler, loader, eval_loader = loaders(
         config, objective, cache, max_length, accelerator, tokenizer, model, padded_because
     )
     scorer, optimizer, loader = engine.prepare_policy(
@@ -247,72 +249,6 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
         peaks=peaks,
         compiled=compiled,
     )
-
-
-def _open_checked_cache(config: TrainConfig, objective: Objective) -> tuple[CacheTable, int]:
-    """The cache (cheap checks always: complete, files, sizes, row counts, schema; sha256 with --verify) and the
-    max length to train at."""
-    cache = _open_for(config, objective, "--cache", config.cache)
-    cached_max = cache.manifest.max_length
-    max_length = config.max_length or cached_max
-    if max_length > cached_max:
-        raise KTOPipelineError(
-            f"--max-length {max_length} is above the cache's max length {cached_max}: the reference log-probs "
-            f"of longer sequences were never computed. Use --max-length <= {cached_max}, or precompute a new "
-            f"cache with --max-length {max_length}."
-        )
-    return cache, max_length
-
-
-def _open_for(config: TrainConfig, objective: Objective, flag: str, path: str) -> CacheTable:
-    """The cache at `path`, refused where it lacks what the loss family trains on (a pair loss's pairs, KTO's KL
-    completions)."""
-    cache = open_cache(path, verify=config.verify)
-    why = objective.requires(cache.manifest, config.loss_type, flag, path)
-    if why:
-        raise KTOPipelineError(why)
-    return cache
-
-
-def _loaders(
-    config: TrainConfig, objective: Objective, cache, max_length: int, accelerator, tokenizer, model, padded_because
-):
-    """(sampler, train loader, eval loader or None). Each process reads a disjoint part of every global batch from
-    the memory-mapped cache."""
-    items, unit = objective.dataset(cache, max_length), objective.unit
-    if len(items) < config.per_device_train_batch_size * accelerator.num_processes:
-        raise KTOPipelineError(
-            f"the cache has {len(items)} {unit} at max length {max_length}, fewer than one batch "
-            f"({config.per_device_train_batch_size} x {accelerator.num_processes} processes). Lower "
-            "--per-device-train-batch-size or use more data."
-        )
-    warning = objective.data_warning(items, config)
-    if warning:
-        print0(accelerator, f"warning: {warning}")
-    # Micro-batches are packed (no padding) where the model's attention takes a packed layout; otherwise padded,
-    # and the shuffled items grouped by length (runs of 50 global batches sorted longest first) to pad less.
-    shuffle = config.train_sampling_strategy == "random"
-    global_batch = config.per_device_train_batch_size * accelerator.num_processes
-    if padded_because is None:
-        sampler = EpochSampler(len(items), config.seed, shuffle)
-    else:
-        sampler = EpochSampler(len(items), config.seed, shuffle, lengths=items.lengths(), group=50 * global_batch)
-        print0(accelerator, f"note: {padded_because}: batches are padded, {unit} grouped by length")
-    collator = objective.collator(
-        tokenizer.pad_token_id, padded_because is None, attention_costs(model, accelerator.device), config
-    )
-    # On a GPU the batches are collated into pinned host memory and copied without waiting (the accelerator's
-    # `non_blocking`, `Engine.make_accelerator`), as transformers' Trainer pins its batches (dataloader_pin_memory),
-    # by a loader process that collates the next ones while the device runs this step (--dataloader-num-workers)
-    workers = config.dataloader_num_workers
-    workers = (0 if accelerator.device.type == "cpu" else 1) if workers is None else workers
-    collating = dict(collate_fn=collator, pin_memory=accelerator.device.type == "cuda", num_workers=workers)
-    collating |= dict(persistent_workers=True, prefetch_factor=2) if workers else {}
-    loader = DataLoader(items, batch_size=config.per_device_train_batch_size, sampler=sampler, **collating)
-    eval_items = _open_eval_cache(config, objective, cache.manifest, max_length)
-    if eval_items is None:
-        return sampler, loader, None
-    return sampler, loader, DataLoader(eval_items, batch_size=config.per_device_eval_batch_size, **collating)
 
 
 def _scheduler(config: TrainConfig, optimizer, warmup_steps: int, total_steps: int):
@@ -615,21 +551,3 @@ def _trackers(config: TrainConfig) -> list[str]:
 def _planned_steps(max_steps: int, num_train_epochs: float, steps_per_epoch: int) -> int:
     """Optimizer steps of a run: --max-steps if > 0, else --num-train-epochs passes (at least 1 step)."""
     return max_steps if max_steps > 0 else max(math.ceil(num_train_epochs * steps_per_epoch), 1)
-
-
-def _open_eval_cache(config: TrainConfig, objective: Objective, manifest: Manifest, max_length: int):
-    if config.eval_cache is None:
-        return None
-    eval_cache = _open_for(config, objective, "--eval-cache", config.eval_cache)
-    if eval_cache.manifest.tokenizer_hash != manifest.tokenizer_hash:
-        raise KTOPipelineError(
-            f"--eval-cache {config.eval_cache} was made with another tokenizer than --cache {config.cache}. "
-            "Precompute the eval split with the same reference model."
-        )
-    items = objective.dataset(eval_cache, min(max_length, eval_cache.manifest.max_length))
-    if len(items) == 0:
-        raise KTOPipelineError(
-            f"--eval-cache {config.eval_cache}: no row fits --max-length {max_length} (every prompt is at least "
-            "that long). Raise --max-length, or precompute the eval set with shorter prompts."
-        )
-    return items
