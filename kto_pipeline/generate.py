@@ -278,7 +278,8 @@ def generate_samples(config: GenerateConfig) -> Path:
     With `config.num_return_sequences` this is `generate_completions`."""
     import torch
 
-    from kto_pipeline.cache import atomic_write_text, open_cache, tokenizer_hash
+    from kto_pipeline.cache import open_cache
+    from kto_pipeline.files import atomic_write_text, tokenizer_hash
     from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
 
     if config.rounds:
@@ -371,7 +372,7 @@ def generate_completions(config: GenerateConfig) -> Path:
     loaded, and the file is written whole at the end (temporary file, then rename), so a failure leaves none."""
     import torch
 
-    from kto_pipeline.cache import atomic_write_text
+    from kto_pipeline.files import atomic_write_text
     from kto_pipeline.label import check_output, label_rows, load_labeller, rows_text
     from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
 

@@ -198,7 +198,7 @@ def label_file(path: str | Path, label_with: str, output: str | Path, overwrite:
     """`kto-pipeline label`: every row of `path` (a .jsonl of prompt/completion rows) labelled by `label_with`
     (MODULE:FUNCTION), any label it had replaced, written to `output`; returns `output`. `output` may be `path`
     itself with `overwrite` (it is replaced whole, once every row is labelled)."""
-    from kto_pipeline.cache import atomic_write_text
+    from kto_pipeline.files import atomic_write_text
 
     path, out = Path(path), Path(output)
     check_output(out, overwrite)

@@ -10,7 +10,8 @@ import pytest
 from helpers import cli_args, cli_cmd, run_cli, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute
-from kto_pipeline.cache import open_cache, read_manifest, sha256_file
+from kto_pipeline.cache import open_cache, read_manifest
+from kto_pipeline.files import sha256_file
 from kto_pipeline.stages.precompute import shards as precompute_module
 from kto_pipeline.stages.precompute.data import assign_kl_partners
 from kto_pipeline.stages.precompute.segments import match_keys, row_key

@@ -16,8 +16,9 @@ import torch
 from helpers import cli_args, cli_cmd, run_cli, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
-from kto_pipeline.cache import SCHEMA, open_cache, read_manifest, sha256_file
+from kto_pipeline.cache import SCHEMA, open_cache, read_manifest
 from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
+from kto_pipeline.files import sha256_file
 from kto_pipeline.inspect_cache import inspect_cache
 from kto_pipeline.stages.precompute.data import tokenize
 
@@ -74,16 +75,16 @@ def test_a_shard_is_read_once_then_again_after_it_changes_and_a_flipped_byte_is_
 ):
     """Without --verify: a shard's sha256 is checked the first time it is read as it is now (a copied cache), not
     by the runs after (a sweep), and again once it was written to: a flipped byte is refused before training."""
-    import kto_pipeline.cache as cache_module
+    import kto_pipeline.files as files_module
 
     cache, reads = copy_cache(small_cache, tmp_path / "c"), []
-    real = cache_module.sha256_file
+    real = files_module.sha256_file
 
     def counted(path, into=None):  # the shards' reads (--verify reads the keys files too)
         reads.extend([path] if Path(path).parent.name == "shards" else [])
         return real(path, into)
 
-    monkeypatch.setattr(cache_module, "sha256_file", counted)
+    monkeypatch.setattr(files_module, "sha256_file", counted)
     shards = len(read_manifest(cache).shards)
     assert open_cache(cache) and len(reads) == shards  # a copy: every shard read
     assert open_cache(cache) and inspect_cache(cache) == [] and len(reads) == shards  # marked: none again
@@ -101,13 +102,13 @@ def test_a_shard_is_read_once_then_again_after_it_changes_and_a_flipped_byte_is_
 
 def test_precompute_marks_the_shards_it_wrote_as_verified(tmp_path, tiny_model_dir, monkeypatch):
     """The shards precompute wrote are not read again by the first run on them."""
-    import kto_pipeline.cache as cache_module
+    import kto_pipeline.files as files_module
 
     data = write_jsonl(tmp_path / "d.jsonl", unpaired_rows(12))
     config = PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c"), shard_size=4)
     cache, reads = precompute(config), []
-    real = cache_module.sha256_file
-    monkeypatch.setattr(cache_module, "sha256_file", lambda path, into=None: reads.append(path) or real(path, into))
+    real = files_module.sha256_file
+    monkeypatch.setattr(files_module, "sha256_file", lambda path, into=None: reads.append(path) or real(path, into))
     assert len(read_manifest(cache).shards) == 3 and open_cache(cache) and reads == []
 
 

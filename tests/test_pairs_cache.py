@@ -11,7 +11,8 @@ from helpers import unpaired_rows, write_jsonl
 from rich.console import Console
 
 from kto_pipeline import PrecomputeConfig, precompute
-from kto_pipeline.cache import NO_PAIR, SCHEMA_V1, check_cache, open_cache, read_manifest, sha256_file
+from kto_pipeline.cache import NO_PAIR, SCHEMA_V1, check_cache, open_cache, read_manifest
+from kto_pipeline.files import sha256_file
 from kto_pipeline.inspect_cache import inspect_cache
 
 

@@ -11,7 +11,8 @@ from helpers import run_cli, train_config, unpaired_rows, write_jsonl
 from safetensors.torch import load_file
 
 from kto_pipeline import PrecomputeConfig, precompute, train
-from kto_pipeline.cache import open_cache, read_manifest, sha256_file
+from kto_pipeline.cache import open_cache, read_manifest
+from kto_pipeline.files import sha256_file
 from kto_pipeline.report import write_report
 from kto_pipeline.rundir import TrainerState
 from kto_pipeline.stages.train import stage as train_module

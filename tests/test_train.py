@@ -8,7 +8,8 @@ import torch
 from helpers import host_reads_per_step, read_metrics, train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute, train
-from kto_pipeline.cache import open_cache, sha256_file
+from kto_pipeline.cache import open_cache
+from kto_pipeline.files import sha256_file
 from kto_pipeline.objectives.kto import CacheRows, Collator, imbalance_warning, pair_accuracy
 from kto_pipeline.stages.train import stage as train_module
 from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer

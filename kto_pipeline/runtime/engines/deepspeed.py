@@ -31,8 +31,8 @@ from contextlib import contextmanager
 
 import torch
 
-from kto_pipeline.cache import WeightsHash
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.files import WeightsHash
 from kto_pipeline.runtime.engines.base import Engine
 from kto_pipeline.runtime.launch import env_flag, most_of_all, return_freed_buffers
 from kto_pipeline.runtime.precision import Regime, autocast_forward

@@ -31,8 +31,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kto_pipeline.cache import sha256_file
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.files import sha256_file
 from kto_pipeline.images import open_images, pixel_hash, tokenize_image_row
 from kto_pipeline.sources import load_source  # noqa: F401  (the first step of the data flow, re-exported)
 

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 
-from kto_pipeline.cache import SCHEMA, SHARD_DIR, completion_room, sha256_file, token_sum, write_manifest, write_shard
+from kto_pipeline.cache import SCHEMA, SHARD_DIR, completion_room, token_sum, write_manifest, write_shard
 from kto_pipeline.errors import KTOPipelineError, Preempted
+from kto_pipeline.files import sha256_file
 from kto_pipeline.manifest import Manifest
 from kto_pipeline.runtime.launch import print0
 from kto_pipeline.runtime.peak_memory import describe

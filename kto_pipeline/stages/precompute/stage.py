@@ -34,9 +34,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kto_pipeline import __version__
-from kto_pipeline.cache import MANIFEST, NO_PAIR, SHARD_DIR, read_manifest, tokenizer_hash, write_manifest
+from kto_pipeline.cache import MANIFEST, NO_PAIR, SHARD_DIR, read_manifest, write_manifest
 from kto_pipeline.config import PrecomputeConfig
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.files import tokenizer_hash
 from kto_pipeline.images import (
     ImageRows,
     base_dir,

@@ -13,9 +13,10 @@ import json
 
 import torch
 
-from kto_pipeline.cache import Manifest, tokenizer_hash
+from kto_pipeline.cache import Manifest
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.files import tokenizer_hash
 from kto_pipeline.models import (
     disable_dropout,
     language_model,
