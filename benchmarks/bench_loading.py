@@ -33,7 +33,7 @@ PRESETS = {"big": dict(BIG, rope_theta=1e6), "tiny": harness.TINY}  # main adds 
 FSDP_ENV = dict(ACCELERATE_USE_CPU="1", ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_RESHARD_AFTER_FORWARD="true")
 # glibc keeps the heap of the forwards' freed all-gathered layers (measured: the non-reading process's reference pass
 # peaked at 2755 MiB, not 1533); the sharding engines now set a fixed mmap threshold themselves
-# (runtime/launch.return_freed_buffers), so no variable is set here: what a user gets.
+# (runtime/engines/sharded.return_freed_buffers), so no variable is set here: what a user gets.
 FSDP_ENV |= harness.LAUNCH_ENV
 # DeepSpeed runs on its own CPU accelerator (accelerate's CPU mode would drop it); the rest as FSDP2's
 DEEPSPEED_ENV = {k: v for k, v in FSDP_ENV.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
@@ -102,7 +102,7 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
         f"- model: a random-weight Qwen2, {sizes['parameters'] / 1e6:.0f}M parameters, {sizes['total_mib']:.0f} MiB "
         f"in float32 (safetensors); its largest tensor {largest:.0f} MiB; one process's shard {shard:.0f} MiB",
         f"- launch: {LAUNCHES[args.engine]}, no environment variable (the engine sets glibc's mmap threshold, "
-        "runtime/launch.return_freed_buffers); precompute "
+        "runtime/engines/sharded.return_freed_buffers); precompute "
         "of 16 rows, then train 1 step (batch 2 x 2 processes, AdamW). Figure: each process's peak private memory "
         "(RssAnon, MiB) through loading and the stage; baseline: a tiny model (2 layers, hidden 64), same launch",
         "",

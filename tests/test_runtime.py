@@ -207,7 +207,7 @@ def test_sharded_loads_return_freed_buffers_unless_the_user_set_the_threshold():
     import subprocess
     import sys
 
-    code = "from kto_pipeline.runtime.launch import return_freed_buffers; print(return_freed_buffers())"
+    code = "from kto_pipeline.runtime.engines.sharded import return_freed_buffers; print(return_freed_buffers())"
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert plain.stdout.strip() == str(sys.platform.startswith("linux"))

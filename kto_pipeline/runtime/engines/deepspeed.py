@@ -34,7 +34,8 @@ import torch
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.files import WeightsHash
 from kto_pipeline.runtime.engines.base import Engine
-from kto_pipeline.runtime.launch import env_flag, most_of_all, return_freed_buffers
+from kto_pipeline.runtime.engines.sharded import most_of_all, return_freed_buffers
+from kto_pipeline.runtime.launch import env_flag
 from kto_pipeline.runtime.precision import Regime, autocast_forward
 
 

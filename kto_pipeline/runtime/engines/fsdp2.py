@@ -31,7 +31,8 @@ import torch
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.models import auto_class
 from kto_pipeline.runtime.engines.base import ACCELERATE_STATE, Engine
-from kto_pipeline.runtime.launch import env_flag, main_decides, most_of_all, return_freed_buffers
+from kto_pipeline.runtime.engines.sharded import most_of_all, return_freed_buffers
+from kto_pipeline.runtime.launch import env_flag, main_decides
 from kto_pipeline.runtime.precision import Regime, autocast_forward
 
 SHARDED = "sharded"  # a checkpoint's weights and optimizer state, each process's shards (torch.distributed.checkpoint)
