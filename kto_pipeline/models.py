@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 import torch
 
 from kto_pipeline.errors import KTOPipelineError
+from kto_pipeline.quantization import Quantization, one_product_in_eval_and_training
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -33,6 +34,32 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def is_gguf(name: str) -> bool:
     return name.lower().endswith(".gguf")
+
+
+def check_quantizable(name: str, flag: str, quantization: Quantization | None) -> None:
+    """A checkpoint that is already quantized (GPTQ, AWQ, a GGUF file...) cannot be quantized again by bitsandbytes:
+    refused before loading, naming what it holds."""
+    if quantization is None:
+        return
+    if is_gguf(name):
+        raise KTOPipelineError(
+            f"{flag} {name}: a GGUF file is quantized by llama.cpp's own scheme; --load-in-{quantization.bits}bit "
+            "quantizes a float checkpoint (this file loads dequantized without it)"
+        )
+    try:
+        from transformers import AutoConfig
+
+        existing = getattr(AutoConfig.from_pretrained(name), "quantization_config", None)
+    except Exception:
+        return  # loading will name the problem
+    if existing:
+        method = (
+            existing.get("quant_method", "?") if isinstance(existing, dict) else getattr(existing, "quant_method", "?")
+        )
+        raise KTOPipelineError(
+            f"{flag} {name}: the checkpoint is already quantized ({method}); --load-in-{quantization.bits}bit "
+            "quantizes a float checkpoint: give its float original, or drop the option"
+        )
 
 
 def check_model_path(name: str, flag: str) -> None:
@@ -198,8 +225,6 @@ def load_model(
 ):
     """The model `name` in `dtype`; with `quantization` (`quantization.Quantization`) its linear layers quantized by
     bitsandbytes as they load (on the current accelerator where there is one), the rest in `dtype`."""
-    from kto_pipeline.quantization import check_quantizable
-
     check_model_path(name, flag)
     check_quantizable(name, flag, quantization)
     quantized = {}
@@ -224,8 +249,6 @@ def load_model(
     except Exception as exc:
         raise KTOPipelineError(f"{flag} {name}: could not load the model ({type(exc).__name__}: {exc})") from exc
     if quantization is not None:
-        from kto_pipeline.quantization import one_product_in_eval_and_training
-
         one_product_in_eval_and_training(model)
     return model
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError
 
+TRL_LORA_R = 16  # trl ModelConfig.lora_r default: the rank --use-peft trains without --lora-r
+
 QUANT_TYPES = ("nf4", "fp4")
 STORAGE_DTYPES = ("uint8", "float16", "bfloat16", "float32")
 INSTALL = "pip install 'kto-pipeline[qlora]' (or: pip install 'bitsandbytes>=0.50')"
@@ -113,34 +115,6 @@ def require_bitsandbytes(option: str) -> None:
         raise KTOPipelineError(f"{option}: bitsandbytes is not installed: {INSTALL}") from None
 
 
-def check_quantizable(name: str, flag: str, quantization: Quantization | None) -> None:
-    """A checkpoint that is already quantized (GPTQ, AWQ, a GGUF file...) cannot be quantized again by bitsandbytes:
-    refused before loading, naming what it holds."""
-    if quantization is None:
-        return
-    from kto_pipeline.models import is_gguf
-
-    if is_gguf(name):
-        raise KTOPipelineError(
-            f"{flag} {name}: a GGUF file is quantized by llama.cpp's own scheme; --load-in-{quantization.bits}bit "
-            "quantizes a float checkpoint (this file loads dequantized without it)"
-        )
-    try:
-        from transformers import AutoConfig
-
-        existing = getattr(AutoConfig.from_pretrained(name), "quantization_config", None)
-    except Exception:
-        return  # loading will name the problem
-    if existing:
-        method = (
-            existing.get("quant_method", "?") if isinstance(existing, dict) else getattr(existing, "quant_method", "?")
-        )
-        raise KTOPipelineError(
-            f"{flag} {name}: the checkpoint is already quantized ({method}); --load-in-{quantization.bits}bit "
-            "quantizes a float checkpoint: give its float original, or drop the option"
-        )
-
-
 def train_quantization(config, cached: dict[str, Any] | None) -> Quantization | None:
     """train's quantized base: the cache's (`cached`, its manifest's record) where train's options say nothing.
     Options given must ask for the cache's quantization (what they leave unset is the cache's, or trl's defaults
@@ -184,8 +158,6 @@ def quantized_run(config, quantization: Quantization, engine):
     """train's config on a quantized base: LoRA implied (rank 16, trl's --use-peft default, where no --lora-r is
     given: a quantized base does not train); what does not run on bitsandbytes' layers here refused."""
     import dataclasses
-
-    from kto_pipeline.config.train import TRL_LORA_R
 
     option = f"--load-in-{quantization.bits}bit (the cache's reference: {quantization})"
     if config.torch_compile:

@@ -14,8 +14,8 @@ from kto_pipeline.config.fields import (
     check,
     described,
 )
-from kto_pipeline.config.train import TRL_LORA_R
 from kto_pipeline.objectives import check_loss_names, objective_for
+from kto_pipeline.quantization import TRL_LORA_R
 
 LENGTHS = ("full", "kto-mix")  # estimate-memory --lengths
 

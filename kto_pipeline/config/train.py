@@ -30,13 +30,13 @@ from kto_pipeline.quantization import (
     NESTED_HELP,
     QUANT_TYPE_HELP,
     STORAGE_HELP,
+    TRL_LORA_R,
 )
 from kto_pipeline.runtime import STATIC_SHAPES_HELP, TORCH_COMPILE_HELP, TORCH_COMPILE_MODE_HELP
 from kto_pipeline.scoring import ATTENTION_KERNEL_HELP
 
 # train's quantization options default to the cache's: its reference's quantization is the policy's base
 CACHES = " Default: the cache's (its reference's quantization); another is refused."
-TRL_LORA_R = 16  # trl ModelConfig.lora_r default: the rank --use-peft trains without --lora-r
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")
 
 

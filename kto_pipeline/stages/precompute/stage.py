@@ -49,8 +49,8 @@ from kto_pipeline.images import (
 )
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.manifest import Manifest, fingerprint_diff, new_manifest
-from kto_pipeline.models import load_model, load_tokenizer
-from kto_pipeline.quantization import check_quantizable, fingerprint_of, quantization_of
+from kto_pipeline.models import check_quantizable, load_model, load_tokenizer
+from kto_pipeline.quantization import fingerprint_of, quantization_of
 from kto_pipeline.runtime.compiled import compile_layers
 from kto_pipeline.runtime.engines import engine_for
 from kto_pipeline.runtime.experts import experts_rows_alike
