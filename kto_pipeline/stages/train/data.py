@@ -18,7 +18,7 @@ from kto_pipeline.stages.train.batches import EpochSampler
 def open_checked_cache(config: TrainConfig, objective: Objective) -> tuple[CacheTable, int]:
     """The cache (cheap checks always: complete, files, sizes, row counts, schema; sha256 with --verify) and the
     max length to train at."""
-    cache = open_for(config, objective, "--cache", config.cache)
+    cache = _open_for(config, objective, "--cache", config.cache)
     cached_max = cache.manifest.max_length
     max_length = config.max_length or cached_max
     if max_length > cached_max:
@@ -30,7 +30,7 @@ def open_checked_cache(config: TrainConfig, objective: Objective) -> tuple[Cache
     return cache, max_length
 
 
-def open_for(config: TrainConfig, objective: Objective, flag: str, path: str) -> CacheTable:
+def _open_for(config: TrainConfig, objective: Objective, flag: str, path: str) -> CacheTable:
     """The cache at `path`, refused where it lacks what the loss family trains on (a pair loss's pairs, KTO's KL
     completions)."""
     cache = open_cache(path, verify=config.verify)
@@ -75,16 +75,16 @@ def loaders(
     collating = dict(collate_fn=collator, pin_memory=accelerator.device.type == "cuda", num_workers=workers)
     collating |= dict(persistent_workers=True, prefetch_factor=2) if workers else {}
     loader = DataLoader(items, batch_size=config.per_device_train_batch_size, sampler=sampler, **collating)
-    eval_items = open_eval_cache(config, objective, cache.manifest, max_length)
+    eval_items = _open_eval_cache(config, objective, cache.manifest, max_length)
     if eval_items is None:
         return sampler, loader, None
     return sampler, loader, DataLoader(eval_items, batch_size=config.per_device_eval_batch_size, **collating)
 
 
-def open_eval_cache(config: TrainConfig, objective: Objective, manifest: Manifest, max_length: int):
+def _open_eval_cache(config: TrainConfig, objective: Objective, manifest: Manifest, max_length: int):
     if config.eval_cache is None:
         return None
-    eval_cache = open_for(config, objective, "--eval-cache", config.eval_cache)
+    eval_cache = _open_for(config, objective, "--eval-cache", config.eval_cache)
     if eval_cache.manifest.tokenizer_hash != manifest.tokenizer_hash:
         raise KTOPipelineError(
             f"--eval-cache {config.eval_cache} was made with another tokenizer than --cache {config.cache}. "
