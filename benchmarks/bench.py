@@ -4,8 +4,8 @@
     python benchmarks/bench.py --size smoke    # a minute-long run of every path (used by the tests)
     python benchmarks/bench.py --only lora     # LoRA rows only, updates their section of RESULTS.md
     python benchmarks/bench.py --only smollm2  # the real model (SmolLM2-135M-Instruct) on HH-RLHF, its own section
-    python benchmarks/bench.py --only scale    # preprocessing at 20k / 200k / 1M rows (bench_scale.py), its section
-    python benchmarks/bench.py --only append   # precompute --append of 1% new rows to a 200k-row cache (bench_scale.py)
+    python benchmarks/bench.py --only scale    # preprocessing at 20k/200k/1M rows (bench_scale.py), RESULTS-scale.md
+    python benchmarks/bench.py --only append   # precompute --append of 1% new rows to a 200k-row cache, the same file
 
 Every measurement runs in a fresh subprocess (`bench.py worker NAME`), its peak RSS its own. Both tools run in
 float32 with gradient checkpointing off (trl 1.16 defaults to bf16 and gradient checkpointing, even on CPU), the same
@@ -156,7 +156,7 @@ def bench_worker(name: str, work: Path, size_name: str, case="random", model=Non
 
 
 def main() -> None:
-    parser = harness.script_parser(__doc__, results="Markdown file to write (default: RESULTS.md for full)")
+    parser = harness.script_parser(__doc__, results="Markdown file (full: RESULTS.md; scale, append: RESULTS-scale.md)")
     parser.add_argument("--size", default="full", choices=sorted(SIZES))
     only = ["lora", "smollm2", "scale", "append"]
     parser.add_argument("--only", choices=only, help="Run only these rows and update their section of --results")
@@ -176,7 +176,8 @@ def main() -> None:
         return
 
     work.mkdir(parents=True, exist_ok=True)
-    results = harness.default_results(args.results, args.size == "full")
+    name = "RESULTS-scale.md" if args.only in ("scale", "append") else "RESULTS.md"
+    results = harness.default_results(args.results, args.size == "full", name)
     if args.only == "smollm2":
         run_smollm2(work / "smollm2", args.size, results)
     elif args.only in ("scale", "append"):

@@ -1,7 +1,7 @@
 """Each process's peak private memory while a sharding engine loads a model: FSDP2 with and without
 `fsdp_cpu_ram_efficient_loading`, DeepSpeed ZeRO-3 with and without `zero3_init_flag`.
 
-    python benchmarks/bench_loading.py                       # FSDP2; writes its section of RESULTS.md
+    python benchmarks/bench_loading.py                       # FSDP2; writes its section of RESULTS-scale.md
     python benchmarks/bench_loading.py --engine deepspeed    # DeepSpeed ZeRO-3; writes its own section
     python benchmarks/bench_loading.py --quick               # the tiny model for the big one: checks the code path
 
@@ -139,7 +139,7 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
 
 
 def main() -> None:
-    parser = harness.script_parser(__doc__, results="file to update", default=str(harness.HERE / "RESULTS.md"))
+    parser = harness.script_parser(__doc__, results="file to update", default=str(harness.HERE / "RESULTS-scale.md"))
     parser.add_argument("--quick", action="store_true", help="the tiny model in place of the big one")
     parser.add_argument("--engine", choices=sorted(HEADINGS), default="fsdp2", help="FSDP2 or DeepSpeed ZeRO-3")
     args = parser.parse_args()
