@@ -242,8 +242,11 @@ def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int,
             name = worker_name(tool, num_proc)
             below = [m for m in measured if m < n and name in measured[m]]  # at its rate at the size below
             estimate = measured[max(below)][name]["seconds"] * n / max(below) if below else None
-            if tool == "trl" and estimate is not None and estimate > TRL_SKIP_SECONDS:
+            if tool == "trl" and size.get("trl_largest_only") and n != size["rows"][-1]:
+                skipped[n][name] = f"not run: trl at {size['rows'][-1]:,} rows only (--size {size_name})"
+            elif tool == "trl" and estimate is not None and estimate > TRL_SKIP_SECONDS:
                 skipped[n][name] = f"skipped: {estimate:.0f} s expected (> {TRL_SKIP_SECONDS} s)"
+            if name in skipped[n]:
                 print(f"  {name:<24} {skipped[n][name]}", flush=True)
                 continue
             flags = ["--size", size_name, "--case", "scale", "--model", str(model), "--data", str(data)]

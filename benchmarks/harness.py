@@ -438,10 +438,11 @@ SMOLLM2_SIZES = {
     "smoke": dict(pairs=8, max_turns=1, steps=2, batch=4, max_length=256),
 }
 # bench.py --only scale --size (bench_scale.py): rows, the sizes measured, ascending; tokenizer: "smollm2"
-# (SmolLM2-135M-Instruct's BPE) or "char" (kto_pipeline.demo.tiny's)
+# (SmolLM2-135M-Instruct's BPE) or "char" (kto_pipeline.demo.tiny's); trl_largest_only: trl runs at the largest size
+# alone (the smoke size: its code path once; the smaller size measures kto-pipeline's peak RSS growth)
 SCALE_SIZES = {
     "full": dict(rows=(20_000, 200_000, 1_000_000), tokenizer="smollm2", max_length=1024, batch=8),
-    "smoke": dict(rows=(500, 2_000), tokenizer="char", max_length=1024, batch=8),
+    "smoke": dict(rows=(500, 2_000), tokenizer="char", max_length=1024, batch=8, trl_largest_only=True),
 }
 # bench.py --only append --size (bench_scale.py): caches, the cache sizes (full precomputes), ascending; new, the rows
 # appended to each; tokenizer as in SCALE_SIZES; goal_cache, the size the goal is about
