@@ -10,6 +10,7 @@ RESULTS-gpu.md.)
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import json
@@ -28,25 +29,21 @@ PEAK_FLOPS_CUDA = 989e12  # bf16 dense tensor-core peak of an H100 SXM (H200: th
 ALPHABET = string.ascii_letters + string.digits + " "
 
 
+@functools.cache
 def hh_rlhf_lengths() -> list[tuple[int, int]]:
     """(prompt, completion) token counts of the bundled HH-RLHF chosen and rejected answers (chat template, char
-    tokenizer)."""
+    tokenizer; the texts tokenized in one call)."""
     from kto_pipeline.demo.hh_rlhf import bundled_path, convert_pair, read_pairs
     from kto_pipeline.demo.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer()
-
-    def count(messages, generation_prompt: bool = False) -> int:
-        text = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
-        return len(tok(text)["input_ids"])
-
-    out = []
+    texts = []  # per pair: the prompt, the prompt + chosen, the prompt + rejected
     for line, row in read_pairs(bundled_path()):
         pair = convert_pair(row, line)
-        prompt = count(pair["prompt"], generation_prompt=True)
-        for key in ("chosen", "rejected"):
-            out.append((prompt, count(pair["prompt"] + pair[key]) - prompt))
-    return out
+        texts.append(tok.apply_chat_template(pair["prompt"], add_generation_prompt=True, tokenize=False))
+        texts += [tok.apply_chat_template(pair["prompt"] + pair[k], tokenize=False) for k in ("chosen", "rejected")]
+    counts = [len(ids) for ids in tok(texts)["input_ids"]]
+    return [(p, whole - p) for p, *answers in zip(*[iter(counts)] * 3, strict=True) for whole in answers]
 
 
 def build_data(path: Path, preset: dict) -> dict:

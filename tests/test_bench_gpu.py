@@ -67,10 +67,9 @@ STEP_CELL = re.compile(rf"^\d+\.\d{{4}} s{COMPILING}, [\d,]+ MiB$")
 @pytest.mark.slow
 def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path, monkeypatch):
     """`make bench-gpu`'s matrix at tiny shapes on the CPU: the default path's step-1 check, the CUDA graphs check and
-    the step-1 differences by layout, then every (loss, batch) row with ours compiled (without and with CUDA graphs,
-    which a CPU has not: their fixed shapes; compiled by aot_eager) and eager and trl precomputed measured (liger
-    skipped with its reason), the reference passes and the goals; written as the newest run after the file's first
-    block."""
+    the step-1 differences by layout, then every (loss, batch) row with ours compiled (by aot_eager) and eager and trl
+    precomputed measured (CUDA graphs and liger skipped with their reasons: the check ran the CUDA graphs mode), the
+    reference passes and the goals; written as the newest run after the file's first block."""
     results = tmp_path / "M.md"
     results.write_text("# GPU results\n\nwhat ran where\n\n# An older run\n\nits numbers\n")
     script, work = ROOT / "benchmarks" / "bench_gpu_matrix.py", str(tmp_path / "w")
@@ -102,9 +101,10 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
     assert {(r[1], r[2]) for r in rows} == {("kto", "4"), ("sigmoid", "4")}
     for row in rows:
         cells = dict(zip(header, row, strict=True))
-        for column in ("kto-pipeline compiled", "kto-pipeline eager", "kto-pipeline CUDA graphs", "trl precomputed"):
+        for column in ("kto-pipeline compiled", "kto-pipeline eager", "trl precomputed"):
             assert STEP_CELL.match(cells[column]), (row, column)
         assert cells["trl precomputed + liger"].startswith("skipped: liger-kernel"), row
+        assert cells["kto-pipeline CUDA graphs"].startswith("skipped: a CPU has no CUDA graphs"), row
         assert re.match(r"^\d+\.\d\dx$", cells["ours compiled vs trl's best"]), row
         assert int(cells["needed tokens a step"]) > 0, row
     profiled = text.split("## Where a compiled step's time goes (torch.profiler)")[1].split("##")[0]
@@ -209,8 +209,10 @@ def test_bench_gpu_matrix_reports_what_the_budget_left_out_as_not_run(tmp_path, 
     text = bench_gpu_matrix.render(results, checked, "cpu", None, 1.0, ["--device", "cpu"])
     header, *rows = table_lines(text.split("## Training steps")[1])
     assert len(rows) == 2
+    no_graphs = bench_gpu_matrix.not_on("cpu")["kto-pipeline CUDA graphs @ 4"]  # (a CPU's, not the budget's)
     for row in rows:
-        assert row[4:9] == ["not run within the budget"] * 5 and row[3] == "-" and row[-1] == "-", row
+        assert row[4:9] == ["not run within the budget"] * 2 + [no_graphs] + ["not run within the budget"] * 2, row
+        assert row[3] == "-" and row[-1] == "-", row
     _, *passes = table_lines(text.split("## Reference passes: needed tokens/s")[1])
     assert passes[0][2:] == ["not run within the budget"] * 6, passes  # the KTO row: its variants too
     assert passes[1][2:] == ["not run within the budget"] * 2 + ["-"] * 4, passes  # variants: KTO only
@@ -296,6 +298,9 @@ def test_the_gpu_plan_runs_what_answers_the_goals_first_and_every_case_once(monk
         assert len(planned) == len(set(planned))
         assert set(planned) == wanted | variants
         assert sorted(s[1] for s in run if s[0] == "check") == ["graphs", "layouts", "step_one"]
+    # a CPU run (the code path's check) plans no CUDA graphs case: a CPU has none, and the check runs their mode
+    on_cpu = [case for s in m.plan("cpu") if s[0] != "check" for case in s[3]]
+    assert set(m.not_on("cpu")) == {f"{graphs} @ 4"} and f"{graphs} @ 4" not in on_cpu and m.not_on("cuda") == {}
 
 
 def test_a_profiled_steps_gpu_time_counts_kernels_not_the_ranges_annotated_around_them(monkeypatch):
