@@ -12,7 +12,8 @@ from kto_pipeline.cache import open_cache
 from kto_pipeline.files import sha256_file
 from kto_pipeline.objectives.kto import CacheRows, Collator, imbalance_warning, pair_accuracy
 from kto_pipeline.stages.train import stage as train_module
-from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer
+from kto_pipeline.stages.train.batches import EpochSampler
+from kto_pipeline.stages.train.policy import PolicyScorer
 
 cfg = train_config
 

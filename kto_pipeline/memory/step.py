@@ -86,7 +86,7 @@ def _run_ours(
     from kto_pipeline.runtime.engines import engine_for
     from kto_pipeline.runtime.precision import policy_regime
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.train.batches import PolicyScorer
+    from kto_pipeline.stages.train.policy import PolicyScorer
 
     mode = fake_mode() if fake else None
     batch_size = max(len(rows), 2)
@@ -245,8 +245,7 @@ def _run_real(model_config, rows, settings: StepSettings) -> dict[str, int]:
     from kto_pipeline.runtime.engines import engine_for
     from kto_pipeline.runtime.precision import policy_regime
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.train.batches import PolicyScorer
-    from kto_pipeline.stages.train.policy import make_optimizer
+    from kto_pipeline.stages.train.policy import PolicyScorer, make_optimizer
 
     config = TrainConfig(cache="-", output_dir="-", bf16=False, per_device_train_batch_size=max(len(rows), 2))
     model = build_model(model_config, settings, None)

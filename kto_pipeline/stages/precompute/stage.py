@@ -73,6 +73,7 @@ from kto_pipeline.stages.precompute.data import (
     preprocess_fingerprint,
     select_rows,
 )
+from kto_pipeline.stages.precompute.finish import finish
 from kto_pipeline.stages.precompute.phases import (
     Output,
     Pass,
@@ -85,7 +86,6 @@ from kto_pipeline.stages.precompute.phases import (
 from kto_pipeline.stages.precompute.segments import KEY_DIR, content_keys, held_keys, key_array, match_keys, open_keys
 from kto_pipeline.stages.precompute.shards import (
     check_packing,
-    finish,
     finished_shards,
     remove_leftovers,
     score_shards,
@@ -110,7 +110,7 @@ def precompute(config: PrecomputeConfig) -> Path:
         check_packing(run)  # shards.py: packed as each sequence alone, or the pass runs padded
         if plan_output(run):
             score_shards(run)  # shards.py
-            finish(run)  # shards.py
+            finish(run)  # finish.py
         return run.out
 
 

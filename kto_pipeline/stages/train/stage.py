@@ -5,10 +5,10 @@
     setup -> resume -> prepare the output directory -> fit -> finish
 
 `setup` opens and checks the cache, loads the policy (never a reference model), builds the data loaders over
-the memory-mapped cache (`data.py`; the items' order and a micro-batch's scores: `batches.py`), the optimizer and
-the schedule. `resume` restores a checkpoint, `fit` is the
-loop, `finish` writes the final model, its card and trainer state (`rundir.py`; --push-to-hub: `hub.py`). The policy
-is loaded and its optimizer built by `policy.py`; how it is spread over the processes, its backward, clipping and
+the memory-mapped cache (`data.py`; the items' order: `batches.py`; a micro-batch's scores: `policy.py`), the
+optimizer and the schedule. `resume` restores a checkpoint, `fit` is the loop, `finish` writes the final model,
+its card and trainer state (`rundir.py`; --push-to-hub: `hub.py`). The policy is loaded and its optimizer built
+by `policy.py`; how it is spread over the processes, its backward, clipping and
 step are asked of the engine (`runtime/engines`), which this stage never names. accelerate is used as a library
 (`accumulate`, `gather`), so the loop is the whole algorithm: nothing happens in callbacks. What depends on the
 loss family (its cache, items, forward pass, metrics and evaluation) is asked of the run's objective
@@ -66,7 +66,7 @@ from kto_pipeline.runtime.precision import Regime, StepCasts, check_regime, poli
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
 from kto_pipeline.scoring.attention import request_attention_kernel
 from kto_pipeline.scoring.packable import packing_leaked, packing_unsupported
-from kto_pipeline.stages.train.batches import EpochSampler, PolicyScorer
+from kto_pipeline.stages.train.batches import EpochSampler
 from kto_pipeline.stages.train.checks import (
     check_output_dir,
     check_resume_compatible,
@@ -74,7 +74,7 @@ from kto_pipeline.stages.train.checks import (
     resume_changes_note,
 )
 from kto_pipeline.stages.train.data import loaders, open_checked_cache
-from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
+from kto_pipeline.stages.train.policy import PolicyScorer, init_point, load_base, load_policy, make_optimizer
 
 
 @dataclass
