@@ -46,9 +46,11 @@ test-assets: install
 
 # The suite in TEST_WORKERS pytest processes (a test file stays in one), one thread each: on 2 cores the serial
 # suite keeps them 1.3 busy on average (single-threaded imports and Python), two workers keep both busy.
+# TEST_DURATIONS: how many of the slowest tests' times are printed at the end (0: every test's).
 TEST_WORKERS ?= 2
+TEST_DURATIONS ?= 20
 test: lint test-assets
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=$(TEST_DURATIONS)
 
 # The suite against the lowest versions pyproject.toml allows: uv's lowest-direct resolution in a virtual environment
 # of its own (torch stays TORCH_VERSION, installed first); its real model converted by those versions, kept apart.
