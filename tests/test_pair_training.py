@@ -11,7 +11,7 @@ from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precom
 from kto_pipeline.cache import open_cache
 from kto_pipeline.objectives.pairs import CachePairs, PairCollator
 from kto_pipeline.stages.train import stage as train_module
-from kto_pipeline.stages.train.policy import PolicyScorer
+from kto_pipeline.stages.train.step import PolicyScorer
 
 
 def pairs(n: int = 12) -> list[dict]:

@@ -13,7 +13,7 @@ from kto_pipeline.files import sha256_file
 from kto_pipeline.objectives.kto import CacheRows, Collator, imbalance_warning, pair_accuracy
 from kto_pipeline.stages.train import stage as train_module
 from kto_pipeline.stages.train.batches import EpochSampler
-from kto_pipeline.stages.train.policy import PolicyScorer
+from kto_pipeline.stages.train.step import PolicyScorer
 
 cfg = train_config
 

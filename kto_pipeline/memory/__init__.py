@@ -13,10 +13,10 @@ only the shapes exist.
 - the model is built on the meta device and materialized as fake tensors (`FakeTensorMode`): every parameter,
   activation, gradient and optimizer state has its real shape and dtype, and none takes memory;
 - the step runs outside the fake mode, through the code `train` runs (the loss family's collator ->
-  `PolicyScorer` -> its forward, the engine's backward, clipping and step, fused AdamW; FSDP2 through the same
-  engine). An op that touches a fake tensor runs under the fake mode; an op on real tensors runs for real. So the
-  data-dependent host work (the packed layout, the masks' indices, `nonzero`) is computed from real token
-  lists, and the model's math on fake tensors: the shapes are those of the real step;
+  `stages/train/step.py`: `PolicyScorer` -> its forward, the engine's backward, clipping and step, fused AdamW;
+  FSDP2 through the same engine). An op that touches a fake tensor runs under the fake mode; an op on real tensors
+  runs for real. So the data-dependent host work (the packed layout, the masks' indices, `nonzero`) is computed from
+  real token lists, and the model's math on fake tensors: the shapes are those of the real step;
 - torch's memory tracker (`torch.distributed._tools.MemTracker`, `FSDPMemTracker` on a fake process group
   for FSDP2) counts every storage alive at each op, by category (parameters, gradients, optimizer state,
   activations, temporaries), and keeps the peak.

@@ -86,7 +86,7 @@ def _run_ours(
     from kto_pipeline.runtime.engines import engine_for
     from kto_pipeline.runtime.precision import policy_regime
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.train.policy import PolicyScorer
+    from kto_pipeline.stages.train.step import PolicyScorer, forward, update
 
     mode = fake_mode() if fake else None
     batch_size = max(len(rows), 2)
@@ -120,15 +120,15 @@ def _run_ours(
             tracker.track_external(model, optimizer)
         with tracker:
             before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])
-            out = objective.forward(engine.accelerator, scorer, batch, config, with_stats=True)
+            # train's step (`stages/train/step.py`): its forward (no load-balancing loss asked), backward, clipping
+            # and optimizer step
+            out = forward(objective, engine.accelerator, scorer, batch, config, aux_coef=0.0)
             tokens_with_grad, tokens_executed = _layout_tokens(batch), out.scored.tokens_executed
             kl_forward = objective.kl_forward(config, out.scored.kl_on_cached_prompt)
             loss = out.loss
             del out
-            engine.backward(loss)
+            update(engine, scorer, optimizer, loss, config.max_grad_norm)
             del loss
-            engine.clip_grad_norm(scorer, config.max_grad_norm)
-            engine.step(optimizer)
     dev = torch.device("cpu")
     return StepMemory(
         peak_bytes=tracker._peak_mem[dev],
@@ -245,7 +245,8 @@ def _run_real(model_config, rows, settings: StepSettings) -> dict[str, int]:
     from kto_pipeline.runtime.engines import engine_for
     from kto_pipeline.runtime.precision import policy_regime
     from kto_pipeline.scoring.attention import attention_costs
-    from kto_pipeline.stages.train.policy import PolicyScorer, make_optimizer
+    from kto_pipeline.stages.train.policy import make_optimizer
+    from kto_pipeline.stages.train.step import PolicyScorer, forward, update
 
     config = TrainConfig(cache="-", output_dir="-", bf16=False, per_device_train_batch_size=max(len(rows), 2))
     model = build_model(model_config, settings, None)
@@ -263,11 +264,9 @@ def _run_real(model_config, rows, settings: StepSettings) -> dict[str, int]:
     before = _rss("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # reset the high water mark (Linux >= 4.0)
         f.write("5")
-    loss = objective.forward(engine.accelerator, scorer, batch, config, with_stats=True).loss
-    engine.backward(loss)
+    loss = forward(objective, engine.accelerator, scorer, batch, config, aux_coef=0.0).loss  # train's step
+    update(engine, scorer, optimizer, loss, config.max_grad_norm)
     del loss
-    engine.clip_grad_norm(scorer, config.max_grad_norm)
-    engine.step(optimizer)
     return {"rss_before": before, "rss_peak": _rss("VmHWM")}
 
 

@@ -11,7 +11,8 @@ function, beside the parts only that stage uses.
         segments.py   content keys and segments: a cache that grows (--append)
     train/        stage 2: the policy against the cache
         stage.py      setup -> resume -> prepare the output directory -> fit -> finish
-        policy.py     load the policy, build its optimizer, score a batch (also what estimate-memory measures)
+        policy.py     load the policy and build its optimizer (also what estimate-memory measures)
+        step.py       a micro-batch's forward and the update: what train runs and estimate-memory simulates
         data.py       open and check the cache; its loaders of packed (or padded) micro-batches
         batches.py    the items' order from (seed, epoch)
         checks.py     where a run starts: its output directory, the policy's first weights, a checkpoint

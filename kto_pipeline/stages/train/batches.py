@@ -2,7 +2,7 @@
 
 A loss family (`kto_pipeline/objectives`) reads its items from the memory-mapped cache (rows, or pairs) and
 collates them (`objectives/items.py`). `EpochSampler` orders the items reproducibly from (seed, epoch); the
-policy scores a batch through `policy.PolicyScorer`.
+policy scores a batch through `step.PolicyScorer`.
 """
 
 from __future__ import annotations

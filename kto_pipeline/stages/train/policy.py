@@ -1,11 +1,10 @@
-"""The policy as stage 2 trains it: loaded, made ready to train, its optimizer, and its scores of a batch.
+"""The policy as stage 2 trains it: loaded, made ready to train, and its optimizer.
 
 `load_policy` loads the policy only (never a reference model) with the cache's tokenizer, starting from the cache's
 reference, from --model, or from a previous round's weights or adapter (--init-from), and makes it ready to train
 (`ready_to_train`: no KV cache, no dropout, gradient checkpointing, LoRA). `make_optimizer` builds the optimizer
-over its trainable parameters. `PolicyScorer` scores a batch through the model's `forward`, so that DDP and FSDP
-wrappers see the call: what it runs follows from the batch's layout alone. `train` calls them, and so does
-`estimate-memory` (`kto_pipeline/memory`), so that what it measures is what train runs.
+over its trainable parameters. `train` calls them, and so does `estimate-memory` (`kto_pipeline/memory`), so that
+what it measures is what train runs.
 """
 
 from __future__ import annotations
@@ -26,12 +25,10 @@ from kto_pipeline.models import (
     load_tokenizer,
     text_config,
 )
-from kto_pipeline.objectives.items import LAYOUT_KEY, batch_images, batch_layout
 from kto_pipeline.rundir import InitPoint, read_init_point
 from kto_pipeline.runtime.launch import print0
 from kto_pipeline.runtime.precision import WEIGHT_DTYPES
 from kto_pipeline.scoring.attention import enable_checkpointing
-from kto_pipeline.scoring.logprobs import PolicyScores, score_layout, score_policy, score_sequences
 
 
 def init_point(config: TrainConfig, manifest: Manifest, accelerator) -> InitPoint | None:
@@ -216,48 +213,3 @@ def language_model_targets(model, names: str | list[str]) -> str | list[str]:
             "these names."
         )
     return chosen
-
-
-class PolicyScorer(torch.nn.Module):
-    """Wraps the causal LM so that scoring goes through `forward` (and thus through DDP/FSDP wrappers)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        # FSDP's transformer-based auto wrap looks for the layer classes here
-        self._no_split_modules = getattr(model, "_no_split_modules", None)
-
-    def forward(self, batch, with_kl: bool = True, with_stats: bool = True, output_router_logits: bool = False):
-        """The scores of the batch's sequences (with grad) and, with `with_kl` where the batch holds KL
-        completions (laid out apart: `packed_batch(split_last=True)`, or `kl_` padded sequences), theirs without
-        grad: `PolicyScores`. A packed batch without KL completions runs as one forward over its trees, each
-        prompt once."""
-        layout, images = batch_layout(batch), batch_images(batch)
-        routed = {"output_router_logits": output_router_logits}
-        if layout is not None and LAYOUT_KEY + "split" not in batch:  # every continuation with grad
-            scores = score_layout(self.model, layout, with_stats=with_stats, images=images, **routed)
-            return PolicyScores(scores, None, layout.input_ids.numel(), kl_on_cached_prompt=False)
-        if layout is not None:
-            return score_policy(self.model, layout, with_kl, with_stats=with_stats, images=images, **routed)
-        completions = score_sequences(
-            self.model,
-            batch["input_ids"],
-            batch["attention_mask"],
-            batch["completion_mask"],
-            with_stats=with_stats,
-            output_router_logits=output_router_logits,
-            images=images,
-        )
-        kl, executed = None, batch["input_ids"].numel()
-        if with_kl and "kl_input_ids" in batch:
-            with torch.no_grad():
-                kl = score_sequences(
-                    self.model,
-                    batch["kl_input_ids"],
-                    batch["kl_attention_mask"],
-                    batch["kl_completion_mask"],
-                    with_stats=False,
-                    images=images,
-                )
-            executed += batch["kl_input_ids"].numel()
-        return PolicyScores(completions, kl, executed, kl_on_cached_prompt=False)

@@ -5,14 +5,14 @@
     setup -> resume -> prepare the output directory -> fit -> finish
 
 `setup` opens and checks the cache, loads the policy (never a reference model), builds the data loaders over
-the memory-mapped cache (`data.py`; the items' order: `batches.py`; a micro-batch's scores: `policy.py`), the
-optimizer and the schedule. `resume` restores a checkpoint, `fit` is the loop, `finish` writes the final model,
-its card and trainer state (`rundir.py`; --push-to-hub: `hub.py`). The policy is loaded and its optimizer built
-by `policy.py`; how it is spread over the processes, its backward, clipping and
-step are asked of the engine (`runtime/engines`), which this stage never names. accelerate is used as a library
-(`accumulate`, `gather`), so the loop is the whole algorithm: nothing happens in callbacks. What depends on the
-loss family (its cache, items, forward pass, metrics and evaluation) is asked of the run's objective
-(`kto_pipeline/objectives`), chosen once in `setup`.
+the memory-mapped cache (`data.py`; the items' order: `batches.py`), the optimizer and the schedule. `resume`
+restores a checkpoint, `fit` is the loop, `finish` writes the final model, its card and trainer state (`rundir.py`;
+--push-to-hub: `hub.py`). The policy is loaded and its optimizer built by `policy.py`; a micro-batch's forward
+and the update run in `step.py` (as estimate-memory simulates them); how the policy is spread over the processes,
+its backward, clipping and step are asked of the engine (`runtime/engines`), which this stage never names.
+accelerate is used as a library (`accumulate`, `gather`), so the loop is the whole algorithm: nothing happens in
+callbacks. What depends on the loss family (its cache, items, forward pass, metrics and evaluation) is asked of the
+run's objective (`kto_pipeline/objectives`), chosen once in `setup`.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ from kto_pipeline.stages.train.checks import (
     resume_changes_note,
 )
 from kto_pipeline.stages.train.data import loaders, open_checked_cache
-from kto_pipeline.stages.train.policy import PolicyScorer, init_point, load_base, load_policy, make_optimizer
+from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
+from kto_pipeline.stages.train.step import PolicyScorer, forward, update
 
 
 @dataclass
@@ -368,19 +369,14 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], casts: StepCasts, last_
     `last_batch`: the epoch's last, which may hold items repeated to even it out across processes."""
     config, accelerator, p, objective = run.config, run.accelerator, run.progress, run.objective
     real = real_rows(accelerator, config.per_device_train_batch_size, len(run.sampler), last_batch)
-    routed = run.aux_coef != 0
-    out = objective.forward(
-        accelerator, run.scorer, batch, config, with_stats=True, output_router_logits=routed, real=real
-    )
-    scored, loss = out.scored, out.loss
-    scores = scored.completions
+    out = forward(objective, accelerator, run.scorer, batch, config, run.aux_coef, real)  # (step.py)
+    scored = out.scored
     p.tokens_executed += scored.tokens_executed
     p.tokens_needed += batch["tokens_needed"]
     p.items_seen += len(out.ids)
     p.kl_on_cached_prompt = scored.kl_on_cached_prompt
-    if scores.aux_loss is not None:  # MoE: keep the experts' load balanced, as the model's own loss does
-        loss = out.loss = loss + run.aux_coef * scores.aux_loss  # (the loss logged, as trl's)
-        p.log.add("aux_loss", accelerator.gather(scores.aux_loss.detach().reshape(1)).mean().item())
+    if scored.completions.aux_loss is not None:  # MoE: the load-balancing loss in the loss, logged apart too
+        p.log.add("aux_loss", accelerator.gather(scored.completions.aux_loss.detach().reshape(1)).mean().item())
     metrics = objective.metrics(accelerator, out, real)  # one collective: the loss summed over every process
     # every process takes the same branch (the same gathered sum), or the others would wait forever in a collective
     if not math.isfinite(metrics["loss"]):
@@ -391,13 +387,10 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], casts: StepCasts, last_
         )
     for name, value in metrics.items():
         p.log.add(name, value)
-    run.engine.backward(loss)
-    if accelerator.sync_gradients:
-        casts.close()  # before the optimizer changes the weights
-    if accelerator.sync_gradients and config.max_grad_norm > 0:
-        # kept on the device, read only when the step logs it (a read waits for the device)
-        p.grad_norm = run.engine.clip_grad_norm(run.scorer, config.max_grad_norm)
-    run.engine.step(run.optimizer)
+    # the weights' casts of this step closed before the optimizer changes the weights; the norm read when logged
+    grad_norm = update(run.engine, run.scorer, run.optimizer, out.loss, config.max_grad_norm, casts.close)
+    if grad_norm is not None:
+        p.grad_norm = grad_norm
 
 
 def after_step(run: Run, micro_step: int, bar) -> None:
