@@ -87,27 +87,37 @@ def small_cache(tmp_path_factory, tiny_model_dir) -> Path:
     )
 
 
-# The longest test files first (their times in `make test`'s --durations): `make test` runs files whole in two
-# pytest-xdist workers (--dist loadfile), handed out in collection order, so a long file collected last would leave
-# one worker idle while the other finishes it.
+# The longest test files first: `make test` runs files whole in two pytest-xdist workers (--dist loadfile), handed
+# out in collection order, so a long file collected last would leave one worker idle while the other finishes it.
+# The files of 20 s or more, by their time in a whole run (`make test TEST_DURATIONS=0`, docs/development.md).
 LONGEST_FIRST = (
-    "test_bench.py",
     "test_compile.py",
     "test_real_model.py",
-    "test_fsdp.py",
+    "test_bench.py",
+    "test_bench_gpu.py",
     "test_deepspeed.py",
-    "test_pair_engines.py",
+    "test_fsdp.py",
     "test_slurm.py",
-    "test_vision.py",
+    "test_distributed.py",
+    "test_step_one.py",
+    "test_memory.py",
     "test_families.py",
     "test_multinode.py",
-    "test_cli.py",
-    "test_bench_dpo.py",
-    "test_bench_gpu.py",
-    "test_memory.py",
-    "test_quantization.py",
+    "test_vision.py",
     "test_accumulation.py",
-    "test_recipe.py",
+    "test_dpo_parity.py",
+    "test_bench_dpo.py",
+    "test_pair_engines.py",
+    "test_cli.py",
+    "test_generate.py",
+    "test_precision.py",
+    "test_estimate_memory.py",
+    "test_cache.py",
+    "test_sweep_report.py",
+    "test_preemption.py",
+    "test_lora_moe.py",
+    "test_trl_parity.py",
+    "test_quantization.py",
 )
 
 
