@@ -96,7 +96,7 @@ class Objective:
         output_router_logits: bool = False,
         real: torch.Tensor | None = None,
     ) -> StepOut:
-        """One forward pass and the loss, shared by training and evaluation. `real`: `batches.real_rows` (None:
+        """One forward pass and the loss, shared by training and evaluation. `real`: `items.real_rows` (None:
         every item of the global batch is real)."""
         raise NotImplementedError
 
