@@ -234,12 +234,12 @@ def plan(device: str, first: str | None = None) -> list[tuple]:
             break
     wanted.append(("ours", first_model, "kto", list(REFERENCE_VARIANTS)))
     wanted += [(tool, m, loss, group_cases(tool, device)) for loss in LOSSES for m in MODELS[device] for tool in TOOLS]
-    steps, planned = [], set()
+    steps, planned, skipped = [], set(), not_on(device)
     for step in wanted:
         if step[0] == "check":
             steps.append(step)
             continue
-        cases = [case for case in step[3] if (*step[:3], case) not in planned and case not in not_on(device)]
+        cases = [case for case in step[3] if (*step[:3], case) not in planned and case not in skipped]
         planned.update((*step[:3], case) for case in cases)
         if cases:
             steps.append((*step[:3], cases))
