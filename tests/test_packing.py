@@ -247,6 +247,48 @@ def test_pack_rows():
     assert len(pack_rows(uneven, costs=AttentionCosts(pair=0.2, tree_call=100.0))) == 4  # calls dearer: dense
 
 
+def pairwise_tree_mask(layout, queries, keys, window=None, chunk=None):
+    """The tree mask by its definition, pair by pair: same tree, the key in the prompt or the query's own branch,
+    the key no later (flat index), within the window and the chunk."""
+    t, b, p = (x.reshape(-1) for x in (layout.tree, layout.branch, layout.position_ids))
+    tq, tk, bq, bk = t[queries][:, :, None], t[keys][:, None, :], b[queries][:, :, None], b[keys][:, None, :]
+    pq, pk = p[queries][:, :, None], p[keys][:, None, :]
+    visible = (tq == tk) & ((bk == 0) | (bk == bq)) & (keys[:, None, :] <= queries[:, :, None])
+    if window is not None:
+        visible &= (pq - pk) < window
+    if chunk is not None:
+        visible &= (pq // chunk) == (pk // chunk)
+    return visible[:, None]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_tree_mask_is_its_definition_for_every_forward(seed):
+    """`tree_mask` (made of copied rows of two tables) equals the pair-by-pair definition for each forward the
+    stages run: whole rows (the reference pass, a pair loss), training's prompts and completions, its KL completions
+    in their rows and gathered into one row, padded, aligned and static layouts, under windows and chunks."""
+    trees = random_trees(9, seed=seed)
+    order = torch.randperm(9, generator=torch.Generator().manual_seed(seed)).tolist()
+    rows = [order[:4], order[4:5], order[5:]]
+    for kind in (dict(), dict(pad_id=5, static=True), dict(align=8)):
+        layout = layout_trees(trees, rows, **kind)
+        split = layout_trees(trees, rows, split_last=True, **kind)
+        r, w = split.input_ids.shape
+        grid = torch.arange(r * w).reshape(r, w)
+        kl = last_continuations(split)
+        forwards = [
+            (layout, torch.arange(layout.input_ids.numel()).reshape(layout.input_ids.shape), None),
+            (split, grid[:, : split.split], None),
+            (split, grid[:, split.split :], grid),
+            (split, kl[None], torch.cat([grid[:, : split.split].reshape(-1), kl])[None]),
+            (split, kl[None], kl[None].clone()),  # no prompt among the keys: each sees its own branch only
+        ]
+        for lay, queries, keys in forwards:
+            for window, chunk in ((None, None), (3, None), (None, 4)):
+                got = attention.tree_mask(lay, queries, queries if keys is None else keys, window, chunk)
+                want = pairwise_tree_mask(lay, queries, queries if keys is None else keys, window, chunk)
+                assert torch.equal(got, want), (kind, queries.shape, window, chunk)
+
+
 def test_split_layout_puts_the_last_continuations_after_the_rest():
     trees = random_trees(4, seed=4)
     layout = layout_trees(trees, [[0, 1], [2, 3]], split_last=True)

@@ -201,11 +201,35 @@ def tree_mask(
 
     Tokens are named by flat index (row * width + column): a forward may take a layout's rows as they are,
     or gather tokens of several rows into one (training's KL forward, which has no padding). Padding attends
-    to earlier padding, so no row of the mask is empty."""
+    to earlier padding, so no row of the mask is empty. Where `keys` is `queries`, each row's indices ascend (a
+    row's columns in order, as every such caller passes them).
+
+    A query sees the earlier keys of its own tree that are its prompt's or its own continuation's: whose (tree,
+    branch) is its own or its prompt's. The mask is made of rows copied from two small tables rather than compared
+    pair by pair (a comparison into a bool tensor runs element by element on the CPU, a copy of rows does not):
+    which keys of its row hold each (tree, branch), and which of the row's first keys come before each query."""
     t, b, p = (x.reshape(-1) for x in (layout.tree, layout.branch, layout.position_ids))
-    tq, tk = t[queries][:, :, None], t[keys][:, None, :]
-    bq, bk = b[queries][:, :, None], b[keys][:, None, :]
-    visible = (tq == tk) & (keys[:, None, :] <= queries[:, :, None]) & ((bk == BRANCH_PROMPT) | (bk == bq))
+    span = int(layout.branches) + 2  # branch + 1: padding (-1) 0, the prompt (0) 1, continuations 2..branches + 1
+    code = t * span + (b + 1)  # (tree, branch) as one integer
+    ck, cq = code[keys], code[queries]
+    cp = cq - (b[queries] + 1) + (BRANCH_PROMPT + 1)  # the query's tree's prompt
+    (n, q), k = queries.shape, keys.shape[1]
+    # table[row, c]: the keys of the row whose code comes c-th in its sorted codes (at its first place); row k: none
+    sorted_codes = ck.sort(dim=1).values
+    table = torch.zeros(n, k + 1, k, dtype=torch.bool, device=keys.device)
+    table.scatter_(1, torch.searchsorted(sorted_codes, ck)[:, None, :], True)
+    rows, base = table.reshape(n * (k + 1), k), torch.arange(n, device=keys.device)[:, None] * (k + 1)
+
+    def holding(codes: torch.Tensor) -> torch.Tensor:  # (N, Q, K): the keys of each query's `codes`
+        at = torch.searchsorted(sorted_codes, codes)
+        found = sorted_codes.gather(1, at.clamp(max=k - 1)) == codes
+        return rows.index_select(0, (base + torch.where(found, at, k)).reshape(-1)).reshape(n, q, k)
+
+    visible = holding(cq) | holding(cp)
+    if keys is queries:  # row i of a lower triangle: the keys up to query i
+        visible &= torch.ones(q, k, dtype=torch.bool, device=keys.device).tril()
+    else:
+        visible &= keys[:, None, :] <= queries[:, :, None]
     pq, pk = p[queries][:, :, None], p[keys][:, None, :]
     if window is not None:
         visible &= (pq - pk) < window
