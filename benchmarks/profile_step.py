@@ -110,9 +110,9 @@ def reference(variant: str, batch: int, work: Path):
 
     def run(rows: int) -> None:
         with tempfile.TemporaryDirectory() as out:
-            settings = dict(
-                max_length=MAX_LENGTH, batch_size=2 * batch, attention_kernel=kernel, torch_compile=compiled
-            )
+            settings = dict(max_length=MAX_LENGTH, attention_kernel=kernel, torch_compile=compiled)
+            # `batch` rows a forward, as an accelerator's token budget holds them (the CPU's default holds fewer)
+            settings |= dict(batch_size=2 * batch, max_tokens_per_batch=2 * batch * MAX_LENGTH)
             precompute(PrecomputeConfig(model=str(model), dataset=str(files[rows]), output=out, **settings))
 
     return run
@@ -452,7 +452,8 @@ def render(measured: dict, batches: tuple[int, ...], seconds: float, quick: bool
         "",
         f"The reference pass, the same way: a pass over the first {ROWS} rows minus one over the first {ROWS // 2}, "
         "per row; N rows a forward pass (trl: `precompute_ref_batch_size` N, a forward for the completions and one "
-        "for the KL completions; ours: `--batch-size` 2N sequences, packed, under its `--max-tokens-per-batch`).",
+        "for the KL completions; ours: `--batch-size` 2N sequences, packed, `--max-tokens-per-batch` 2N x max_length "
+        "so that they fit one forward, as an accelerator's budget holds them).",
         "",
         *_table(measured, "ref", batches, "row"),
     ]
