@@ -1,7 +1,7 @@
 """kto-pipeline: KTO alignment as two stages.
 
 Stage 1, `precompute` (kto_pipeline/stages/precompute/stage.py): the frozen reference model scores every
-completion and its KL completion once, into an Arrow cache (kto_pipeline/cache.py).
+completion and its KL completion once, into an Arrow cache (kto_pipeline/cache/__init__.py).
 Stage 2, `train` (kto_pipeline/stages/train/stage.py): the policy trains alone against those cached values.
 
 The names below are imported on first use (PEP 562), so `import kto_pipeline` and `kto-pipeline --help`

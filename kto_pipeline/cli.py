@@ -108,7 +108,7 @@ def inspect_command(
     ] = False,
 ) -> None:
     """Show what a cache holds: model, tokenizer, dataset, counts, settings and shards."""
-    from kto_pipeline.inspect_cache import inspect_cache
+    from kto_pipeline.cache.inspect import inspect_cache
 
     problems = inspect_cache(cache_dir, verify=verify)
     if problems:

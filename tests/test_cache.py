@@ -17,9 +17,9 @@ from helpers import cli_args, cli_cmd, run_cli, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import SCHEMA, open_cache, read_manifest
+from kto_pipeline.cache.inspect import inspect_cache
 from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
 from kto_pipeline.files import sha256_file
-from kto_pipeline.inspect_cache import inspect_cache
 from kto_pipeline.stages.precompute.data import tokenize
 
 

@@ -12,8 +12,8 @@ from rich.console import Console
 
 from kto_pipeline import PrecomputeConfig, precompute
 from kto_pipeline.cache import NO_PAIR, SCHEMA_V1, check_cache, open_cache, read_manifest
+from kto_pipeline.cache.inspect import inspect_cache
 from kto_pipeline.files import sha256_file
-from kto_pipeline.inspect_cache import inspect_cache
 
 
 def pairs(n: int, long_prompts: tuple[int, ...] = (), start: int = 0) -> list[dict]:

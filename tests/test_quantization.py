@@ -39,7 +39,7 @@ def test_the_reference_runs_quantized_and_the_manifest_and_inspect_say_how(nf4_c
     from rich.console import Console
 
     from kto_pipeline.cache import open_cache
-    from kto_pipeline.inspect_cache import inspect_cache
+    from kto_pipeline.cache.inspect import inspect_cache
 
     manifest = json.loads((nf4_cache / "manifest.json").read_text())
     assert manifest["reference_model"]["quantization"] == {

@@ -19,10 +19,10 @@ import numpy as np
 import pyarrow as pa
 
 from kto_pipeline.cache import MANIFEST, read_manifest, write_manifest
+from kto_pipeline.cache.manifest import Manifest, fingerprint_diff
 from kto_pipeline.config import PrecomputeConfig
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.files import tokenizer_hash
-from kto_pipeline.manifest import Manifest, fingerprint_diff
 from kto_pipeline.quantization import fingerprint_of
 from kto_pipeline.runtime.precision import reference_regime
 from kto_pipeline.stages.precompute.phases import Output, Pass, absolute_if_local, on_main

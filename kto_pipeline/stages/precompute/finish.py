@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kto_pipeline.cache import write_manifest
-from kto_pipeline.manifest import Manifest
+from kto_pipeline.cache.manifest import Manifest
 from kto_pipeline.runtime.peak_memory import describe
 from kto_pipeline.stages.precompute.phases import Pass
 

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import numpy as np
 from tqdm.auto import tqdm
 
+from kto_pipeline.cache.manifest import Manifest
 from kto_pipeline.config import PrecomputeConfig
-from kto_pipeline.manifest import Manifest
 from kto_pipeline.runtime.engines import Engine
 from kto_pipeline.runtime.launch import main_decides, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory

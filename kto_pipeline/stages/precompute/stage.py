@@ -10,8 +10,8 @@ The data is checked and tokenized before the model loads (`data.py`, datasets.ma
 is reported in seconds. The rows are scored a shard at a time into Arrow files (`shards.py`): a crash loses at
 most one shard of work and a rerun resumes after the intact ones. Each prompt runs once for its completion and its
 KL completion, several trees packed side by side in token-budgeted forward passes; models whose attention takes
-no packed layout run every sequence on its own, padded, and the manifest records which (`cache.py` writes the
-manifest and the shards, `manifest.py` says what the manifest holds). How the reference is spread over the
+no packed layout run every sequence on its own, padded, and the manifest records which (`cache/` writes the
+manifest and the shards, `cache/manifest.py` says what the manifest holds). How the reference is spread over the
 processes is asked of the engine (`runtime/engines`: `prepare_scorer`), which this stage never names. A cache
 that grows: `--append` (`append.py`) adds the rows of a dataset that the cache does not hold as a new segment
 (`segments.py`).
@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 
 from kto_pipeline import __version__
 from kto_pipeline.cache import MANIFEST, NO_PAIR, SHARD_DIR, read_manifest, write_manifest
+from kto_pipeline.cache.manifest import Manifest, fingerprint_diff, new_manifest
 from kto_pipeline.config import PrecomputeConfig
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.files import tokenizer_hash
@@ -48,7 +49,6 @@ from kto_pipeline.images import (
     vision_unsupported,
 )
 from kto_pipeline.lock import holds_files, main_process_lock
-from kto_pipeline.manifest import Manifest, fingerprint_diff, new_manifest
 from kto_pipeline.models import check_quantizable, load_model, load_tokenizer
 from kto_pipeline.quantization import fingerprint_of, quantization_of
 from kto_pipeline.runtime.compiled import compile_layers

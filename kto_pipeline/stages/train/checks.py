@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kto_pipeline.checkpoint import list_checkpoints
+from kto_pipeline.cache.manifest import Manifest
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError, flag
 from kto_pipeline.lock import holds_files
-from kto_pipeline.manifest import Manifest
 from kto_pipeline.objectives import objective_for
 from kto_pipeline.rundir import TrainerState, finished_at, run_config
+from kto_pipeline.rundir.checkpoint import list_checkpoints
 
 
 def check_output_dir(out: Path, config: TrainConfig) -> None:

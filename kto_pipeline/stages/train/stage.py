@@ -6,8 +6,8 @@
 
 `setup` opens and checks the cache, loads the policy (never a reference model), builds the data loaders over
 the memory-mapped cache (`data.py`; the items' order: `batches.py`), the optimizer and the schedule. `resume`
-restores a checkpoint, `fit` is the loop, `finish` writes the final model, its card and trainer state (`rundir.py`;
---push-to-hub: `hub.py`). The policy is loaded and its optimizer built by `policy.py`; a micro-batch's forward
+restores a checkpoint, `fit` is the loop, `finish` writes the final model, its card and trainer state (`rundir/`;
+--push-to-hub: `rundir/hub.py`). The policy is loaded and its optimizer built by `policy.py`; a micro-batch's forward
 and the update run in `step.py` (as estimate-memory simulates them); how the policy is spread over the processes,
 its backward, clipping and step are asked of the engine (`runtime/engines`), which this stage never names.
 accelerate is used as a library (`accumulate`, `gather`), so the loop is the whole algorithm: nothing happens in
@@ -33,17 +33,8 @@ from tqdm.auto import tqdm
 
 from kto_pipeline import __version__
 from kto_pipeline.cache import Manifest
-from kto_pipeline.checkpoint import (
-    load_checkpoint,
-    resolve_resume,
-    save_checkpoint,
-    save_merged,
-    save_model,
-    skip_model_weights_in_accelerate_state,
-)
 from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import Interrupted, KTOPipelineError, Preempted, check_option
-from kto_pipeline.hub import push_run
 from kto_pipeline.lock import main_process_lock
 from kto_pipeline.model_card import write_model_card
 from kto_pipeline.objectives import Objective, objective_for
@@ -57,6 +48,15 @@ from kto_pipeline.rundir import (
     finished_at,
     start_run,
 )
+from kto_pipeline.rundir.checkpoint import (
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    save_merged,
+    save_model,
+    skip_model_weights_in_accelerate_state,
+)
+from kto_pipeline.rundir.hub import push_run
 from kto_pipeline.runtime.compiled import TRAIN_COMPILES_ON, CompileStats, compile_layers
 from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.experts import experts_rows_alike

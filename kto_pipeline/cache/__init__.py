@@ -6,8 +6,9 @@
 Writing is crash-safe: a shard is written under a temporary name, flushed, fsynced and renamed,
 and the manifest (also replaced atomically) lists only finished shards, so a killed precompute
 leaves a cache that says exactly what it holds. Reading is memory-mapped: training touches only
-the rows of the current batch, so a cache larger than RAM trains. What the manifest says (its typed
-accessors, building it, comparing fingerprints) is `manifest.py`; this module reads and writes the files.
+the rows of the current batch, so a cache larger than RAM trains. This folder holds the contract: this module reads
+and writes the files; what the manifest says (its typed accessors, building it, comparing fingerprints) is
+`manifest.py`; `inspect.py` is `kto-pipeline inspect`, what a cache holds.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from kto_pipeline.cache.manifest import FORMAT_VERSION, READABLE_VERSIONS, Manifest
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.files import atomic_write_text, fsync_dir, remember_verified, sha256_file, sha256_matches
-from kto_pipeline.manifest import FORMAT_VERSION, READABLE_VERSIONS, Manifest
 
 MANIFEST = "manifest.json"
 SHARD_DIR = "shards"

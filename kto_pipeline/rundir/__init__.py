@@ -13,7 +13,8 @@
 `trainer_state.json` means one thing wherever it lies: the trainer's state after a step. In a checkpoint it is
 what `--resume` restarts from; at the top of OUT it is the state the run ended in, and so the mark that the run
 finished (`finished_at`, which `sweep` and an extended run read). This module owns these names, their readers
-and the metrics writer: `train`, `report`, `generate` and `sweep` all go through it.
+and the metrics writer: `train`, `report`, `generate` and `sweep` all go through it. Beside it in this folder:
+`checkpoint.py` (saving, listing and loading checkpoints, the final model) and `hub.py` (`--push-to-hub`).
 """
 
 from __future__ import annotations
