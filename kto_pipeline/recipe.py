@@ -24,7 +24,8 @@ import typer
 from typer.core import TyperCommand
 from typer.models import ArgumentInfo, ParameterInfo
 
-from kto_pipeline.config import LIST_FIELDS, PANELS, base_type, parse_value
+from kto_pipeline.config import PANELS, base_type, parse_value
+from kto_pipeline.config.fields import LISTED
 from kto_pipeline.errors import KTOPipelineError
 
 CONFIG_HELP = (
@@ -199,7 +200,7 @@ def _field_option(f: dataclasses.Field, value_type: Any, grid: bool) -> tuple[Op
     flag = "--" + f.name.replace("_", "-")
     required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     help_text, panel = f.metadata["help"], f.metadata["panel"]
-    joined = f.name in LIST_FIELDS
+    joined = LISTED in f.metadata.get("role", ())
     if grid:
         assert not required, f.name
         several = "One value: its commas are literal." if joined else "Comma-separated values: a run each."

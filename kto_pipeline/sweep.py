@@ -20,14 +20,14 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from kto_pipeline.config import LIST_FIELDS, TrainConfig, parse_value
+from kto_pipeline.config import TrainConfig, parse_value
+from kto_pipeline.config.fields import LISTED, NO_EFFECT, SET_BY_SWEEP, fields_with, has_role
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.objectives import foreign_options
 from kto_pipeline.report import markdown_table
 from kto_pipeline.rundir import finished_at, run_config
 
-# fields a sweep sets itself, per run
-FIXED_FIELDS = ("cache", "output_dir", "overwrite_output_dir", "resume", "resume_from")
+FIXED_FIELDS = fields_with(TrainConfig, SET_BY_SWEEP)  # set by the sweep itself, run by run
 SHORT_NAMES = {
     "beta": "beta",
     "learning_rate": "lr",
@@ -44,8 +44,7 @@ SHORT_NAMES = {
     "loss_type": "",
     "lr_scheduler_type": "",
 }
-# settings that do not change a run's results: a finished run with other values here still counts
-NO_EFFECT_FIELDS = ("report_to", "verify", "overwrite_output_dir", "resume", "resume_from", "dataloader_num_workers")
+NO_EFFECT_FIELDS = fields_with(TrainConfig, NO_EFFECT)  # a finished run with other values of these still counts
 
 
 def sweepable_fields() -> list[dataclasses.Field]:
@@ -63,7 +62,7 @@ def expand_grid(values: dict[str, str | None]) -> tuple[list[dict[str, Any]], li
         if name not in fields:
             raise KTOPipelineError(f"--{name.replace('_', '-')} cannot be swept")
         # list-valued flags take their commas literally: one value, not several runs
-        parts = [str(text)] if name in LIST_FIELDS else str(text).split(",")
+        parts = [str(text)] if has_role(TrainConfig, name, LISTED) else str(text).split(",")
         parsed = [parse_value(types[name], part, name) for part in parts]
         options[name] = list(dict.fromkeys(parsed))  # drop repeats, keep order
     varied = [name for name, vals in options.items() if len(vals) > 1]

@@ -11,7 +11,7 @@ from helpers import cli_args, read_metrics, run_cli
 
 from kto_pipeline import GenerateConfig, PrecomputeConfig, TrainConfig
 from kto_pipeline.cli import app
-from kto_pipeline.config import LIST_FIELDS
+from kto_pipeline.config.fields import LISTED
 from kto_pipeline.sweep import FIXED_FIELDS, expand_grid
 
 CONFIGS = {"precompute": PrecomputeConfig, "train": TrainConfig, "generate": GenerateConfig}
@@ -99,7 +99,7 @@ def test_sweep_takes_every_train_field_but_the_fixed_ones_as_values():
         param = params[f.name]
         assert param.opts == [flag(f.name)] and param.rich_help_panel == f.metadata["panel"], f.name
         several = "Comma-separated values: a run each."
-        if f.name in LIST_FIELDS:
+        if LISTED in f.metadata["role"]:
             several = "One value: its commas are literal."
         assert param.default is None and param.help == f"{f.metadata['help']} {several}", f.name
 

@@ -63,19 +63,39 @@ PANELS = (
 )
 
 
-def described(text: str, *, panel: str, formerly: str | None = None, **kw: Any) -> dict[str, Any]:
+# A field's roles (`described(role=...)`): what it is to the tools that read a config, declared once beside it.
+SET_BY_SWEEP = "set by sweep"  # sweep sets it itself, run by run (no grid of it)
+NO_EFFECT = "no effect"  # changes nothing in a run's results: sweep counts a finished run with another value as done
+FIXED_ON_RESUME = "fixed on resume"  # fixes what a checkpoint's step and data position mean: --resume refuses another
+NOTED_ON_RESUME = "noted on resume"  # changes what the steps after a checkpoint do: --resume says where it differs
+LISTED = "listed"  # a str holding a comma-separated list itself: a recipe may give a YAML list, a sweep no grid of it
+ROLES = (SET_BY_SWEEP, NO_EFFECT, FIXED_ON_RESUME, NOTED_ON_RESUME, LISTED)
+
+
+def described(
+    text: str, *, panel: str, formerly: str | None = None, role: tuple[str, ...] = (), **kw: Any
+) -> dict[str, Any]:
     """A field's help text and --help panel; `formerly`: the name it had in earlier releases, still read from
-    recipes (on the command line click names the new flag: "No such option: --seed Did you mean --kl-seed?")."""
-    return {"metadata": {"help": text, "panel": panel, "formerly": formerly}, **kw}
+    recipes (on the command line click names the new flag: "No such option: --seed Did you mean --kl-seed?");
+    `role`: its roles (`ROLES`)."""
+    assert set(role) <= set(ROLES), role
+    return {"metadata": {"help": text, "panel": panel, "formerly": formerly, "role": frozenset(role)}, **kw}
+
+
+def fields_with(cls: type, role: str) -> tuple[str, ...]:
+    """The names of `cls`'s fields that have `role`, in their order."""
+    return tuple(f.name for f in dataclasses.fields(cls) if role in f.metadata.get("role", ()))
+
+
+def has_role(cls: type, name: str, role: str) -> bool:
+    """Whether `cls`'s field `name` has `role`."""
+    return name in fields_with(cls, role)
 
 
 check = check_option
 
 
 # ------------------------------------------------------------------------------------------ typed values
-
-# str fields whose value is a comma-separated list itself
-LIST_FIELDS = ("lora_target_modules", "report_to", "loss_weights")
 
 
 def base_type(value_type: Any) -> tuple[type, bool]:

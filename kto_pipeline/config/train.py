@@ -8,14 +8,19 @@ from dataclasses import dataclass, field
 from kto_pipeline.config.fields import (
     CHECKPOINTS,
     EVALUATION,
+    FIXED_ON_RESUME,
+    LISTED,
     LOGGING,
     LORA,
     MODEL_AND_DATA,
+    NO_EFFECT,
+    NOTED_ON_RESUME,
     OPTIMISATION,
     PROCESSES,
     REPORT_TO,
     SAMPLING,
     SCHEDULERS,
+    SET_BY_SWEEP,
     ConfigMixin,
     check,
     check_compile_mode,
@@ -44,12 +49,22 @@ OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit", "adamw_8bit"
 class TrainConfig(ConfigMixin):
     """Stage 2: train the policy against a reference cache. Names follow trl.KTOConfig."""
 
-    cache: str = field(**described("Cache directory written by `kto-pipeline precompute`.", panel=MODEL_AND_DATA))
-    output_dir: str = field(**described("Where metrics, checkpoints and the final model go.", panel=CHECKPOINTS))
+    cache: str = field(
+        **described(
+            "Cache directory written by `kto-pipeline precompute`.",
+            panel=MODEL_AND_DATA,
+            role=(SET_BY_SWEEP, FIXED_ON_RESUME),
+        )
+    )
+    output_dir: str = field(
+        **described("Where metrics, checkpoints and the final model go.", panel=CHECKPOINTS, role=(SET_BY_SWEEP,))
+    )
     model: str | None = field(
         default=None,
         **described(
-            "Initial policy (hub id or directory). Default: the cache's reference model.", panel=MODEL_AND_DATA
+            "Initial policy (hub id or directory). Default: the cache's reference model.",
+            panel=MODEL_AND_DATA,
+            role=(FIXED_ON_RESUME,),
         ),
     )
     init_from: str | None = field(
@@ -67,6 +82,7 @@ class TrainConfig(ConfigMixin):
         **described(
             "The loss's beta (KTO's, DPO's): higher stays closer to the reference, lower cares less about it.",
             panel=OPTIMISATION,
+            role=(NOTED_ON_RESUME,),
         ),
     )
     loss_type: str = field(
@@ -76,6 +92,7 @@ class TrainConfig(ConfigMixin):
             f"(chosen, rejected) pairs of a paired cache: {', '.join(PAIR_LOSS_TYPES)}; several joined with + "
             "(sigmoid+bco_pair+sft: MPO) are summed, weighted by --loss-weights.",
             panel=OPTIMISATION,
+            role=(NOTED_ON_RESUME,),
         ),
     )
     loss_weights: str | None = field(
@@ -84,6 +101,7 @@ class TrainConfig(ConfigMixin):
             "Pair losses: comma-separated weights of the --loss-type terms joined with + (trl's loss_weights). "
             "Default: 1 each.",
             panel=OPTIMISATION,
+            role=(NOTED_ON_RESUME, LISTED),
         ),
     )
     label_smoothing: float = field(
@@ -92,6 +110,7 @@ class TrainConfig(ConfigMixin):
             "Pair losses: the probability that a pair's preference is flipped (robust, exo_pair, aot, aot_unpaired; "
             "exo_pair needs > 0, the EXO paper uses 1e-3).",
             panel=OPTIMISATION,
+            role=(NOTED_ON_RESUME,),
         ),
     )
     f_divergence_type: str = field(
@@ -118,13 +137,16 @@ class TrainConfig(ConfigMixin):
         ),
     )
     desirable_weight: float = field(
-        default=1.0, **described("Weight of desirable examples' losses.", panel=OPTIMISATION)
+        default=1.0, **described("Weight of desirable examples' losses.", panel=OPTIMISATION, role=(NOTED_ON_RESUME,))
     )
     undesirable_weight: float = field(
-        default=1.0, **described("Weight of undesirable examples' losses.", panel=OPTIMISATION)
+        default=1.0, **described("Weight of undesirable examples' losses.", panel=OPTIMISATION, role=(NOTED_ON_RESUME,))
     )
     learning_rate: float = field(
-        default=1e-6, **described("Peak AdamW learning rate (KTO: 5e-7 to 5e-6 at beta 0.1).", panel=OPTIMISATION)
+        default=1e-6,
+        **described(
+            "Peak AdamW learning rate (KTO: 5e-7 to 5e-6 at beta 0.1).", panel=OPTIMISATION, role=(NOTED_ON_RESUME,)
+        ),
     )
     per_device_train_batch_size: int = field(
         default=8,
@@ -132,10 +154,11 @@ class TrainConfig(ConfigMixin):
             "Rows per forward pass and process (KTO needs >= 4 for a useful KL estimate); with a pair loss, pairs "
             "(as trl.DPOTrainer).",
             panel=OPTIMISATION,
+            role=(FIXED_ON_RESUME,),
         ),
     )
     gradient_accumulation_steps: int = field(
-        default=1, **described("Forward passes per optimizer step.", panel=OPTIMISATION)
+        default=1, **described("Forward passes per optimizer step.", panel=OPTIMISATION, role=(FIXED_ON_RESUME,))
     )
     num_train_epochs: float = field(
         default=1.0, **described("Passes over the data (fractions allowed).", panel=OPTIMISATION)
@@ -144,10 +167,13 @@ class TrainConfig(ConfigMixin):
         default=-1, **described("If > 0, the number of optimizer steps; overrides epochs.", panel=OPTIMISATION)
     )
     warmup_ratio: float = field(
-        default=0.0, **described("Fraction of the steps spent warming up the learning rate.", panel=OPTIMISATION)
+        default=0.0,
+        **described(
+            "Fraction of the steps spent warming up the learning rate.", panel=OPTIMISATION, role=(NOTED_ON_RESUME,)
+        ),
     )
     lr_scheduler_type: str = field(
-        default="linear", **described(f"One of {', '.join(SCHEDULERS)}.", panel=OPTIMISATION)
+        default="linear", **described(f"One of {', '.join(SCHEDULERS)}.", panel=OPTIMISATION, role=(NOTED_ON_RESUME,))
     )
     optim: str = field(
         default="adamw_torch_fused",
@@ -155,19 +181,25 @@ class TrainConfig(ConfigMixin):
             "The optimizer, as transformers names them: adamw_torch_fused (one fused kernel), adamw_torch, or "
             "bitsandbytes' adamw_bnb_8bit (alias adamw_8bit) and paged_adamw_8bit where bitsandbytes is installed.",
             panel=OPTIMISATION,
+            role=(NOTED_ON_RESUME,),
         ),
     )
     weight_decay: float = field(
-        default=0.0, **described("AdamW weight decay (not applied to biases and norms).", panel=OPTIMISATION)
+        default=0.0,
+        **described(
+            "AdamW weight decay (not applied to biases and norms).", panel=OPTIMISATION, role=(NOTED_ON_RESUME,)
+        ),
     )
     max_grad_norm: float = field(
-        default=1.0, **described("Gradient clipping norm; 0 disables clipping.", panel=OPTIMISATION)
+        default=1.0,
+        **described("Gradient clipping norm; 0 disables clipping.", panel=OPTIMISATION, role=(NOTED_ON_RESUME,)),
     )
     max_length: int | None = field(
         default=None,
         **described(
             "Truncate sequences to this length (<= the cached max length). Default: the cached one.",
             panel=MODEL_AND_DATA,
+            role=(FIXED_ON_RESUME,),
         ),
     )
     logging_steps: int = field(default=10, **described("Log metrics every this many optimizer steps.", panel=LOGGING))
@@ -180,7 +212,10 @@ class TrainConfig(ConfigMixin):
         ),
     )
     seed: int = field(
-        default=42, **described("Seed of the data order and of any randomness in the model.", panel=MODEL_AND_DATA)
+        default=42,
+        **described(
+            "Seed of the data order and of any randomness in the model.", panel=MODEL_AND_DATA, role=(FIXED_ON_RESUME,)
+        ),
     )
     bf16: bool | None = field(
         default=None,
@@ -211,10 +246,12 @@ class TrainConfig(ConfigMixin):
             "random (seeded shuffle each epoch) or sequential (dataset order, as trl's default). KL partners "
             "are fixed in the cache, so shuffling is safe here.",
             panel=MODEL_AND_DATA,
+            role=(FIXED_ON_RESUME,),
         ),
     )
     overwrite_output_dir: bool = field(
-        default=False, **described("Allow writing into a non-empty --output-dir.", panel=CHECKPOINTS)
+        default=False,
+        **described("Allow writing into a non-empty --output-dir.", panel=CHECKPOINTS, role=(SET_BY_SWEEP, NO_EFFECT)),
     )
     trust_remote_code: bool = field(
         default=False, **described("Allow models and tokenizers that run their own code.", panel=MODEL_AND_DATA)
@@ -244,6 +281,7 @@ class TrainConfig(ConfigMixin):
             "one, as transformers' Trainer's. Default: 1 on an accelerator, 0 on the CPU (collated in the training "
             "process). The batches are the same whatever the number.",
             panel=OPTIMISATION,
+            role=(NO_EFFECT,),
         ),
     )
     freeze_vision_tower: bool = field(
@@ -258,13 +296,17 @@ class TrainConfig(ConfigMixin):
         default=None, **described("Keep only the newest N checkpoints.", panel=CHECKPOINTS)
     )
     resume: bool = field(
-        default=False, **described("Resume from the newest checkpoint in --output-dir.", panel=CHECKPOINTS)
+        default=False,
+        **described(
+            "Resume from the newest checkpoint in --output-dir.", panel=CHECKPOINTS, role=(SET_BY_SWEEP, NO_EFFECT)
+        ),
     )
     resume_from: str | None = field(
         default=None,
         **described(
             "Resume from this checkpoint directory (OUT/checkpoint-STEP), or from a run's OUT: its newest checkpoint.",
             panel=CHECKPOINTS,
+            role=(SET_BY_SWEEP, NO_EFFECT),
         ),
     )
     autoresume: bool = field(
@@ -278,7 +320,8 @@ class TrainConfig(ConfigMixin):
         ),
     )
     lora_r: int | None = field(
-        default=None, **described("Train LoRA adapters of this rank instead of all weights.", panel=LORA)
+        default=None,
+        **described("Train LoRA adapters of this rank instead of all weights.", panel=LORA, role=(FIXED_ON_RESUME,)),
     )
     use_peft: bool = field(
         default=False,
@@ -290,7 +333,11 @@ class TrainConfig(ConfigMixin):
     lora_dropout: float = field(default=0.05, **described("Dropout on the LoRA adapters' input.", panel=LORA))
     lora_target_modules: str = field(
         default="all-linear",
-        **described("all-linear, or comma-separated module names (q_proj,v_proj,...).", panel=LORA),
+        **described(
+            "all-linear, or comma-separated module names (q_proj,v_proj,...).",
+            panel=LORA,
+            role=(FIXED_ON_RESUME, LISTED),
+        ),
     )
     merge: bool = field(
         default=False, **described("With LoRA, also write the merged full model to OUT/merged.", panel=LORA)
@@ -314,7 +361,11 @@ class TrainConfig(ConfigMixin):
     )
     report_to: str = field(
         default="none",
-        **described("Also log metrics to: none, tensorboard, wandb (comma-separated for several).", panel=LOGGING),
+        **described(
+            "Also log metrics to: none, tensorboard, wandb (comma-separated for several).",
+            panel=LOGGING,
+            role=(NO_EFFECT, LISTED),
+        ),
     )
     run_name: str | None = field(
         default=None, **described("The run's name in the trackers (wandb's run name), as trl's.", panel=LOGGING)
@@ -337,6 +388,7 @@ class TrainConfig(ConfigMixin):
             "Check every shard's sha256 again before training (reads the whole cache), and every KL partner id. "
             "Without it the cheap checks run, and the sha256 of each shard not verified since it last changed.",
             panel=MODEL_AND_DATA,
+            role=(NO_EFFECT,),
         ),
     )
 

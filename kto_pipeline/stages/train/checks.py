@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kto_pipeline.cache.manifest import Manifest
 from kto_pipeline.config import TrainConfig
+from kto_pipeline.config.fields import FIXED_ON_RESUME, NOTED_ON_RESUME, fields_with
 from kto_pipeline.errors import KTOPipelineError, flag
 from kto_pipeline.lock import holds_files
 from kto_pipeline.objectives import objective_for
@@ -76,34 +77,9 @@ def policy_start_note(config: TrainConfig, manifest: Manifest) -> str | None:
 
 
 # settings that fix what a checkpoint's step and data position mean; resuming with others would be wrong
-RESUME_INVARIANTS = (
-    "cache",
-    "model",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "max_length",
-    "seed",
-    "train_sampling_strategy",
-    "lora_r",
-    "lora_target_modules",
-)
-
-
+RESUME_INVARIANTS = fields_with(TrainConfig, FIXED_ON_RESUME)
 # settings a resumed run may change, but that change what the steps after the checkpoint do: said when they differ
-RESUME_CHANGES = (
-    "loss_type",
-    "loss_weights",
-    "beta",
-    "desirable_weight",
-    "undesirable_weight",
-    "label_smoothing",
-    "learning_rate",
-    "lr_scheduler_type",
-    "warmup_ratio",
-    "weight_decay",
-    "max_grad_norm",
-    "optim",
-)
+RESUME_CHANGES = fields_with(TrainConfig, NOTED_ON_RESUME)
 
 
 def resume_changes_note(state: TrainerState, config: TrainConfig) -> str | None:
