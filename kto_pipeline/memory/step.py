@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import sys
-from contextlib import contextmanager
 from typing import Any
 
 from kto_pipeline.memory.simulation import (
@@ -57,23 +56,16 @@ def _simulate_ours(model_config, rows, settings: StepSettings, fake: bool, attri
     return second
 
 
-@contextmanager
-def launched_as(settings: StepSettings):
-    """The environment `accelerate launch` gives the step simulated (FSDP2 over `fsdp_world_size` processes, with
-    or without CPU offload; else one process), so that `engine_for` picks its engine as train would."""
-    saved = dict(os.environ)
-    for k in [
-        k for k in os.environ if k.startswith("FSDP_") or k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
-    ]:
-        del os.environ[k]
+def step_engine(settings: StepSettings):
+    """The engine train runs the simulated step with, made from the settings rather than from a launcher's
+    environment: FSDP2 over `fsdp_world_size` processes (with or without CPU offload, the rest at the defaults
+    `accelerate launch` gives an FSDP2 config), else one process."""
+    from kto_pipeline.runtime.engines.fsdp2 import FSDP2
+    from kto_pipeline.runtime.engines.single import Single
+
     if settings.fsdp_world_size > 1:
-        offload = "true" if settings.cpu_offload else "false"
-        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_OFFLOAD_PARAMS=offload)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        return FSDP2(settings.fsdp_world_size, offload_params=settings.cpu_offload)
+    return Single(1)
 
 
 def _run_ours(
@@ -83,7 +75,6 @@ def _run_ours(
 
     from kto_pipeline.config import TrainConfig
     from kto_pipeline.objectives import objective_for
-    from kto_pipeline.runtime.engines import engine_for
     from kto_pipeline.runtime.precision import policy_regime
     from kto_pipeline.scoring.attention import attention_costs
     from kto_pipeline.stages.train.step import PolicyScorer, forward, update
@@ -104,8 +95,7 @@ def _run_ours(
     with device_decisions(settings.device_type):
         model = build_model(model_config, settings, mode)
         # as train.setup: the engine prepares the policy (sharded, the optimizer over the shards) and steps it
-        with launched_as(settings):
-            engine = engine_for(settings.fsdp_world_size)
+        engine = step_engine(settings)
         engine.make_accelerator(policy_regime(config.bf16), config.max_grad_norm, config.ddp_timeout, cpu=True)
         with offload_unpinned():
             scorer, optimizer, _ = engine.prepare_policy(
@@ -242,7 +232,6 @@ def _run_real(model_config, rows, settings: StepSettings) -> dict[str, int]:
 
     from kto_pipeline.config import TrainConfig
     from kto_pipeline.objectives import objective_for
-    from kto_pipeline.runtime.engines import engine_for
     from kto_pipeline.runtime.precision import policy_regime
     from kto_pipeline.scoring.attention import attention_costs
     from kto_pipeline.stages.train.policy import make_optimizer
@@ -251,8 +240,7 @@ def _run_real(model_config, rows, settings: StepSettings) -> dict[str, int]:
     config = TrainConfig(cache="-", output_dir="-", bf16=False, per_device_train_batch_size=max(len(rows), 2))
     model = build_model(model_config, settings, None)
     objective = objective_for(config.loss_type)
-    with launched_as(settings):
-        engine = engine_for(1)
+    engine = step_engine(settings)
     engine.make_accelerator(policy_regime(False), config.max_grad_norm, config.ddp_timeout, cpu=True)
     scorer, optimizer, _ = engine.prepare_policy(
         PolicyScorer(model), model, lambda m: make_optimizer(config, m), move=False
