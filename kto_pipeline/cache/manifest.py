@@ -1,9 +1,9 @@
 """manifest.json's contents (docs/cache-format.md): the dict that is written, with typed accessors for what the
 other modules read, built by `new_manifest` and compared by `fingerprint_diff`.
 
-No file is read or written here: `cache.py` reads and writes manifest.json, atomically with the shards it lists.
-Kept apart from it so that what the manifest says (counts, segments, an append in progress) reads in one place,
-and the files (schema, hashing, atomic writes, verification, memory-mapping) in the other.
+No file is read or written here: the package's `__init__.py` reads and writes manifest.json, atomically with the
+shards it lists. Kept apart from it so that what the manifest says (counts, segments, an append in progress) reads
+in one place, and the files (schema, hashing, atomic writes, verification, memory-mapping) in the other.
 """
 
 from __future__ import annotations
