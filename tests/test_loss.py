@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kto_pipeline.loss import kto_loss
+from kto_pipeline.objectives.loss import kto_loss
 
 
 def sig(x):
@@ -91,7 +91,7 @@ def test_sequence_sums_do_not_depend_on_the_order_of_the_additions():
     import numpy as np
 
     from kto_pipeline.cache import token_sum
-    from kto_pipeline.loss import sequence_sums
+    from kto_pipeline.scoring.logprobs import sequence_sums
 
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(0, 600, (200,), generator=generator)

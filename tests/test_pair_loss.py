@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kto_pipeline.loss import pair_loss
+from kto_pipeline.objectives.loss import pair_loss
 from kto_pipeline.objectives.pairs import F_DIVERGENCE_TYPES, PAIR_LOSS_TYPES
 
 PAIRS, WIDTH = 6, 12

@@ -47,7 +47,7 @@ def test_policy_equals_reference_at_step_one(pair_cache, tiny_model_dir, packed,
     (each pair one tree: its prompt once) and padded, with and without LD-DPO's weighting."""
     from transformers import AutoModelForCausalLM
 
-    from kto_pipeline.loss import length_desensitized
+    from kto_pipeline.objectives.loss import length_desensitized
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     items = CachePairs(open_cache(pair_cache), 48)

@@ -68,7 +68,7 @@ def token_sum(values) -> float:
     """A sequence log-prob from its per-token float32 values: summed in float64, one token after the other, and
     rounded to float32 once.
 
-    Training sums the policy's token log-probs so too (`loss.sequence_sums`), so that a policy equal to the
+    Training sums the policy's token log-probs so too (`scoring.logprobs.sequence_sums`), so that a policy equal to the
     reference gives a reward of exactly 0: the same additions in the same order on the CPU; on a GPU (whose
     index_add adds in any order) float64 sums about 1e-16 apart, a difference the rounding to float32 drops unless
     the sum lies that close to a float32 rounding boundary (an estimate: about one sequence in 10^7). Summed in

@@ -192,7 +192,7 @@ def simulate_trl(
     import torch
 
     from kto_pipeline.config import TrainConfig
-    from kto_pipeline.loss import kto_loss
+    from kto_pipeline.objectives.loss import kto_loss
     from kto_pipeline.scoring.logprobs import pad_sequences
     from kto_pipeline.stages.train.policy import make_optimizer
 

@@ -2,7 +2,8 @@
 
 A family is one module here with one `Objective` (`base.py` says what it answers); adding one is that module and a
 line in `OBJECTIVES`. The stages, `memory/`, `sweep.py` and `model_card.py` take `objective_for(loss_type)` and ask
-it; config checks a --loss-type here.
+it; config checks a --loss-type here. The losses themselves, pure functions of tensors, are `loss.py`; the items a
+family trains on and their order, `items.py`.
 """
 
 from __future__ import annotations

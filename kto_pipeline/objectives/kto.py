@@ -85,7 +85,7 @@ class KTO(Objective):
         global batch before the clamp), `kto_loss`."""
         import torch
 
-        from kto_pipeline.loss import kto_loss
+        from kto_pipeline.objectives.loss import kto_loss
         from kto_pipeline.runtime.compiled import compiled_region
 
         kto_loss = compiled_region(scorer, kto_loss)  # (with --torch-compile: a region of its own)

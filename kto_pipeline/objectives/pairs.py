@@ -164,7 +164,7 @@ class Pairs(Objective):
         """Both answers of each pair scored by the policy (with grad), then `pair_loss`."""
         import torch
 
-        from kto_pipeline.loss import length_desensitized, pair_loss
+        from kto_pipeline.objectives.loss import length_desensitized, pair_loss
         from kto_pipeline.runtime.compiled import compiled_region
 
         pair_loss = compiled_region(scorer, pair_loss)  # (with --torch-compile: a region of its own)
@@ -394,8 +394,8 @@ class PairCollator:
     def __call__(self, pairs: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
-        from kto_pipeline.loss import length_desensitized
         from kto_pipeline.objectives.items import packed_batch, padded_batch
+        from kto_pipeline.objectives.loss import length_desensitized
         from kto_pipeline.scoring.packing import tree_tokens
 
         if self.packed:

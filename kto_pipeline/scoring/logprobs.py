@@ -21,7 +21,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kto_pipeline.loss import sequence_sums
 from kto_pipeline.models import backbone_of, checkpointing, keeps_keys_values, scorable
 from kto_pipeline.runtime.compiled import close_keys_values, keys_values_cache
 from kto_pipeline.runtime.prefetch import ahead
@@ -112,6 +111,16 @@ def score_sequences(
     sequence = mask.nonzero()[:, 0]  # row-major: by sequence, then position
     aux_loss = _load_balancing_loss(model, outputs.router_logits, attention_mask) if output_router_logits else None
     return _scores(logps, sequence, input_ids.shape[0], mean_logits, entropy, aux_loss)
+
+
+def sequence_sums(values: torch.Tensor, sequence: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """The sums of token values (N,) by their sequence (N,), (num_sequences,) in the values' dtype: accumulated in
+    float64 and rounded once, as `cache.token_sum` sums the cached reference values. A sequence's sum then does not
+    depend on the order of the additions (a GPU's index_add adds in any order; float32 sums in another order than
+    the reference's differ in their last bits), so a policy equal to the reference gives rewards of exactly 0. Kept
+    connected to the graph where no token is scored."""
+    wide = torch.float32 if values.device.type == "mps" else torch.float64  # (Apple's GPUs have no float64)
+    return values.new_zeros(num_sequences, dtype=wide).index_add(0, sequence, values.to(wide)).to(values.dtype)
 
 
 def _scores(logps, sequence, num_sequences, mean_logits, entropy, aux_loss=None) -> Scores:

@@ -23,6 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kto_pipeline.scoring.logprobs import sequence_sums
+
 
 def kto_loss(
     policy_logps: torch.Tensor,
@@ -219,16 +221,6 @@ def _one_pair_loss(
         tokens = _need(chosen_token_logps, loss_type, "the chosen completions' token log-probs")
         return (-tokens.mean()).expand(delta.shape[0])
     raise ValueError(f"unknown pair loss type {loss_type!r}")
-
-
-def sequence_sums(values: torch.Tensor, sequence: torch.Tensor, num_sequences: int) -> torch.Tensor:
-    """The sums of token values (N,) by their sequence (N,), (num_sequences,) in the values' dtype: accumulated in
-    float64 and rounded once, as `cache.token_sum` sums the cached reference values. A sequence's sum then does not
-    depend on the order of the additions (a GPU's index_add adds in any order; float32 sums in another order than
-    the reference's differ in their last bits), so a policy equal to the reference gives rewards of exactly 0. Kept
-    connected to the graph where no token is scored."""
-    wide = torch.float32 if values.device.type == "mps" else torch.float64  # (Apple's GPUs have no float64)
-    return values.new_zeros(num_sequences, dtype=wide).index_add(0, sequence, values.to(wide)).to(values.dtype)
 
 
 def length_desensitized(
