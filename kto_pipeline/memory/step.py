@@ -104,7 +104,8 @@ def _run_ours(
         init_optimizer_state(model, optimizer, mode)
         pad_id = pad_token_id(model_config)
         costs = attention_costs(model, torch.device(settings.device_type))
-        batch = objective.collator(pad_id, True, costs, config)(objective.items_from_rows(rows))
+        loss_settings = objective.settings(config)
+        batch = objective.collator(pad_id, True, costs, loss_settings)(objective.items_from_rows(rows))
         tracker = memory_tracker(scorer if sharded else None, optimizer, settings.cpu_offload, attribute_at)
         if not sharded:
             tracker.track_external(model, optimizer)
@@ -112,9 +113,9 @@ def _run_ours(
             before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])
             # train's step (`stages/train/step.py`): its forward (no load-balancing loss asked), backward, clipping
             # and optimizer step
-            out = forward(objective, engine.accelerator, scorer, batch, config, aux_coef=0.0)
+            out = forward(objective, engine.accelerator, scorer, batch, loss_settings, aux_coef=0.0)
             tokens_with_grad, tokens_executed = _layout_tokens(batch), out.scored.tokens_executed
-            kl_forward = objective.kl_forward(config, out.scored.kl_on_cached_prompt)
+            kl_forward = objective.kl_forward(loss_settings, out.scored.kl_on_cached_prompt)
             loss = out.loss
             del out
             update(engine, scorer, optimizer, loss, config.max_grad_norm)
@@ -247,12 +248,13 @@ def _run_real(model_config, rows, settings: StepSettings) -> dict[str, int]:
     )
     init_optimizer_state(model, optimizer, None)
     costs = attention_costs(model, torch.device("cpu"))
-    batch = objective.collator(pad_token_id(model_config), True, costs, config)(objective.items_from_rows(rows))
+    loss_settings = objective.settings(config)
+    batch = objective.collator(pad_token_id(model_config), True, costs, loss_settings)(objective.items_from_rows(rows))
     gc.collect()
     before = _rss("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # reset the high water mark (Linux >= 4.0)
         f.write("5")
-    loss = forward(objective, engine.accelerator, scorer, batch, config, aux_coef=0.0).loss  # train's step
+    loss = forward(objective, engine.accelerator, scorer, batch, loss_settings, aux_coef=0.0).loss  # train's step
     update(engine, scorer, optimizer, loss, config.max_grad_norm)
     del loss
     return {"rss_before": before, "rss_peak": _rss("VmHWM")}

@@ -42,7 +42,8 @@ class StepOut:
 class Objective:
     """A loss family: its names and options (declared as class attributes) and what it does at each point of a
     run. Subclasses implement every method that raises here. `config` is the run's `TrainConfig` (config imports
-    the registry to check a --loss-type, so nothing here imports config)."""
+    the registry to check a --loss-type, so nothing here imports config), read by `check` and `settings`; `settings`
+    is what `settings` made of it."""
 
     name: str  # the family: "kto", "pairs"
     loss_types: tuple[str, ...]  # the --loss-type names it trains
@@ -60,6 +61,11 @@ class Objective:
     def check(self, config) -> None:
         """Reject the family's options where they are wrong (KTOPipelineError naming the flag)."""
 
+    def settings(self, config):
+        """The family's settings of this run, typed (a frozen dataclass of the family's own), made once from the
+        `TrainConfig`: what its collator, forward, evaluation and notes read, rather than the whole config."""
+        raise NotImplementedError
+
     def requires(self, manifest: Manifest, loss_type: str, flag: str, path: str) -> str | None:
         """Why the cache at `path` (given as `flag`) cannot train `loss_type`, or None where it can."""
         raise NotImplementedError
@@ -68,11 +74,11 @@ class Objective:
         """The items a loader draws (map-style: `len`, `[i]`, `lengths()`), truncated at `max_length`."""
         raise NotImplementedError
 
-    def data_warning(self, dataset, config) -> str | None:
-        """A warning about the training data under these settings, or None."""
+    def data_warning(self, dataset, settings) -> str | None:
+        """A warning about the training data under these `settings` (`self.settings`), or None."""
         return None
 
-    def collator(self, pad_id: int, packed: bool, attention, config):
+    def collator(self, pad_id: int, packed: bool, attention, settings):
         """Items -> one micro-batch: packed (`packed`, `attention`: the model's `AttentionCosts`) or padded."""
         raise NotImplementedError
 
@@ -91,7 +97,7 @@ class Objective:
         accelerator,
         scorer,
         batch: dict[str, torch.Tensor],
-        config,
+        settings,
         with_stats: bool,
         output_router_logits: bool = False,
         real: torch.Tensor | None = None,
@@ -104,11 +110,12 @@ class Objective:
         """trl's metrics of one forward pass, over the global batch."""
         raise NotImplementedError
 
-    def evaluate(self, accelerator, scorer, loader, config) -> dict[str, float]:
-        """Metrics over the whole eval set, trl's names with an `eval_` prefix."""
+    def evaluate(self, accelerator, scorer, loader, settings, batch_size: int) -> dict[str, float]:
+        """Metrics over the whole eval set (`batch_size` items a process a batch), trl's names with an `eval_`
+        prefix."""
         raise NotImplementedError
 
-    def kl_forward(self, config, on_cached_prompt: bool) -> str:
+    def kl_forward(self, settings, on_cached_prompt: bool) -> str:
         """How the run's KL forward ran, for trainer_state.json."""
         raise NotImplementedError
 

@@ -35,6 +35,21 @@ KTO_PAPER = {
 }
 
 
+@dataclass(frozen=True)
+class KTOSettings:
+    """What KTO's forward, collator and evaluation read of a run's config."""
+
+    loss_type: str  # kto, or apo_zero_unpaired (no KL reference point)
+    beta: float
+    desirable_weight: float
+    undesirable_weight: float
+
+    @property
+    def with_kl(self) -> bool:
+        """Whether the loss has a KL reference point z0 (the KL completions run)."""
+        return self.loss_type == "kto"
+
+
 class KTO(Objective):
     name = "kto"
     loss_types = ("kto", "apo_zero_unpaired")
@@ -54,6 +69,9 @@ class KTO(Objective):
                 "(use >= 4, or --loss-type apo_zero_unpaired)",
             )
 
+    def settings(self, config) -> KTOSettings:
+        return KTOSettings(config.loss_type, config.beta, config.desirable_weight, config.undesirable_weight)
+
     def requires(self, manifest, loss_type: str, flag: str, path: str) -> str | None:
         if manifest.has_kl:
             return None
@@ -66,12 +84,12 @@ class KTO(Objective):
     def dataset(self, cache, max_length: int) -> CacheRows:
         return CacheRows(cache, max_length)
 
-    def data_warning(self, dataset: CacheRows, config) -> str | None:
+    def data_warning(self, dataset: CacheRows, settings: KTOSettings) -> str | None:
         n_desirable = int(dataset.labels.sum())
         n_undesirable = len(dataset) - n_desirable
-        return imbalance_warning(n_desirable, n_undesirable, config.desirable_weight, config.undesirable_weight)
+        return imbalance_warning(n_desirable, n_undesirable, settings.desirable_weight, settings.undesirable_weight)
 
-    def collator(self, pad_id: int, packed: bool, attention, config) -> Collator:
+    def collator(self, pad_id: int, packed: bool, attention, settings: KTOSettings) -> Collator:
         return Collator(pad_id, packed, attention)
 
     def items_from_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -80,7 +98,7 @@ class KTO(Objective):
     def tokens_with_grad(self, item: dict[str, Any]) -> int:
         return len(item["prompt_ids"]) + len(item["completion_ids"])  # the KL completion runs without
 
-    def forward(self, accelerator, scorer, batch, config, with_stats, output_router_logits=False, real=None):
+    def forward(self, accelerator, scorer, batch, settings, with_stats, output_router_logits=False, real=None):
         """The completions scored (policy, with grad), z0 from the KL completions (policy, no grad, averaged over the
         global batch before the clamp), `kto_loss`."""
         import torch
@@ -89,7 +107,7 @@ class KTO(Objective):
         from kto_pipeline.runtime.compiled import compiled_region
 
         kto_loss = compiled_region(scorer, kto_loss)  # (with --torch-compile: a region of its own)
-        with_kl = config.loss_type == "kto"
+        with_kl = settings.with_kl
         scored = scorer(batch, with_kl, with_stats, output_router_logits)
         z0 = torch.zeros((), device=accelerator.device)
         if with_kl:
@@ -107,10 +125,10 @@ class KTO(Objective):
             batch["ref_logp"],
             batch["label"],
             z0,
-            beta=config.beta,
-            loss_type=config.loss_type,
-            desirable_weight=config.desirable_weight,
-            undesirable_weight=config.undesirable_weight,
+            beta=settings.beta,
+            loss_type=settings.loss_type,
+            desirable_weight=settings.desirable_weight,
+            undesirable_weight=settings.undesirable_weight,
         )
         if real is not None:
             loss = share_of_loss(accelerator, losses, real)
@@ -150,7 +168,7 @@ class KTO(Objective):
         metrics["entropy"] = t["entropy/all"] / max(t["tokens/all"], 1)
         return metrics
 
-    def evaluate(self, accelerator, scorer, loader, config) -> dict[str, float]:
+    def evaluate(self, accelerator, scorer, loader, settings, batch_size: int) -> dict[str, float]:
         """trl's metrics with an `eval_` prefix, plus `eval_reward_accuracy`: the fraction of rows whose implicit
         reward has the sign of its label (desirable > 0 > undesirable), and, where prompts have both a desirable and
         an undesirable row (paired data), `eval_pair_accuracy`: how often the desirable answer's reward beats the
@@ -170,8 +188,8 @@ class KTO(Objective):
         with torch.no_grad():
             for i, batch in enumerate(loader):
                 last = i == len(loader) - 1
-                real = real_rows(accelerator, config.per_device_eval_batch_size, len(loader.dataset), last)
-                out = self.forward(accelerator, scorer, batch, config, with_stats=False, real=real)
+                real = real_rows(accelerator, batch_size, len(loader.dataset), last)
+                out = self.forward(accelerator, scorer, batch, settings, with_stats=False, real=real)
                 kls.append(out.kl.item())
                 for name, value in (("loss", out.losses), ("reward", out.rewards), ("logp", out.logps)):
                     parts[name].append(accelerator.gather_for_metrics(value.detach().float()))
@@ -196,10 +214,10 @@ class KTO(Objective):
             results["eval_pair_accuracy"], results["eval_pairs"] = accuracy, pairs
         return results
 
-    def kl_forward(self, config, on_cached_prompt: bool) -> str:
+    def kl_forward(self, settings: KTOSettings, on_cached_prompt: bool) -> str:
         if on_cached_prompt:
             return "on the prompts' cached keys/values"
-        return "with the prompts run again" if config.loss_type == "kto" else "none (loss without KL)"
+        return "with the prompts run again" if settings.with_kl else "none (loss without KL)"
 
     def card_loss(self, config: dict[str, Any], what: str, source: str) -> str:
         return (

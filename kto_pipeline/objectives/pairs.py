@@ -55,6 +55,20 @@ DPO_PAPER = {
 }
 
 
+@dataclass(frozen=True)
+class PairSettings:
+    """What the pair losses' forward, collator and evaluation read of a run's config (trl.DPOConfig's names)."""
+
+    loss_types: tuple[str, ...]  # the --loss-type terms, summed
+    weights: tuple[float, ...]  # each term's weight
+    beta: float
+    label_smoothing: float
+    f_divergence_type: str
+    f_alpha_divergence_coef: float
+    discopop_tau: float
+    ld_alpha: float | None
+
+
 class Pairs(Objective):
     name = "pairs"
     loss_types = PAIR_LOSS_TYPES
@@ -115,6 +129,18 @@ class Pairs(Objective):
         alpha = config.ld_alpha
         check_option(alpha is None or 0 <= alpha <= 1, "ld_alpha", f"must be in [0, 1], got {alpha}")
 
+    def settings(self, config) -> PairSettings:
+        return PairSettings(
+            config.loss_types,
+            config.weights,
+            config.beta,
+            config.label_smoothing,
+            config.f_divergence_type,
+            config.f_alpha_divergence_coef,
+            config.discopop_tau,
+            config.ld_alpha,
+        )
+
     def requires(self, manifest, loss_type: str, flag: str, path: str) -> str | None:
         if manifest.paired:
             return None
@@ -135,8 +161,8 @@ class Pairs(Objective):
     def dataset(self, cache, max_length: int) -> CachePairs:
         return CachePairs(cache, max_length)
 
-    def collator(self, pad_id: int, packed: bool, attention, config) -> PairCollator:
-        return PairCollator(pad_id, packed, attention, config.ld_alpha)
+    def collator(self, pad_id: int, packed: bool, attention, settings: PairSettings) -> PairCollator:
+        return PairCollator(pad_id, packed, attention, settings.ld_alpha)
 
     def items_from_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Rows as the pairs `CachePairs` yields: the completion chosen, the KL completion (another row's)
@@ -160,7 +186,7 @@ class Pairs(Objective):
     def tokens_with_grad(self, item: dict[str, Any]) -> int:
         return len(item["prompt_ids"]) + len(item["chosen_ids"]) + len(item["rejected_ids"])
 
-    def forward(self, accelerator, scorer, batch, config, with_stats, output_router_logits=False, real=None):
+    def forward(self, accelerator, scorer, batch, settings, with_stats, output_router_logits=False, real=None):
         """Both answers of each pair scored by the policy (with grad), then `pair_loss`."""
         import torch
 
@@ -171,22 +197,22 @@ class Pairs(Objective):
         scored = scorer(batch, False, with_stats, output_router_logits)
         scores = scored.completions
         logps = scores.logps
-        if config.ld_alpha is not None:
+        if settings.ld_alpha is not None:
             lengths = (batch["chosen_length"], batch["rejected_length"])
-            logps = length_desensitized(scores.token_logps, scores.sequence, *lengths, config.ld_alpha)
+            logps = length_desensitized(scores.token_logps, scores.sequence, *lengths, settings.ld_alpha)
         chosen, rejected = logps[0::2], logps[1::2]
         loss, losses, chosen_rewards, rejected_rewards = pair_loss(
             chosen,
             rejected,
             batch["ref_chosen_logp"],
             batch["ref_rejected_logp"],
-            config.beta,
-            config.loss_types,
-            config.weights,
-            label_smoothing=config.label_smoothing,
-            f_divergence_type=config.f_divergence_type,
-            f_alpha_divergence_coef=config.f_alpha_divergence_coef,
-            discopop_tau=config.discopop_tau,
+            settings.beta,
+            settings.loss_types,
+            settings.weights,
+            label_smoothing=settings.label_smoothing,
+            f_divergence_type=settings.f_divergence_type,
+            f_alpha_divergence_coef=settings.f_alpha_divergence_coef,
+            discopop_tau=settings.discopop_tau,
             chosen_lengths=batch["chosen_length"].to(logps),
             rejected_lengths=batch["rejected_length"].to(logps),
             chosen_token_logps=scores.token_logps[scores.sequence % 2 == 0],
@@ -230,7 +256,7 @@ class Pairs(Objective):
         metrics["entropy"] = t["entropy/all"] / t["tokens/all"] if t["tokens/all"] > 0 else 0.0
         return metrics
 
-    def evaluate(self, accelerator, scorer, loader, config) -> dict[str, float]:
+    def evaluate(self, accelerator, scorer, loader, settings, batch_size: int) -> dict[str, float]:
         """trl.DPOTrainer's names with an `eval_` prefix, computed over all pairs at once (not averaged over
         batches), plus what every loss reports alike (KTO's evaluation too): `eval_pair_accuracy` (=
         `eval_rewards/accuracies`: how often the chosen answer's reward beats the rejected one's),
@@ -250,8 +276,8 @@ class Pairs(Objective):
         with torch.no_grad():
             for i, batch in enumerate(loader):
                 last = i == len(loader) - 1
-                real = real_rows(accelerator, config.per_device_eval_batch_size, len(loader.dataset), last)
-                out = self.forward(accelerator, scorer, batch, config, with_stats=False, real=real)
+                real = real_rows(accelerator, batch_size, len(loader.dataset), last)
+                out = self.forward(accelerator, scorer, batch, settings, with_stats=False, real=real)
                 values = {"losses": out.losses, "chosen_logps": out.logps[0::2], "rejected_logps": out.logps[1::2]}
                 values |= {"chosen_rewards": out.rewards[0::2], "rejected_rewards": out.rewards[1::2]}
                 for name, value in values.items():
@@ -274,7 +300,7 @@ class Pairs(Objective):
             "eval_pairs": len(chosen),
         }
 
-    def kl_forward(self, config, on_cached_prompt: bool) -> str:
+    def kl_forward(self, settings: PairSettings, on_cached_prompt: bool) -> str:
         return "none (pair loss: each pair one tree, prompt once)"
 
     def card_loss(self, config: dict[str, Any], what: str, source: str) -> str:

@@ -41,10 +41,18 @@ def _open_for(config: TrainConfig, objective: Objective, flag: str, path: str) -
 
 
 def loaders(
-    config: TrainConfig, objective: Objective, cache, max_length: int, accelerator, tokenizer, model, padded_because
+    config: TrainConfig,
+    objective: Objective,
+    loss,
+    cache,
+    max_length: int,
+    accelerator,
+    tokenizer,
+    model,
+    padded_because,
 ):
     """(sampler, train loader, eval loader or None). Each process reads a disjoint part of every global batch from
-    the memory-mapped cache."""
+    the memory-mapped cache. `loss`: the family's settings (`objective.settings`)."""
     items, unit = objective.dataset(cache, max_length), objective.unit
     if len(items) < config.per_device_train_batch_size * accelerator.num_processes:
         raise KTOPipelineError(
@@ -52,7 +60,7 @@ def loaders(
             f"({config.per_device_train_batch_size} x {accelerator.num_processes} processes). Lower "
             "--per-device-train-batch-size or use more data."
         )
-    warning = objective.data_warning(items, config)
+    warning = objective.data_warning(items, loss)
     if warning:
         print0(accelerator, f"warning: {warning}")
     # Micro-batches are packed (no padding) where the model's attention takes a packed layout; otherwise padded,
@@ -65,7 +73,7 @@ def loaders(
         sampler = EpochSampler(len(items), config.seed, shuffle, lengths=items.lengths(), group=50 * global_batch)
         print0(accelerator, f"note: {padded_because}: batches are padded, {unit} grouped by length")
     collator = objective.collator(
-        tokenizer.pad_token_id, padded_because is None, attention_costs(model, accelerator.device), config
+        tokenizer.pad_token_id, padded_because is None, attention_costs(model, accelerator.device), loss
     )
     # On a GPU the batches are collated into pinned host memory and copied without waiting (the accelerator's
     # `non_blocking`, `Engine.make_accelerator`), as transformers' Trainer pins its batches (dataloader_pin_memory),

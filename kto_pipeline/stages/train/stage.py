@@ -107,6 +107,7 @@ class Run:
 
     config: TrainConfig
     objective: Objective  # the loss family: what it needs of the cache, its items, forward, metrics, evaluation
+    loss: Any  # the family's settings of this run (`objective.settings`): what its forward and evaluation read
     out: Path
     resume_dir: Path | None
     accelerator: Any
@@ -168,6 +169,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     if resume_dir is None or resume_dir.parent.resolve() != out.resolve():
         check_output_dir(out, config)  # a checkpoint of this same dir may continue it
     objective = objective_for(config.loss_type)
+    loss = objective.settings(config)  # the family's settings, typed, made once
     cache, max_length = open_checked_cache(config, objective)
     trackers = _trackers(config)
     regime = policy_regime(config.bf16, config.fp16)  # the policy loads in float32
@@ -210,7 +212,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     experts_rows_alike(model)  # a token's experts compute it alike in both stages
     compiled = compile_layers(model, config, device, engine, say, TRAIN_COMPILES_ON)
     sampler, loader, eval_loader = loaders(
-        config, objective, cache, max_length, accelerator, tokenizer, model, padded_because
+        config, objective, loss, cache, max_length, accelerator, tokenizer, model, padded_because
     )
     scorer, optimizer, loader = engine.prepare_policy(
         PolicyScorer(model), model, lambda m: make_optimizer(config, m), loader
@@ -226,6 +228,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     return Run(
         config=config,
         objective=objective,
+        loss=loss,
         out=out,
         resume_dir=resume_dir,
         accelerator=accelerator,
@@ -369,7 +372,7 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], casts: StepCasts, last_
     `last_batch`: the epoch's last, which may hold items repeated to even it out across processes."""
     config, accelerator, p, objective = run.config, run.accelerator, run.progress, run.objective
     real = real_rows(accelerator, config.per_device_train_batch_size, len(run.sampler), last_batch)
-    out = forward(objective, accelerator, run.scorer, batch, config, run.aux_coef, real)  # (step.py)
+    out = forward(objective, accelerator, run.scorer, batch, run.loss, run.aux_coef, real)  # (step.py)
     scored = out.scored
     p.tokens_executed += scored.tokens_executed
     p.tokens_needed += batch["tokens_needed"]
@@ -419,7 +422,10 @@ def after_step(run: Run, micro_step: int, bar) -> None:
         grad_norm = {"grad_norm": float(p.grad_norm)} if p.grad_norm is not None else {}
         run.metrics({**p.log.flush(), "learning_rate": learning_rate, **grad_norm, **stamp})
     if run.eval_loader is not None and (last_step or (config.eval_steps and p.global_step % config.eval_steps == 0)):
-        run.metrics({**run.objective.evaluate(accelerator, run.scorer, run.eval_loader, config), **stamp})
+        evaluated = run.objective.evaluate(
+            accelerator, run.scorer, run.eval_loader, run.loss, config.per_device_eval_batch_size
+        )
+        run.metrics({**evaluated, **stamp})
     # every N steps and at the last one (as transformers' Trainer), so that a finished run can be extended
     if _checkpoint_due(config, p.global_step, last_step):
         write_checkpoint(run)
@@ -505,7 +511,7 @@ def finish(run: Run) -> TrainResult:
         | {"source": seg["source"]["name_or_path"], "content_hash": seg["source"]["content_hash"]}
         for seg in run.manifest.all_segments
     ]
-    state.kl_forward = run.objective.kl_forward(config, p.kl_on_cached_prompt)
+    state.kl_forward = run.objective.kl_forward(run.loss, p.kl_on_cached_prompt)
     if accelerator.is_main_process:
         state.write(out)
         _write_cards(run, {"round": state.round, "parent_run": state.parent_run})

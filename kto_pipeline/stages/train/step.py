@@ -15,12 +15,13 @@ from kto_pipeline.objectives.items import LAYOUT_KEY, batch_images, batch_layout
 from kto_pipeline.scoring.logprobs import PolicyScores, score_layout, score_policy, score_sequences
 
 
-def forward(objective, accelerator, scorer, batch: dict[str, torch.Tensor], config, aux_coef: float, real=None):
-    """The loss family's forward pass and loss over `batch`, with gradients (`objective.forward`'s `StepOut`); a
-    mixture-of-experts model's load-balancing loss weighted by `aux_coef` is added to it, as the model's own loss
-    adds it (and as trl logs it); 0: none asked. `real`: the batch's real items (`objectives.items.real_rows`)."""
+def forward(objective, accelerator, scorer, batch: dict[str, torch.Tensor], settings, aux_coef: float, real=None):
+    """The loss family's forward pass and loss over `batch` under its `settings` (`objective.settings`), with
+    gradients (`objective.forward`'s `StepOut`); a mixture-of-experts model's load-balancing loss weighted by
+    `aux_coef` is added to it, as the model's own loss adds it (and as trl logs it); 0: none asked. `real`: the
+    batch's real items (`objectives.items.real_rows`)."""
     out = objective.forward(
-        accelerator, scorer, batch, config, with_stats=True, output_router_logits=aux_coef != 0, real=real
+        accelerator, scorer, batch, settings, with_stats=True, output_router_logits=aux_coef != 0, real=real
     )
     if out.scored.completions.aux_loss is not None:  # keep the experts' load balanced
         out.loss = out.loss + aux_coef * out.scored.completions.aux_loss
