@@ -42,8 +42,8 @@ class StepOut:
 class Objective:
     """A loss family: its names and options (declared as class attributes) and what it does at each point of a
     run. Subclasses implement every method that raises here. `config` is the run's `TrainConfig` (config imports
-    the registry to check a --loss-type, so nothing here imports config), read by `check` and `settings`; `settings`
-    is what `settings` made of it."""
+    the registry to check a --loss-type, so nothing here imports config), read only by `check` and `settings`; the
+    other methods take what `settings(config)` returns."""
 
     name: str  # the family: "kto", "pairs"
     loss_types: tuple[str, ...]  # the --loss-type names it trains
