@@ -349,10 +349,25 @@ def goals_table(*rows: tuple[str, str, bool | None | str]) -> list[str]:
 
 
 def provenance(command: str, seconds: float | None, *packages: str, date: str | None = None) -> list[str]:
-    """A report's first lines: command, date and total time, machine, versions of `packages`."""
+    """A report's first lines: command, date and total time, the commit measured, machine, versions of `packages`."""
     stamp = f"- date: {date or utc_stamp()}" + ("" if seconds is None else f"; total time {seconds:.0f} s")
-    lines = [f"- command: {command}", stamp, f"- machine: {machine()}"]
+    lines = [f"- command: {command}", stamp, f"- commit: {commit()}", f"- machine: {machine()}"]
     return lines + ([f"- versions: {versions(*packages)}"] if packages else [])
+
+
+def commit() -> str:
+    """The commit of the code measured (`git rev-parse --short HEAD`), and whether the package's or the benchmarks'
+    code differs from it (uncommitted changes); "unknown" outside a git checkout."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", "../kto_pipeline", "*.py")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head + (" with uncommitted changes to the code" if changed else "")
 
 
 def vs_row(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours", goal: str = "") -> str:

@@ -18,6 +18,7 @@ max_length 128; float32; batch 8 and 64 rows.
 from __future__ import annotations
 
 import shutil
+import statistics
 import tempfile
 import time
 from contextlib import contextmanager
@@ -242,8 +243,8 @@ def host_worker(work: Path) -> dict:
 
 
 def reference_phases(work: Path) -> tuple[dict, Path]:
-    """The reference pass's µs per needed token by phase (`PHASES`, over HOST_PASSES precomputes after one that
-    warms every cache) and in all (the median pass). Returns them and the median pass's cache."""
+    """The reference pass's µs per needed token by phase (`PHASES`: their mean over HOST_PASSES precomputes, after
+    one that warms every cache) and in all (the median pass's). Returns them and the median pass's cache."""
     from kto_pipeline import PrecomputeConfig, precompute
     from kto_pipeline.cache import open_cache
 
@@ -252,13 +253,13 @@ def reference_phases(work: Path) -> tuple[dict, Path]:
     settings = dict(model=str(model), dataset=str(data), max_length=MAX_LENGTH, attention_kernel="dense")
     settings |= dict(max_tokens_per_batch=HOST_FORWARD_TOKENS)
     precompute(PrecomputeConfig(**settings, output=str(work / "host-warm"), overwrite=True))
-    passes = []  # (the pass's seconds, its manifest's timing): HOST_PASSES of them, the phases summed over all
+    passes = []  # (the pass's seconds, its manifest's timing, its cache): HOST_PASSES of them, the phases summed
     with phases_timed() as seconds:
         for n in range(HOST_PASSES):
             cache = precompute(PrecomputeConfig(**settings, output=str(work / f"host-cache-{n}"), overwrite=True))
             timing = open_cache(cache).manifest.timing
-            passes.append((timing["reference_pass_seconds"], timing))
-    median, timing = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
+            passes.append((timing["reference_pass_seconds"], timing, cache))
+    median, timing, cache = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
     needed = timing["tokens_needed"]
     measured = {f"ref_{p}": s * 1e6 / (needed * HOST_PASSES) for p, s in seconds.items()}
     kernels, profiled = kernel_seconds(
@@ -298,8 +299,7 @@ def step_per_token(cache: Path, per_row: float) -> dict:
             return train(config).step_seconds
 
     steps(HOST_STEPS[0])  # compiles
-    steady = sorted(steps(HOST_STEPS[1])[HOST_STEPS[0] :])
-    step = steady[len(steady) // 2]
+    step = statistics.median(steps(HOST_STEPS[1])[HOST_STEPS[0] :])
     return dict(step_all=step * 1e6 / (HOST_BATCH * per_row), step_seconds=step)
 
 
@@ -320,7 +320,7 @@ def render_host(measured: dict, seconds: float) -> str:
         "its completion and KL completion), "
         f"max_length {MAX_LENGTH}, forwards of {HOST_FORWARD_TOKENS:,} tokens (`--max-tokens-per-batch "
         f"{HOST_FORWARD_TOKENS}`, an accelerator's smallest default; {measured['ref_forwards']} of them); the median "
-        f"of {HOST_PASSES} passes (after one that warms every cache).",
+        f"of {HOST_PASSES} passes (after one that warms every cache), each phase their mean.",
         "- each phase: the time spent in its functions (`PHASES` in the script), less that of the phases inside "
         "them; packing and laying out run ahead of the forwards in a thread, so the phases may add up to more than "
         "the pass's wall time.",
