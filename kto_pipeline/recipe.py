@@ -24,8 +24,8 @@ import typer
 from typer.core import TyperCommand
 from typer.models import ArgumentInfo, ParameterInfo
 
-from kto_pipeline.config import PANELS, base_type, parse_value
-from kto_pipeline.config.fields import LISTED
+from kto_pipeline.config import PANELS, PrecomputeConfig, TrainConfig, base_type, parse_value
+from kto_pipeline.config.fields import LISTED, trl_names
 from kto_pipeline.errors import KTOPipelineError
 
 CONFIG_HELP = (
@@ -33,17 +33,9 @@ CONFIG_HELP = (
     "(model_name_or_path, dataset_name, ...). Flags given on the command line override it."
 )
 # trl's names for options of ours, as its TrlParser reads a `trl kto` / `trl dpo` YAML (ScriptArguments, ModelConfig,
-# KTOConfig / DPOConfig); the names both share (learning_rate, beta, lora_r, ...) need no entry
-TRL_NAMES = {
-    "model_name_or_path": "model",
-    "model_revision": "revision",
-    "dataset_name": "dataset",
-    "dataset_train_split": "split",
-    "torch_dtype": "dtype",
-    "dataset_num_proc": "num_proc",
-    "precompute_ref_batch_size": "batch_size",
-    "resume_from_checkpoint": "resume_from",  # (TrainingArguments': trl's scripts pass it to trainer.train)
-}
+# KTOConfig / DPOConfig), declared beside each field (`described(trl=...)`); the names both share (learning_rate,
+# beta, lora_r, ...) need none
+TRL_NAMES = trl_names(PrecomputeConfig, TrainConfig)
 # trl's keys with no counterpart here: read, and said to have no effect (a trl YAML runs as it is)
 TRL_UNUSED = {
     "dataset_test_split": "held-out rows are a cache of their own: precompute --split test, then train --eval-cache",

@@ -73,13 +73,26 @@ ROLES = (SET_BY_SWEEP, NO_EFFECT, FIXED_ON_RESUME, NOTED_ON_RESUME, LISTED)
 
 
 def described(
-    text: str, *, panel: str, formerly: str | None = None, role: tuple[str, ...] = (), **kw: Any
+    text: str,
+    *,
+    panel: str,
+    formerly: str | None = None,
+    role: tuple[str, ...] = (),
+    trl: str | None = None,
+    **kw: Any,
 ) -> dict[str, Any]:
     """A field's help text and --help panel; `formerly`: the name it had in earlier releases, still read from
     recipes (on the command line click names the new flag: "No such option: --seed Did you mean --kl-seed?");
-    `role`: its roles (`ROLES`)."""
+    `role`: its roles (`ROLES`); `trl`: trl's name for it where trl's differs (`model_name_or_path`), read from a
+    trl recipe and accepted on the command line with a pointer to ours."""
     assert set(role) <= set(ROLES), role
-    return {"metadata": {"help": text, "panel": panel, "formerly": formerly, "role": frozenset(role)}, **kw}
+    metadata = {"help": text, "panel": panel, "formerly": formerly, "role": frozenset(role), "trl": trl}
+    return {"metadata": metadata, **kw}
+
+
+def trl_names(*classes: type) -> dict[str, str]:
+    """{trl's name: ours} of the fields of `classes` whose trl name differs."""
+    return {f.metadata["trl"]: f.name for cls in classes for f in dataclasses.fields(cls) if f.metadata.get("trl")}
 
 
 def fields_with(cls: type, role: str) -> tuple[str, ...]:

@@ -33,16 +33,21 @@ from kto_pipeline.scoring import ATTENTION_KERNEL_HELP
 class PrecomputeConfig(ConfigMixin):
     """Stage 1: score every completion and its KL completion with the frozen reference model."""
 
-    model: str = field(**described("Reference model: a Hugging Face hub id or a local directory.", panel=MODEL))
+    model: str = field(
+        **described(
+            "Reference model: a Hugging Face hub id or a local directory.", panel=MODEL, trl="model_name_or_path"
+        )
+    )
     dataset: str = field(
         **described(
             "Binary-feedback data: a hub id, a .json/.jsonl/.parquet/.csv/.arrow file, "
             "or a directory written by datasets.save_to_disk.",
             panel=DATA,
+            trl="dataset_name",
         )
     )
     output: str = field(**described("Cache directory to write (manifest.json + shards/).", panel=OUTPUT))
-    split: str = field(default="train", **described("Dataset split to read.", panel=DATA))
+    split: str = field(default="train", **described("Dataset split to read.", panel=DATA, trl="dataset_train_split"))
     dataset_config: str | None = field(
         default=None, **described("Dataset configuration name (hub datasets).", panel=DATA)
     )
@@ -78,6 +83,7 @@ class PrecomputeConfig(ConfigMixin):
             "Processes that normalise and tokenize the data (datasets.map); the result is cached, so a second "
             "precompute of the same data, tokenizer and settings skips it.",
             panel=DATA,
+            trl="dataset_num_proc",
         ),
     )
     dtype: str = field(
@@ -86,6 +92,7 @@ class PrecomputeConfig(ConfigMixin):
             "Dtype of the reference's weights: auto = float32 (bf16 compute comes from --bf16, as in train); "
             "bfloat16/float16 load the weights in that dtype.",
             panel=REFERENCE_PASS,
+            trl="torch_dtype",
         ),
     )
     bf16: bool | None = field(
@@ -102,6 +109,7 @@ class PrecomputeConfig(ConfigMixin):
             "Most sequences per reference forward pass (two per row: completion and KL completion). Default: no "
             "limit; each forward is filled to --max-tokens-per-batch.",
             panel=REFERENCE_PASS,
+            trl="precompute_ref_batch_size",
         ),
     )
     max_tokens_per_batch: int | None = field(
@@ -119,7 +127,8 @@ class PrecomputeConfig(ConfigMixin):
     static_shapes: bool = field(default=False, **described(STATIC_SHAPES_HELP, panel=REFERENCE_PASS))
     shard_size: int = field(default=2048, **described("Rows per Arrow shard.", panel=OUTPUT))
     revision: str | None = field(
-        default=None, **described("Model revision (branch, tag or commit) on the hub.", panel=MODEL)
+        default=None,
+        **described("Model revision (branch, tag or commit) on the hub.", panel=MODEL, trl="model_revision"),
     )
     trust_remote_code: bool = field(
         default=False, **described("Allow models and tokenizers that run their own code.", panel=MODEL)

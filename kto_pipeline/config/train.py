@@ -307,6 +307,7 @@ class TrainConfig(ConfigMixin):
             "Resume from this checkpoint directory (OUT/checkpoint-STEP), or from a run's OUT: its newest checkpoint.",
             panel=CHECKPOINTS,
             role=(SET_BY_SWEEP, NO_EFFECT),
+            trl="resume_from_checkpoint",  # (TrainingArguments': trl's scripts pass it to trainer.train)
         ),
     )
     autoresume: bool = field(
