@@ -84,7 +84,7 @@ def described(
     """A field's help text and --help panel; `formerly`: the name it had in earlier releases, still read from
     recipes (on the command line click names the new flag: "No such option: --seed Did you mean --kl-seed?");
     `role`: its roles (`ROLES`); `trl`: trl's name for it where trl's differs (`model_name_or_path`), read from a
-    trl recipe and accepted on the command line with a pointer to ours."""
+    trl recipe and, on the command line, taken as ours (`cli.trl_spellings`)."""
     assert set(role) <= set(ROLES), role
     metadata = {"help": text, "panel": panel, "formerly": formerly, "role": frozenset(role), "trl": trl}
     return {"metadata": metadata, **kw}
