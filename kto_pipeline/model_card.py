@@ -20,13 +20,14 @@ own card declares a hub `base_model` (a downloaded or converted copy) passes tha
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kto_pipeline.cache import Manifest
-from kto_pipeline.markdown import code as _code
-from kto_pipeline.markdown import num as _num
 from kto_pipeline.objectives import objective_for
+from kto_pipeline.objectives.pairs import PAIR_LOSS_NAMES
 from kto_pipeline.quantization import Quantization
 
 CARD_FILE = "README.md"
@@ -52,6 +53,107 @@ EVAL_METRICS = (
     "eval_logps/rejected",
 )
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow", ".txt")
+
+
+def _num(value: Any) -> str:
+    """A number as a card shows it: floats to 4 significant digits, the rest as written."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _code(value: Any) -> str:
+    """A name or value as code, or "-" for none."""
+    return f"`{value}`" if value not in (None, "") else "-"
+
+
+# ------------------------------------------------------------------------------ what a card says of a loss family
+
+KTO_PAPER = {
+    "title": "KTO: Model Alignment as Prospect Theoretic Optimization",
+    "short": "KTO",
+    "id": "2402.01306",
+    "citation": (
+        "@article{ethayarajh2024kto,\n"
+        "    title        = {{KTO: Model Alignment as Prospect Theoretic Optimization}},\n"
+        "    author       = {Kawin Ethayarajh and Winnie Xu and Niklas Muennighoff and Dan Jurafsky and Douwe Kiela},\n"
+        "    year         = 2024,\n"
+        "    eprint       = {arXiv:2402.01306},\n"
+        "}"
+    ),
+}
+
+
+DPO_PAPER = {
+    "title": "Direct Preference Optimization: Your Language Model is Secretly a Reward Model",
+    "short": "DPO",
+    "id": "2305.18290",
+    "citation": (
+        "@inproceedings{rafailov2023direct,\n"
+        "    title        = {{Direct Preference Optimization: Your Language Model is Secretly a Reward Model}},\n"
+        "    author       = {Rafael Rafailov and Archit Sharma and Eric Mitchell and Christopher D. Manning and "
+        "Stefano Ermon and Chelsea Finn},\n"
+        "    year         = 2023,\n"
+        "    booktitle    = {Advances in Neural Information Processing Systems 36 (NeurIPS 2023)},\n"
+        "}"
+    ),
+}
+
+
+def _paper_link(paper: dict[str, str]) -> str:
+    """[title](its page on the Hub) of a paper with an arXiv id."""
+    return f"[{paper['title']}](https://huggingface.co/papers/{paper['id']})"
+
+
+def _kto_sentence(config: dict[str, Any], what: str, source: str) -> str:
+    return (
+        f"{what}, trained with KTO ({_paper_link(KTO_PAPER)}), loss {_code(config['loss_type'])}, on binary "
+        f"feedback (each completion marked desirable or undesirable) from {source}."
+    )
+
+
+def _kto_rows(config: dict[str, Any], options: dict[str, Any]) -> list[tuple[str, str]]:
+    """The family's options in one row (its two weights: "desirable_weight / undesirable_weight", "1 / 1.33")."""
+    return [(" / ".join(options), " / ".join(_num(config[name]) for name in options))]
+
+
+def _pairs_sentence(config: dict[str, Any], what: str, source: str) -> str:
+    loss_type = config["loss_type"]
+    name = " + ".join(PAIR_LOSS_NAMES[t] for t in loss_type.split("+"))
+    weights = f", weights {config['loss_weights'].replace(',', ', ')}" if config.get("loss_weights") else ""
+    return (
+        f"{what}, trained with the pair loss {name} ({_code(loss_type)}{weights}) (trl.DPOTrainer's; after DPO, "
+        f"{_paper_link(DPO_PAPER)}) on (chosen, rejected) answer pairs from {source}."
+    )
+
+
+def _pairs_rows(config: dict[str, Any], options: dict[str, Any]) -> list[tuple[str, str]]:
+    """The family's options that differ from their defaults."""
+    return [
+        (name, _code(config.get(name)) if isinstance(config.get(name), str) else _num(config.get(name)))
+        for name, default in options.items()
+        if config.get(name, default) != default
+    ]
+
+
+@dataclass(frozen=True)
+class FamilyCard:
+    """What a card says of a loss family (an `Objective`'s name): the paper it cites, its tag, its first sentence
+    (`what`, the model, trained with the run's loss on the data at `source`) and the rows of the family's own
+    settings (from its `options` and their defaults)."""
+
+    paper: dict[str, str]
+    tag: str
+    sentence: Callable[[dict[str, Any], str, str], str]
+    rows: Callable[[dict[str, Any], dict[str, Any]], list[tuple[str, str]]]
+
+
+FAMILY_CARDS = {
+    "kto": FamilyCard(KTO_PAPER, "kto", _kto_sentence, _kto_rows),
+    "pairs": FamilyCard(DPO_PAPER, "dpo", _pairs_sentence, _pairs_rows),
+}
 
 
 def is_hub_id(name: str | None) -> bool:
@@ -194,7 +296,7 @@ def _settings_rows(
     length = config.get("max_length")
     duration = "max_steps" if config["max_steps"] > 0 else "num_train_epochs"
     optimizer = f"AdamW, weight_decay {_num(config['weight_decay'])}, max_grad_norm {_num(config['max_grad_norm'])}"
-    options = objective.card_options(config)
+    options = FAMILY_CARDS[objective.name].rows(config, objective.options)
     rows = [
         ("loss_type", _code(config["loss_type"])),
         ("beta", _num(config["beta"])),
@@ -354,6 +456,7 @@ def build_model_card(
     base = parent["path"] if parent and parent["kind"] == "full" else config.get("model") or manifest.reference_model
     dataset = manifest.dataset["name_or_path"]
     objective = objective_for(config["loss_type"])
+    card = FAMILY_CARDS[objective.name]
     model_name = model_name or Path(config["output_dir"]).name
     steps = [r["step"] for r in history if "step" in r]
     data = ModelCardData(
@@ -362,7 +465,7 @@ def build_model_card(
         # peft's own cards use library_name peft for adapter folders (the Hub then shows peft's loading code)
         library_name="peft" if adapter else "transformers",
         model_name=model_name,
-        tags=[objective.tag, "kto-pipeline", *(["lora", "peft"] if adapter else [])],
+        tags=[card.tag, "kto-pipeline", *(["lora", "peft"] if adapter else [])],
     )
 
     if adapter:
@@ -373,7 +476,7 @@ def build_model_card(
         what = f"This model is a fine-tuned version of {_link(base)}"
     split = manifest.dataset.get("split")
     source = f"{_link(dataset, 'datasets/')}{f' (split {_code(split)})' if split else ''}"
-    trained = objective.card_loss(config, what, source)
+    trained = card.sentence(config, what, source)
     intro = (
         f"{trained}\n"
         "It was trained with kto-pipeline's two-stage pipeline: `kto-pipeline precompute` scored the data once "
@@ -416,7 +519,7 @@ def build_model_card(
         "### Framework versions",
         "\n".join(f"- {name}: {version}" for name, version in versions.items()),
         "## Citations",
-        f"Cite {objective.paper['short']} as:\n\n```bibtex\n{objective.paper['citation']}\n```",
+        f"Cite {card.paper['short']} as:\n\n```bibtex\n{card.paper['citation']}\n```",
     ]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
 

@@ -2,8 +2,8 @@
 (`objective_for`, the registry in `__init__.py`), and one `StepOut` from every family's forward pass.
 
 The train stage, `memory/`, `sweep.py` and `model_card.py` ask the objective: what the family requires of a cache,
-its dataset and collator, its forward, metrics and evaluation, its unit (rows or pairs), its options and its
-model-card text. None of them asks which family runs.
+its dataset and collator, its forward, metrics and evaluation, its unit (rows or pairs) and its options (what a
+model card says of a family is `model_card.py`'s). None of them asks which family runs.
 
 A family's module imports nothing heavy at import time (the command line builds its options from the names here
 without loading torch); what computes imports torch where it runs.
@@ -53,8 +53,6 @@ class Objective:
     loss_noun: str  # one of its losses in messages: "KTO loss", "pair loss"
     options: dict[str, Any]  # its own options and their defaults: refused with another family's losses
     ids_are: str = ""  # what an error's example ids are ("", "of the chosen answers ")
-    paper: dict[str, str]  # title, arXiv id and BibTeX of the paper a model card cites
-    tag: str  # the model card's tag
 
     # ---------------------------------------------------------------------------------- settings and data
 
@@ -117,16 +115,6 @@ class Objective:
 
     def kl_forward(self, settings, on_cached_prompt: bool) -> str:
         """How the run's KL forward ran, for trainer_state.json."""
-        raise NotImplementedError
-
-    # ---------------------------------------------------------------------------------- the model card
-
-    def card_loss(self, config: dict[str, Any], what: str, source: str) -> str:
-        """The card's first sentence: `what` (the model) trained with this loss on the data at `source`."""
-        raise NotImplementedError
-
-    def card_options(self, config: dict[str, Any]) -> list[tuple[str, str]]:
-        """The card's rows of this family's settings."""
         raise NotImplementedError
 
 

@@ -17,22 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kto_pipeline.errors import check_option
-from kto_pipeline.markdown import code, num, paper_link
 from kto_pipeline.objectives.base import Objective, StepOut, masked_sums, share_of_loss, step_totals
-
-KTO_PAPER = {
-    "title": "KTO: Model Alignment as Prospect Theoretic Optimization",
-    "short": "KTO",
-    "id": "2402.01306",
-    "citation": (
-        "@article{ethayarajh2024kto,\n"
-        "    title        = {{KTO: Model Alignment as Prospect Theoretic Optimization}},\n"
-        "    author       = {Kawin Ethayarajh and Winnie Xu and Niklas Muennighoff and Dan Jurafsky and Douwe Kiela},\n"
-        "    year         = 2024,\n"
-        "    eprint       = {arXiv:2402.01306},\n"
-        "}"
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -57,8 +42,6 @@ class KTO(Objective):
     options = {"desirable_weight": 1.0, "undesirable_weight": 1.0}
     loss_noun = "KTO loss"
     describes = "KTO"
-    paper = KTO_PAPER
-    tag = "kto"
 
     def check(self, config) -> None:
         if config.loss_type == "kto":
@@ -218,16 +201,6 @@ class KTO(Objective):
         if on_cached_prompt:
             return "on the prompts' cached keys/values"
         return "with the prompts run again" if settings.with_kl else "none (loss without KL)"
-
-    def card_loss(self, config: dict[str, Any], what: str, source: str) -> str:
-        return (
-            f"{what}, trained with KTO ({paper_link(self.paper)}), loss {code(config['loss_type'])}, on binary "
-            f"feedback (each completion marked desirable or undesirable) from {source}."
-        )
-
-    def card_options(self, config: dict[str, Any]) -> list[tuple[str, str]]:
-        weights = f"{num(config['desirable_weight'])} / {num(config['undesirable_weight'])}"
-        return [("desirable_weight / undesirable_weight", weights)]
 
 
 # ------------------------------------------------------------------------------------------- the data

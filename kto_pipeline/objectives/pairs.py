@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kto_pipeline.errors import KTOPipelineError, check_option
-from kto_pipeline.markdown import code, num, paper_link
 from kto_pipeline.objectives.base import Objective, StepOut, masked_sums, share_of_loss, step_totals
 
 # trl.DPOTrainer's (1.16) names, and what each is called where it was published
@@ -39,20 +38,6 @@ PAIR_LOSS_TYPES = tuple(PAIR_LOSS_NAMES)
 F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 # the pair losses that take another f-divergence than reverse KL (trl: the others have no valid generalization)
 F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
-DPO_PAPER = {
-    "title": "Direct Preference Optimization: Your Language Model is Secretly a Reward Model",
-    "short": "DPO",
-    "id": "2305.18290",
-    "citation": (
-        "@inproceedings{rafailov2023direct,\n"
-        "    title        = {{Direct Preference Optimization: Your Language Model is Secretly a Reward Model}},\n"
-        "    author       = {Rafael Rafailov and Archit Sharma and Eric Mitchell and Christopher D. Manning and "
-        "Stefano Ermon and Chelsea Finn},\n"
-        "    year         = 2023,\n"
-        "    booktitle    = {Advances in Neural Information Processing Systems 36 (NeurIPS 2023)},\n"
-        "}"
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -85,8 +70,6 @@ class Pairs(Objective):
     loss_noun = "pair loss"
     describes = "pair losses"
     ids_are = "of the chosen answers "
-    paper = DPO_PAPER
-    tag = "dpo"
 
     def check(self, config) -> None:
         types = config.loss_types
@@ -302,22 +285,6 @@ class Pairs(Objective):
 
     def kl_forward(self, settings: PairSettings, on_cached_prompt: bool) -> str:
         return "none (pair loss: each pair one tree, prompt once)"
-
-    def card_loss(self, config: dict[str, Any], what: str, source: str) -> str:
-        loss_type = config["loss_type"]
-        name = " + ".join(PAIR_LOSS_NAMES[t] for t in loss_type.split("+"))
-        weights = f", weights {config['loss_weights'].replace(',', ', ')}" if config.get("loss_weights") else ""
-        return (
-            f"{what}, trained with the pair loss {name} ({code(loss_type)}{weights}) (trl.DPOTrainer's; after DPO, "
-            f"{paper_link(self.paper)}) on (chosen, rejected) answer pairs from {source}."
-        )
-
-    def card_options(self, config: dict[str, Any]) -> list[tuple[str, str]]:
-        return [
-            (name, code(config.get(name)) if isinstance(config.get(name), str) else num(config.get(name)))
-            for name, default in self.options.items()
-            if config.get(name, default) != default
-        ]
 
 
 # ------------------------------------------------------------------------------------------- the data
