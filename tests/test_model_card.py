@@ -224,3 +224,22 @@ def test_a_local_copy_of_a_hub_model_passes_its_declared_base_model_on(tmp_path)
 
     (local / "README.md").write_text("# no front matter\n")
     assert ModelCard(card_for(str(local), "/data/feedback.jsonl")).data.base_model is None
+
+
+def test_every_loss_family_has_its_card_text_and_every_loss_its_sentence():
+    """A family added to the registry without its `FAMILY_CARDS` entry fails here, not on a user's first card; each
+    of its losses gets a first sentence naming it and rows of the family's options."""
+    from kto_pipeline.model_card import FAMILY_CARDS
+    from kto_pipeline.objectives import OBJECTIVES
+
+    assert sorted(o.name for o in OBJECTIVES) == sorted(FAMILY_CARDS)
+    for objective in OBJECTIVES:
+        card = FAMILY_CARDS[objective.name]
+        for loss_type in objective.loss_types:
+            smoothing = 1e-3 if loss_type == "exo_pair" else 0.0  # exo_pair needs > 0
+            config = TrainConfig(cache="/c", output_dir="/o", loss_type=loss_type, label_smoothing=smoothing).to_dict()
+            sentence = card.sentence(config, "This model", "the data")
+            assert f"`{loss_type}`" in sentence and card.paper["id"] in sentence, sentence
+            assert all(
+                isinstance(name, str) and isinstance(value, str) for name, value in card.rows(config, objective.options)
+            )
