@@ -45,7 +45,7 @@ TREES, SHIFT_ALIGNED, SHIFT_UNALIGNED, WIDER, HEAD_SHIFT = 4, 128, 100, 512, 100
 SHIFT_TILE = 16  # the block mask's forward key tile (attention.KEY_TILE)
 KERNELS = ("block-mask", "by-tree", "dense")
 # then these again with every product of the model and the head in calls of a fixed number of rows (what a CPU does in
-# half precision, `precision.linear`): whether that takes a GPU's matrix products out of the differences
+# half precision, `products.linear`): whether that takes a GPU's matrix products out of the differences
 BLOCKED = ("block-mask", "by-tree")
 LAYOUTS = (
     ("the first layout again", "nothing (is the kernel deterministic?)"),
@@ -82,11 +82,12 @@ def trees_of(preset: dict) -> list[tuple[list[int], list[list[int]]]]:
 def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) -> dict:
     """kernel -> [(hidden diff or None, log-prob diff) or the reason it did not run, per LAYOUTS]."""
     from kto_pipeline.models import backbone_of, load_model
-    from kto_pipeline.runtime.precision import ROW_BLOCK_DEVICES, Regime, row_block, rows_alike
+    from kto_pipeline.runtime.precision import Regime
     from kto_pipeline.scoring.attention import attention_costs, request_attention_kernel
     from kto_pipeline.scoring.head import head_logps
     from kto_pipeline.scoring.logprobs import score_layout, score_policy
     from kto_pipeline.scoring.packing import layout_trees
+    from kto_pipeline.scoring.products import ROW_BLOCK_DEVICES, row_block, rows_alike
 
     model = load_model(str(model_dir), torch.float32).to(device)
     trees, first = trees_of(preset), list(range(TREES))

@@ -296,9 +296,9 @@ def keeps_keys_values(model) -> bool:
     KL completions alone would take shapes of their own, a graph each). Under gradient checkpointing, only where the
     layers take the cache along into their checkpoints (`_can_checkpoint_with_cache`, set by
     `scoring.attention.enable_checkpointing` where transformers has it; the cache is closed before the backward
-    recomputes them, `runtime.compiled.close_keys_values`) and the cache is small (`small_keys_values`): there
+    recomputes them, `scoring.keys_values.close_keys_values`) and the cache is small (`small_keys_values`): there
     checkpointing was asked for memory, and the cache holds every layer's keys/values until the KL forward. Compiled
-    layers keep them in a `runtime.compiled.KeptKeysValues`."""
+    layers keep them in a `scoring.keys_values.KeptKeysValues`."""
     body = decoder_body(model)
     if getattr(body, STATIC_LAYERS, False):
         return False

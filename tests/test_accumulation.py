@@ -99,7 +99,7 @@ def _casts_and_metrics(tmp_path: Path, cache, name: str, monkeypatch, keep: bool
 def test_bf16_weights_are_cast_once_an_optimizer_step_with_the_same_numbers(tmp_path, small_cache, monkeypatch):
     """Under bf16 autocast with 2 micro-batches a step, each decoder-layer weight is cast once an optimizer step
     (autocast's cache kept across the micro-batches), not at each call; the run's numbers are those of casting at
-    every call, to the bit. (On a CPU a half-precision product casts its weight at each call, `precision.linear`:
+    every call, to the bit. (On a CPU a half-precision product casts its weight at each call, `products.linear`:
     twice a micro-batch, the completions' forward and the KL completions'.)"""
     once, kept = _casts_and_metrics(tmp_path, small_cache, "kept", monkeypatch, keep=True)
     per_forward, plain = _casts_and_metrics(tmp_path, small_cache, "plain", monkeypatch, keep=False)
@@ -150,7 +150,8 @@ def test_step_casts_hold_a_cast_only_while_open_and_give_the_model_back_as_it_wa
     from types import SimpleNamespace
 
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
-    from kto_pipeline.runtime.precision import STEP_CAST, StepCasts, policy_regime
+    from kto_pipeline.runtime.precision import policy_regime
+    from kto_pipeline.scoring.products import STEP_CAST, StepCasts
 
     model = build_tiny_model(build_char_tokenizer())
     regime, whole = policy_regime(True, False), SimpleNamespace(caches_whole_casts=True)

@@ -88,7 +88,7 @@ def test_bench_gpu_matrix_on_cpu_measures_every_case_or_says_it_did_not(tmp_path
     header, *rows = table_lines(text.split("## Step 1 by layout")[1].split("##")[0])
     import torch
 
-    from kto_pipeline.runtime.precision import row_block
+    from kto_pipeline.scoring.products import row_block
 
     blocked = [f"{k}, products in blocks of {row_block(torch.bfloat16)} rows" for k in ("block-mask", "by-tree")]
     assert header[2:] == ["block-mask", "by-tree", "dense", *blocked] and len(rows) == 9, (header, rows)

@@ -285,8 +285,8 @@ def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
     from kto_pipeline.errors import KTOPipelineError
     from kto_pipeline.runtime import compiled
-    from kto_pipeline.runtime.precision import StepCasts, policy_regime
-    from kto_pipeline.scoring.attention import attention_costs
+    from kto_pipeline.runtime.precision import policy_regime
+    from kto_pipeline.scoring.products import StepCasts
 
     with pytest.raises(KTOPipelineError, match="drop --no-torch-compile"):
         TrainConfig(cache="c", output_dir="o", torch_compile=False, torch_compile_mode="reduce-overhead")
@@ -300,7 +300,7 @@ def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each
     request.addfinalizer(lambda: limit.__exit__(None, None, None))
     stats = compiled.compile_layers(model, _asked(None, "reduce-overhead"), cuda, ONE_PROCESS, said.append)
     assert stats is not None and stats.cuda_graphs and stats.mode == "reduce-overhead", said
-    assert attention_costs(model, torch.device("cpu")).static, said
+    assert stats.static_layouts, said  # the stage requests them of the layouts (`request_static_shapes`)
     assert any("take a few fixed shapes (as under --static-shapes" in line for line in said), said
     assert said[-1].endswith("compiled region(s), mode reduce-overhead")
     plain = SimpleNamespace(gradient_checkpointing=False)
@@ -360,15 +360,15 @@ def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each
         stats = compiled.compile_layers(model, _asked(None, mode), cuda, sharded, said.append)
         assert stats.mode == without and not stats.cuda_graphs, said[-2:]
         assert "fsdp2 may move the parameters" in said[-2] and "fixed shapes" not in said[-2]
-        assert not attention_costs(model, torch.device("cpu")).static  # no padding where no graph is recorded
+        assert not stats.static_layouts  # no padding where no graph is recorded
         assert not model.model._forward_pre_hooks  # no steps of CUDA graph trees to mark
-        compiled.compile_layers(model, _asked(None, mode, static=True), cuda, sharded, said.append)
-        assert attention_costs(model, torch.device("cpu")).static  # --static-shapes given: kept
+        again = compiled.compile_layers(model, _asked(None, mode, static=True), cuda, sharded, said.append)
+        assert again.static_layouts  # --static-shapes given: kept
         # gradient checkpointing: recomputing a layer around its recorded graph is what CUDA graph trees cannot do
         model = build_tiny_model(build_char_tokenizer())
         stats = compiled.compile_layers(model, _asked(None, mode, checkpointing=True), cuda, ONE_PROCESS, said.append)
         assert stats.mode == without and not stats.cuda_graphs and "gradient checkpointing" in said[-2], said[-2:]
-        assert not attention_costs(model, torch.device("cpu")).static and not model.model._forward_pre_hooks
+        assert not stats.static_layouts and not model.model._forward_pre_hooks
 
 
 @pytest.mark.parametrize("kernel", ["by-tree", "dense"])
@@ -594,14 +594,14 @@ def test_kept_keys_values_files_each_layer_or_keeps_nothing():
     an update, keep nothing (so the KL completions run with their prompts again) rather than another layer's."""
     import torch
 
-    from kto_pipeline.runtime.compiled import KeptKeysValues, _keeping_keys_values
+    from kto_pipeline.scoring.keys_values import KeptKeysValues, keeping_keys_values
 
     def layer(i: int, updates: bool = True):
         def call(hidden, cache=None):
             keys = torch.full((1, 1, 2, 1), float(i))
             return cache.update(keys, keys + 10, i)[0] if updates else keys
 
-        return _keeping_keys_values(call, i)
+        return keeping_keys_values(call, i)
 
     calls = [layer(i) for i in range(3)]
     kept = KeptKeysValues()

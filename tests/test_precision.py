@@ -92,13 +92,13 @@ def test_step_one_under_bf16_is_one_process_for_every_engine(tmp_path, caches, e
 
 def test_a_cpu_half_precision_product_computes_every_row_in_a_call_of_the_same_rows(monkeypatch):
     """On a CPU a bf16 product may round a row by the call's shape (oneDNN's AMX kernels: SmolLM2's step-1 rewards
-    0.03 off on such a machine). `precision.linear` runs every call in blocks of ROW_BLOCK rows: a row's result is the
+    0.03 off on such a machine). `products.linear` runs every call in blocks of ROW_BLOCK rows: a row's result is the
     same whatever rows share its call, the backward is F.linear's to the bit (where the CPU has half-precision
     kernels; else its products in float32, `half_product`), the LM head's chunks are whole blocks, and float32 keeps
     F.linear's one call."""
     import torch
 
-    from kto_pipeline.runtime import precision
+    from kto_pipeline.scoring import products
     from kto_pipeline.scoring.head import chunked_token_logps
 
     functional, calls = torch.nn.functional, []
@@ -107,27 +107,27 @@ def test_a_cpu_half_precision_product_computes_every_row_in_a_call_of_the_same_r
         calls.append(input.shape[0])
         return functional.linear(input, weight, bias)
 
-    monkeypatch.setattr(precision, "F", type("F", (), {"linear": staticmethod(counted), "pad": functional.pad}))
+    monkeypatch.setattr(products, "F", type("F", (), {"linear": staticmethod(counted), "pad": functional.pad}))
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64, requires_grad=True), torch.randn(96, requires_grad=True)
     rows = torch.randn(2000, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        alone = precision.linear(rows[300:340], weight, bias)
+        alone = products.linear(rows[300:340], weight, bias)
         for start, stop in ((0, 2000), (290, 1100), (300, 340), (250, 900)):
-            got = precision.linear(rows[None, start:stop], weight, bias)[0, 300 - start : 340 - start]
+            got = products.linear(rows[None, start:stop], weight, bias)[0, 300 - start : 340 - start]
             assert got.dtype == torch.bfloat16 and torch.equal(got, alone), (start, stop)
-        assert set(calls) == {precision.row_block(torch.bfloat16)}, calls
+        assert set(calls) == {products.row_block(torch.bfloat16)}, calls
         want = functional.linear(rows[:700], weight, bias)
-        assert (precision.linear(rows[:700], weight, bias).float() - want.float()).abs().max() <= 0.05
+        assert (products.linear(rows[:700], weight, bias).float() - want.float()).abs().max() <= 0.05
     grads = []
-    for product in (precision.linear, functional.linear):
+    for product in (products.linear, functional.linear):
         x = rows[:700].clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             product(x, weight, bias).float().square().sum().backward()
         grads.append([t.grad.clone() for t in (x, weight, bias)])
         weight.grad = bias.grad = None
     for ours, torchs in zip(*grads, strict=True):
-        if precision.native_half_products(torch.bfloat16):  # the same products
+        if products.native_half_products(torch.bfloat16):  # the same products
             assert torch.equal(ours, torchs)
         else:  # float32 products of the bf16 values against ATen's bf16 loops: the same sums (the weight's over the
             # 700 rows) in another order, each rounded once to bf16: a unit in its last place apart at most
@@ -135,21 +135,22 @@ def test_a_cpu_half_precision_product_computes_every_row_in_a_call_of_the_same_r
     calls.clear()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the head: blocks of rows, its chunks whole blocks
         chunked_token_logps(rows[:1100].bfloat16(), torch.randn(40000, 64), torch.randint(0, 40000, (1100,)))
-    assert set(calls) == {precision.row_block(torch.bfloat16)}, calls
+    assert set(calls) == {products.row_block(torch.bfloat16)}, calls
     calls.clear()
-    assert torch.equal(precision.linear(rows[:700], weight, bias), functional.linear(rows[:700], weight, bias))
+    assert torch.equal(products.linear(rows[:700], weight, bias), functional.linear(rows[:700], weight, bias))
     assert calls == [700]  # float32: one call, whole
 
 
 def test_rows_alike_makes_the_linear_layers_compute_in_blocks_only_for_a_cpus_half_precision(tmp_path):
-    """Both stages make a model's plain nn.Linear modules `precision.Linear` where they compute in half precision on
+    """Both stages make a model's plain nn.Linear modules `products.Linear` where they compute in half precision on
     a CPU (autocast or half weights), and nowhere else; the model keeps its parameters, saves and pickles."""
     import pickle
 
     import torch
 
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
-    from kto_pipeline.runtime.precision import Linear, Regime, rows_alike
+    from kto_pipeline.runtime.precision import Regime
+    from kto_pipeline.scoring.products import Linear, rows_alike
 
     cpu = torch.device("cpu")
     for regime, device, made in (

@@ -4,13 +4,13 @@ Compilation by region, as torchtitan and torchtune compile the repeated block: `
 layer. With torch's default `inline_inbuilt_nn_modules` a layer's parameters are inputs of its graph, so every layer
 runs the graphs compiled for the first one, and compile time does not grow with depth. A graph that wrote into the
 step's `DynamicCache` at its layer index would specialise on that index, one graph per layer (measured: the recompile
-limit reached at 4 layers). So training's first forward keeps its keys/values in a `KeptKeysValues` instead: a layer's
-graph hands its keys and values out as outputs, and its call's wrapper (outside the graph) files them by layer, then
-hands each layer its own to the KL completions' forward, which runs on the prompts' cached keys/values as in an eager
-run (the same graphs for every layer: the first forward's and the KL forward's, for each shape and grad mode they
-meet, as without a cache). Not under static shapes: the KL completions alone would take shapes of their own, a graph
-each, so they run with their prompts again, in the layout's static shape (more FLOPs). The log-prob head's math
-of a chunk
+limit reached at 4 layers). So training's first forward keeps its keys/values in a `KeptKeysValues` instead
+(`scoring/keys_values.py`): a layer's graph hands its keys and values out as outputs, and its call's wrapper (outside
+the graph) files them by layer, then hands each layer its own to the KL completions' forward, which runs on the
+prompts' cached keys/values as in an eager run (the same graphs for every layer: the first forward's and the KL
+forward's, for each shape and grad mode they meet, as without a cache). Not under static shapes: the KL completions
+alone would take shapes of their own, a graph each, so they run with their prompts again, in the layout's static
+shape (more FLOPs). The log-prob head's math of a chunk
 (`scoring.head.softmax_stats` and `logits_grad`, in both stages) and training's loss (each family's loss
 function, from its objective's forward) are regions of their own (`compiled_region`), with the number of tokens, rows
 or pairs dynamic from the first call, so that a new batch size compiles nothing (but a size of 1, which Dynamo
@@ -70,22 +70,24 @@ DYNAMIC_RECOMPILE_LIMIT = 16
 STATS = "_kto_compile_stats"  # on a model compiled by region: its CompileStats (the head and the loss ask it)
 # Dynamo's switch for a Python side effect inside a checkpoint: applied once, in the forward, not in the recomputation
 SIDE_EFFECTS_ONCE = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+WrapLayer = Callable[[Callable, int], Callable]  # (a layer's call, its index) -> the call the layer runs
 
 
-def compile_layers(model, config, device, engine, say: Callable[[str], None], by_default=()) -> CompileStats | None:
+def compile_layers(
+    model, config, device, engine, say: Callable[[str], None], by_default=(), wrap_layer: WrapLayer | None = None
+) -> CompileStats | None:
     """Compile each decoder layer of `model` (`backbone.layers`) in place where `config.torch_compile` asks (unset:
     where `config.torch_compile_mode` is not default, or `device`'s type is in `by_default`), in that mode;
     Dynamo's counters from then on. None where the layers run eagerly. `config.static_shapes`: the model's packed
     layouts take static shapes, and each compiles as a static graph. A mode that replays CUDA graphs: the layouts
     take static shapes too (a few shapes, a graph recorded for each), compiled as without them (one graph with
     dynamic shapes serving every shape after the first). `engine`: whether its parameters stay in place
-    (`fixed_parameter_addresses`), which CUDA graphs need."""
-    from kto_pipeline.scoring.attention import request_static_shapes
-
+    (`fixed_parameter_addresses`), which CUDA graphs need. `wrap_layer(call, index)`: each layer's call (compiled, or
+    eager after a fallback) wrapped (training's: `scoring.keys_values.keeping_keys_values`). The layouts' shapes are
+    the caller's to request: `static_layouts` of the stats (`config.static_shapes` where this returns None)."""
     mode, asked = config.torch_compile_mode, config.torch_compile
     asked = asked if asked is not None or mode == "default" else True  # a mode compiles, as transformers'
     static = config.static_shapes
-    request_static_shapes(model, static)
     if not (asked if asked is not None else device.type in by_default):
         return None
     if engine is not None and engine.compile_refusal is not None:
@@ -110,15 +112,14 @@ def compile_layers(model, config, device, engine, say: Callable[[str], None], by
     if mode in CUDA_GRAPH_MODES:
         mode = _cuda_graph_mode(mode, static, device, engine, say, getattr(config, "gradient_checkpointing", False))
     static_layouts = static or mode in CUDA_GRAPH_MODES  # (a CUDA graph mode's, not where the engine ruled it out)
-    request_static_shapes(model, static_layouts)
-    stats = CompileStats(backbone, say, mode)
+    stats = CompileStats(backbone, say, mode, wrap_layer, static_layouts)
     _raise_recompile_limit(STATIC_RECOMPILE_LIMIT if static else DYNAMIC_RECOMPILE_LIMIT)
     for index, layer in enumerate(layers):
         layer.compile(backend=BACKEND, dynamic=False if static else None, **_mode_option(mode))
         compiled = _guarded(layer._call_impl, layer._compiled_call_impl, stats)
         if checkpointing(model):
             compiled = _filing_once_under_checkpoints(compiled, layer)
-        layer._compiled_call_impl = _keeping_keys_values(compiled, index)
+        layer._compiled_call_impl = stats.wrapped(compiled, index)
     if stats.cuda_graphs:
         backbone.register_forward_pre_hook(_new_step_of_graphs)
     setattr(backbone, COMPILED_LAYERS, True)
@@ -235,104 +236,6 @@ def _guarded(eager_call, compiled_call, stats: CompileStats):
     return call
 
 
-class KeptKeysValues:
-    """Training's key/value cache where the decoder layers are compiled (`keys_values_cache`), read by
-    `score_policy` as a `DynamicCache` (`layers[i].keys`, `.values`; `get_seq_length`).
-
-    A layer's `update(keys, values, layer_idx)` ignores its index: a graph that used it would be one graph per layer.
-    In the first forward it hands the keys and values out (`latest`: outputs of the graph) and returns them; its
-    call's wrapper (`_keeping_keys_values`, outside the graph) files them as that layer's. In a later forward the
-    wrapper hands the layer its own first (`past`), and `update` returns them followed by the new tokens', as
-    DynamicCache does. Where the layers are not called once each, in order, each calling `update` once, it keeps
-    nothing (`get_seq_length` 0: the KL completions then run with their prompts again)."""
-
-    def __init__(self):
-        self.layers: list[_Kept] = []
-        self.latest: tuple | None = None  # the keys and values the last layer call handed out
-        self.past: _Kept | None = None  # the keys and values of the layer being called, in a later forward
-        self.unusable = False  # a layer called out of order, or without an update: nothing kept (never guessed)
-        self.closed = False  # after the KL forward (`close_keys_values`)
-
-    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-        import torch
-
-        if self.closed:
-            return key_states, value_states
-        if self.past is not None:
-            return (
-                torch.cat([self.past.keys, key_states], dim=-2),
-                torch.cat([self.past.values, value_states], dim=-2),
-            )
-        self.latest = (key_states.detach(), value_states.detach())  # read without gradients
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[0].keys.shape[-2] if self.layers else 0
-
-    def close(self) -> None:
-        """Nothing kept from now on, nothing read: a layer recomputed in the backward gets its keys/values back."""
-        self.layers, self.closed = [], True
-
-
-class _Kept:
-    """A layer's kept keys and values (as a DynamicCache layer holds them)."""
-
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
-
-
-def keys_values_cache(model):
-    """The key/value cache training's first forward keeps for the KL forward: a `KeptKeysValues` where the layers
-    are compiled by region (their calls file it), else transformers' `DynamicCache`."""
-    if getattr(decoder_body(model), COMPILED_LAYERS, False):
-        return KeptKeysValues()
-    from transformers import DynamicCache
-
-    return DynamicCache()
-
-
-def close_keys_values(cache) -> None:
-    """After training's KL forward: `cache` drops the keys/values it kept, and from then on hands a layer that calls
-    its `update` (a layer recomputed in the backward under gradient checkpointing, which takes the cache along) its
-    keys/values back as they are, as the first forward's call returned them: nothing filed twice, nothing read."""
-    if isinstance(cache, KeptKeysValues):
-        cache.close()
-    else:  # transformers' DynamicCache: its `update(..., layer_idx)` is its layer's
-        cache.layers = [_HandedBack() for _ in cache.layers]
-
-
-class _HandedBack:
-    """A closed cache's layer: keeps nothing, hands the keys and values back."""
-
-    keys = values = None
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return key_states, value_states
-
-
-def _keeping_keys_values(call, index: int):
-    """Layer `index`'s call, filing the keys and values it hands a `KeptKeysValues` (a first forward), or handing
-    it its own first (a later forward), outside the compiled graph."""
-
-    def call_keeping(*args, **kwargs):
-        kept = kwargs.get("cache", kwargs.get("past_key_values"))
-        if not isinstance(kept, KeptKeysValues):
-            return call(*args, **kwargs)
-        kept.past = kept.layers[index] if index < len(kept.layers) else None
-        try:
-            out = call(*args, **kwargs)
-            if kept.past is None and not kept.unusable:
-                if kept.latest is None or index != len(kept.layers):  # not one update a layer, in order
-                    kept.unusable, kept.layers = True, []  # keeps nothing: the KL completions run with their prompts
-                else:
-                    kept.layers.append(_Kept(*kept.latest))
-        finally:
-            kept.past = kept.latest = None
-        return out
-
-    return call_keeping
-
-
 def compiled_region(owner, fn: Callable) -> Callable:
     """`fn` (the log-prob head, a loss) as a compiled region of the run where `owner`'s model was compiled by region
     (`owner`: the model, or a scorer wrapping it, as an engine may have wrapped it again), else `fn` itself."""
@@ -397,8 +300,17 @@ class CompileStats:
     layers' torch.compile mode; the head and the loss compile in it without CUDA graphs (their shapes change from
     batch to batch, and their outputs outlive a step's graphs: the metrics)."""
 
-    def __init__(self, backbone, say: Callable[[str], None] = print, mode: str = "default"):
+    def __init__(
+        self,
+        backbone,
+        say: Callable[[str], None] = print,
+        mode: str = "default",
+        wrap_layer: WrapLayer | None = None,
+        static_layouts: bool = False,
+    ):
         self.backbone, self.say, self.mode = backbone, say, mode
+        self.wrap_layer = wrap_layer  # each layer's call wrapped (`compile_layers`)
+        self.static_layouts = static_layouts  # whether the packed layouts take static shapes (a graph each)
         self.layers, self.regions = len(backbone.layers), len({type(layer).forward for layer in backbone.layers})
         self.eager_fallback: str | None = None
         self.recompile_limit: str | None = None
@@ -410,6 +322,10 @@ class CompileStats:
         self._seen = (self.start["frames"], self.start["cudagraph_recorded"])  # at the last step's end
         _Heard.watch(_Heard.RECOMPILES, self.recompiled)
         _Heard.watch(_Heard.CUDA_GRAPHS, self.cuda_graphs_said)
+
+    def wrapped(self, call: Callable, index: int) -> Callable:
+        """Layer `index`'s `call` as the layers run it: wrapped by `wrap_layer` where there is one."""
+        return call if self.wrap_layer is None else self.wrap_layer(call, index)
 
     @property
     def cuda_graphs(self) -> bool:
@@ -443,12 +359,12 @@ class CompileStats:
         return self.compiled_regions[fn]
 
     def fall_back(self, error: Exception) -> None:
-        """Every region eager from now on (the layers' calls still filing the keys/values a `KeptKeysValues` keeps:
-        the forward under way may hold one)."""
+        """Every region eager from now on (the layers' calls still wrapped by `wrap_layer`: training's
+        files the keys/values a `KeptKeysValues` keeps, which the forward under way may hold)."""
         reason = " ".join(str(error).split())[:400] or type(error).__name__
         self.eager_fallback = f"{type(error).__name__}: {reason}"
         for index, layer in enumerate(self.backbone.layers):
-            layer._compiled_call_impl = _keeping_keys_values(layer._call_impl, index)
+            layer._compiled_call_impl = self.wrapped(layer._call_impl, index)
         setattr(self.backbone, STATIC_LAYERS, False)  # eager: the next forwards keep keys/values whatever the shapes
         self.say(f"--torch-compile: compiling failed; running eagerly ({self.eager_fallback})")
 

@@ -339,7 +339,7 @@ def enable_checkpointing(model) -> None:
 def checkpoints_take_caches() -> bool:
     """Whether transformers lets a checkpointed layer take its key/value cache along (`_can_checkpoint_with_cache`,
     else it drops the cache). Training's caches may: each is filed by the first forward, read by the KL forward and
-    closed before the backward (`runtime.compiled.close_keys_values`), so a layer recomputed there files nothing
+    closed before the backward (`keys_values.close_keys_values`), so a layer recomputed there files nothing
     twice and reads nothing."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer

@@ -22,7 +22,7 @@ import torch
 from kto_pipeline.models import lm_head_settings
 from kto_pipeline.runtime.compiled import compiled_region
 from kto_pipeline.runtime.engines.base import Engine
-from kto_pipeline.runtime.precision import in_row_blocks, linear, row_block
+from kto_pipeline.scoring.products import in_row_blocks, linear, row_block
 
 # A chunk is as many scored tokens as make this many bytes of float32 logits (Qwen2's 152k vocabulary: 220 tokens;
 # SmolLM2's 49k: 682), so that the head's transients stay small beside the activations whatever the vocabulary.

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from kto_pipeline.models import backbone_of, checkpointing, keeps_keys_values, scorable
-from kto_pipeline.runtime.compiled import close_keys_values, keys_values_cache
 from kto_pipeline.runtime.prefetch import ahead
 from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs
 from kto_pipeline.scoring.head import DEFAULT_CHUNK_SIZE, head_logps
 from kto_pipeline.scoring.image_features import join_images, token_inputs
+from kto_pipeline.scoring.keys_values import close_keys_values, keys_values_cache
 from kto_pipeline.scoring.packing import (
     Layout,
     ScoredSequence,

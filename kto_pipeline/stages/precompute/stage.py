@@ -56,10 +56,11 @@ from kto_pipeline.runtime.engines import engine_for
 from kto_pipeline.runtime.experts import experts_rows_alike
 from kto_pipeline.runtime.launch import print0, process_state
 from kto_pipeline.runtime.peak_memory import PeakMemory
-from kto_pipeline.runtime.precision import reference_regime, rows_alike
-from kto_pipeline.scoring.attention import forward_tokens, request_attention_kernel
+from kto_pipeline.runtime.precision import reference_regime
+from kto_pipeline.scoring.attention import forward_tokens, request_attention_kernel, request_static_shapes
 from kto_pipeline.scoring.logprobs import ReferenceScorer
 from kto_pipeline.scoring.packable import packing_unsupported
+from kto_pipeline.scoring.products import rows_alike
 from kto_pipeline.stages.precompute.append import NewRows, find_new_rows, open_base, partner_from_cache, plan_append
 from kto_pipeline.stages.precompute.data import (
     TokenizedRows,
@@ -407,6 +408,7 @@ def load_reference(run: Pass) -> None:
     experts_rows_alike(model)  # a token's experts compute it alike in both stages
     say = functools.partial(print0, state)
     compiled = compile_layers(model, config, state.device, run.engine, say)
+    request_static_shapes(model, compiled.static_layouts if compiled else config.static_shapes)
     scorer = run.engine.prepare_scorer(ReferenceScorer(model), model, regime, state.device)
     budget, chosen = config.max_tokens_per_batch, "--max-tokens-per-batch"
     if budget is None:  # once loaded: what memory is left decides on an accelerator

@@ -62,10 +62,12 @@ from kto_pipeline.runtime.engines import Engine, engine_for
 from kto_pipeline.runtime.experts import experts_rows_alike
 from kto_pipeline.runtime.launch import launched_processes, print0, process_state, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
-from kto_pipeline.runtime.precision import Regime, StepCasts, check_regime, policy_regime, rows_alike
+from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
-from kto_pipeline.scoring.attention import request_attention_kernel
+from kto_pipeline.scoring.attention import request_attention_kernel, request_static_shapes
+from kto_pipeline.scoring.keys_values import keeping_keys_values
 from kto_pipeline.scoring.packable import packing_leaked, packing_unsupported
+from kto_pipeline.scoring.products import StepCasts, rows_alike
 from kto_pipeline.stages.train.batches import EpochSampler
 from kto_pipeline.stages.train.checks import (
     check_output_dir,
@@ -210,7 +212,8 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     say, device = functools.partial(print0, accelerator), accelerator.device
     rows_alike(model, regime, device)  # as the reference pass's products compute them
     experts_rows_alike(model)  # a token's experts compute it alike in both stages
-    compiled = compile_layers(model, config, device, engine, say, TRAIN_COMPILES_ON)
+    compiled = compile_layers(model, config, device, engine, say, TRAIN_COMPILES_ON, keeping_keys_values)
+    request_static_shapes(model, compiled.static_layouts if compiled else config.static_shapes)
     sampler, loader, eval_loader = loaders(
         config, objective, loss, cache, max_length, accelerator, tokenizer, model, padded_because
     )
