@@ -460,3 +460,35 @@ def test_ahead_keeps_the_order_raises_where_the_item_failed_and_stops_when_left(
             break
     assert len(made) <= 5 + 1 + 2 + 1  # at most the queue's depth and the one in the making beyond what was taken
     assert threads() == running
+
+
+def test_a_ctrl_c_while_the_prefetch_thread_stops_is_raised_once_it_has_stopped():
+    """A Ctrl-C landing while `ahead` waits for its thread to end (a loop closing) is raised only once the thread has
+    ended: a daemon thread left inside torch's C++ code at the interpreter's exit aborts the process (status -6), which
+    an interrupted precompute did now and then."""
+    import queue
+    import threading
+    import time
+
+    from kto_pipeline.runtime import prefetch
+
+    ended = threading.Event()
+
+    def making() -> None:  # a producer still making its item when the stop comes
+        time.sleep(0.3)
+        ended.set()
+
+    class Interrupted(queue.Queue):
+        calls = 0
+
+        def get(self, *args, **kwargs):
+            self.calls += 1
+            if self.calls == 1:
+                raise KeyboardInterrupt  # as a Ctrl-C would, between two bytecodes of the wait
+            return super().get(*args, **kwargs)
+
+    thread = threading.Thread(target=making, daemon=True)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        prefetch._wait_for(thread, Interrupted())
+    assert ended.is_set() and not thread.is_alive()
