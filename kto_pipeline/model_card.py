@@ -27,6 +27,7 @@ from typing import Any
 
 from kto_pipeline.cache import Manifest
 from kto_pipeline.objectives import objective_for
+from kto_pipeline.objectives.base import Objective
 from kto_pipeline.objectives.pairs import PAIR_LOSS_NAMES
 from kto_pipeline.quantization import Quantization
 
@@ -131,10 +132,11 @@ def _pairs_sentence(config: dict[str, Any], what: str, source: str) -> str:
 
 def _pairs_rows(config: dict[str, Any], options: dict[str, Any]) -> list[tuple[str, str]]:
     """The family's options that differ from their defaults."""
+    changed = {name: config.get(name, default) for name, default in options.items()}
     return [
-        (name, _code(config.get(name)) if isinstance(config.get(name), str) else _num(config.get(name)))
-        for name, default in options.items()
-        if config.get(name, default) != default
+        (name, _code(value) if isinstance(value, str) else _num(value))
+        for name, value in changed.items()
+        if value != options[name]
     ]
 
 
@@ -281,10 +283,14 @@ def _loading_snippet(model_path: str, adapter: bool, chat_template: bool, trust_
 
 
 def _settings_rows(
-    config: dict[str, Any], cached_max: int, steps_run: int | None, num_processes: int | None, precision: str | None
+    config: dict[str, Any],
+    objective: Objective,
+    cached_max: int,
+    steps_run: int | None,
+    num_processes: int | None,
+    precision: str | None,
 ):
     per_device, accumulation = config["per_device_train_batch_size"], config["gradient_accumulation_steps"]
-    objective = objective_for(config["loss_type"])
     unit = objective.unit
     if num_processes:
         batch = f"{per_device} x {accumulation} x {num_processes} = {per_device * accumulation * num_processes} {unit}"
@@ -508,7 +514,9 @@ def build_model_card(
         "## Training settings",
         _table(
             ("setting", "value"),
-            _settings_rows(config, manifest.max_length, max(steps) if steps else None, num_processes, precision),
+            _settings_rows(
+                config, objective, manifest.max_length, max(steps) if steps else None, num_processes, precision
+            ),
         ),
         "## The cache it trained on",
         "The reference log-probabilities every reward is measured against; the hashes identify the exact "
