@@ -137,18 +137,19 @@ def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bo
     if adapter is not None and not (adapter / "tokenizer_config.json").exists():
         name = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     source, extra = _gguf_kwargs(name) if is_gguf(name) else (name, {})
+    path = Path(name).expanduser()
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if path.is_dir() and not any((path / f).exists() for f in tokenizer_files):
+        # asked before loading: some transformers versions make a tokenizer of a few tokens from the config alone
+        raise KTOPipelineError(
+            f"{flag} {name}: the directory has no tokenizer ({', '.join(tokenizer_files)}). Save the tokenizer "
+            "beside the model (`tokenizer.save_pretrained(DIR)`)."
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             source, revision=revision, trust_remote_code=trust_remote_code, **extra
         )
     except Exception as exc:
-        path = Path(name).expanduser()
-        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-        if path.is_dir() and not any((path / f).exists() for f in tokenizer_files):
-            raise KTOPipelineError(
-                f"{flag} {name}: the directory has no tokenizer ({', '.join(tokenizer_files)}). Save the tokenizer "
-                "beside the model (`tokenizer.save_pretrained(DIR)`)."
-            ) from exc
         raise KTOPipelineError(f"{flag} {name}: could not load its tokenizer ({type(exc).__name__}: {exc})") from exc
     if is_gguf(name):
         _set_gguf_special_tokens(tokenizer, name)

@@ -81,10 +81,10 @@ _STATEFUL_NAMES = ("Mamba", "Mixer", "DeltaNet", "ShortConv", "Recurrent", "Rwkv
 
 
 def stateful_layers(model, layer_types=None) -> str | None:
-    """What in `model`'s decoder layers carries state along the sequence, or None: layer types other than attention
-    (`conv`, `linear_attention`, `hybrid`, `mamba`), and modules that hold a convolution over the sequence or are
-    named for a state-space or recurrent mixer. Such a layer lets one sequence of a packed row reach the next."""
-    found = sorted(set(layer_types or ()) - ATTENTION_LAYER_TYPES)
+    """What in `model`'s decoder layers carries state along the sequence, or None: the modules that hold a convolution
+    over the sequence or are named for a state-space or recurrent mixer, else the layer types other than attention
+    (`conv`, `linear_attention`, `hybrid`, `mamba`; a config declares them in some transformers versions, not in
+    others, so the modules come first). Such a layer lets one sequence of a packed row reach the next."""
     try:
         layers = getattr(decoder_body(model), "layers", None) or [model]
     except ValueError:  # no backbone: the whole model
@@ -95,5 +95,5 @@ def stateful_layers(model, layer_types=None) -> str | None:
             name = type(module).__name__
             if isinstance(module, torch.nn.Conv1d) or any(part in name for part in _STATEFUL_NAMES):
                 classes.add(name)
-    found += sorted(classes - {"Conv1d"}) or sorted(classes)
+    found = sorted(classes - {"Conv1d"}) or sorted(classes) or sorted(set(layer_types or ()) - ATTENTION_LAYER_TYPES)
     return ", ".join(found) if found else None
