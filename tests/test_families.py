@@ -165,7 +165,7 @@ def test_a_tokens_experts_compute_it_alike_however_many_tokens_they_get(family):
     experts = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "deepseek_v3": "n_routed_experts"}
     model = build_family(family, build_char_tokenizer(), **{experts.get(family, "num_experts"): 8})
     assert experts_rows_alike(model)
-    module = next(m for m in model.modules() if getattr(m, "config", None) is not None and hasattr(m, "is_transposed"))
+    module = next(m for m in model.modules() if getattr(m, "config", None) is not None and hasattr(m, "has_gate"))
     assert module.config._experts_implementation == IMPLEMENTATION
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(40, model.config.hidden_size, generator=generator)

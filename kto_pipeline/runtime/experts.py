@@ -41,7 +41,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
             continue
         position, token = torch.where(mask[expert])
         state = hidden_states[token]
-        if getattr(self, "has_gate", True):  # transformers 5.2: gated experts only, no flag
+        if self.has_gate:
             gate_up = _product(state, self.gate_up_proj[expert], self.is_transposed)
             if self.has_bias:
                 gate_up = gate_up + self.gate_up_proj_bias[expert]
@@ -70,7 +70,7 @@ def experts_rows_alike(model: torch.nn.Module) -> bool:
     them through its experts implementations and their layout is one this knows. Whether any did."""
     configs = []
     for module in model.modules():
-        known = all(hasattr(module, name) for name in ("has_bias", "is_transposed", "down_proj"))
+        known = all(hasattr(module, name) for name in ("has_gate", "has_bias", "is_transposed", "down_proj"))
         if not known or getattr(module, "has_post_expert_norm", False):
             continue
         config = getattr(module, "config", None)
