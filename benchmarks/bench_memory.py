@@ -126,7 +126,7 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
 
     from kto_pipeline.demo.tiny import build_char_tokenizer
     from kto_pipeline.memory import StepMemory, build_model, memory_tracker
-    from kto_pipeline.memory.simulation import breakdown, device_decisions, init_optimizer_state
+    from kto_pipeline.memory.simulation import breakdown, init_optimizer_state
 
     tokenizer = build_char_tokenizer(model_config.vocab_size)
     mode = _trl_fake_mode()
@@ -159,7 +159,7 @@ def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tup
     tracker.track_external(model, optimizer)
     if trainer.ref_model is not None:
         tracker.track_external(trainer.ref_model)
-    with patched(trl_on_a_cuda_device()), device_decisions(settings.device_type), mode, tracker:
+    with patched(trl_on_a_cuda_device()), mode, tracker:
         before = tracker._device_total(tracker.get_tracker_snapshot()[dev])
         trainer.training_step(model, inputs)  # the loss it returns is dropped at once
         trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

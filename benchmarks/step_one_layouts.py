@@ -83,7 +83,7 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
     """kernel -> [(hidden diff or None, log-prob diff) or the reason it did not run, per LAYOUTS]."""
     from kto_pipeline.models import backbone_of, load_model
     from kto_pipeline.runtime.precision import Regime
-    from kto_pipeline.scoring.attention import attention_costs, request_attention_kernel
+    from kto_pipeline.scoring.attention import attention_costs, choose_kernel
     from kto_pipeline.scoring.head import head_logps
     from kto_pipeline.scoring.logprobs import score_layout, score_policy
     from kto_pipeline.scoring.packing import layout_trees
@@ -98,11 +98,11 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
     backbone_of(model).register_forward_hook(lambda module, args, out: hidden.append(out.last_hidden_state))
     ours = torch.arange(2 * TREES)  # the 4 trees' sequences (completion, KL completion): numbered first
 
-    def scored(layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def scored(layout, attention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the trees' scored tokens' hidden states, their sequences' log-probs, the head's inputs)."""
         hidden.clear()
         with torch.no_grad():
-            logps = score_layout(model, layout.to(device), with_stats=False).logps[ours]
+            logps = score_layout(model, layout.to(device), attention, with_stats=False).logps[ours]
         mine = (layout.sequence < 2 * TREES).to(device)
         predictor = layout.predictor.to(device)[mine]
         targets = layout.input_ids.to(device).reshape(-1)[layout.target.to(device)[mine]]
@@ -113,7 +113,8 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
 
     results = {}
     for kernel, blocked in [*((k, False) for k in kernels), *((k, True) for k in BLOCKED if k in kernels)]:
-        chosen, why = request_attention_kernel(model.eval(), kernel, device)  # (for the reference pass)
+        chosen, why = choose_kernel(model.eval(), kernel, device)  # (for the reference pass)
+        attention = attention_costs(model, chosen)
         block = row_block(torch.bfloat16, torch.device(device).type)
         column = f"{chosen}, products in blocks of {block} rows" if blocked else chosen
         if why is not None:
@@ -125,9 +126,9 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
         cells = []
         with torch.autocast(device, dtype=torch.bfloat16):
             model.eval()
-            base_hidden, base, targets = scored(layout_trees(trees, rows["first"]))
+            base_hidden, base, targets = scored(layout_trees(trees, rows["first"]), attention)
             for name in ("first", "aligned", "unaligned", "tile", "wider"):
-                h, logps, _ = scored(layout_trees(trees, rows[name]))
+                h, logps, _ = scored(layout_trees(trees, rows[name]), attention)
                 cells.append((diff(h, base_hidden), diff(logps, base)))
             with torch.no_grad():  # the head alone: HEAD_SHIFT other rows first, then the same hidden states
                 before = torch.randn(HEAD_SHIFT, base_hidden.shape[1], device=device, dtype=base_hidden.dtype)
@@ -140,15 +141,14 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
             # aligned as the stages align them, against the reference pass's rows laid out alike (the larger of the
             # two forwards' differences)
             grad = not (chosen == "block-mask" and device == "cpu")
-            align = attention_costs(model, device).align
-            for stage_align, as_staged in ((1, False), (align, True)):
+            for stage_align, as_staged in ((1, False), (attention.align, True)):
                 if as_staged:
                     model.eval()
-                    base = scored(layout_trees(trees, rows["first"], align=stage_align))[1]
+                    base = scored(layout_trees(trees, rows["first"], align=stage_align), attention)[1]
                 model.train(grad)
                 layout = layout_trees(trees[:TREES], [first], split_last=True, align=stage_align).to(device)
                 with torch.set_grad_enabled(grad):
-                    policy = score_policy(model, layout, with_stats=False)
+                    policy = score_policy(model, layout, attention, with_stats=False)
                 if grad and as_staged:  # and its backward runs (the kernel's gradient under the same mask)
                     policy.completions.logps.float().sum().backward()
                     model.zero_grad(set_to_none=True)

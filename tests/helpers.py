@@ -404,3 +404,11 @@ def reorder_bound(terms: int, magnitude, dtype=None):
 
     u = torch.finfo(dtype or torch.float32).eps / 2
     return 2 * terms * u / (1 - terms * u) * magnitude
+
+
+def cpu_attention(model, kernel: str = "auto"):
+    """How `model`'s packed rows attend on the CPU where `kernel` is asked for, as the stages' plan decides it
+    (`choose_kernel`, in the model's mode now), for the scorers that take it."""
+    from kto_pipeline.scoring.attention import attention_costs, choose_kernel
+
+    return attention_costs(model, choose_kernel(model, kernel, "cpu")[0])

@@ -8,7 +8,6 @@ and under bf16 autocast. The compiled GPU kernel never ran here.
 
 import dataclasses
 import itertools
-import logging
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from test_packing import make_model, random_trees
 
 from kto_pipeline.scoring import attention
 from kto_pipeline.scoring import block_mask as flex_kernel
-from kto_pipeline.scoring.attention import attention_costs, attention_kernel, request_attention_kernel, tree_mask
+from kto_pipeline.scoring.attention import attention_costs, choose_kernel, tree_mask
 from kto_pipeline.scoring.block_mask import BLOCK_SIZE, KEY_TILE, AttentionPairs, block_mask
 from kto_pipeline.scoring.logprobs import score_layout, score_policy
 from kto_pipeline.scoring.packing import AttentionCosts, block_pairs, last_continuations, layout_trees, pack_rows
@@ -25,15 +24,16 @@ from kto_pipeline.scoring.packing import AttentionCosts, block_pairs, last_conti
 
 def forwards(model, trees, kernel: str, bf16: bool) -> list[torch.Tensor]:
     """Per-token log-probs of the reference pass's layout and of training's two forwards (KL in rows, gathered)."""
-    assert request_attention_kernel(model, kernel, "cpu") == (kernel, None)
-    align = attention_costs(model, "cpu").align  # as the stages lay them out: segments on the key tiles (block mask)
+    assert choose_kernel(model, kernel, "cpu") == (kernel, None)
+    costs = attention_costs(model, kernel)
+    align = costs.align  # as the stages lay them out: segments on the key tiles (block mask)
     assert align == (KEY_TILE if kernel == "block-mask" else 1)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         reference = layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5, align=align)
-        out = [score_layout(model, reference).token_logps]
+        out = [score_layout(model, reference, costs).token_logps]
         for gather in (False, True):
             layout = layout_trees(trees, [[0, 5], [1, 2, 3], [4]], split_last=True, align=align)
-            scores = score_policy(model, layout, gather_kl=gather)
+            scores = score_policy(model, layout, costs, gather_kl=gather)
             assert scores.kl_on_cached_prompt
             out += [scores.completions.token_logps, scores.kl.token_logps]
     assert model.config._attn_implementation == "sdpa"  # restored after every forward
@@ -210,9 +210,8 @@ def test_packing_under_a_block_mask_takes_the_fewest_rows():
     the trees go into few rows, with little padding."""
     model = make_model("llama")
     sizes = [400, 380, 350, 300, 260, 220, 200, 150, 120, 90, 60, 40]
-    dense = pack_rows(sizes, None, AttentionCosts(pair=attention_costs(model, "cpu").pair))
-    request_attention_kernel(model, "block-mask", "cpu")
-    costs = attention_costs(model, "cpu")
+    dense = pack_rows(sizes, None, AttentionCosts(pair=attention_costs(model, "dense").pair))
+    costs = attention_costs(model, "block-mask")
     assert costs.block == BLOCK_SIZE
     blocked = pack_rows(sizes, None, costs)
     assert len(blocked) < len(dense)
@@ -223,30 +222,25 @@ def test_packing_under_a_block_mask_takes_the_fewest_rows():
     assert padding(blocked) <= padding(dense)
 
 
-def test_a_kernel_that_cannot_run_falls_back_and_says_why_once(caplog):
+def test_a_kernel_that_cannot_run_falls_back_and_says_why():
     """A model in training on the CPU (no FlexAttention backward there) falls back to by-tree; a model whose attention
-    is neither sdpa nor eager (a flash kernel) asked for by-tree to dense; "auto" on an accelerator is the block mask.
-    Each reason is logged once."""
+    is neither sdpa nor eager (a flash kernel) to dense; "auto" on an accelerator is the block mask. The reason comes
+    with the kernel chosen, for the stage to say once."""
     model = make_model("llama").train()
-    assert attention_kernel(model, "cuda") == "block-mask"
-    request_attention_kernel(model, "auto", "cpu")
-    assert attention_kernel(model, "cpu") == "by-tree"
-    kernel, why = request_attention_kernel(model, "block-mask", "cpu")
+    assert choose_kernel(model, "auto", "cuda") == ("block-mask", None)
+    assert choose_kernel(model, "auto", "cpu") == ("by-tree", None)
+    kernel, why = choose_kernel(model, "block-mask", "cpu")
     assert kernel == "by-tree" and "no FlexAttention backward on the CPU" in why and "by-tree kernel runs" in why
-    assert attention_kernel(model.eval(), "cpu") == "block-mask"
+    assert choose_kernel(model.eval(), "block-mask", "cpu") == ("block-mask", None)
     flash = make_model("llama")
     flash.config._attn_implementation = "flash_attention_2"
-    with caplog.at_level(logging.WARNING, logger="kto_pipeline.scoring.attention"):
-        for _ in range(3):
-            request_attention_kernel(flash, "auto", "cpu")
-            assert attention_kernel(flash, "cpu") == "dense"
-    told = [r.getMessage() for r in caplog.records if "flash_attention_2 attention, not sdpa" in r.getMessage()]
-    assert len(told) <= 1  # once in the process: this test or an earlier one may have said it
+    kernel, why = choose_kernel(flash, "auto", "cpu")
+    assert kernel == "dense" and "flash_attention_2 attention, not sdpa" in why and "dense kernel runs" in why
     with pytest.raises(ValueError, match="expected one of auto, by-tree, block-mask, dense"):
-        request_attention_kernel(model, "flash", "cpu")
+        choose_kernel(model, "flash", "cpu")
 
 
-def test_estimate_memory_runs_the_block_mask_on_a_gpu():
+def test_estimate_memory_runs_the_block_mask_on_a_gpu(monkeypatch):
     """`estimate-memory` decides as the device would: on "cuda", packed rows under a block mask (the fused kernel's
     saved tensors on fake tensors), which packs a batch into fewer rows than the dense mask did."""
     from transformers import LlamaConfig
@@ -263,18 +257,15 @@ def test_estimate_memory_runs_the_block_mask_on_a_gpu():
     )
     rows = synthetic_rows(8, 256, "full", config.vocab_size)
     calls = []
-    original = attention.attention_kernel
+    original = attention.choose_kernel
 
-    def spy(model, device):
-        calls.append(original(model, device))
-        return calls[-1]
+    def spy(model, asked, device):
+        calls.append(original(model, asked, device)[0])
+        return calls[-1], None
 
-    attention.attention_kernel, saved = spy, attention.attention_kernel
-    try:
-        step = simulate_ours(config, rows, StepSettings(bf16=True, device_type="cuda"), fake=True)
-    finally:
-        attention.attention_kernel = saved
-    assert calls and set(calls) == {"block-mask"}
+    monkeypatch.setattr(attention, "choose_kernel", spy)
+    step = simulate_ours(config, rows, StepSettings(bf16=True, device_type="cuda"), fake=True)
+    assert calls == ["block-mask"]
     assert step.peak_bytes > 0 and step.tokens_executed >= sum(1 for r in rows for _ in r["completion_ids"])
 
 

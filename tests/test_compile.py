@@ -300,7 +300,7 @@ def test_cuda_graph_modes_compile_static_where_the_parameters_stay_and_mark_each
     request.addfinalizer(lambda: limit.__exit__(None, None, None))
     stats = compiled.compile_layers(model, _asked(None, "reduce-overhead"), cuda, ONE_PROCESS, said.append)
     assert stats is not None and stats.cuda_graphs and stats.mode == "reduce-overhead", said
-    assert stats.static_layouts, said  # the stage requests them of the layouts (`request_static_shapes`)
+    assert stats.static_layouts, said  # the plan takes them for the layouts (`plan_scoring`)
     assert any("take a few fixed shapes (as under --static-shapes" in line for line in said), said
     assert said[-1].endswith("compiled region(s), mode reduce-overhead")
     plain = SimpleNamespace(gradient_checkpointing=False)
@@ -379,7 +379,7 @@ def test_compiled_layers_score_packed_as_padded_and_as_full_logits(kernel, monke
     from test_packing import ATOL, assert_same, full_logits_logps, make_model, padded_logps, random_trees
 
     from kto_pipeline.runtime.compiled import compile_layers
-    from kto_pipeline.scoring import attention
+    from kto_pipeline.scoring.attention import attention_costs
     from kto_pipeline.scoring.logprobs import score_layout
     from kto_pipeline.scoring.packing import layout_trees
 
@@ -387,11 +387,10 @@ def test_compiled_layers_score_packed_as_padded_and_as_full_logits(kernel, monke
     trees = random_trees(7)
     want = full_logits_logps(model, trees)  # eager, before compiling
     assert compile_layers(model, _asked(True), torch.device("cpu"), ONE_PROCESS, print) is not None
-    attention.request_attention_kernel(model, kernel, torch.device("cpu"))
     assert_same(padded_logps(model, trees), want)
     layout = layout_trees(trees, rows=[[0, 1, 2], [3], [4, 5, 6]], pad_id=5)
     with torch.no_grad():
-        scores = score_layout(model, layout, chunk_size=5)
+        scores = score_layout(model, layout, attention_costs(model, kernel), chunk_size=5)
     assert_same(scores.per_sequence(), want)
     torch.testing.assert_close(scores.logps, torch.stack([w.sum() for w in want]), atol=10 * ATOL, rtol=0)
 

@@ -10,15 +10,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import cpu_attention
 
 from kto_pipeline.scoring import attention
 from kto_pipeline.scoring import by_tree as by_tree_kernel
-from kto_pipeline.scoring.attention import (
-    attention_kernel,
-    checkpointing_kwargs,
-    enable_checkpointing,
-    request_attention_kernel,
-)
+from kto_pipeline.scoring.attention import attention_costs, checkpointing_kwargs, choose_kernel, enable_checkpointing
 from kto_pipeline.scoring.logprobs import score_layout, score_policy, score_sequences
 from kto_pipeline.scoring.packable import packing_unsupported
 from kto_pipeline.scoring.packing import MAX_ROW_TOKENS, AttentionCosts, last_continuations, layout_trees, pack_rows
@@ -116,7 +112,7 @@ def test_shared_prefix_layout_equals_padded_and_full_logits(kind):
     # several rows, right-padded to the longest, trees split unevenly across them
     layout = layout_trees(trees, rows=[[0, 1, 2], [3], [4, 5, 6]], pad_id=5)
     with torch.no_grad():
-        scores = score_layout(model, layout, chunk_size=5)
+        scores = score_layout(model, layout, chunk_size=5, attention=cpu_attention(model))
     assert layout.tokens() == sum(len(p) + sum(map(len, c)) for p, c in trees)  # each prompt once
     assert_same(scores.per_sequence(), want)
     torch.testing.assert_close(scores.logps, torch.stack([w.sum() for w in want]), atol=1e-4, rtol=0)
@@ -126,7 +122,7 @@ def test_eager_attention_takes_the_additive_mask():
     model = make_model("llama", attn_implementation="eager")
     trees = random_trees(4, seed=1)
     with torch.no_grad():
-        scores = score_layout(model, layout_trees(trees, rows=[[0, 1], [2, 3]]))
+        scores = score_layout(model, layout_trees(trees, rows=[[0, 1], [2, 3]]), attention=cpu_attention(model))
     assert_same(scores.per_sequence(), full_logits_logps(model, trees))
 
 
@@ -145,7 +141,7 @@ def test_kl_forward_on_cached_prompt_equals_separate_forwards(kind, rows, gather
     model = make_model(kind)
     trees = random_trees(6, seed=2)
     layout = layout_trees(trees, rows, split_last=True)
-    scores = score_policy(model, layout, chunk_size=6, gather_kl=gather)
+    scores = score_policy(model, layout, chunk_size=6, gather_kl=gather, attention=cpu_attention(model))
     main, kl = scores.completions, scores.kl
     assert scores.kl_on_cached_prompt
     r, width = layout.input_ids.shape
@@ -189,7 +185,7 @@ def test_gradient_checkpointing_without_the_cache_runs_the_prompt_again_for_the_
     model.train()
     trees = random_trees(5, seed=3)
     layout = layout_trees(trees, [[0, 1], [2, 3, 4]], split_last=True)
-    scores = score_policy(model, layout)
+    scores = score_policy(model, layout, attention=cpu_attention(model))
     assert not scores.kl_on_cached_prompt
     rows, width = layout.input_ids.shape
     assert scores.tokens_executed == rows * layout.split + rows * width
@@ -197,7 +193,7 @@ def test_gradient_checkpointing_without_the_cache_runs_the_prompt_again_for_the_
     want = padded_logps(model, trees)
     assert_same(scores.completions.per_sequence(), want[0::2])
     assert_same(scores.kl.per_sequence(), want[1::2])
-    no_kl = score_policy(model, layout, with_kl=False)
+    no_kl = score_policy(model, layout, with_kl=False, attention=cpu_attention(model))
     assert no_kl.kl is None and no_kl.tokens_executed == rows * layout.split
 
 
@@ -218,7 +214,7 @@ def test_checkpointed_layers_keep_the_prompts_keys_values_for_the_kl(gather):
         if checkpointing:
             enable_checkpointing(model)
         model.train()
-        scores = score_policy(model, layout, gather_kl=gather)
+        scores = score_policy(model, layout, gather_kl=gather, attention=cpu_attention(model))
         assert scores.kl_on_cached_prompt
         scores.completions.logps.sum().backward()
         results[checkpointing] = scores, [p.grad for p in model.parameters()]
@@ -348,24 +344,27 @@ def test_tree_by_tree_attention_equals_the_dense_mask(kind, implementation, monk
     (KL in rows and gathered)."""
 
     model = make_model(kind, attn_implementation=implementation)
-    assert attention_kernel(model, "cpu") == "by-tree"
+    assert choose_kernel(model, "auto", "cpu") == ("by-tree", None)
     flash = make_model(kind)
     flash.config._attn_implementation = "flash_attention_2"
-    assert attention_kernel(flash, "cpu") == "dense"
+    assert choose_kernel(flash, "auto", "cpu")[0] == "dense"
     trees = random_trees(6, seed=5)
     calls = []
 
     def run(by_tree: bool):
-        assert request_attention_kernel(model, "by-tree" if by_tree else "dense", "cpu") == (
-            ("by-tree" if by_tree else "dense"),
-            None,
-        )
+        kernel = "by-tree" if by_tree else "dense"
+        assert choose_kernel(model, kernel, "cpu") == (kernel, None)
         with torch.no_grad():
-            reference = score_layout(model, layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5))
+            reference = score_layout(
+                model, layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5), attention_costs(model, kernel)
+            )
         results = [reference.token_logps]
         for gather in (False, True):
             scores = score_policy(
-                model, layout_trees(trees, [[0, 5], [1, 2, 3], [4]], split_last=True), gather_kl=gather
+                model,
+                layout_trees(trees, [[0, 5], [1, 2, 3], [4]], split_last=True),
+                attention_costs(model, kernel),
+                gather_kl=gather,
             )
             (scores.completions.logps * torch.linspace(-1, 1, len(trees))).sum().backward()
             results += [scores.completions.token_logps.detach(), scores.kl.token_logps]
@@ -404,16 +403,22 @@ def test_a_sequence_scores_alike_in_every_layout(dtype):
         return [t.float() for t in scores.per_sequence()[: len(sequences)]]
 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=exact), torch.no_grad():
-        packed = score_layout(model, layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5)).per_sequence()
-        alone = [t for i in range(len(trees)) for t in score_layout(model, layout_trees([trees[i]])).per_sequence()]
+        packed = score_layout(
+            model, layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5), attention=cpu_attention(model)
+        ).per_sequence()
+        alone = [
+            t
+            for i in range(len(trees))
+            for t in score_layout(model, layout_trees([trees[i]]), attention=cpu_attention(model)).per_sequence()
+        ]
         policy = []
         for gather, align in ((False, 1), (True, 1), (False, 8), (True, 8)):  # align: segments as under a block mask
             layout = layout_trees(trees, [[0, 5], [1, 2, 3], [4]], split_last=True, align=align)
-            scores = score_policy(model, layout, gather_kl=gather)
+            scores = score_policy(model, layout, gather_kl=gather, attention=cpu_attention(model))
             completions, kl = scores.completions.per_sequence(), scores.kl.per_sequence()
             policy.append([t for pair in zip(completions, kl, strict=True) for t in pair])
         aligned = layout_trees(trees, rows=[[0, 1, 2], [3, 4], [5]], pad_id=5, align=8)
-        policy.append(score_layout(model, aligned).per_sequence())
+        policy.append(score_layout(model, aligned, attention=cpu_attention(model)).per_sequence())
     for other in (alone, *policy):
         for a, b in zip(packed, other, strict=True):
             if exact:
@@ -440,10 +445,12 @@ def test_gradient_checkpointing_recomputes_with_the_forwards_attention(monkeypat
             if checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
             model.train()
-            assert attention_kernel(model, "cpu") == "by-tree"
+            assert choose_kernel(model, "auto", "cpu")[0] == "by-tree"
             calls.clear()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                scores = score_policy(model, layout_trees(trees, [[0, 1, 2, 3, 4]], split_last=True))
+                scores = score_policy(
+                    model, layout_trees(trees, [[0, 1, 2, 3, 4]], split_last=True), attention=cpu_attention(model)
+                )
             forward_calls = len(calls)
             scores.completions.logps.sum().backward()
             assert model.config._attn_implementation == "sdpa"  # restored
@@ -502,14 +509,18 @@ def test_static_shapes_pad_layouts_to_few_sizes_and_score_alike():
     want = full_logits_logps(model, trees)
     sizes = {static_width(n) for n in range(1, 4096)}
     for kernel in ("by-tree", "dense"):
-        attention.request_attention_kernel(model, kernel, torch.device("cpu"))
         layout = layout_trees(trees, rows=[[0, 1, 2], [3], [4, 5, 6]], pad_id=5, split_last=True, static=True)
         assert layout.input_ids.shape[0] == 4 and layout.width in sizes and layout.split in sizes, layout.width
         plain = layout_trees(trees, rows=[[0, 1, 2], [3], [4, 5, 6]], pad_id=5, split_last=True)
         assert layout.width > plain.width and layout.tokens() == plain.tokens()
         static_layout = layout_trees(trees, rows=[[0, 1, 2], [3], [4, 5, 6]], pad_id=5, static=True)
         with torch.no_grad():
-            assert_same(score_layout(model, static_layout, chunk_size=5).per_sequence(), want)
+            assert_same(
+                score_layout(
+                    model, static_layout, attention_costs(model, kernel, static=True), chunk_size=5
+                ).per_sequence(),
+                want,
+            )
     lengths = [int(n) for n in torch.randint(20, 300, (60,), generator=torch.Generator().manual_seed(0))]
     costs = AttentionCosts(pair=0.01, static=True)
     for batch in pack_trees(lengths, batch_size=64, max_tokens=2048, costs=costs):

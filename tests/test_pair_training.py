@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
-from helpers import host_reads_per_step, read_metrics, train_config, write_jsonl
+from helpers import cpu_attention, host_reads_per_step, read_metrics, train_config, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
 from kto_pipeline.objectives.pairs import CachePairs, PairCollator
-from kto_pipeline.stages.train import stage as train_module
+from kto_pipeline.scoring import plan as plan_module
 from kto_pipeline.stages.train.step import PolicyScorer
 
 
@@ -54,7 +54,7 @@ def test_policy_equals_reference_at_step_one(pair_cache, tiny_model_dir, packed,
     assert len(items) == 12
     batch = PairCollator(pad_id=0, packed=packed, ld_alpha=ld_alpha)([items[i] for i in range(len(items))])
     with torch.no_grad():
-        scores = PolicyScorer(model)(batch).completions
+        scores = PolicyScorer(model, cpu_attention(model))(batch).completions
     logps = scores.logps
     if ld_alpha is not None:
         lengths = (batch["chosen_length"], batch["rejected_length"])
@@ -83,7 +83,7 @@ def test_packed_training_equals_padded_training(pair_cache, tmp_path, monkeypatc
     settings = dict(loss_type=loss_type, train_sampling_strategy="sequential", max_steps=3, learning_rate=1e-3)
     packed = train(cfg(pair_cache, tmp_path / "packed", **settings))
     with monkeypatch.context() as mp:
-        mp.setattr(train_module, "packing_unsupported", lambda model: "attention implementation 'x'")
+        mp.setattr(plan_module, "packing_unsupported", lambda model: "attention implementation 'x'")
         padded = train(cfg(pair_cache, tmp_path / "padded", **settings))
     assert len(packed.metrics) == len(padded.metrics) == 3
     for a, b in zip(packed.metrics, padded.metrics, strict=True):

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 import torch
 from datasets import Dataset
-from helpers import conversational_rows, unpaired_rows, write_jsonl
+from helpers import conversational_rows, cpu_attention, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute
 from kto_pipeline.cache import SCHEMA, open_cache
@@ -232,14 +232,15 @@ def test_progress_is_reported_per_forward_pass(tiny_model_dir, packed):
     tokens the sequences need and the tokens the pass ran, padding included."""
     from transformers import AutoModelForCausalLM
 
-    from kto_pipeline.scoring.logprobs import score_shard
+    from kto_pipeline.scoring.logprobs import ReferenceScorer, score_shard
     from kto_pipeline.scoring.packing import ScoredSequence, pack_batches, pack_trees
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     trees = [([5, 6, 7], [list(range(8, 10 + i)), list(range(8, 11 + i))]) for i in range(5)]
     calls = []
+    scorer = ReferenceScorer(model, cpu_attention(model))
     out = score_shard(
-        model, trees, 0, batch_size=3, max_tokens=40, device="cpu", on_batch=lambda *c: calls.append(c), packed=packed
+        scorer, trees, 0, batch_size=3, max_tokens=40, device="cpu", on_batch=lambda *c: calls.append(c), packed=packed
     )
     assert [len(o) for pair in out for o in pair] == [len(c) for _, conts in trees for c in conts]
     if packed:  # trees (prompt once) side by side in rows as wide as the largest tree
@@ -275,7 +276,7 @@ def test_a_forwards_values_are_read_once_the_next_forward_is_queued(tiny_model_d
     monkeypatch.setattr(HostCopy, "read", lambda self: events.append("read") or read(self))
     monkeypatch.setattr(logprobs, "pack_trees", lambda sizes, *a: [[[t]] for t in range(len(sizes))])  # a tree a pass
     monkeypatch.setattr(logprobs, "pack_batches", lambda seqs, *a: [[s] for s in seqs])  # a sequence a pass
-    out = score_shard(model, trees, 0, batch_size=3, max_tokens=40, device="cpu", packed=packed)
+    out = score_shard(ReferenceScorer(model, cpu_attention(model)), trees, 0, 3, 40, device="cpu", packed=packed)
     passes = events.count("forward")
     assert passes == (5 if packed else 10) and events == ["forward"] + ["forward", "read"] * (passes - 1) + ["read"]
     for (prompt, continuations), scored in zip(trees, out, strict=True):
@@ -313,8 +314,8 @@ def test_padded_fallback_gives_the_same_cache(tmp_path, tiny_model_dir, unpaired
         run = stage.setup(PrecomputeConfig(str(tiny_model_dir), str(unpaired_file), str(tmp_path / "b")), peaks)
         run.prepared = stage.prepare_rows(run.config, run.tokenizer, run.state)
         stage.load_reference(run)
-        assert run.padded_because is None
-        run.padded_because = "attention implementation 'x'"
+        assert run.reference.plan.padded_because is None
+        run.reference.plan = run.reference.plan.padded("attention implementation 'x'")
         assert stage.plan_output(run)
         stage.score_shards(run)
         stage.finish(run)
@@ -378,7 +379,7 @@ def test_a_forwards_memory_stays_within_its_estimate(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from kto_pipeline.memory.simulation import memory_tracker
-    from kto_pipeline.scoring.attention import CHUNK_LOGITS_BYTES, forward_bytes_per_token, request_attention_kernel
+    from kto_pipeline.scoring.attention import CHUNK_LOGITS_BYTES, attention_costs, forward_bytes_per_token
     from kto_pipeline.scoring.logprobs import ReferenceScorer
     from kto_pipeline.scoring.packing import layout_trees
 
@@ -386,12 +387,12 @@ def test_a_forwards_memory_stays_within_its_estimate(tiny_model_dir):
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     trees = [([5] * 60, [[6] * 50, [7] * 50]) for _ in range(32)]
     for kernel in ("by-tree", "dense"):
-        request_attention_kernel(model, kernel, "cpu")
+        scorer = ReferenceScorer(model, attention_costs(model, kernel))
         for per_row in (1, 4):
             layout = layout_trees(trees, [list(range(i, i + per_row)) for i in range(0, 32, per_row)])
             tracker = memory_tracker()
             with torch.inference_mode(), tracker:
-                ReferenceScorer(model)(layout=layout)
+                scorer(layout=layout)
             peak = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
             tokens = layout.input_ids.numel()
             held = peak - weights - min(2 * tokens * model.config.vocab_size * 4, 2 * CHUNK_LOGITS_BYTES)

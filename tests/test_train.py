@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import host_reads_per_step, read_metrics, train_config, unpaired_rows, write_jsonl
+from helpers import cpu_attention, host_reads_per_step, read_metrics, train_config, unpaired_rows, write_jsonl
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute, train
 from kto_pipeline.cache import open_cache
 from kto_pipeline.files import sha256_file
 from kto_pipeline.objectives.kto import CacheRows, Collator, imbalance_warning, pair_accuracy
-from kto_pipeline.stages.train import stage as train_module
+from kto_pipeline.scoring import plan as plan_module
 from kto_pipeline.stages.train.batches import EpochSampler
 from kto_pipeline.stages.train.step import PolicyScorer
 
@@ -29,7 +29,7 @@ def test_policy_equals_reference_at_step_one(small_cache, tiny_model_dir, packed
     rows = CacheRows(open_cache(small_cache), 64)
     batch = Collator(pad_id=0, packed=packed)([rows[i] for i in range(len(rows))])
     with torch.no_grad():
-        scored = PolicyScorer(model)(batch)
+        scored = PolicyScorer(model, cpu_attention(model))(batch)
     assert scored.kl_on_cached_prompt == packed
     assert (scored.completions.logps - batch["ref_logp"]).abs().max() < 1e-4
     assert (scored.kl.logps - batch["ref_kl_logp"]).abs().max() < 1e-4
@@ -260,7 +260,7 @@ def test_packed_training_equals_padded_training(small_cache, tmp_path, monkeypat
 
     packed = train(cfg(small_cache, tmp_path / "packed", train_sampling_strategy="sequential"))
     with monkeypatch.context() as mp:
-        mp.setattr(train_module, "packing_unsupported", lambda model: "attention implementation 'x'")
+        mp.setattr(plan_module, "packing_unsupported", lambda model: "attention implementation 'x'")
         padded = train(cfg(small_cache, tmp_path / "padded", train_sampling_strategy="sequential"))
     for a, b in zip(packed.metrics, padded.metrics, strict=True):
         assert a.keys() == b.keys()

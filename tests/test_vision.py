@@ -18,9 +18,8 @@ from kto_pipeline.config import PrecomputeConfig, TrainConfig
 from kto_pipeline.demo.tiny_vision import save_tiny_vlm, toy_images
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.images import tokenize_image_row
-from kto_pipeline.stages.precompute import stage as precompute_module
+from kto_pipeline.scoring import plan as plan_module
 from kto_pipeline.stages.precompute.stage import precompute
-from kto_pipeline.stages.train import stage as train_module
 from kto_pipeline.stages.train.stage import train
 
 MAX_LENGTH = 80
@@ -108,7 +107,7 @@ def caches(request, unpaired_file, tmp_path_factory):
     work = tmp_path_factory.mktemp("vision-caches")
     packed = _precompute(model_dir, unpaired_file, work / "packed")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(precompute_module, "packing_unsupported", lambda model: "attention implementation 'x'")
+        mp.setattr(plan_module, "packing_unsupported", lambda model: "attention implementation 'x'")
         padded = _precompute(model_dir, unpaired_file, work / "padded")
     return model_dir, packed, padded
 
@@ -167,8 +166,7 @@ def test_step_one_rewards_zero_packed_equals_padded(llava_dir, unpaired_file, pa
     sequential = dict(loss_type=loss_type, train_sampling_strategy="sequential")  # the same batches both ways
     logs = _train(packed, tmp_path / "run-packed", **sequential)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(precompute_module, "packing_unsupported", lambda model: "attention implementation 'x'")
-        mp.setattr(train_module, "packing_unsupported", lambda model: "attention implementation 'x'")
+        mp.setattr(plan_module, "packing_unsupported", lambda model: "attention implementation 'x'")  # both stages
         padded = _precompute(llava_dir, data, tmp_path / "padded")
         padded_logs = _train(padded, tmp_path / "run-padded", **sequential)
     first = logs[0]

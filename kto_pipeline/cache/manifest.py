@@ -235,7 +235,7 @@ def new_manifest(
     content hash, max_length, dtype and autocast, kl_seed, shard_size); a cache is reused only when it matches.
     `padded_because`: why the reference pass ran every sequence on its own, padded; None when it ran packed.
     `pairs`: {complete, rows_without_partner} (`Manifest.pairs`).
-    `attention_kernel`: how its packed rows attended (`attention.attention_kernel`).
+    `attention_kernel`: how its packed rows attended (`attention.choose_kernel`).
     `distributed`: how the reference ran, e.g. {"engine": "fsdp2", "world_size": 2} (not in the fingerprint: the
     values do not depend on it).
     `images` (rows with images): {column, root, processor_hash, images}; the cache is then format version 3.

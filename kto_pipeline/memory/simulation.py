@@ -311,19 +311,12 @@ def breakdown(snap: dict, offload: bool) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------ the model
 
 
-@contextmanager
-def device_decisions(device_type: str):
-    """Within the block, the scoring decides as it would on `device_type`, whatever device the simulation's tensors
-    are on: the attention kernel (`attention.attention_kernel`: on a GPU, FlexAttention under a block mask) and the
-    packing that follows from it."""
-    from kto_pipeline.scoring import attention
+def step_attention(model, device_type: str):
+    """How the simulated step's packed rows attend: as the policy's would on `device_type` (`choose_kernel`: on a GPU,
+    FlexAttention under a block mask), whatever device the simulation's tensors are on."""
+    from kto_pipeline.scoring.attention import attention_costs, choose_kernel
 
-    original = attention.attention_kernel
-    attention.attention_kernel = lambda model, device: original(model, device_type)
-    try:
-        yield
-    finally:
-        attention.attention_kernel = original
+    return attention_costs(model, choose_kernel(model, "auto", device_type)[0])
 
 
 def fake_mode():

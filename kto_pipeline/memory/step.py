@@ -17,13 +17,13 @@ from kto_pipeline.memory.simulation import (
     breakdown,
     build_model,
     cpu_accelerator,
-    device_decisions,
     fake_mode,
     fake_process_group,
     init_optimizer_state,
     memory_tracker,
     offload_unpinned,
     pad_token_id,
+    step_attention,
 )
 
 # ------------------------------------------------------------------------------------------ our step
@@ -76,7 +76,6 @@ def _run_ours(
     from kto_pipeline.config import TrainConfig
     from kto_pipeline.objectives import objective_for
     from kto_pipeline.runtime.precision import policy_regime
-    from kto_pipeline.scoring.attention import attention_costs
     from kto_pipeline.stages.train.step import PolicyScorer, forward, update
 
     mode = fake_mode() if fake else None
@@ -92,34 +91,33 @@ def _run_ours(
     )
     objective = objective_for(loss_type)
     sharded = settings.fsdp_world_size > 1
-    with device_decisions(settings.device_type):
-        model = build_model(model_config, settings, mode)
-        # as train.setup: the engine prepares the policy (sharded, the optimizer over the shards) and steps it
-        engine = step_engine(settings)
-        engine.make_accelerator(policy_regime(config.bf16), config.max_grad_norm, config.ddp_timeout, cpu=True)
-        with offload_unpinned():
-            scorer, optimizer, _ = engine.prepare_policy(
-                PolicyScorer(model), model, lambda m: _make_optimizer(settings, config, m), move=False
-            )
-        init_optimizer_state(model, optimizer, mode)
-        pad_id = pad_token_id(model_config)
-        costs = attention_costs(model, torch.device(settings.device_type))
-        loss_settings = objective.settings(config)
-        batch = objective.collator(pad_id, True, costs, loss_settings)(objective.items_from_rows(rows))
-        tracker = memory_tracker(scorer if sharded else None, optimizer, settings.cpu_offload, attribute_at)
-        if not sharded:
-            tracker.track_external(model, optimizer)
-        with tracker:
-            before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])
-            # train's step (`stages/train/step.py`): its forward (no load-balancing loss asked), backward, clipping
-            # and optimizer step
-            out = forward(objective, engine.accelerator, scorer, batch, loss_settings, aux_coef=0.0)
-            tokens_with_grad, tokens_executed = _layout_tokens(batch), out.scored.tokens_executed
-            kl_forward = objective.kl_forward(loss_settings, out.scored.kl_on_cached_prompt)
-            loss = out.loss
-            del out
-            update(engine, scorer, optimizer, loss, config.max_grad_norm)
-            del loss
+    model = build_model(model_config, settings, mode)
+    costs = step_attention(model, settings.device_type)  # as the step would run on that device
+    # as train.setup: the engine prepares the policy (sharded, the optimizer over the shards) and steps it
+    engine = step_engine(settings)
+    engine.make_accelerator(policy_regime(config.bf16), config.max_grad_norm, config.ddp_timeout, cpu=True)
+    with offload_unpinned():
+        scorer, optimizer, _ = engine.prepare_policy(
+            PolicyScorer(model, costs), model, lambda m: _make_optimizer(settings, config, m), move=False
+        )
+    init_optimizer_state(model, optimizer, mode)
+    pad_id = pad_token_id(model_config)
+    loss_settings = objective.settings(config)
+    batch = objective.collator(pad_id, True, costs, loss_settings)(objective.items_from_rows(rows))
+    tracker = memory_tracker(scorer if sharded else None, optimizer, settings.cpu_offload, attribute_at)
+    if not sharded:
+        tracker.track_external(model, optimizer)
+    with tracker:
+        before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])
+        # train's step (`stages/train/step.py`): its forward (no load-balancing loss asked), backward, clipping
+        # and optimizer step
+        out = forward(objective, engine.accelerator, scorer, batch, loss_settings, aux_coef=0.0)
+        tokens_with_grad, tokens_executed = _layout_tokens(batch), out.scored.tokens_executed
+        kl_forward = objective.kl_forward(loss_settings, out.scored.kl_on_cached_prompt)
+        loss = out.loss
+        del out
+        update(engine, scorer, optimizer, loss, config.max_grad_norm)
+        del loss
     dev = torch.device("cpu")
     return StepMemory(
         peak_bytes=tracker._peak_mem[dev],
@@ -229,12 +227,9 @@ def measure_cpu_step(spec: dict[str, Any]) -> dict[str, int]:
 def _run_real(model_config, rows, settings: StepSettings) -> dict[str, int]:
     import gc
 
-    import torch
-
     from kto_pipeline.config import TrainConfig
     from kto_pipeline.objectives import objective_for
     from kto_pipeline.runtime.precision import policy_regime
-    from kto_pipeline.scoring.attention import attention_costs
     from kto_pipeline.stages.train.policy import make_optimizer
     from kto_pipeline.stages.train.step import PolicyScorer, forward, update
 
@@ -243,11 +238,11 @@ def _run_real(model_config, rows, settings: StepSettings) -> dict[str, int]:
     objective = objective_for(config.loss_type)
     engine = step_engine(settings)
     engine.make_accelerator(policy_regime(False), config.max_grad_norm, config.ddp_timeout, cpu=True)
+    costs = step_attention(model, "cpu")
     scorer, optimizer, _ = engine.prepare_policy(
-        PolicyScorer(model), model, lambda m: make_optimizer(config, m), move=False
+        PolicyScorer(model, costs), model, lambda m: make_optimizer(config, m), move=False
     )
     init_optimizer_state(model, optimizer, None)
-    costs = attention_costs(model, torch.device("cpu"))
     loss_settings = objective.settings(config)
     batch = objective.collator(pad_token_id(model_config), True, costs, loss_settings)(objective.items_from_rows(rows))
     gc.collect()

@@ -18,7 +18,6 @@ from kto_pipeline.memory.simulation import (
     breakdown,
     build_model,
     cpu_accelerator,
-    device_decisions,
     fake_mode,
     init_optimizer_state,
     memory_tracker,
@@ -232,7 +231,7 @@ def simulate_trl(
         with accelerator.autocast():
             return _trl_head(model, ids, attn, comp, with_stats, images)
 
-    with device_decisions(settings.device_type), tracker:
+    with tracker:
         before = tracker._device_total(tracker.get_tracker_snapshot()[torch.device("cpu")])
         with torch.no_grad():
             kl_logps = forward(policy, kl_ids, kl_attn, kl_comp, False)

@@ -3,7 +3,7 @@
 `block_mask.py`), which models can take them (`packable.py`), per-token log-probs of the layouts and of padded
 batches (`logprobs.py`) and the LM head they go through, in chunks (`head.py`)."""
 
-# what `--attention-kernel` takes (both stages): how packed rows attend, `attention.request_attention_kernel`. Here,
+# what `--attention-kernel` takes (both stages): how packed rows attend, `attention.choose_kernel`. Here,
 # beside the engine, so that the command line reads the names without loading it.
 ATTENTION_KERNELS = ("auto", "by-tree", "block-mask", "dense")
 ATTENTION_KERNEL_HELP = (

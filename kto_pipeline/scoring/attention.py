@@ -11,7 +11,7 @@ position(q) - position(k) < window, a chunked layer those in q's chunk of positi
 model's log-prob of a token depends only on the tokens it sees and their positions, so the values equal the padded
 computation (one sequence a row) up to float rounding; the tests hold them to 1e-5.
 
-How that mask reaches the attention is the *kernel* (`attention_kernel`), one of `KERNELS`:
+How that mask reaches the attention is the *kernel* (`choose_kernel`), one of `KERNELS`:
 
 - "by-tree" (the default on the CPU): attention runs sequence by sequence (`by_tree.py`), each run of one
   sequence's queries meeting only the keys it may see, so a row's width costs nothing and a sequence computes alike
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -44,49 +43,16 @@ from kto_pipeline.scoring.by_tree import TREE_ATTENTION, TREE_ATTENTION_EAGER
 from kto_pipeline.scoring.head import CHUNK_LOGITS_BYTES
 from kto_pipeline.scoring.packing import BRANCH_PROMPT, AttentionCosts, Layout
 
-logger = logging.getLogger(__name__)
 
-_KERNEL_ATTRIBUTE = "kto_attention_kernel"  # the kernel asked for, kept on the model (`request_attention_kernel`)
-_STATIC_ATTRIBUTE = "kto_static_shapes"  # packed layouts padded to static shapes (`request_static_shapes`)
-
-
-def request_static_shapes(model, static: bool) -> None:
-    """Ask `model`'s packed layouts to take static shapes (`packing.static_width`, `static_rows`): its
-    `attention_costs` say so to the packing."""
-    setattr(_unwrapped(model), _STATIC_ATTRIBUTE, bool(static))
-
-
-def request_attention_kernel(model, kernel: str, device) -> tuple[str, str | None]:
-    """Ask `model`'s packed forwards to attend with `kernel` (one of `KERNELS`). Returns the kernel they will run on
-    `device` and why it is not the one asked for (None when it is): the caller says it, the forwards then do not
-    say it again. Forwards read the request back through `attention_kernel`."""
-    if kernel not in KERNELS:
-        raise ValueError(f"attention kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
-    setattr(_unwrapped(model), _KERNEL_ATTRIBUTE, kernel)
-    chosen, why = _choose(model, device)
-    if why is not None:
-        _TOLD.add(why)
-    return chosen, why
-
-
-def attention_kernel(model, device) -> str:
-    """The kernel the packed forwards of `model` on `device` run: "by-tree", "block-mask" or "dense" (see the module
-    docstring). "auto" (the default): by-tree on the CPU, block-mask elsewhere; a kernel the model or the device
-    cannot take falls back (block-mask -> by-tree on the CPU, dense elsewhere; by-tree -> dense), with the reason
-    logged once."""
-    kernel, why = _choose(model, torch.device(device))
-    if why is not None and why not in _TOLD:
-        _TOLD.add(why)
-        logger.warning("attention: %s", why)
-    return kernel
-
-
-_TOLD: set[str] = set()
-
-
-def _choose(model, device) -> tuple[str, str | None]:
+def choose_kernel(model, asked: str, device) -> tuple[str, str | None]:
+    """The kernel `model`'s packed forwards on `device` run when `asked` (one of `KERNELS`) is asked for, and why it
+    is not the one asked for (None when it is), for the caller to say once. "auto": by-tree on the CPU, block-mask
+    elsewhere; a kernel the model (in its mode: training or not) or the device cannot take falls back (block-mask ->
+    by-tree on the CPU, dense elsewhere; by-tree -> dense). The stages choose once, after loading (`plan.Plan`), and
+    every forward runs the kernel chosen."""
+    if asked not in KERNELS:
+        raise ValueError(f"attention kernel {asked!r}: expected one of {', '.join(KERNELS)}")
     device = torch.device(device)
-    asked = getattr(_unwrapped(model), _KERNEL_ATTRIBUTE, "auto")
     kernel = asked if asked != "auto" else ("by-tree" if device.type == "cpu" else "block-mask")
     reasons = []
     if kernel == "block-mask" and (why := block_mask_unsupported(model, device)) is not None:
@@ -102,16 +68,18 @@ def _unwrapped(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def attention_costs(model, device) -> AttentionCosts:
-    """The `AttentionCosts` of a model's packed rows on `device`, for the kernel they run there."""
+def attention_costs(model, kernel: str, static: bool = False) -> AttentionCosts:
+    """How `model`'s packed rows attend with `kernel` (`choose_kernel`) and what that costs them (`AttentionCosts`);
+    `static`: its layouts padded to static shapes."""
     config = text_config(model)
-    pair, static = 1.0 / (6 * config.hidden_size), getattr(_unwrapped(model), _STATIC_ATTRIBUTE, False)
-    kernel = attention_kernel(model, device)
+    pair = 1.0 / (6 * config.hidden_size)
     if kernel == "by-tree":
-        return AttentionCosts(pair, pair * TREE_CALL_FLOPS / (4 * _attention_width(config)), static=static)
+        return AttentionCosts(
+            pair, pair * TREE_CALL_FLOPS / (4 * _attention_width(config)), static=static, kernel=kernel
+        )
     if kernel == "block-mask":
-        return AttentionCosts(pair, block=BLOCK_SIZE, static=static, align=KEY_TILE)
-    return AttentionCosts(pair, static=static)
+        return AttentionCosts(pair, block=BLOCK_SIZE, static=static, align=KEY_TILE, kernel=kernel)
+    return AttentionCosts(pair, static=static, kernel=kernel)
 
 
 # The reference pass's forwards are sized by tokens (`forward_tokens`). On an accelerator as many as
@@ -362,13 +330,12 @@ def attending_with(model, kernel: str):
         yield
 
 
-def attention_inputs(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor):
+def attention_inputs(model, layout: Layout, queries: torch.Tensor, keys: torch.Tensor, kernel: str):
     """What a packed forward of the tokens `queries` (N, Q) attending to `keys` (N, K) hands its backbone for the
-    kernel it runs (`attention_kernel`): (kernel, the attention mask, extra keyword arguments). A model of several
+    `kernel` it runs: (the attention mask, extra keyword arguments). A model of several
     layer types whose reaches differ on these sequences gets a mask (and runs) per type, as a dict by type, which its
     backbone hands each layer by its type (`packing_unsupported` checks that it does); a reach that cuts nothing here
     (a window as long as the rows) shares the full mask."""
-    kernel = attention_kernel(model, queries.device)
     longest = layout.input_ids.shape[1]  # no sequence is longer than its row (a shape: nothing read back)
     reaches = {kind: reach.within(longest) for kind, reach in layer_reaches(model).items()}
     dtype = _unwrapped(model).get_input_embeddings().weight.dtype
@@ -387,7 +354,7 @@ def attention_inputs(model, layout: Layout, queries: torch.Tensor, keys: torch.T
     else:
         mask = {kind: masks[reach] for kind, reach in reaches.items()}
         blocks = {kind: runs[reach] for kind, reach in reaches.items()} if runs else None
-    return kernel, mask, ({"tree_blocks": blocks} if kernel == "by-tree" else {})
+    return mask, ({"tree_blocks": blocks} if kernel == "by-tree" else {})
 
 
 def block_mask_unsupported(model, device) -> str | None:

@@ -11,7 +11,7 @@ reference pass's rows, or in training's, where the KL completions run apart on t
 masked keys a dense call would also take change sdpa's result on the CPU under bf16 (about 4e-3 per value, up to
 0.754 nats on a SmolLM2 completion's log-prob and 1.17 on a KL completion's: benchmarks/RESULTS-layouts.md), so
 this path is what makes a policy equal to its reference score exactly its cached values. Where it runs
-(`attention.attention_kernel`: by-tree) it always runs, gradient checkpointing included
+(`attention.choose_kernel`: by-tree) it always runs, gradient checkpointing included
 (`attention.checkpointing_kwargs`).
 """
 

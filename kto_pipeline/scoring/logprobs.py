@@ -23,11 +23,12 @@ import torch
 
 from kto_pipeline.models import backbone_of, checkpointing, keeps_keys_values, scorable
 from kto_pipeline.runtime.prefetch import ahead
-from kto_pipeline.scoring.attention import attending_with, attention_costs, attention_inputs
+from kto_pipeline.scoring.attention import attending_with, attention_inputs
 from kto_pipeline.scoring.head import DEFAULT_CHUNK_SIZE, head_logps
 from kto_pipeline.scoring.image_features import join_images, token_inputs
 from kto_pipeline.scoring.keys_values import close_keys_values, keys_values_cache
 from kto_pipeline.scoring.packing import (
+    AttentionCosts,
     Layout,
     ScoredSequence,
     Tree,
@@ -128,12 +129,12 @@ def _scores(logps, sequence, num_sequences, mean_logits, entropy, aux_loss=None)
     return Scores(totals, logps, sequence, mean_logits, entropy, aux_loss)
 
 
-def _forward(model, layout: Layout, queries: torch.Tensor, keys=None, cache=None, images=None, **extra):
+def _forward(model, layout: Layout, kernel: str, queries: torch.Tensor, keys=None, cache=None, images=None, **extra):
     """The backbone's outputs for the tokens `queries` (N, Q), flat indices into the layout, which attend (tree
-    mask) to the tokens `keys` (N, K): themselves (default), or, with a `cache`, the cached tokens then themselves.
-    `images`: those of the prompts among the queries, in their order (`token_inputs`)."""
+    mask, run by `kernel`) to the tokens `keys` (N, K): themselves (default), or, with a `cache`, the cached tokens
+    then themselves. `images`: those of the prompts among the queries, in their order (`token_inputs`)."""
     keys = queries if keys is None else keys
-    kernel, mask, more = attention_inputs(model, layout, queries, keys)
+    mask, more = attention_inputs(model, layout, queries, keys, kernel)
     backbone = backbone_of(model)
     # a given cache is used whatever `use_cache` says; transformers warns of `use_cache` under checkpointing
     use_cache = cache is not None and not (checkpointing(model) and torch.is_grad_enabled())
@@ -172,6 +173,7 @@ def _score_branch(model, layout: Layout, hidden, where, branch: int, chunk_size:
 def score_layout(
     model,
     layout: Layout,
+    attention: AttentionCosts,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     with_stats: bool = True,
     output_router_logits: bool = False,
@@ -180,12 +182,13 @@ def score_layout(
     """Score every continuation of a packed layout in one forward over its rows: each prompt runs once.
     The reference pass scores `(prompt, [completion, KL completion])` trees with it, without gradients; a pair
     loss trains on `(prompt, [chosen, rejected])` trees with it, with gradients.
-    Sequences are numbered tree * branches + continuation. `images`: the prompts' images, `Layout.prompt_order`."""
+    Sequences are numbered tree * branches + continuation. `attention`: how the rows attend (the run's kernel, for
+    which the layout was made). `images`: the prompts' images, `Layout.prompt_order`."""
     model = scorable(model)
     rows, width = layout.input_ids.shape
     tokens = torch.arange(rows * width, device=layout.input_ids.device).reshape(rows, width)
     extra = {"output_router_logits": True} if output_router_logits else {}
-    outputs = _forward(model, layout, tokens, images=images, **extra)
+    outputs = _forward(model, layout, attention.kernel, tokens, images=images, **extra)
     hidden = outputs.last_hidden_state.reshape(rows * width, -1)
     targets = layout.input_ids.reshape(-1)[layout.target]
     logps, mean_logits, entropy = head_logps(model, hidden[layout.predictor], targets, chunk_size, with_stats)
@@ -207,6 +210,7 @@ class PolicyScores(NamedTuple):
 def score_policy(
     model,
     layout: Layout,
+    attention: AttentionCosts,
     with_kl: bool = True,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     with_stats: bool = True,
@@ -228,7 +232,8 @@ def score_policy(
        whose keys/values are large, or where transformers drops their cache) runs the whole layout again without
        gradients instead.
 
-    `images`: the prompts' images in the layout's order (`Layout.prompt_order`); the KL forward needs none."""
+    `attention`: how the rows attend (the run's kernel, for which the layout was made). `images`: the prompts'
+    images in the layout's order (`Layout.prompt_order`); the KL forward needs none."""
     model = scorable(model)
     assert layout.branches == 2, "(prompt, [completion, KL completion]) trees"
     rows, width, split, device = *layout.input_ids.shape, layout.split, layout.input_ids.device
@@ -236,7 +241,8 @@ def score_policy(
     main = grid[:, :split]  # (R, S) flat indices
     cache = keys_values_cache(model) if with_kl and keeps_keys_values(model) else None
     extra = {"output_router_logits": True} if output_router_logits else {}
-    outputs = _forward(model, layout, main, cache=cache, images=images, **extra)
+    kernel = attention.kernel
+    outputs = _forward(model, layout, kernel, main, cache=cache, images=images, **extra)
     aux_loss = None
     if output_router_logits:  # padding excluded, as in the padded path
         aux_loss = _load_balancing_loss(model, outputs.router_logits, (layout.branch[:, :split] >= 0).long())
@@ -256,7 +262,7 @@ def score_policy(
         # most), or gathered from all rows into one unpadded row that attends to all rows' cached tokens (the
         # mask is dense): whichever costs less (see packing.pack_rows).
         n_kl = len(kl_tokens)
-        gathered = kl_gathered(layout, n_kl, attention_costs(model, device).pair) if gather_kl is None else gather_kl
+        gathered = kl_gathered(layout, n_kl, attention.pair) if gather_kl is None else gather_kl
         if on_cache and gathered:
             for layer in cache.layers:  # (R, heads, S, d) -> (1, heads, R * S, d), detached: read, never trained
                 layer.keys, layer.values = (
@@ -264,19 +270,19 @@ def score_policy(
                     for x in (layer.keys, layer.values)
                 )
             keys = torch.cat([main.reshape(-1), kl_tokens])[None]
-            kl_hidden = _forward(model, layout, kl_tokens[None], keys, cache=cache).last_hidden_state[0]
+            kl_hidden = _forward(model, layout, kernel, kl_tokens[None], keys, cache=cache).last_hidden_state[0]
             hidden = torch.cat([main_hidden.detach(), kl_hidden])
             executed += n_kl
         elif on_cache:
             for layer in cache.layers:  # detached: read, never trained
                 layer.keys, layer.values = layer.keys.detach(), layer.values.detach()
-            kl_hidden = _forward(model, layout, grid[:, split:], grid, cache=cache).last_hidden_state
+            kl_hidden = _forward(model, layout, kernel, grid[:, split:], grid, cache=cache).last_hidden_state
             # both parts of each row side by side again: hidden states in the layout's own (flat) order
             hidden = torch.cat([main_hidden.detach().reshape(rows, split, -1), kl_hidden], dim=1).flatten(0, 1)
             where = grid.reshape(-1)
             executed += rows * (width - split)
         else:
-            hidden = _forward(model, layout, grid, images=images).last_hidden_state.reshape(rows * width, -1)
+            hidden = _forward(model, layout, kernel, grid, images=images).last_hidden_state.reshape(rows * width, -1)
             where = grid.reshape(-1)
             executed += rows * width
         kl = _score_branch(model, layout, hidden, where, 2, chunk_size, with_stats=False)
@@ -309,15 +315,16 @@ class ReferenceScorer(torch.nn.Module):
     """The reference pass's scoring as a module forward: under FSDP2 this is the root, whose forward gathers the
     parameters outside the decoder layers (embeddings, final norm, LM head) that the scoring reads directly."""
 
-    def __init__(self, model):
+    def __init__(self, model, attention: AttentionCosts | None):
         super().__init__()
         self.model = model
+        self.attention = attention  # how packed rows attend (the run's plan); None: every sequence padded
 
     def forward(self, layout: Layout | None = None, padded: tuple | None = None, images=None) -> Scores:
         """The scores of a packed `layout`, or of a `padded` (input_ids, attention_mask, completion_mask) batch (with
         its prompts' `images`, in order)."""
         if layout is not None:
-            return score_layout(self.model, layout, with_stats=False, images=images)
+            return score_layout(self.model, layout, self.attention, with_stats=False, images=images)
         return score_sequences(self.model, *padded, with_stats=False, images=images)
 
 
@@ -336,8 +343,8 @@ def score_shard(
     image_filler=None,
 ) -> list[tuple[np.ndarray, ...]]:
     """Per-token reference log-probs of each tree's continuations (a row's completion and KL completion, or a
-    pair's chosen and rejected answers; every tree has as many). `scorer`: a `ReferenceScorer` (sharded or not), or
-    a causal LM.
+    pair's chosen and rejected answers; every tree has as many). `scorer`: a `ReferenceScorer` (sharded or not), whose
+    attention the packed layouts are made for.
 
     `packed=True`: each prompt runs once, its completion and KL completion both attending to it
     (`packing.layout_trees`), several trees side by side in each tensor row. `packed=False`: every sequence
@@ -352,13 +359,10 @@ def score_shard(
     `images(tree) -> {name: tensor}` (a VLM): a tree's image tensors (the vision tower runs once per image a
     forward: per tree packed, per sequence padded). `image_filler`: (prompt ids, image tensors) of a one-image
     prompt for the filler forwards, so that every process runs the (sharded) vision tower in every forward."""
-    # (a DeepSpeed engine around a ReferenceScorer is used as it is)
-    scorer = scorer if isinstance(getattr(scorer, "module", scorer), ReferenceScorer) else ReferenceScorer(scorer)
     branches = len(trees[0][1]) if trees else 2
     out: list[list[np.ndarray]] = [[np.empty(0, np.float32)] * branches for _ in trees]
     if packed:
-        model = getattr(scorer, "module", scorer).model  # (DeepSpeed's engine keeps the scorer in .module)
-        costs = attention_costs(model, device)
+        costs = getattr(scorer, "module", scorer).attention  # (DeepSpeed's engine keeps the scorer in .module)
         sizes = [tree_tokens([len(p), *map(len, conts)], costs) for p, conts in trees]
         passes = pack_trees(sizes, batch_size, max_tokens, costs)
     else:

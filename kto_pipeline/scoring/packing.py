@@ -115,7 +115,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class AttentionCosts:
-    """What attention costs a packed row, in token-forwards (a token's FLOPs through the weights), for `pack_rows`.
+    """How a model's packed rows attend (`kernel`), decided once a run, and what that costs a row in token-forwards
+    (a token's FLOPs through the weights), for `pack_rows`; the forwards run the kernel it names.
 
     pair: per (query, key) pair the dense mask runs: 4 * hidden * layers FLOPs against 2 * ~12 * hidden^2 *
         layers for the weights, i.e. 1 / (6 * hidden);
@@ -126,13 +127,15 @@ class AttentionCosts:
     static: layouts padded to static shapes (`static_rows` x `static_width`): a row count and width cost what
         they are padded to;
     align: every segment of a tree starts at a multiple of this (the block mask's key tile; 1: back to back), which
-        callers count in the sizes they pack (`tree_tokens`)."""
+        callers count in the sizes they pack (`tree_tokens`);
+    kernel: the attention kernel that runs the rows (`attention.choose_kernel`): what the forwards hand the model."""
 
     pair: float = 0.0
     tree_call: float | None = None
     block: int | None = None
     static: bool = False
     align: int = 1
+    kernel: str = "dense"
 
 
 def pack_rows(

@@ -37,8 +37,8 @@ def finish(run: Pass) -> None:
             "processes": run.state.num_processes,
             "peak_memory": peak_memory,
         }
-        if run.reference.compiled:
-            timing["compile"] = run.reference.compiled.report()
+        if run.reference.plan.compiled:
+            timing["compile"] = run.reference.plan.compiled.report()
         segment = output.segment
         segment["shards"] = [s["file"] for s in output.written]
         segment["timing"] = timing

@@ -23,7 +23,7 @@ from kto_pipeline.config import PrecomputeConfig
 from kto_pipeline.runtime.engines import Engine
 from kto_pipeline.runtime.launch import main_decides, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory
-from kto_pipeline.runtime.precision import Regime
+from kto_pipeline.scoring.plan import Plan
 from kto_pipeline.stages.precompute.data import TokenizedRows
 
 
@@ -73,10 +73,8 @@ class Reference:
     model: Any
     weights_hash: str | None  # of the weights as loaded (main process; None on the others)
     scorer: Any  # the scoring forward: a ReferenceScorer (the FSDP2 root when sharded), or ZeRO-3's engine
-    regime: Regime  # weights dtype and autocast
-    attention_kernel: str  # how packed rows attend (`attention.attention_kernel`)
+    plan: Plan  # how it runs: precision, packed or padded (the packing check may pad it), kernel, compiled layers
     forward_tokens: int  # the token budget of a forward: --max-tokens-per-batch, or `attention.forward_tokens`
-    compiled: Any = None  # with --torch-compile: `compiled.CompileStats`, Dynamo's counters since the compile
     quantization: Any = None  # with --load-in-4bit/8bit: `quantization.Quantization`
 
 
@@ -161,9 +159,6 @@ class Pass:
     base: Manifest | None = None  # `open_base` (--append): the cache's manifest as this run found it
     prepared: PreparedRows | None = None  # `prepare_rows`
     reference: Reference | None = None  # `load_reference`
-    # `load_reference`: why every sequence runs on its own, padded, as this model's attention takes no packed layout;
-    # None: packed, each prompt once for both continuations
-    padded_because: str | None = None
     output: Output | None = None  # `plan_output`
     progress: ShardProgress | None = None  # `score_shards`
 

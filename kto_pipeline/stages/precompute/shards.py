@@ -28,7 +28,7 @@ from kto_pipeline.errors import KTOPipelineError, Preempted
 from kto_pipeline.files import sha256_file
 from kto_pipeline.runtime.launch import print0
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
-from kto_pipeline.scoring.logprobs import score_shard
+from kto_pipeline.scoring.logprobs import ReferenceScorer, score_shard
 from kto_pipeline.scoring.packable import PACKING_LEAKED
 from kto_pipeline.scoring.packing import Tree
 from kto_pipeline.stages.precompute.phases import Pass, PreparedRows, ShardProgress, ShardStats
@@ -170,7 +170,11 @@ def check_packing(run: Pass) -> None:
     the check computes in) means something in the model carries state from one sequence of a row to the next (a layer
     the static check did not recognise): the whole pass then runs padded, says so, and the manifest records why
     (`prefix_shared: false`, `unshared_because`). Every process checks the same rows (the same forwards)."""
-    if run.padded_because is not None or run.prepared.image_rows is not None or not len(run.prepared.rows):
+    if (
+        run.reference.plan.padded_because is not None
+        or run.prepared.image_rows is not None
+        or not len(run.prepared.rows)
+    ):
         return
     pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
     positions = np.arange(min(PACKING_CHECK_ROWS, len(run.prepared.rows)))
@@ -180,8 +184,9 @@ def check_packing(run: Pass) -> None:
     # the model's structure is what is checked, not a precision: in its weights' dtype without autocast (half
     # precision rounds a token's log-prob by more than a subtle leak moves it), eagerly (compiled layers would compile
     # the check's shapes too); a sharded model's forwards are collective: through its scorer, as the pass runs it
-    regime, collective = run.reference.regime, run.engine.collective_forwards
-    scorer = run.reference.scorer if collective else run.reference.model
+    plan, collective = run.reference.plan, run.engine.collective_forwards
+    scorer = run.reference.scorer if collective else ReferenceScorer(run.reference.model, plan.attention)
+    regime = plan.regime
     half = regime.weights != "float32" or (collective and regime.autocast is not None)
     scored = {}
     for packed in (True, False):
@@ -204,11 +209,12 @@ def check_packing(run: Pass) -> None:
             if len(a):
                 worst = max(worst, float((np.abs(a - b) / (1 + np.abs(b))).max()))
     if worst > tolerance:
-        run.padded_because = (
+        why = (
             f"{PACKING_LEAKED}: by up to {worst:.1e} (relative) against each scored alone, over the first "
             f"{len(trees)} rows; something in the model carries state from one sequence of a row to the next"
         )
-        print0(run.state, f"note: {run.padded_because}; each sequence runs on its own, padded")
+        run.reference.plan = plan.padded(why)
+        print0(run.state, f"note: {why}; each sequence runs on its own, padded")
 
 
 def _score_rows(run: Pass, positions: np.ndarray, pad_id: int) -> tuple[Callable[[], dict[str, list]], list[Tree]]:
@@ -308,7 +314,7 @@ def _score_trees(run: Pass, trees: list[Tree], pad_id: int, images=None) -> list
         run.reference.forward_tokens,
         run.state.device,
         run.progress.on_batch,
-        packed=run.padded_because is None,
+        packed=run.reference.plan.padded_because is None,
         agree_on_forwards=run.engine.agree_on_forwards if run.engine.collective_forwards else None,
         images=images,
         image_filler=None if run.prepared.image_rows is None else run.prepared.image_rows.filler(),

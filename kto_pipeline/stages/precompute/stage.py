@@ -51,16 +51,13 @@ from kto_pipeline.images import (
 from kto_pipeline.lock import holds_files, main_process_lock
 from kto_pipeline.models import check_quantizable, load_model, load_tokenizer
 from kto_pipeline.quantization import fingerprint_of, quantization_of
-from kto_pipeline.runtime.compiled import compile_layers
 from kto_pipeline.runtime.engines import engine_for
-from kto_pipeline.runtime.experts import experts_rows_alike
 from kto_pipeline.runtime.launch import print0, process_state
 from kto_pipeline.runtime.peak_memory import PeakMemory
 from kto_pipeline.runtime.precision import reference_regime
-from kto_pipeline.scoring.attention import forward_tokens, request_attention_kernel, request_static_shapes
+from kto_pipeline.scoring.attention import forward_tokens
 from kto_pipeline.scoring.logprobs import ReferenceScorer
-from kto_pipeline.scoring.packable import packing_unsupported
-from kto_pipeline.scoring.products import rows_alike
+from kto_pipeline.scoring.plan import plan_scoring
 from kto_pipeline.stages.precompute.append import NewRows, find_new_rows, open_base, partner_from_cache, plan_append
 from kto_pipeline.stages.precompute.data import (
     TokenizedRows,
@@ -402,27 +399,21 @@ def load_reference(run: Pass) -> None:
             )
     weights_hash = run.engine.weights_hash(model, state.is_main_process)  # the whole weights, as loaded
     # Each prompt runs once for both continuations, where the model's attention takes a packed layout.
-    run.padded_because = packing_unsupported(model)
-    kernel, kernel_note = request_attention_kernel(model, config.attention_kernel, state.device)
-    rows_alike(model, regime, state.device)  # as training's products compute them
-    experts_rows_alike(model)  # a token's experts compute it alike in both stages
-    say = functools.partial(print0, state)
-    compiled = compile_layers(model, config, state.device, run.engine, say)
-    request_static_shapes(model, compiled.static_layouts if compiled else config.static_shapes)
-    scorer = run.engine.prepare_scorer(ReferenceScorer(model), model, regime, state.device)
+    plan = plan_scoring(model, config, state.device, run.engine, regime, functools.partial(print0, state))
+    scorer = run.engine.prepare_scorer(ReferenceScorer(model, plan.attention), model, regime, state.device)
     budget, chosen = config.max_tokens_per_batch, "--max-tokens-per-batch"
     if budget is None:  # once loaded: what memory is left decides on an accelerator
-        budget, chosen = forward_tokens(model, state.device, kernel, config.max_length)
-    run.reference = Reference(model, weights_hash, scorer, regime, kernel, budget, compiled, quantization)
+        budget, chosen = forward_tokens(model, state.device, plan.attention.kernel, config.max_length)
+    run.reference = Reference(model, weights_hash, scorer, plan, budget, quantization)
     run.peaks.loaded()  # the model read, then sharded or partitioned: loading's peak
     quantized = f", linear layers {quantization}" if quantization is not None else ""
     print0(state, f"reference: {regime}{quantized}, {run.engine}")
     rows = "" if config.batch_size is None else f", at most {config.batch_size} sequences"
     print0(state, f"forwards: up to {budget:,} tokens each ({chosen}){rows}")
-    if run.padded_because is None:
-        print0(state, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
+    if plan.padded_because is None:
+        print0(state, f"attention: {plan.kernel}" + (f" ({plan.kernel_note})" if plan.kernel_note else ""))
     else:
-        print0(state, f"note: {type(model).__name__}: {run.padded_because}; each sequence runs on its own, padded")
+        print0(state, f"note: {type(model).__name__}: {plan.padded_because}; each sequence runs on its own, padded")
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -447,7 +438,7 @@ def plan_output(run: Pass) -> bool:
         "split": config.split,
         "dataset_hash": prepared.data_hash,
         "max_length": config.max_length,
-        **reference.regime.record(),
+        **reference.plan.regime.record(),
         **({"quantization": fingerprint_of(reference.quantization)} if reference.quantization else {}),
         "kl_seed": config.kl_seed,
         "shard_size": config.shard_size,
@@ -469,8 +460,8 @@ def plan_output(run: Pass) -> bool:
         rows=len(rows),
         dropped=dict(rows.dropped),
         pairs=prepared.segment.pairs,
-        padded_because=run.padded_because,
-        attention_kernel=reference.attention_kernel,
+        padded_because=reference.plan.padded_because,
+        attention_kernel=reference.plan.kernel,
         distributed=run.engine.record(),
         shards=done_shards,
         images=None if prepared.images is None else {**prepared.images, "rows": len(rows)},

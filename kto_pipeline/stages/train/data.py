@@ -11,7 +11,7 @@ from kto_pipeline.config import TrainConfig
 from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.objectives import Objective
 from kto_pipeline.runtime.launch import print0
-from kto_pipeline.scoring.attention import attention_costs
+from kto_pipeline.scoring.plan import Plan
 from kto_pipeline.stages.train.batches import EpochSampler
 
 
@@ -48,11 +48,11 @@ def loaders(
     max_length: int,
     accelerator,
     tokenizer,
-    model,
-    padded_because,
+    plan: Plan,
 ):
     """(sampler, train loader, eval loader or None). Each process reads a disjoint part of every global batch from
-    the memory-mapped cache. `loss`: the family's settings (`objective.settings`)."""
+    the memory-mapped cache. `loss`: the family's settings (`objective.settings`); `plan`: packed or padded, and
+    how packed rows attend."""
     items, unit = objective.dataset(cache, max_length), objective.unit
     if len(items) < config.per_device_train_batch_size * accelerator.num_processes:
         raise KTOPipelineError(
@@ -67,14 +67,12 @@ def loaders(
     # and the shuffled items grouped by length (runs of 50 global batches sorted longest first) to pad less.
     shuffle = config.train_sampling_strategy == "random"
     global_batch = config.per_device_train_batch_size * accelerator.num_processes
-    if padded_because is None:
+    if plan.padded_because is None:
         sampler = EpochSampler(len(items), config.seed, shuffle)
     else:
         sampler = EpochSampler(len(items), config.seed, shuffle, lengths=items.lengths(), group=50 * global_batch)
-        print0(accelerator, f"note: {padded_because}: batches are padded, {unit} grouped by length")
-    collator = objective.collator(
-        tokenizer.pad_token_id, padded_because is None, attention_costs(model, accelerator.device), loss
-    )
+        print0(accelerator, f"note: {plan.padded_because}: batches are padded, {unit} grouped by length")
+    collator = objective.collator(tokenizer.pad_token_id, plan.padded_because is None, plan.attention, loss)
     # On a GPU the batches are collated into pinned host memory and copied without waiting (the accelerator's
     # `non_blocking`, `Engine.make_accelerator`), as transformers' Trainer pins its batches (dataloader_pin_memory),
     # by a loader process that collates the next ones while the device runs this step (--dataloader-num-workers)

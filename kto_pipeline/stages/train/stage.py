@@ -57,17 +57,16 @@ from kto_pipeline.rundir.checkpoint import (
     skip_model_weights_in_accelerate_state,
 )
 from kto_pipeline.rundir.hub import push_run
-from kto_pipeline.runtime.compiled import TRAIN_COMPILES_ON, CompileStats, compile_layers
-from kto_pipeline.runtime.engines import Engine, engine_for
-from kto_pipeline.runtime.experts import experts_rows_alike
-from kto_pipeline.runtime.launch import launched_processes, print0, process_state, shows_progress
+from kto_pipeline.runtime.compiled import TRAIN_COMPILES_ON
+from kto_pipeline.runtime.engines import engine_for
+from kto_pipeline.runtime.launch import print0, process_state, shows_progress
 from kto_pipeline.runtime.peak_memory import PeakMemory, describe
 from kto_pipeline.runtime.precision import Regime, check_regime, policy_regime
 from kto_pipeline.runtime.preemption import StopRequests, continue_command
-from kto_pipeline.scoring.attention import request_attention_kernel, request_static_shapes
 from kto_pipeline.scoring.keys_values import keeping_keys_values
-from kto_pipeline.scoring.packable import packing_leaked, packing_unsupported
-from kto_pipeline.scoring.products import StepCasts, rows_alike
+from kto_pipeline.scoring.packable import packing_leaked
+from kto_pipeline.scoring.plan import Plan, plan_scoring
+from kto_pipeline.scoring.products import StepCasts
 from kto_pipeline.stages.train.batches import EpochSampler
 from kto_pipeline.stages.train.checks import (
     check_output_dir,
@@ -113,8 +112,7 @@ class Run:
     out: Path
     resume_dir: Path | None
     accelerator: Any
-    engine: Engine  # how the policy is spread over the processes (runtime/engines)
-    regime: Regime  # the policy's precision: float32 weights, under autocast with bf16/fp16
+    plan: Plan  # how this process runs the policy: device, engine, precision, packed or padded, kernel, compiled
     manifest: Manifest
     init: InitPoint | None  # --init-from: the previous round's policy this run started from
     tokenizer: Any
@@ -128,11 +126,8 @@ class Run:
     total_steps: int
     warmup_steps: int
     aux_coef: float  # MoE load-balancing weight (0: not a MoE model)
-    padded_because: str | None  # why batches are padded; None: packed
-    attention_kernel: str | None  # how packed rows attend (`attention.attention_kernel`); None: padded
     trackers: list[str]
     peaks: PeakMemory  # each process's peak memory, sampled from the start
-    compiled: CompileStats | None  # with --torch-compile: Dynamo's counters from before the layers were compiled
     progress: Progress = field(default_factory=Progress)
     metrics: MetricsWriter | None = None
 
@@ -175,7 +170,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     cache, max_length = open_checked_cache(config, objective)
     trackers = _trackers(config)
     regime = policy_regime(config.bf16, config.fp16)  # the policy loads in float32
-    engine = engine_for(launched_processes())
+    engine = engine_for(process_state(config.ddp_timeout).num_processes)  # (the state `train` set up)
     quantization = train_quantization(config, cache.manifest.reference.get("quantization"))
     if quantization is not None:  # the cache's quantized base under LoRA adapters, its other weights in its dtype
         config = quantized_run(config, quantization, engine)
@@ -205,20 +200,23 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     if note := policy_start_note(config, cache.manifest):
         print0(accelerator, note)
     tokenizer, model, aux_coef = load_policy(config, cache.manifest, init, engine, quantization)
-    padded_because, kernel = packing_unsupported(model) or packing_leaked(cache.manifest), None
-    if padded_because is None:  # (asked of the model in training mode, as its steps will run)
-        kernel, kernel_note = request_attention_kernel(model.train(), config.attention_kernel, accelerator.device)
-        print0(accelerator, f"attention: {kernel}" + (f" ({kernel_note})" if kernel_note else ""))
-    say, device = functools.partial(print0, accelerator), accelerator.device
-    rows_alike(model, regime, device)  # as the reference pass's products compute them
-    experts_rows_alike(model)  # a token's experts compute it alike in both stages
-    compiled = compile_layers(model, config, device, engine, say, TRAIN_COMPILES_ON, keeping_keys_values)
-    request_static_shapes(model, compiled.static_layouts if compiled else config.static_shapes)
-    sampler, loader, eval_loader = loaders(
-        config, objective, loss, cache, max_length, accelerator, tokenizer, model, padded_because
+    say = functools.partial(print0, accelerator)
+    plan = plan_scoring(  # (the model in training mode, as its steps will run)
+        model.train(),
+        config,
+        accelerator.device,
+        engine,
+        regime,
+        say,
+        padded_because=packing_leaked(cache.manifest),
+        compile_by_default=TRAIN_COMPILES_ON,
+        wrap_layer=keeping_keys_values,  # the prompts' keys/values kept for the KL forward
     )
+    if plan.kernel is not None:
+        say(f"attention: {plan.kernel}" + (f" ({plan.kernel_note})" if plan.kernel_note else ""))
+    sampler, loader, eval_loader = loaders(config, objective, loss, cache, max_length, accelerator, tokenizer, plan)
     scorer, optimizer, loader = engine.prepare_policy(
-        PolicyScorer(model), model, lambda m: make_optimizer(config, m), loader
+        PolicyScorer(model, plan.attention), model, lambda m: make_optimizer(config, m), loader
     )
     peaks.loaded()  # the policy read, then sharded or partitioned, with what its engine allocates up front
     if eval_loader is not None:
@@ -235,8 +233,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
         out=out,
         resume_dir=resume_dir,
         accelerator=accelerator,
-        engine=engine,
-        regime=regime,
+        plan=plan,
         manifest=cache.manifest,
         init=init,
         tokenizer=tokenizer,
@@ -250,11 +247,8 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
         total_steps=total_steps,
         warmup_steps=warmup_steps,
         aux_coef=aux_coef,
-        padded_because=padded_because,
-        attention_kernel=kernel,
         trackers=trackers,
         peaks=peaks,
-        compiled=compiled,
     )
 
 
@@ -275,7 +269,7 @@ def resume(run: Run) -> TrainResult | None:
     if run.resume_dir is None:
         return None
     config, p, resume_dir = run.config, run.progress, run.resume_dir
-    state = load_checkpoint(run.engine, run.scorer, run.optimizer, resume_dir)
+    state = load_checkpoint(run.plan.engine, run.scorer, run.optimizer, resume_dir)
     check_resume_compatible(state, config, resume_dir, run.manifest)
     if note := resume_changes_note(state, config):
         print0(run.accelerator, note)
@@ -346,7 +340,10 @@ def fit(run: Run) -> None:
     bar = tqdm(**steps, desc="train", unit="step", disable=not shown)
     p.started = p.step_started = time.perf_counter()
     run.scorer.train()
-    with StopRequests(interactive=True) as stop, StepCasts(run.scorer, run.regime, run.engine, run.config) as casts:
+    with (
+        StopRequests(interactive=True) as stop,
+        StepCasts(run.scorer, run.plan.regime, run.plan.engine, run.config) as casts,
+    ):
         while p.global_step < run.total_steps:
             run.sampler.use_epoch(p.epoch)
             batches = accelerator.skip_first_batches(run.loader, p.skip_batches) if p.skip_batches else run.loader
@@ -355,7 +352,7 @@ def fit(run: Run) -> None:
             for micro_step, batch in enumerate(batches, start=p.skip_batches):
                 casts.open()
                 with accelerator.accumulate(run.scorer):  # decides whether this micro-step ends an optimizer step
-                    with run.engine.gradient_sync(run.scorer, accelerator.sync_gradients):
+                    with run.plan.engine.gradient_sync(run.scorer, accelerator.sync_gradients):
                         train_step(run, batch, casts, last_batch=micro_step + 1 == len(run.loader))
                 if not accelerator.sync_gradients:
                     continue
@@ -394,7 +391,7 @@ def train_step(run: Run, batch: dict[str, torch.Tensor], casts: StepCasts, last_
     for name, value in metrics.items():
         p.log.add(name, value)
     # the weights' casts of this step closed before the optimizer changes the weights; the norm read when logged
-    grad_norm = update(run.engine, run.scorer, run.optimizer, out.loss, config.max_grad_norm, casts.close)
+    grad_norm = update(run.plan.engine, run.scorer, run.optimizer, out.loss, config.max_grad_norm, casts.close)
     if grad_norm is not None:
         p.grad_norm = grad_norm
 
@@ -408,8 +405,8 @@ def after_step(run: Run, micro_step: int, bar) -> None:
     now = time.perf_counter()
     p.step_seconds.append(now - p.step_started)
     p.step_started = now
-    if run.compiled is not None:
-        run.compiled.step_ended(p.global_step)  # (a benchmark's median leaves out the steps that compiled)
+    if run.plan.compiled is not None:
+        run.plan.compiled.step_ended(p.global_step)  # (a benchmark's median leaves out the steps that compiled)
     bar.update(1)
     elapsed = max(now - p.started, 1e-9)
     bar.set_postfix_str(
@@ -443,7 +440,7 @@ def _checkpoint_due(config: TrainConfig, step: int, last_step: bool) -> bool:
 def write_checkpoint(run: Run) -> Path:
     """This step's checkpoint, OUT/checkpoint-STEP (every process)."""
     state, settings, limit = trainer_state(run), run.config.to_dict(), run.config.save_total_limit
-    return save_checkpoint(run.engine, run.scorer, run.optimizer, run.tokenizer, run.out, state, settings, limit)
+    return save_checkpoint(run.plan.engine, run.scorer, run.optimizer, run.tokenizer, run.out, state, settings, limit)
 
 
 def stop_here(run: Run, signal_name: str) -> None:
@@ -456,7 +453,7 @@ def stop_here(run: Run, signal_name: str) -> None:
         path = write_checkpoint(run)
     if run.trackers:
         run.accelerator.end_training()
-    run.engine.close(run.scorer)
+    run.plan.engine.close(run.scorer)
     stopped = Interrupted if signal_name == "SIGINT" else Preempted
     raise stopped(
         f"{signal_name} received: stopped at step {p.global_step} of {run.total_steps}, its checkpoint written "
@@ -475,7 +472,7 @@ def trainer_state(run: Run) -> TrainerState:
         batches_in_epoch=p.batches_in_epoch,
         log_history=p.history,
         pending_metrics=dict(p.log.values),
-        distributed=run.engine.record(),
+        distributed=run.plan.engine.record(),
         cache_rows=dict(content_id=run.manifest.content_id, rows=run.manifest.counts["rows"]),
     )
 
@@ -489,21 +486,21 @@ def finish(run: Run) -> TrainResult:
     accelerator.wait_for_everyone()
     if run.trackers:
         accelerator.end_training()
-    save_model(run.engine, run.scorer, run.tokenizer, out, config.to_dict())
+    save_model(run.plan.engine, run.scorer, run.tokenizer, out, config.to_dict())
     if config.merge:  # (a quantized base: into its float weights, in the reference's dtype, as served)
         quantized = run.manifest.reference.get("quantization") is not None
         dtype = run.manifest.precision[0] if quantized else None
         base = lambda: load_base(config, run.manifest, run.init, dtype=dtype)  # noqa: E731
-        save_merged(run.engine, run.scorer, run.tokenizer, out, base, into_loaded=quantized)
+        save_merged(run.plan.engine, run.scorer, run.tokenizer, out, base, into_loaded=quantized)
     executed, needed = (sum(gather_object([x])) for x in (p.tokens_executed, p.tokens_needed))
     state = trainer_state(run)
     state.train_seconds = round(time.perf_counter() - p.started, 3)
     state.tokens_executed, state.tokens_needed = executed, needed
     state.token_efficiency = round(needed / max(executed, 1), 4)
-    state.precision = str(run.regime)
-    state.packing = "packed" if run.padded_because is None else f"padded ({run.padded_because})"
-    state.attention_kernel = run.attention_kernel
-    state.compile = run.compiled.report() if run.compiled else None
+    state.precision = str(run.plan.regime)
+    state.packing = "packed" if run.plan.padded_because is None else f"padded ({run.plan.padded_because})"
+    state.attention_kernel = run.plan.kernel
+    state.compile = run.plan.compiled.report() if run.plan.compiled else None
     state.reference_hash = run.manifest.reference["weights_hash"]
     state.round = run.init.round + 1 if run.init else 1
     state.peak_memory = run.peaks.per_process(accelerator)
@@ -526,7 +523,7 @@ def finish(run: Run) -> TrainResult:
             f"  memory       peak private host memory: {describe(state.peak_memory)}",
             flush=True,
         )
-    run.engine.close(run.scorer)
+    run.plan.engine.close(run.scorer)
     accelerator.wait_for_everyone()
     if config.push_to_hub and accelerator.is_main_process:  # (after every process is done: a failure stops none)
         print(f"  hub          https://huggingface.co/{push_run(out, config.hub_model_id)}", flush=True)
@@ -538,7 +535,7 @@ def _write_cards(run: Run, lineage: dict[str, Any]) -> None:
     card = dict(
         chat_template=run.tokenizer.chat_template is not None,
         num_processes=run.accelerator.num_processes,
-        precision=run.regime.mixed_precision,
+        precision=run.plan.regime.mixed_precision,
         lineage=lineage,
     )
     write_model_card(run.out, config, run.manifest, history, adapter=run.config.lora_r is not None, **card)

@@ -13,6 +13,7 @@ import torch
 
 from kto_pipeline.objectives.items import LAYOUT_KEY, batch_images, batch_layout
 from kto_pipeline.scoring.logprobs import PolicyScores, score_layout, score_policy, score_sequences
+from kto_pipeline.scoring.packing import AttentionCosts
 
 
 def forward(objective, accelerator, scorer, batch: dict[str, torch.Tensor], settings, aux_coef: float, real=None):
@@ -48,9 +49,10 @@ def update(
 class PolicyScorer(torch.nn.Module):
     """Wraps the causal LM so that scoring goes through `forward` (and thus through DDP/FSDP wrappers)."""
 
-    def __init__(self, model):
+    def __init__(self, model, attention: AttentionCosts | None):
         super().__init__()
         self.model = model
+        self.attention = attention  # how packed batches attend (the run's plan); None: padded batches only
         # FSDP's transformer-based auto wrap looks for the layer classes here
         self._no_split_modules = getattr(model, "_no_split_modules", None)
 
@@ -62,10 +64,12 @@ class PolicyScorer(torch.nn.Module):
         layout, images = batch_layout(batch), batch_images(batch)
         routed = {"output_router_logits": output_router_logits}
         if layout is not None and LAYOUT_KEY + "split" not in batch:  # every continuation with grad
-            scores = score_layout(self.model, layout, with_stats=with_stats, images=images, **routed)
+            scores = score_layout(self.model, layout, self.attention, with_stats=with_stats, images=images, **routed)
             return PolicyScores(scores, None, layout.input_ids.numel(), kl_on_cached_prompt=False)
         if layout is not None:
-            return score_policy(self.model, layout, with_kl, with_stats=with_stats, images=images, **routed)
+            return score_policy(
+                self.model, layout, self.attention, with_kl, with_stats=with_stats, images=images, **routed
+            )
         completions = score_sequences(
             self.model,
             batch["input_ids"],
