@@ -255,16 +255,6 @@ def _resolve_source(config: GenerateConfig, saved: dict[str, Any]) -> tuple[str,
     )
 
 
-def _one_process() -> None:
-    from kto_pipeline.runtime.launch import launched_processes
-
-    if launched_processes() > 1:  # no collectives here: each process would load the models and write the file
-        raise KTOPipelineError(
-            f"generate runs in one process (this launch started {launched_processes()}): it loads each model whole "
-            "on one device and writes one file. Run `kto-pipeline generate ...` without torchrun or accelerate launch."
-        )
-
-
 def _free(device) -> None:
     import torch
 
@@ -276,15 +266,15 @@ def _free(device) -> None:
 def generate_samples(config: GenerateConfig) -> Path:
     """Answer the same prompts with the reference and the policy of `config.run`; returns the samples file.
     With `config.num_return_sequences` this is `generate_completions`."""
-    import torch
 
     from kto_pipeline.cache import open_cache
     from kto_pipeline.files import atomic_write_text, tokenizer_hash
     from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
+    from kto_pipeline.runtime.launch import one_process_device
 
     if config.rounds:
         return generate_completions(config)
-    _one_process()
+    device = one_process_device("generate", "it loads each model whole on one device and writes one file")
     print(f"kto-pipeline generate {__version__}\n{config.describe()}", flush=True)
     run = Path(config.run)
     _check_run(run)
@@ -316,7 +306,6 @@ def generate_samples(config: GenerateConfig) -> Path:
     else:
         prompts = file_prompts(Path(source), tokenizer, config.num_prompts or SIDE_BY_SIDE_PROMPTS)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(config.dtype, device)
     answers: dict[str, list[str]] = {}
     # one model at a time: the reference is freed before the policy is loaded
@@ -370,13 +359,13 @@ def generate_completions(config: GenerateConfig) -> Path:
 
     Every check that needs no model (the run, the output, the labeller, the prompts) comes before the policy is
     loaded, and the file is written whole at the end (temporary file, then rename), so a failure leaves none."""
-    import torch
 
     from kto_pipeline.files import atomic_write_text
     from kto_pipeline.label import check_output, label_rows, load_labeller, rows_text
     from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
+    from kto_pipeline.runtime.launch import one_process_device
 
-    _one_process()
+    device = one_process_device("generate", "it loads each model whole on one device and writes one file")
     print(f"kto-pipeline generate {__version__}\n{config.describe()}", flush=True)
     run = Path(config.run)
     _check_run(run)
@@ -387,7 +376,6 @@ def generate_completions(config: GenerateConfig) -> Path:
     prompts = file_prompts(Path(config.prompts), tokenizer, config.num_prompts, distinct=False)
 
     n = config.num_return_sequences
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(config.dtype, device)
     model = load_model(config.run, dtype, None, config.trust_remote_code, flag="--run").eval().to(device)
     # each prompt n times, side by side in the batches: the copies draw different samples

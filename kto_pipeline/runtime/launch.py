@@ -34,6 +34,17 @@ def launched_processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def one_process_device(command: str, why: str) -> torch.device:
+    """The device of a command that runs in one process (`generate`): the GPU where there is one, else the CPU. A
+    launch of several processes is refused, `why` saying what one process does that several would repeat."""
+    if launched_processes() > 1:  # no collectives there: each process would do all of it
+        raise KTOPipelineError(
+            f"{command} runs in one process (this launch started {launched_processes()}): {why}. Run "
+            f"`kto-pipeline {command} ...` without torchrun or accelerate launch."
+        )
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def deepspeed_launch() -> bool:
     """`accelerate launch` with a DeepSpeed config (configs/accelerate/deepspeed_zero*.yaml) exports this. The
     process group depends on it (below); which engine runs is `engines.engine_for`'s choice."""
