@@ -384,15 +384,6 @@ def host_reads_per_step(monkeypatch):
 KL_ON_CACHED_PROMPTS = "on the prompts' cached keys/values"
 
 
-def kl_forward_checkpointed() -> str:
-    """What a gradient-checkpointed run that keeps its keys/values says of its KL forward (trainer_state.json's
-    `kl_forward`): on the prompts' cached keys/values where transformers lets a checkpointed layer take its cache along
-    (from transformers 5.15: `scoring.attention.checkpoints_take_caches`), else with the prompts run again."""
-    from kto_pipeline.scoring.attention import checkpoints_take_caches
-
-    return KL_ON_CACHED_PROMPTS if checkpoints_take_caches() else "with the prompts run again"
-
-
 def reorder_bound(terms: int, magnitude, dtype=None):
     """The most two evaluations of the same sums can differ by when they add in another order (compiled and eager,
     packed and padded, one process and two), elementwise: each lies within gamma_n * sum|term_i| of the exact sum

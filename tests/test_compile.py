@@ -12,7 +12,6 @@ import pyarrow as pa
 import pytest
 from helpers import (
     KL_ON_CACHED_PROMPTS,
-    kl_forward_checkpointed,
     read_metrics,
     train_config,
     unpaired_rows,
@@ -542,7 +541,7 @@ def test_compiled_layers_with_gradient_checkpointing_stay_compiled_with_step_one
     assert state["compile"]["graphs"] > 0 and state["compile"]["graph_breaks"] == 0, state["compile"]
     assert "eager_fallback" not in state["compile"], state["compile"]
     assert json.loads((runs[False] / "trainer_state.json").read_text())["kl_forward"] == KL_ON_CACHED_PROMPTS
-    assert json.loads((runs[True] / "trainer_state.json").read_text())["kl_forward"] == kl_forward_checkpointed()
+    assert json.loads((runs[True] / "trainer_state.json").read_text())["kl_forward"] == KL_ON_CACHED_PROMPTS
     with_checkpoints, without = read_metrics(runs[True]), read_metrics(runs[False])
     for key in ("rewards/chosen", "rewards/rejected", "kl"):  # step 1: the same forwards, to the bit
         assert with_checkpoints[0][key] == without[0][key], key

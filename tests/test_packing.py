@@ -204,8 +204,6 @@ def test_checkpointed_layers_keep_the_prompts_keys_values_for_the_kl(gather):
     so the KL completions run on the prompts' cached keys/values (the K tokens, not P + K again), and the cache is
     closed before the backward recomputes the layers (which would otherwise file their keys/values twice: a size
     error). Every value equals the run's without checkpointing to the bit, the gradients to float32 rounding."""
-    if not attention.checkpoints_take_caches():
-        pytest.skip("this transformers drops a checkpointed layer's cache (transformers 5.15 takes it along)")
     trees = random_trees(5, seed=3)
     layout = layout_trees(trees, [[0, 1], [2, 3, 4]], split_last=True)
     results = {}

@@ -297,23 +297,13 @@ def enable_checkpointing(model) -> None:
         return torch.utils.checkpoint.checkpoint(function, *args, **kwargs, **more)
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with_cache = checkpoints_take_caches()
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):  # what transformers set on each layer
             module._gradient_checkpointing_func = checkpointed
-            module._can_checkpoint_with_cache = with_cache
-
-
-def checkpoints_take_caches() -> bool:
-    """Whether transformers lets a checkpointed layer take its key/value cache along (`_can_checkpoint_with_cache`,
-    else it drops the cache). Training's caches may: each is filed by the first forward, read by the KL forward and
-    closed before the backward (`keys_values.close_keys_values`), so a layer recomputed there files nothing
-    twice and reads nothing."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        return False
-    return hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
+            # the layer takes its key/value cache along into its checkpoint (transformers drops it otherwise).
+            # Training's caches may: each is filed by the first forward, read by the KL forward and closed before
+            # the backward (`keys_values.close_keys_values`), so a layer recomputed there files nothing twice
+            module._can_checkpoint_with_cache = True
 
 
 @contextmanager
