@@ -1,7 +1,8 @@
 """The scoring engine both stages share: packed layouts of (prompt, [completion, KL completion]) trees
 (`packing.py`), the attention that runs them (`attention.py`: the masks and the kernel, run by `by_tree.py` or
 `block_mask.py`), which models can take them (`packable.py`), per-token log-probs of the layouts and of padded
-batches (`logprobs.py`) and the LM head they go through, in chunks (`head.py`)."""
+batches (`logprobs.py`) and the LM head they go through, in chunks (`head.py`); what a stage decides once about its
+loaded model, and the scorers obey, is its `plan.py`."""
 
 # what `--attention-kernel` takes (both stages): how packed rows attend, `attention.choose_kernel`. Here,
 # beside the engine, so that the command line reads the names without loading it.
