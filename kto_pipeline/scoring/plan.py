@@ -1,12 +1,13 @@
 """How a process scores its model: decided once, after the model is loaded, and carried down.
 
-Both stages (and estimate-memory's simulated step) load a model, then decide the same things about it: whether its
+Both stages load a model, then decide the same things about it: whether its
 sequences can run packed (`packable.py`), which attention kernel packed rows run (`attention.choose_kernel`),
 whether its products compute a row alike in every layout (`products.rows_alike`, `experts_rows_alike`), whether
 its layers are compiled (`runtime.compiled`) and whether its packed layouts take static shapes. `plan_scoring`
 makes those decisions in that order and returns them as one frozen `Plan`; the scorers (`ReferenceScorer`,
-`PolicyScorer`) take its `attention`, and no forward chooses again. Here, in the scoring wing, because the plan
-decides what the scoring runs; the launch's part (device, engine, precision regime) comes from `runtime`.
+`PolicyScorer`) take its `attention`, and no forward chooses again (estimate-memory's simulated step takes the
+kernel its simulated device would run, `memory.simulation.step_attention`). Here, in the scoring wing, because the
+plan decides what the scoring runs; the launch's part (device, engine, precision regime) comes from `runtime`.
 """
 
 from __future__ import annotations
