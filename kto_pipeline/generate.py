@@ -255,6 +255,12 @@ def _resolve_source(config: GenerateConfig, saved: dict[str, Any]) -> tuple[str,
     )
 
 
+def _one_process_device():
+    from kto_pipeline.runtime.launch import one_process_device
+
+    return one_process_device("generate", "it loads each model whole on one device and writes one file")
+
+
 def _free(device) -> None:
     import torch
 
@@ -270,11 +276,10 @@ def generate_samples(config: GenerateConfig) -> Path:
     from kto_pipeline.cache import open_cache
     from kto_pipeline.files import atomic_write_text, tokenizer_hash
     from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
-    from kto_pipeline.runtime.launch import one_process_device
 
     if config.rounds:
         return generate_completions(config)
-    device = one_process_device("generate", "it loads each model whole on one device and writes one file")
+    device = _one_process_device()
     print(f"kto-pipeline generate {__version__}\n{config.describe()}", flush=True)
     run = Path(config.run)
     _check_run(run)
@@ -363,9 +368,8 @@ def generate_completions(config: GenerateConfig) -> Path:
     from kto_pipeline.files import atomic_write_text
     from kto_pipeline.label import check_output, label_rows, load_labeller, rows_text
     from kto_pipeline.models import load_model, load_tokenizer, resolve_dtype
-    from kto_pipeline.runtime.launch import one_process_device
 
-    device = one_process_device("generate", "it loads each model whole on one device and writes one file")
+    device = _one_process_device()
     print(f"kto-pipeline generate {__version__}\n{config.describe()}", flush=True)
     run = Path(config.run)
     _check_run(run)

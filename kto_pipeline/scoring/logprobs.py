@@ -315,10 +315,10 @@ class ReferenceScorer(torch.nn.Module):
     """The reference pass's scoring as a module forward: under FSDP2 this is the root, whose forward gathers the
     parameters outside the decoder layers (embeddings, final norm, LM head) that the scoring reads directly."""
 
-    def __init__(self, model, attention: AttentionCosts | None):
+    def __init__(self, model, attention: AttentionCosts):
         super().__init__()
         self.model = model
-        self.attention = attention  # how packed rows attend (the run's plan); None: every sequence padded
+        self.attention = attention  # how packed rows attend (the run's plan)
 
     def forward(self, layout: Layout | None = None, padded: tuple | None = None, images=None) -> Scores:
         """The scores of a packed `layout`, or of a `padded` (input_ids, attention_mask, completion_mask) batch (with

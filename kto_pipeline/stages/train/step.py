@@ -49,10 +49,10 @@ def update(
 class PolicyScorer(torch.nn.Module):
     """Wraps the causal LM so that scoring goes through `forward` (and thus through DDP/FSDP wrappers)."""
 
-    def __init__(self, model, attention: AttentionCosts | None):
+    def __init__(self, model, attention: AttentionCosts):
         super().__init__()
         self.model = model
-        self.attention = attention  # how packed batches attend (the run's plan); None: padded batches only
+        self.attention = attention  # how packed batches attend (the run's plan)
         # FSDP's transformer-based auto wrap looks for the layer classes here
         self._no_split_modules = getattr(model, "_no_split_modules", None)
 
