@@ -25,6 +25,9 @@ from harness import SIZES, SMOLLM2_SIZES, median_step, ours_train_tokens, proven
 CASES = {"random": SIZES, "smollm2": SMOLLM2_SIZES, "scale": harness.SCALE_SIZES, "append": harness.APPEND_SIZES}
 SWEEP_BETAS = (0.05, 0.1, 0.2, 0.5)
 LEARNING_RATE = 1e-5
+# ours' reference pass: a forward's token budget (the random case's rows are uniform, so big passes pay); the attention
+# pairs of `--only smollm2` are counted on the cache it packed
+REFERENCE_MAX_TOKENS = 16384
 LORA = dict(r=16, alpha=32, dropout=0.05)
 PACKAGES = ("kto-pipeline", "trl", "transformers", "torch")  # the versions each report names
 # RESULTS.md: a full run rewrites the main table (`render`) and keeps these sections, written by their own runs
@@ -43,9 +46,8 @@ def build_assets(work: Path, size: dict) -> None:
     if not data.exists():
         rng = random.Random(0)
 
-        def text(lo: int, hi: int) -> str:
-            target = rng.randint(lo, hi)
-            out = ""
+        def text(lo: int, hi: int) -> str:  # random words, cut at a random length in [lo, hi]
+            target, out = rng.randint(lo, hi), ""
             while len(out) < target:
                 out += rng.choice(WORDS) + " "
             return out[:target]
@@ -68,72 +70,10 @@ def ours_train(work: Path, size: dict, out: Path, **more):
     return train(harness.ours_train_config(work / "runs" / "ours_precompute", out, **settings))
 
 
-def ours_precompute_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """kto-pipeline's reference pass: its timing (from the manifest) and every sequence's reference log-prob."""
-    from kto_pipeline import PrecomputeConfig
-
-    # the random case's rows are uniform, so big passes pay; the real case runs the CLI's default batch_size
-    batch = dict(batch_size=size.get("reference_batch", PrecomputeConfig.batch_size), max_tokens_per_batch=16384)
-    paths = dict(model=str(model), dataset=str(data), output=str(out))
-    return harness.ours_reference_pass(**paths, max_length=size["max_length"], dtype="float32", **batch)
-
-
-def trl_precompute_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """trl's `precompute_ref_log_probs` pass (batches of size["batch"] in dataset order) and its log-probs."""
-    return harness.trl_reference_pass(model, data, out, **trl_settings(size))
-
-
-def ours_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """ours_train / ours_train_lora on ours_precompute's cache: step times and (ours_train) the tokens it recorded."""
-    lora = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"]) if "lora" in name else {}
-    res = ours_train(work, size, out, **lora)
-    return dict(step_seconds=res.step_seconds, **({} if lora else {"token_counts": ours_train_tokens(out)}))
-
-
-def trl_train_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """trl_train_online / trl_train_precomputed / trl_train_lora: step times and the tokens its batches ran."""
-    lora = LORA if name.endswith("lora") else None  # trl then computes the reference online, adapters disabled
-    settings = trl_settings(size, size["steps"])
-    return harness.trl_train(model, data, out, precompute=name.endswith("precomputed"), lora=lora, **settings)
-
-
-def ours_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """One reference pass, then one training run per beta, all in this process."""
-    from kto_pipeline import PrecomputeConfig, TrainConfig, precompute, train
-
-    start = time.perf_counter()
-    paths = dict(model=str(work / "model"), dataset=str(work / "data.jsonl"), output=str(out / "cache"))
-    cache = precompute(PrecomputeConfig(**paths, max_length=size["max_length"], overwrite=True, batch_size=64))
-    run = dict(per_device_train_batch_size=size["batch"], max_steps=size["sweep_steps"], learning_rate=LEARNING_RATE)
-    run |= dict(train_sampling_strategy="sequential", bf16=False, overwrite_output_dir=True)
-    for beta in SWEEP_BETAS:
-        train(TrainConfig(cache=str(cache), output_dir=str(out / f"beta{beta}"), beta=beta, **run))
-    return dict(seconds=time.perf_counter() - start)
-
-
-def trl_sweep_worker(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """trl_sweep_online / trl_sweep_precomputed: one trainer per beta, counting the reference passes they run."""
-    from trl import KTOTrainer
-
-    passes = []
-    harness.time_calls(KTOTrainer, "_precompute_ref_logps", lambda seconds, *args, **kwargs: passes.append(seconds))
-    start = time.perf_counter()
-    for beta in SWEEP_BETAS:
-        settings = trl_settings(size, size["sweep_steps"], beta, precompute=name.endswith("precomputed"))
-        harness.trl_trainer(model, data, out / f"beta{beta}", **settings).train()
-    seconds = time.perf_counter() - start
-    return dict(seconds=seconds, reference_passes=len(passes), reference_pass_seconds=[round(p, 2) for p in passes])
-
-
-WORKERS = dict(ours_precompute=ours_precompute_worker, trl_precompute=trl_precompute_worker)
-WORKERS |= dict.fromkeys(("ours_train", "ours_train_lora"), ours_train_worker)
-WORKERS |= dict.fromkeys(("trl_train_online", "trl_train_precomputed", "trl_train_lora"), trl_train_worker)
-WORKERS |= dict(ours_sweep=ours_sweep_worker, trl_sweep_online=trl_sweep_worker, trl_sweep_precomputed=trl_sweep_worker)
-
-
 def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = None, data: Path | None = None) -> dict:
-    """One measurement in this fresh process (harness.measured): WORKERS[name](name, work, size, out, model, data),
-    `model` and `data` the case's model directory and dataset file (default: build_assets' in `work`)."""
+    """One measurement in this fresh process (harness.measured): NAME of MAIN_NAMES, ours_train_lora or
+    trl_train_lora on the case's `model` directory and `data` file (default: build_assets' in `work`); scale_* and
+    append_*: bench_scale.py's."""
     if name.startswith("append_"):  # bench_scale.py: the CLI's process, imports timed (so nothing is imported first)
         from bench_scale import append_worker
 
@@ -143,9 +83,53 @@ def worker(name: str, work: Path, size: dict, out: Path, model: Path | None = No
         from bench_scale import scale_worker
 
         return harness.measured(lambda: scale_worker(name, size, out, model, data), peak=False)
-    if name not in WORKERS:
+    if name not in (*MAIN_NAMES, "ours_train_lora", "trl_train_lora"):
         raise SystemExit(f"unknown worker {name}")
-    return harness.measured(lambda: WORKERS[name](name, work, size, out, model, data))
+    return harness.measured(lambda: measurement(name, work, size, out, model, data))
+
+
+def measurement(name: str, work: Path, size: dict, out: Path, model: Path, data: Path) -> dict:
+    """The reference passes: their timing and every sequence's log-prob; training runs: their step times and (but
+    with LoRA) the tokens their batches ran; the sweeps: their seconds (trl's: counting the reference passes run)."""
+    lora, precomputed = name.endswith("lora"), name.endswith("precomputed")
+    if name == "ours_precompute":
+        from kto_pipeline import PrecomputeConfig
+
+        # the real case runs the CLI's default batch_size
+        batch = dict(batch_size=size.get("reference_batch", PrecomputeConfig.batch_size))
+        batch["max_tokens_per_batch"] = REFERENCE_MAX_TOKENS
+        paths = dict(model=str(model), dataset=str(data), output=str(out))
+        return harness.ours_reference_pass(**paths, max_length=size["max_length"], dtype="float32", **batch)
+    if name == "trl_precompute":  # batches of size["batch"] in dataset order
+        return harness.trl_reference_pass(model, data, out, **trl_settings(size))
+    if name.startswith("ours_train"):  # on ours_precompute's cache
+        adapters = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"]) if lora else {}
+        res = ours_train(work, size, out, **adapters)
+        return dict(step_seconds=res.step_seconds, **({} if lora else {"token_counts": ours_train_tokens(out)}))
+    if name.startswith("trl_train"):  # with LoRA, trl computes the reference online, adapters disabled
+        settings = trl_settings(size, size["steps"])
+        return harness.trl_train(model, data, out, precompute=precomputed, lora=LORA if lora else None, **settings)
+    if name == "ours_sweep":  # one reference pass, then one training run per beta, all in this process
+        from kto_pipeline import PrecomputeConfig, TrainConfig, precompute, train
+
+        start = time.perf_counter()
+        paths = dict(model=str(model), dataset=str(data), output=str(out / "cache"))
+        cache = precompute(PrecomputeConfig(**paths, max_length=size["max_length"], overwrite=True, batch_size=64))
+        run = dict(per_device_train_batch_size=size["batch"], max_steps=size["sweep_steps"], bf16=False)
+        run |= dict(learning_rate=LEARNING_RATE, train_sampling_strategy="sequential", overwrite_output_dir=True)
+        for beta in SWEEP_BETAS:
+            train(TrainConfig(cache=str(cache), output_dir=str(out / f"beta{beta}"), beta=beta, **run))
+        return dict(seconds=time.perf_counter() - start)
+    from trl import KTOTrainer  # trl_sweep_online / trl_sweep_precomputed: one trainer per beta
+
+    passes = []
+    harness.time_calls(KTOTrainer, "_precompute_ref_logps", lambda seconds, *args, **kwargs: passes.append(seconds))
+    start = time.perf_counter()
+    for beta in SWEEP_BETAS:
+        settings = trl_settings(size, size["sweep_steps"], beta, precompute=precomputed)
+        harness.trl_trainer(model, data, out / f"beta{beta}", **settings).train()
+    seconds = time.perf_counter() - start
+    return dict(seconds=seconds, reference_passes=len(passes), reference_pass_seconds=[round(p, 2) for p in passes])
 
 
 def bench_worker(name: str, work: Path, size_name: str, case="random", model=None, data=None) -> dict:
@@ -168,33 +152,32 @@ def main() -> None:
     parser.add_argument("--model", help=argparse.SUPPRESS)  # workers: model directory
     parser.add_argument("--data", help=argparse.SUPPRESS)  # workers: dataset file
     args = parser.parse_args()
-    work = Path(args.work)
+    work, size_name = Path(args.work), args.size
     if args.mode == "worker":
-        size = CASES[args.case][args.size]
         model, data = (Path(x) if x else None for x in (args.model, args.data))
-        harness.print_result(worker(args.name, work, size, Path(args.out), model, data))
+        harness.print_result(worker(args.name, work, CASES[args.case][size_name], Path(args.out), model, data))
         return
 
     work.mkdir(parents=True, exist_ok=True)
     name = "RESULTS-scale.md" if args.only in ("scale", "append") else "RESULTS.md"
-    results = harness.default_results(args.results, args.size == "full", name)
-    if args.only == "smollm2":
-        run_smollm2(work / "smollm2", args.size, results)
-    elif args.only in ("scale", "append"):
+    results, started = harness.default_results(args.results, size_name == "full", name), time.perf_counter()
+    if args.only in ("scale", "append"):
         import bench_scale
 
         rows = tuple(int(x) for x in args.scale_rows.split(",")) if args.scale_rows else None
         run = bench_scale.run_scale if args.only == "scale" else bench_scale.run_append
-        run(work / args.only, args.size, results, rows, args.scale_tokenizer)
-    else:
-        (run_lora if args.only == "lora" else run_main)(work, args.size, results)
-
-
-def run_main(work: Path, size_name: str, results: Path | None) -> None:
-    """The main table: both tools' reference pass, training (online and precomputed) and 4-run sweep."""
-    size, started = SIZES[size_name], time.perf_counter()
+        return run(work / args.only, size_name, results, rows, args.scale_tokenizer)
+    if args.only == "smollm2":
+        return run_smollm2(work / "smollm2", size_name, results)
+    size = SIZES[size_name]
     print(f"building the model and data in {work} ...", flush=True)
     build_assets(work, size)
+    if args.only == "lora":  # both tools' LoRA training on the main table's cache (precomputed first if absent)
+        if not (work / "runs" / "ours_precompute" / "manifest.json").exists():
+            bench_worker("ours_precompute", work, size_name)
+        r = {name: bench_worker(name, work, size_name) for name in ("ours_train_lora", "trl_train_lora")}
+        return harness.publish(render_lora(r, size, size_name), results, LORA_HEADING)
+    # the main table: both tools' reference pass, training (online and precomputed) and 4-run sweep
     r, n_common, max_diff = harness.measure(MAIN_NAMES, lambda name: bench_worker(name, work, size_name), work)
     report = render(r, size, size_name, max_diff, n_common, time.perf_counter() - started)
     print("\n" + report)
@@ -210,23 +193,13 @@ def with_other_sections(report: str, old: str) -> str:
     return report + "".join("\n" + harness.get_section(old, heading) for heading in kept)
 
 
-def run_lora(work: Path, size_name: str, results: Path | None) -> None:
-    """`--only lora`: both tools' LoRA training on the main table's cache (precomputed first if absent)."""
-    size = SIZES[size_name]
-    print(f"building the model and data in {work} ...", flush=True)
-    build_assets(work, size)
-    if not (work / "runs" / "ours_precompute" / "manifest.json").exists():
-        bench_worker("ours_precompute", work, size_name)
-    r = {name: bench_worker(name, work, size_name) for name in ("ours_train_lora", "trl_train_lora")}
-    harness.publish(render_lora(r, size, size_name), results, LORA_HEADING)
-
-
 def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
     """`--only smollm2`: both tools on the real model, each stage in a fresh process, written to its own section, with
     the (query, key) pairs of its batches, dense against block mask (counted: nothing runs)."""
     from kto_pipeline import PrecomputeConfig
 
-    size, started = SMOLLM2_SIZES[size_name], time.perf_counter()
+    # kto-pipeline's reference pass: the CLI's default batch_size (as in its worker), unless the size sets one
+    size, started = {"reference_batch": PrecomputeConfig.batch_size} | SMOLLM2_SIZES[size_name], time.perf_counter()
     print(f"SmolLM2-135M-Instruct and {size['pairs']} HH-RLHF pairs in {work} ...", flush=True)
     # the first `pairs` single-turn pairs as unpaired rows (chosen desirable, then rejected), one file for both tools
     rows = harness.unpaired_rows(harness.hh_rlhf_pairs(work / "pairs.jsonl", size["pairs"], size["max_turns"]))
@@ -235,8 +208,8 @@ def run_smollm2(work: Path, size_name: str, results: Path | None) -> None:
     r, n_common, max_diff = harness.measure(
         SMOLLM2_NAMES, lambda name: bench_worker(name, work, size_name, "smollm2", model, data), work, rtol=1e-4
     )
-    cache, reference_batch = work / "runs" / "ours_precompute", size.get("reference_batch", PrecomputeConfig.batch_size)
-    counts = count_pairs(cache, size["batch"], size["steps"], reference_batch, PrecomputeConfig.max_tokens_per_batch)
+    cache = work / "runs" / "ours_precompute"
+    counts = count_pairs(cache, size["batch"], size["steps"], size["reference_batch"], REFERENCE_MAX_TOKENS)
     section = render_smollm2(r, size, size_name, max_diff, n_common, time.perf_counter() - started, counts)
     harness.publish(section, results, SMOLLM2_HEADING)
 
@@ -315,15 +288,12 @@ def render_smollm2(
     r: dict, size: dict, size_name: str, max_diff: float, n_common: int, seconds: float, counts: dict
 ) -> str:
     """The `--only smollm2` section: the table against trl and its notes, then count_pairs' `counts`."""
-    from kto_pipeline import PrecomputeConfig
-
-    reference_batch = size.get("reference_batch", PrecomputeConfig.batch_size)
     op, tp, ot, tto, ttp = (r[name] for name in SMOLLM2_NAMES)
     o_step, on_step, pre_step = (median_step(x["step_seconds"]) for x in (ot, tto, ttp))
     o_proc, on_proc, pre_proc = (x["process_seconds"] for x in (ot, tto, ttp))
     o_rss, on_rss, pre_rss = (x["peak_rss_mib"] for x in (ot, tto, ttp))
     tokens_s, rows_s = ([x[what] / x["seconds"] for x in (op, tp)] for what in ("tokens", "rows"))
-    steps, batch = size["steps"], size["batch"]
+    steps, batch, reference_batch = size["steps"], size["batch"], size["reference_batch"]
     steps_text, both = f"{steps} steps x batch {batch}", op["process_seconds"] + o_proc
     whole = f"train, whole process (s, {steps_text})"
     rows = [

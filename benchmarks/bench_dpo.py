@@ -34,16 +34,6 @@ LABELS = ("ours", "trl precomputed", "trl online")  # the three training runs, a
 NAMES = ("ours_precompute", "trl_precompute", *TRAIN_NAMES, *FLOP_NAMES)
 
 
-def build_assets(work: Path, size: dict) -> Path:
-    """Write the pairs and return the model's directory (SmolLM2 fetched once, or the tiny model built)."""
-    harness.hh_rlhf_pairs(work / PAIRS, size["pairs"], size["max_turns"])
-    if size["model"] == "tiny":
-        from kto_pipeline.demo.tiny import ensure_tiny_model
-
-        return ensure_tiny_model(work / "tiny-llama")
-    return harness.smollm2_dir()
-
-
 def worker(name: str, work: Path, size: dict, out: Path, model: Path) -> dict:
     """One measurement of NAMES, in this fresh process."""
     # trl: DPOTrainer as bench.py's trl runs (float32, gradient checkpointing off), sequential, sigmoid loss
@@ -86,7 +76,13 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     print(f"{size['model']} and {size['pairs']} HH-RLHF pairs in {work} ...", flush=True)
-    model = build_assets(work, size)
+    harness.hh_rlhf_pairs(work / PAIRS, size["pairs"], size["max_turns"])
+    if size["model"] == "tiny":
+        from kto_pipeline.demo.tiny import ensure_tiny_model
+
+        model = ensure_tiny_model(work / "tiny-llama")
+    else:
+        model = harness.smollm2_dir()
 
     def run(name: str) -> dict:  # a fresh process with its own datasets cache: no reuse of trl's reference pass
         env = {"HF_DATASETS_CACHE": str(work / "hf-datasets-cache" / name)}

@@ -5,19 +5,17 @@
     python benchmarks/bench_families.py --pairs 16   # the code path (seconds)
 
 Each family is a random model of its transformers config (tests/families.py's layer pattern: three sliding-window
-layers, then a full one, here 8 layers, hidden 256, a window of 128 tokens) on the bundled HH-RLHF pairs, rows cut
-to 512 tokens of the char tokenizer (longer than the window). Padded is the path these families took before they
-packed, forced here by `packing_unsupported`. The report gives, per family and layout, the tokens the forwards ran
-(padding included) against the tokens needed (each prompt once), the reference pass's seconds, the median training
-step (KTO, batch 16), and the largest difference between the two layouts' cached log-probs: packed must not change
-them.
+layers, then a full one; here 8 layers, hidden 256, a window of 128 tokens) on the bundled HH-RLHF pairs, rows cut to
+512 tokens of the char tokenizer (longer than the window). Padded, the path these families took before they packed,
+is forced by `packing_unsupported`. Per family and layout: the tokens the forwards ran (padding included) against the
+tokens needed (each prompt once), the reference pass's seconds, the median KTO step (batch 16), and how far apart the
+two layouts' cached log-probs lie: packed must not change them.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib.util
+import runpy
 import time
 from pathlib import Path
 from unittest import mock
@@ -25,24 +23,12 @@ from unittest import mock
 import harness
 
 FAMILIES = ("gemma3_text", "olmo3")
-SHAPE = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=4)
-SHAPE |= dict(num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, sliding_window=128)
-SHAPE |= dict(
-    layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"]
-)
+SHAPE = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=4, head_dim=64)
+SHAPE |= dict(num_key_value_heads=2, max_position_embeddings=4096, sliding_window=128)
+SHAPE |= dict(layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2)
 BATCH, STEPS, MAX_LENGTH = 16, 4, 512
 RESULTS = Path(__file__).resolve().parent / "RESULTS-layouts.md"
 HEADING = "## Mixed-window families: packed against padded"
-
-
-def save_family(family: str, directory: Path, **overrides) -> Path:
-    """tests/families.py's `save_family`: the tests' builder of each family's layer pattern, loaded from its file."""
-    spec = importlib.util.spec_from_file_location(
-        "families", Path(__file__).resolve().parent.parent / "tests" / "families.py"
-    )
-    families = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(families)
-    return families.save_family(family, directory, **overrides)
 
 
 def run_layout(model: Path, data: Path, work: Path, padded: bool) -> dict:
@@ -51,15 +37,10 @@ def run_layout(model: Path, data: Path, work: Path, padded: bool) -> dict:
     from kto_pipeline.cache import open_cache
 
     why = "padded for the comparison" if padded else None
-    with (
-        mock.patch("kto_pipeline.stages.precompute.stage.packing_unsupported", lambda model: why),
-        mock.patch("kto_pipeline.stages.train.stage.packing_unsupported", lambda model: why),
-    ):
-        config = PrecomputeConfig(model=str(model), dataset=str(data), output=str(work / "cache"), overwrite=True)
-        config = dataclasses.replace(config, max_length=MAX_LENGTH)
-        directory = precompute(config)
-        steps = dict(batch=BATCH, steps=STEPS, learning_rate=1e-6)
-        res = train(harness.ours_train_config(directory, work / "run", **steps))
+    with mock.patch("kto_pipeline.scoring.plan.packing_unsupported", lambda model: why):  # both stages' plan
+        paths = dict(model=str(model), dataset=str(data), output=str(work / "cache"))
+        directory = precompute(PrecomputeConfig(**paths, overwrite=True, max_length=MAX_LENGTH))
+        res = train(harness.ours_train_config(directory, work / "run", batch=BATCH, steps=STEPS, learning_rate=1e-6))
     cache = open_cache(directory)
     assert cache.manifest["reference_pass"]["prefix_shared"] is not padded, cache.manifest["reference_pass"]
     timing, tokens = cache.manifest.timing, harness.ours_train_tokens(work / "run")
@@ -85,17 +66,17 @@ def main() -> None:
     data = work / "pairs.jsonl"
     work.mkdir(parents=True, exist_ok=True)
     convert_file(bundled_path(), {str(data): (0, args.pairs)})
-    lines = ["| family | layout | reference pass: tokens run / needed | s | step: tokens run / needed | step s |"]
-    lines.append("| --- | --- | --- | --- | --- | --- |")
-    notes = []
+    # the tests' builder of each family's layer pattern, from its file
+    save_family = runpy.run_path(str(Path(__file__).resolve().parent.parent / "tests" / "families.py"))["save_family"]
+    rows, notes = [], []
     for family in FAMILIES:
         model = save_family(family, work / family / "model", **SHAPE)
-        runs = {p: run_layout(model, data, work / family / ("padded" if p else "packed"), p) for p in (False, True)}
-        for padded, r in runs.items():
+        runs = {x: run_layout(model, data, work / family / x, x == "padded") for x in ("packed", "padded")}
+        for layout, r in runs.items():
             (pe, pn), (se, sn) = r["pass_tokens"], r["step_tokens"]
-            layout, seconds, step = "padded" if padded else "packed", r["pass_seconds"], r["step"]
-            lines.append(f"| {family} | {layout} | {pe:,} / {pn:,} | {seconds:.1f} | {se:,} / {sn:,} | {step:.3f} |")
-        packed, padded = runs[False], runs[True]
+            cells = f"{pe:,} / {pn:,}", f"{r['pass_seconds']:.1f}", f"{se:,} / {sn:,}", f"{r['step']:.3f}"
+            rows.append((family, layout, *cells))
+        packed, padded = runs["packed"], runs["padded"]
         apart = max(abs(a - b) / (1 + abs(b)) for a, b in zip(packed["logps"], padded["logps"], strict=True))
         notes.append(
             f"- {family}: packed ran the reference pass {padded['pass_seconds'] / packed['pass_seconds']:.2f}x as fast "
@@ -103,12 +84,20 @@ def main() -> None:
             f"{apart:.1e} apart (relative to 1 + |logp|)"
         )
     command = "python benchmarks/bench_families.py" + (f" --pairs {args.pairs}" if args.pairs != 64 else "")
-    seconds = time.perf_counter() - started
-    body = [HEADING, "", *harness.provenance(command, seconds, "kto-pipeline", "transformers", "torch"), ""]
-    body += [f"{args.pairs} HH-RLHF pairs ({2 * args.pairs} KTO rows), max_length {MAX_LENGTH}, KTO batch {BATCH}, "]
-    body[-1] += f"{STEPS} steps, float32, "
-    body[-1] += "the CPU's default kernel (by-tree); the median step leaves out the first."
-    body += ["", *lines, "", *notes]
+    versions = ("kto-pipeline", "transformers", "torch")
+    head = "| family | layout | reference pass: tokens run / needed | s | step: tokens run / needed | step s |"
+    body = [
+        HEADING,
+        "",
+        *harness.provenance(command, time.perf_counter() - started, *versions),
+        "",
+        f"{args.pairs} HH-RLHF pairs ({2 * args.pairs} KTO rows), max_length {MAX_LENGTH}, KTO batch {BATCH}, {STEPS} "
+        "steps, float32, the CPU's default kernel (by-tree); the median step leaves out the first.",
+        "",
+        *harness.table(head, rows),
+        "",
+        *notes,
+    ]
     harness.publish("\n".join(body) + "\n", None if args.results == "-" else args.results, HEADING)
 
 

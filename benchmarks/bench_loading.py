@@ -31,12 +31,9 @@ MIB = 1 << 20
 BIG = dict(hidden=1024, layers=24, heads=16, kv_heads=16, intermediate=4096, vocab=32000, max_position_embeddings=2048)
 PRESETS = {"big": dict(BIG, rope_theta=1e6), "tiny": harness.TINY}  # main adds tie_word_embeddings=True
 FSDP_ENV = dict(ACCELERATE_USE_CPU="1", ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_RESHARD_AFTER_FORWARD="true")
-# glibc keeps the heap of the forwards' freed all-gathered layers (measured: the non-reading process's reference pass
-# peaked at 2755 MiB, not 1533); the sharding engines now set a fixed mmap threshold themselves
-# (runtime/engines/sharded.return_freed_buffers), so no variable is set here: what a user gets.
+# No malloc variable: the sharding engines set glibc's mmap threshold themselves (without, the non-reading process's
+# reference pass peaked at 2755 MiB, not 1533: runtime/engines/sharded.return_freed_buffers): what a user gets
 FSDP_ENV |= harness.LAUNCH_ENV
-# DeepSpeed runs on its own CPU accelerator (accelerate's CPU mode would drop it); the rest as FSDP2's
-DEEPSPEED_ENV = {k: v for k, v in FSDP_ENV.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
 GOAL = 1.2  # measured peak / bound
 # training's state beyond the shard, in shards (engine prepared, optimizer step); STATE says what (DeepSpeed 0.19)
 TRAIN_STATE = {"fsdp2": (0, 3), "deepspeed": (2, 5)}
@@ -72,9 +69,9 @@ def measure(work: Path, model: Path, data: Path, engine: str, one_reader: bool) 
     flag = str(one_reader).lower()
     if engine == "fsdp2":
         env, launcher, flags = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": flag}, harness.TORCHRUN, []
-    else:  # float32 compute on the CPU, as FSDP2's runs (bf16 is off there)
+    else:  # on DeepSpeed's own CPU accelerator (accelerate's CPU mode would drop it), in float32 as FSDP2's runs
         launcher = ["accelerate.commands.launch", "--config_file", str(DEEPSPEED_CONFIG), "--num_processes", "2"]
-        env, launcher, flags = DEEPSPEED_ENV, [*launcher, "--zero3_init_flag", flag], ["--no-bf16"]
+        env, launcher, flags = harness.LAUNCH_ENV, [*launcher, "--zero3_init_flag", flag], ["--no-bf16"]
     cache, run = work / "runs" / f"cache-{tag}", work / "runs" / f"train-{tag}"
     for old in (cache, run):  # an existing cache of the same settings would not be recomputed
         shutil.rmtree(old, ignore_errors=True)
@@ -96,16 +93,14 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
     shard, largest = sizes["total_mib"] / 2, sizes["largest_mib"]
     options = (" --engine deepspeed" if args.engine == "deepspeed" else "") + (" --quick" if args.quick else "")
     lines = [
-        HEADINGS[args.engine],
-        "",
+        HEADINGS[args.engine] + "\n",
         *harness.provenance(f"`python benchmarks/bench_loading.py{options}`", seconds),
         f"- model: a random-weight Qwen2, {sizes['parameters'] / 1e6:.0f}M parameters, {sizes['total_mib']:.0f} MiB "
         f"in float32 (safetensors); its largest tensor {largest:.0f} MiB; one process's shard {shard:.0f} MiB",
         f"- launch: {LAUNCHES[args.engine]}, no environment variable (the engine sets glibc's mmap threshold, "
         "runtime/engines/sharded.return_freed_buffers); precompute "
         "of 16 rows, then train 1 step (batch 2 x 2 processes, AdamW). Figure: each process's peak private memory "
-        "(RssAnon, MiB) through loading and the stage; baseline: a tiny model (2 layers, hidden 64), same launch",
-        "",
+        "(RssAnon, MiB) through loading and the stage; baseline: a tiny model (2 layers, hidden 64), same launch\n",
         *harness.table_head(
             "| stage | weights read by | process | loading: baseline (MiB) | loaded (MiB) | bound (MiB) | "
             "loaded / bound | stage: baseline (MiB) | peak (MiB) | bound (MiB) | peak / bound |"
@@ -115,11 +110,11 @@ def render(measured: dict, sizes: dict, args, seconds: float) -> str:
         upfront, extra = (n * shard for n in TRAIN_STATE[args.engine]) if stage == "train" else (0.0, 0.0)
         for one_reader in (False, True):
             for m, base in zip(measured["big", one_reader][stage], measured["tiny", one_reader][stage], strict=True):
-                reader = one_reader and m["rank"] == 0 or not one_reader
+                reader = not one_reader or m["rank"] == 0
                 loading_bound = base["loaded_host_private_mib"] + shard + largest + upfront
                 stage_bound = base["host_private_mib"] + shard + largest + extra
                 loaded = m["loaded_host_private_mib"] / loading_bound
-                goal = "" if reader else (" (goal <= 1.2: met)" if loaded <= GOAL else " (goal <= 1.2: NOT met)")
+                goal = "" if reader else f" (goal <= 1.2: {'met' if loaded <= GOAL else 'NOT met'})"
                 lines.append(
                     f"| {stage} | {READERS[args.engine][one_reader]} | {m['rank']}{' (reads)' if reader else ''} | "
                     f"{base['loaded_host_private_mib']:.0f} | {m['loaded_host_private_mib']:.0f} | "
@@ -146,20 +141,18 @@ def main() -> None:
     work = Path(args.work) / "loading"
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    models = {name: work / f"model-{name}" for name in ("big", "tiny")}
-    for name, path in models.items():
-        harness.random_qwen2(path, dict(PRESETS["tiny" if args.quick else name], tie_word_embeddings=True))
     rows = [
         {"prompt": f"Question {i}: what is {i} + {i}?", "completion": f" It is {2 * i}.", "label": bool(i % 2)}
         for i in range(16)
     ]
-    data = harness.write_jsonl(work / "data.jsonl", rows)
-    measured = {}
-    for name, path in models.items():
+    data, measured = harness.write_jsonl(work / "data.jsonl", rows), {}
+    for name in ("big", "tiny"):
+        model = work / f"model-{name}"
+        harness.random_qwen2(model, dict(PRESETS["tiny" if args.quick else name], tie_word_embeddings=True))
         for one_reader in (False, True):
             print(f"  {name} model, weights read by {'the main process' if one_reader else 'every process'} ...")
-            measured[name, one_reader] = measure(work, path, data, args.engine, one_reader)
-    report = render(measured, weights(models["big"]), args, time.perf_counter() - started)
+            measured[name, one_reader] = measure(work, model, data, args.engine, one_reader)
+    report = render(measured, weights(work / "model-big"), args, time.perf_counter() - started)
     harness.publish(report, None if args.quick else args.results, HEADINGS[args.engine])
 
 

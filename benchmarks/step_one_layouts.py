@@ -5,27 +5,13 @@
     python benchmarks/step_one_layouts.py --device cpu --preset tiny   # the code path (seconds)
 
 At step 1 the policy is the reference, so its rewards are exactly 0 where both stages compute each sequence bit for
-bit alike. On one H100 they were not (up to 4.1e-3 under the block mask and the dense mask, 4.6e-6 by tree; see
-RESULTS-gpu.md), and what makes them differ was not measured apart. Here 4 trees (prompt, completion, KL completion;
-HH-RLHF's lengths, random tokens) are scored, float32 weights under bf16 autocast (the regime both stages share), by
-the reference pass's function (`score_layout`) in layouts that differ from a first one in one thing each, and by
-training's (`score_policy`, prompts and completions with gradients, then the KL completions on the cached prompts):
-
-- the first layout again: whether a kernel is deterministic at all;
-- the 4 trees moved 128 tokens along their row (a filler tree before them instead of after, the row as wide): their
-  rows' places in the matrix products change; the block mask's 128-token tiles fall on them as before;
-- moved 100 tokens: the tiles fall on them differently too;
-- a wider row (512 more tokens after them): the matrix products' shapes change, the trees' places do not;
-- the LM head alone, on the first layout's hidden states with 100 rows before them: its chunks' shapes change;
-- training's forwards over the 4 trees alone, the completions', then the KL completions' on the cached prompts:
-  everything at once, as step 1 compares them (on a CPU the block mask's without gradients: it has no backward
-  there).
-
-Each cell is the largest difference from the first layout, over the trees' scored tokens' last hidden states and over
-their 8 sequences' log-probs (nats): "0 / 0" is bit for bit. The kernel that attends ("block-mask" is an accelerator's
-default) is the column; the block mask and attention by tree are then measured again with every matrix product (the
-model's linear layers, the LM head) in calls of 512 rows, as a CPU computes in half precision (on a CPU with AMX, a
-product's kernel, and a row's rounding, follow the call's number of rows): whether that takes a GPU's products out of
+bit alike; on one H100 they were not (RESULTS-gpu.md). Here 4 trees (prompt, completion, KL completion; HH-RLHF's
+lengths, random tokens) are scored, float32 weights under bf16 autocast, by the reference pass's function
+(`score_layout`) in layouts that differ from a first one in one thing each (`LAYOUTS`), and by training's
+(`score_policy`; on a CPU the block mask's without gradients: it has no backward there). A cell: the largest
+difference from the first layout in the trees' scored tokens' last hidden states / their 8 sequences' log-probs
+(nats); "0 / 0" is bit for bit. A column: the attention kernel, then the block mask and by tree again with every
+matrix product in calls of 512 rows, as a CPU computes in half precision: whether that takes a GPU's products out of
 the differences. It says which of these a fix has to hold fixed.
 """
 
@@ -44,9 +30,7 @@ HEADING = "## Step 1 on a GPU: which difference between layouts moves a sequence
 TREES, SHIFT_ALIGNED, SHIFT_UNALIGNED, WIDER, HEAD_SHIFT = 4, 128, 100, 512, 100
 SHIFT_TILE = 16  # the block mask's forward key tile (attention.KEY_TILE)
 KERNELS = ("block-mask", "by-tree", "dense")
-# then these again with every product of the model and the head in calls of a fixed number of rows (what a CPU does in
-# half precision, `products.linear`): whether that takes a GPU's matrix products out of the differences
-BLOCKED = ("block-mask", "by-tree")
+BLOCKED = ("block-mask", "by-tree")  # again, every product in calls of a fixed number of rows (`products.linear`)
 LAYOUTS = (
     ("the first layout again", "nothing (is the kernel deterministic?)"),
     (f"moved {SHIFT_ALIGNED} tokens along the row", "their rows in the matrix products (attention's tiles as before)"),
@@ -61,9 +45,8 @@ LAYOUTS = (
 
 
 def trees_of(preset: dict) -> list[tuple[list[int], list[list[int]]]]:
-    """4 trees with HH-RLHF's lengths scaled to the preset's max_length (each KL completion another row's
-    completion), then the fillers: 128 tokens, 100 and 28 (together 128: the row as wide), 512, then 16 and 112;
-    random token ids, seeded."""
+    """4 trees with HH-RLHF's lengths scaled to max_length (each KL completion another row's completion), then the
+    fillers of `run`'s layouts (`sizes`); random token ids, seeded."""
     real, max_length = gpu_harness.hh_rlhf_lengths(), preset["max_length"]
     scale = max_length / max(p + c for p, c in real)
     rng = random.Random(0)
@@ -80,7 +63,7 @@ def trees_of(preset: dict) -> list[tuple[list[int], list[list[int]]]]:
 
 
 def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) -> dict:
-    """kernel -> [(hidden diff or None, log-prob diff) or the reason it did not run, per LAYOUTS]."""
+    """kernel -> [(hidden diff or None, log-prob diff) per LAYOUTS], or the reason it did not run."""
     from kto_pipeline.models import backbone_of, load_model
     from kto_pipeline.runtime.precision import Regime
     from kto_pipeline.scoring.attention import attention_costs, choose_kernel
@@ -115,13 +98,12 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
     for kernel, blocked in [*((k, False) for k in kernels), *((k, True) for k in BLOCKED if k in kernels)]:
         chosen, why = choose_kernel(model.eval(), kernel, device)  # (for the reference pass)
         attention = attention_costs(model, chosen)
-        block = row_block(torch.bfloat16, torch.device(device).type)
-        column = f"{chosen}, products in blocks of {block} rows" if blocked else chosen
+        column = f"{chosen}, products in blocks of {row_block(torch.bfloat16, device)} rows" if blocked else chosen
         if why is not None:
             results[column] = f"not run: {why}"
             continue
         if blocked:  # from here on (the model's linear layers stay blocked)
-            ROW_BLOCK_DEVICES.add(torch.device(device).type)
+            ROW_BLOCK_DEVICES.add(device)
             rows_alike(model, Regime("float32", "bfloat16"), torch.device(device))
         cells = []
         with torch.autocast(device, dtype=torch.bfloat16):
@@ -136,10 +118,8 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
                 shifted = head_logps(model, torch.cat([before, base_hidden]), torch.cat([other, targets]), None, False)
                 alone = head_logps(model, base_hidden, targets, None, False)
             cells.append((None, diff(shifted[0][HEAD_SHIFT:].float(), alone[0].float())))
-            # training's forwards, in training mode with gradients where the kernel has a backward (FlexAttention on a
-            # CPU has none: there it runs them as the forwards they are, without); then again with the segments
-            # aligned as the stages align them, against the reference pass's rows laid out alike (the larger of the
-            # two forwards' differences)
+            # training's forwards, with gradients where the kernel has a backward (FlexAttention has none on a CPU);
+            # then with the segments aligned as the stages align them, against the reference pass's rows laid out alike
             grad = not (chosen == "block-mask" and device == "cpu")
             for stage_align, as_staged in ((1, False), (attention.align, True)):
                 if as_staged:
@@ -152,9 +132,8 @@ def run(model_dir: Path, preset: dict, device: str, kernels: tuple[str, ...]) ->
                 if grad and as_staged:  # and its backward runs (the kernel's gradient under the same mask)
                     policy.completions.logps.float().sum().backward()
                     model.zero_grad(set_to_none=True)
-                parts = [
-                    diff(p.logps.detach().float(), base[i::2]) for i, p in enumerate((policy.completions, policy.kl))
-                ]
+                got = (policy.completions.logps, policy.kl.logps)
+                parts = [diff(logps.detach().float(), base[i::2]) for i, logps in enumerate(got)]
                 cells += [(None, max(parts))] if as_staged else [(None, parts[0]), (None, parts[1])]
         results[column] = cells
     return results
@@ -164,12 +143,8 @@ def table_lines(results: dict) -> list[str]:
     """The table of `run`'s results (a kernel that did not run: a line saying why)."""
     kernels = [k for k in results if not isinstance(results[k], str)]
     header = "| layout (against the first) | what differs | " + " | ".join(kernels) + " |"
-
-    def cell(value) -> str:
-        h, logp = value
-        return f"{'-' if h is None else f'{h:.2g}'} / {logp:.2g}"
-
-    rows = [(name, what, *(cell(results[k][i]) for k in kernels)) for i, (name, what) in enumerate(LAYOUTS)]
+    cells = {k: [f"{'-' if h is None else f'{h:.2g}'} / {logp:.2g}" for h, logp in results[k]] for k in kernels}
+    rows = [(name, what, *(cells[k][i] for k in kernels)) for i, (name, what) in enumerate(LAYOUTS)]
     return [*harness.table(header, rows), *(f"- {k}: {why}" for k, why in results.items() if isinstance(why, str))]
 
 
@@ -187,17 +162,6 @@ def render(results: dict, preset_name: str, device_name: str, seconds: float, ar
     return "\n".join([*lines, settings(preset_name), "", *table_lines(results)]) + "\n"
 
 
-def worker(work: Path, preset_name: str, device: str, model: Path | None, kernels=KERNELS) -> dict:
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device")
-    preset = harness.GPU_PRESETS[preset_name]
-    if model is None:
-        model = work / f"{preset_name}-model"
-        harness.random_qwen2(model, preset, device=device)
-    device_name = torch.cuda.get_device_name(0) if device == "cuda" else harness.cpu_name()
-    return dict(results=run(model, preset, device, tuple(kernels)), device_name=device_name)
-
-
 def main() -> None:
     parser = harness.script_parser(__doc__, work=str(harness.WORK_DIR / "step-one-layouts"), results="Markdown file")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -206,13 +170,17 @@ def main() -> None:
     kernels_help = f"the attention kernels to measure, comma-separated (default: {','.join(KERNELS)})"
     parser.add_argument("--kernels", default=",".join(KERNELS), help=kernels_help)
     args = parser.parse_args()
-    work, model = Path(args.work), args.model and Path(args.model)
-    if args.mode == "worker":
-        harness.print_result(worker(work, args.preset, args.device, model, args.kernels.split(",")))
-        return
-    started = time.perf_counter()
-    res = worker(work, args.preset, args.device, model, args.kernels.split(","))
-    report = render(res["results"], args.preset, res["device_name"], time.perf_counter() - started, sys.argv[1:])
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    started, preset, model = time.perf_counter(), harness.GPU_PRESETS[args.preset], args.model
+    if model is None:
+        model = Path(args.work) / f"{args.preset}-model"
+        harness.random_qwen2(model, preset, device=args.device)
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else harness.cpu_name()
+    results = run(Path(model), preset, args.device, tuple(args.kernels.split(",")))
+    if args.mode == "worker":  # (the GPU matrix's check)
+        return harness.print_result(dict(results=results, device_name=device_name))
+    report = render(results, args.preset, device_name, time.perf_counter() - started, sys.argv[1:])
     harness.publish(report, args.results, HEADING)
 
 
