@@ -494,8 +494,18 @@ def findings(data: dict) -> list[str]:
     return out
 
 
+SAVED = WORK_DIR / "bench_memory.json"  # the run's data, saved as it goes: a stopped run can be rendered
+
+
+def levers(data: dict) -> None:
+    data["levers"] = []
+    for case in LEVERS:
+        data["levers"].append(lever(*case))
+        SAVED.write_text(json.dumps(data))
+
+
 REDO = {  # --redo PART: the part run again into the last run's saved data
-    "levers": lambda data: data.update(levers=[lever(*case) for case in LEVERS]),
+    "levers": levers,
     "cpu": lambda data: data.update(cpu_checks=cpu_checks()),
     "ours": redo_ours,
     "cli": lambda data: data.update(cli=cli_answers(list(data["accelerate"]))),
@@ -510,21 +520,21 @@ def main() -> None:
     redo_help = "Run again one part of the last run (its saved data), then --render."
     parser.add_argument("--redo", choices=list(REDO), help=redo_help)
     args = parser.parse_args()
-    partial, started = WORK_DIR / "bench_memory.json", time.perf_counter()
+    started = time.perf_counter()
     warnings.filterwarnings("ignore")
     if args.redo or args.render:
-        data = json.loads(partial.read_text())
+        data = json.loads(SAVED.read_text())
     else:
         command = "python benchmarks/bench_memory.py" + (" --quick" if args.quick else "")
         data = dict(command=command, date=harness.utc_stamp()[:10], machine=harness.machine())
         data |= dict(versions=harness.versions("transformers", "accelerate", "trl"))
         data |= dict(comparisons=[], levers=[], cpu_checks=[], accelerate={})
         names = ["qwen2-0.5b"] if args.quick else ["qwen2-0.5b", "qwen2-7b"]
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as work:  # saved after each row: a stopped run can be rendered
+        SAVED.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as work:
             for name, max_length, ac in itertools.product(names, (1024, 2048), (False, True)):
                 data["comparisons"].append(comparison(name, max_length, ac, Path(work)))
-                partial.write_text(json.dumps(data))
+                SAVED.write_text(json.dumps(data))
         for part in () if args.quick else ("levers", "cpu"):  # as `--redo PART` runs them
             REDO[part](data)
         data |= dict(torchao=torchao_adamw8bit(), accelerate={name: accelerate_estimate(name) for name in names})
@@ -535,7 +545,7 @@ def main() -> None:
         data.setdefault("redone", {})[args.redo] = harness.utc_stamp()
     if not args.render or args.redo:
         data["seconds"] = data.get("seconds", 0) + time.perf_counter() - started
-        partial.write_text(json.dumps(data))
+        SAVED.write_text(json.dumps(data))
     out, report = Path(args.out), render(data)
     old = harness.get_section(out.read_text(), VISION_HEADING) if out.exists() else None  # bench_memory_vision.py's
     out.write_text(report if old is None else harness.replace_section(report, VISION_HEADING, old))
