@@ -79,7 +79,7 @@ bench: install
 bench-gpu: install
 	$(PY) benchmarks/bench_gpu_matrix.py --device cuda
 
-# The wheels benchmarks/gpu_machine.sh installs on a lent GPU machine (no network there; its Python 3.12): into .whl/
+# The wheels benchmarks/gpu_machine.sh installs on a GPU machine without network access (its Python 3.12): into .whl/
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
 		trl==1.16.0 datasets==5.2.0 liger-kernel==0.8.5 dill==0.4.1 multiprocess==0.70.19

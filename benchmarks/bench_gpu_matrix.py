@@ -1,4 +1,4 @@
-"""`make bench-gpu`: the GPU matrix in one bounded run, for the session a GPU is lent to.
+"""`make bench-gpu`: the GPU matrix in one bounded run (8 minutes by default).
 
     python benchmarks/bench_gpu_matrix.py                          # `make bench-gpu`: a CUDA GPU, RESULTS-gpu.md
     python benchmarks/bench_gpu_matrix.py --device cpu             # the code path on a CPU, tiny shapes (~3 min)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# `make bench-gpu` on a lent GPU machine, which has no network: its own torch, transformers and accelerate; trl,
+# `make bench-gpu` on a GPU machine without network access: its own torch, transformers and accelerate; trl,
 # datasets and liger-kernel from the wheels `make gpu-wheels` downloads into .whl/ here (carry .whl with the run).
 #   BENCH_TIMEOUT=570 bash benchmarks/gpu_machine.sh      # the matrix (its --budget-s 480 unless given)
 #   BENCH=step_one_layouts.py bash benchmarks/gpu_machine.sh               # one script alone (here: step 1 by layout)
