@@ -111,10 +111,13 @@ def build_model(work: Path, tokenizer: str) -> Path:
     from kto_pipeline.demo.tiny import build_char_tokenizer, build_tiny_model
 
     path = work / f"model-{tokenizer}"
-    if not (path / "tokenizer_config.json").exists():  # the last file written
+    if not path.exists():  # built aside, then renamed: a stopped build leaves no model to reuse
         tok = AutoTokenizer.from_pretrained(harness.smollm2_dir()) if tokenizer == "smollm2" else build_char_tokenizer()
-        build_tiny_model(tok).save_pretrained(path)
-        tok.save_pretrained(path)
+        tmp = path.with_name(path.name + ".part")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tiny_model(tok).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.replace(path)
     return path
 
 
@@ -200,6 +203,11 @@ def _trl(num_proc: int | None, size: dict, out: Path, model: Path, data: Path) -
     return dict(run, kept_rows=len(ds), first_rows=first_rows)
 
 
+def first_apart(a: list, b: list) -> int:
+    """The first row at which two runs' token ids differ (the shorter's length where one only runs on)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def check_tokens(results: dict[str, dict], rows: int) -> None:
     """Every run of one size kept the same rows and tokenized the first ones alike; pops their ids."""
     named = {name: r.pop("first_rows") for name, r in results.items()}
@@ -208,7 +216,8 @@ def check_tokens(results: dict[str, dict], rows: int) -> None:
     for name, got in named.items():
         kept, differ = results[name]["kept_rows"], [col for col in ref if got[col] != ref[col]]
         if kept != ref_kept or differ:
-            what = f"{name} kept {kept} rows ({ref_name} {ref_kept}), token ids differ in {differ or 'none'}"
+            where = ", ".join(f"{c} from row {first_apart(ref[c], got[c])}" for c in differ) or "none"
+            what = f"{name} kept {kept} rows ({ref_name} {ref_kept}), token ids differ: {where}"
             raise SystemExit(f"{rows} rows: {what}: not reporting speed")
     agree = f"token ids agree on the first {len(ref['prompt_ids'])} rows across {', '.join(named)}"
     print(f"  {agree} ({ref_kept} rows kept)", flush=True)
