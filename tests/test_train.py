@@ -9,6 +9,7 @@ from helpers import cpu_attention, host_reads_per_step, read_metrics, train_conf
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, precompute, train
 from kto_pipeline.cache import open_cache
+from kto_pipeline.config.fields import SCHEDULERS
 from kto_pipeline.files import sha256_file
 from kto_pipeline.objectives.kto import CacheRows, Collator, imbalance_warning, pair_accuracy
 from kto_pipeline.scoring import plan as plan_module
@@ -331,3 +332,26 @@ def test_loader_processes_collate_the_same_batches(small_cache, tmp_path):
         runs[workers] = result.metrics, AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert len(runs[0][0]) == 8 and runs[0][0] == runs[1][0]  # (6 steps an epoch)
     assert all(torch.equal(a, runs[1][1][name]) for name, a in runs[0][1].items())
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_every_schedule_is_transformers_at_every_step(name):
+    """`--lr-scheduler-type` gives transformers' `get_scheduler` (trl's trainers' schedule) exactly: the same learning
+    rate at every step, warmup or not, past the last step too, and the same scheduler state (a checkpoint of either
+    resumes under the other)."""
+    from transformers import get_scheduler
+
+    from kto_pipeline.stages.train.schedules import schedule
+
+    for warmup, total in ((0, 7), (3, 10), (5, 6), (2, 1)):
+        runs = []
+        for make in (schedule, get_scheduler):
+            optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+            scheduler = make(name, optimizer, warmup, total)
+            lrs = []
+            for _ in range(total + 3):
+                lrs.append(scheduler.get_last_lr())
+                optimizer.step()
+                scheduler.step()
+            runs.append((lrs, scheduler.state_dict()))
+        assert runs[0] == runs[1], (name, warmup, total)

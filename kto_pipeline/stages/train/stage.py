@@ -76,6 +76,7 @@ from kto_pipeline.stages.train.checks import (
 )
 from kto_pipeline.stages.train.data import loaders, open_checked_cache
 from kto_pipeline.stages.train.policy import init_point, load_base, load_policy, make_optimizer
+from kto_pipeline.stages.train.schedules import schedule
 from kto_pipeline.stages.train.step import PolicyScorer, forward, update
 
 
@@ -224,7 +225,7 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
     steps_per_epoch = max(math.ceil(len(loader) / config.gradient_accumulation_steps), 1)
     total_steps = _planned_steps(config.max_steps, config.num_train_epochs, steps_per_epoch)
     warmup_steps = math.ceil(config.warmup_ratio * total_steps)
-    scheduler = _scheduler(config, optimizer, warmup_steps, total_steps)
+    scheduler = schedule(config.lr_scheduler_type, optimizer, warmup_steps, total_steps)
     accelerator.register_for_checkpointing(scheduler)  # stepped by hand once per optimizer step, saved with its state
     return Run(
         config=config,
@@ -249,14 +250,6 @@ def setup(config: TrainConfig, peaks: PeakMemory) -> Run:
         aux_coef=aux_coef,
         trackers=trackers,
         peaks=peaks,
-    )
-
-
-def _scheduler(config: TrainConfig, optimizer, warmup_steps: int, total_steps: int):
-    from transformers import get_scheduler
-
-    return get_scheduler(
-        config.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
     )
 
 
