@@ -60,6 +60,17 @@ def _generate(tmp_path: Path, run: Path, name: str = "samples.jsonl", **kw) -> l
     return read_samples(generate_samples(GenerateConfig(run=str(run), **settings)))
 
 
+@pytest.fixture(scope="module")
+def greedy(tmp_path_factory, runs, paired_cache) -> dict[str, list[dict]]:
+    """The greedy answers that several tests only read, each generated once: the lr-0 run's to the prompts of its
+    --eval-cache, the trained run's to those of --cache (the same cache)."""
+    root = tmp_path_factory.mktemp("greedy")
+    return {
+        "lr0": _generate(root, runs["lr0"], name="lr0.jsonl"),
+        "trained": _generate(root, runs["trained"], name="trained.jsonl", cache=str(paired_cache)),
+    }
+
+
 def cache_groups(cache: Path) -> list[dict]:
     """Independent reading of the cache: rows grouped by prompt, groups in order of first appearance."""
     rows = []
@@ -77,9 +88,12 @@ def cache_groups(cache: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_policy_equal_to_reference_gives_the_same_answers(runs, paired_cache, tiny_model_dir, tmp_path, do_sample):
+def test_policy_equal_to_reference_gives_the_same_answers(
+    runs, greedy, paired_cache, tiny_model_dir, tmp_path, do_sample
+):
     """lr 0: the policy is the reference, so greedy (and equally seeded sampled) answers are identical."""
-    records = _generate(tmp_path, runs["lr0"], do_sample=do_sample)  # prompts: the run's --eval-cache
+    # prompts: the run's --eval-cache
+    records = _generate(tmp_path, runs["lr0"], do_sample=True) if do_sample else greedy["lr0"]
     assert len(records) == 5  # one per distinct prompt
     assert any(r["reference"] for r in records)  # not vacuously equal
     assert [r["policy"] for r in records] == [r["reference"] for r in records]
@@ -109,14 +123,14 @@ def test_batched_left_padded_answers_equal_one_prompt_at_a_time(runs, paired_cac
         assert record["prompt"] == row["prompt"]
 
 
-def test_trained_run_one_line_per_distinct_prompt_with_the_cache_rows(runs, paired_cache, tmp_path):
+def test_trained_run_one_line_per_distinct_prompt_with_the_cache_rows(runs, greedy, paired_cache, tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(runs["trained"])
     groups = cache_groups(paired_cache)
     assert len(groups) == 5 and len(groups[0]["rows"]) == 4  # the repeated prompt: rows of pairs 0 and 5
 
-    records = _generate(tmp_path, runs["trained"], cache=str(paired_cache))
+    records = greedy["trained"]
     assert len(records) == 5
     for record, group in zip(records, groups, strict=True):
         assert set(record) == KEYS
@@ -134,24 +148,22 @@ def test_trained_run_one_line_per_distinct_prompt_with_the_cache_rows(runs, pair
     assert records[0]["label"] is True and records[0]["dataset_completions"][1]["label"] is False
     # the trained policy answers differently; the reference is the same model as for the lr-0 run
     assert any(r["policy"] != r["reference"] for r in records)
-    lr0 = _generate(tmp_path, runs["lr0"], name="lr0.jsonl")
-    assert [r["reference"] for r in records] == [r["reference"] for r in lr0]
+    assert [r["reference"] for r in records] == [r["reference"] for r in greedy["lr0"]]
 
     first_two = _generate(tmp_path, runs["trained"], name="two.jsonl", cache=str(paired_cache), num_prompts=2)
     assert [r["example_id"] for r in first_two] == [g["first"]["example_id"] for g in groups[:2]]
     assert [r["policy"] for r in first_two] == [r["policy"] for r in records[:2]]
 
 
-def test_seeded_sampling_is_reproducible(runs, paired_cache, tmp_path):
+def test_seeded_sampling_is_reproducible(runs, greedy, paired_cache, tmp_path):
     sample = {"do_sample": True, "temperature": 1.5, "top_p": 0.95, "max_new_tokens": 16, "cache": str(paired_cache)}
     a = _generate(tmp_path, runs["trained"], "a.jsonl", seed=1, **sample)
     b = _generate(tmp_path, runs["trained"], "b.jsonl", seed=1, **sample)
     c = _generate(tmp_path, runs["trained"], "c.jsonl", seed=2, **sample)
-    greedy = _generate(tmp_path, runs["trained"], "g.jsonl", cache=str(paired_cache))
     assert a == b
     for role in ("reference", "policy"):
         assert [r[role] for r in a] != [r[role] for r in c]
-        assert [r[role] for r in a] != [r[role] for r in greedy]
+        assert [r[role] for r in a] != [r[role] for r in greedy["trained"]]
     assert a[0]["settings"]["seed"] == 1 and a[0]["settings"]["temperature"] == 1.5
 
 

@@ -198,32 +198,21 @@ def _job_copy(one_process: Path, work: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_sbatch_runs_both_stages_on_two_nodes_as_one_process(slurm, one_process, tmp_path):
-    work = _job_copy(one_process, tmp_path)
-    job = sbatch(slurm, work, TRAIN_ARGS)
-    assert wait_done(slurm, job, work) == "COMPLETED", job_report(slurm, work)
-    out = (work / f"job-{job}.out").read_text()
-    assert "over 2 processes" in out
-    two, one = open_cache(work / "cache", verify=True), open_cache(one_process / "cache")
-    assert two.manifest["distributed"]["world_size"] == 2
-    assert_same_rows(two.table.to_pylist(), one.table.to_pylist())
-    state = json.loads((work / "run" / "trainer_state.json").read_text())
-    assert state["distributed"]["world_size"] == 2
-    assert_same_steps(read_metrics(work / "run"), read_metrics(one_process / "run"), REPLICATED_REL)
-    assert sorted(p.name for p in (work / "logs" / job).iterdir()) == ["node0", "node1"]  # each node's ranks' logs
-
-
-@pytest.mark.slow
-def test_a_preempted_job_is_requeued_and_ends_where_an_uninterrupted_run_ends(slurm, one_process, tmp_path):
-    """SIGUSR1 to the job's steps while train runs (as --signal=USR1@N delivers it before a time limit): every rank
-    stops at a step boundary with a checkpoint, the script requeues the job, the requeued job skips the complete cache
-    and continues from the checkpoint (--autoresume): the final metrics are the uninterrupted run's."""
+def test_sbatch_runs_both_stages_on_two_nodes_as_one_process_and_a_preempted_job_ends_where_one_process_ends(
+    slurm, one_process, tmp_path
+):
+    """The example on the 2 nodes gives one process's cache and steps, through a preemption: SIGUSR1 to the job's
+    steps while train runs (as --signal=USR1@N delivers it before a time limit) makes every rank stop at a step
+    boundary with a checkpoint, the script requeues the job, the requeued job skips the complete cache and continues
+    from the checkpoint (--autoresume): the final metrics are one process's uninterrupted run's. One job shows both:
+    an uninterrupted job would launch the same stages on the same nodes again (its precompute is this job's first
+    one, its train runs each step this job runs), for no property that this one does not check."""
     work = _job_copy(one_process, tmp_path)
     job = sbatch(slurm, work, TRAIN_ARGS)
     metrics = work / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline, "train never logged its second step"
+        assert time.monotonic() < deadline, f"train never logged its second step\n{job_report(slurm, work)}"
         time.sleep(0.2)
     _run("scancel", "--signal=USR1", job, env=slurm)
     # SLURM holds a requeued batch job (its BeginTime: the credential lifetime, 121 s, on) so that no launch of the new
@@ -242,9 +231,17 @@ def test_a_preempted_job_is_requeued_and_ends_where_an_uninterrupted_run_ends(sl
     assert "Restarts=1" in shown, shown
     logs = "\n".join(p.read_text() for p in (work / "logs" / job).glob("node*/*/attempt_*/*/stderr.log"))
     assert "stopped: " in logs
+    # both stages on the 2 nodes: the cache (made by the first run, left as it was by the requeued one) is one
+    # process's, and so is every step of the run
+    out = (work / f"job-{job}.out").read_text()
+    assert "over 2 processes" in out
+    two, one = open_cache(work / "cache", verify=True), open_cache(one_process / "cache")
+    assert two.manifest["distributed"]["world_size"] == 2
+    assert_same_rows(two.table.to_pylist(), one.table.to_pylist())
     resumed = json.loads((work / "run" / "trainer_state.json").read_text())
-    assert resumed["global_step"] == STEPS
+    assert resumed["global_step"] == STEPS and resumed["distributed"]["world_size"] == 2
     assert_same_steps(read_metrics(work / "run"), read_metrics(one_process / "run"), REPLICATED_REL)
+    assert sorted(p.name for p in (work / "logs" / job).iterdir()) == ["node0", "node1"]  # each node's ranks' logs
 
 
 @pytest.mark.slow
