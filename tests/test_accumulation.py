@@ -21,36 +21,120 @@ ENGINES = {"ddp": ({}, "allreduce_"), "fsdp2": (FSDP_ENV, "_reduce_scatter_base_
 STEPS = 2
 RUN = dict(max_steps=STEPS, logging_steps=1, learning_rate=1e-3, seed=3, train_sampling_strategy="sequential")
 
+# Several training runs in one launch, one after the other in the same processes and process group, as a sweep
+# through the Python API runs them: a launch costs each process its start (importing torch, transformers and
+# accelerate) and the group's setup, several times the CPU time of one of these 2-step runs. Each run's collectives
+# are counted apart.
+SEVERAL_RUNS = """\
+\"\"\"`python RUNS.py SPEC.json ARGS`: each command line of SPEC.json ({"counts": DIR, "runs": {NAME: [ARGS]}}) in
+turn in this process, with ARGS (the launch's --ddp-timeout) added, its c10d collectives counted
+(count_collectives.py) into DIR/NAME/rank-R.json; then the process group closed as the command line closes it.\"\"\"
 
-def _counted_run(tmp_path: Path, name: str, cache, env: dict, accumulation: int) -> dict[str, int]:
-    args = cli_args(
-        cache=cache, output_dir=tmp_path / name, per_device_train_batch_size=2, gradient_accumulation_steps=accumulation
-    )
-    counts = tmp_path / f"counts-{name}"
-    launch(2, counts, "train", *args, *cli_args(**RUN), env=env, log_dir=tmp_path / f"logs-{name}", script=COUNTER)
-    per_rank = [json.loads(p.read_text()) for p in sorted(counts.glob("rank-*.json"))]
-    assert len(per_rank) == 2 and per_rank[0] == per_rank[1], per_rank
-    return per_rank[0]
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, TESTS)
+from count_collectives import CountCollectives
+
+from kto_pipeline.cli import _close_process_group, app, trl_spellings
+
+spec = json.loads(Path(sys.argv[1]).read_text())
+finished = False
+try:
+    for name, args in spec["runs"].items():
+        with CountCollectives() as mode:
+            app(args=trl_spellings([*args, *sys.argv[2:]]), prog_name="kto-pipeline", standalone_mode=False)
+        out = Path(spec["counts"]) / name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank-{os.environ['RANK']}.json").write_text(json.dumps(mode.counts))
+    finished = True
+finally:
+    _close_process_group(finished)
+"""
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("engine", list(ENGINES))
-def test_micro_steps_exchange_no_gradients_and_match_one_process(tmp_path, small_cache, engine):
-    env, gradient_op = ENGINES[engine]
-    plain = _counted_run(tmp_path, "plain", small_cache, env, accumulation=1)
-    accumulated = _counted_run(tmp_path, "accumulated", small_cache, env, accumulation=2)
+def _counted_runs(tmp_path: Path, cache, env: dict, runs: dict[str, dict]) -> dict[str, dict[str, int]]:
+    """The training runs `runs` ({name: options}), 2 micro-batch rows a process, in one launch of 2 processes
+    (SEVERAL_RUNS, in the order given), each into TMP/NAME: {name: its collectives, the same on both processes}."""
+    script, spec = tmp_path / "runs.py", tmp_path / "runs.json"
+    script.write_text(SEVERAL_RUNS.replace("TESTS", repr(str(COUNTER.parent))))
+    commands = {
+        name: ["train", *cli_args(cache=cache, output_dir=tmp_path / name, per_device_train_batch_size=2, **options)]
+        for name, options in runs.items()
+    }
+    spec.write_text(json.dumps({"counts": str(tmp_path / "counts"), "runs": commands}))
+    launch(2, str(spec), env=env, log_dir=tmp_path / "logs", script=script)
+    counted = {}
+    for name in runs:
+        per_rank = [json.loads(p.read_text()) for p in sorted((tmp_path / "counts" / name).glob("rank-*.json"))]
+        assert len(per_rank) == 2 and per_rank[0] == per_rank[1], (name, per_rank)
+        counted[name] = per_rank[0]
+    return counted
+
+
+def _check_no_exchange_in_micro_steps(tmp_path: Path, cache, engine: str, counted: dict) -> None:
+    """The accumulated run exchanged the gradients of the plain run, and equals one process accumulating the same
+    micro-batches."""
+    gradient_op = ENGINES[engine][1]
+    plain, accumulated = counted["plain"], counted["accumulated"]
     print(f"{engine}: collectives of {STEPS} optimizer steps, without / with 2 micro-steps each:", plain, accumulated)
     # the same gradient exchanges per optimizer step with 2 micro-steps as with 1 (without skipping: twice as many)
     assert plain[gradient_op] >= STEPS and accumulated[gradient_op] == plain[gradient_op], (plain, accumulated)
     # and the numbers of one process accumulating the same micro-batches (2 x 2 rows a micro-step)
-    train(
-        train_config(small_cache, tmp_path / "one", per_device_train_batch_size=4, gradient_accumulation_steps=2, **RUN)
-    )
+    train(train_config(cache, tmp_path / "one", per_device_train_batch_size=4, gradient_accumulation_steps=2, **RUN))
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "accumulated")
     assert len(one) == len(two) == STEPS
     for a, b in zip(two, one, strict=True):
         for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+
+
+@pytest.mark.slow
+def test_ddp_micro_steps_exchange_no_gradients_and_match_one_process_under_float32_and_bf16(tmp_path, small_cache):
+    """Under DDP: the micro-steps before an optimizer step all-reduce no gradients, and the run equals one process
+    accumulating the same micro-batches; and 2 processes under bf16 autocast with 2 micro-batches a step (the
+    weights cast once a step, the casts' gradients all-reduced once) train as one process accumulating the same
+    rows. One launch runs the three (without accumulation, with it, with it under bf16), in that order."""
+    counted = _counted_runs(
+        tmp_path,
+        small_cache,
+        ENGINES["ddp"][0],
+        {
+            "plain": dict(gradient_accumulation_steps=1, **RUN),
+            "accumulated": dict(gradient_accumulation_steps=2, **RUN),
+            "bf16": dict(gradient_accumulation_steps=2, bf16=True, **RUN),
+        },
+    )
+    _check_no_exchange_in_micro_steps(tmp_path, small_cache, "ddp", counted)
+    # under bf16 the casts' gradients too are exchanged once an optimizer step
+    assert counted["bf16"]["allreduce_"] == counted["plain"]["allreduce_"], counted
+    config = train_config(small_cache, tmp_path / "one-bf16", per_device_train_batch_size=4)
+    train(dataclasses.replace(config, bf16=True, gradient_accumulation_steps=2, **RUN))
+    two, one = read_metrics(tmp_path / "bf16"), read_metrics(tmp_path / "one-bf16")
+    assert len(one) == len(two) == STEPS
+    # the processes' bf16 gradients are rounded per process, then summed (one process: the sum rounded once), so
+    # after step 1 the weights differ by bf16 rounding: a reward (beta x a log-prob difference) is held to beta x one
+    # bf16 unit in the last place of a nat (2**-8); on a CPU without bf16 kernels step 2's came 1.25e-4 apart
+    beta = json.loads((tmp_path / "one-bf16" / "run_config.json").read_text())["beta"]
+    for a, b in zip(two, one, strict=True):
+        for key in ("loss", "kl", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-4), (a["step"], key)
+        for key in ("rewards/chosen", "rewards/rejected"):
+            assert a[key] == pytest.approx(b[key], abs=beta * 2**-8), (a["step"], key)
+
+
+@pytest.mark.slow
+def test_fsdp2_micro_steps_exchange_no_gradients_and_match_one_process(tmp_path, small_cache):
+    """As under DDP, under FSDP2 (reduce-scatters, `set_requires_gradient_sync`): one launch runs both (without
+    accumulation, then with it)."""
+    runs = {
+        "plain": dict(gradient_accumulation_steps=1, **RUN),
+        "accumulated": dict(gradient_accumulation_steps=2, **RUN),
+    }
+    counted = _counted_runs(tmp_path, small_cache, ENGINES["fsdp2"][0], runs)
+    _check_no_exchange_in_micro_steps(tmp_path, small_cache, "fsdp2", counted)
 
 
 class _WeightCasts(TorchDispatchMode):
@@ -118,28 +202,6 @@ def test_bf16_weights_are_cast_once_an_optimizer_step_with_the_same_numbers(tmp_
         for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "grad_norm", "logps/chosen"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
     assert _get_current_dispatch_mode_stack() == []  # the counting is over: no mode left for the next tests
-
-
-@pytest.mark.slow
-def test_ddp_under_bf16_accumulates_as_one_process(tmp_path, small_cache):
-    """2 DDP processes under bf16 autocast with 2 micro-batches a step (the weights cast once a step, the casts'
-    gradients all-reduced once) train as one process accumulating the same rows."""
-    args = cli_args(cache=small_cache, output_dir=tmp_path / "ddp", per_device_train_batch_size=2)
-    args += cli_args(gradient_accumulation_steps=2, **RUN)
-    launch(2, "train", *args, "--bf16", log_dir=tmp_path / "logs")
-    config = train_config(small_cache, tmp_path / "one", per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    train(dataclasses.replace(config, bf16=True, **RUN))
-    two, one = read_metrics(tmp_path / "ddp"), read_metrics(tmp_path / "one")
-    assert len(one) == len(two) == STEPS
-    # the processes' bf16 gradients are rounded per process, then summed (one process: the sum rounded once), so
-    # after step 1 the weights differ by bf16 rounding: a reward (beta x a log-prob difference) is held to beta x one
-    # bf16 unit in the last place of a nat (2**-8); on a CPU without bf16 kernels step 2's came 1.25e-4 apart
-    beta = json.loads((tmp_path / "one" / "run_config.json").read_text())["beta"]
-    for a, b in zip(two, one, strict=True):
-        for key in ("loss", "kl", "grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-4), (a["step"], key)
-        for key in ("rewards/chosen", "rewards/rejected"):
-            assert a[key] == pytest.approx(b[key], abs=beta * 2**-8), (a["step"], key)
 
 
 def test_step_casts_hold_a_cast_only_while_open_and_give_the_model_back_as_it_was():

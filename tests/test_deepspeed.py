@@ -8,7 +8,6 @@ partitioned (zero.Init, the weights read by the main process only); LoRA with --
 DeepSpeed is an optional extra (`pip install 'kto-pipeline[deepspeed]'`, in the dev extra): without it these skip.
 The first DeepSpeed process group on a machine compiles a shared-memory op (about 70 s here, then cached)."""
 
-import dataclasses
 import json
 import re
 import shutil
@@ -61,13 +60,49 @@ def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("ds") / "d.jsonl", unpaired_rows(40))
 
 
-@pytest.mark.slow
-def test_zero3_both_stages_equal_one_process_and_resume(tmp_path, tiny_model_dir, data):
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, tiny_model_dir, data):
+    """One process's float32 cache of `data`, which the float32 training runs read (none writes into it)."""
+    out = tmp_path_factory.mktemp("ds-cache") / "c1"
+    return precompute(PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(out), **PRECOMPUTE))
+
+
+# the losses weighted x10, so that every step's gradient norm is well above 1.0 (AdamW's step is nearly scale-free:
+# only the clipping of one step against another's shows in the weights)
+CLIPPED = dict(desirable_weight=10.0, undesirable_weight=10.0)
+
+
+def check_clipping(tmp_path, run: str, max_grad_norm: float) -> None:
+    """DeepSpeed clipped inside its own step at --max-grad-norm (0: not at all): the run TMP/RUN (2 processes) has
+    one process's steps and weights with the same --max-grad-norm (TMP/one), and not one process's at 1.0 (TMP/one-at-1,
+    accelerate's fill-in)."""
     from safetensors.torch import load_file
 
-    one_cache = precompute(
-        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c1"), **PRECOMPUTE)
-    )
+    one, ds = read_metrics(tmp_path / "one"), read_metrics(tmp_path / run)
+    for a, b in zip(ds, one, strict=True):
+        assert a.keys() == b.keys() and ("grad_norm" in a) is (max_grad_norm > 0)  # logged where clipping is on
+        for key in a.keys() & {"loss", "grad_norm"}:
+            assert a[key] == pytest.approx(b[key], rel=2e-3, abs=1e-6), (a["step"], key)
+    if max_grad_norm:
+        assert all(r["grad_norm"] > max_grad_norm for r in one)  # every step clipped
+    weights = {name: load_file(tmp_path / name / "model.safetensors") for name in ("one", "one-at-1", run)}
+
+    def distance(a: str, b: str) -> float:
+        return max(float((weights[a][k] - weights[b][k]).norm() / weights[a][k].norm()) for k in weights[a])
+
+    assert distance("one", run) < 1e-5  # measured: 2e-7
+    # measured: 8e-4 against 1.0 for 0.3, 8e-3 for 0 (off)
+    assert distance("one-at-1", run) > 1e-4, "the clipping at --max-grad-norm made no difference: not tested"
+
+
+@pytest.mark.slow
+def test_zero3_both_stages_equal_one_process_and_resume(tmp_path, tiny_model_dir, data, cache):
+    """The training run clips at --max-grad-norm 0.3 (its losses weighted x10: `CLIPPED`), so that it also shows
+    that DeepSpeed clips inside its own step at the value asked (`check_clipping`): one launch fewer than a run of
+    its own for that."""
+    from safetensors.torch import load_file
+
+    one_cache = cache
     pre = cli_args(model=tiny_model_dir, dataset=data, output=tmp_path / "c3", **PRECOMPUTE)
     output = accelerate_launch("deepspeed_zero3", "precompute", *pre, log_dir=tmp_path / "logs-pre")
     loaded_partitioned(output)
@@ -82,8 +117,10 @@ def test_zero3_both_stages_equal_one_process_and_resume(tmp_path, tiny_model_dir
         np.testing.assert_allclose(a["ref_token_logps"], b["ref_token_logps"], atol=1e-5)
         np.testing.assert_allclose(a["ref_kl_token_logps"], b["ref_kl_token_logps"], atol=1e-5)
 
-    train(train_config(one_cache, tmp_path / "one", per_device_train_batch_size=8, **TRAIN))
-    args = cli_args(cache=one_cache, per_device_train_batch_size=4, no_bf16=True, **TRAIN)
+    settings = dict(TRAIN, **CLIPPED)
+    for name, norm in (("one", 0.3), ("one-at-1", 1.0)):
+        train(train_config(one_cache, tmp_path / name, per_device_train_batch_size=8, max_grad_norm=norm, **settings))
+    args = cli_args(cache=one_cache, per_device_train_batch_size=4, no_bf16=True, max_grad_norm=0.3, **settings)
     output = accelerate_launch(
         "deepspeed_zero3", "train", *args, "--output-dir", str(tmp_path / "z3"), log_dir=tmp_path / "l"
     )
@@ -102,6 +139,7 @@ def test_zero3_both_stages_equal_one_process_and_resume(tmp_path, tiny_model_dir
     assert state["distributed"] == {"engine": "deepspeed-zero3", "world_size": 2}
     check_peak_memory(state["peak_memory"])
     assert not (tmp_path / "z3" / "checkpoint-2" / "model.safetensors").exists()  # weights once: DeepSpeed's
+    check_clipping(tmp_path, "z3", 0.3)
 
     resumed = tmp_path / "z3-resumed"
     shutil.copytree(tmp_path / "z3", resumed)
@@ -164,54 +202,26 @@ def test_the_scorers_outputs_are_seen_by_zero3_hooks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "config, max_grad_norm",
-    [("deepspeed_zero3", 0.3), ("deepspeed_zero2", 0.0)],  # both stages share the setting; a value, and off
-    ids=["zero3-0.3", "zero2-off"],
-)
-def test_max_grad_norm_reaches_deepspeeds_clipping(tmp_path, tiny_model_dir, data, config, max_grad_norm):
-    """DeepSpeed clips inside its own step, at --max-grad-norm (0: not at all): the weights are one process's with
-    the same --max-grad-norm, and not one process's at 1.0 (accelerate's fill-in). The losses are weighted x10 so
-    that every step's gradient norm is well above 1.0 (AdamW's step is nearly scale-free: only the clipping of
-    one step against another's shows in the weights)."""
-    from safetensors.torch import load_file
-
-    cache = precompute(
-        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c"), **PRECOMPUTE)
+def test_max_grad_norm_0_reaches_deepspeeds_clipping(tmp_path, cache):
+    """DeepSpeed clips inside its own step, at --max-grad-norm, and not at all at 0: here 0, under ZeRO-2 (both
+    stages share the setting; a value, 0.3, under ZeRO-3: test_zero3_both_stages_equal_one_process_and_resume)."""
+    settings = dict(TRAIN, save_steps=0, **CLIPPED)
+    for name, norm in (("one", 0.0), ("one-at-1", 1.0)):
+        train(train_config(cache, tmp_path / name, per_device_train_batch_size=8, max_grad_norm=norm, **settings))
+    args = cli_args(cache=cache, per_device_train_batch_size=4, no_bf16=True, max_grad_norm=0.0, **settings)
+    accelerate_launch(
+        "deepspeed_zero2", "train", *args, "--output-dir", str(tmp_path / "ds"), log_dir=tmp_path / "logs"
     )
-    settings = dict(TRAIN, save_steps=0, desirable_weight=10.0, undesirable_weight=10.0)
-    for name, norm in (("one", max_grad_norm), ("one-at-1", 1.0)):
-        config_one = train_config(cache, tmp_path / name, per_device_train_batch_size=8, **settings)
-        train(dataclasses.replace(config_one, max_grad_norm=norm))
-    args = cli_args(cache=cache, per_device_train_batch_size=4, no_bf16=True, max_grad_norm=max_grad_norm, **settings)
-    accelerate_launch(config, "train", *args, "--output-dir", str(tmp_path / "ds"), log_dir=tmp_path / "logs")
-    one, ds = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "ds")
-    for a, b in zip(ds, one, strict=True):
-        assert a.keys() == b.keys() and ("grad_norm" in a) is (max_grad_norm > 0)  # logged where clipping is on
-        for key in a.keys() & {"loss", "grad_norm"}:
-            assert a[key] == pytest.approx(b[key], rel=2e-3, abs=1e-6), (a["step"], key)
-    if max_grad_norm:
-        assert all(r["grad_norm"] > max_grad_norm for r in one)  # every step clipped
-    weights = {run: load_file(tmp_path / run / "model.safetensors") for run in ("one", "one-at-1", "ds")}
-
-    def distance(a: str, b: str) -> float:
-        return max(float((weights[a][k] - weights[b][k]).norm() / weights[a][k].norm()) for k in weights[a])
-
-    assert distance("one", "ds") < 1e-5  # measured: 2e-7
-    # measured: 8e-4 against 1.0 for 0.3, 8e-3 for 0 (off)
-    assert distance("one-at-1", "ds") > 1e-4, "the clipping at --max-grad-norm made no difference: not tested"
+    check_clipping(tmp_path, "ds", 0.0)
 
 
 @pytest.mark.slow
-def test_zero3_lora_with_merge_equals_one_process(tmp_path, tiny_model_dir, data):
+def test_zero3_lora_with_merge_equals_one_process(tmp_path, cache):
     """LoRA adapters on a base loaded partitioned; --merge merges the saved adapter into a fresh base, built whole on
     the main process alone (outside zero.Init, whose partitioning would wait for the others) while they wait. (LoRA
     dropout off: its masks depend on how rows are spread over processes.)"""
     from safetensors.torch import load_file
 
-    cache = precompute(
-        PrecomputeConfig(model=str(tiny_model_dir), dataset=str(data), output=str(tmp_path / "c"), **PRECOMPUTE)
-    )
     config = dict(cache=str(cache), max_steps=3, logging_steps=1, learning_rate=1e-2, seed=3, lora_r=4)
     config.update(lora_dropout=0.0, merge=True, train_sampling_strategy="sequential")
     train(TrainConfig(output_dir=str(tmp_path / "one"), per_device_train_batch_size=8, **config))

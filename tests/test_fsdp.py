@@ -1,7 +1,8 @@
 """Both stages under FSDP2 (torch's fully_shard, 2 CPU processes on gloo via torchrun), on deliberately skewed
 shards, give the 1-process numbers, save sharded checkpoints, come back by themselves after a rank is SIGKILLed
 (torchrun --max-restarts, --autoresume), stop at a step boundary on SIGTERM, and refuse what they cannot do with a
-message that says what to change.
+message that says what to change. Some runs have their 2 processes on two machines (two torchrun launchers meeting
+at a c10d rendezvous, as on a cluster: tests/test_multinode.py), and equal the runs under one launcher.
 
 The skew (rows in blocks of 4; one block is one process's micro-batch and one precompute shard):
   - even blocks (process 0): long prompts, desirable only (one class on one process);
@@ -30,6 +31,7 @@ from helpers import (
     check_peak_memory,
     cli_args,
     launch,
+    launch_nodes,
     rank_logs,
     read_metrics,
     unpaired_rows,
@@ -38,6 +40,7 @@ from helpers import (
 
 from kto_pipeline import KTOPipelineError, PrecomputeConfig, TrainConfig, precompute, train
 from kto_pipeline.cache import open_cache
+from kto_pipeline.runtime.launch import SHARED_CHECK_FILE
 
 PRECOMPUTE_ARGS = ["--max-length", "64", "--shard-size", "4", "--max-tokens-per-batch", "64"]
 TRAIN = dict(
@@ -83,20 +86,30 @@ def _pre() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("one_reader", [True, False], ids=["main-reads", "every-process-reads"])
+@pytest.mark.parametrize("one_reader", [True, False], ids=["main-reads-on-two-machines", "every-process-reads"])
 def test_fsdp2_precompute_on_skewed_shards_equals_one_process(tmp_path, tiny_model_dir, skewed, one_reader):
+    """With the weights read by the main process only (configs/accelerate/fsdp.yaml's setting), the 2 processes run
+    on two machines, played by two torchrun launchers of one process each that meet at a c10d rendezvous, as `srun
+    torchrun` starts one launcher per node (tests/test_multinode.py); with every process reading them, under one
+    launcher of 2 processes (the pairs and --append tests below precompute under one launcher with the main process
+    reading). One launch each."""
     root, data, cache1, _ = skewed
     out = tmp_path / "cache2"
     args = ["precompute", "--model", str(tiny_model_dir), "--dataset", str(data), "--output", str(out)]
     env = {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": str(one_reader).lower()}
-    result = launch(2, *args, *PRECOMPUTE_ARGS, env=env, log_dir=tmp_path / "logs")
-    assert "sharded (FSDP2) over 2 processes" in result.stdout
-    assert ("the weights read by the main process only" in result.stdout) is one_reader
+    if one_reader:
+        launchers = launch_nodes(2, *args, *PRECOMPUTE_ARGS, env=env, log_dir=tmp_path / "logs")
+        stdout = "".join(r.stdout for r in launchers)
+        assert not (out / SHARED_CHECK_FILE).exists()
+    else:
+        stdout = launch(2, *args, *PRECOMPUTE_ARGS, env=env, log_dir=tmp_path / "logs").stdout
+    assert "sharded (FSDP2) over 2 processes" in stdout
+    assert ("the weights read by the main process only" in stdout) is one_reader
     two, one = open_cache(out, verify=True), open_cache(cache1, verify=True)
     assert two.manifest["distributed"] == {"engine": "fsdp2", "world_size": 2}
     assert two.manifest.fingerprint == one.manifest.fingerprint  # the same cache, reusable by either
     check_peak_memory(two.manifest["timing"]["peak_memory"])
-    assert "memory       peak private host memory: rank 0 " in result.stdout
+    assert "memory       peak private host memory: rank 0 " in stdout
     assert len(one.table) == 35
     assert_same_rows(two.table.to_pylist(), one.table.to_pylist())
 
@@ -125,6 +138,10 @@ def test_fsdp2_precompute_of_pairs_equals_one_process(tmp_path, tiny_model_dir, 
 
 @pytest.mark.slow
 def test_fsdp2_train_equals_one_process_and_survives_sigkill_and_sigterm(tmp_path, skewed):
+    """The uninterrupted run's 2 processes run on two machines, played by two torchrun launchers of one process each
+    meeting at a c10d rendezvous (tests/test_multinode.py), each machine writing its part of the sharded checkpoints
+    into the one directory; the interrupted runs under one launcher of 2 processes equal it bit for bit. (Four
+    launches in all: a fresh FSDP2 run under one launcher is the SIGTERMed run's start.)"""
     from transformers import AutoModelForCausalLM
 
     _, _, cache, eval_cache = skewed
@@ -132,9 +149,10 @@ def test_fsdp2_train_equals_one_process_and_survives_sigkill_and_sigterm(tmp_pat
     # one process, the same global batches: 8 training rows, 4 eval rows
     single = {**config, "per_device_train_batch_size": 8, "per_device_eval_batch_size": 4}
     train(TrainConfig(output_dir=str(tmp_path / "one"), **single))
-    # FSDP2, 2 processes x 4
+    # FSDP2, 2 machines x 1 process x 4
     args = ["train", *cli_args(**config)]
-    launch(2, *args, "--output-dir", str(tmp_path / "two"), env=FSDP_ENV, log_dir=tmp_path / "logs")
+    launch_nodes(2, *args, "--output-dir", str(tmp_path / "two"), env=FSDP_ENV, log_dir=tmp_path / "logs")
+    assert not (tmp_path / "two" / SHARED_CHECK_FILE).exists()
 
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     steps = [r for r in one if "loss" in r]

@@ -1,8 +1,9 @@
 """Both stages on two machines, played on this one by two torchrun launchers of one process each that meet at a c10d
-rendezvous (gloo, CPU), as `srun torchrun` starts one launcher per node: under DDP and under FSDP2 they give the
-1-process cache and training run of tests/test_distributed.py and tests/test_fsdp.py (their fixtures, settings and
-comparisons). A machine that does not see the output directory stops the run at once, every process with it, and
-names itself. The SLURM example starts its launchers this way."""
+rendezvous (gloo, CPU), as `srun torchrun` starts one launcher per node: under DDP they give the 1-process cache and
+training run of tests/test_distributed.py (its fixtures, settings and comparisons); under FSDP2, tests/test_fsdp.py
+runs its reference pass (the weights read by the main process only) and its uninterrupted training run this way. A
+machine that does not see the output directory stops the run at once, every process with it, and names itself. The
+SLURM example starts its launchers this way."""
 
 import os
 import socket
@@ -11,13 +12,10 @@ from pathlib import Path
 
 import pytest
 import test_distributed
-import test_fsdp
 from helpers import (
     REPLICATED_REL,
-    SHARDED_REL,
     assert_same_rows,
     assert_same_steps,
-    assert_same_weights,
     cli_args,
     launch_nodes,
     rank_logs,
@@ -25,12 +23,12 @@ from helpers import (
     train_config,
 )
 
-from kto_pipeline import TrainConfig, train
+from kto_pipeline import train
 from kto_pipeline.cache import open_cache
 from kto_pipeline.runtime.launch import SHARED_CHECK_FILE
 
-# the 1-process caches of the sibling tests, reused: data + cache_1proc (40 rows), skewed (35 rows, FSDP2's)
-data, cache_1proc, skewed = test_distributed.data, test_distributed.cache_1proc, test_fsdp.skewed
+# the 1-process cache of the sibling tests, reused: data + cache_1proc (40 rows)
+data, cache_1proc = test_distributed.data, test_distributed.cache_1proc
 
 
 @pytest.mark.slow
@@ -61,31 +59,6 @@ def test_ddp_on_two_machines_equals_one_process(tmp_path, tiny_model_dir, data, 
         "random_states_0.pkl",
         "random_states_1.pkl",
     ]
-    assert not (out / SHARED_CHECK_FILE).exists() and not (tmp_path / "two" / SHARED_CHECK_FILE).exists()
-
-
-@pytest.mark.slow
-def test_fsdp2_on_two_machines_equals_one_process(tmp_path, tiny_model_dir, skewed):
-    _, data, cache1, eval_cache = skewed
-    out, env = tmp_path / "cache", test_fsdp.FSDP_ENV
-    args = ["--model", str(tiny_model_dir), "--dataset", str(data), "--output", str(out), *test_fsdp.PRECOMPUTE_ARGS]
-    launch_nodes(2, "precompute", *args, env=env, log_dir=tmp_path / "logs-precompute")
-    two, one = open_cache(out, verify=True), open_cache(cache1, verify=True)
-    assert two.manifest["distributed"] == {"engine": "fsdp2", "world_size": 2}
-    assert two.manifest.fingerprint == one.manifest.fingerprint
-    assert_same_rows(two.table.to_pylist(), one.table.to_pylist())
-
-    # 2 machines x 4 rows = 1 x 8 (eval 2 x 2 = 1 x 4), on the 1-process cache as in test_fsdp
-    config = dict(cache=str(cache1), eval_cache=str(eval_cache), **test_fsdp.TRAIN)
-    args = ["train", *cli_args(output_dir=tmp_path / "two", **config)]
-    launch_nodes(2, *args, env=env, log_dir=tmp_path / "logs")
-    single = {**config, "per_device_train_batch_size": 8, "per_device_eval_batch_size": 4}
-    train(TrainConfig(output_dir=str(tmp_path / "one"), **single))
-    assert_same_steps(read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one"), SHARDED_REL)
-    assert_same_weights(tmp_path / "two" / "model.safetensors", tmp_path / "one" / "model.safetensors")
-    # each machine wrote its part of the sharded checkpoint into the one directory
-    sharded = tmp_path / "two" / "checkpoint-2" / "sharded"
-    assert sorted(p.name for p in sharded.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert not (out / SHARED_CHECK_FILE).exists() and not (tmp_path / "two" / SHARED_CHECK_FILE).exists()
 
 

@@ -71,10 +71,18 @@ def test_the_cache_records_its_regime_and_train_compares(tmp_path, caches, capsy
     assert not (tmp_path / "strict" / "metrics.jsonl").exists()  # refused before anything is written
 
 
+@pytest.fixture(scope="module")
+def one_process_bf16(tmp_path_factory, caches):
+    """Step 1 of one process x 8 rows under bf16, which both engines' runs are compared with (the tests only read
+    it)."""
+    out = tmp_path_factory.mktemp("precision-one") / "one"
+    train(train_config(caches["bf16"], out, max_steps=1, per_device_train_batch_size=8, bf16=True))
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-def test_step_one_under_bf16_is_one_process_for_every_engine(tmp_path, caches, engine):
-    train(train_config(caches["bf16"], tmp_path / "one", max_steps=1, per_device_train_batch_size=8, bf16=True))
+def test_step_one_under_bf16_is_one_process_for_every_engine(tmp_path, caches, one_process_bf16, engine):
     out = tmp_path / engine
     args = ["train", "--cache", str(caches["bf16"]), "--output-dir", str(out), "--bf16", "--max-steps", "1"]
     args += ["--per-device-train-batch-size", "4", "--learning-rate", "1e-3", "--seed", "0"]
@@ -82,7 +90,7 @@ def test_step_one_under_bf16_is_one_process_for_every_engine(tmp_path, caches, e
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["distributed"]["engine"] == engine
     assert state["precision"] == "float32 weights under bfloat16 autocast"
-    record, one = step_one(out), step_one(tmp_path / "one")
+    record, one = step_one(out), step_one(one_process_bf16)
     assert_zero_rewards(record)
     for key in ("kl", "loss", "logps/chosen"):
         assert record[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
