@@ -9,6 +9,7 @@ completion and its KL completion after its prompt, a pair loss's training lays a
 shows; tests/test_real_model.py checks the same on SmolLM2 in bf16."""
 
 import dataclasses
+import json
 
 import pytest
 from helpers import paired_conversational_rows, read_metrics, train_config, write_jsonl
@@ -58,14 +59,19 @@ def test_step_one_is_exactly_the_reference(tmp_path, caches, cache, loss_type):
 
 
 def test_step_one_is_exactly_the_reference_with_both_stages_compiled_in_bf16(tmp_path, scaled_model_dir):
-    """`--torch-compile` in both stages, bf16 autocast, attention by tree: KTO and a pair loss on one cache. Small
-    forwards (attention by tree unrolls a forward's trees into the compiled layer's graph: compile time grows
-    with them)."""
-    data = write_jsonl(tmp_path / "pairs.jsonl", paired_conversational_rows(6))
+    """`--torch-compile` in both stages, bf16 autocast, attention by tree: KTO and a pair loss on one cache. Attention
+    by tree unrolls a forward's trees into the compiled layer's graph, and every distinct graph costs its kernels'
+    compiling, so the cache holds what step 1 reads and no more: two pairs (KTO's batch of 4 rows, the pair loss's
+    batch of 2 pairs), one with the longer chosen answer and one with the longer rejected (which answer comes first
+    changes the layout), scored in one reference forward (one graph, where several forwards compile a static graph
+    and then a dynamic one)."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", paired_conversational_rows(6)[3::2])
     config = PrecomputeConfig(
         model=str(scaled_model_dir), dataset=str(data), output=str(tmp_path / "cache"), max_length=512
     )
-    cache = precompute(dataclasses.replace(config, bf16=True, torch_compile=True, batch_size=4))
+    one_forward = dict(batch_size=8, max_tokens_per_batch=2048)  # (4 rows: 8 sequences, about 1,300 tokens)
+    cache = precompute(dataclasses.replace(config, bf16=True, torch_compile=True, **one_forward))
+    assert json.loads((cache / "manifest.json").read_text())["timing"]["forwards"] == 1
     for loss_type, batch in (("kto", 4), ("sigmoid", 2)):
         settings = dict(loss_type=loss_type, per_device_train_batch_size=batch, max_steps=1, learning_rate=1e-6)
         train(train_config(cache, tmp_path / loss_type, bf16=True, torch_compile=True, **settings))
