@@ -1,6 +1,8 @@
-"""`python tests/count_collectives.py OUT_DIR ARGS`: the kto-pipeline command line (ARGS) with every c10d collective
-this process issues counted, written to OUT_DIR/rank-R.json as {op: count}. A dispatch mode sees each c10d op, the
-ones DDP's reducer and FSDP2's backward hooks issue from C++ included. Launched by torchrun (tests/helpers.launch)."""
+"""`python tests/count_collectives.py SPEC.json ARGS`: each kto-pipeline command line of SPEC.json ({"counts": DIR,
+"runs": {NAME: [ARGS]}}) in turn in this process, with ARGS (the launch's --ddp-timeout) added, every c10d
+collective it issues counted into DIR/NAME/rank-R.json as {op: count}; then the process group closed as the command
+line closes it. A dispatch mode sees each c10d op, the ones DDP's reducer and FSDP2's backward hooks issue from C++
+included. Launched by torchrun (tests/helpers.launch)."""
 
 import json
 import os
@@ -23,13 +25,17 @@ class CountCollectives(TorchDispatchMode):
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv.pop(1))
-    from kto_pipeline.cli import main
+    from kto_pipeline.cli import _close_process_group, app, trl_spellings
 
-    mode = CountCollectives()
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    finished = False
     try:
-        with mode:
-            main()
+        for name, args in spec["runs"].items():
+            with CountCollectives() as mode:
+                app(args=trl_spellings([*args, *sys.argv[2:]]), prog_name="kto-pipeline", standalone_mode=False)
+            out = Path(spec["counts"]) / name
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"rank-{os.environ['RANK']}.json").write_text(json.dumps(mode.counts))
+        finished = True
     finally:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(mode.counts))
+        _close_process_group(finished)

@@ -21,51 +21,22 @@ ENGINES = {"ddp": ({}, "allreduce_"), "fsdp2": (FSDP_ENV, "_reduce_scatter_base_
 STEPS = 2
 RUN = dict(max_steps=STEPS, logging_steps=1, learning_rate=1e-3, seed=3, train_sampling_strategy="sequential")
 
-# Several training runs in one launch, one after the other in the same processes and process group, as a sweep
-# through the Python API runs them: a launch costs each process its start (importing torch, transformers and
+# Several training runs in one launch (COUNTER), one after the other in the same processes and process group, as a
+# sweep through the Python API runs them: a launch costs each process its start (importing torch, transformers and
 # accelerate) and the group's setup, several times the CPU time of one of these 2-step runs. Each run's collectives
 # are counted apart.
-SEVERAL_RUNS = """\
-\"\"\"`python RUNS.py SPEC.json ARGS`: each command line of SPEC.json ({"counts": DIR, "runs": {NAME: [ARGS]}}) in
-turn in this process, with ARGS (the launch's --ddp-timeout) added, its c10d collectives counted
-(count_collectives.py) into DIR/NAME/rank-R.json; then the process group closed as the command line closes it.\"\"\"
-
-import json
-import os
-import sys
-from pathlib import Path
-
-sys.path.insert(0, TESTS)
-from count_collectives import CountCollectives
-
-from kto_pipeline.cli import _close_process_group, app, trl_spellings
-
-spec = json.loads(Path(sys.argv[1]).read_text())
-finished = False
-try:
-    for name, args in spec["runs"].items():
-        with CountCollectives() as mode:
-            app(args=trl_spellings([*args, *sys.argv[2:]]), prog_name="kto-pipeline", standalone_mode=False)
-        out = Path(spec["counts"]) / name
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank-{os.environ['RANK']}.json").write_text(json.dumps(mode.counts))
-    finished = True
-finally:
-    _close_process_group(finished)
-"""
 
 
 def _counted_runs(tmp_path: Path, cache, env: dict, runs: dict[str, dict]) -> dict[str, dict[str, int]]:
     """The training runs `runs` ({name: options}), 2 micro-batch rows a process, in one launch of 2 processes
-    (SEVERAL_RUNS, in the order given), each into TMP/NAME: {name: its collectives, the same on both processes}."""
-    script, spec = tmp_path / "runs.py", tmp_path / "runs.json"
-    script.write_text(SEVERAL_RUNS.replace("TESTS", repr(str(COUNTER.parent))))
+    (COUNTER, in the order given), each into TMP/NAME: {name: its collectives, the same on both processes}."""
+    spec = tmp_path / "runs.json"
     commands = {
         name: ["train", *cli_args(cache=cache, output_dir=tmp_path / name, per_device_train_batch_size=2, **options)]
         for name, options in runs.items()
     }
     spec.write_text(json.dumps({"counts": str(tmp_path / "counts"), "runs": commands}))
-    launch(2, str(spec), env=env, log_dir=tmp_path / "logs", script=script)
+    launch(2, str(spec), env=env, log_dir=tmp_path / "logs", script=COUNTER)
     counted = {}
     for name in runs:
         per_rank = [json.loads(p.read_text()) for p in sorted((tmp_path / "counts" / name).glob("rank-*.json"))]
