@@ -15,7 +15,7 @@ from helpers import cpu_attention
 from kto_pipeline.scoring import attention
 from kto_pipeline.scoring import by_tree as by_tree_kernel
 from kto_pipeline.scoring.attention import attention_costs, checkpointing_kwargs, choose_kernel, enable_checkpointing
-from kto_pipeline.scoring.logprobs import score_layout, score_policy, score_sequences
+from kto_pipeline.scoring.logprobs import pad_sequences, score_layout, score_policy, score_sequences
 from kto_pipeline.scoring.packable import packing_unsupported
 from kto_pipeline.scoring.packing import MAX_ROW_TOKENS, AttentionCosts, last_continuations, layout_trees, pack_rows
 
@@ -423,6 +423,36 @@ def test_a_sequence_scores_alike_in_every_layout(dtype):
                 assert torch.equal(a, b), (a - b).abs().max()
             else:
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_a_padded_sequence_attends_alone_by_tree_whatever_it_is_padded_to(kind, dtype):
+    """The padded path (a model that takes no packed layout: a sequence a row, right-padded) under the by-tree
+    kernel: each row attends over its own tokens alone (`attention.padded_inputs`), so that a sequence's log-probs
+    are the same, bit for bit, alone and padded beside longer rows, as the two stages pad it to other widths. The
+    model's own attention over the row's width need not give that on a CPU (an Intel Xeon with AMX: 9.5e-7 in
+    float32, 8.9e-3 under bf16 autocast, which moved a conv hybrid's step-1 rewards off 0), and by tree the values
+    are still the model's own (mistral: a sliding window shorter than the rows, each row's windowed mask)."""
+    model = make_model(kind)
+    with torch.no_grad():
+        for p in model.parameters():  # scaled up so that precision shows (a random tiny model is nearly uniform)
+            p.mul_(4.0 if p.ndim == 2 else 1.0)
+    sequences = [(prompt + continuations[0], len(prompt)) for prompt, continuations in random_trees(6, seed=5)]
+    longest = max(len(s) for s, _ in sequences)
+    filler = ([7, 11, 13] * longest)[: longest + 17]  # a longer row: every sequence padded past its length
+
+    def scored(batch, kernel):
+        seqs, prompts = [s for s, _ in batch], [n for _, n in batch]
+        return score_sequences(model, *pad_sequences(seqs, prompts, 5), kernel=kernel).per_sequence()[: len(batch)]
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), torch.no_grad():
+        alone = [scored([s], "by-tree")[0] for s in sequences]
+        padded = scored([*sequences, (filler, 1)], "by-tree")[: len(sequences)]
+        own = [scored([s], None)[0] for s in sequences]  # the model's attention, no padding
+    for a, b, c in zip(alone, padded, own, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+        torch.testing.assert_close(a.float(), c.float(), atol=1e-5, rtol=1e-5)
 
 
 def test_gradient_checkpointing_recomputes_with_the_forwards_attention(monkeypatch):

@@ -41,7 +41,7 @@ from kto_pipeline.scoring import by_tree
 from kto_pipeline.scoring.block_mask import BLOCK_MASK_ATTENTION, BLOCK_SIZE, KEY_TILE
 from kto_pipeline.scoring.by_tree import TREE_ATTENTION, TREE_ATTENTION_EAGER
 from kto_pipeline.scoring.head import CHUNK_LOGITS_BYTES
-from kto_pipeline.scoring.packing import BRANCH_PROMPT, AttentionCosts, Layout
+from kto_pipeline.scoring.packing import BRANCH_PAD, BRANCH_PROMPT, AttentionCosts, Layout
 
 
 def choose_kernel(model, asked: str, device) -> tuple[str, str | None]:
@@ -345,6 +345,32 @@ def attention_inputs(model, layout: Layout, queries: torch.Tensor, keys: torch.T
         mask = {kind: masks[reach] for kind, reach in reaches.items()}
         blocks = {kind: runs[reach] for kind, reach in reaches.items()} if runs else None
     return mask, ({"tree_blocks": blocks} if kernel == "by-tree" else {})
+
+
+def padded_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, kernel: str | None) -> dict:
+    """The extra keyword arguments of a padded forward (right-padded rows, a sequence each) for `kernel`: by tree,
+    each row's runs (`by_tree.tree_blocks`), so that a sequence attends over its own tokens alone, as it does packed.
+    Under any other kernel, none: the model's own attention over the row's width, whose result on a CPU depends on
+    the width (a vectorized sum over the keys groups them by that width): both stages pad a sequence to other
+    widths, so a policy equal to its reference would not score exactly its cached values."""
+    if kernel != "by-tree":
+        return {}
+    real = attention_mask.bool()
+    rows, width = real.shape
+    grid = torch.arange(rows * width, device=real.device).reshape(rows, width)
+    layout = Layout(
+        input_ids=input_ids,
+        position_ids=(real.cumsum(1) - 1).clamp_(min=0),
+        tree=torch.where(real, grid // width, -1),
+        branch=torch.where(real, BRANCH_PROMPT, BRANCH_PAD),
+        target=grid.new_zeros(0),
+        predictor=grid.new_zeros(0),
+        sequence=grid.new_zeros(0),
+        num_trees=rows,
+        branches=1,
+        split=width,
+    )
+    return attention_inputs(model, layout, grid, grid, kernel)[1]
 
 
 def block_mask_unsupported(model, device) -> str | None:

@@ -23,7 +23,7 @@ import torch
 
 from kto_pipeline.models import backbone_of, checkpointing, keeps_keys_values, scorable
 from kto_pipeline.runtime.prefetch import ahead
-from kto_pipeline.scoring.attention import attending_with, attention_inputs
+from kto_pipeline.scoring.attention import attending_with, attention_inputs, padded_inputs
 from kto_pipeline.scoring.head import DEFAULT_CHUNK_SIZE, head_logps
 from kto_pipeline.scoring.image_features import join_images, token_inputs
 from kto_pipeline.scoring.keys_values import close_keys_values, keys_values_cache
@@ -95,17 +95,22 @@ def score_sequences(
     with_stats: bool = True,
     output_router_logits: bool = False,
     images: dict[str, torch.Tensor] | None = None,
+    kernel: str | None = None,
 ) -> Scores:
     """Score the completion tokens of a padded batch, one sequence per row: the padded path, for models
     that cannot run packed layouts (see `packable.packing_unsupported`) and as the tests' reference.
 
     `with_stats=False` skips the metric-only mean logits and entropy (left as zeros).
     `output_router_logits=True` (mixture-of-experts models) also returns the load-balancing loss.
-    `images` (a vision-language model): the rows' image tensors, in row order."""
+    `images` (a vision-language model): the rows' image tensors, in row order.
+    `kernel` (the run's plan): "by-tree" attends each row over its own tokens alone, so that a sequence computes
+    alike whatever it is padded to (`attention.padded_inputs`); else (None) the model's own attention."""
     model = scorable(model)
     extra = {"output_router_logits": True} if output_router_logits else {}
+    extra |= padded_inputs(model, input_ids, attention_mask, kernel)
     tokens = token_inputs(model, input_ids, images)
-    outputs = backbone_of(model)(**tokens, attention_mask=attention_mask, use_cache=False, **extra)
+    with attending_with(model, kernel or "dense"):
+        outputs = backbone_of(model)(**tokens, attention_mask=attention_mask, use_cache=False, **extra)
     hidden = outputs.last_hidden_state[:, :-1]  # (B, T-1, H): position t predicts token t+1
     mask = completion_mask[:, 1:].bool()
     logps, mean_logits, entropy = head_logps(model, hidden[mask], input_ids[:, 1:][mask], chunk_size, with_stats)
@@ -325,7 +330,7 @@ class ReferenceScorer(torch.nn.Module):
         its prompts' `images`, in order)."""
         if layout is not None:
             return score_layout(self.model, layout, self.attention, with_stats=False, images=images)
-        return score_sequences(self.model, *padded, with_stats=False, images=images)
+        return score_sequences(self.model, *padded, with_stats=False, images=images, kernel=self.attention.kernel)
 
 
 @torch.inference_mode()

@@ -78,6 +78,7 @@ class PolicyScorer(torch.nn.Module):
             with_stats=with_stats,
             output_router_logits=output_router_logits,
             images=images,
+            kernel=self.attention.kernel,
         )
         kl, executed = None, batch["input_ids"].numel()
         if with_kl and "kl_input_ids" in batch:
@@ -89,6 +90,7 @@ class PolicyScorer(torch.nn.Module):
                     batch["kl_completion_mask"],
                     with_stats=False,
                     images=images,
+                    kernel=self.attention.kernel,
                 )
             executed += batch["kl_input_ids"].numel()
         return PolicyScores(completions, kl, executed, kl_on_cached_prompt=False)
