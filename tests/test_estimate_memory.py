@@ -154,6 +154,18 @@ def test_bad_flags(monkeypatch, capsys, tiny_config_dir):
     assert code == 1 and "--cpu-offload: needs --fsdp-world-size > 1" in err, err
 
 
+def test_a_model_that_trains_padded_is_refused_by_name(monkeypatch, capsys, tmp_path):
+    """A model that takes no packed layout (a conv hybrid: train pads its batches, a sequence a row) is refused with
+    the reason, not simulated as packed batches (which it would not run) nor failed with a traceback."""
+    from transformers import Lfm2Config
+
+    config = dict(TINY, layer_types=["conv", "full_attention"], num_hidden_layers=2)
+    Lfm2Config(**config).save_pretrained(tmp_path)
+    code, _, err = estimate(monkeypatch, capsys, "--model", str(tmp_path), "--max-length", "64")
+    assert code == 1 and "Traceback" not in err, err
+    assert "Lfm2ForCausalLM trains padded" in err and "(Lfm2ShortConv)" in err, err
+
+
 def test_simulation_matches_a_real_cpu_step():
     """A real float32 step of a 2-layer Llama on this CPU (fresh process, VmHWM) vs its simulation on fake tensors:
     what the step adds (gradients, activations, temporaries) within 10%."""

@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any
 
+from kto_pipeline.errors import KTOPipelineError
 from kto_pipeline.memory.simulation import (
     StepMemory,
     StepSettings,
@@ -76,6 +77,7 @@ def _run_ours(
     from kto_pipeline.config import TrainConfig
     from kto_pipeline.objectives import objective_for
     from kto_pipeline.runtime.precision import policy_regime
+    from kto_pipeline.scoring.packable import packing_unsupported
     from kto_pipeline.stages.train.step import PolicyScorer, forward, update
 
     mode = fake_mode() if fake else None
@@ -92,6 +94,11 @@ def _run_ours(
     objective = objective_for(loss_type)
     sharded = settings.fsdp_world_size > 1
     model = build_model(model_config, settings, mode)
+    if (why := packing_unsupported(model)) is not None:  # (train would pad its batches: not simulated here)
+        raise KTOPipelineError(
+            f"--model: {type(model).__name__} trains padded, a sequence a row ({why}); the memory simulation "
+            "runs packed batches only"
+        )
     costs = step_attention(model, settings.device_type)  # as the step would run on that device
     # as train.setup: the engine prepares the policy (sharded, the optimizer over the shards) and steps it
     engine = step_engine(settings)

@@ -104,12 +104,12 @@ def score_sequences(
     `output_router_logits=True` (mixture-of-experts models) also returns the load-balancing loss.
     `images` (a vision-language model): the rows' image tensors, in row order.
     `kernel` (the run's plan): "by-tree" attends each row over its own tokens alone, so that a sequence computes
-    alike whatever it is padded to (`attention.padded_inputs`); else (None) the model's own attention."""
+    alike whatever it is padded to (`attention.padded_inputs`); any other (or None): the model's own attention."""
     model = scorable(model)
     extra = {"output_router_logits": True} if output_router_logits else {}
     extra |= padded_inputs(model, input_ids, attention_mask, kernel)
     tokens = token_inputs(model, input_ids, images)
-    with attending_with(model, kernel or "dense"):
+    with attending_with(model, "by-tree" if "tree_blocks" in extra else "dense"):  # (else: the model's own)
         outputs = backbone_of(model)(**tokens, attention_mask=attention_mask, use_cache=False, **extra)
     hidden = outputs.last_hidden_state[:, :-1]  # (B, T-1, H): position t predicts token t+1
     mask = completion_mask[:, 1:].bool()
