@@ -350,9 +350,9 @@ def attention_inputs(model, layout: Layout, queries: torch.Tensor, keys: torch.T
 def padded_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, kernel: str | None) -> dict:
     """The extra keyword arguments of a padded forward (right-padded rows, a sequence each) for `kernel`: by tree,
     each row's runs (`by_tree.tree_blocks`), so that a sequence attends over its own tokens alone, as it does packed.
-    Under any other kernel, none: the model's own attention over the row's width, whose result on a CPU depends on
-    the width (a vectorized sum over the keys groups them by that width): both stages pad a sequence to other
-    widths, so a policy equal to its reference would not score exactly its cached values."""
+    Under any other kernel, none: the model's own attention over the row's width, whose result can depend on the
+    width (on an Intel Xeon with AMX: a sequence's log-probs 9.5e-7 apart in float32, docs/models.md); both stages
+    pad a sequence to other widths, so a policy equal to its reference would not score exactly its cached values."""
     if kernel != "by-tree":
         return {}
     real = attention_mask.bool()
