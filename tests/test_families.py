@@ -41,6 +41,24 @@ def own_forward_logps(model, prompt: list[int], completion: list[int]) -> list[f
     return logps.gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
 
 
+def assert_step_one_is_the_reference(cache, root, family: str, bf16: bool | None = None) -> None:
+    """Step 1 from `cache` (`bf16`: train's flag, None its default), KTO (batch of 4 rows) and a pair loss (2 pairs):
+    rewards exactly 0, and KTO's KL too."""
+    for loss_type, batch in (("kto", 4), ("sigmoid", 2)):
+        settings = dict(loss_type=loss_type, per_device_train_batch_size=batch, max_steps=1, learning_rate=1e-6)
+        train(train_config(cache, root / loss_type, bf16=bf16, **settings))
+        first = read_metrics(root / loss_type)[0]
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert first[key] == 0.0, (family, loss_type, key, first)
+        if loss_type == "kto" and family in PADDED_KL_ROUNDS:
+            # padded (mixed windows), the KL completions of training's batch are padded to another width than in the
+            # reference pass's, and this family's padded forward rounds with the width (a logit 4.8e-7 apart at 40
+            # columns against 30, measured): the KL's sums then differ in their last bits (docs/models.md)
+            assert abs(first["kl"]) <= 1e-5, (family, first)
+        elif loss_type == "kto":
+            assert first["kl"] == 0.0, (family, first)
+
+
 @pytest.mark.parametrize(("family", "overrides"), MATRIX, ids=[f + "-untuned" * bool(o) for f, o in MATRIX])
 def test_a_family_caches_each_sequences_own_log_probs_and_starts_exactly_at_the_reference(
     tmp_path, pairs_file, family, overrides
@@ -71,19 +89,7 @@ def test_a_family_caches_each_sequences_own_log_probs_and_starts_exactly_at_the_
         assert reference["prefix_shared"] is packed, reference  # (the packing check found no leak)
         if family in STATEFUL_FAMILIES:
             assert "carry state along the sequence" in reference["unshared_because"], reference
-    for loss_type, batch in (("kto", 4), ("sigmoid", 2)):
-        settings = dict(loss_type=loss_type, per_device_train_batch_size=batch, max_steps=1, learning_rate=1e-6)
-        train(train_config(caches["by-tree"], tmp_path / loss_type, **settings))
-        first = read_metrics(tmp_path / loss_type)[0]
-        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
-            assert first[key] == 0.0, (family, loss_type, key, first)
-        if loss_type == "kto" and family in PADDED_KL_ROUNDS:
-            # padded (mixed windows), the KL completions of training's batch are padded to another width than in the
-            # reference pass's, and this family's padded forward rounds with the width (a logit 4.8e-7 apart at 40
-            # columns against 30, measured): the KL's sums then differ in their last bits (docs/models.md)
-            assert abs(first["kl"]) <= 1e-5, (family, first)
-        elif loss_type == "kto":
-            assert first["kl"] == 0.0, (family, first)
+    assert_step_one_is_the_reference(caches["by-tree"], tmp_path, family)
     assert family not in MOE_FAMILIES or sum("expert" in n for n, _ in model.named_modules()) > 0
 
 
@@ -98,14 +104,7 @@ def test_a_padded_family_starts_exactly_at_the_reference_in_bf16(tmp_path, pairs
     config = PrecomputeConfig(model=str(model_dir), dataset=str(pairs_file), output=str(tmp_path / "cache"), bf16=True)
     cache = precompute(config)
     assert json.loads((cache / "manifest.json").read_text())["reference_pass"]["prefix_shared"] is False
-    for loss_type, batch in (("kto", 4), ("sigmoid", 2)):
-        settings = dict(loss_type=loss_type, per_device_train_batch_size=batch, max_steps=1, learning_rate=1e-6)
-        train(train_config(cache, tmp_path / loss_type, bf16=True, **settings))
-        first = read_metrics(tmp_path / loss_type)[0]
-        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
-            assert first[key] == 0.0, (family, loss_type, key, first)
-        if loss_type == "kto":
-            assert first["kl"] == 0.0, (family, first)
+    assert_step_one_is_the_reference(cache, tmp_path, family, bf16=True)
 
 
 # a family of each kind: mixed windows with soft-capping (gemma2), sinks with experts and mixed windows (gpt_oss),
